@@ -1,0 +1,88 @@
+//! Pool identities and the per-thread pool stack.
+//!
+//! `symm_begin_pool(device, id)` pushes `(device, id)` on the calling thread's stack and routes
+//! that thread's allocations on `device` to the pool until the matching `symm_end_pool`. The
+//! stack nests; `end` must name the innermost pool open for that device.
+
+use crate::error::{Error, Result};
+use std::cell::RefCell;
+
+/// PyTorch's `MempoolId_t`: a pair of integers. (0, 0) is the default pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PoolId(pub u64, pub u64);
+
+pub const DEFAULT_POOL: PoolId = PoolId(0, 0);
+/// The communicator's own buffers (signal pads, staging scratch): never mixed with user blocks.
+pub const INTERNAL_POOL: PoolId = PoolId(u64::MAX, u64::MAX);
+
+thread_local! {
+    static STACK: RefCell<Vec<(i32, PoolId)>> = const { RefCell::new(Vec::new()) };
+}
+
+pub fn begin(device: i32, pool: PoolId) -> Result<()> {
+    if pool == INTERNAL_POOL {
+        return Err(Error::invalid(format!(
+            "pool id ({}, {}) is reserved for symmalloc's own buffers",
+            pool.0, pool.1
+        )));
+    }
+    STACK.with(|s| s.borrow_mut().push((device, pool)));
+    Ok(())
+}
+
+pub fn end(device: i32, pool: PoolId) -> Result<()> {
+    STACK.with(|s| {
+        let mut s = s.borrow_mut();
+        let top = s.iter().rposition(|&(d, _)| d == device);
+        match top {
+            Some(i) if s[i].1 == pool => {
+                s.remove(i);
+                Ok(())
+            }
+            Some(i) => Err(Error::invalid(format!(
+                "symm_end_pool(device {device}, pool ({}, {})): the innermost pool open on this \
+                 thread for device {device} is ({}, {}); pools must end in reverse order",
+                pool.0, pool.1, s[i].1 .0, s[i].1 .1
+            ))),
+            None => Err(Error::invalid(format!(
+                "symm_end_pool(device {device}, pool ({}, {})): no pool is open on this thread \
+                 for device {device}",
+                pool.0, pool.1
+            ))),
+        }
+    })
+}
+
+/// The pool the calling thread's allocations on `device` go to.
+pub fn current(device: i32) -> PoolId {
+    STACK.with(|s| {
+        s.borrow()
+            .iter()
+            .rev()
+            .find(|&&(d, _)| d == device)
+            .map_or(DEFAULT_POOL, |&(_, p)| p)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn pools_nest_per_device() {
+        let (a, b) = (PoolId(1, 2), PoolId(3, 4));
+        assert_eq!(current(0), DEFAULT_POOL);
+        begin(0, a).unwrap();
+        begin(1, b).unwrap();
+        begin(0, b).unwrap();
+        assert_eq!(current(0), b);
+        assert_eq!(current(1), b);
+        assert!(end(0, a).is_err(), "ending the outer pool first must fail");
+        end(0, b).unwrap();
+        assert_eq!(current(0), a);
+        end(0, a).unwrap();
+        end(1, b).unwrap();
+        assert!(end(1, b).is_err());
+        assert_eq!(current(0), DEFAULT_POOL);
+        assert!(begin(0, INTERNAL_POOL).is_err());
+    }
+}

@@ -1,0 +1,113 @@
+//! Address-range allocator for one heap: which offsets of the reserved range hold segments.
+//! First fit at the lowest offset, so placement depends only on the sequence of calls.
+//!
+//! Invariants (checked by `validate`): free ranges are disjoint, non-adjacent (merged), inside
+//! the heap and aligned to the granularity.
+
+use std::collections::BTreeMap;
+
+pub struct Ranges {
+    size: u64,
+    align: u64,
+    /// offset -> length of each free range.
+    free: BTreeMap<u64, u64>,
+}
+
+impl Ranges {
+    pub fn new(size: u64, align: u64) -> Self {
+        let size = size - size % align;
+        let mut free = BTreeMap::new();
+        if size > 0 {
+            free.insert(0, size);
+        }
+        Ranges { size, align, free }
+    }
+
+    /// Takes `len` bytes (a multiple of the alignment) at the lowest free offset that fits.
+    pub fn alloc(&mut self, len: u64) -> Option<u64> {
+        debug_assert!(len > 0 && len % self.align == 0);
+        let (&off, &flen) = self.free.iter().find(|(_, &l)| l >= len)?;
+        self.free.remove(&off);
+        if flen > len {
+            self.free.insert(off + len, flen - len);
+        }
+        Some(off)
+    }
+
+    /// Returns a range taken by `alloc`, merging it with free neighbours.
+    pub fn free(&mut self, mut off: u64, mut len: u64) {
+        if let Some((&p, &plen)) = self.free.range(..off).next_back() {
+            if p + plen == off {
+                self.free.remove(&p);
+                off = p;
+                len += plen;
+            }
+        }
+        if let Some(nlen) = self.free.remove(&(off + len)) {
+            len += nlen;
+        }
+        self.free.insert(off, len);
+    }
+
+    pub fn free_bytes(&self) -> u64 {
+        self.free.values().sum()
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn is_free(&self, off: u64, len: u64) -> bool {
+        self.free
+            .range(..=off)
+            .next_back()
+            .is_some_and(|(&p, &l)| p + l >= off + len)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        let mut end = None;
+        for (&off, &len) in &self.free {
+            if len == 0 || off % self.align != 0 || len % self.align != 0 {
+                return Err(format!(
+                    "free range {off:#x}+{len:#x} is empty or misaligned"
+                ));
+            }
+            if off + len > self.size {
+                return Err(format!("free range {off:#x}+{len:#x} runs past the heap"));
+            }
+            if let Some(e) = end {
+                if off <= e {
+                    return Err(format!(
+                        "free range at {off:#x} overlaps or touches one before"
+                    ));
+                }
+            }
+            end = Some(off + len);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_fit_and_merge() {
+        let mut r = Ranges::new(10 << 20, 2 << 20);
+        let a = r.alloc(2 << 20).unwrap();
+        let b = r.alloc(4 << 20).unwrap();
+        let c = r.alloc(2 << 20).unwrap();
+        assert_eq!((a, b, c), (0, 2 << 20, 6 << 20));
+        assert_eq!(r.alloc(4 << 20), None);
+        r.free(b, 4 << 20);
+        r.validate().unwrap();
+        assert_eq!(r.alloc(2 << 20), Some(2 << 20));
+        r.free(a, 2 << 20);
+        r.free(2 << 20, 2 << 20);
+        r.free(c, 2 << 20);
+        r.validate().unwrap();
+        assert_eq!(r.free_bytes(), 10 << 20);
+        assert_eq!(r.alloc(10 << 20), Some(0));
+    }
+}
