@@ -1,0 +1,125 @@
+//! Reading a job's shape from launcher variables (torchrun, Open MPI) for
+//! `symm_comm_init_from_env`. A pure function of a variable lookup, so tests need no real env.
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct JobEnv {
+    pub rank: i32,
+    pub world: i32,
+    pub device: i32,
+    pub job_key: String,
+}
+
+fn int(get: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<i32> {
+    let v = get(name)
+        .ok_or_else(|| Error::invalid(format!("environment variable {name} is not set")))?;
+    v.trim()
+        .parse()
+        .map_err(|_| Error::invalid(format!("{name}={v:?} is not an integer")))
+}
+
+pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<JobEnv> {
+    if get("LOCAL_RANK").is_some() {
+        let rank = int(get, "LOCAL_RANK")?;
+        let world = int(get, "LOCAL_WORLD_SIZE")?;
+        let job = match get("TORCHELASTIC_RUN_ID").filter(|v| !v.is_empty() && v != "none") {
+            Some(id) => format!("torchrun:{id}"),
+            None => {
+                let addr = get("MASTER_ADDR").ok_or_else(|| {
+                    Error::invalid(
+                        "environment variable MASTER_ADDR is not set (needed with MASTER_PORT \
+                         when TORCHELASTIC_RUN_ID is absent)",
+                    )
+                })?;
+                let port = get("MASTER_PORT")
+                    .ok_or_else(|| Error::invalid("environment variable MASTER_PORT is not set"))?;
+                format!("torchrun:{addr}:{port}")
+            }
+        };
+        return Ok(JobEnv {
+            rank,
+            world,
+            device: rank,
+            job_key: job,
+        });
+    }
+    if get("OMPI_COMM_WORLD_LOCAL_RANK").is_some() {
+        let rank = int(get, "OMPI_COMM_WORLD_LOCAL_RANK")?;
+        let world = int(get, "OMPI_COMM_WORLD_LOCAL_SIZE")?;
+        // Open MPI exports a job id in the process-management environment.
+        let job = get("OMPI_MCA_ess_base_jobid")
+            .or_else(|| get("PMIX_NAMESPACE"))
+            .or_else(|| get("OMPI_MCA_orte_hnp_uri"))
+            .ok_or_else(|| {
+                Error::invalid(
+                    "no Open MPI job id found (OMPI_MCA_ess_base_jobid or PMIX_NAMESPACE)",
+                )
+            })?;
+        return Ok(JobEnv {
+            rank,
+            world,
+            device: rank,
+            job_key: format!("mpi:{job}"),
+        });
+    }
+    Err(Error::invalid(
+        "environment variable LOCAL_RANK is not set (torchrun), nor OMPI_COMM_WORLD_LOCAL_RANK \
+         (mpirun); use symm_comm_init with an explicit unique id instead",
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    fn env(v: &[(&str, &str)]) -> Result<JobEnv> {
+        let m: HashMap<_, _> = v
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        from_env(&|k| m.get(k).cloned())
+    }
+    #[test]
+    fn torchrun_mpirun_and_missing() {
+        let j = env(&[
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("TORCHELASTIC_RUN_ID", "abc"),
+        ])
+        .unwrap();
+        assert_eq!(
+            j,
+            JobEnv {
+                rank: 1,
+                world: 2,
+                device: 1,
+                job_key: "torchrun:abc".into()
+            }
+        );
+        let j = env(&[
+            ("LOCAL_RANK", "0"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .unwrap();
+        assert_eq!(j.job_key, "torchrun:h:29500");
+        let e = env(&[("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")]).unwrap_err();
+        assert!(e.message.contains("MASTER_ADDR"), "{}", e.message);
+        let e = env(&[("LOCAL_RANK", "0")]).unwrap_err();
+        assert!(e.message.contains("LOCAL_WORLD_SIZE"), "{}", e.message);
+        let j = env(&[
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "3"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ("PMIX_NAMESPACE", "ns"),
+        ])
+        .unwrap();
+        assert_eq!((j.rank, j.world, j.device), (3, 4, 3));
+        assert!(env(&[]).unwrap_err().message.contains("LOCAL_RANK"));
+        assert!(env(&[("LOCAL_RANK", "x"), ("LOCAL_WORLD_SIZE", "2")])
+            .unwrap_err()
+            .message
+            .contains("not an integer"));
+    }
+}

@@ -1,0 +1,13 @@
+//! Single-node bootstrap: a full mesh of Unix stream sockets between the ranks of one job.
+//!
+//! Each rank listens on an abstract socket named from the job key and its rank; rank i connects
+//! to every rank j < i, then accepts every rank above it. Both ends check `SO_PEERCRED` (same
+//! uid); the connecting side proves it belongs to the job by presenting the unique id's random
+//! secret. Every wait is bounded by `SYMMALLOC_TIMEOUT_S` and its error names the rank.
+
+pub mod mesh;
+pub mod socket;
+pub mod unique_id;
+
+pub use mesh::Mesh;
+pub use unique_id::UniqueId;
