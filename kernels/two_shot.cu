@@ -1,0 +1,67 @@
+// Two-shot all-reduce: reduce-scatter then all-gather through peer stores. Rank r reduces
+// slice r of the items (reading every rank) and stores the result into every rank's output.
+// Each rank reads only its own slice, so it is race-free in place; the closing barrier makes
+// every peer's stores into this rank's output visible before the kernel ends. The element tail
+// after the last whole vector belongs to the last rank.
+#include "common.cuh"
+
+template <typename T, int OP, bool VEC>
+__device__ __forceinline__ void two_shot_body(const SymmArgs& a) {
+  using P = Pack<T, VEC>;
+  __shared__ uint32_t epoch;
+  uint32_t* counters = (uint32_t*)a.counters;
+  if (threadIdx.x == 0) epoch = counters[blockIdx.x];
+  __syncthreads();
+  uint32_t e = epoch;
+  bool ok = block_barrier(a, ++e);
+  const uint64_t items = a.count / P::N;
+  const uint64_t slice = (items + a.world - 1) / a.world;
+  const uint64_t begin = min(items, slice * a.rank);
+  const uint64_t end = min(items, begin + slice);
+  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  if (ok) {
+    for (uint64_t i = begin + (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < end; i += stride) {
+      float acc[P::N];
+      reduce_item<T, OP, VEC>(a, i, acc);
+      const typename P::Storage s = pack<T, VEC>(acc);
+#pragma unroll
+      for (int r = 0; r < SYMM_MAX_RANKS; ++r)
+        if (r < a.world) ((typename P::Storage*)a.out[r])[i] = s;
+    }
+    if (VEC && a.rank == a.world - 1 && blockIdx.x == 0) {
+      const uint64_t i = items * P::N + threadIdx.x;
+      if (i < a.count) {
+        float acc[1];
+        reduce_item<T, OP, false>(a, i, acc);
+        const T s = from_f32<T>(acc[0]);
+#pragma unroll
+        for (int r = 0; r < SYMM_MAX_RANKS; ++r)
+          if (r < a.world) ((T*)a.out[r])[i] = s;
+      }
+    }
+    ok = block_barrier(a, ++e);
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = e;
+}
+
+#define SYMM_TWO_SHOT(NAME, T, OP, VEC) \
+  extern "C" __global__ void __launch_bounds__(SYMM_THREADS) NAME(SymmArgs a) { two_shot_body<T, OP, VEC>(a); }
+
+SYMM_TWO_SHOT(symm_two_shot_bf16_sum_vec, __nv_bfloat16, OP_SUM, true)
+SYMM_TWO_SHOT(symm_two_shot_bf16_max_vec, __nv_bfloat16, OP_MAX, true)
+SYMM_TWO_SHOT(symm_two_shot_bf16_min_vec, __nv_bfloat16, OP_MIN, true)
+SYMM_TWO_SHOT(symm_two_shot_fp16_sum_vec, __half, OP_SUM, true)
+SYMM_TWO_SHOT(symm_two_shot_fp16_max_vec, __half, OP_MAX, true)
+SYMM_TWO_SHOT(symm_two_shot_fp16_min_vec, __half, OP_MIN, true)
+SYMM_TWO_SHOT(symm_two_shot_fp32_sum_vec, float, OP_SUM, true)
+SYMM_TWO_SHOT(symm_two_shot_fp32_max_vec, float, OP_MAX, true)
+SYMM_TWO_SHOT(symm_two_shot_fp32_min_vec, float, OP_MIN, true)
+SYMM_TWO_SHOT(symm_two_shot_bf16_sum_scalar, __nv_bfloat16, OP_SUM, false)
+SYMM_TWO_SHOT(symm_two_shot_bf16_max_scalar, __nv_bfloat16, OP_MAX, false)
+SYMM_TWO_SHOT(symm_two_shot_bf16_min_scalar, __nv_bfloat16, OP_MIN, false)
+SYMM_TWO_SHOT(symm_two_shot_fp16_sum_scalar, __half, OP_SUM, false)
+SYMM_TWO_SHOT(symm_two_shot_fp16_max_scalar, __half, OP_MAX, false)
+SYMM_TWO_SHOT(symm_two_shot_fp16_min_scalar, __half, OP_MIN, false)
+SYMM_TWO_SHOT(symm_two_shot_fp32_sum_scalar, float, OP_SUM, false)
+SYMM_TWO_SHOT(symm_two_shot_fp32_max_scalar, float, OP_MAX, false)
+SYMM_TWO_SHOT(symm_two_shot_fp32_min_scalar, float, OP_MIN, false)

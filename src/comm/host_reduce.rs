@@ -1,0 +1,139 @@
+//! The host backend's all-reduce: the same semantics as the kernels (fixed rank order, fp32
+//! accumulation, one-shot and two-shot data movement, barriers through the shared signal pad
+//! with acquire/release and a timeout), run by the CPU over the peer windows. Slot 0 of the pad
+//! is used (the host has one "block").
+
+use super::algo::{Algo, DType, ReduceOp};
+use super::convert::*;
+use super::kernel_args::slot;
+use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+pub struct HostCall<'a> {
+    pub rank: usize,
+    pub world: usize,
+    pub pads: &'a [u64],
+    pub inputs: &'a [u64],
+    pub outputs: &'a [u64],
+    pub count: usize,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub algo: Algo,
+    pub in_place: bool,
+    pub desc: u64,
+    pub timeout: Duration,
+}
+
+fn flag(addr: u64) -> &'static AtomicU32 {
+    // SAFETY: addr is a 16-byte-aligned slot of a signal pad mapped shared for the
+    // communicator's life; atomics are the only access to it.
+    unsafe { &*(addr as *const AtomicU32) }
+}
+
+fn desc_word(addr: u64) -> &'static AtomicU64 {
+    // SAFETY: as flag(); the descriptor is the slot's second 8 bytes.
+    unsafe { &*((addr + 8) as *const AtomicU64) }
+}
+
+/// Meets every peer at `epoch`; checks that each peer's call descriptor equals ours.
+pub fn barrier(c: &HostCall<'_>, epoch: u32) -> Result<()> {
+    for p in (0..c.world).filter(|&p| p != c.rank) {
+        let remote = slot(c.pads[p], 0, c.rank);
+        desc_word(remote).store(c.desc, Ordering::Relaxed);
+        flag(remote).store(epoch, Ordering::Release);
+    }
+    let start = Instant::now();
+    for p in (0..c.world).filter(|&p| p != c.rank) {
+        let mine = slot(c.pads[c.rank], 0, p);
+        let mut spins = 0u32;
+        while (flag(mine).load(Ordering::Acquire).wrapping_sub(epoch) as i32) < 0 {
+            spins += 1;
+            if spins % 256 == 0 {
+                if start.elapsed() > c.timeout {
+                    return Err(Error::timeout(format!(
+                        "rank {p} did not reach the all-reduce barrier within {:.1} s \
+                         (it may have exited, been killed, or called a different collective)",
+                        c.timeout.as_secs_f64()
+                    )));
+                }
+                std::thread::yield_now();
+            }
+        }
+        if desc_word(mine).load(Ordering::Relaxed) != c.desc {
+            return Err(Error::not_symmetric(format!(
+                "rank {p} called this collective with other buffer offsets, count, type or \
+                 algorithm than rank {}",
+                c.rank
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn load(dtype: DType, base: u64, i: usize) -> f32 {
+    // SAFETY: base..base+count*size is a mapped buffer of the collective (checked by the
+    // caller); volatile because peers write it concurrently in other phases.
+    unsafe {
+        match dtype {
+            DType::Bf16 => bf16_to_f32(std::ptr::read_volatile((base as *const u16).add(i))),
+            DType::Fp16 => f16_to_f32(std::ptr::read_volatile((base as *const u16).add(i))),
+            DType::Fp32 => std::ptr::read_volatile((base as *const f32).add(i)),
+        }
+    }
+}
+
+fn store(dtype: DType, base: u64, i: usize, v: f32) {
+    // SAFETY: as load().
+    unsafe {
+        match dtype {
+            DType::Bf16 => std::ptr::write_volatile((base as *mut u16).add(i), f32_to_bf16(v)),
+            DType::Fp16 => std::ptr::write_volatile((base as *mut u16).add(i), f32_to_f16(v)),
+            DType::Fp32 => std::ptr::write_volatile((base as *mut f32).add(i), v),
+        }
+    }
+}
+
+fn reduce(c: &HostCall<'_>, i: usize) -> f32 {
+    let mut acc = load(c.dtype, c.inputs[0], i);
+    for r in 1..c.world {
+        let v = load(c.dtype, c.inputs[r], i);
+        acc = match c.op {
+            ReduceOp::Sum => acc + v,
+            ReduceOp::Max => acc.max(v),
+            ReduceOp::Min => acc.min(v),
+        };
+    }
+    acc
+}
+
+/// Runs one all-reduce; `epoch` is the communicator's host epoch counter.
+pub fn all_reduce(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
+    *epoch = epoch.wrapping_add(1);
+    barrier(c, *epoch)?;
+    match c.algo {
+        Algo::TwoShot => {
+            let slice = c.count.div_ceil(c.world);
+            let begin = (slice * c.rank).min(c.count);
+            let end = (begin + slice).min(c.count);
+            for i in begin..end {
+                let v = reduce(c, i);
+                for r in 0..c.world {
+                    store(c.dtype, c.outputs[r], i, v);
+                }
+            }
+        }
+        _ => {
+            let acc: Vec<f32> = (0..c.count).map(|i| reduce(c, i)).collect();
+            if c.in_place {
+                *epoch = epoch.wrapping_add(1);
+                barrier(c, *epoch)?;
+            }
+            for (i, v) in acc.into_iter().enumerate() {
+                store(c.dtype, c.outputs[c.rank], i, v);
+            }
+        }
+    }
+    *epoch = epoch.wrapping_add(1);
+    barrier(c, *epoch)
+}

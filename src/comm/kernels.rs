@@ -1,0 +1,34 @@
+//! The kernel-id table: every kernel the communicator can launch, by name. Kept in step with
+//! the `extern "C"` instantiations in kernels/*.cu (tests/kernel_table.rs checks both ways).
+
+use super::algo::{Algo, DType, ReduceOp};
+
+/// Name of the kernel for an algorithm (not AUTO), type, op and vector/scalar variant.
+pub fn kernel_name(algo: Algo, dtype: DType, op: ReduceOp, vec: bool) -> Option<String> {
+    let a = match algo {
+        Algo::OneShot => "one_shot",
+        Algo::TwoShot => "two_shot",
+        Algo::Multimem if op == ReduceOp::Sum && vec => "multimem",
+        _ => return None,
+    };
+    let v = if vec { "vec" } else { "scalar" };
+    Some(format!("symm_{a}_{}_{}_{v}", dtype.name(), op.name()))
+}
+
+/// Every collective kernel name the library may ask the module for.
+pub fn all_kernel_names() -> Vec<String> {
+    let mut out = Vec::new();
+    for algo in [Algo::OneShot, Algo::TwoShot, Algo::Multimem] {
+        for dtype in [DType::Bf16, DType::Fp16, DType::Fp32] {
+            for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+                for vec in [true, false] {
+                    out.extend(kernel_name(algo, dtype, op, vec));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Kernels that are not collectives.
+pub const SELFTEST_SAXPY: &str = "symm_selftest_saxpy";

@@ -1,0 +1,641 @@
+//! The communicator: one per (process, device) of a single-node job. Owns the bootstrap mesh,
+//! the peer windows, the signal pad (a symmetric internal block), the kernels' error word and
+//! the staging scratch; runs all-reduce and barrier.
+//!
+//! Invariants: every rank calls collectives in the same order with symmetric buffers; segments
+//! a collective touches are shared with the peers (exchanged once per segment generation)
+//! before any kernel reads them; an error word set by a kernel is reported by the next call
+//! (timeouts stay reported: the communicator is then broken and must be destroyed).
+
+pub mod algo;
+pub mod convert;
+pub mod host_reduce;
+pub mod kernel_args;
+pub mod kernels;
+pub mod multicast;
+pub mod windows;
+
+use crate::config;
+use crate::cuda;
+use crate::error::{Error, Result, Status};
+use crate::heap::{self, device_heap::SegmentInfo, pools::INTERNAL_POOL, Allocator};
+use crate::ipc::{Mesh, UniqueId};
+use algo::{Algo, DType, ReduceOp};
+use kernel_args::*;
+use std::collections::HashSet;
+use std::os::fd::AsFd;
+use std::sync::Mutex;
+use std::time::Duration;
+use windows::PeerWindows;
+
+/// Devices with a live communicator in this process.
+static DEVICES_IN_USE: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+
+enum ErrorWord {
+    Device(cuda::mem::MappedWord),
+    Host(Box<std::sync::atomic::AtomicU32>),
+}
+
+impl ErrorWord {
+    fn read(&self) -> u32 {
+        match self {
+            // SAFETY: host is a live pinned word; volatile because the GPU writes it.
+            ErrorWord::Device(w) => unsafe { std::ptr::read_volatile(w.host) },
+            ErrorWord::Host(a) => a.load(std::sync::atomic::Ordering::Acquire),
+        }
+    }
+    fn clear(&self) {
+        match self {
+            // SAFETY: as read().
+            ErrorWord::Device(w) => unsafe { std::ptr::write_volatile(w.host, 0) },
+            ErrorWord::Host(a) => a.store(0, std::sync::atomic::Ordering::Release),
+        }
+    }
+    fn device_ptr(&self) -> u64 {
+        match self {
+            ErrorWord::Device(w) => w.device_ptr,
+            ErrorWord::Host(a) => a.as_ref() as *const _ as u64,
+        }
+    }
+}
+
+/// Everything ranks must agree on for one collective call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct CallDesc {
+    send_off: u64,
+    recv_off: u64,
+    count: u64,
+    dtype: u64,
+    op: u64,
+    algo: u64,
+}
+
+impl CallDesc {
+    fn words(&self) -> [u64; 6] {
+        [
+            self.send_off,
+            self.recv_off,
+            self.count,
+            self.dtype,
+            self.op,
+            self.algo,
+        ]
+    }
+    /// A 64-bit digest the kernels compare at their first barrier.
+    fn digest(&self) -> u64 {
+        let mut x: u64 = 0xcbf29ce484222325;
+        for w in self.words() {
+            for b in w.to_le_bytes() {
+                x ^= b as u64;
+                x = x.wrapping_mul(0x100000001b3);
+            }
+        }
+        x | 1
+    }
+}
+
+pub struct Communicator {
+    pub rank: usize,
+    pub world: usize,
+    pub device: i32,
+    alloc: &'static Allocator,
+    host: bool,
+    mesh: Mesh,
+    windows: PeerWindows,
+    internal: u64,
+    error: ErrorWord,
+    host_epoch: u32,
+    scratch: Option<(u64, u64)>,
+    timeout: Duration,
+    sticky: Option<Error>,
+    sms: u32,
+}
+
+fn release_device(device: i32) {
+    let mut d = DEVICES_IN_USE.lock().unwrap_or_else(|p| p.into_inner());
+    d.retain(|&x| x != device);
+}
+
+impl Communicator {
+    pub fn init(world: i32, rank: i32, device: i32, id: &UniqueId) -> Result<Box<Communicator>> {
+        if !(1..=MAX_RANKS as i32).contains(&world) {
+            return Err(Error::invalid(format!(
+                "world_size {world} is out of range; expected 1..={MAX_RANKS} ranks on one node"
+            )));
+        }
+        if rank < 0 || rank >= world {
+            return Err(Error::invalid(format!(
+                "rank {rank} is out of range; expected 0..{world} (world_size {world})"
+            )));
+        }
+        let alloc = heap::global()?;
+        alloc.check_device(device)?;
+        let host = alloc.backend().name() == "host";
+        {
+            let mut d = DEVICES_IN_USE.lock().unwrap_or_else(|p| p.into_inner());
+            if d.contains(&device) {
+                return Err(Error::invalid(format!(
+                    "device {device} already has a communicator in this process; destroy it \
+                     first (one communicator per process and device)"
+                )));
+            }
+            d.push(device);
+        }
+        let r = Self::init_claimed(world as usize, rank as usize, device, id, alloc, host);
+        if r.is_err() {
+            release_device(device);
+        }
+        r
+    }
+
+    fn init_claimed(
+        world: usize,
+        rank: usize,
+        device: i32,
+        id: &UniqueId,
+        alloc: &'static Allocator,
+        host: bool,
+    ) -> Result<Box<Communicator>> {
+        let timeout = config::timeout();
+        let sms = if host {
+            1
+        } else {
+            cuda::driver()?.device(device)?.sm_count as u32
+        };
+        // Make sure the heap exists before any peer exchange.
+        let heap_size = alloc.heap(device)?.size();
+        let mesh = Mesh::connect(id, rank, world, timeout)?;
+
+        // Agree on devices, heap sizes and backend.
+        let mut hello = Vec::new();
+        hello.extend_from_slice(&(device as u64).to_le_bytes());
+        hello.extend_from_slice(&heap_size.to_le_bytes());
+        hello.extend_from_slice(&(host as u64).to_le_bytes());
+        let all = mesh.all_gather(&hello, &[], "init")?;
+        let word = |b: &[u8], i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
+        let mut devices = Vec::new();
+        for (r, (msg, _)) in all.iter().enumerate() {
+            if msg.len() != 24 {
+                return Err(Error::peer(format!(
+                    "rank {r} sent a malformed init message"
+                )));
+            }
+            let (d, hs, h) = (word(msg, 0) as i32, word(msg, 1), word(msg, 2) != 0);
+            if h != host {
+                return Err(Error::invalid(format!(
+                    "rank {r} uses the {} backend, rank {rank} the {}; set SYMMALLOC_BACKEND alike",
+                    if h { "host" } else { "cuda" },
+                    if host { "host" } else { "cuda" }
+                )));
+            }
+            if hs != heap_size {
+                return Err(Error::invalid(format!(
+                    "rank {r} has a heap of {hs} bytes, rank {rank} of {heap_size}; set \
+                     SYMMALLOC_HEAP_SIZE alike on every rank"
+                )));
+            }
+            if let Some(prev) = devices.iter().position(|&x| x == d) {
+                return Err(Error::invalid(format!(
+                    "ranks {prev} and {r} both use device {d}; expected one device per rank"
+                )));
+            }
+            devices.push(d);
+        }
+        if !host {
+            let drv = cuda::driver()?;
+            for (r, &d) in devices.iter().enumerate() {
+                if !drv.can_access_peer(device, d)? {
+                    return Err(Error::unsupported(format!(
+                        "device {device} (rank {rank}) cannot access device {d} (rank {r}) \
+                         directly; symmalloc needs NVLink or PCIe peer access between all ranks"
+                    )));
+                }
+            }
+        }
+
+        let windows = PeerWindows::new(alloc, device, rank, world)?;
+        let error = if host {
+            ErrorWord::Host(Box::default())
+        } else {
+            ErrorWord::Device(cuda::mem::MappedWord::new(device)?)
+        };
+        let internal = alloc.malloc_in(INTERNAL_BYTES, device, 0, INTERNAL_POOL)?;
+        if host {
+            // SAFETY: internal is a live block of INTERNAL_BYTES bytes of mapped host memory.
+            unsafe { std::ptr::write_bytes(internal as *mut u8, 0, INTERNAL_BYTES as usize) };
+        } else {
+            cuda::mem::memset_sync(device, internal, 0, INTERNAL_BYTES)?;
+        }
+        let mut comm = Box::new(Communicator {
+            rank,
+            world,
+            device,
+            alloc,
+            host,
+            mesh,
+            windows,
+            internal,
+            error,
+            host_epoch: 0,
+            scratch: None,
+            timeout,
+            sticky: None,
+            sms,
+        });
+        let desc = CallDesc {
+            send_off: u64::MAX,
+            recv_off: 0,
+            count: 0,
+            dtype: 0,
+            op: 0,
+            algo: 0,
+        };
+        let seg = comm
+            .locate(internal, INTERNAL_BYTES)?
+            .expect("internal block is in the heap");
+        comm.exchange(&[seg], desc, true)?;
+        comm.mesh.barrier("init")?;
+        Ok(comm)
+    }
+
+    /// The segment holding `ptr..ptr+bytes`, `None` when `ptr` is outside the heap, an error
+    /// when it is inside the heap but not inside one live block.
+    fn locate(&self, ptr: u64, bytes: u64) -> Result<Option<SegmentInfo>> {
+        let heap = self.alloc.heap(self.device)?;
+        if !heap.contains(ptr) {
+            return Ok(None);
+        }
+        let (seg, bstart, bsize) = heap.segment_of(ptr)?;
+        if ptr + bytes > bstart + bsize {
+            return Err(Error::invalid(format!(
+                "buffer {ptr:#x} of {bytes} bytes runs past the end of its symm_malloc block \
+                 ({bsize} bytes at {bstart:#x}); expected count * element size to fit"
+            )));
+        }
+        Ok(Some(seg))
+    }
+
+    /// Shares `segs` (own segments) with every peer and maps theirs; checks every rank passed
+    /// the same call descriptor and segments. Collective: all ranks must call it together.
+    fn exchange(&mut self, segs: &[SegmentInfo], desc: CallDesc, force: bool) -> Result<()> {
+        let mut need: Vec<SegmentInfo> = Vec::new();
+        for s in segs {
+            if self.windows.needs_sharing(s) && !need.contains(s) {
+                need.push(*s);
+            }
+        }
+        if need.is_empty() && !force {
+            return Ok(());
+        }
+        let mut msg = Vec::new();
+        for w in desc.words() {
+            msg.extend_from_slice(&w.to_le_bytes());
+        }
+        msg.extend_from_slice(&(need.len() as u64).to_le_bytes());
+        for s in &need {
+            for w in [s.offset, s.size, s.generation] {
+                msg.extend_from_slice(&w.to_le_bytes());
+            }
+        }
+        let fds = {
+            let heap = self.alloc.heap(self.device)?;
+            need.iter()
+                .map(|s| heap.export_segment(self.alloc.backend(), s.offset))
+                .collect::<Result<Vec<_>>>()?
+        };
+        let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+        let all = self.mesh.all_gather(&msg, &borrowed, "segment exchange")?;
+        drop(fds);
+        let describe = |m: &[u8]| -> String {
+            let w = |i: usize| u64::from_le_bytes(m[i * 8..i * 8 + 8].try_into().unwrap());
+            let n = w(6) as usize;
+            let segs: Vec<String> = (0..n)
+                .map(|k| format!("{:#x}+{:#x}", w(7 + 3 * k), w(8 + 3 * k)))
+                .collect();
+            format!(
+                "send offset {:#x}, recv offset {:#x}, count {}, new segments [{}]",
+                w(0),
+                w(1),
+                w(2),
+                segs.join(", ")
+            )
+        };
+        // Compare everything except generations (they may differ after OOM retries).
+        let shape = |m: &[u8]| -> Vec<u64> {
+            m.chunks(8)
+                .enumerate()
+                .filter(|(i, _)| *i < 7 || (*i - 7) % 3 != 2)
+                .map(|(_, c)| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect()
+        };
+        let mismatched: Vec<usize> = (0..self.world)
+            .filter(|&r| shape(&all[r].0) != shape(&msg))
+            .collect();
+        if !mismatched.is_empty() {
+            let lines: Vec<String> = (0..self.world)
+                .map(|r| format!("rank {r}: {}", describe(&all[r].0)))
+                .collect();
+            return Err(Error::not_symmetric(format!(
+                "ranks disagree on the collective's buffers (allocation sequences differ between \
+                 ranks?): {}",
+                lines.join("; ")
+            )));
+        }
+        for (r, (_, fds)) in all.into_iter().enumerate() {
+            if r == self.rank {
+                continue;
+            }
+            if fds.len() != need.len() {
+                return Err(Error::peer(format!(
+                    "rank {r} sent {} fds for {} segments",
+                    fds.len(),
+                    need.len()
+                )));
+            }
+            for (s, fd) in need.iter().zip(fds) {
+                self.windows.import(self.alloc, r, *s, fd)?;
+            }
+        }
+        for s in &need {
+            self.windows.mark_shared(s);
+        }
+        Ok(())
+    }
+
+    fn check_error_word(&mut self) -> Result<()> {
+        if let Some(e) = &self.sticky {
+            return Err(e.clone());
+        }
+        let w = self.error.read();
+        if w == 0 {
+            return Ok(());
+        }
+        let (code, peer) = (w >> 16, (w & 0xffff).saturating_sub(1));
+        let e = match code {
+            ERR_TIMEOUT => {
+                let e = Error::timeout(format!(
+                    "a collective kernel on rank {} waited more than {:.1} s for rank {peer} at a \
+                     barrier (it may have died or called a different collective); this \
+                     communicator is unusable, destroy it",
+                    self.rank,
+                    self.timeout.as_secs_f64()
+                ));
+                self.sticky = Some(e.clone());
+                e
+            }
+            ERR_ASYMMETRIC => {
+                self.error.clear();
+                Error::not_symmetric(format!(
+                    "the previous collective on rank {} did not run: rank {peer} called it with \
+                     other buffer offsets, count, type or algorithm",
+                    self.rank
+                ))
+            }
+            ERR_NO_MULTIMEM => {
+                self.error.clear();
+                Error::unsupported(
+                    "the multimem kernel ran on a GPU without multimem (needs sm_90)",
+                )
+            }
+            _ => Error::internal(format!("unknown kernel error word {w:#x}")),
+        };
+        Err(e)
+    }
+
+    fn pads(&self) -> Vec<u64> {
+        (0..self.world)
+            .map(|r| self.windows.bases[r] + (self.internal - self.windows.bases[self.rank]))
+            .collect()
+    }
+
+    fn ensure_scratch(&mut self, bytes: u64) -> Result<u64> {
+        if let Some((p, size)) = self.scratch {
+            if size >= bytes {
+                return Ok(p);
+            }
+            self.alloc.free(p, size, self.device, 0)?;
+            self.scratch = None;
+        }
+        let size = bytes.next_power_of_two().max(1 << 20);
+        let p = self.alloc.malloc_in(size, self.device, 0, INTERNAL_POOL)?;
+        self.scratch = Some((p, size));
+        Ok(p)
+    }
+
+    fn copy(&self, dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
+        if self.host {
+            // SAFETY: both are buffers of at least `bytes` bytes (the caller's arguments and
+            // our scratch); they never overlap (the scratch is ours alone).
+            unsafe {
+                std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes as usize)
+            };
+            Ok(())
+        } else {
+            cuda::mem::copy_async(self.device, dst, src, bytes, stream)
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce(
+        &mut self,
+        algo: Algo,
+        send: u64,
+        recv: u64,
+        count: u64,
+        dtype: DType,
+        op: ReduceOp,
+        stream: u64,
+    ) -> Result<()> {
+        self.check_error_word()?;
+        if count == 0 {
+            return Ok(());
+        }
+        if send == 0 || recv == 0 {
+            return Err(Error::invalid(format!(
+                "send ({send:#x}) and recv ({recv:#x}) must not be NULL when count > 0"
+            )));
+        }
+        let esize = dtype.size() as u64;
+        if send % esize != 0 || recv % esize != 0 {
+            return Err(Error::invalid(format!(
+                "send {send:#x} / recv {recv:#x} are not aligned to the {}-byte {} element",
+                esize,
+                dtype.name()
+            )));
+        }
+        let bytes = count
+            .checked_mul(esize)
+            .ok_or_else(|| Error::invalid(format!("count {count} overflows the byte size")))?;
+        let algo = algo::choose(algo, bytes, self.world)?;
+        if algo == Algo::Multimem {
+            let supports = !self.host && cuda::driver()?.device(self.device)?.multicast;
+            multicast::multicast_gate_from_env(supports)
+                .map_err(|why| Error::unsupported(format!("SYMM_ALGO_MULTIMEM refused: {why}")))?;
+            return Err(Error::unsupported(
+                "SYMM_ALGO_MULTIMEM: multicast objects are not set up by this build; use \
+                 SYMM_ALGO_AUTO, ONE_SHOT or TWO_SHOT",
+            ));
+        }
+        let in_send = self.locate(send, bytes)?;
+        let in_recv = self.locate(recv, bytes)?;
+        let (work_send, work_recv, staged, segs) = match (in_send, in_recv) {
+            (Some(a), Some(b)) => (send, recv, false, vec![a, b]),
+            _ => {
+                let s = self.ensure_scratch(bytes)?;
+                let seg = self.locate(s, bytes)?.expect("scratch is in the heap");
+                (s, s, true, vec![seg])
+            }
+        };
+        let base = self.windows.bases[self.rank];
+        let desc = CallDesc {
+            send_off: work_send - base,
+            recv_off: work_recv - base,
+            count,
+            dtype: dtype as u64,
+            op: op as u64,
+            algo: algo as u64,
+        };
+        self.exchange(&segs, desc, config::check_symmetry())?;
+        if staged {
+            self.copy(work_send, send, bytes, stream)?;
+            self.alloc.heap(self.device)?.stats.staged_collectives += 1;
+        }
+        self.run(algo, desc, dtype, op, stream)?;
+        if staged {
+            self.copy(recv, work_recv, bytes, stream)?;
+        }
+        Ok(())
+    }
+
+    fn run(
+        &mut self,
+        algo: Algo,
+        desc: CallDesc,
+        dtype: DType,
+        op: ReduceOp,
+        stream: u64,
+    ) -> Result<()> {
+        let inputs: Vec<u64> = self
+            .windows
+            .bases
+            .iter()
+            .map(|b| b + desc.send_off)
+            .collect();
+        let outputs: Vec<u64> = self
+            .windows
+            .bases
+            .iter()
+            .map(|b| b + desc.recv_off)
+            .collect();
+        let pads = self.pads();
+        let in_place = desc.send_off == desc.recv_off;
+        if self.host {
+            let call = host_reduce::HostCall {
+                rank: self.rank,
+                world: self.world,
+                pads: &pads,
+                inputs: &inputs,
+                outputs: &outputs,
+                count: desc.count as usize,
+                dtype,
+                op,
+                algo,
+                in_place,
+                desc: desc.digest(),
+                timeout: self.timeout,
+            };
+            let r = host_reduce::all_reduce(&call, &mut self.host_epoch);
+            if let Err(e) = &r {
+                if e.status == Status::ErrTimeout {
+                    self.sticky = Some(e.clone());
+                }
+            }
+            return r;
+        }
+        let esize = dtype.size() as u64;
+        let vec = inputs.iter().chain(&outputs).all(|p| p % 16 == 0);
+        let items = if vec {
+            desc.count * esize / 16
+        } else {
+            desc.count
+        };
+        let name = kernels::kernel_name(algo, dtype, op, vec).ok_or_else(|| {
+            Error::unsupported(format!(
+                "no {} kernel for {} {}",
+                algo.name(),
+                dtype.name(),
+                op.name()
+            ))
+        })?;
+        let per_rank = if algo == Algo::TwoShot {
+            items.div_ceil(self.world as u64)
+        } else {
+            items
+        };
+        let cap = if algo == Algo::TwoShot {
+            MAX_BLOCKS as u64
+        } else {
+            (self.sms as u64 / 4).clamp(1, 32)
+        };
+        let grid = per_rank.div_ceil(THREADS as u64).clamp(1, cap) as u32;
+        let mut args = SymmArgs {
+            count: desc.count,
+            desc: desc.digest(),
+            timeout_ns: self.timeout.as_nanos() as u64,
+            rank: self.rank as i32,
+            world: self.world as i32,
+            in_place: in_place as i32,
+            counters: self.internal + COUNTERS_OFFSET,
+            error_word: self.error.device_ptr(),
+            ..SymmArgs::default()
+        };
+        args.inputs[..self.world].copy_from_slice(&inputs);
+        args.outputs[..self.world].copy_from_slice(&outputs);
+        args.pads[..self.world].copy_from_slice(&pads);
+        let f = cuda::module::function(self.device, &name)?;
+        cuda::module::launch(self.device, f, grid, THREADS, stream, &args)
+    }
+
+    /// All ranks meet; stream-ordered on CUDA (a kernel), immediate on the host backend.
+    pub fn barrier(&mut self, stream: u64) -> Result<()> {
+        self.check_error_word()?;
+        let desc = CallDesc {
+            send_off: 0,
+            recv_off: 0,
+            count: 0,
+            dtype: 0,
+            op: 0,
+            algo: u64::MAX,
+        };
+        if config::check_symmetry() {
+            self.exchange(&[], desc, true)?;
+        }
+        self.run(Algo::OneShot, desc, DType::Fp32, ReduceOp::Sum, stream)
+    }
+
+    /// Gives back the peer mappings, windows, internal buffers and the device claim.
+    pub fn destroy(mut self: Box<Self>) -> Result<()> {
+        if !self.host {
+            // Kernels in flight still use the pad and the peers' mappings.
+            let _ = cuda::mem::sync_device(self.device);
+        }
+        self.windows.destroy(self.alloc);
+        if let Some((p, size)) = self.scratch.take() {
+            let _ = self.alloc.free(p, size, self.device, 0);
+        }
+        let _ = self
+            .alloc
+            .free(self.internal, INTERNAL_BYTES, self.device, 0);
+        let _ = self.alloc.release_pool(self.device, INTERNAL_POOL);
+        release_device(self.device);
+        Ok(())
+    }
+
+    /// Open connections (for tests counting descriptors).
+    pub fn connection_count(&self) -> usize {
+        self.mesh.fds().len()
+    }
+}
+
+/// Addresses of live communicators, so the C ABI can reject stale or foreign pointers.
+pub static LIVE: Mutex<Option<HashSet<usize>>> = Mutex::new(None);

@@ -1,0 +1,94 @@
+//! The multicast safety gate, a pure function of the environment and the device's capability.
+//!
+//! Multimem runs only when `SYMMALLOC_ENABLE_MULTICAST=1` is set AND none of
+//! `NCCL_NVLS_ENABLE=0`, `TORCH_SYMM_MEM_DISABLE_MULTICAST=1`, `NVSHMEM_DISABLE_NVLS=1` is set
+//! (disabling always wins) AND the device reports multicast support. Creating a multicast
+//! object on a shared host that disallows it can take its GPUs out of service, so nothing in
+//! this library reaches `cuMulticastCreate` unless this gate says yes.
+
+/// `Ok(())` when multicast may be used; otherwise the reason, for the error message.
+pub fn multicast_gate(
+    env: &dyn Fn(&str) -> Option<String>,
+    device_supports: bool,
+) -> Result<(), String> {
+    let is = |k: &str, v: &str| env(k).is_some_and(|x| x.trim() == v);
+    for (k, v) in [
+        ("NCCL_NVLS_ENABLE", "0"),
+        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+        ("NVSHMEM_DISABLE_NVLS", "1"),
+    ] {
+        if is(k, v) {
+            return Err(format!(
+                "multicast is disabled by {k}={v} in the environment (disabling always wins)"
+            ));
+        }
+    }
+    if !is("SYMMALLOC_ENABLE_MULTICAST", "1") {
+        return Err(
+            "multicast is off by default; set SYMMALLOC_ENABLE_MULTICAST=1 to opt in \
+                    (never on shared machines that forbid it)"
+                .into(),
+        );
+    }
+    if !device_supports {
+        return Err(
+            "the device does not support multicast objects (needs NVSwitch, sm_90+)".into(),
+        );
+    }
+    Ok(())
+}
+
+/// The gate over the real process environment.
+pub fn multicast_gate_from_env(device_supports: bool) -> Result<(), String> {
+    multicast_gate(&|k| std::env::var(k).ok(), device_supports)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn gate(vars: &[(&str, &str)], dev: bool) -> Result<(), String> {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        multicast_gate(&|k| m.get(k).cloned(), dev)
+    }
+
+    #[test]
+    fn off_by_default_and_disabling_wins() {
+        assert!(gate(&[], true)
+            .unwrap_err()
+            .contains("SYMMALLOC_ENABLE_MULTICAST"));
+        assert!(gate(&[("SYMMALLOC_ENABLE_MULTICAST", "1")], true).is_ok());
+        assert!(gate(&[("SYMMALLOC_ENABLE_MULTICAST", "1")], false)
+            .unwrap_err()
+            .contains("support"));
+        for (k, v) in [
+            ("NCCL_NVLS_ENABLE", "0"),
+            ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+            ("NVSHMEM_DISABLE_NVLS", "1"),
+        ] {
+            let e = gate(&[("SYMMALLOC_ENABLE_MULTICAST", "1"), (k, v)], true).unwrap_err();
+            assert!(e.contains(k), "{e}");
+        }
+        assert!(gate(&[("SYMMALLOC_ENABLE_MULTICAST", "0")], true).is_err());
+        assert!(gate(
+            &[
+                ("SYMMALLOC_ENABLE_MULTICAST", "1"),
+                ("NCCL_NVLS_ENABLE", "1")
+            ],
+            true
+        )
+        .is_ok());
+    }
+
+    /// The lent GPU machines set all three disabling variables; on them the gate must refuse.
+    #[test]
+    fn refuses_on_this_machine_when_disabled() {
+        if std::env::var("NCCL_NVLS_ENABLE").as_deref() == Ok("0") {
+            assert!(multicast_gate_from_env(true).is_err());
+        }
+    }
+}
