@@ -1,0 +1,156 @@
+//! libsymmalloc_pluggable.so: the bare-name shim for dlopen-style loaders such as PyTorch's
+//! `CUDAPluggableAllocator(path, "malloc", "free")`.
+//!
+//! It exports exactly `malloc`, `free`, `begin_pool`, `end_pool` and `release_pool`, each
+//! forwarding to the `symm_*` function of the same role in `libsymmalloc.so`, which it loads
+//! from its own directory (so a process has one allocator state however it loaded the
+//! library). Load it only with `dlopen(RTLD_LOCAL)`: never link or LD_PRELOAD it, or these
+//! names take over the process heap. Its own Rust code still binds to libc's malloc because
+//! the library is linked without -Bsymbolic and `malloc` is resolved through the global scope.
+
+use std::ffi::{c_int, c_void, CStr, CString};
+use std::sync::OnceLock;
+
+type MallocFn = unsafe extern "C" fn(usize, c_int, *mut c_void) -> *mut c_void;
+type FreeFn = unsafe extern "C" fn(*mut c_void, usize, c_int, *mut c_void);
+type PoolFn = unsafe extern "C" fn(c_int, u64, u64);
+
+struct Api {
+    malloc: MallocFn,
+    free: FreeFn,
+    begin_pool: PoolFn,
+    end_pool: PoolFn,
+    release_pool: PoolFn,
+}
+
+static API: OnceLock<Result<Api, String>> = OnceLock::new();
+
+fn own_dir() -> Result<String, String> {
+    // SAFETY: dladdr reads the loader's tables for an address inside this library.
+    unsafe {
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        if libc::dladdr(own_dir as *const c_void, &mut info) == 0 || info.dli_fname.is_null() {
+            return Err("dladdr could not locate libsymmalloc_pluggable.so".into());
+        }
+        let path = CStr::from_ptr(info.dli_fname)
+            .to_string_lossy()
+            .into_owned();
+        Ok(match path.rfind('/') {
+            Some(i) => path[..i].to_string(),
+            None => ".".to_string(),
+        })
+    }
+}
+
+fn load() -> Result<Api, String> {
+    let path = format!("{}/libsymmalloc.so", own_dir()?);
+    let cpath = CString::new(path.clone()).map_err(|_| "library path has a NUL".to_string())?;
+    // SAFETY: dlopen with a NUL-terminated path; the handle is kept for the process's life.
+    let h = unsafe { libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if h.is_null() {
+        // SAFETY: dlerror returns a NUL-terminated message or NULL.
+        let why = unsafe { libc::dlerror() };
+        let why = if why.is_null() {
+            "unknown".into()
+        } else {
+            // SAFETY: non-NULL dlerror results are NUL-terminated.
+            unsafe { CStr::from_ptr(why) }
+                .to_string_lossy()
+                .into_owned()
+        };
+        return Err(format!("symmalloc_pluggable: cannot load {path}: {why}"));
+    }
+    let sym = |name: &CStr| -> Result<*mut c_void, String> {
+        // SAFETY: h is a live handle; name is NUL-terminated.
+        let p = unsafe { libc::dlsym(h, name.as_ptr()) };
+        if p.is_null() {
+            Err(format!("symmalloc_pluggable: {path} lacks {name:?}"))
+        } else {
+            Ok(p)
+        }
+    };
+    // SAFETY: the symbols are the symm_* functions with exactly these signatures
+    // (include/symmalloc.h).
+    unsafe {
+        Ok(Api {
+            malloc: std::mem::transmute::<*mut c_void, MallocFn>(sym(c"symm_malloc")?),
+            free: std::mem::transmute::<*mut c_void, FreeFn>(sym(c"symm_free")?),
+            begin_pool: std::mem::transmute::<*mut c_void, PoolFn>(sym(c"symm_begin_pool")?),
+            end_pool: std::mem::transmute::<*mut c_void, PoolFn>(sym(c"symm_end_pool")?),
+            release_pool: std::mem::transmute::<*mut c_void, PoolFn>(sym(c"symm_release_pool")?),
+        })
+    }
+}
+
+fn api() -> Option<&'static Api> {
+    match API.get_or_init(load) {
+        Ok(a) => Some(a),
+        Err(e) => {
+            // No symm_last_error without the library: say it once on stderr.
+            static SAID: OnceLock<()> = OnceLock::new();
+            SAID.get_or_init(|| eprintln!("{e}"));
+            None
+        }
+    }
+}
+
+/// `symm_malloc` under PyTorch's expected name.
+///
+/// # Safety
+/// Called by a dlopen loader with PyTorch's allocator signature.
+#[no_mangle]
+pub unsafe extern "C" fn malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    match api() {
+        // SAFETY: forwarding the caller's arguments unchanged.
+        Some(a) => unsafe { (a.malloc)(size, device, stream) },
+        None => std::ptr::null_mut(),
+    }
+}
+
+/// `symm_free` under PyTorch's expected name.
+///
+/// # Safety
+/// As `symm_free`.
+#[no_mangle]
+pub unsafe extern "C" fn free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
+    if let Some(a) = api() {
+        // SAFETY: forwarding the caller's arguments unchanged.
+        unsafe { (a.free)(ptr, size, device, stream) }
+    }
+}
+
+/// `symm_begin_pool`.
+///
+/// # Safety
+/// As `symm_begin_pool`.
+#[no_mangle]
+pub unsafe extern "C" fn begin_pool(device: c_int, first: u64, second: u64) {
+    if let Some(a) = api() {
+        // SAFETY: forwarding.
+        unsafe { (a.begin_pool)(device, first, second) }
+    }
+}
+
+/// `symm_end_pool`.
+///
+/// # Safety
+/// As `symm_end_pool`.
+#[no_mangle]
+pub unsafe extern "C" fn end_pool(device: c_int, first: u64, second: u64) {
+    if let Some(a) = api() {
+        // SAFETY: forwarding.
+        unsafe { (a.end_pool)(device, first, second) }
+    }
+}
+
+/// `symm_release_pool`.
+///
+/// # Safety
+/// As `symm_release_pool`.
+#[no_mangle]
+pub unsafe extern "C" fn release_pool(device: c_int, first: u64, second: u64) {
+    if let Some(a) = api() {
+        // SAFETY: forwarding.
+        unsafe { (a.release_pool)(device, first, second) }
+    }
+}

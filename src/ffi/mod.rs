@@ -1,0 +1,339 @@
+//! The C ABI: the only `#[no_mangle]` code. Each entry point checks its arguments, runs inside
+//! a panic guard, and reports failure as a status (or NULL) plus `symm_last_error()`.
+//! Contract: ../shared/DESIGN.md and include/symmalloc.h (generated from this file).
+
+// Entry points are called from C with raw pointers; each dereference is checked for NULL and
+// carries a SAFETY note. Marking them `unsafe fn` would change nothing for C callers.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
+pub mod guard;
+pub mod types;
+
+use crate::comm::algo::{Algo, DType, ReduceOp};
+use crate::comm::{Communicator, LIVE};
+use crate::error::{Error, Result, Status};
+use crate::heap::{self, pools, stats::Stats};
+use crate::ipc::{unique_id::ID_BYTES, UniqueId};
+use guard::{guard_ptr, guard_status, guard_void};
+use std::ffi::{c_char, c_int, c_void};
+use types::*;
+
+/// A communicator: one per (process, device) of a single-node job.
+#[allow(non_camel_case_types)]
+pub struct symm_comm_t {
+    inner: Option<Box<Communicator>>,
+}
+
+fn stream_of(s: *mut CUstream_st) -> u64 {
+    s as u64
+}
+
+/// Allocates `size` bytes of symmetric memory on `device`, ordered on `stream` (NULL = legacy
+/// default stream). Returns NULL for `size` 0 (not an error) and on failure (see
+/// `symm_last_error()`). Signature matches PyTorch's CUDAPluggableAllocator.
+#[no_mangle]
+pub extern "C" fn symm_malloc(size: usize, device: c_int, stream: *mut CUstream_st) -> *mut c_void {
+    guard_ptr("symm_malloc", || {
+        if size == 0 {
+            return Ok(std::ptr::null_mut());
+        }
+        let a = heap::global()?;
+        Ok(a.malloc(size as u64, device, stream_of(stream))? as *mut c_void)
+    })
+}
+
+/// Frees a block from `symm_malloc`; `size` must be the size it was allocated with. Freeing
+/// NULL does nothing. Errors (unknown pointer, double free, wrong size) leave every allocation
+/// intact and are reported through `symm_last_error()`.
+#[no_mangle]
+pub extern "C" fn symm_free(
+    ptr: *mut c_void,
+    size: usize,
+    device: c_int,
+    stream: *mut CUstream_st,
+) {
+    guard_void("symm_free", || {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        heap::global()?.free(ptr as u64, size as u64, device, stream_of(stream))
+    })
+}
+
+/// Routes the calling thread's allocations on `device` to pool (first, second) until the
+/// matching `symm_end_pool`. Pools nest. ABI-compatible with PyTorch's begin-allocate-to-pool
+/// hook (its trailing filter argument is ignored).
+#[no_mangle]
+pub extern "C" fn symm_begin_pool(device: c_int, pool_first: u64, pool_second: u64) {
+    guard_void("symm_begin_pool", || {
+        heap::global()?.check_device(device)?;
+        pools::begin(device, pools::PoolId(pool_first, pool_second))
+    })
+}
+
+/// Ends the innermost pool opened on this thread for `device`; it must be (first, second).
+#[no_mangle]
+pub extern "C" fn symm_end_pool(device: c_int, pool_first: u64, pool_second: u64) {
+    guard_void("symm_end_pool", || {
+        heap::global()?.check_device(device)?;
+        pools::end(device, pools::PoolId(pool_first, pool_second))
+    })
+}
+
+/// Returns the pool's physical memory: free segments now, the others when their last block
+/// is freed.
+#[no_mangle]
+pub extern "C" fn symm_release_pool(device: c_int, pool_first: u64, pool_second: u64) {
+    guard_void("symm_release_pool", || {
+        let id = pools::PoolId(pool_first, pool_second);
+        if id == pools::INTERNAL_POOL {
+            return Err(Error::invalid(
+                "pool (2^64-1, 2^64-1) is symmalloc's own; not releasable",
+            ));
+        }
+        heap::global()?.release_pool(device, id)
+    })
+}
+
+/// The next reuse of `ptr`'s block also waits for the work submitted to `stream` so far.
+#[no_mangle]
+pub extern "C" fn symm_record_stream(ptr: *mut c_void, stream: *mut CUstream_st) {
+    guard_void("symm_record_stream", || {
+        if ptr.is_null() {
+            return Err(Error::invalid("symm_record_stream: ptr is NULL"));
+        }
+        heap::global()?.record_stream(ptr as u64, stream_of(stream))
+    })
+}
+
+/// Returns every cached segment without live blocks, on every device.
+#[no_mangle]
+pub extern "C" fn symm_empty_cache() {
+    guard_void("symm_empty_cache", || heap::global()?.empty_cache())
+}
+
+/// Fills `*out` with the statistics of `device`.
+#[no_mangle]
+pub extern "C" fn symm_memory_stats(device: c_int, out: *mut Stats) -> symm_status_t {
+    guard_status("symm_memory_stats", || {
+        if out.is_null() {
+            return Err(Error::invalid("symm_memory_stats: out is NULL"));
+        }
+        let s = heap::global()?.stats(device)?;
+        // SAFETY: out is non-NULL and, per the contract, points at a symm_memory_stats_t.
+        unsafe { out.write(s) };
+        Ok(())
+    })
+}
+
+/// The calling thread's last error message ("" after a successful call). Valid until the
+/// thread's next symmalloc call.
+#[no_mangle]
+pub extern "C" fn symm_last_error() -> *const c_char {
+    guard::last_error_ptr()
+}
+
+/// A fixed description of a status code.
+#[no_mangle]
+pub extern "C" fn symm_status_string(status: symm_status_t) -> *const c_char {
+    // The argument crosses as an integer; an out-of-range value must not be trusted.
+    let raw = status as i32;
+    match raw {
+        0 => c"SYMM_SUCCESS: no error".as_ptr(),
+        1 => c"SYMM_ERR_INVALID_ARGUMENT: an argument is invalid".as_ptr(),
+        2 => c"SYMM_ERR_OUT_OF_MEMORY: out of device or heap memory".as_ptr(),
+        3 => c"SYMM_ERR_CUDA: a CUDA driver call failed".as_ptr(),
+        4 => c"SYMM_ERR_NO_DEVICE: no usable CUDA device or driver".as_ptr(),
+        5 => c"SYMM_ERR_NOT_SYMMETRIC: ranks disagree on buffers".as_ptr(),
+        6 => c"SYMM_ERR_PEER: a peer rank failed or refused".as_ptr(),
+        7 => c"SYMM_ERR_TIMEOUT: a wait exceeded SYMMALLOC_TIMEOUT_S".as_ptr(),
+        8 => c"SYMM_ERR_UNSUPPORTED: not supported here".as_ptr(),
+        9 => c"SYMM_ERR_INTERNAL: internal error (a bug in symmalloc)".as_ptr(),
+        _ => c"unknown symm_status_t value".as_ptr(),
+    }
+}
+
+/// Makes a new random job id; send its bytes to every rank.
+#[no_mangle]
+pub extern "C" fn symm_get_unique_id(out: *mut symm_unique_id_t) -> symm_status_t {
+    guard_status("symm_get_unique_id", || {
+        if out.is_null() {
+            return Err(Error::invalid("symm_get_unique_id: out is NULL"));
+        }
+        let bytes = UniqueId::generate()?.to_bytes();
+        let mut id = symm_unique_id_t {
+            internal: [0; ID_BYTES],
+        };
+        for (d, s) in id.internal.iter_mut().zip(bytes) {
+            *d = s as c_char;
+        }
+        // SAFETY: out is non-NULL and points at a symm_unique_id_t.
+        unsafe { out.write(id) };
+        Ok(())
+    })
+}
+
+fn register(comm: Box<Communicator>, out: *mut *mut symm_comm_t) -> Result<()> {
+    let p = Box::into_raw(Box::new(symm_comm_t { inner: Some(comm) }));
+    LIVE.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(Default::default)
+        .insert(p as usize);
+    // SAFETY: out was checked non-NULL by the caller.
+    unsafe { out.write(p) };
+    Ok(())
+}
+
+/// Creates the communicator of `rank` (of `world_size`, 1 to 8) on `device`. Collective: every
+/// rank calls it with the same id. Waits at most SYMMALLOC_TIMEOUT_S for the peers.
+#[no_mangle]
+pub extern "C" fn symm_comm_init(
+    comm: *mut *mut symm_comm_t,
+    world_size: c_int,
+    rank: c_int,
+    device: c_int,
+    id: *const symm_unique_id_t,
+) -> symm_status_t {
+    guard_status("symm_comm_init", || {
+        if comm.is_null() || id.is_null() {
+            return Err(Error::invalid(
+                "symm_comm_init: comm and id must not be NULL",
+            ));
+        }
+        // SAFETY: comm is non-NULL; clear the output first so failures leave NULL.
+        unsafe { comm.write(std::ptr::null_mut()) };
+        // SAFETY: id is non-NULL and points at 128 readable bytes.
+        let raw = unsafe { (*id).internal };
+        let bytes: [u8; ID_BYTES] = raw.map(|c| c as u8);
+        let uid = UniqueId::from_bytes(&bytes)?;
+        register(Communicator::init(world_size, rank, device, &uid)?, comm)
+    })
+}
+
+/// Creates the communicator from launcher variables: torchrun (LOCAL_RANK, LOCAL_WORLD_SIZE,
+/// TORCHELASTIC_RUN_ID or MASTER_ADDR+MASTER_PORT) or Open MPI (OMPI_COMM_WORLD_LOCAL_RANK,
+/// OMPI_COMM_WORLD_LOCAL_SIZE). The device is the local rank.
+#[no_mangle]
+pub extern "C" fn symm_comm_init_from_env(comm: *mut *mut symm_comm_t) -> symm_status_t {
+    guard_status("symm_comm_init_from_env", || {
+        if comm.is_null() {
+            return Err(Error::invalid(
+                "symm_comm_init_from_env: comm must not be NULL",
+            ));
+        }
+        // SAFETY: comm is non-NULL.
+        unsafe { comm.write(std::ptr::null_mut()) };
+        let env = crate::comm_env::from_env(&|k| std::env::var(k).ok())?;
+        let uid = UniqueId::from_job_key(&env.job_key);
+        register(
+            Communicator::init(env.world, env.rank, env.device, &uid)?,
+            comm,
+        )
+    })
+}
+
+fn with_comm<T>(
+    comm: *mut symm_comm_t,
+    f: impl FnOnce(&mut Communicator) -> Result<T>,
+) -> Result<T> {
+    if comm.is_null() {
+        return Err(Error::invalid("comm is NULL"));
+    }
+    let live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+    if !live.as_ref().is_some_and(|s| s.contains(&(comm as usize))) {
+        return Err(Error::invalid(format!(
+            "comm {comm:p} is not a live communicator (destroyed already, or never created)"
+        )));
+    }
+    drop(live);
+    // SAFETY: comm is in the live set, so it points at a symm_comm_t we allocated and have not
+    // freed; the caller must not use one communicator from two threads at once (as in NCCL).
+    let c = unsafe { &mut *comm };
+    f(c.inner
+        .as_mut()
+        .ok_or_else(|| Error::internal("communicator without state"))?)
+}
+
+/// Destroys a communicator (local: no peer needs to take part). Destroying twice is an error.
+#[no_mangle]
+pub extern "C" fn symm_comm_destroy(comm: *mut symm_comm_t) -> symm_status_t {
+    guard_status("symm_comm_destroy", || {
+        if comm.is_null() {
+            return Err(Error::invalid("symm_comm_destroy: comm is NULL"));
+        }
+        let removed = LIVE
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+            .is_some_and(|s| s.remove(&(comm as usize)));
+        if !removed {
+            return Err(Error::invalid(format!(
+                "symm_comm_destroy({comm:p}): not a live communicator (destroyed twice?)"
+            )));
+        }
+        // SAFETY: comm was live (just removed from the set), so we own its allocation.
+        let mut b = unsafe { Box::from_raw(comm) };
+        match b.inner.take() {
+            Some(c) => c.destroy(),
+            None => Ok(()),
+        }
+    })
+}
+
+/// All-reduce with automatic algorithm choice. In place when send == recv.
+#[no_mangle]
+pub extern "C" fn symm_all_reduce(
+    comm: *mut symm_comm_t,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: symm_dtype_t,
+    op: symm_op_t,
+    stream: *mut CUstream_st,
+) -> symm_status_t {
+    symm_all_reduce_algo(comm, SYMM_ALGO_AUTO, send, recv, count, dtype, op, stream)
+}
+
+/// All-reduce with an explicit algorithm (AUTO, ONE_SHOT, TWO_SHOT, MULTIMEM). Stream-ordered
+/// and capturable into CUDA graphs. Buffers inside the symmetric heap are used in place;
+/// others are staged through a communicator buffer (counted in `staged_collectives`).
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn symm_all_reduce_algo(
+    comm: *mut symm_comm_t,
+    algo: symm_algo_t,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: symm_dtype_t,
+    op: symm_op_t,
+    stream: *mut CUstream_st,
+) -> symm_status_t {
+    guard_status("symm_all_reduce", || {
+        let algo = Algo::from_c(algo)?;
+        let dtype = DType::from_c(dtype)?;
+        let op = ReduceOp::from_c(op)?;
+        with_comm(comm, |c| {
+            c.all_reduce(
+                algo,
+                send as u64,
+                recv as u64,
+                count as u64,
+                dtype,
+                op,
+                stream_of(stream),
+            )
+        })
+    })
+}
+
+/// Every rank waits for every other; stream-ordered.
+#[no_mangle]
+pub extern "C" fn symm_barrier(comm: *mut symm_comm_t, stream: *mut CUstream_st) -> symm_status_t {
+    guard_status("symm_barrier", || {
+        with_comm(comm, |c| c.barrier(stream_of(stream)))
+    })
+}
+
+// Keep Status referenced for the header's documentation of codes.
+const _: Status = Status::Success;

@@ -1,0 +1,55 @@
+//! C ABI types. Enumerations that C passes *in* are plain `uint32_t` typedefs with named
+//! constants, so an out-of-range value is a checked error instead of undefined behaviour in
+//! Rust; the status enum only ever flows out. Names are fixed by DESIGN.md; values and fields
+//! are only ever appended.
+#![allow(non_camel_case_types)]
+
+use std::ffi::c_char;
+
+/// Result of every status-returning function.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum symm_status_t {
+    SYMM_SUCCESS = 0,
+    SYMM_ERR_INVALID_ARGUMENT = 1,
+    SYMM_ERR_OUT_OF_MEMORY = 2,
+    SYMM_ERR_CUDA = 3,
+    SYMM_ERR_NO_DEVICE = 4,
+    SYMM_ERR_NOT_SYMMETRIC = 5,
+    SYMM_ERR_PEER = 6,
+    SYMM_ERR_TIMEOUT = 7,
+    SYMM_ERR_UNSUPPORTED = 8,
+    SYMM_ERR_INTERNAL = 9,
+}
+
+/// Element type of a collective.
+pub type symm_dtype_t = u32;
+pub const SYMM_BF16: symm_dtype_t = 0;
+pub const SYMM_FP16: symm_dtype_t = 1;
+pub const SYMM_FP32: symm_dtype_t = 2;
+
+/// Reduction operation.
+pub type symm_op_t = u32;
+pub const SYMM_SUM: symm_op_t = 0;
+pub const SYMM_MAX: symm_op_t = 1;
+pub const SYMM_MIN: symm_op_t = 2;
+
+/// All-reduce algorithm.
+pub type symm_algo_t = u32;
+pub const SYMM_ALGO_AUTO: symm_algo_t = 0;
+pub const SYMM_ALGO_ONE_SHOT: symm_algo_t = 1;
+pub const SYMM_ALGO_TWO_SHOT: symm_algo_t = 2;
+pub const SYMM_ALGO_MULTIMEM: symm_algo_t = 3;
+
+/// Opaque bytes that identify one job; send them to every rank by any means.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct symm_unique_id_t {
+    pub internal: [c_char; 128],
+}
+
+/// The driver's `CUstream` (`cudaStream_t`); spelled `struct CUstream_st *` in the header.
+#[repr(C)]
+pub struct CUstream_st {
+    _opaque: [u8; 0],
+}
