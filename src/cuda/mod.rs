@@ -8,6 +8,7 @@
 pub mod driver;
 pub mod mem;
 pub mod module;
+pub mod util;
 pub mod vmm;
 
 pub use driver::{check, device_count, driver, CtxGuard, DeviceInfo};

@@ -49,7 +49,7 @@ pub struct symm_unique_id_t {
 }
 
 /// The driver's `CUstream` (`cudaStream_t`); spelled `struct CUstream_st *` in the header.
-#[repr(C)]
+/// Opaque: never dereferenced.
 pub struct CUstream_st {
     _opaque: [u8; 0],
 }

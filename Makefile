@@ -1,0 +1,44 @@
+# symmalloc: the two commands of the README.
+#   make        set up the toolchain if missing, build release, run symmalloc-demo
+#   make test   cargo test, the C harness (ctest), header drift, fmt and clippy
+CARGO ?= cargo
+NVCC := $(CURDIR)/.toolchain/nvidia/cu13/bin/nvcc
+CMAKE := $(shell command -v cmake 2>/dev/null || echo $(CURDIR)/.toolchain/cmake/data/bin/cmake)
+CTEST := $(shell command -v ctest 2>/dev/null || echo $(CURDIR)/.toolchain/cmake/data/bin/ctest)
+CUDA_INCLUDE := $(CURDIR)/.toolchain/nvidia/cu13/include
+
+.PHONY: all run build toolchain test test-rust test-c lint header clean
+
+all: run
+
+toolchain:
+	@if [ -z "$$NVCC" ] && ! command -v nvcc >/dev/null 2>&1 && [ ! -x $(NVCC) ] || [ ! -x $(CMAKE) ]; then \
+	  bash scripts/setup-toolchain.sh; fi
+
+build: toolchain
+	$(CARGO) build --release
+
+run: build
+	./target/release/symmalloc-demo
+
+test: toolchain lint test-rust test-c
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --all-targets -- -D warnings
+
+test-rust:
+	$(CARGO) test -p symmalloc
+
+test-c: build
+	$(CMAKE) -S tests/c -B build/c -DSYMMALLOC_LIB_DIR=$(CURDIR)/target/release \
+	  -DCUDA_INCLUDE_DIR=$(CUDA_INCLUDE) >/dev/null
+	$(CMAKE) --build build/c -j 2
+	$(CTEST) --test-dir build/c --output-on-failure
+
+header:
+	SYMMALLOC_BLESS=1 $(CARGO) test -p symmalloc --test header
+
+clean:
+	$(CARGO) clean
+	rm -rf build

@@ -1,0 +1,74 @@
+//! The checked-in header must equal what cbindgen generates from src/ffi (drift check).
+//! `SYMMALLOC_BLESS=1 cargo test --test header` (or `make header`) rewrites it.
+
+use std::path::Path;
+
+fn generate() -> String {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let config = cbindgen::Config::from_file(root.join("cbindgen.toml")).expect("cbindgen.toml");
+    // Only the FFI layer and the stats struct it exports: nothing internal leaks into the header.
+    let bindings = cbindgen::Builder::new()
+        .with_src(root.join("src/ffi/mod.rs"))
+        .with_src(root.join("src/ffi/types.rs"))
+        .with_src(root.join("src/heap/stats.rs"))
+        .with_config(config)
+        .generate()
+        .expect("cbindgen could not generate the header");
+    let mut out = Vec::new();
+    bindings.write(&mut out);
+    let text = String::from_utf8(out).unwrap();
+    // Spell the stream type as the CUDA headers do, without a typedef of our own.
+    text.replace("CUstream_st *", "struct CUstream_st *")
+        .replace("struct struct", "struct")
+}
+
+#[test]
+fn header_is_up_to_date() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("include/symmalloc.h");
+    let fresh = generate();
+    if std::env::var("SYMMALLOC_BLESS").as_deref() == Ok("1") {
+        std::fs::write(&path, &fresh).unwrap();
+        return;
+    }
+    let current = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        current == fresh,
+        "include/symmalloc.h is stale: the FFI changed. Run `make header` and commit the result."
+    );
+}
+
+#[test]
+fn header_names_the_contract() {
+    let h = generate();
+    for name in [
+        "symm_malloc",
+        "symm_free",
+        "symm_begin_pool",
+        "symm_end_pool",
+        "symm_release_pool",
+        "symm_record_stream",
+        "symm_empty_cache",
+        "symm_memory_stats",
+        "symm_last_error",
+        "symm_status_string",
+        "symm_get_unique_id",
+        "symm_comm_init",
+        "symm_comm_init_from_env",
+        "symm_comm_destroy",
+        "symm_all_reduce",
+        "symm_all_reduce_algo",
+        "symm_barrier",
+        "SYMM_ERR_INTERNAL",
+        "SYMM_BF16",
+        "SYMM_ALGO_MULTIMEM",
+        "symm_memory_stats_t",
+        "staged_collectives",
+        "struct CUstream_st *",
+    ] {
+        assert!(h.contains(name), "header lacks {name}");
+    }
+    assert!(
+        !h.contains("typedef struct CUstream_st"),
+        "header must not typedef CUstream_st"
+    );
+}
