@@ -120,6 +120,7 @@ impl Allocator {
     pub fn free(&self, ptr: u64, size: u64, device: i32, stream: Stream) -> Result<()> {
         let mut heap = self.heap(device)?;
         if !heap.contains(ptr) {
+            drop(heap); // device_of locks every heap, this one included
             let owner = self.device_of(ptr);
             return Err(Error::invalid(match owner {
                 Some(d) => format!(

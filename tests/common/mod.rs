@@ -1,0 +1,142 @@
+//! Helpers shared by the integration tests: a seeded PRNG, multi-process rank spawning, and
+//! the GPU-presence check that GPU tests use to skip with a visible reason.
+#![allow(dead_code)]
+
+use std::process::{Command, Output};
+
+/// xorshift64*: deterministic, seedable, good enough for test data.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1)
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    /// Uniform in [-1, 1).
+    pub fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// Seeds from the clock unless SYMMALLOC_TEST_SEED is set (printed, so failures reproduce).
+pub fn seed() -> u64 {
+    let s = std::env::var("SYMMALLOC_TEST_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("seed: SYMMALLOC_TEST_SEED={s}");
+    s
+}
+
+/// Rank context of a child process started by `run_ranks`.
+pub struct Child {
+    pub rank: i32,
+    pub world: i32,
+    pub id: [u8; 128],
+    pub arg: String,
+}
+
+pub fn child() -> Option<Child> {
+    let rank = std::env::var("SYMM_TEST_RANK").ok()?.parse().ok()?;
+    let world = std::env::var("SYMM_TEST_WORLD").ok()?.parse().ok()?;
+    let hex = std::env::var("SYMM_TEST_ID").ok()?;
+    let mut id = [0u8; 128];
+    for (i, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    let arg = std::env::var("SYMM_TEST_ARG").unwrap_or_default();
+    Some(Child {
+        rank,
+        world,
+        id,
+        arg,
+    })
+}
+
+pub fn new_id_hex() -> String {
+    let id = symmalloc::ipc::UniqueId::generate().unwrap();
+    id.to_bytes().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Starts `world` processes running test `name` of this binary as ranks; returns their outputs
+/// in rank order. `env` is added to every child; `per_rank` lets one rank differ.
+pub fn spawn_ranks(
+    name: &str,
+    world: i32,
+    env: &[(&str, &str)],
+    arg: &str,
+) -> Vec<std::process::Child> {
+    let exe = std::env::current_exe().unwrap();
+    let id = new_id_hex();
+    (0..world)
+        .map(|r| {
+            let mut c = Command::new(&exe);
+            c.args([name, "--exact", "--nocapture", "--test-threads=1"])
+                .env("SYMM_TEST_RANK", r.to_string())
+                .env("SYMM_TEST_WORLD", world.to_string())
+                .env("SYMM_TEST_ID", &id)
+                .env("SYMM_TEST_ARG", arg)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            for (k, v) in env {
+                c.env(k, v);
+            }
+            c.spawn().unwrap()
+        })
+        .collect()
+}
+
+pub fn wait_all(children: Vec<std::process::Child>) -> Vec<Output> {
+    children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect()
+}
+
+pub fn run_ranks(name: &str, world: i32, env: &[(&str, &str)], arg: &str) -> Vec<Output> {
+    wait_all(spawn_ranks(name, world, env, arg))
+}
+
+pub fn assert_all_ok(outs: &[Output]) {
+    for (r, o) in outs.iter().enumerate() {
+        assert!(
+            o.status.success(),
+            "rank {r} failed ({:?}):\n--- stdout\n{}\n--- stderr\n{}",
+            o.status,
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}
+
+/// Number of CUDA devices, or None with the reason printed (GPU tests then skip visibly).
+pub fn gpus(test: &str) -> Option<usize> {
+    match symmalloc::cuda::driver() {
+        Ok(d) => Some(d.devices.len()),
+        Err(e) => {
+            eprintln!("SKIPPED {test}: no GPU ({})", e.message);
+            println!("SKIPPED {test}: no GPU");
+            None
+        }
+    }
+}
+
+/// Open file descriptors of this process.
+pub fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}

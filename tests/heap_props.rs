@@ -1,0 +1,287 @@
+//! Allocator properties on real memory (host backend on CI; the same core runs on CUDA):
+//! random operation sequences never overlap live blocks, stats equal the live blocks, every
+//! invariant holds after each step, and everything returns to zero after release.
+
+mod common;
+use common::Rng;
+use std::collections::HashMap;
+use symmalloc::heap::backend::Stream;
+use symmalloc::heap::host_backend::HostBackend;
+use symmalloc::heap::pools::{self, PoolId};
+use symmalloc::heap::Allocator;
+
+fn allocator() -> Allocator {
+    Allocator::new(Box::new(HostBackend)).unwrap()
+}
+
+struct Live {
+    size: u64,
+    device: i32,
+    pattern: u8,
+}
+
+/// The bytes of a block that get a pattern: its first and last 4 KiB (the whole of a small one).
+fn edges(ptr: u64, size: u64) -> [(u64, u64); 2] {
+    let n = size.min(4096);
+    [(ptr, n), (ptr + size - n, n)]
+}
+
+fn fill(ptr: u64, size: u64, pattern: u8) {
+    for (p, n) in edges(ptr, size) {
+        // SAFETY: p..p+n lies in a live block of host memory returned by the allocator.
+        unsafe { std::ptr::write_bytes(p as *mut u8, pattern, n as usize) };
+    }
+}
+
+fn check(ptr: u64, size: u64, pattern: u8) {
+    for (p, n) in edges(ptr, size) {
+        // SAFETY: as fill().
+        let s = unsafe { std::slice::from_raw_parts(p as *const u8, n as usize) };
+        if let Some(i) = s.iter().position(|&b| b != pattern) {
+            panic!(
+                "block {ptr:#x}+{size}: byte at {:#x} is {:#x}, expected {pattern:#x}",
+                p + i as u64,
+                s[i]
+            );
+        }
+    }
+}
+
+/// Exact check that no two live blocks overlap.
+fn assert_disjoint(live: &HashMap<u64, Live>) {
+    let mut v: Vec<(u64, u64)> = live.iter().map(|(&p, l)| (p, l.size)).collect();
+    v.sort();
+    for w in v.windows(2) {
+        assert!(
+            w[0].0 + w[0].1 <= w[1].0,
+            "blocks {:#x}+{} and {:#x} overlap",
+            w[0].0,
+            w[0].1,
+            w[1].0
+        );
+    }
+}
+
+fn random_size(rng: &mut Rng) -> u64 {
+    match rng.below(10) {
+        0..=5 => 1 + rng.below(64 << 10),
+        6..=8 => (1 << 20) + rng.below(9 << 20),
+        _ => (10 << 20) + rng.below(24 << 20),
+    }
+}
+
+#[test]
+fn random_sequences_keep_blocks_disjoint_and_stats_exact() {
+    let seed = common::seed();
+    let mut rng = Rng::new(seed);
+    let a = allocator();
+    let streams: [Stream; 3] = [0, 0x1000, 0x2000];
+    let pool_ids = [pools::DEFAULT_POOL, PoolId(1, 1), PoolId(2, 5)];
+    let mut live: HashMap<u64, Live> = HashMap::new();
+    for step in 0..3000 {
+        match rng.below(100) {
+            0..=54 => {
+                let size = random_size(&mut rng);
+                let device = rng.below(2) as i32;
+                let pool = pool_ids[rng.below(3) as usize];
+                let stream = streams[rng.below(3) as usize];
+                let ptr = a.malloc_in(size, device, stream, pool).unwrap();
+                let pattern = (step % 251) as u8 + 1;
+                fill(ptr, size, pattern);
+                assert!(live
+                    .insert(
+                        ptr,
+                        Live {
+                            size,
+                            device,
+                            pattern,
+                            pool
+                        }
+                    )
+                    .is_none());
+            }
+            55..=89 if !live.is_empty() => {
+                let k = *live
+                    .keys()
+                    .nth(rng.below(live.len() as u64) as usize)
+                    .unwrap();
+                let l = live.remove(&k).unwrap();
+                check(k, l.size, l.pattern);
+                a.free(k, l.size, l.device, streams[rng.below(3) as usize])
+                    .unwrap();
+            }
+            90..=94 if !live.is_empty() => {
+                let k = *live
+                    .keys()
+                    .nth(rng.below(live.len() as u64) as usize)
+                    .unwrap();
+                a.record_stream(k, streams[rng.below(3) as usize]).unwrap();
+            }
+            95..=97 => a.empty_cache().unwrap(),
+            _ => {
+                let device = rng.below(2) as i32;
+                a.release_pool(device, pool_ids[1 + rng.below(2) as usize])
+                    .unwrap();
+            }
+        }
+        assert_disjoint(&live);
+        if step % 50 == 0 {
+            for (&p, l) in &live {
+                check(p, l.size, l.pattern);
+            }
+        }
+        for d in 0..2 {
+            a.validate(d)
+                .unwrap_or_else(|e| panic!("step {step}, device {d}: {e}"));
+            let s = a.stats(d).unwrap();
+            let mine: Vec<&Live> = live.values().filter(|l| l.device == d).collect();
+            assert_eq!(s.active_blocks, mine.len() as u64, "step {step}");
+            assert_eq!(
+                s.requested_bytes,
+                mine.iter().map(|l| l.size).sum::<u64>(),
+                "step {step}"
+            );
+            assert!(s.peak_allocated_bytes >= s.allocated_bytes);
+            assert!(s.reserved_bytes >= s.allocated_bytes);
+        }
+    }
+    for (p, l) in live.drain() {
+        a.free(p, l.size, l.device, 0).unwrap();
+    }
+    for id in pool_ids {
+        for d in 0..2 {
+            a.release_pool(d, id).unwrap();
+        }
+    }
+    a.empty_cache().unwrap();
+    for d in 0..2 {
+        let s = a.stats(d).unwrap();
+        assert_eq!(
+            (
+                s.allocated_bytes,
+                s.reserved_bytes,
+                s.active_blocks,
+                s.segments
+            ),
+            (0, 0, 0, 0),
+            "device {d} did not return to zero: {s:?}"
+        );
+        assert_eq!(s.physical_creates, s.physical_releases);
+        a.validate(d).unwrap();
+    }
+}
+
+#[test]
+fn cache_reuses_and_splits_and_merges() {
+    let a = allocator();
+    let p1 = a.malloc_in(1000, 0, 0, pools::DEFAULT_POOL).unwrap();
+    let p2 = a.malloc_in(1000, 0, 0, pools::DEFAULT_POOL).unwrap();
+    assert_eq!(
+        p2 - p1,
+        1024,
+        "small blocks are 512-byte rounded and packed"
+    );
+    let s = a.stats(0).unwrap();
+    assert_eq!(
+        (s.segments, s.physical_creates, s.cache_hits, s.cache_misses),
+        (1, 1, 1, 1)
+    );
+    a.free(p1, 1000, 0, 0).unwrap();
+    a.free(p2, 1000, 0, 0).unwrap();
+    // Both merged back: a 2 MiB small segment serves a 1 MiB request without a new segment.
+    let p3 = a.malloc_in(1 << 20, 0, 0, pools::DEFAULT_POOL).unwrap();
+    assert_eq!(p3, p1);
+    assert_eq!(a.stats(0).unwrap().physical_creates, 1);
+    a.free(p3, 1 << 20, 0, 0).unwrap();
+    // Large and huge requests get large (20 MiB) and dedicated segments.
+    let l = a.malloc_in(3 << 20, 0, 0, pools::DEFAULT_POOL).unwrap();
+    let h = a.malloc_in(33 << 20, 0, 0, pools::DEFAULT_POOL).unwrap();
+    let s = a.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes, (2 << 20) + (20 << 20) + (34 << 20));
+    a.free(l, 3 << 20, 0, 0).unwrap();
+    a.free(h, 33 << 20, 0, 0).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats(0).unwrap().reserved_bytes, 0);
+    a.validate(0).unwrap();
+}
+
+#[test]
+fn pools_keep_their_blocks_and_release_when_free() {
+    let a = allocator();
+    let pool = PoolId(42, 7);
+    pools::begin(0, pool).unwrap();
+    let p = a.malloc(4096, 0, 0).unwrap();
+    let q = a.malloc(4096, 0, 0).unwrap();
+    pools::end(0, pool).unwrap();
+    a.free(p, 4096, 0, 0).unwrap();
+    // The default pool must not reuse the private pool's freed block.
+    let d = a.malloc(4096, 0, 0).unwrap();
+    assert_ne!(d, p);
+    assert_eq!(a.stats(0).unwrap().segments, 2);
+    a.release_pool(0, pool).unwrap();
+    assert_eq!(
+        a.stats(0).unwrap().segments,
+        2,
+        "pool segment still has a live block"
+    );
+    a.free(q, 4096, 0, 0).unwrap();
+    assert_eq!(
+        a.stats(0).unwrap().segments,
+        1,
+        "released pool's segment goes with its last block"
+    );
+    a.free(d, 4096, 0, 0).unwrap();
+    a.validate(0).unwrap();
+}
+
+#[test]
+fn eight_threads_random_malloc_free() {
+    let secs: f64 = std::env::var("SYMMALLOC_STRESS_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10.0);
+    let a = std::sync::Arc::new(allocator());
+    let seed = common::seed();
+    let end = std::time::Instant::now() + std::time::Duration::from_secs_f64(secs);
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                let mut rng = Rng::new(seed + t);
+                let mut mine: Vec<(u64, u64, u8)> = Vec::new();
+                let mut ops = 0u64;
+                while std::time::Instant::now() < end {
+                    if mine.len() < 64 && (mine.is_empty() || rng.below(2) == 0) {
+                        let cap = if rng.below(8) == 0 { 4 << 20 } else { 16 << 10 };
+                        let size = 1 + rng.below(cap);
+                        let p = a
+                            .malloc_in(size, (t % 2) as i32, t * 16, pools::DEFAULT_POOL)
+                            .unwrap();
+                        let pat = (ops % 255) as u8 + 1;
+                        fill(p, size.min(4096), pat);
+                        mine.push((p, size, pat));
+                    } else {
+                        let i = rng.below(mine.len() as u64) as usize;
+                        let (p, size, pat) = mine.swap_remove(i);
+                        check(p, size.min(4096), pat);
+                        a.free(p, size, (t % 2) as i32, t * 16).unwrap();
+                    }
+                    ops += 1;
+                }
+                for (p, size, pat) in mine {
+                    check(p, size.min(4096), pat);
+                    a.free(p, size, (t % 2) as i32, 0).unwrap();
+                }
+                ops
+            })
+        })
+        .collect();
+    let ops: u64 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    eprintln!("{ops} operations in {secs} s on 8 threads");
+    for d in 0..2 {
+        a.validate(d).unwrap();
+        let s = a.stats(d).unwrap();
+        assert_eq!((s.allocated_bytes, s.active_blocks), (0, 0), "{s:?}");
+    }
+    assert!(ops > 1000);
+}
