@@ -74,8 +74,10 @@ __device__ __forceinline__ bool failed(const SymmArgs& a) {
   return *(volatile uint32_t*)a.error_word != 0;
 }
 
-// All threads of the block call this. Returns false when the kernel must stop.
-__device__ __forceinline__ bool block_barrier(const SymmArgs& a, uint32_t epoch) {
+// All threads of the block call this. Returns false when the kernel must stop. The descriptor
+// is compared only at a call's first barrier (check_desc): a peer cannot leave the call before
+// this rank reaches its last barrier, so what it left in our slot is still this call's.
+__device__ __forceinline__ bool block_barrier(const SymmArgs& a, uint32_t epoch, bool check_desc) {
   __shared__ int ok;
   if (threadIdx.x == 0) ok = 1;
   __syncthreads();
@@ -97,7 +99,7 @@ __device__ __forceinline__ bool block_barrier(const SymmArgs& a, uint32_t epoch)
         }
       }
     }
-    if (ok && *(volatile uint64_t*)&mine->desc != a.desc) {
+    if (ok && check_desc && *(volatile uint64_t*)&mine->desc != a.desc) {
       report(a, SYMM_ERR_ASYMMETRIC_CODE, p);
       ok = 0;
     }

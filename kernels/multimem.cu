@@ -41,7 +41,7 @@ __device__ __forceinline__ void multimem_body(const SymmArgs& a) {
   if (threadIdx.x == 0) epoch = counters[blockIdx.x];
   __syncthreads();
   uint32_t e = epoch;
-  bool ok = block_barrier(a, ++e);
+  bool ok = block_barrier(a, ++e, true);
   const uint64_t items = a.count / (DT == 2 ? 4 : 8);
   const uint64_t slice = (items + a.world - 1) / a.world;
   const uint64_t begin = min(items, slice * a.rank);
@@ -50,7 +50,7 @@ __device__ __forceinline__ void multimem_body(const SymmArgs& a) {
   if (ok) {
     for (uint64_t i = begin + (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < end; i += stride)
       multimem_sum_item<DT>(a.mc_out + i * 16);
-    ok = block_barrier(a, ++e);
+    ok = block_barrier(a, ++e, false);
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = e;
 #else

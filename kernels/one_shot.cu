@@ -14,7 +14,7 @@ __device__ __forceinline__ void one_shot_body(const SymmArgs& a) {
   if (threadIdx.x == 0) epoch = counters[blockIdx.x];
   __syncthreads();
   uint32_t e = epoch;
-  bool ok = block_barrier(a, ++e);
+  bool ok = block_barrier(a, ++e, true);
   const uint64_t items = a.count / P::N;
   const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   const uint64_t rounds = (items + stride - 1) / stride;
@@ -22,7 +22,7 @@ __device__ __forceinline__ void one_shot_body(const SymmArgs& a) {
     const uint64_t i = round * stride + (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
     float acc[P::N];
     if (i < items) reduce_item<T, OP, VEC>(a, i, acc);
-    if (a.in_place) ok = block_barrier(a, ++e);
+    if (a.in_place) ok = block_barrier(a, ++e, false);
     if (ok && i < items) ((typename P::Storage*)a.out[a.rank])[i] = pack<T, VEC>(acc);
   }
   if (VEC && blockIdx.x == 0 && ok) {
@@ -31,10 +31,10 @@ __device__ __forceinline__ void one_shot_body(const SymmArgs& a) {
     float acc[1];
     bool mine = i < a.count;
     if (mine) reduce_item<T, OP, false>(a, i, acc);
-    if (a.in_place) ok = block_barrier(a, ++e);
+    if (a.in_place) ok = block_barrier(a, ++e, false);
     if (ok && mine) ((T*)a.out[a.rank])[i] = from_f32<T>(acc[0]);
   }
-  if (ok) ok = block_barrier(a, ++e);
+  if (ok) ok = block_barrier(a, ++e, false);
   if (threadIdx.x == 0) counters[blockIdx.x] = e;
 }
 

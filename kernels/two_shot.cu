@@ -13,7 +13,7 @@ __device__ __forceinline__ void two_shot_body(const SymmArgs& a) {
   if (threadIdx.x == 0) epoch = counters[blockIdx.x];
   __syncthreads();
   uint32_t e = epoch;
-  bool ok = block_barrier(a, ++e);
+  bool ok = block_barrier(a, ++e, true);
   const uint64_t items = a.count / P::N;
   const uint64_t slice = (items + a.world - 1) / a.world;
   const uint64_t begin = min(items, slice * a.rank);
@@ -39,7 +39,7 @@ __device__ __forceinline__ void two_shot_body(const SymmArgs& a) {
           if (r < a.world) ((T*)a.out[r])[i] = s;
       }
     }
-    ok = block_barrier(a, ++e);
+    ok = block_barrier(a, ++e, false);
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = e;
 }

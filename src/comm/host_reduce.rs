@@ -36,8 +36,10 @@ fn desc_word(addr: u64) -> &'static AtomicU64 {
     unsafe { &*((addr + 8) as *const AtomicU64) }
 }
 
-/// Meets every peer at `epoch`; checks that each peer's call descriptor equals ours.
-pub fn barrier(c: &HostCall<'_>, epoch: u32) -> Result<()> {
+/// Meets every peer at `epoch`. With `check_desc` (only at a call's first barrier: a peer
+/// cannot leave the call before we reach its last barrier, so the descriptor it left in our
+/// slot is still this call's) each peer's call descriptor must equal ours.
+pub fn barrier(c: &HostCall<'_>, epoch: u32, check_desc: bool) -> Result<()> {
     for p in (0..c.world).filter(|&p| p != c.rank) {
         let remote = slot(c.pads[p], 0, c.rank);
         desc_word(remote).store(c.desc, Ordering::Relaxed);
@@ -53,14 +55,16 @@ pub fn barrier(c: &HostCall<'_>, epoch: u32) -> Result<()> {
                 if start.elapsed() > c.timeout {
                     return Err(Error::timeout(format!(
                         "rank {p} did not reach the all-reduce barrier within {:.1} s \
-                         (it may have exited, been killed, or called a different collective)",
-                        c.timeout.as_secs_f64()
+                         (it may have exited, been killed, or called a different collective); \
+                         waited for epoch {epoch}, saw {}",
+                        c.timeout.as_secs_f64(),
+                        flag(mine).load(Ordering::Acquire)
                     )));
                 }
                 std::thread::yield_now();
             }
         }
-        if desc_word(mine).load(Ordering::Relaxed) != c.desc {
+        if check_desc && desc_word(mine).load(Ordering::Relaxed) != c.desc {
             return Err(Error::not_symmetric(format!(
                 "rank {p} called this collective with other buffer offsets, count, type or \
                  algorithm than rank {}",
@@ -110,7 +114,7 @@ fn reduce(c: &HostCall<'_>, i: usize) -> f32 {
 /// Runs one all-reduce; `epoch` is the communicator's host epoch counter.
 pub fn all_reduce(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
     *epoch = epoch.wrapping_add(1);
-    barrier(c, *epoch)?;
+    barrier(c, *epoch, true)?;
     match c.algo {
         Algo::TwoShot => {
             let slice = c.count.div_ceil(c.world);
@@ -127,7 +131,7 @@ pub fn all_reduce(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
             let acc: Vec<f32> = (0..c.count).map(|i| reduce(c, i)).collect();
             if c.in_place {
                 *epoch = epoch.wrapping_add(1);
-                barrier(c, *epoch)?;
+                barrier(c, *epoch, false)?;
             }
             for (i, v) in acc.into_iter().enumerate() {
                 store(c.dtype, c.outputs[c.rank], i, v);
@@ -135,5 +139,5 @@ pub fn all_reduce(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
         }
     }
     *epoch = epoch.wrapping_add(1);
-    barrier(c, *epoch)
+    barrier(c, *epoch, false)
 }

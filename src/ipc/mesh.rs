@@ -112,11 +112,14 @@ impl Mesh {
         // Accept upwards.
         while conns.iter().skip(rank + 1).any(Option::is_none) {
             if let Err(e) = wait_readable(listener.as_raw_fd(), deadline) {
-                let missing: Vec<usize> =
-                    (rank + 1..world).filter(|&r| conns[r].is_none()).collect();
+                let missing: Vec<String> = (rank + 1..world)
+                    .filter(|&r| conns[r].is_none())
+                    .map(|r| format!("rank {r}"))
+                    .collect();
                 return Err(if e.kind() == io::ErrorKind::TimedOut {
                     Error::timeout(format!(
-                        "rank(s) {missing:?} did not connect to rank {rank} within {:.0} s",
+                        "{} did not connect to rank {rank} within {:.0} s",
+                        missing.join(", "),
                         timeout.as_secs_f64()
                     ))
                 } else {

@@ -111,15 +111,24 @@ pub fn run_ranks(name: &str, world: i32, env: &[(&str, &str)], arg: &str) -> Vec
 }
 
 pub fn assert_all_ok(outs: &[Output]) {
+    let mut report = String::new();
     for (r, o) in outs.iter().enumerate() {
-        assert!(
-            o.status.success(),
-            "rank {r} failed ({:?}):\n--- stdout\n{}\n--- stderr\n{}",
-            o.status,
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
+        if !o.status.success() {
+            let err = String::from_utf8_lossy(&o.stderr);
+            let err: String = err
+                .lines()
+                .filter(|l| !l.starts_with("  "))
+                .take(40)
+                .collect::<Vec<_>>()
+                .join("\n");
+            report += &format!(
+                "rank {r} failed ({:?}):\n--- stdout\n{}\n--- stderr\n{err}\n",
+                o.status,
+                String::from_utf8_lossy(&o.stdout)
+            );
+        }
     }
+    assert!(report.is_empty(), "{report}");
 }
 
 /// Number of CUDA devices, or None with the reason printed (GPU tests then skip visibly).

@@ -1,0 +1,472 @@
+//! Communicator tests with one process per rank on the host backend (real shared memory,
+//! real sockets and fd passing): correctness against a float64 reference, steady state without
+//! new mappings, killed ranks, asymmetric allocations, intruders, descriptors.
+
+mod common;
+use common::*;
+use std::ffi::CStr;
+use std::ptr::null_mut;
+use symmalloc::comm::convert::*;
+use symmalloc::ffi::types::*;
+use symmalloc::ffi::*;
+
+const HOST: (&str, &str) = ("SYMMALLOC_BACKEND", "host");
+
+fn err() -> String {
+    // SAFETY: valid C string.
+    unsafe { CStr::from_ptr(symm_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn init(c: &Child) -> *mut symm_comm_t {
+    let mut id = symm_unique_id_t { internal: [0; 128] };
+    id.internal
+        .iter_mut()
+        .zip(c.id)
+        .for_each(|(d, s)| *d = s as _);
+    let mut comm = null_mut();
+    let st = symm_comm_init(&mut comm, c.world, c.rank, c.rank, &id);
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_SUCCESS,
+        "rank {}: {}",
+        c.rank,
+        err()
+    );
+    comm
+}
+
+/// Rank r's input element i for a seed: reproducible on every rank, so each rank can compute
+/// the float64 reference of the whole reduction.
+fn input(seed: u64, rank: i32, i: usize) -> f32 {
+    let mut r = Rng::new(seed ^ ((rank as u64) << 40) ^ (i as u64).wrapping_mul(0x9E37));
+    r.unit() * 4.0
+}
+
+fn dtypes() -> [(u32, usize); 3] {
+    [(SYMM_BF16, 2), (SYMM_FP16, 2), (SYMM_FP32, 4)]
+}
+
+unsafe fn write_elem(p: *mut u8, dtype: u32, i: usize, v: f32) {
+    match dtype {
+        SYMM_BF16 => (p as *mut u16).add(i).write(f32_to_bf16(v)),
+        SYMM_FP16 => (p as *mut u16).add(i).write(f32_to_f16(v)),
+        _ => (p as *mut f32).add(i).write(v),
+    }
+}
+
+unsafe fn read_elem(p: *const u8, dtype: u32, i: usize) -> f32 {
+    match dtype {
+        SYMM_BF16 => bf16_to_f32((p as *const u16).add(i).read()),
+        SYMM_FP16 => f16_to_f32((p as *const u16).add(i).read()),
+        _ => (p as *const f32).add(i).read(),
+    }
+}
+
+fn rounded(dtype: u32, v: f32) -> f64 {
+    (match dtype {
+        SYMM_BF16 => bf16_to_f32(f32_to_bf16(v)),
+        SYMM_FP16 => f16_to_f32(f32_to_f16(v)),
+        _ => v,
+    }) as f64
+}
+
+fn tolerance(dtype: u32) -> f64 {
+    match dtype {
+        SYMM_BF16 => 1e-2,
+        SYMM_FP16 => 2e-3,
+        _ => 1e-5,
+    }
+}
+
+fn correctness_rank(c: Child) {
+    let comm = init(&c);
+    let before = stats(c.rank);
+    let seed: u64 = c.arg.parse().unwrap();
+    let mut case = 0u64;
+    for &count in &[1usize, 7, 8, 9, 100, 1031, 4099] {
+        for (dtype, esize) in dtypes() {
+            for op in [SYMM_SUM, SYMM_MAX, SYMM_MIN] {
+                for algo in [SYMM_ALGO_AUTO, SYMM_ALGO_ONE_SHOT, SYMM_ALGO_TWO_SHOT] {
+                    for in_place in [true, false] {
+                        case += 1;
+                        let s = seed.wrapping_add(case * 7919);
+                        // Offset by 2 bytes within the block: not 16-byte aligned.
+                        let off = if case % 3 == 0 { esize } else { 0 };
+                        let bytes = count * esize + off;
+                        let a = symm_malloc(bytes, c.rank, null_mut()) as *mut u8;
+                        let b = symm_malloc(bytes, c.rank, null_mut()) as *mut u8;
+                        assert!(!a.is_null() && !b.is_null(), "{}", err());
+                        // SAFETY: a and b are live blocks of `bytes` bytes of host memory.
+                        unsafe {
+                            let (send, recv) =
+                                (a.add(off), if in_place { a.add(off) } else { b.add(off) });
+                            std::ptr::write_bytes(b, 0xFF, bytes); // poison (NaN patterns)
+                            for i in 0..count {
+                                write_elem(send, dtype, i, input(s, c.rank, i));
+                            }
+                            if std::env::var("SYMM_TEST_DEBUG").is_ok() {
+                                eprintln!("case {case} count {count} dtype {dtype} op {op} algo {algo} in_place {in_place} off {off}");
+                            }
+                            let st = symm_all_reduce_algo(
+                                comm,
+                                algo,
+                                send as _,
+                                recv as _,
+                                count,
+                                dtype,
+                                op,
+                                null_mut(),
+                            );
+                            assert_eq!(
+                                st,
+                                symm_status_t::SYMM_SUCCESS,
+                                "rank {}: {}",
+                                c.rank,
+                                err()
+                            );
+                            let (mut num, mut den) = (0f64, 0f64);
+                            for i in 0..count {
+                                let vals: Vec<f64> = (0..c.world)
+                                    .map(|r| rounded(dtype, input(s, r, i)))
+                                    .collect();
+                                let want = match op {
+                                    SYMM_SUM => vals.iter().sum::<f64>(),
+                                    SYMM_MAX => vals.iter().cloned().fold(f64::MIN, f64::max),
+                                    _ => vals.iter().cloned().fold(f64::MAX, f64::min),
+                                };
+                                let got = read_elem(recv, dtype, i) as f64;
+                                assert!(
+                                    got.is_finite(),
+                                    "rank {}: element {i} not written ({got})",
+                                    c.rank
+                                );
+                                num += (got - want) * (got - want);
+                                den += want * want;
+                            }
+                            let rel = (num / den.max(1e-30)).sqrt();
+                            assert!(rel <= tolerance(dtype), "rank {} count {count} dtype {dtype} op {op} algo {algo} in_place {in_place}: rel err {rel}", c.rank);
+                        }
+                        symm_free(a as _, bytes, c.rank, null_mut());
+                        symm_free(b as _, bytes, c.rank, null_mut());
+                    }
+                }
+            }
+        }
+    }
+    // A buffer outside the heap is staged and still correct.
+    let mut outside = vec![1.5f32; 33];
+    let st = symm_all_reduce(
+        comm,
+        outside.as_ptr() as _,
+        outside.as_mut_ptr() as _,
+        33,
+        SYMM_FP32,
+        SYMM_SUM,
+        null_mut(),
+    );
+    assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
+    assert!(
+        outside.iter().all(|&x| x == 1.5 * c.world as f32),
+        "{outside:?}"
+    );
+    assert!(stats(c.rank).staged_collectives >= before.staged_collectives + 1);
+    assert_eq!(
+        symm_comm_destroy(comm),
+        symm_status_t::SYMM_SUCCESS,
+        "{}",
+        err()
+    );
+    println!("rank {}: {case} cases correct", c.rank);
+}
+
+fn stats(device: i32) -> symmalloc::heap::stats::Stats {
+    let mut s = std::mem::MaybeUninit::uninit();
+    assert_eq!(
+        symm_memory_stats(device, s.as_mut_ptr()),
+        symm_status_t::SYMM_SUCCESS,
+        "{}",
+        err()
+    );
+    // SAFETY: filled on success.
+    unsafe { s.assume_init() }
+}
+
+#[test]
+fn all_reduce_matches_reference_on_2_to_4_ranks() {
+    if let Some(c) = child() {
+        return correctness_rank(c);
+    }
+    let seed = seed();
+    for world in 2..=4 {
+        assert_all_ok(&run_ranks(
+            "all_reduce_matches_reference_on_2_to_4_ranks",
+            world,
+            &[HOST],
+            &seed.to_string(),
+        ));
+    }
+}
+
+fn steady_rank(c: Child) {
+    let fds_before = open_fds();
+    let comm = init(&c);
+    let iters: usize = c.arg.parse().unwrap();
+    let mut warm = None;
+    for it in 0..iters {
+        let p = symm_malloc(4096, c.rank, null_mut());
+        // SAFETY: p is 4096 bytes of host memory.
+        let v = unsafe { std::slice::from_raw_parts_mut(p as *mut f32, 1024) };
+        v.iter_mut().for_each(|x| *x = (c.rank + 1) as f32);
+        let st = symm_all_reduce(comm, p, p, 1024, SYMM_FP32, SYMM_SUM, null_mut());
+        assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
+        let want = (c.world * (c.world + 1) / 2) as f32;
+        assert!(v.iter().all(|&x| x == want));
+        symm_free(p, 4096, c.rank, null_mut());
+        if it == 1 {
+            let s = stats(c.rank);
+            warm = Some((s.peer_mappings, s.physical_creates));
+        }
+    }
+    let s = stats(c.rank);
+    assert_eq!(
+        Some((s.peer_mappings, s.physical_creates)),
+        warm,
+        "new mappings or segments after warm-up"
+    );
+    assert_eq!(
+        symm_comm_destroy(comm),
+        symm_status_t::SYMM_SUCCESS,
+        "{}",
+        err()
+    );
+    let s = stats(c.rank);
+    assert_eq!(s.peer_mappings, 0, "destroy unmaps every peer segment");
+    assert_eq!(s.active_blocks, 0);
+    symm_empty_cache(); // cached host segments are memfds
+    assert_eq!(stats(c.rank).segments, 0);
+    assert_eq!(open_fds(), fds_before, "destroy closes every descriptor");
+}
+
+#[test]
+fn steady_state_creates_no_new_mappings_or_segments() {
+    if let Some(c) = child() {
+        return steady_rank(c);
+    }
+    assert_all_ok(&run_ranks(
+        "steady_state_creates_no_new_mappings_or_segments",
+        2,
+        &[HOST],
+        "10000",
+    ));
+    assert_all_ok(&run_ranks(
+        "steady_state_creates_no_new_mappings_or_segments",
+        3,
+        &[HOST],
+        "300",
+    ));
+}
+
+fn killed_rank(c: Child) {
+    let during_collective = c.arg == "collective";
+    if c.rank == 1 && !during_collective {
+        std::process::abort(); // stand-in for SIGKILL before init; the parent kills for real below
+    }
+    let mut id = symm_unique_id_t { internal: [0; 128] };
+    id.internal
+        .iter_mut()
+        .zip(c.id)
+        .for_each(|(d, s)| *d = s as _);
+    let mut comm = null_mut();
+    let t0 = std::time::Instant::now();
+    let st = symm_comm_init(&mut comm, c.world, c.rank, c.rank, &id);
+    if !during_collective {
+        assert_ne!(st, symm_status_t::SYMM_SUCCESS);
+        let e = err();
+        assert!(
+            e.contains("rank 1"),
+            "error must name the missing rank: {e}"
+        );
+        assert!(t0.elapsed().as_secs_f64() < 10.0);
+        println!("rank {}: init failed as expected: {e}", c.rank);
+        return;
+    }
+    assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
+    let p = symm_malloc(1 << 16, c.rank, null_mut());
+    assert_eq!(
+        symm_all_reduce(comm, p, p, 1024, SYMM_FP32, SYMM_SUM, null_mut()),
+        symm_status_t::SYMM_SUCCESS
+    );
+    println!("READY");
+    if c.rank == 1 {
+        std::thread::sleep(std::time::Duration::from_secs(60)); // killed by the parent
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let t0 = std::time::Instant::now();
+    let st = symm_all_reduce(comm, p, p, 1024, SYMM_FP32, SYMM_SUM, null_mut());
+    assert_eq!(st, symm_status_t::SYMM_ERR_TIMEOUT, "{}", err());
+    let e = err();
+    assert!(e.contains("rank 1"), "error must name the dead rank: {e}");
+    assert!(t0.elapsed().as_secs_f64() < 10.0);
+    assert_eq!(
+        symm_comm_destroy(comm),
+        symm_status_t::SYMM_SUCCESS,
+        "destroy after a dead peer: {}",
+        err()
+    );
+    println!("rank {}: collective failed as expected: {e}", c.rank);
+}
+
+#[test]
+fn killed_rank_is_reported_by_name_within_the_timeout() {
+    if let Some(c) = child() {
+        return killed_rank(c);
+    }
+    let env = [HOST, ("SYMMALLOC_TIMEOUT_S", "3")];
+    // During init: rank 1 dies before connecting.
+    let outs = run_ranks(
+        "killed_rank_is_reported_by_name_within_the_timeout",
+        3,
+        &env,
+        "init",
+    );
+    assert_all_ok(&[outs[0].clone(), outs[2].clone()]);
+    // During a collective: rank 1 is SIGKILLed after the first all-reduce.
+    let mut kids = spawn_ranks(
+        "killed_rank_is_reported_by_name_within_the_timeout",
+        2,
+        &env,
+        "collective",
+    );
+    let mut out1 = kids[1].stdout.take().unwrap();
+    let mut buf = [0u8; 4096];
+    let mut seen = String::new();
+    while !seen.contains("READY") {
+        let n = std::io::Read::read(&mut out1, &mut buf).unwrap();
+        assert!(n > 0, "rank 1 exited before READY");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(kids[1].id() as i32, libc::SIGKILL) };
+    let outs = wait_all(kids);
+    assert_all_ok(&outs[..1]);
+}
+
+fn asymmetric_rank(c: Child) {
+    let comm = init(&c);
+    // Rank 0 allocates one more block first: its buffer lands elsewhere.
+    let extra = if c.rank == 0 {
+        symm_malloc(3 << 20, c.rank, null_mut())
+    } else {
+        null_mut()
+    };
+    let p = symm_malloc(8 << 20, c.rank, null_mut());
+    let st = symm_all_reduce(comm, p, p, 1024, SYMM_FP32, SYMM_SUM, null_mut());
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_ERR_NOT_SYMMETRIC,
+        "rank {}: {}",
+        c.rank,
+        err()
+    );
+    let e = err();
+    assert!(e.contains("rank 0") && e.contains("rank 1"), "{e}");
+    // Same segment, different offsets inside it: caught at the collective's barrier.
+    let q = symm_malloc(4096, c.rank, null_mut());
+    let r = symm_malloc(4096, c.rank, null_mut());
+    let buf = if c.rank == 0 { q } else { r };
+    let st = symm_all_reduce(comm, buf, buf, 16, SYMM_FP32, SYMM_SUM, null_mut());
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_ERR_NOT_SYMMETRIC,
+        "rank {}: {}",
+        c.rank,
+        err()
+    );
+    // The communicator stays usable with symmetric buffers.
+    let st = symm_all_reduce(comm, q, q, 16, SYMM_FP32, SYMM_SUM, null_mut());
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_SUCCESS,
+        "rank {}: {}",
+        c.rank,
+        err()
+    );
+    for x in [extra, p] {
+        if !x.is_null() {
+            let size = if x == extra { 3 << 20 } else { 8 << 20 };
+            symm_free(x, size, c.rank, null_mut());
+        }
+    }
+    assert_eq!(symm_comm_destroy(comm), symm_status_t::SYMM_SUCCESS);
+    println!("rank {}: asymmetry reported: {e}", c.rank);
+}
+
+#[test]
+fn asymmetric_allocations_fail_on_every_rank() {
+    if let Some(c) = child() {
+        return asymmetric_rank(c);
+    }
+    assert_all_ok(&run_ranks(
+        "asymmetric_allocations_fail_on_every_rank",
+        2,
+        &[HOST, ("SYMMALLOC_TIMEOUT_S", "10")],
+        "",
+    ));
+}
+
+fn intruder_rank(c: Child) {
+    let comm = init(&c);
+    let p = symm_malloc(4096, c.rank, null_mut());
+    // SAFETY: 4096 bytes of host memory.
+    unsafe { (p as *mut f32).write(1.0) };
+    assert_eq!(
+        symm_all_reduce(comm, p, p, 1, SYMM_FP32, SYMM_SUM, null_mut()),
+        symm_status_t::SYMM_SUCCESS
+    );
+    // SAFETY: as above.
+    assert_eq!(unsafe { (p as *const f32).read() }, c.world as f32);
+    assert_eq!(symm_comm_destroy(comm), symm_status_t::SYMM_SUCCESS);
+}
+
+#[test]
+fn connection_without_the_secret_is_refused() {
+    if let Some(c) = child() {
+        if c.rank == 0 {
+            // Rank 0 listens; an intruder that knows the socket name but not the secret
+            // connects first and must be refused without disturbing the job.
+            let id = symmalloc::ipc::UniqueId::from_bytes(&c.id).unwrap();
+            let name = id.socket_name(0);
+            std::thread::spawn(move || {
+                use std::os::linux::net::SocketAddrExt;
+                let addr =
+                    std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+                for _ in 0..2000 {
+                    if let Ok(s) = std::os::unix::net::UnixStream::connect_addr(&addr) {
+                        let mut hello = b"SYMMHELO".to_vec();
+                        hello.extend_from_slice(&1u32.to_le_bytes());
+                        hello.extend_from_slice(&2u32.to_le_bytes());
+                        hello.extend_from_slice(&[0u8; 32]);
+                        let _ = symmalloc::ipc::socket::send_frame(&s, &hello, &[]);
+                        std::thread::sleep(std::time::Duration::from_millis(200));
+                        return;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            });
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        } else {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
+        intruder_rank(c);
+        return;
+    }
+    let outs = run_ranks("connection_without_the_secret_is_refused", 2, &[HOST], "");
+    assert_all_ok(&outs);
+    let log = String::from_utf8_lossy(&outs[0].stderr);
+    assert!(
+        log.contains("refused a connection") && log.contains("wrong secret"),
+        "rank 0 log: {log}"
+    );
+}
