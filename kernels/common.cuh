@@ -65,8 +65,10 @@ __device__ __forceinline__ void st_volatile_u64(uint64_t* p, uint64_t v) {
   *(volatile uint64_t*)p = v;
 }
 
+// A plain store, not an atomic: the word lives in host memory and PCIe atomics are not
+// guaranteed. Any one of several concurrent reports is enough.
 __device__ __forceinline__ void report(const SymmArgs& a, uint32_t code, int peer) {
-  atomicCAS((unsigned int*)a.error_word, 0u, (code << 16) | (uint32_t)(peer + 1));
+  *(volatile uint32_t*)a.error_word = (code << 16) | (uint32_t)(peer + 1);
   __threadfence_system();
 }
 
@@ -78,9 +80,8 @@ __device__ __forceinline__ bool failed(const SymmArgs& a) {
 // is compared only at a call's first barrier (check_desc): a peer cannot leave the call before
 // this rank reaches its last barrier, so what it left in our slot is still this call's.
 __device__ __forceinline__ bool block_barrier(const SymmArgs& a, uint32_t epoch, bool check_desc) {
-  __shared__ int ok;
-  if (threadIdx.x == 0) ok = 1;
-  __syncthreads();
+  __syncthreads();  // the block's earlier stores happen before the release below
+  int ok = 1;
   const int p = threadIdx.x;
   if (p < a.world && p != a.rank) {
     Slot* remote = (Slot*)a.pads[p] + blockIdx.x * SYMM_MAX_RANKS + a.rank;
@@ -104,8 +105,7 @@ __device__ __forceinline__ bool block_barrier(const SymmArgs& a, uint32_t epoch,
       ok = 0;
     }
   }
-  __syncthreads();
-  return ok;
+  return __syncthreads_and(ok) != 0;
 }
 
 template <typename T> __device__ __forceinline__ float to_f32(T v);

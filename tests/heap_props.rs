@@ -94,8 +94,7 @@ fn random_sequences_keep_blocks_disjoint_and_stats_exact() {
                         Live {
                             size,
                             device,
-                            pattern,
-                            pool
+                            pattern
                         }
                     )
                     .is_none());

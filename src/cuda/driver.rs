@@ -223,7 +223,8 @@ pub fn mem_info(device: i32) -> Result<(u64, u64)> {
 }
 
 /// Whether `stream` is being captured into a CUDA graph.
-pub fn is_capturing(stream: u64) -> Result<bool> {
+pub fn is_capturing(device: i32, stream: u64) -> Result<bool> {
+    let _ctx = CtxGuard::new(device)?;
     let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     // SAFETY: stream is a caller-provided CUstream (0 = legacy default); valid out-pointer.
     check(

@@ -9,6 +9,8 @@ pub mod driver;
 pub mod mem;
 pub mod module;
 pub mod util;
+
+pub use vmm::granularity;
 pub mod vmm;
 
 pub use driver::{check, device_count, driver, CtxGuard, DeviceInfo};

@@ -37,5 +37,5 @@ pub trait Backend: Send + Sync {
     /// Free physical bytes on the device, when known (for out-of-memory messages).
     fn free_bytes(&self, device: i32) -> Option<u64>;
     fn order(&self, device: i32, waiter: Stream, on: Stream) -> Result<()>;
-    fn is_capturing(&self, stream: Stream) -> Result<bool>;
+    fn is_capturing(&self, device: i32, stream: Stream) -> Result<bool>;
 }

@@ -93,7 +93,7 @@ impl Backend for CudaBackend {
             .unwrap_or_else(|p| p.into_inner());
         ev.order(device, waiter, on)
     }
-    fn is_capturing(&self, stream: Stream) -> Result<bool> {
-        cuda::driver::is_capturing(stream)
+    fn is_capturing(&self, device: i32, stream: Stream) -> Result<bool> {
+        cuda::driver::is_capturing(device, stream)
     }
 }

@@ -3,8 +3,9 @@
 //! requesting stream's blocks first), stream-ordered reuse and statistics.
 //!
 //! Invariants (checked by `validate`):
-//! - the blocks of a segment tile it exactly, in address order; no two neighbouring blocks of a
-//!   segment are both free (they are merged on free);
+//! - the blocks of a segment tile it exactly, in address order; no two neighbouring free blocks
+//!   of a segment wait on the same set of streams (those are merged on free; blocks with
+//!   different pending streams stay apart, so stream sets never grow by merging);
 //! - every free block is in its pool's `free_any` and `free_by_stream` sets, under its first
 //!   stream, and nothing else is;
 //! - `segment.live` counts the segment's live blocks; stats equal the sums over blocks/segments;
@@ -191,13 +192,13 @@ impl DeviceHeap {
                 return Ok(true);
             }
             if capturing.is_none() {
-                capturing = Some(backend.is_capturing(stream)?);
+                capturing = Some(backend.is_capturing(self.device, stream)?);
             }
             if capturing == Some(true) {
                 return Ok(false);
             }
             for &s in &b.streams {
-                if s != stream && backend.is_capturing(s)? {
+                if s != stream && backend.is_capturing(self.device, s)? {
                     return Ok(false);
                 }
             }
@@ -451,12 +452,20 @@ impl DeviceHeap {
         Ok(())
     }
 
-    /// Merges the free block at `off` with free neighbours in its segment; returns the offset
-    /// of the merged block (not yet listed as free).
+    /// Merges the free block at `off` with free neighbours in its segment that wait on the same
+    /// streams; returns the offset of the merged block (not yet listed as free).
     fn merge_neighbours(&mut self, mut off: u64) -> u64 {
         let seg = self.blocks[&off].segment;
+        // Never-used memory (no streams) merges with anything; used memory only with memory
+        // that waits on the same streams.
+        let same = |a: &[Stream], b: &[Stream]| {
+            a.is_empty() || b.is_empty() || (a.len() == b.len() && a.iter().all(|s| b.contains(s)))
+        };
         if let Some((&prev, pb)) = self.blocks.range(..off).next_back() {
-            if pb.segment == seg && pb.live.is_none() {
+            if pb.segment == seg
+                && pb.live.is_none()
+                && same(&pb.streams, &self.blocks[&off].streams)
+            {
                 self.unlist_free(prev);
                 let b = self.blocks.remove(&off).expect("block");
                 let p = self.blocks.get_mut(&prev).expect("prev");
@@ -472,10 +481,11 @@ impl DeviceHeap {
             }
         }
         let next = off + self.blocks[&off].size;
+        let mine = self.blocks[&off].streams.clone();
         if self
             .blocks
             .get(&next)
-            .is_some_and(|n| n.segment == seg && n.live.is_none())
+            .is_some_and(|n| n.segment == seg && n.live.is_none() && same(&n.streams, &mine))
         {
             self.unlist_free(next);
             let n = self.blocks.remove(&next).expect("next");
@@ -494,10 +504,14 @@ impl DeviceHeap {
         let s = &self.segments[&seg];
         debug_assert_eq!(s.live, 0);
         let (len, pool) = (s.size, s.pool);
-        self.unlist_free(seg);
+        // A free segment may still hold several free blocks (different pending streams).
+        let offs: Vec<u64> = self.blocks.range(seg..seg + len).map(|(&o, _)| o).collect();
         backend.unmap(self.device, self.base + seg, len)?;
+        for o in offs {
+            self.unlist_free(o);
+            self.blocks.remove(&o);
+        }
         let s = self.segments.remove(&seg).expect("segment");
-        self.blocks.remove(&seg);
         backend.release(s.phys)?;
         self.ranges.free(seg, len);
         let p = self.pools.get_mut(&pool).expect("pool");
@@ -608,7 +622,7 @@ impl DeviceHeap {
             }
             let mut at = soff;
             let mut live = 0;
-            let mut prev_free = false;
+            let mut prev_free: Option<&Vec<Stream>> = None;
             for (&boff, b) in self.blocks.range(soff..soff + s.size) {
                 if boff != at || b.segment != soff || b.size == 0 {
                     return Err(format!(
@@ -622,13 +636,21 @@ impl DeviceHeap {
                         st.allocated_bytes += b.size;
                         st.requested_bytes += req;
                         st.active_blocks += 1;
-                        prev_free = false;
+                        prev_free = None;
                     }
                     None => {
-                        if prev_free {
-                            return Err(format!("free neighbours not merged at {boff:#x}"));
+                        if let Some(p) = prev_free {
+                            let q = &b.streams;
+                            if p.is_empty()
+                                || q.is_empty()
+                                || (p.len() == q.len() && p.iter().all(|s| q.contains(s)))
+                            {
+                                return Err(format!(
+                                    "free neighbours not merged at {boff:#x} (streams {p:?} and {q:?})"
+                                ));
+                            }
                         }
-                        prev_free = true;
+                        prev_free = Some(&b.streams);
                         *free_count.entry(s.pool).or_default() += 1;
                         let p = self.pools.get(&s.pool).ok_or("segment's pool is missing")?;
                         let stream = b.streams.first().copied().unwrap_or(0);

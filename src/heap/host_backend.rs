@@ -153,7 +153,7 @@ impl Backend for HostBackend {
     fn order(&self, _device: i32, _waiter: Stream, _on: Stream) -> Result<()> {
         Ok(())
     }
-    fn is_capturing(&self, _stream: Stream) -> Result<bool> {
+    fn is_capturing(&self, _device: i32, _stream: Stream) -> Result<bool> {
         Ok(false)
     }
 }

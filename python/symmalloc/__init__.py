@@ -1,0 +1,243 @@
+"""symmalloc: symmetric-memory CUDA allocator with NVLink all-reduce kernels.
+
+Pure Python over ctypes. The shared objects are found in this package's ``lib/`` folder (a
+built wheel carries them), in ``$SYMMALLOC_LIBRARY_DIR``, or in the repository's
+``target/release`` when run from a checkout.
+
+MemPool mode (recommended)::
+
+    import torch, symmalloc
+    comm = symmalloc.Communicator.from_env()          # torchrun / mpirun variables
+    with torch.cuda.use_mem_pool(symmalloc.mem_pool()):
+        x = torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16)
+    comm.all_reduce(x)                                 # in place, on the current stream
+"""
+
+import ctypes
+import os
+from typing import Dict, Optional
+
+__all__ = [
+    "SymmallocError",
+    "library_path",
+    "pluggable_path",
+    "get_unique_id",
+    "Communicator",
+    "mem_pool",
+    "install_global",
+    "memory_stats",
+]
+
+STATUS = [
+    "SYMM_SUCCESS", "SYMM_ERR_INVALID_ARGUMENT", "SYMM_ERR_OUT_OF_MEMORY", "SYMM_ERR_CUDA",
+    "SYMM_ERR_NO_DEVICE", "SYMM_ERR_NOT_SYMMETRIC", "SYMM_ERR_PEER", "SYMM_ERR_TIMEOUT",
+    "SYMM_ERR_UNSUPPORTED", "SYMM_ERR_INTERNAL",
+]
+_DTYPES = {"bfloat16": 0, "float16": 1, "float32": 2}
+_OPS = {"sum": 0, "max": 1, "min": 2}
+_ALGOS = {"auto": 0, "one_shot": 1, "two_shot": 2, "multimem": 3}
+_STATS = [
+    "allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "active_blocks", "segments",
+    "physical_creates", "cache_hits", "cache_misses", "peer_mappings", "staged_collectives",
+    "requested_bytes", "physical_releases", "heap_bytes",
+]
+
+
+class SymmallocError(RuntimeError):
+    """A failed symmalloc call: ``status`` is the symm_status_t name."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
+def _candidates():
+    env = os.environ.get("SYMMALLOC_LIBRARY_DIR")
+    if env:
+        yield env
+    here = os.path.dirname(os.path.abspath(__file__))
+    yield os.path.join(here, "lib")
+    yield os.path.normpath(os.path.join(here, "..", "..", "target", "release"))
+
+
+def _find(name: str) -> str:
+    tried = []
+    for d in _candidates():
+        p = os.path.join(d, name)
+        if os.path.isfile(p):
+            return p
+        tried.append(p)
+    raise SymmallocError(
+        "SYMM_ERR_NO_DEVICE",
+        f"{name} not found (tried {', '.join(tried)}); build it with `make build` or set "
+        "SYMMALLOC_LIBRARY_DIR to the folder that holds it",
+    )
+
+
+def library_path() -> str:
+    """Path of libsymmalloc.so."""
+    return _find("libsymmalloc.so")
+
+
+def pluggable_path() -> str:
+    """Path of libsymmalloc_pluggable.so (load only with dlopen/CUDAPluggableAllocator)."""
+    p = _find("libsymmalloc_pluggable.so")
+    if os.path.dirname(p) != os.path.dirname(library_path()):
+        raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "the shim must sit beside libsymmalloc.so")
+    return p
+
+
+class _Stats(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in _STATS]
+
+
+_lib = None
+
+
+def _library():
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL(library_path())
+        lib.symm_malloc.restype = ctypes.c_void_p
+        lib.symm_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        lib.symm_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        lib.symm_last_error.restype = ctypes.c_char_p
+        lib.symm_memory_stats.argtypes = [ctypes.c_int, ctypes.POINTER(_Stats)]
+        lib.symm_get_unique_id.argtypes = [ctypes.c_char_p]
+        lib.symm_comm_init.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_char_p,
+        ]
+        lib.symm_comm_init_from_env.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.symm_comm_destroy.argtypes = [ctypes.c_void_p]
+        lib.symm_all_reduce_algo.argtypes = [
+            ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+            ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p,
+        ]
+        lib.symm_barrier.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        _lib = lib
+    return _lib
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        msg = _library().symm_last_error().decode(errors="replace")
+        name = STATUS[status] if 0 <= status < len(STATUS) else f"status {status}"
+        raise SymmallocError(name, msg)
+
+
+def memory_stats(device: int = 0) -> Dict[str, int]:
+    """The allocator's statistics for ``device`` as a dict."""
+    s = _Stats()
+    _check(_library().symm_memory_stats(device, ctypes.byref(s)))
+    return {n: getattr(s, n) for n in _STATS}
+
+
+def get_unique_id() -> bytes:
+    """A new job id (128 bytes); send it to every rank by any means."""
+    buf = ctypes.create_string_buffer(128)
+    _check(_library().symm_get_unique_id(buf))
+    return buf.raw
+
+
+def _current_stream_handle() -> int:
+    import torch
+
+    return torch.cuda.current_stream().cuda_stream
+
+
+class Communicator:
+    """One per (process, GPU). ``Communicator(rank, world_size, unique_id)`` or ``from_env()``."""
+
+    def __init__(self, rank: int, world_size: int, unique_id: bytes, device: Optional[int] = None):
+        if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != 128:
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "unique_id must be the 128 bytes of get_unique_id()")
+        self.rank, self.world_size = rank, world_size
+        self.device = rank if device is None else device
+        self._comm = ctypes.c_void_p()
+        _check(_library().symm_comm_init(ctypes.byref(self._comm), world_size, rank, self.device, bytes(unique_id)))
+
+    @classmethod
+    def from_env(cls) -> "Communicator":
+        """From torchrun (LOCAL_RANK, LOCAL_WORLD_SIZE, ...) or mpirun variables."""
+        self = cls.__new__(cls)
+        self._comm = ctypes.c_void_p()
+        _check(_library().symm_comm_init_from_env(ctypes.byref(self._comm)))
+        self.rank = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
+        self.world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")))
+        self.device = self.rank
+        return self
+
+    def all_reduce(self, tensor, op: str = "sum", algo: str = "auto", out=None) -> None:
+        """All-reduce of a contiguous CUDA tensor on the current stream: in place, or into
+        ``out`` (same shape and dtype)."""
+        name = str(tensor.dtype).replace("torch.", "")
+        if name not in _DTYPES:
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"dtype {tensor.dtype} is not bfloat16, float16 or float32")
+        if op not in _OPS or algo not in _ALGOS:
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"op {op!r} / algo {algo!r} unknown; ops {list(_OPS)}, algos {list(_ALGOS)}")
+        if not tensor.is_contiguous():
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "tensor must be contiguous")
+        dst = tensor if out is None else out
+        if dst.dtype != tensor.dtype or dst.numel() != tensor.numel() or not dst.is_contiguous():
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "out must be contiguous with the tensor's dtype and size")
+        _check(_library().symm_all_reduce_algo(
+            self._comm, _ALGOS[algo], tensor.data_ptr(), dst.data_ptr(), tensor.numel(), _DTYPES[name], _OPS[op],
+            _current_stream_handle()))
+
+    def barrier(self) -> None:
+        _check(_library().symm_barrier(self._comm, _current_stream_handle()))
+
+    def close(self) -> None:
+        if getattr(self, "_comm", None) and self._comm.value:
+            _check(_library().symm_comm_destroy(self._comm))
+            self._comm = ctypes.c_void_p()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+_allocator = None  # kept alive for the process: PyTorch crashes if it dies before its pools
+_pools: Dict[int, object] = {}
+
+
+def _pluggable():
+    global _allocator
+    if _allocator is None:
+        import torch
+
+        _allocator = torch.cuda.memory.CUDAPluggableAllocator(pluggable_path(), "malloc", "free")
+    return _allocator
+
+
+def mem_pool(device: Optional[int] = None):
+    """A ``torch.cuda.MemPool`` whose segments come from symmalloc (one per device)."""
+    import torch
+
+    if device is None:
+        device = torch.cuda.current_device()
+    if device not in _pools:
+        _pools[device] = torch.cuda.MemPool(_pluggable().allocator())
+    return _pools[device]
+
+
+def install_global() -> None:
+    """Make symmalloc PyTorch's CUDA allocator. Must run before CUDA allocates anything."""
+    import torch
+
+    if torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
+        raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "install_global() must run before any CUDA tensor is allocated")
+    alloc = _pluggable()
+    raw = alloc.allocator()
+    lib = _library()
+    for setter, fn in [
+        ("set_begin_allocate_to_pool", "symm_begin_pool"),
+        ("set_end_allocate_to_pool_fn", "symm_end_pool"),
+        ("set_release_pool", "symm_release_pool"),
+        ("set_record_stream_fn", "symm_record_stream"),
+    ]:
+        if hasattr(raw, setter):  # only some PyTorch builds expose these to Python
+            getattr(raw, setter)(ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value)
+    torch.cuda.memory.change_current_allocator(alloc)

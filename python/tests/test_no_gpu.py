@@ -1,0 +1,66 @@
+"""Tests that run anywhere (CI has no GPU): import, library discovery, error paths."""
+import ctypes
+import os
+
+import pytest
+
+import symmalloc
+
+
+def test_paths_exist_and_sit_together():
+    lib = symmalloc.library_path()
+    shim = symmalloc.pluggable_path()
+    assert os.path.isfile(lib) and os.path.isfile(shim)
+    assert os.path.dirname(lib) == os.path.dirname(shim)
+
+
+def test_missing_library_dir_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("SYMMALLOC_LIBRARY_DIR", str(tmp_path))
+    monkeypatch.setattr(symmalloc, "_candidates", lambda: iter([str(tmp_path)]))
+    with pytest.raises(symmalloc.SymmallocError) as e:
+        symmalloc.library_path()
+    assert "libsymmalloc.so not found" in str(e.value) and "SYMMALLOC_LIBRARY_DIR" in str(e.value)
+
+
+def test_unique_id_is_128_random_bytes():
+    a, b = symmalloc.get_unique_id(), symmalloc.get_unique_id()
+    assert len(a) == 128 and a != b and a.startswith(b"SYMMID01")
+
+
+def test_bad_unique_id_rejected():
+    with pytest.raises(symmalloc.SymmallocError) as e:
+        symmalloc.Communicator(0, 1, b"x" * 128)
+    assert e.value.status == "SYMM_ERR_INVALID_ARGUMENT" and "magic" in str(e.value)
+    with pytest.raises(symmalloc.SymmallocError):
+        symmalloc.Communicator(0, 1, b"short")
+
+
+def test_from_env_names_the_missing_variable(monkeypatch):
+    for k in ["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"]:
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(symmalloc.SymmallocError) as e:
+        symmalloc.Communicator.from_env()
+    assert "LOCAL_RANK" in str(e.value)
+
+
+def test_stats_and_no_device_or_host_backend():
+    if os.environ.get("SYMMALLOC_BACKEND") == "host":
+        s = symmalloc.memory_stats(0)
+        assert s["active_blocks"] == 0 and "staged_collectives" in s
+    else:
+        lib = symmalloc._library()
+        p = lib.symm_malloc(4096, 0, None)
+        if p is None:  # no GPU here: the error says why
+            assert b"SYMM_ERR_NO_DEVICE" in lib.symm_last_error()
+        else:
+            lib.symm_free(p, 4096, 0, None)
+
+
+def test_torch_helpers_need_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError):
+            symmalloc.mem_pool(0)
+    else:
+        pytest.skip("torch installed: covered by the GPU tests")

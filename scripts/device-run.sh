@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a lent GPU machine, from
+# prebuilt artifacts in .device/ (see the README's "GPU runs" section). Logs go to $OUT.
+#   bash scripts/device-run.sh tests | bench
+# Safety: NVLink multicast stays off. The three disabling variables are forced on and
+# SYMMALLOC_ENABLE_MULTICAST is removed, so nothing here can create a multicast object.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset SYMMALLOC_ENABLE_MULTICAST
+D=$PWD/.device
+OUT=${OUT:-/tmp/symm-out}
+mkdir -p "$OUT"
+export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
+step() { echo; echo "=== $* ==="; }
+run() { local name=$1; shift; step "$name"; timeout "${T:-300}" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n "${TAILN:-15}" "$OUT/$name.log"; echo "[$name rc=$rc]"; }
+
+if [ "${1:-tests}" = gpu ]; then
+  run gpu_alloc $D/t_gpu_alloc --test-threads=1 --nocapture
+  T=400 TAILN=12 run gpu_comm $D/t_gpu_comm --test-threads=1 --nocapture
+elif [ "${1:-tests}" = tests ]; then
+  step machine; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m | head -5; ldd --version | head -1
+  env | grep -E "NVLS|MULTICAST" | sort
+  run demo $D/symmalloc-demo
+  run unit $D/t_unit --test-threads=2
+  run gpu_alloc $D/t_gpu_alloc --test-threads=1 --nocapture
+  T=400 TAILN=25 run gpu_comm $D/t_gpu_comm --test-threads=1 --nocapture
+  step c_harness
+  cmake -S tests/c -B /tmp/cbuild -DSYMMALLOC_LIB_DIR=$D -DCUDA_INCLUDE_DIR=/usr/local/cuda/include > "$OUT/c.log" 2>&1 && cmake --build /tmp/cbuild -j 8 >> "$OUT/c.log" 2>&1 && ctest --test-dir /tmp/cbuild --output-on-failure >> "$OUT/c.log" 2>&1; echo "[ctest rc=$?]"; grep -E "tests passed|Test +#|link_test|dlopen|shared" "$OUT/c.log" | tail -14
+  for t in link_test dlopen_shim shared_state; do /tmp/cbuild/$t $D 2>&1 | tail -1; done
+  step sass
+  cuobjdump --dump-sass --gpu-architecture sm_90 $D/symmalloc_kernels.fatbin > "$OUT/sass_sm90.txt" 2>&1
+  awk '/Function : symm_multimem_bf16_sum_vec/{f=1} f&&/Function : /&&!/multimem/{f=0} f' "$OUT/sass_sm90.txt" > "$OUT/sass_multimem.txt"
+  echo "multimem kernel SASS lines: $(wc -l < $OUT/sass_multimem.txt); multimem instructions:"; grep -oE "(MULTIMEM|UBLKRED|LDGMC|REDG?MC|STGMC|[A-Z.]*MC[A-Z.]*) " "$OUT/sass_multimem.txt" | sort | uniq -c | head
+  grep -E "LDG.E.128|STG.E.128" "$OUT/sass_sm90.txt" | head -2
+  cuobjdump --dump-resource-usage $D/symmalloc_kernels.fatbin 2>/dev/null | grep -A1 "two_shot_bf16_sum_vec\|one_shot_bf16_sum_vec" | head -8
+else
+  T=560 TAILN=30 run allreduce python3 bench/allreduce.py --out "$OUT"
+  T=200 TAILN=30 run alloc $D/alloc_bench
+  T=120 TAILN=10 run alloc_torch python3 bench/alloc_torch.py
+fi

@@ -1,0 +1,568 @@
+//! All-reduce correctness on real GPUs, one process per GPU (run on the device machine; skips
+//! with a visible reason without two GPUs). Fresh random inputs for every case, outputs
+//! poisoned first, compared with a float64 reference, and bitwise across ranks; eager and
+//! 1,000 graph replays; steady state; a killed rank; asymmetric buffers.
+
+mod common;
+use common::*;
+use std::ffi::CStr;
+use std::io::Write;
+use std::ptr::null_mut;
+use symmalloc::comm::convert::*;
+use symmalloc::cuda::util;
+use symmalloc::ffi::types::*;
+use symmalloc::ffi::*;
+
+fn err() -> String {
+    // SAFETY: valid C string.
+    unsafe { CStr::from_ptr(symm_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn init(c: &Child) -> *mut symm_comm_t {
+    let mut id = symm_unique_id_t { internal: [0; 128] };
+    id.internal
+        .iter_mut()
+        .zip(c.id)
+        .for_each(|(d, s)| *d = s as _);
+    let mut comm = null_mut();
+    let st = symm_comm_init(&mut comm, c.world, c.rank, c.rank, &id);
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_SUCCESS,
+        "rank {}: {}",
+        c.rank,
+        err()
+    );
+    comm
+}
+
+fn esize(dtype: u32) -> usize {
+    if dtype == SYMM_FP32 {
+        4
+    } else {
+        2
+    }
+}
+
+fn encode(dtype: u32, v: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(v.len() * esize(dtype));
+    for &x in v {
+        match dtype {
+            SYMM_BF16 => out.extend_from_slice(&f32_to_bf16(x).to_le_bytes()),
+            SYMM_FP16 => out.extend_from_slice(&f32_to_f16(x).to_le_bytes()),
+            _ => out.extend_from_slice(&x.to_le_bytes()),
+        }
+    }
+    out
+}
+
+fn decode(dtype: u32, b: &[u8]) -> Vec<f32> {
+    b.chunks(esize(dtype))
+        .map(|c| match dtype {
+            SYMM_BF16 => bf16_to_f32(u16::from_le_bytes([c[0], c[1]])),
+            SYMM_FP16 => f16_to_f32(u16::from_le_bytes([c[0], c[1]])),
+            _ => f32::from_le_bytes(c.try_into().unwrap()),
+        })
+        .collect()
+}
+
+/// Rank r's inputs for one case, reproducible on every rank.
+fn inputs(seed: u64, rank: i32, n: usize, dtype: u32) -> Vec<f32> {
+    let mut g = Rng::new(seed ^ ((rank as u64 + 1) << 48));
+    let v: Vec<f32> = (0..n).map(|_| g.unit() * 4.0).collect();
+    decode(dtype, &encode(dtype, &v)) // the values as the dtype holds them
+}
+
+fn reference(seed: u64, world: i32, n: usize, dtype: u32, op: u32) -> Vec<f64> {
+    let all: Vec<Vec<f32>> = (0..world).map(|r| inputs(seed, r, n, dtype)).collect();
+    (0..n)
+        .map(|i| {
+            let vals = all.iter().map(|v| v[i] as f64);
+            match op {
+                SYMM_SUM => vals.sum(),
+                SYMM_MAX => vals.fold(f64::MIN, f64::max),
+                _ => vals.fold(f64::MAX, f64::min),
+            }
+        })
+        .collect()
+}
+
+fn rel_err(got: &[f32], want: &[f64]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (g, w) in got.iter().zip(want) {
+        if !g.is_finite() {
+            return f64::INFINITY;
+        }
+        num += (*g as f64 - w) * (*g as f64 - w);
+        den += w * w;
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn tol(dtype: u32) -> f64 {
+    match dtype {
+        SYMM_BF16 => 1e-2,
+        SYMM_FP16 => 2e-3,
+        _ => 1e-5,
+    }
+}
+
+fn fnv(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf29ce484222325u64, |x, &c| {
+        (x ^ c as u64).wrapping_mul(0x100000001b3)
+    })
+}
+
+fn out_file(c: &Child) -> std::fs::File {
+    let dir = std::env::var("SYMM_TEST_OUT").unwrap();
+    std::fs::File::create(format!("{dir}/rank{}.txt", c.rank)).unwrap()
+}
+
+/// One case: upload fresh inputs, poison the output, reduce, check; returns the output hash.
+#[allow(clippy::too_many_arguments)]
+fn run_case(
+    c: &Child,
+    comm: *mut symm_comm_t,
+    stream: u64,
+    seed: u64,
+    n: usize,
+    dtype: u32,
+    op: u32,
+    algo: u32,
+    in_place: bool,
+    misalign: bool,
+) -> u64 {
+    let es = esize(dtype);
+    let off = if misalign { es } else { 0 };
+    let bytes = n * es + off;
+    let a = symm_malloc(bytes, c.rank, stream as _) as u64;
+    let b = symm_malloc(bytes, c.rank, stream as _) as u64;
+    assert!(a != 0 && b != 0, "{}", err());
+    let (send, recv) = (
+        a + off as u64,
+        if in_place {
+            a + off as u64
+        } else {
+            b + off as u64
+        },
+    );
+    let x = inputs(seed, c.rank, n, dtype);
+    util::htod(c.rank, send, &encode(dtype, &x)).unwrap();
+    if !in_place {
+        util::htod(c.rank, recv, &vec![0xFF; n * es]).unwrap(); // NaN poison
+    }
+    let st = symm_all_reduce_algo(comm, algo, send as _, recv as _, n, dtype, op, stream as _);
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_SUCCESS,
+        "rank {} n {n} dtype {dtype} op {op} algo {algo}: {}",
+        c.rank,
+        err()
+    );
+    util::stream_sync(c.rank, stream).unwrap();
+    let mut out = vec![0u8; n * es];
+    util::dtoh(c.rank, &mut out, recv).unwrap();
+    let got = decode(dtype, &out);
+    let want = reference(seed, c.world, n, dtype, op);
+    let e = rel_err(&got, &want);
+    assert!(e <= tol(dtype), "rank {} n {n} dtype {dtype} op {op} algo {algo} in_place {in_place} misalign {misalign}: rel err {e}", c.rank);
+    // Stream-ordered frees: the next case may reuse the blocks.
+    symm_free(a as _, bytes, c.rank, stream as _);
+    symm_free(b as _, bytes, c.rank, stream as _);
+    fnv(&out)
+}
+
+fn sweep_rank(c: Child) {
+    // SAFETY: single-threaded child process.
+    let comm = init(&c);
+    let stream = util::stream_create(c.rank).unwrap();
+    let seed: u64 = c.arg.parse().unwrap();
+    let mut f = out_file(&c);
+    let mut case = 0u64;
+    let counts = [
+        1usize,
+        2,
+        7,
+        8,
+        9,
+        31,
+        127,
+        1000,
+        4097,
+        65_537,
+        (1 << 20) + 3,
+        1 << 22,
+    ];
+    for &n in &counts {
+        for dtype in [SYMM_BF16, SYMM_FP16, SYMM_FP32] {
+            for op in [SYMM_SUM, SYMM_MAX, SYMM_MIN] {
+                for algo in [SYMM_ALGO_AUTO, SYMM_ALGO_ONE_SHOT, SYMM_ALGO_TWO_SHOT] {
+                    for in_place in [true, false] {
+                        case += 1;
+                        let h = run_case(
+                            &c,
+                            comm,
+                            stream,
+                            seed + case,
+                            n,
+                            dtype,
+                            op,
+                            algo,
+                            in_place,
+                            case % 5 == 0,
+                        );
+                        writeln!(f, "{case} {h:016x}").unwrap();
+                    }
+                }
+            }
+        }
+    }
+    // The largest size the issue names: 2^27 bf16 elements (256 MiB), sum, both big algorithms.
+    for algo in [SYMM_ALGO_AUTO, SYMM_ALGO_TWO_SHOT] {
+        case += 1;
+        let h = run_case(
+            &c,
+            comm,
+            stream,
+            seed + case,
+            1 << 27,
+            SYMM_BF16,
+            SYMM_SUM,
+            algo,
+            true,
+            false,
+        );
+        writeln!(f, "{case} {h:016x}").unwrap();
+    }
+    assert_eq!(
+        symm_comm_destroy(comm),
+        symm_status_t::SYMM_SUCCESS,
+        "{}",
+        err()
+    );
+    println!("rank {}: {case} cases within tolerance", c.rank);
+}
+
+fn gpu_world(test: &str) -> Option<i32> {
+    let n = gpus(test)?;
+    if n < 2 {
+        println!("SKIPPED {test}: needs 2 GPUs, found {n}");
+        return None;
+    }
+    Some(n.min(8) as i32)
+}
+
+fn compare_rank_files(dir: &std::path::Path, world: i32) {
+    let files: Vec<String> = (0..world)
+        .map(|r| std::fs::read_to_string(dir.join(format!("rank{r}.txt"))).unwrap())
+        .collect();
+    assert!(!files[0].is_empty());
+    for r in 1..world as usize {
+        assert_eq!(
+            files[r], files[0],
+            "rank {r}'s outputs differ bitwise from rank 0's"
+        );
+    }
+}
+
+fn tmpdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("symm-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn gpu_all_reduce_sweep_matches_reference_and_is_bitwise_equal() {
+    if let Some(c) = child() {
+        return sweep_rank(c);
+    }
+    let Some(world) = gpu_world("gpu_all_reduce_sweep") else {
+        return;
+    };
+    let dir = tmpdir("sweep");
+    let outs = run_ranks(
+        "gpu_all_reduce_sweep_matches_reference_and_is_bitwise_equal",
+        world,
+        &[("SYMM_TEST_OUT", dir.to_str().unwrap())],
+        &seed().to_string(),
+    );
+    assert_all_ok(&outs);
+    compare_rank_files(&dir, world);
+    for o in &outs {
+        print!(
+            "{}",
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| l.starts_with("rank"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        println!();
+    }
+}
+
+fn graph_rank(c: Child) {
+    let comm = init(&c);
+    let stream = util::stream_create(c.rank).unwrap();
+    let mut f = out_file(&c);
+    let seed: u64 = c.arg.parse().unwrap();
+    for (n, algo, in_place) in [
+        (4099usize, SYMM_ALGO_ONE_SHOT, true),
+        (4099, SYMM_ALGO_ONE_SHOT, false),
+        (1 << 20, SYMM_ALGO_TWO_SHOT, true),
+        (1 << 20, SYMM_ALGO_TWO_SHOT, false),
+    ] {
+        let bytes = n * 2;
+        let a = symm_malloc(bytes, c.rank, stream as _) as u64;
+        let b = symm_malloc(bytes, c.rank, stream as _) as u64;
+        let recv = if in_place { a } else { b };
+        util::capture_begin(c.rank, stream).unwrap();
+        let st = symm_all_reduce_algo(
+            comm,
+            algo,
+            a as _,
+            recv as _,
+            n,
+            SYMM_BF16,
+            SYMM_SUM,
+            stream as _,
+        );
+        assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
+        let graph = util::capture_end(c.rank, stream).unwrap();
+        for replay in 0..1000u64 {
+            let s = seed ^ (replay << 20) ^ n as u64;
+            util::htod(
+                c.rank,
+                a,
+                &encode(SYMM_BF16, &inputs(s, c.rank, n, SYMM_BF16)),
+            )
+            .unwrap();
+            if !in_place {
+                util::htod(c.rank, b, &vec![0xFF; bytes]).unwrap();
+            }
+            graph.launch(stream).unwrap();
+            util::stream_sync(c.rank, stream).unwrap();
+            let mut out = vec![0u8; bytes];
+            util::dtoh(c.rank, &mut out, recv).unwrap();
+            let e = rel_err(
+                &decode(SYMM_BF16, &out),
+                &reference(s, c.world, n, SYMM_BF16, SYMM_SUM),
+            );
+            assert!(
+                e <= tol(SYMM_BF16),
+                "replay {replay} n {n} algo {algo}: rel err {e}"
+            );
+            writeln!(f, "{n} {algo} {in_place} {replay} {:016x}", fnv(&out)).unwrap();
+        }
+        drop(graph);
+        // Eager calls still work after graph replays (epochs stayed in step).
+        let st = symm_all_reduce_algo(
+            comm,
+            algo,
+            a as _,
+            recv as _,
+            n,
+            SYMM_BF16,
+            SYMM_SUM,
+            stream as _,
+        );
+        assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
+        util::stream_sync(c.rank, stream).unwrap();
+        symm_free(a as _, bytes, c.rank, stream as _);
+        symm_free(b as _, bytes, c.rank, stream as _);
+    }
+    assert_eq!(symm_comm_destroy(comm), symm_status_t::SYMM_SUCCESS);
+    println!("rank {}: 4 x 1000 graph replays correct", c.rank);
+}
+
+#[test]
+fn gpu_graph_replays_are_correct() {
+    if let Some(c) = child() {
+        return graph_rank(c);
+    }
+    let Some(world) = gpu_world("gpu_graph_replays_are_correct") else {
+        return;
+    };
+    let dir = tmpdir("graph");
+    let outs = run_ranks(
+        "gpu_graph_replays_are_correct",
+        world,
+        &[("SYMM_TEST_OUT", dir.to_str().unwrap())],
+        &seed().to_string(),
+    );
+    assert_all_ok(&outs);
+    compare_rank_files(&dir, world);
+}
+
+fn stats(device: i32) -> symmalloc::heap::stats::Stats {
+    let mut s = std::mem::MaybeUninit::uninit();
+    assert_eq!(
+        symm_memory_stats(device, s.as_mut_ptr()),
+        symm_status_t::SYMM_SUCCESS
+    );
+    // SAFETY: filled on success.
+    unsafe { s.assume_init() }
+}
+
+fn steady_rank(c: Child) {
+    let comm = init(&c);
+    let stream = util::stream_create(c.rank).unwrap();
+    let mut warm = None;
+    let t0 = std::time::Instant::now();
+    for it in 0..10_000 {
+        let p = symm_malloc(64 << 10, c.rank, stream as _);
+        let st = symm_all_reduce(comm, p, p, 32 << 10, SYMM_BF16, SYMM_SUM, stream as _);
+        assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
+        symm_free(p, 64 << 10, c.rank, stream as _);
+        if it == 1 {
+            let s = stats(c.rank);
+            warm = Some((s.peer_mappings, s.physical_creates));
+        }
+    }
+    util::stream_sync(c.rank, stream).unwrap();
+    let s = stats(c.rank);
+    assert_eq!(
+        Some((s.peer_mappings, s.physical_creates)),
+        warm,
+        "new mappings or segments after warm-up"
+    );
+    assert_eq!(symm_comm_destroy(comm), symm_status_t::SYMM_SUCCESS);
+    println!(
+        "rank {}: 10,000 iterations in {:.2} s, no new mappings or segments",
+        c.rank,
+        t0.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn gpu_steady_state_creates_no_new_mappings_or_segments() {
+    if let Some(c) = child() {
+        return steady_rank(c);
+    }
+    let Some(world) = gpu_world("gpu_steady_state") else {
+        return;
+    };
+    assert_all_ok(&run_ranks(
+        "gpu_steady_state_creates_no_new_mappings_or_segments",
+        world,
+        &[],
+        "",
+    ));
+}
+
+fn killed_rank(c: Child) {
+    let comm = init(&c);
+    let stream = util::stream_create(c.rank).unwrap();
+    let p = symm_malloc(1 << 20, c.rank, stream as _);
+    assert_eq!(
+        symm_all_reduce(comm, p, p, 1024, SYMM_FP32, SYMM_SUM, stream as _),
+        symm_status_t::SYMM_SUCCESS
+    );
+    util::stream_sync(c.rank, stream).unwrap();
+    if c.rank == 1 {
+        // SAFETY: killing ourselves, as a crashed rank would die.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let t0 = std::time::Instant::now();
+    // The kernel launches, waits for rank 1 at its barrier, gives up after the timeout and
+    // sets the error word; this call or the next one reports it.
+    let st = symm_all_reduce(comm, p, p, 1024, SYMM_FP32, SYMM_SUM, stream as _);
+    util::stream_sync(c.rank, stream).unwrap();
+    let st2 = symm_all_reduce(comm, p, p, 1024, SYMM_FP32, SYMM_SUM, stream as _);
+    assert!(
+        st == symm_status_t::SYMM_ERR_TIMEOUT || st2 == symm_status_t::SYMM_ERR_TIMEOUT,
+        "{:?} {:?} {}",
+        st,
+        st2,
+        err()
+    );
+    let e = err();
+    assert!(e.contains("rank 1"), "{e}");
+    assert!(t0.elapsed().as_secs_f64() < 20.0, "took {:?}", t0.elapsed());
+    assert_eq!(
+        symm_comm_destroy(comm),
+        symm_status_t::SYMM_SUCCESS,
+        "{}",
+        err()
+    );
+    println!("rank {}: dead peer reported: {e}", c.rank);
+}
+
+#[test]
+fn gpu_killed_rank_is_reported_within_the_timeout() {
+    if let Some(c) = child() {
+        return killed_rank(c);
+    }
+    if gpu_world("gpu_killed_rank").is_none() {
+        return;
+    }
+    let outs = run_ranks(
+        "gpu_killed_rank_is_reported_within_the_timeout",
+        2,
+        &[("SYMMALLOC_TIMEOUT_S", "5")],
+        "",
+    );
+    assert_all_ok(&outs[..1]);
+}
+
+fn asymmetric_rank(c: Child) {
+    let comm = init(&c);
+    let extra = if c.rank == 0 {
+        symm_malloc(3 << 20, 0, null_mut())
+    } else {
+        null_mut()
+    };
+    let p = symm_malloc(8 << 20, c.rank, null_mut());
+    let st = symm_all_reduce(comm, p, p, 1024, SYMM_FP32, SYMM_SUM, null_mut());
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_ERR_NOT_SYMMETRIC,
+        "rank {}: {}",
+        c.rank,
+        err()
+    );
+    let q = symm_malloc(4096, c.rank, null_mut());
+    let r = symm_malloc(4096, c.rank, null_mut());
+    let buf = if c.rank == 0 { q } else { r };
+    // Same segment, other offsets: the kernel's first barrier catches it; reported next call.
+    let st = symm_all_reduce(comm, buf, buf, 16, SYMM_FP32, SYMM_SUM, null_mut());
+    util::device_sync(c.rank).unwrap();
+    let st2 = symm_all_reduce(comm, q, q, 16, SYMM_FP32, SYMM_SUM, null_mut());
+    assert!(
+        st == symm_status_t::SYMM_ERR_NOT_SYMMETRIC || st2 == symm_status_t::SYMM_ERR_NOT_SYMMETRIC,
+        "{st:?} {st2:?} {}",
+        err()
+    );
+    let st3 = symm_all_reduce(comm, q, q, 16, SYMM_FP32, SYMM_SUM, null_mut());
+    assert_eq!(
+        st3,
+        symm_status_t::SYMM_SUCCESS,
+        "usable after the report: {}",
+        err()
+    );
+    util::device_sync(c.rank).unwrap();
+    if !extra.is_null() {
+        symm_free(extra, 3 << 20, 0, null_mut());
+    }
+    assert_eq!(symm_comm_destroy(comm), symm_status_t::SYMM_SUCCESS);
+    println!("rank {}: asymmetry reported on every rank", c.rank);
+}
+
+#[test]
+fn gpu_asymmetric_buffers_fail_on_every_rank() {
+    if let Some(c) = child() {
+        return asymmetric_rank(c);
+    }
+    if gpu_world("gpu_asymmetric").is_none() {
+        return;
+    }
+    assert_all_ok(&run_ranks(
+        "gpu_asymmetric_buffers_fail_on_every_rank",
+        2,
+        &[("SYMMALLOC_TIMEOUT_S", "10")],
+        "",
+    ));
+}
