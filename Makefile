@@ -2,18 +2,19 @@
 #   make        set up the toolchain if missing, build release, run symmalloc-demo
 #   make test   cargo test, the C harness (ctest), header drift, fmt and clippy
 CARGO ?= cargo
+PYTHON ?= python3
 NVCC := $(CURDIR)/.toolchain/nvidia/cu13/bin/nvcc
 CMAKE := $(shell command -v cmake 2>/dev/null || echo $(CURDIR)/.toolchain/cmake/data/bin/cmake)
 CTEST := $(shell command -v ctest 2>/dev/null || echo $(CURDIR)/.toolchain/cmake/data/bin/ctest)
 CUDA_INCLUDE := $(CURDIR)/.toolchain/nvidia/cu13/include
 
-.PHONY: all run build toolchain test test-rust test-c lint header clean
+.PHONY: all run build toolchain test test-rust test-c test-python lint header clean
 
 all: run
 
 toolchain:
-	@if [ -z "$$NVCC" ] && ! command -v nvcc >/dev/null 2>&1 && [ ! -x $(NVCC) ] || [ ! -x $(CMAKE) ]; then \
-	  bash scripts/setup-toolchain.sh; fi
+	@if [ -z "$$NVCC" ] && ! command -v nvcc >/dev/null 2>&1 && [ ! -x $(NVCC) ] || [ ! -x $(CMAKE) ] \
+	  || ! $(PYTHON) -c "import pytest" 2>/dev/null; then bash scripts/setup-toolchain.sh; fi
 
 build: toolchain
 	$(CARGO) build --release
@@ -21,7 +22,8 @@ build: toolchain
 run: build
 	./target/release/symmalloc-demo
 
-test: toolchain lint test-rust test-c
+# The C harness first: it builds the release .so files that tests/exports.rs inspects.
+test: toolchain lint test-c test-rust test-python
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -29,6 +31,11 @@ lint:
 
 test-rust:
 	$(CARGO) test -p symmalloc
+
+# The Python package against the release build, on both backends (no GPU needed).
+test-python: build
+	cd python && SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release $(PYTHON) -m pytest -q tests
+	cd python && SYMMALLOC_BACKEND=host SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release $(PYTHON) -m pytest -q tests
 
 test-c: build
 	$(CMAKE) -S tests/c -B build/c -DSYMMALLOC_LIB_DIR=$(CURDIR)/target/release \

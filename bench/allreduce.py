@@ -137,7 +137,7 @@ def table(path):
     d = json.load(open(path))
     cols = ["symm_auto", "symm_one", "symm_two", "symm_auto_oop", "symm_one_oop", "torch_one", "torch_two", "nccl"]
     print(f"\nbf16 sum, {d['world']}x {d['device']}, torch {d['torch']}, NCCL {d['nccl']}; us per call (median)")
-    print(f"{'size':>9} | " + " | ".join(f"{c:>9} e/g" for c in cols) + " | auto busbw GB/s | best other | auto vs best")
+    print(f"{'size':>9} | " + " | ".join(f"{c:>9} e/g" for c in cols) + " | auto algbw GB/s | best other | auto vs best")
     for r in d["rows"]:
         def f(c, m):
             v = r.get(f"{c}_{m}")

@@ -50,7 +50,6 @@ __device__ __forceinline__ void multimem_body(const SymmArgs& a) {
   if (ok) {
     for (uint64_t i = begin + (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < end; i += stride)
       multimem_sum_item<DT>(a.mc_out + i * 16);
-    __threadfence_system();
     ok = block_barrier(a, ++e, false);
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = e;

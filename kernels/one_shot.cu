@@ -3,7 +3,9 @@
 //
 // Items are 16-byte vectors (VEC) or single elements; the elements after the last whole
 // vector (the tail) are done by block 0 as single elements. In place, every round reads all
-// ranks, meets the peers at a barrier, then writes, so no rank overwrites data a peer still reads.
+// ranks, meets the peers at a barrier, then writes, so no rank overwrites data a peer still
+// reads; that barrier also ends the last round's reads, so no closing barrier is needed.
+// Out of place, a closing barrier keeps the caller from overwriting an input a peer still reads.
 #include "common.cuh"
 
 template <typename T, int OP, bool VEC>
@@ -25,7 +27,7 @@ __device__ __forceinline__ void one_shot_body(const SymmArgs& a) {
     if (a.in_place) ok = block_barrier(a, ++e, false);
     if (ok && i < items) ((typename P::Storage*)a.out[a.rank])[i] = pack<T, VEC>(acc);
   }
-  if (VEC && blockIdx.x == 0 && ok) {
+  if (VEC && blockIdx.x == 0 && ok && items * P::N < a.count) {  // a tail exists
     const uint64_t first = items * P::N;
     const uint64_t i = first + threadIdx.x;
     float acc[1];
@@ -34,7 +36,7 @@ __device__ __forceinline__ void one_shot_body(const SymmArgs& a) {
     if (a.in_place) ok = block_barrier(a, ++e, false);
     if (ok && mine) ((T*)a.out[a.rank])[i] = from_f32<T>(acc[0]);
   }
-  if (ok) ok = block_barrier(a, ++e, false);
+  if (ok && !a.in_place) ok = block_barrier(a, ++e, false);
   if (threadIdx.x == 0) counters[blockIdx.x] = e;
 }
 

@@ -14,4 +14,8 @@ if ! command -v cmake >/dev/null 2>&1 && [ ! -x .toolchain/bin/cmake ]; then
   echo "symmalloc: installing cmake into .toolchain/ (pip wheel)"
   "$PY" -m pip install --quiet --disable-pip-version-check --target .toolchain cmake==3.31.6
 fi
+if ! "$PY" -c "import pytest" 2>/dev/null; then
+  echo "symmalloc: installing pytest (for the Python package's tests)"
+  "$PY" -m pip install --quiet --disable-pip-version-check pytest==8.3.3
+fi
 echo "symmalloc: toolchain ready ($(.toolchain/nvidia/cu13/bin/nvcc --version | tail -1))"

@@ -157,8 +157,8 @@ fn gpu_graph_that_allocates_computes_and_frees() {
     for replay in 0..1000 {
         let xs: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
         let ys: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
-        util::htod(0, x, f32s(&xs)).unwrap();
-        util::htod(0, y, f32s(&ys)).unwrap();
+        util::htod_async(0, x, f32s(&xs), s).unwrap();
+        util::htod_async(0, y, f32s(&ys), s).unwrap();
         graph.launch(s).unwrap();
         util::stream_sync(0, s).unwrap();
         if replay % 100 == 0 || replay == 999 {
@@ -230,4 +230,60 @@ fn gpu_cross_stream_reuse_waits_for_the_old_stream() {
     symm_free(x2 as _, n * 4, 0, s2 as _);
     symm_free(y as _, n * 4, 0, s1 as _);
     symm_free(z as _, n * 4, 0, s2 as _);
+}
+
+/// Graph replay of y = 2x + y with x, y from `alloc`; uploads sync (htod) or on the stream.
+fn graph_replays(alloc: &dyn Fn(usize) -> u64, async_upload: bool) -> Result<(), String> {
+    let n = 65_536usize;
+    let s = util::stream_create(0).unwrap();
+    let (x, y) = (alloc(n * 4), alloc(n * 4));
+    util::capture_begin(0, s).unwrap();
+    util::saxpy(0, s, 2.0, x, y, n as u64).unwrap();
+    let graph = util::capture_end(0, s).unwrap();
+    let mut rng = Rng::new(seed());
+    for replay in 0..300 {
+        let xs: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
+        let ys: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
+        if async_upload {
+            util::htod_async(0, x, f32s(&xs), s).unwrap();
+            util::htod_async(0, y, f32s(&ys), s).unwrap();
+        } else {
+            util::htod(0, x, f32s(&xs)).unwrap();
+            util::htod(0, y, f32s(&ys)).unwrap();
+        }
+        graph.launch(s).unwrap();
+        util::stream_sync(0, s).unwrap();
+        let out = read_f32(0, y, n);
+        let bad = (0..n)
+            .filter(|&i| (out[i] - (2.0 * xs[i] + ys[i])).abs() > 1e-6)
+            .count();
+        if bad > 0 {
+            return Err(format!("replay {replay}: {bad} wrong elements"));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn gpu_graph_replay_experiment() {
+    if gpus("gpu_graph_replay_experiment").is_none() {
+        return;
+    }
+    let sym = |b: usize| symm_malloc(b, 0, null_mut()) as u64;
+    let raw = |b: usize| util::raw_alloc(0, b).unwrap();
+    for (name, alloc, async_upload) in [
+        (
+            "symmalloc, sync upload",
+            &sym as &dyn Fn(usize) -> u64,
+            false,
+        ),
+        ("cuMemAlloc, sync upload", &raw, false),
+        ("symmalloc, stream upload", &sym, true),
+        ("cuMemAlloc, stream upload", &raw, true),
+    ] {
+        println!(
+            "EXPERIMENT {name}: {:?}",
+            graph_replays(alloc, async_upload)
+        );
+    }
 }

@@ -148,10 +148,12 @@ fn run_case(
             b + off as u64
         },
     );
-    let x = inputs(seed, c.rank, n, dtype);
-    util::htod(c.rank, send, &encode(dtype, &x)).unwrap();
+    let x = encode(dtype, &inputs(seed, c.rank, n, dtype));
+    let poison = vec![0xFFu8; n * es]; // NaN in every dtype
+                                       // Stream-ordered uploads: the collective on the same stream sees them.
+    util::htod_async(c.rank, send, &x, stream).unwrap();
     if !in_place {
-        util::htod(c.rank, recv, &vec![0xFF; n * es]).unwrap(); // NaN poison
+        util::htod_async(c.rank, recv, &poison, stream).unwrap();
     }
     let st = symm_all_reduce_algo(comm, algo, send as _, recv as _, n, dtype, op, stream as _);
     assert_eq!(
@@ -331,16 +333,14 @@ fn graph_rank(c: Child) {
         );
         assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
         let graph = util::capture_end(c.rank, stream).unwrap();
+        let poison = vec![0xFFu8; bytes];
         for replay in 0..1000u64 {
             let s = seed ^ (replay << 20) ^ n as u64;
-            util::htod(
-                c.rank,
-                a,
-                &encode(SYMM_BF16, &inputs(s, c.rank, n, SYMM_BF16)),
-            )
-            .unwrap();
+            // Stream-ordered uploads: the replay on the same stream sees them.
+            let x = encode(SYMM_BF16, &inputs(s, c.rank, n, SYMM_BF16));
+            util::htod_async(c.rank, a, &x, stream).unwrap();
             if !in_place {
-                util::htod(c.rank, b, &vec![0xFF; bytes]).unwrap();
+                util::htod_async(c.rank, b, &poison, stream).unwrap();
             }
             graph.launch(stream).unwrap();
             util::stream_sync(c.rank, stream).unwrap();

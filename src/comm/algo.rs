@@ -96,34 +96,29 @@ impl Algo {
     }
 }
 
-/// Default largest out-of-place message (bytes) AUTO sends one-shot, by world size.
-/// Measured on 2x H200 (bench/RESULTS.md): in place, one-shot needs a third barrier (all
-/// ranks must finish reading before anyone overwrites its input) and lost to two-shot at every
-/// size from 8 KiB; out of place it saves the second phase for small messages. Wider worlds
-/// read (world-1) copies in one-shot, so the crossover drops.
+/// Default largest message (bytes) AUTO sends one-shot, by world size. Measured on 2x H200
+/// (bench/RESULTS.md): two-shot matched one-shot at 8 KiB (6.9 us graphed) and beat it from
+/// 32 KiB up, so one-shot keeps only the smallest messages. Wider worlds read (world-1)
+/// copies in one-shot, so the crossover drops further (not measured: no wider machine lent).
 pub fn default_one_shot_max(world: usize) -> u64 {
     match world {
-        0..=2 => 64 << 10,
-        3..=4 => 32 << 10,
-        _ => 16 << 10,
+        0..=2 => 16 << 10,
+        3..=4 => 8 << 10,
+        _ => 4 << 10,
     }
 }
 
-/// AUTO: one-shot for out-of-place messages up to the threshold
-/// (`SYMMALLOC_ONE_SHOT_MAX_BYTES` overrides, also for in-place calls), two-shot otherwise.
-/// Multimem is never chosen automatically. One rank needs no peers: one-shot.
-pub fn choose(algo: Algo, bytes: u64, world: usize, in_place: bool) -> Result<Algo> {
+/// AUTO: one-shot up to the threshold (`SYMMALLOC_ONE_SHOT_MAX_BYTES` overrides), two-shot
+/// above. Multimem is never chosen automatically. One rank needs no peers: one-shot.
+pub fn choose(algo: Algo, bytes: u64, world: usize) -> Result<Algo> {
     if algo != Algo::Auto {
         return Ok(algo);
     }
     if world == 1 {
         return Ok(Algo::OneShot);
     }
-    let max = match config::auto_threshold("SYMMALLOC_ONE_SHOT_MAX_BYTES")? {
-        Some(v) => v,
-        None if in_place => 0,
-        None => default_one_shot_max(world),
-    };
+    let max = config::auto_threshold("SYMMALLOC_ONE_SHOT_MAX_BYTES")?
+        .unwrap_or_else(|| default_one_shot_max(world));
     Ok(if bytes <= max {
         Algo::OneShot
     } else {
@@ -136,24 +131,12 @@ mod tests {
     use super::*;
     #[test]
     fn auto_picks_by_size_and_world() {
-        assert_eq!(
-            choose(Algo::Auto, 8 << 10, 2, false).unwrap(),
-            Algo::OneShot
-        );
-        assert_eq!(choose(Algo::Auto, 8 << 10, 2, true).unwrap(), Algo::TwoShot);
-        assert_eq!(
-            choose(Algo::Auto, 64 << 20, 2, false).unwrap(),
-            Algo::TwoShot
-        );
-        assert_eq!(
-            choose(Algo::Auto, 64 << 10, 8, false).unwrap(),
-            Algo::TwoShot
-        );
-        assert_eq!(
-            choose(Algo::Auto, 64 << 20, 1, true).unwrap(),
-            Algo::OneShot
-        );
-        assert_eq!(choose(Algo::TwoShot, 8, 2, false).unwrap(), Algo::TwoShot);
+        assert_eq!(choose(Algo::Auto, 8 << 10, 2).unwrap(), Algo::OneShot);
+        assert_eq!(choose(Algo::Auto, 16 << 10, 2).unwrap(), Algo::OneShot);
+        assert_eq!(choose(Algo::Auto, 32 << 10, 2).unwrap(), Algo::TwoShot);
+        assert_eq!(choose(Algo::Auto, 8 << 10, 8).unwrap(), Algo::TwoShot);
+        assert_eq!(choose(Algo::Auto, 64 << 20, 1).unwrap(), Algo::OneShot);
+        assert_eq!(choose(Algo::TwoShot, 8, 2).unwrap(), Algo::TwoShot);
         assert!(DType::from_c(7).unwrap_err().message.contains("dtype 7"));
         assert!(ReduceOp::from_c(3).is_err());
         assert!(Algo::from_c(9).is_err());

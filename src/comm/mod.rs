@@ -466,7 +466,7 @@ impl Communicator {
         let bytes = count
             .checked_mul(esize)
             .ok_or_else(|| Error::invalid(format!("count {count} overflows the byte size")))?;
-        let algo = algo::choose(algo, bytes, self.world, send == recv)?;
+        let algo = algo::choose(algo, bytes, self.world)?;
         if algo == Algo::Multimem {
             let supports = !self.host && cuda::driver()?.device(self.device)?.multicast;
             multicast::multicast_gate_from_env(supports)

@@ -185,3 +185,29 @@ impl Drop for Graph {
         }
     }
 }
+
+/// Plain `cuMemAlloc` memory (for comparisons in tests and benchmarks).
+pub fn raw_alloc(device: i32, bytes: usize) -> Result<u64> {
+    let _ctx = CtxGuard::new(device)?;
+    let mut p = 0;
+    // SAFETY: valid out-pointer.
+    check(unsafe { sys::cuMemAlloc_v2(&mut p, bytes) }, "cuMemAlloc")?;
+    Ok(p)
+}
+
+/// Stream-ordered host-to-device copy (the host buffer must stay alive until the stream syncs).
+pub fn htod_async(device: i32, dst: u64, src: &[u8], stream: u64) -> Result<()> {
+    let _ctx = CtxGuard::new(device)?;
+    // SAFETY: dst holds src.len() bytes; the caller keeps src alive until the stream syncs.
+    check(
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst,
+                src.as_ptr() as *const _,
+                src.len(),
+                stream as sys::CUstream,
+            )
+        },
+        "cuMemcpyHtoDAsync",
+    )
+}

@@ -1,0 +1,96 @@
+//! The kernel-id table (src/comm/kernels.rs) and the kernels' instantiations stay in step, and
+//! the Rust mirror of the argument struct matches kernels/common.cuh field by field.
+
+use std::collections::BTreeSet;
+use symmalloc::comm::kernels::{all_kernel_names, SELFTEST_SAXPY};
+
+fn sources() -> String {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    let mut s = String::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "cu" || x == "cuh") {
+            s += &std::fs::read_to_string(p).unwrap();
+        }
+    }
+    s
+}
+
+#[test]
+fn every_table_name_is_instantiated_and_vice_versa() {
+    let src = sources();
+    let mut instantiated = BTreeSet::new();
+    for line in src.lines() {
+        let l = line.trim();
+        for prefix in ["SYMM_ONE_SHOT(", "SYMM_TWO_SHOT("] {
+            if let Some(rest) = l.strip_prefix(prefix) {
+                instantiated.insert(rest.split(',').next().unwrap().trim().to_string());
+            }
+        }
+        if l.starts_with("extern \"C\" __global__") {
+            let name = l
+                .split('(')
+                .next()
+                .unwrap()
+                .split_whitespace()
+                .last()
+                .unwrap();
+            instantiated.insert(name.to_string());
+        }
+    }
+    let mut table: BTreeSet<String> = all_kernel_names().into_iter().collect();
+    table.insert(SELFTEST_SAXPY.to_string());
+    assert_eq!(
+        table, instantiated,
+        "kernel table and kernels/*.cu disagree"
+    );
+    assert_eq!(table.len(), 18 + 18 + 3 + 1);
+}
+
+#[test]
+fn argument_struct_matches_the_cuda_source() {
+    let src = sources();
+    let start = src.find("struct SymmArgs {").unwrap();
+    let body = &src[start..start + src[start..].find("};").unwrap()];
+    let fields: Vec<String> = body
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let l = l.split("//").next().unwrap().trim();
+            (!l.is_empty()).then(|| l.trim_end_matches(';').to_string())
+        })
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            "uint64_t in[SYMM_MAX_RANKS]",
+            "uint64_t out[SYMM_MAX_RANKS]",
+            "uint64_t pads[SYMM_MAX_RANKS]",
+            "uint64_t mc_out",
+            "uint64_t counters",
+            "uint64_t error_word",
+            "uint64_t count",
+            "uint64_t desc",
+            "uint64_t timeout_ns",
+            "int32_t rank",
+            "int32_t world",
+            "int32_t in_place",
+            "int32_t reserved",
+        ],
+        "kernels/common.cuh SymmArgs changed: update src/comm/kernel_args.rs in step"
+    );
+    assert_eq!(
+        std::mem::size_of::<symmalloc::comm::kernel_args::SymmArgs>(),
+        256
+    );
+    for (name, value) in [
+        ("SYMM_MAX_RANKS", 8),
+        ("SYMM_MAX_BLOCKS", 128),
+        ("SYMM_THREADS", 512),
+    ] {
+        assert!(
+            src.contains(&format!("#define {name} {value}")),
+            "{name} must be {value} (kernel_args.rs)"
+        );
+    }
+}
