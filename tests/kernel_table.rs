@@ -34,7 +34,10 @@ fn every_table_name_is_instantiated_and_vice_versa() {
                 .or_else(|| l.find("(SaxpyArgs"))
                 .expect("kernel signature");
             let name = l[..at].split_whitespace().last().unwrap();
-            instantiated.insert(name.to_string());
+            if name != "NAME" {
+                // (NAME is the parameter of the instantiation macros themselves)
+                instantiated.insert(name.to_string());
+            }
         }
     }
     let mut table: BTreeSet<String> = all_kernel_names().into_iter().collect();
