@@ -8,7 +8,7 @@ CMAKE := $(shell command -v cmake 2>/dev/null || echo $(CURDIR)/.toolchain/cmake
 CTEST := $(shell command -v ctest 2>/dev/null || echo $(CURDIR)/.toolchain/cmake/data/bin/ctest)
 CUDA_INCLUDE := $(CURDIR)/.toolchain/nvidia/cu13/include
 
-.PHONY: all run build toolchain test test-rust test-c test-python lint header clean
+.PHONY: all run build toolchain test test-rust test-c test-python lint header install python-install clean
 
 all: run
 
@@ -42,6 +42,22 @@ test-c: build
 	  -DCUDA_INCLUDE_DIR=$(CUDA_INCLUDE) >/dev/null
 	$(CMAKE) --build build/c -j 2
 	$(CTEST) --test-dir build/c --output-on-failure
+
+# Installs the libraries, the header, symmalloc.pc and the CMake package under PREFIX.
+PREFIX ?= /usr/local
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+install: build
+	install -d $(PREFIX)/lib/pkgconfig $(PREFIX)/lib/cmake/symmalloc $(PREFIX)/include
+	install -m 755 target/release/libsymmalloc.so target/release/libsymmalloc_pluggable.so $(PREFIX)/lib/
+	install -m 644 include/symmalloc.h $(PREFIX)/include/
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' cmake/symmalloc.pc.in > $(PREFIX)/lib/pkgconfig/symmalloc.pc
+	sed -e 's|@VERSION@|$(VERSION)|' cmake/symmalloc-config.cmake.in > $(PREFIX)/lib/cmake/symmalloc/symmalloc-config.cmake
+
+# pip-installs the Python package with the freshly built .so files inside it.
+python-install: build
+	mkdir -p python/symmalloc/lib
+	cp target/release/libsymmalloc.so target/release/libsymmalloc_pluggable.so python/symmalloc/lib/
+	$(PYTHON) -m pip install ./python
 
 header:
 	SYMMALLOC_BLESS=1 $(CARGO) test -p symmalloc --test header

@@ -292,3 +292,45 @@ fn status_strings() {
     assert!(s(symm_status_t::SYMM_SUCCESS).starts_with("SYMM_SUCCESS"));
     assert!(s(symm_status_t::SYMM_ERR_NOT_SYMMETRIC).starts_with("SYMM_ERR_NOT_SYMMETRIC"));
 }
+
+/// Frees from a thread-local destructor that runs after symmalloc's own thread-locals are
+/// destroyed (PyTorch frees tensors this way at exit): must neither panic nor abort.
+#[test]
+fn free_during_thread_local_teardown() {
+    host();
+    struct FreeOnDrop(usize);
+    impl Drop for FreeOnDrop {
+        fn drop(&mut self) {
+            if self.0 != 0 {
+                symm_free(self.0 as *mut _, 4096, 5, null_mut());
+                let p = symm_malloc(64, 5, null_mut());
+                symm_free(p, 64, 5, null_mut());
+                let _ = symm_last_error();
+            }
+        }
+    }
+    thread_local! {
+        static HOLDER: std::cell::RefCell<FreeOnDrop> = const { std::cell::RefCell::new(FreeOnDrop(0)) };
+    }
+    std::thread::spawn(|| {
+        // Touch ours first: destructors run in reverse order of registration, so symmalloc's
+        // thread-locals (first used below) are torn down before HOLDER.
+        HOLDER.with(|_| {});
+        let p = symm_malloc(4096, 5, null_mut()) as usize;
+        assert_ne!(p, 0, "{}", err());
+        HOLDER.with(|h| h.borrow_mut().0 = p);
+    })
+    .join()
+    .expect("the thread must exit cleanly");
+    let mut s = std::mem::MaybeUninit::uninit();
+    assert_eq!(
+        symm_memory_stats(5, s.as_mut_ptr()),
+        symm_status_t::SYMM_SUCCESS
+    );
+    // SAFETY: filled on success.
+    assert_eq!(
+        unsafe { s.assume_init() }.active_blocks,
+        0,
+        "the exit-path free went through"
+    );
+}

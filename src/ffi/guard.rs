@@ -14,6 +14,9 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
+// Thread-local storage may already be torn down when a caller frees memory on a thread's or
+// the process's exit path (PyTorch does, at exit): every access uses `try_with`, and the error
+// text is then simply not recorded.
 pub fn set_last_error(e: &Error) {
     let text = format!(
         "{}: {}",
@@ -21,17 +24,19 @@ pub fn set_last_error(e: &Error) {
         e.message
     );
     let c = CString::new(text.replace('\0', "\\0")).unwrap_or_default();
-    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+    let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = c);
 }
 
 fn clear_last_error() {
-    LAST_ERROR.with(|l| *l.borrow_mut() = CString::default());
+    let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = CString::default());
 }
 
 /// Pointer to the calling thread's last error text ("" when the last call succeeded). Valid
 /// until the next symmalloc call on this thread.
 pub fn last_error_ptr() -> *const c_char {
-    LAST_ERROR.with(|l| l.borrow().as_ptr())
+    LAST_ERROR
+        .try_with(|l| l.borrow().as_ptr())
+        .unwrap_or(c"".as_ptr())
 }
 
 fn panic_error(name: &str, payload: Box<dyn std::any::Any + Send>) -> Error {

@@ -26,12 +26,13 @@ pub fn begin(device: i32, pool: PoolId) -> Result<()> {
             pool.0, pool.1
         )));
     }
-    STACK.with(|s| s.borrow_mut().push((device, pool)));
-    Ok(())
+    STACK
+        .try_with(|s| s.borrow_mut().push((device, pool)))
+        .map_err(|_| Error::invalid("symm_begin_pool called while the thread is exiting"))
 }
 
 pub fn end(device: i32, pool: PoolId) -> Result<()> {
-    STACK.with(|s| {
+    let r = STACK.try_with(|s| {
         let mut s = s.borrow_mut();
         let top = s.iter().rposition(|&(d, _)| d == device);
         match top {
@@ -50,18 +51,22 @@ pub fn end(device: i32, pool: PoolId) -> Result<()> {
                 pool.0, pool.1
             ))),
         }
-    })
+    });
+    r.unwrap_or(Ok(())) // the thread is exiting: its pool stack is gone with it
 }
 
-/// The pool the calling thread's allocations on `device` go to.
+/// The pool the calling thread's allocations on `device` go to (the default pool once the
+/// thread's storage is torn down, e.g. for frees and allocations at process exit).
 pub fn current(device: i32) -> PoolId {
-    STACK.with(|s| {
-        s.borrow()
-            .iter()
-            .rev()
-            .find(|&&(d, _)| d == device)
-            .map_or(DEFAULT_POOL, |&(_, p)| p)
-    })
+    STACK
+        .try_with(|s| {
+            s.borrow()
+                .iter()
+                .rev()
+                .find(|&&(d, _)| d == device)
+                .map_or(DEFAULT_POOL, |&(_, p)| p)
+        })
+        .unwrap_or(DEFAULT_POOL)
 }
 
 #[cfg(test)]

@@ -1,0 +1,5 @@
+"""Lets the tests import the in-tree package from any working directory."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
