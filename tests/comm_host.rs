@@ -4,38 +4,12 @@
 
 mod common;
 use common::*;
-use std::ffi::CStr;
 use std::ptr::null_mut;
 use symmalloc::comm::convert::*;
 use symmalloc::ffi::types::*;
 use symmalloc::ffi::*;
 
 const HOST: (&str, &str) = ("SYMMALLOC_BACKEND", "host");
-
-fn err() -> String {
-    // SAFETY: valid C string.
-    unsafe { CStr::from_ptr(symm_last_error()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn init(c: &Child) -> *mut symm_comm_t {
-    let mut id = symm_unique_id_t { internal: [0; 128] };
-    id.internal
-        .iter_mut()
-        .zip(c.id)
-        .for_each(|(d, s)| *d = s as _);
-    let mut comm = null_mut();
-    let st = symm_comm_init(&mut comm, c.world, c.rank, c.rank, &id);
-    assert_eq!(
-        st,
-        symm_status_t::SYMM_SUCCESS,
-        "rank {}: {}",
-        c.rank,
-        err()
-    );
-    comm
-}
 
 /// Rank r's input element i for a seed: reproducible on every rank, so each rank can compute
 /// the float64 reference of the whole reduction.
@@ -179,18 +153,6 @@ fn correctness_rank(c: Child) {
         err()
     );
     println!("rank {}: {case} cases correct", c.rank);
-}
-
-fn stats(device: i32) -> symmalloc::heap::stats::Stats {
-    let mut s = std::mem::MaybeUninit::uninit();
-    assert_eq!(
-        symm_memory_stats(device, s.as_mut_ptr()),
-        symm_status_t::SYMM_SUCCESS,
-        "{}",
-        err()
-    );
-    // SAFETY: filled on success.
-    unsafe { s.assume_init() }
 }
 
 #[test]

@@ -1,6 +1,8 @@
 //! Bad input through the C ABI (host backend): every case gives a clear error through
 //! symm_last_error() and leaves every other allocation intact and usable.
 
+mod common;
+use common::err;
 use std::ffi::CStr;
 use std::ptr::null_mut;
 use symmalloc::ffi::types::*;
@@ -11,13 +13,6 @@ fn host() {
     // SAFETY: set before any other thread of this test binary touches the library (every
     // test calls host() first, and Once serialises them).
     ONCE.call_once(|| unsafe { std::env::set_var("SYMMALLOC_BACKEND", "host") });
-}
-
-fn err() -> String {
-    // SAFETY: symm_last_error returns a valid C string.
-    unsafe { CStr::from_ptr(symm_last_error()) }
-        .to_string_lossy()
-        .into_owned()
 }
 
 struct Witness {

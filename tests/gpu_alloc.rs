@@ -3,20 +3,12 @@
 
 mod common;
 use common::*;
-use std::ffi::CStr;
 use std::ptr::null_mut;
 use symmalloc::cuda::util;
 use symmalloc::ffi::*;
 use symmalloc::heap::cuda_backend::CudaBackend;
 use symmalloc::heap::pools::{self, PoolId};
 use symmalloc::heap::Allocator;
-
-fn err() -> String {
-    // SAFETY: valid C string.
-    unsafe { CStr::from_ptr(symm_last_error()) }
-        .to_string_lossy()
-        .into_owned()
-}
 
 fn f32s(v: &[f32]) -> &[u8] {
     // SAFETY: plain f32 data.

@@ -5,38 +5,12 @@
 
 mod common;
 use common::*;
-use std::ffi::CStr;
 use std::io::Write;
 use std::ptr::null_mut;
 use symmalloc::comm::convert::*;
 use symmalloc::cuda::util;
 use symmalloc::ffi::types::*;
 use symmalloc::ffi::*;
-
-fn err() -> String {
-    // SAFETY: valid C string.
-    unsafe { CStr::from_ptr(symm_last_error()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn init(c: &Child) -> *mut symm_comm_t {
-    let mut id = symm_unique_id_t { internal: [0; 128] };
-    id.internal
-        .iter_mut()
-        .zip(c.id)
-        .for_each(|(d, s)| *d = s as _);
-    let mut comm = null_mut();
-    let st = symm_comm_init(&mut comm, c.world, c.rank, c.rank, &id);
-    assert_eq!(
-        st,
-        symm_status_t::SYMM_SUCCESS,
-        "rank {}: {}",
-        c.rank,
-        err()
-    );
-    comm
-}
 
 fn esize(dtype: u32) -> usize {
     if dtype == SYMM_FP32 {
@@ -394,16 +368,6 @@ fn gpu_graph_replays_are_correct() {
     );
     assert_all_ok(&outs);
     compare_rank_files(&dir, world);
-}
-
-fn stats(device: i32) -> symmalloc::heap::stats::Stats {
-    let mut s = std::mem::MaybeUninit::uninit();
-    assert_eq!(
-        symm_memory_stats(device, s.as_mut_ptr()),
-        symm_status_t::SYMM_SUCCESS
-    );
-    // SAFETY: filled on success.
-    unsafe { s.assume_init() }
 }
 
 fn steady_rank(c: Child) {

@@ -149,3 +149,45 @@ pub fn open_fds() -> usize {
         .map(|d| d.count())
         .unwrap_or(0)
 }
+
+/// The calling thread's `symm_last_error()` text.
+pub fn err() -> String {
+    // SAFETY: symm_last_error returns a valid NUL-terminated string.
+    unsafe { std::ffi::CStr::from_ptr(symmalloc::ffi::symm_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Creates this child's communicator (device = rank) from the id its parent passed.
+pub fn init(c: &Child) -> *mut symmalloc::ffi::symm_comm_t {
+    use symmalloc::ffi::{symm_comm_init, types::*};
+    let mut id = symm_unique_id_t { internal: [0; 128] };
+    id.internal
+        .iter_mut()
+        .zip(c.id)
+        .for_each(|(d, s)| *d = s as _);
+    let mut comm = std::ptr::null_mut();
+    let st = symm_comm_init(&mut comm, c.world, c.rank, c.rank, &id);
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_SUCCESS,
+        "rank {}: {}",
+        c.rank,
+        err()
+    );
+    comm
+}
+
+/// The allocator statistics of `device` through the C ABI.
+pub fn stats(device: i32) -> symmalloc::heap::stats::Stats {
+    use symmalloc::ffi::{symm_memory_stats, types::symm_status_t};
+    let mut s = std::mem::MaybeUninit::uninit();
+    assert_eq!(
+        symm_memory_stats(device, s.as_mut_ptr()),
+        symm_status_t::SYMM_SUCCESS,
+        "{}",
+        err()
+    );
+    // SAFETY: filled on success.
+    unsafe { s.assume_init() }
+}
