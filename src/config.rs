@@ -73,7 +73,7 @@ pub fn flag(name: &str) -> bool {
     )
 }
 
-/// `SYMMALLOC_ONE_SHOT_MAX_BYTES` / `SYMMALLOC_TWO_SHOT_MIN_BYTES`: AUTO thresholds overrides.
+/// An AUTO threshold override (`SYMMALLOC_ONE_SHOT_MAX_BYTES`), a size like the others.
 pub fn auto_threshold(name: &str) -> Result<Option<u64>> {
     parse_u64(name)
 }

@@ -2,6 +2,7 @@
 //! names the offending value and what was expected. Every layer returns `Result<T>`; the FFI layer
 //! turns an `Err` into a status and the thread-local `symm_last_error()` text.
 
+use std::ffi::CStr;
 use std::fmt;
 
 /// Status codes of the C ABI. Values are fixed; new ones are only ever appended.
@@ -22,19 +23,44 @@ pub enum Status {
 
 impl Status {
     /// The fixed, human-readable name of a status (what `symm_status_string` returns).
-    pub fn describe(self) -> &'static str {
+    pub fn describe(self) -> &'static CStr {
         match self {
-            Status::Success => "SYMM_SUCCESS: no error",
-            Status::ErrInvalidArgument => "SYMM_ERR_INVALID_ARGUMENT: an argument is invalid",
-            Status::ErrOutOfMemory => "SYMM_ERR_OUT_OF_MEMORY: out of device or heap memory",
-            Status::ErrCuda => "SYMM_ERR_CUDA: a CUDA driver call failed",
-            Status::ErrNoDevice => "SYMM_ERR_NO_DEVICE: no usable CUDA device or driver",
-            Status::ErrNotSymmetric => "SYMM_ERR_NOT_SYMMETRIC: ranks disagree on buffers",
-            Status::ErrPeer => "SYMM_ERR_PEER: a peer rank failed or refused",
-            Status::ErrTimeout => "SYMM_ERR_TIMEOUT: a wait exceeded SYMMALLOC_TIMEOUT_S",
-            Status::ErrUnsupported => "SYMM_ERR_UNSUPPORTED: not supported here",
-            Status::ErrInternal => "SYMM_ERR_INTERNAL: internal error (a bug in symmalloc)",
+            Status::Success => c"SYMM_SUCCESS: no error",
+            Status::ErrInvalidArgument => c"SYMM_ERR_INVALID_ARGUMENT: an argument is invalid",
+            Status::ErrOutOfMemory => c"SYMM_ERR_OUT_OF_MEMORY: out of device or heap memory",
+            Status::ErrCuda => c"SYMM_ERR_CUDA: a CUDA driver call failed",
+            Status::ErrNoDevice => c"SYMM_ERR_NO_DEVICE: no usable CUDA device or driver",
+            Status::ErrNotSymmetric => c"SYMM_ERR_NOT_SYMMETRIC: ranks disagree on buffers",
+            Status::ErrPeer => c"SYMM_ERR_PEER: a peer rank failed or refused",
+            Status::ErrTimeout => c"SYMM_ERR_TIMEOUT: a wait exceeded SYMMALLOC_TIMEOUT_S",
+            Status::ErrUnsupported => c"SYMM_ERR_UNSUPPORTED: not supported here",
+            Status::ErrInternal => c"SYMM_ERR_INTERNAL: internal error (a bug in symmalloc)",
         }
+    }
+
+    /// The status with this C value, if any.
+    pub fn from_raw(v: i32) -> Option<Status> {
+        use Status::*;
+        [
+            Success,
+            ErrInvalidArgument,
+            ErrOutOfMemory,
+            ErrCuda,
+            ErrNoDevice,
+            ErrNotSymmetric,
+            ErrPeer,
+            ErrTimeout,
+            ErrUnsupported,
+            ErrInternal,
+        ]
+        .into_iter()
+        .find(|s| *s as i32 == v)
+    }
+
+    /// The C name alone (`SYMM_ERR_TIMEOUT`).
+    pub fn name(self) -> &'static str {
+        let text = self.describe().to_str().unwrap_or("");
+        text.split(':').next().unwrap_or(text)
     }
 }
 

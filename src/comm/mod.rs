@@ -22,7 +22,7 @@ use crate::heap::{self, device_heap::SegmentInfo, pools::INTERNAL_POOL, Allocato
 use crate::ipc::{Mesh, UniqueId};
 use algo::{Algo, DType, ReduceOp};
 use kernel_args::*;
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::os::fd::AsFd;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -109,6 +109,11 @@ pub struct Communicator {
     timeout: Duration,
     sticky: Option<Error>,
     sms: u32,
+    /// Each rank's signal pad in this process's address space (fixed after init).
+    pads: Vec<u64>,
+    /// Kernels already looked up in the device's module, so a call does no name formatting,
+    /// module lock or hash of a string.
+    kernels: HashMap<(Algo, DType, ReduceOp, bool), cuda::module::Function>,
 }
 
 fn release_device(device: i32) {
@@ -241,7 +246,16 @@ impl Communicator {
             timeout,
             sticky: None,
             sms,
+            pads: Vec::new(),
+            kernels: HashMap::new(),
         });
+        let own_base = comm.windows.bases[rank];
+        comm.pads = comm
+            .windows
+            .bases
+            .iter()
+            .map(|b| b + (internal - own_base))
+            .collect();
         let desc = CallDesc {
             send_off: u64::MAX,
             recv_off: 0,
@@ -402,12 +416,6 @@ impl Communicator {
         Err(e)
     }
 
-    fn pads(&self) -> Vec<u64> {
-        (0..self.world)
-            .map(|r| self.windows.bases[r] + (self.internal - self.windows.bases[self.rank]))
-            .collect()
-    }
-
     fn ensure_scratch(&mut self, bytes: u64) -> Result<u64> {
         if let Some((p, size)) = self.scratch {
             if size >= bytes {
@@ -527,13 +535,12 @@ impl Communicator {
             .iter()
             .map(|b| b + desc.recv_off)
             .collect();
-        let pads = self.pads();
         let in_place = desc.send_off == desc.recv_off;
         if self.host {
             let call = host_reduce::HostCall {
                 rank: self.rank,
                 world: self.world,
-                pads: &pads,
+                pads: &self.pads,
                 inputs: &inputs,
                 outputs: &outputs,
                 count: desc.count as usize,
@@ -559,14 +566,7 @@ impl Communicator {
         } else {
             desc.count
         };
-        let name = kernels::kernel_name(algo, dtype, op, vec).ok_or_else(|| {
-            Error::unsupported(format!(
-                "no {} kernel for {} {}",
-                algo.name(),
-                dtype.name(),
-                op.name()
-            ))
-        })?;
+
         let per_rank = if algo == Algo::TwoShot {
             items.div_ceil(self.world as u64)
         } else {
@@ -591,8 +591,23 @@ impl Communicator {
         };
         args.inputs[..self.world].copy_from_slice(&inputs);
         args.outputs[..self.world].copy_from_slice(&outputs);
-        args.pads[..self.world].copy_from_slice(&pads);
-        let f = cuda::module::function(self.device, &name)?;
+        args.pads[..self.world].copy_from_slice(&self.pads);
+        let f = match self.kernels.get(&(algo, dtype, op, vec)) {
+            Some(&f) => f,
+            None => {
+                let name = kernels::kernel_name(algo, dtype, op, vec).ok_or_else(|| {
+                    Error::unsupported(format!(
+                        "no {} kernel for {} {}",
+                        algo.name(),
+                        dtype.name(),
+                        op.name()
+                    ))
+                })?;
+                let f = cuda::module::function(self.device, &name)?;
+                self.kernels.insert((algo, dtype, op, vec), f);
+                f
+            }
+        };
         cuda::module::launch(self.device, f, grid, THREADS, stream, &args)
     }
 
@@ -636,6 +651,3 @@ impl Communicator {
         self.mesh.fds().len()
     }
 }
-
-/// Addresses of live communicators, so the C ABI can reject stale or foreign pointers.
-pub static LIVE: Mutex<Option<HashSet<usize>>> = Mutex::new(None);

@@ -18,11 +18,7 @@ thread_local! {
 // the process's exit path (PyTorch does, at exit): every access uses `try_with`, and the error
 // text is then simply not recorded.
 pub fn set_last_error(e: &Error) {
-    let text = format!(
-        "{}: {}",
-        e.status.describe().split(':').next().unwrap_or(""),
-        e.message
-    );
+    let text = format!("{}: {}", e.status.name(), e.message);
     let c = CString::new(text.replace('\0', "\\0")).unwrap_or_default();
     let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = c);
 }

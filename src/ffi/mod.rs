@@ -10,18 +10,28 @@ pub mod guard;
 pub mod types;
 
 use crate::comm::algo::{Algo, DType, ReduceOp};
-use crate::comm::{Communicator, LIVE};
+use crate::comm::Communicator;
 use crate::error::{Error, Result, Status};
 use crate::heap::{self, pools, stats::Stats};
 use crate::ipc::{unique_id::ID_BYTES, UniqueId};
 use guard::{guard_ptr, guard_status, guard_void};
+use std::collections::HashSet;
 use std::ffi::{c_char, c_int, c_void};
+use std::sync::{LazyLock, Mutex, MutexGuard};
 use types::*;
 
 /// A communicator: one per (process, device) of a single-node job.
 #[allow(non_camel_case_types)]
 pub struct symm_comm_t {
     inner: Option<Box<Communicator>>,
+}
+
+/// Addresses of live communicators, so a stale or foreign `symm_comm_t *` is an error, not a
+/// use after free.
+static LIVE: LazyLock<Mutex<HashSet<usize>>> = LazyLock::new(Default::default);
+
+fn live() -> MutexGuard<'static, HashSet<usize>> {
+    LIVE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn stream_of(s: *mut CUstream_st) -> u64 {
@@ -137,20 +147,9 @@ pub extern "C" fn symm_last_error() -> *const c_char {
 #[no_mangle]
 pub extern "C" fn symm_status_string(status: symm_status_t) -> *const c_char {
     // The argument crosses as an integer; an out-of-range value must not be trusted.
-    let raw = status as i32;
-    match raw {
-        0 => c"SYMM_SUCCESS: no error".as_ptr(),
-        1 => c"SYMM_ERR_INVALID_ARGUMENT: an argument is invalid".as_ptr(),
-        2 => c"SYMM_ERR_OUT_OF_MEMORY: out of device or heap memory".as_ptr(),
-        3 => c"SYMM_ERR_CUDA: a CUDA driver call failed".as_ptr(),
-        4 => c"SYMM_ERR_NO_DEVICE: no usable CUDA device or driver".as_ptr(),
-        5 => c"SYMM_ERR_NOT_SYMMETRIC: ranks disagree on buffers".as_ptr(),
-        6 => c"SYMM_ERR_PEER: a peer rank failed or refused".as_ptr(),
-        7 => c"SYMM_ERR_TIMEOUT: a wait exceeded SYMMALLOC_TIMEOUT_S".as_ptr(),
-        8 => c"SYMM_ERR_UNSUPPORTED: not supported here".as_ptr(),
-        9 => c"SYMM_ERR_INTERNAL: internal error (a bug in symmalloc)".as_ptr(),
-        _ => c"unknown symm_status_t value".as_ptr(),
-    }
+    Status::from_raw(status as i32)
+        .map_or(c"unknown symm_status_t value", Status::describe)
+        .as_ptr()
 }
 
 /// Makes a new random job id; send its bytes to every rank.
@@ -175,10 +174,7 @@ pub extern "C" fn symm_get_unique_id(out: *mut symm_unique_id_t) -> symm_status_
 
 fn register(comm: Box<Communicator>, out: *mut *mut symm_comm_t) -> Result<()> {
     let p = Box::into_raw(Box::new(symm_comm_t { inner: Some(comm) }));
-    LIVE.lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get_or_insert_with(Default::default)
-        .insert(p as usize);
+    live().insert(p as usize);
     // SAFETY: out was checked non-NULL by the caller.
     unsafe { out.write(p) };
     Ok(())
@@ -239,13 +235,11 @@ fn with_comm<T>(
     if comm.is_null() {
         return Err(Error::invalid("comm is NULL"));
     }
-    let live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
-    if !live.as_ref().is_some_and(|s| s.contains(&(comm as usize))) {
+    if !live().contains(&(comm as usize)) {
         return Err(Error::invalid(format!(
             "comm {comm:p} is not a live communicator (destroyed already, or never created)"
         )));
     }
-    drop(live);
     // SAFETY: comm is in the live set, so it points at a symm_comm_t we allocated and have not
     // freed; the caller must not use one communicator from two threads at once (as in NCCL).
     let c = unsafe { &mut *comm };
@@ -261,11 +255,7 @@ pub extern "C" fn symm_comm_destroy(comm: *mut symm_comm_t) -> symm_status_t {
         if comm.is_null() {
             return Err(Error::invalid("symm_comm_destroy: comm is NULL"));
         }
-        let removed = LIVE
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_mut()
-            .is_some_and(|s| s.remove(&(comm as usize)));
+        let removed = live().remove(&(comm as usize));
         if !removed {
             return Err(Error::invalid(format!(
                 "symm_comm_destroy({comm:p}): not a live communicator (destroyed twice?)"
@@ -334,6 +324,3 @@ pub extern "C" fn symm_barrier(comm: *mut symm_comm_t, stream: *mut CUstream_st)
         with_comm(comm, |c| c.barrier(stream_of(stream)))
     })
 }
-
-// Keep Status referenced for the header's documentation of codes.
-const _: Status = Status::Success;
