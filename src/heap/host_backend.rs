@@ -75,10 +75,22 @@ impl Backend for HostBackend {
         if p == libc::MAP_FAILED {
             return Err(os_err("mmap (reserving host heap)"));
         }
-        Ok((p as u64).next_multiple_of(HOST_GRANULARITY))
+        // Keep exactly the aligned `size` bytes, so unreserve() gives everything back.
+        let start = p as u64;
+        let base = start.next_multiple_of(HOST_GRANULARITY);
+        for (at, n) in [
+            (start, base - start),
+            (base + size, start + len - (base + size)),
+        ] {
+            if n > 0 {
+                // SAFETY: at..at+n is an unused edge of the reservation made just above.
+                unsafe { libc::munmap(at as *mut libc::c_void, n as usize) };
+            }
+        }
+        Ok(base)
     }
     fn unreserve(&self, _device: i32, base: u64, size: u64) -> Result<()> {
-        // SAFETY: base..base+size is a reservation made by reserve() (the aligned part of it).
+        // SAFETY: base..base+size is exactly a reservation made by reserve().
         if unsafe { libc::munmap(base as *mut libc::c_void, size as usize) } != 0 {
             return Err(os_err("munmap (host reservation)"));
         }
