@@ -20,6 +20,7 @@
 
 #define SYMM_ERR_TIMEOUT_CODE 1u
 #define SYMM_ERR_ASYMMETRIC_CODE 2u
+#define SYMM_ERR_NO_MULTIMEM_CODE 3u
 
 enum { OP_SUM = 0, OP_MAX = 1, OP_MIN = 2 };
 
@@ -74,6 +75,19 @@ __device__ __forceinline__ void report(const SymmArgs& a, uint32_t code, int pee
 
 __device__ __forceinline__ bool failed(const SymmArgs& a) {
   return *(volatile uint32_t*)a.error_word != 0;
+}
+
+// This block's barrier epoch at kernel start (every thread gets it). Each barrier uses the
+// next value; epoch_end stores the last one used for the next kernel.
+__device__ __forceinline__ uint32_t epoch_begin(const SymmArgs& a) {
+  __shared__ uint32_t epoch;
+  if (threadIdx.x == 0) epoch = ((const uint32_t*)a.counters)[blockIdx.x];
+  __syncthreads();
+  return epoch;
+}
+
+__device__ __forceinline__ void epoch_end(const SymmArgs& a, uint32_t e) {
+  if (threadIdx.x == 0) ((uint32_t*)a.counters)[blockIdx.x] = e;
 }
 
 // All threads of the block call this. Returns false when the kernel must stop. The descriptor

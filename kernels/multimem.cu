@@ -36,11 +36,7 @@ __device__ __forceinline__ void multimem_sum_item(uint64_t addr) {
 template <int DT>
 __device__ __forceinline__ void multimem_body(const SymmArgs& a) {
 #ifdef SYMM_HAS_MULTIMEM
-  __shared__ uint32_t epoch;
-  uint32_t* counters = (uint32_t*)a.counters;
-  if (threadIdx.x == 0) epoch = counters[blockIdx.x];
-  __syncthreads();
-  uint32_t e = epoch;
+  uint32_t e = epoch_begin(a);
   bool ok = block_barrier(a, ++e, true);
   const uint64_t items = a.count / (DT == 2 ? 4 : 8);
   const uint64_t slice = (items + a.world - 1) / a.world;
@@ -52,9 +48,9 @@ __device__ __forceinline__ void multimem_body(const SymmArgs& a) {
       multimem_sum_item<DT>(a.mc_out + i * 16);
     ok = block_barrier(a, ++e, false);
   }
-  if (threadIdx.x == 0) counters[blockIdx.x] = e;
+  epoch_end(a, e);
 #else
-  if (threadIdx.x == 0 && blockIdx.x == 0) report(a, SYMM_ERR_ASYMMETRIC_CODE + 1, a.rank);
+  if (threadIdx.x == 0 && blockIdx.x == 0) report(a, SYMM_ERR_NO_MULTIMEM_CODE, a.rank);
 #endif
 }
 

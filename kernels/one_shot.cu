@@ -11,11 +11,7 @@
 template <typename T, int OP, bool VEC>
 __device__ __forceinline__ void one_shot_body(const SymmArgs& a) {
   using P = Pack<T, VEC>;
-  __shared__ uint32_t epoch;
-  uint32_t* counters = (uint32_t*)a.counters;
-  if (threadIdx.x == 0) epoch = counters[blockIdx.x];
-  __syncthreads();
-  uint32_t e = epoch;
+  uint32_t e = epoch_begin(a);
   bool ok = block_barrier(a, ++e, true);
   const uint64_t items = a.count / P::N;
   const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
@@ -37,7 +33,7 @@ __device__ __forceinline__ void one_shot_body(const SymmArgs& a) {
     if (ok && mine) ((T*)a.out[a.rank])[i] = from_f32<T>(acc[0]);
   }
   if (ok && !a.in_place) ok = block_barrier(a, ++e, false);
-  if (threadIdx.x == 0) counters[blockIdx.x] = e;
+  epoch_end(a, e);
 }
 
 #define SYMM_ONE_SHOT(NAME, T, OP, VEC) \

@@ -8,11 +8,7 @@
 template <typename T, int OP, bool VEC>
 __device__ __forceinline__ void two_shot_body(const SymmArgs& a) {
   using P = Pack<T, VEC>;
-  __shared__ uint32_t epoch;
-  uint32_t* counters = (uint32_t*)a.counters;
-  if (threadIdx.x == 0) epoch = counters[blockIdx.x];
-  __syncthreads();
-  uint32_t e = epoch;
+  uint32_t e = epoch_begin(a);
   bool ok = block_barrier(a, ++e, true);
   const uint64_t items = a.count / P::N;
   const uint64_t slice = (items + a.world - 1) / a.world;
@@ -43,7 +39,7 @@ __device__ __forceinline__ void two_shot_body(const SymmArgs& a) {
     // the peers' outputs; no per-thread system fence (it cost 2-4 us from 512 KiB to 4 MiB).
     ok = block_barrier(a, ++e, false);
   }
-  if (threadIdx.x == 0) counters[blockIdx.x] = e;
+  epoch_end(a, e);
 }
 
 #define SYMM_TWO_SHOT(NAME, T, OP, VEC) \
