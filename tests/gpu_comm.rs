@@ -249,6 +249,21 @@ fn tmpdir(name: &str) -> std::path::PathBuf {
     d
 }
 
+/// Runs test `name` on every GPU, each rank writing a file of output hashes, and checks all
+/// ranks' files are identical (bitwise-equal results). Returns the ranks' outputs.
+fn run_and_compare(name: &str, world: i32) -> Vec<std::process::Output> {
+    let dir = tmpdir(name);
+    let outs = run_ranks(
+        name,
+        world,
+        &[("SYMM_TEST_OUT", dir.to_str().unwrap())],
+        &seed().to_string(),
+    );
+    assert_all_ok(&outs);
+    compare_rank_files(&dir, world);
+    outs
+}
+
 #[test]
 fn gpu_all_reduce_sweep_matches_reference_and_is_bitwise_equal() {
     if let Some(c) = child() {
@@ -257,15 +272,10 @@ fn gpu_all_reduce_sweep_matches_reference_and_is_bitwise_equal() {
     let Some(world) = gpu_world("gpu_all_reduce_sweep") else {
         return;
     };
-    let dir = tmpdir("sweep");
-    let outs = run_ranks(
+    let outs = run_and_compare(
         "gpu_all_reduce_sweep_matches_reference_and_is_bitwise_equal",
         world,
-        &[("SYMM_TEST_OUT", dir.to_str().unwrap())],
-        &seed().to_string(),
     );
-    assert_all_ok(&outs);
-    compare_rank_files(&dir, world);
     for o in &outs {
         print!(
             "{}",
@@ -359,15 +369,7 @@ fn gpu_graph_replays_are_correct() {
     let Some(world) = gpu_world("gpu_graph_replays_are_correct") else {
         return;
     };
-    let dir = tmpdir("graph");
-    let outs = run_ranks(
-        "gpu_graph_replays_are_correct",
-        world,
-        &[("SYMM_TEST_OUT", dir.to_str().unwrap())],
-        &seed().to_string(),
-    );
-    assert_all_ok(&outs);
-    compare_rank_files(&dir, world);
+    run_and_compare("gpu_graph_replays_are_correct", world);
 }
 
 fn steady_rank(c: Child) {
@@ -474,20 +476,7 @@ fn gpu_killed_rank_is_reported_within_the_timeout() {
 
 fn asymmetric_rank(c: Child) {
     let comm = init(&c);
-    let extra = if c.rank == 0 {
-        symm_malloc(3 << 20, 0, null_mut())
-    } else {
-        null_mut()
-    };
-    let p = symm_malloc(8 << 20, c.rank, null_mut());
-    let st = symm_all_reduce(comm, p, p, 1024, SYMM_FP32, SYMM_SUM, null_mut());
-    assert_eq!(
-        st,
-        symm_status_t::SYMM_ERR_NOT_SYMMETRIC,
-        "rank {}: {}",
-        c.rank,
-        err()
-    );
+    let (extra, p) = expect_exchange_asymmetry(&c, comm);
     let q = symm_malloc(4096, c.rank, null_mut());
     let r = symm_malloc(4096, c.rank, null_mut());
     let buf = if c.rank == 0 { q } else { r };
@@ -511,6 +500,7 @@ fn asymmetric_rank(c: Child) {
     if !extra.is_null() {
         symm_free(extra, 3 << 20, 0, null_mut());
     }
+    symm_free(p, 8 << 20, c.rank, null_mut());
     assert_eq!(symm_comm_destroy(comm), symm_status_t::SYMM_SUCCESS);
     println!("rank {}: asymmetry reported on every rank", c.rank);
 }

@@ -191,3 +191,31 @@ pub fn stats(device: i32) -> symmalloc::heap::stats::Stats {
     // SAFETY: filled on success.
     unsafe { s.assume_init() }
 }
+
+/// The opening of both asymmetry tests: rank 0 allocates one extra 3 MiB block first, so the
+/// next 8 MiB buffer lands at another offset on each rank, and the all-reduce must fail on
+/// every rank with SYMM_ERR_NOT_SYMMETRIC naming both ranks. Returns (extra, buffer) to free.
+pub fn expect_exchange_asymmetry(
+    c: &Child,
+    comm: *mut symmalloc::ffi::symm_comm_t,
+) -> (*mut std::ffi::c_void, *mut std::ffi::c_void) {
+    use symmalloc::ffi::{symm_all_reduce, symm_malloc, types::*};
+    let none = std::ptr::null_mut();
+    let extra = if c.rank == 0 {
+        symm_malloc(3 << 20, c.rank, none)
+    } else {
+        none as _
+    };
+    let p = symm_malloc(8 << 20, c.rank, none);
+    let st = symm_all_reduce(comm, p, p, 1024, SYMM_FP32, SYMM_SUM, none);
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_ERR_NOT_SYMMETRIC,
+        "rank {}: {}",
+        c.rank,
+        err()
+    );
+    let e = err();
+    assert!(e.contains("rank 0") && e.contains("rank 1"), "{e}");
+    (extra, p)
+}
