@@ -62,9 +62,12 @@ fn assert_disjoint(live: &HashMap<u64, Live>) {
     }
 }
 
+/// Repeated sizes (the fast path's parked blocks) mixed with random ones of every class.
 fn random_size(rng: &mut Rng) -> u64 {
+    const COMMON: [u64; 5] = [512, 4096, 65536, 3 << 20, 12 << 20];
     match rng.below(10) {
-        0..=5 => 1 + rng.below(64 << 10),
+        0..=2 => COMMON[rng.below(COMMON.len() as u64) as usize],
+        3..=5 => 1 + rng.below(64 << 10),
         6..=8 => (1 << 20) + rng.below(9 << 20),
         _ => (10 << 20) + rng.below(24 << 20),
     }
@@ -173,8 +176,9 @@ fn random_sequences_keep_blocks_disjoint_and_stats_exact() {
 #[test]
 fn cache_reuses_and_splits_and_merges() {
     let a = allocator();
-    let p1 = a.malloc_in(1000, 0, 0, pools::DEFAULT_POOL).unwrap();
-    let p2 = a.malloc_in(1000, 0, 0, pools::DEFAULT_POOL).unwrap();
+    let dp = pools::DEFAULT_POOL;
+    let p1 = a.malloc_in(1000, 0, 0, dp).unwrap();
+    let p2 = a.malloc_in(1000, 0, 0, dp).unwrap();
     assert_eq!(
         p2 - p1,
         1024,
@@ -185,20 +189,68 @@ fn cache_reuses_and_splits_and_merges() {
         (s.segments, s.physical_creates, s.cache_hits, s.cache_misses),
         (1, 1, 1, 1)
     );
-    a.free(p1, 1000, 0, 0).unwrap();
+    // Fill the rest of the 2 MiB small segment.
+    let q1 = a.malloc_in(1 << 20, 0, 0, dp).unwrap();
+    let q2 = a.malloc_in((1 << 20) - 2048, 0, 0, dp).unwrap();
+    assert_eq!(a.stats(0).unwrap().segments, 1);
+    // The fast path: a freed block comes back whole for the same size on the same stream.
     a.free(p2, 1000, 0, 0).unwrap();
-    // Both merged back: a 2 MiB small segment serves a 1 MiB request without a new segment.
-    let p3 = a.malloc_in(1 << 20, 0, 0, pools::DEFAULT_POOL).unwrap();
+    a.validate(0).unwrap();
+    assert_eq!(a.malloc_in(900, 0, 0, dp).unwrap(), p2, "same rounded size");
+    a.free(p2, 900, 0, 0).unwrap();
+    a.free(p1, 1000, 0, 0).unwrap();
+    a.validate(0).unwrap();
+    // A request nothing listed fits merges the parked blocks back: p1 and p2 make 2 KiB.
+    let p3 = a.malloc_in(2048, 0, 0, dp).unwrap();
     assert_eq!(p3, p1);
     assert_eq!(a.stats(0).unwrap().physical_creates, 1);
-    a.free(p3, 1 << 20, 0, 0).unwrap();
+    a.validate(0).unwrap();
+    for (p, n) in [(p3, 2048), (q1, 1 << 20), (q2, (1 << 20) - 2048)] {
+        a.free(p, n, 0, 0).unwrap();
+    }
     // Large and huge requests get large (20 MiB) and dedicated segments.
-    let l = a.malloc_in(3 << 20, 0, 0, pools::DEFAULT_POOL).unwrap();
-    let h = a.malloc_in(33 << 20, 0, 0, pools::DEFAULT_POOL).unwrap();
+    let l = a.malloc_in(3 << 20, 0, 0, dp).unwrap();
+    let h = a.malloc_in(33 << 20, 0, 0, dp).unwrap();
     let s = a.stats(0).unwrap();
     assert_eq!(s.reserved_bytes, (2 << 20) + (20 << 20) + (34 << 20));
     a.free(l, 3 << 20, 0, 0).unwrap();
     a.free(h, 33 << 20, 0, 0).unwrap();
+    a.validate(0).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats(0).unwrap().reserved_bytes, 0);
+    a.validate(0).unwrap();
+}
+
+#[test]
+fn parked_blocks_stay_with_their_stream_and_pool() {
+    let a = allocator();
+    let dp = pools::DEFAULT_POOL;
+    let (s1, s2) = (0x1000, 0x2000);
+    let p = a.malloc_in(4096, 0, s1, dp).unwrap();
+    a.free(p, 4096, 0, s1).unwrap();
+    // Another stream does not take the parked block (it would need ordering).
+    let q = a.malloc_in(4096, 0, s2, dp).unwrap();
+    assert_ne!(q, p);
+    // A block freed on another stream than it was allocated on is not parked: it waits on
+    // both streams and is listed for best fit with ordering.
+    a.free(q, 4096, 0, s1).unwrap();
+    a.validate(0).unwrap();
+    // record_stream also keeps a block off the fast path.
+    let r = a.malloc_in(4096, 0, s1, dp).unwrap();
+    assert_eq!(r, p, "the parked block comes back to its stream");
+    a.record_stream(r, s2).unwrap();
+    a.free(r, 4096, 0, s1).unwrap();
+    a.validate(0).unwrap();
+    // Releasing a pool drains its parked blocks and gives its segments back.
+    let pool = PoolId(5, 5);
+    pools::begin(0, pool).unwrap();
+    let x = a.malloc(1 << 20, 0, s1).unwrap();
+    pools::end(0, pool).unwrap();
+    let segments = a.stats(0).unwrap().segments;
+    a.free(x, 1 << 20, 0, s1).unwrap();
+    a.release_pool(0, pool).unwrap();
+    assert_eq!(a.stats(0).unwrap().segments, segments - 1);
+    a.validate(0).unwrap();
     a.empty_cache().unwrap();
     assert_eq!(a.stats(0).unwrap().reserved_bytes, 0);
     a.validate(0).unwrap();

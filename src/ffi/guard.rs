@@ -24,7 +24,13 @@ pub fn set_last_error(e: &Error) {
 }
 
 fn clear_last_error() {
-    let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = CString::default());
+    // Called on every entry: replace the text only when there is one (CString::default
+    // allocates).
+    let _ = LAST_ERROR.try_with(|l| {
+        if !l.borrow().is_empty() {
+            *l.borrow_mut() = CString::default();
+        }
+    });
 }
 
 /// Pointer to the calling thread's last error text ("" when the last call succeeded). Valid

@@ -2,19 +2,29 @@
 //! blocks split from and merged back into segments, free lists per pool (best fit, the
 //! requesting stream's blocks first), stream-ordered reuse and statistics.
 //!
+//! A block is live (handed out), free (listed for best fit, split and merged) or parked (freed
+//! whole onto the fast path of `parked.rs`, for the next request of its size on its stream).
+//!
 //! Invariants (checked by `validate`):
-//! - the blocks of a segment tile it exactly, in address order; no two neighbouring free blocks
-//!   of a segment wait on the same set of streams (those are merged on free; blocks with
-//!   different pending streams stay apart, so stream sets never grow by merging);
+//! - the blocks of a segment tile it exactly, in address order, and carry its pool; no two
+//!   neighbouring free blocks of a segment wait on the same set of streams (those are merged on
+//!   free; blocks with different pending streams stay apart, so stream sets never grow by
+//!   merging);
 //! - every free block is in its pool's `free_any` and `free_by_stream` sets, under its first
-//!   stream, and nothing else is;
-//! - `segment.live` counts the segment's live blocks; stats equal the sums over blocks/segments;
+//!   stream, and nothing else is; every parked block waits on exactly one stream and is in the
+//!   parked LIFO of (pool, that stream, its last rounded request), and nothing else is;
+//! - `segment.live` counts the segment's live and parked blocks (so a segment with parked
+//!   blocks is never released before they are drained); stats equal the sums over live blocks
+//!   and segments;
+//! - a pool being released has no parked blocks; `releasing_pools` counts the pools being
+//!   released;
 //! - segments and the range allocator's free ranges partition the heap.
 //!
 //! Determinism: a placement decision reads only the call sequence (sizes, pools, which calls
 //! used the same stream, capture state), never the clock or the progress of the GPU.
 
 use super::backend::{Backend, Phys, Stream};
+use super::parked::Parked;
 use super::pools::PoolId;
 use super::ranges::Ranges;
 use super::stats::Stats;
@@ -38,15 +48,38 @@ pub enum Class {
     Large,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    /// Handed out; holds the requested size.
+    Live(u64),
+    /// Listed in its pool's free sets.
+    Free,
+    /// Kept whole in the parked LIFO of its last rounded request.
+    Parked,
+}
+
 #[derive(Debug)]
 struct Block {
     size: u64,
     segment: u64,
-    /// `Some(requested size)` while live.
-    live: Option<u64>,
+    /// The segment's pool (copied here so the fast path needs no segment lookup).
+    pool: PoolId,
+    state: State,
     /// Streams whose work must finish before the memory is reused; the first is the stream of
     /// the last allocation or free.
     streams: Vec<Stream>,
+}
+
+impl Block {
+    fn is_free(&self) -> bool {
+        self.state == State::Free
+    }
+    fn requested(&self) -> Option<u64> {
+        match self.state {
+            State::Live(r) => Some(r),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -83,6 +116,8 @@ pub struct DeviceHeap {
     segments: BTreeMap<u64, Segment>,
     blocks: BTreeMap<u64, Block>,
     pools: BTreeMap<PoolId, Pool>,
+    parked: Parked,
+    releasing_pools: usize,
     next_generation: u64,
     pub stats: Stats,
 }
@@ -121,6 +156,8 @@ impl DeviceHeap {
             segments: BTreeMap::new(),
             blocks: BTreeMap::new(),
             pools: BTreeMap::new(),
+            parked: Parked::default(),
+            releasing_pools: 0,
             next_generation: 1,
             stats: Stats {
                 heap_bytes: size,
@@ -155,9 +192,18 @@ impl DeviceHeap {
             )));
         }
         let rounded = round_request(size);
+        if let Some(off) = self.parked.pop(&(pool, stream, rounded)) {
+            self.unpark_live(off, size);
+            return Ok(self.base + off);
+        }
         let class = class_of(rounded);
-        self.pools.entry(pool).or_default().releasing = false;
-        let off = match self.find_free(backend, pool, class, rounded, stream)? {
+        self.set_releasing(pool, false);
+        let mut found = self.find_free(backend, pool, class, rounded, stream)?;
+        if found.is_none() && self.drain_parked(Some(pool)) > 0 {
+            // Parked blocks merged back with their neighbours may fit now.
+            found = self.find_free(backend, pool, class, rounded, stream)?;
+        }
+        let off = match found {
             Some(off) => {
                 self.stats.cache_hits += 1;
                 off
@@ -169,6 +215,64 @@ impl DeviceHeap {
         };
         self.take(backend, off, rounded, size, stream)?;
         Ok(self.base + off)
+    }
+
+    /// The fast path's hit: the parked block at `off` (which waits only on the requesting
+    /// stream) becomes live for `requested` bytes.
+    fn unpark_live(&mut self, off: u64, requested: u64) {
+        let b = self.blocks.get_mut(&off).expect("parked block exists");
+        debug_assert_eq!(b.state, State::Parked);
+        b.state = State::Live(requested);
+        let size = b.size;
+        self.count_live(size, requested);
+        self.stats.cache_hits += 1;
+    }
+
+    fn count_live(&mut self, size: u64, requested: u64) {
+        self.stats.allocated_bytes += size;
+        self.stats.requested_bytes += requested;
+        self.stats.active_blocks += 1;
+        self.stats.peak_allocated_bytes = self
+            .stats
+            .peak_allocated_bytes
+            .max(self.stats.allocated_bytes);
+    }
+
+    /// Returns the parked blocks of `pool` (all pools with `None`) to the free lists, merged
+    /// with their free neighbours; returns how many there were.
+    fn drain_parked(&mut self, pool: Option<PoolId>) -> usize {
+        if self.parked.is_empty() {
+            return 0;
+        }
+        let offs = self.parked.drain(pool);
+        for &off in &offs {
+            let b = self.blocks.get_mut(&off).expect("parked block exists");
+            debug_assert_eq!(b.state, State::Parked);
+            b.state = State::Free;
+            let seg = b.segment;
+            self.segments.get_mut(&seg).expect("segment").live -= 1;
+            let merged = self.merge_neighbours(off);
+            self.list_free(merged);
+        }
+        offs.len()
+    }
+
+    fn set_releasing(&mut self, pool: PoolId, releasing: bool) {
+        let p = self.pools.entry(pool).or_default();
+        if p.releasing != releasing {
+            p.releasing = releasing;
+            if releasing {
+                self.releasing_pools += 1;
+            } else {
+                self.releasing_pools -= 1;
+            }
+        }
+    }
+
+    fn remove_pool(&mut self, pool: PoolId) {
+        if self.pools.remove(&pool).is_some_and(|p| p.releasing) {
+            self.releasing_pools -= 1;
+        }
     }
 
     /// Best fit among the pool's free blocks of the class: the requesting stream's first, then
@@ -303,7 +407,8 @@ impl DeviceHeap {
             Block {
                 size: len,
                 segment: off,
-                live: None,
+                pool,
+                state: State::Free,
                 streams: vec![],
             },
         );
@@ -373,13 +478,14 @@ impl DeviceHeap {
         if split {
             let streams = block.streams.clone();
             block.size = rounded;
-            let seg = block.segment;
+            let (segment, pool) = (block.segment, block.pool);
             self.blocks.insert(
                 off + rounded,
                 Block {
                     size: rest,
-                    segment: seg,
-                    live: None,
+                    segment,
+                    pool,
+                    state: State::Free,
                     streams,
                 },
             );
@@ -387,28 +493,25 @@ impl DeviceHeap {
         }
         let block = self.blocks.get_mut(&off).expect("block exists");
         let size = block.size;
-        block.live = Some(requested);
+        block.state = State::Live(requested);
         block.streams.clear();
         block.streams.push(stream);
         let seg = block.segment;
         self.segments.get_mut(&seg).expect("segment exists").live += 1;
-        self.stats.allocated_bytes += size;
-        self.stats.requested_bytes += requested;
-        self.stats.active_blocks += 1;
-        self.stats.peak_allocated_bytes = self
-            .stats
-            .peak_allocated_bytes
-            .max(self.stats.allocated_bytes);
+        self.count_live(size, requested);
         Ok(())
     }
 
-    fn live_block(&self, ptr: u64, what: &str) -> Result<u64> {
+    /// The offset and requested size of the live block at `ptr`.
+    fn live_block(&self, ptr: u64, what: &str) -> Result<(u64, u64)> {
         let off = ptr.wrapping_sub(self.base);
         match self.blocks.get(&off) {
-            Some(b) if b.live.is_some() => Ok(off),
-            Some(_) => Err(Error::invalid(format!(
-                "{what}({ptr:#x}): double free or use after free: the block is already free"
-            ))),
+            Some(b) => match b.requested() {
+                Some(r) => Ok((off, r)),
+                None => Err(Error::invalid(format!(
+                    "{what}({ptr:#x}): double free or use after free: the block is already free"
+                ))),
+            },
             None => Err(Error::invalid(format!(
                 "{what}({ptr:#x}): pointer was not returned by symm_malloc on device {}",
                 self.device
@@ -424,8 +527,7 @@ impl DeviceHeap {
         size: u64,
         stream: Stream,
     ) -> Result<()> {
-        let off = self.live_block(ptr, "symm_free")?;
-        let requested = self.blocks[&off].live.expect("live");
+        let (off, requested) = self.live_block(ptr, "symm_free")?;
         if requested != size {
             return Err(Error::invalid(format!(
                 "symm_free({ptr:#x}, size={size}): the block was allocated with size \
@@ -433,14 +535,27 @@ impl DeviceHeap {
             )));
         }
         let block = self.blocks.get_mut(&off).expect("live block");
-        block.live = None;
-        let mut streams = vec![stream];
-        streams.extend(block.streams.iter().copied().filter(|&s| s != stream));
-        block.streams = streams;
-        let (bsize, seg) = (block.size, block.segment);
+        let bsize = block.size;
         self.stats.allocated_bytes -= bsize;
         self.stats.requested_bytes -= requested;
         self.stats.active_blocks -= 1;
+        let pool_releasing =
+            self.releasing_pools > 0 && self.pools.get(&block.pool).is_some_and(|p| p.releasing);
+        if !pool_releasing && block.streams.iter().all(|&s| s == stream) {
+            // Fast path: only this stream used the block, so its next user on this stream
+            // needs no ordering. Keep it whole for the next request of the same size.
+            block.state = State::Parked;
+            block.streams.clear();
+            block.streams.push(stream);
+            let key = (block.pool, stream, round_request(requested));
+            self.parked.push(key, off);
+            return Ok(());
+        }
+        block.state = State::Free;
+        let mut streams = vec![stream];
+        streams.extend(block.streams.iter().copied().filter(|&s| s != stream));
+        block.streams = streams;
+        let seg = block.segment;
         let segment = self.segments.get_mut(&seg).expect("segment");
         segment.live -= 1;
         let (seg_live, pool) = (segment.live, segment.pool);
@@ -462,10 +577,7 @@ impl DeviceHeap {
             a.is_empty() || b.is_empty() || (a.len() == b.len() && a.iter().all(|s| b.contains(s)))
         };
         if let Some((&prev, pb)) = self.blocks.range(..off).next_back() {
-            if pb.segment == seg
-                && pb.live.is_none()
-                && same(&pb.streams, &self.blocks[&off].streams)
-            {
+            if pb.segment == seg && pb.is_free() && same(&pb.streams, &self.blocks[&off].streams) {
                 self.unlist_free(prev);
                 let b = self.blocks.remove(&off).expect("block");
                 let p = self.blocks.get_mut(&prev).expect("prev");
@@ -485,7 +597,7 @@ impl DeviceHeap {
         if self
             .blocks
             .get(&next)
-            .is_some_and(|n| n.segment == seg && n.live.is_none() && same(&n.streams, &mine))
+            .is_some_and(|n| n.segment == seg && n.is_free() && same(&n.streams, &mine))
         {
             self.unlist_free(next);
             let n = self.blocks.remove(&next).expect("next");
@@ -517,7 +629,7 @@ impl DeviceHeap {
         let p = self.pools.get_mut(&pool).expect("pool");
         p.segments -= 1;
         if p.segments == 0 && p.releasing {
-            self.pools.remove(&pool);
+            self.remove_pool(pool);
         }
         self.stats.segments -= 1;
         self.stats.reserved_bytes -= len;
@@ -540,26 +652,28 @@ impl DeviceHeap {
 
     /// Returns every segment without live blocks to the backend.
     pub fn empty_cache(&mut self, backend: &dyn Backend) -> Result<()> {
+        self.drain_parked(None);
         self.release_free_segments(backend, None)
     }
 
     /// Marks `pool` released: its free segments go now, the others when their last block is
     /// freed. Allocating into the pool again revives it.
     pub fn release_pool(&mut self, backend: &dyn Backend, pool: PoolId) -> Result<()> {
-        let Some(p) = self.pools.get_mut(&pool) else {
+        if !self.pools.contains_key(&pool) {
             return Ok(());
-        };
-        p.releasing = true;
+        }
+        self.drain_parked(Some(pool));
+        self.set_releasing(pool, true);
         self.release_free_segments(backend, Some(pool))?;
         if self.pools.get(&pool).is_some_and(|p| p.segments == 0) {
-            self.pools.remove(&pool);
+            self.remove_pool(pool);
         }
         Ok(())
     }
 
     /// The next reuse of the block at `ptr` also waits for `stream`'s work.
     pub fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<()> {
-        let off = self.live_block(ptr, "symm_record_stream")?;
+        let (off, _) = self.live_block(ptr, "symm_record_stream")?;
         let b = self.blocks.get_mut(&off).expect("live block");
         if !b.streams.contains(&stream) {
             b.streams.push(stream);
@@ -574,7 +688,7 @@ impl DeviceHeap {
             .blocks
             .range(..=off)
             .next_back()
-            .filter(|(&o, b)| off < o + b.size && b.live.is_some())
+            .filter(|(&o, b)| off < o + b.size && b.requested().is_some())
             .ok_or_else(|| {
                 Error::invalid(format!(
                     "address {ptr:#x} is not inside a live symm_malloc block"
@@ -613,6 +727,7 @@ impl DeviceHeap {
             ..Stats::default()
         };
         let mut free_count: BTreeMap<PoolId, usize> = BTreeMap::new();
+        let mut parked_seen = 0;
         for (&soff, s) in &self.segments {
             if !self.ranges.is_free(soff, s.size) {
                 st.segments += 1;
@@ -624,21 +739,26 @@ impl DeviceHeap {
             let mut live = 0;
             let mut prev_free: Option<&Vec<Stream>> = None;
             for (&boff, b) in self.blocks.range(soff..soff + s.size) {
-                if boff != at || b.segment != soff || b.size == 0 {
+                if boff != at || b.segment != soff || b.size == 0 || b.pool != s.pool {
                     return Err(format!(
                         "blocks of segment {soff:#x} do not tile it at {boff:#x}"
                     ));
                 }
                 at += b.size;
-                match b.live {
-                    Some(req) => {
+                match b.state {
+                    State::Live(req) => {
                         live += 1;
                         st.allocated_bytes += b.size;
                         st.requested_bytes += req;
                         st.active_blocks += 1;
                         prev_free = None;
                     }
-                    None => {
+                    State::Parked => {
+                        live += 1;
+                        parked_seen += 1;
+                        prev_free = None;
+                    }
+                    State::Free => {
                         if let Some(p) = prev_free {
                             let q = &b.streams;
                             if p.is_empty()
@@ -671,6 +791,44 @@ impl DeviceHeap {
                     s.live
                 ));
             }
+        }
+        let mut parked_listed = 0;
+        for (&(pool, stream, rounded), off) in self.parked.entries() {
+            parked_listed += 1;
+            let b = self
+                .blocks
+                .get(&off)
+                .ok_or(format!("parked offset {off:#x} is not a block"))?;
+            let class = self.segments[&b.segment].class;
+            if b.state != State::Parked
+                || b.pool != pool
+                || b.streams != [stream]
+                || rounded > b.size
+                || class_of(rounded) != class
+            {
+                return Err(format!(
+                    "parked block {off:#x} ({b:?}) does not match its key \
+                     ({pool:?}, stream {stream:#x}, {rounded} bytes)"
+                ));
+            }
+            if self.pools.get(&pool).is_none_or(|p| p.releasing) {
+                return Err(format!(
+                    "block {off:#x} is parked in pool {pool:?}, which is released"
+                ));
+            }
+        }
+        if parked_listed != parked_seen || self.parked.len() != parked_seen {
+            return Err(format!(
+                "{parked_seen} blocks are parked, the LIFOs hold {parked_listed} (count {})",
+                self.parked.len()
+            ));
+        }
+        let releasing = self.pools.values().filter(|p| p.releasing).count();
+        if releasing != self.releasing_pools {
+            return Err(format!(
+                "{releasing} pools are being released, counted {}",
+                self.releasing_pools
+            ));
         }
         for (id, p) in &self.pools {
             let n = free_count.get(id).copied().unwrap_or(0);

@@ -8,6 +8,7 @@ pub mod backend;
 pub mod cuda_backend;
 pub mod device_heap;
 pub mod host_backend;
+pub mod parked;
 pub mod pools;
 pub mod ranges;
 pub mod stats;
