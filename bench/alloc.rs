@@ -18,17 +18,20 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p) as usize]
 }
 
-/// Per-pair latency in microseconds of `pair`, `iters` times, on `threads` threads.
+/// Per-pair latency in microseconds of `pair`, `iters` times, on `threads` threads that start
+/// timing together (after their warm-up), so the threads really contend.
 fn measure(threads: usize, iters: usize, pair: impl Fn(usize) + Sync) -> (f64, f64) {
+    let start = std::sync::Barrier::new(threads);
     let all: Vec<Vec<f64>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
             .map(|t| {
-                let pair = &pair;
+                let (pair, start) = (&pair, &start);
                 s.spawn(move || {
                     let _ctx = CtxGuard::new(0).unwrap();
                     for _ in 0..iters / 10 {
                         pair(t);
                     }
+                    start.wait();
                     (0..iters)
                         .map(|_| {
                             let t0 = Instant::now();
@@ -50,6 +53,11 @@ fn check(r: sys::CUresult, what: &str) {
 }
 
 fn main() {
+    if std::env::args().any(|a| a == "--trace-only") {
+        // The trace replay alone, on whichever backend SYMMALLOC_BACKEND names (host works
+        // without a GPU: placement is the same, only the memory differs).
+        return trace_replay(heap::global().unwrap());
+    }
     let drv = match cuda::driver() {
         Ok(d) => d,
         Err(e) => {

@@ -241,6 +241,16 @@ fn parked_blocks_stay_with_their_stream_and_pool() {
     a.record_stream(r, s2).unwrap();
     a.free(r, 4096, 0, s1).unwrap();
     a.validate(0).unwrap();
+    // A large request of another size drains the parked large blocks first: best fit reuses
+    // the freed memory instead of splitting fresh memory beside it.
+    let l1 = a.malloc_in(3 << 20, 0, s1, dp).unwrap();
+    a.free(l1, 3 << 20, 0, s1).unwrap();
+    let creates = a.stats(0).unwrap().physical_creates;
+    let l2 = a.malloc_in((3 << 20) + 4096, 0, s1, dp).unwrap();
+    assert_eq!(l2, l1);
+    assert_eq!(a.stats(0).unwrap().physical_creates, creates);
+    a.free(l2, (3 << 20) + 4096, 0, s1).unwrap();
+    a.validate(0).unwrap();
     // Releasing a pool drains its parked blocks and gives its segments back.
     let pool = PoolId(5, 5);
     pools::begin(0, pool).unwrap();

@@ -198,8 +198,13 @@ impl DeviceHeap {
         }
         let class = class_of(rounded);
         self.set_releasing(pool, false);
+        if class == Class::Large {
+            // Large sizes vary (sequence lengths, packing): give best fit every large parked
+            // block of the pool, merged, rather than splitting fresh memory around them.
+            self.drain_parked(Some(pool), |r| class_of(r) == Class::Large);
+        }
         let mut found = self.find_free(backend, pool, class, rounded, stream)?;
-        if found.is_none() && self.drain_parked(Some(pool)) > 0 {
+        if found.is_none() && self.drain_parked(Some(pool), |_| true) > 0 {
             // Parked blocks merged back with their neighbours may fit now.
             found = self.find_free(backend, pool, class, rounded, stream)?;
         }
@@ -240,11 +245,11 @@ impl DeviceHeap {
 
     /// Returns the parked blocks of `pool` (all pools with `None`) to the free lists, merged
     /// with their free neighbours; returns how many there were.
-    fn drain_parked(&mut self, pool: Option<PoolId>) -> usize {
+    fn drain_parked(&mut self, pool: Option<PoolId>, sizes: impl Fn(u64) -> bool) -> usize {
         if self.parked.is_empty() {
             return 0;
         }
-        let offs = self.parked.drain(pool);
+        let offs = self.parked.drain(pool, sizes);
         for &off in &offs {
             let b = self.blocks.get_mut(&off).expect("parked block exists");
             debug_assert_eq!(b.state, State::Parked);
@@ -652,7 +657,7 @@ impl DeviceHeap {
 
     /// Returns every segment without live blocks to the backend.
     pub fn empty_cache(&mut self, backend: &dyn Backend) -> Result<()> {
-        self.drain_parked(None);
+        self.drain_parked(None, |_| true);
         self.release_free_segments(backend, None)
     }
 
@@ -662,7 +667,7 @@ impl DeviceHeap {
         if !self.pools.contains_key(&pool) {
             return Ok(());
         }
-        self.drain_parked(Some(pool));
+        self.drain_parked(Some(pool), |_| true);
         self.set_releasing(pool, true);
         self.release_free_segments(backend, Some(pool))?;
         if self.pools.get(&pool).is_some_and(|p| p.segments == 0) {

@@ -5,8 +5,10 @@
 //! being merged with its neighbours and listed in the pool's best-fit sets: freeing is one
 //! map push, and the next `malloc` of that size on that stream is one map pop, with no
 //! ordering to add (the block waits on nothing but the requesting stream). Parked blocks go
-//! back to the best-fit sets (`drain_*`) when a request finds nothing there, on
-//! `empty_cache`, and when their pool is released.
+//! back to the best-fit sets (`drain`) when a request finds nothing there, when a large
+//! request misses the fast path (large sizes vary between steps, and best fit over merged
+//! blocks keeps reserved memory close to allocated), on `empty_cache`, and when their pool is
+//! released.
 //!
 //! Invariants (checked by `DeviceHeap::validate`): each parked block is in exactly one LIFO,
 //! under its pool, its single stream and the rounded size it was last allocated with; `len()`
@@ -71,11 +73,12 @@ impl Parked {
         self.count == 0
     }
 
-    /// Removes and returns the parked blocks of `pool` (every pool with `None`), ascending.
-    pub fn drain(&mut self, pool: Option<PoolId>) -> Vec<u64> {
+    /// Removes and returns the parked blocks of `pool` (every pool with `None`) whose rounded
+    /// size `sizes` accepts, ascending.
+    pub fn drain(&mut self, pool: Option<PoolId>, sizes: impl Fn(u64) -> bool) -> Vec<u64> {
         let mut out = Vec::new();
-        self.lifo.retain(|&(p, _, _), v| {
-            if pool.is_none_or(|want| want == p) {
+        self.lifo.retain(|&(p, _, rounded), v| {
+            if pool.is_none_or(|want| want == p) && sizes(rounded) {
                 out.append(v);
                 false
             } else {
@@ -110,10 +113,12 @@ mod tests {
         assert_eq!(p.len(), 4);
         assert_eq!(p.pop(&(a, 7, 512)), Some(1024), "last parked comes first");
         assert_eq!(p.pop(&(a, 7, 1024)), None, "sizes do not mix");
-        assert_eq!(p.drain(Some(a)), vec![512, 4096]);
+        p.push((a, 9, 4 << 20), 8192);
+        assert_eq!(p.drain(Some(a), |r| r > 1024), vec![8192]);
+        assert_eq!(p.drain(Some(a), |_| true), vec![512, 4096]);
         assert_eq!(p.len(), 1);
         assert_eq!(p.pop(&(a, 7, 512)), None);
-        assert_eq!(p.drain(None), vec![2048]);
+        assert_eq!(p.drain(None, |_| true), vec![2048]);
         assert!(p.is_empty());
     }
 }
