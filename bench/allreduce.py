@@ -1,4 +1,4 @@
-"""All-reduce benchmark: symmalloc (AUTO, one-shot, two-shot) against PyTorch symmetric memory
+"""All-reduce benchmark: symmalloc (AUTO, one-shot LL, one-shot, two-shot) against PyTorch symmetric memory
 (one_shot_all_reduce, two_shot_all_reduce_) and NCCL (torch.distributed.all_reduce), bf16 sum,
 8 KiB to 256 MiB, eager and CUDA graph, all in the same run.
 
@@ -20,7 +20,15 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import symmalloc  # noqa: E402
 
-SIZES = [8 << 10, 32 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+def _size(v):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    v = v.strip()
+    return int(v[:-1]) * units[v[-1].upper()] if v[-1].upper() in units else int(v)
+
+
+# The one-shot LL kernel's capacity (SYMMALLOC_LL_BYTES, default 1 MiB as in src/config.rs).
+LL_MAX = _size(os.environ.get("SYMMALLOC_LL_BYTES", "1M"))
+SIZES = [8 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
 
 def timed(fn, k, reps, graph):
@@ -81,7 +89,9 @@ def worker(rank, world, port, out_dir):
         src = torch.randn(n, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16)
         ref = src.float().clone()
         dist.all_reduce(ref)
-        for algo in ["auto", "one_shot", "two_shot"]:
+        for algo in ["auto", "one_shot_ll", "one_shot", "two_shot"]:
+            if algo == "one_shot_ll" and size > LL_MAX:
+                continue
             buf.copy_(src)
             comm.all_reduce(buf, algo=algo)
             torch.cuda.synchronize()
@@ -102,6 +112,7 @@ def worker(rank, world, port, out_dir):
         row = {"bytes": size}
         methods = {
             "symm_auto": lambda: comm.all_reduce(buf, algo="auto"),
+            "symm_ll": lambda: comm.all_reduce(buf, algo="one_shot_ll"),
             "symm_one": lambda: comm.all_reduce(buf, algo="one_shot"),
             "symm_two": lambda: comm.all_reduce(buf, algo="two_shot"),
             "symm_auto_oop": lambda: comm.all_reduce(buf, algo="auto", out=out),
@@ -112,6 +123,8 @@ def worker(rank, world, port, out_dir):
         }
         for name, fn in methods.items():
             if name in ("symm_one", "symm_one_oop") and size > (64 << 20):
+                continue
+            if name == "symm_ll" and size > LL_MAX:
                 continue
             for graph in [False, True]:
                 try:
@@ -135,7 +148,7 @@ def worker(rank, world, port, out_dir):
 
 def table(path):
     d = json.load(open(path))
-    cols = ["symm_auto", "symm_one", "symm_two", "symm_auto_oop", "symm_one_oop", "torch_one", "torch_two", "nccl"]
+    cols = ["symm_auto", "symm_ll", "symm_one", "symm_two", "symm_auto_oop", "symm_one_oop", "torch_one", "torch_two", "nccl"]
     print(f"\nbf16 sum, {d['world']}x {d['device']}, torch {d['torch']}, NCCL {d['nccl']}; us per call (median)")
     print(f"{'size':>9} | " + " | ".join(f"{c:>9} e/g" for c in cols) + " | auto algbw GB/s | best other | auto vs best")
     for r in d["rows"]:

@@ -138,6 +138,11 @@ typedef uint32_t symm_algo_t;
 
 #define SYMM_ALGO_MULTIMEM 3
 
+/**
+ * One-shot without barriers (flags carried in the data), for messages up to 256 KiB.
+ */
+#define SYMM_ALGO_ONE_SHOT_LL 4
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus

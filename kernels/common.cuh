@@ -21,6 +21,7 @@
 #define SYMM_ERR_TIMEOUT_CODE 1u
 #define SYMM_ERR_ASYMMETRIC_CODE 2u
 #define SYMM_ERR_NO_MULTIMEM_CODE 3u
+#define SYMM_ERR_LL_ASYMMETRIC_CODE 4u
 
 enum { OP_SUM = 0, OP_MAX = 1, OP_MIN = 2 };
 
@@ -37,7 +38,7 @@ struct SymmArgs {
   int32_t rank;
   int32_t world;
   int32_t in_place;
-  int32_t reserved;
+  int32_t ll_slot_kib;             // one-shot LL: bytes per sender slot / 1024
 };
 
 struct Slot {
@@ -166,6 +167,36 @@ __device__ __forceinline__ void reduce_item(const SymmArgs& a, uint64_t i,
 #pragma unroll
       for (int k = 0; k < P::N; ++k) acc[k] = r == 0 ? to_f32(e[k]) : combine<OP>(acc[k], to_f32(e[k]));
     }
+  }
+}
+
+// U items per thread (item u at i0 + u * step, those >= end skipped): the loads of two ranks
+// for all U items are in flight together (enough to cover NVLink latency at two ranks without
+// holding every rank's data in registers), then reduced in fixed rank order, in fp32.
+template <typename T, int OP, bool VEC, int U>
+__device__ __forceinline__ void reduce_items(const SymmArgs& a, uint64_t i0, uint64_t step,
+                                             uint64_t end, float (&acc)[U][Pack<T, VEC>::N]) {
+  using P = Pack<T, VEC>;
+#pragma unroll
+  for (int r0 = 0; r0 < SYMM_MAX_RANKS; r0 += 2) {
+    if (r0 >= a.world) break;
+    typename P::Storage v[U][2];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        if (r0 + j < a.world && i0 + u * step < end)
+          v[u][j] = ((const typename P::Storage*)a.in[r0 + j])[i0 + u * step];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if (r0 + j >= a.world) continue;
+        const T* e = (const T*)&v[u][j];
+#pragma unroll
+        for (int k = 0; k < P::N; ++k)
+          acc[u][k] = r0 + j == 0 ? to_f32(e[k]) : combine<OP>(acc[u][k], to_f32(e[k]));
+      }
   }
 }
 

@@ -1,9 +1,13 @@
 // Two-shot all-reduce: reduce-scatter then all-gather through peer stores. Rank r reduces
 // slice r of the items (reading every rank) and stores the result into every rank's output.
+// Each thread takes UNROLL vectors per round (a block covers UNROLL * blockDim contiguous
+// items), so enough NVLink reads are in flight to approach the link rate.
 // Each rank reads only its own slice, so it is race-free in place; the closing barrier makes
 // every peer's stores into this rank's output visible before the kernel ends. The element tail
 // after the last whole vector belongs to the last rank.
 #include "common.cuh"
+
+#define SYMM_TWO_SHOT_UNROLL 4
 
 template <typename T, int OP, bool VEC>
 __device__ __forceinline__ void two_shot_body(const SymmArgs& a) {
@@ -14,15 +18,22 @@ __device__ __forceinline__ void two_shot_body(const SymmArgs& a) {
   const uint64_t slice = (items + a.world - 1) / a.world;
   const uint64_t begin = min(items, slice * a.rank);
   const uint64_t end = min(items, begin + slice);
-  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  constexpr int U = VEC ? SYMM_TWO_SHOT_UNROLL : 1;
+  const uint64_t span = (uint64_t)gridDim.x * blockDim.x * U;
   if (ok) {
-    for (uint64_t i = begin + (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < end; i += stride) {
-      float acc[P::N];
-      reduce_item<T, OP, VEC>(a, i, acc);
-      const typename P::Storage s = pack<T, VEC>(acc);
+    for (uint64_t i0 = begin + (uint64_t)blockIdx.x * blockDim.x * U + threadIdx.x; i0 < end;
+         i0 += span) {
+      float acc[U][P::N];
+      reduce_items<T, OP, VEC, U>(a, i0, blockDim.x, end, acc);
 #pragma unroll
-      for (int r = 0; r < SYMM_MAX_RANKS; ++r)
-        if (r < a.world) ((typename P::Storage*)a.out[r])[i] = s;
+      for (int u = 0; u < U; ++u) {
+        const uint64_t i = i0 + (uint64_t)u * blockDim.x;
+        if (i >= end) continue;
+        const typename P::Storage s = pack<T, VEC>(acc[u]);
+#pragma unroll
+        for (int r = 0; r < SYMM_MAX_RANKS; ++r)
+          if (r < a.world) ((typename P::Storage*)a.out[r])[i] = s;
+      }
     }
     if (VEC && a.rank == a.world - 1 && blockIdx.x == 0) {
       const uint64_t i = items * P::N + threadIdx.x;

@@ -24,16 +24,21 @@ elif [ "${1:-tests}" = tests ]; then
   run unit $D/t_unit --test-threads=2
   run gpu_alloc $D/t_gpu_alloc --test-threads=1 --nocapture
   T=400 TAILN=25 run gpu_comm $D/t_gpu_comm --test-threads=1 --nocapture
+  for mode in mempool graph global; do
+    T=240 TAILN=4 run torch_$mode python3 -m torch.distributed.run --nproc_per_node=2 --master_port=29533 python/tests/torch_gpu_check.py $mode
+  done
   step c_harness
   cmake -S tests/c -B /tmp/cbuild -DSYMMALLOC_LIB_DIR=$D -DCUDA_INCLUDE_DIR=/usr/local/cuda/include > "$OUT/c.log" 2>&1 && cmake --build /tmp/cbuild -j 8 >> "$OUT/c.log" 2>&1 && ctest --test-dir /tmp/cbuild --output-on-failure >> "$OUT/c.log" 2>&1; echo "[ctest rc=$?]"; grep -E "tests passed|Test +#|link_test|dlopen|shared" "$OUT/c.log" | tail -14
   for t in link_test dlopen_shim shared_state; do /tmp/cbuild/$t $D 2>&1 | tail -1; done
   step sass
   cuobjdump --dump-sass --gpu-architecture sm_90 $D/symmalloc_kernels.fatbin > "$OUT/sass_sm90.txt" 2>&1
   awk '/Function : symm_multimem_bf16_sum_vec/{f=1} f&&/Function : /&&!/multimem/{f=0} f' "$OUT/sass_sm90.txt" > "$OUT/sass_multimem.txt"
-  echo "multimem kernel SASS lines: $(wc -l < $OUT/sass_multimem.txt); multimem instructions:"; grep -oE "(MULTIMEM|UBLKRED|LDGMC|REDG?MC|STGMC|[A-Z.]*MC[A-Z.]*) " "$OUT/sass_multimem.txt" | sort | uniq -c | head
+  echo "multimem kernel SASS lines: $(wc -l < $OUT/sass_multimem.txt); multimem instructions:"; grep -oE "[A-Z]+MC[A-Z0-9.]*|MULTIMEM[A-Z0-9.]*" "$OUT/sass_multimem.txt" | sort | uniq -c | head
   grep -E "LDG.E.128|STG.E.128" "$OUT/sass_sm90.txt" | head -2
-  cuobjdump --dump-resource-usage $D/symmalloc_kernels.fatbin 2>/dev/null | grep -A1 "two_shot_bf16_sum_vec\|one_shot_bf16_sum_vec" | head -8
+  cuobjdump --dump-resource-usage $D/symmalloc_kernels.fatbin 2>/dev/null | grep -A1 "two_shot_bf16_sum_vec\|one_shot_ll_bf16_sum_vec" | head -8
+  awk "/Function : symm_one_shot_ll_bf16_sum_vec/{f=1} f&&/Function : /&&!/one_shot_ll_bf16_sum_vec/{f=0} f" "$OUT/sass_sm90.txt" | grep -oE "(LDG|STG)[A-Z0-9.]*" | sort | uniq -c
 else
+  T=200 TAILN=16 run allreduce_c $D/allreduce_c
   T=560 TAILN=30 run allreduce python3 bench/allreduce.py --out "$OUT"
   T=200 TAILN=30 run alloc $D/alloc_bench
   T=120 TAILN=10 run alloc_torch python3 bench/alloc_torch.py

@@ -73,6 +73,52 @@ pub fn flag(name: &str) -> bool {
     )
 }
 
+/// Default capacity of the one-shot LL kernel's slots (`SYMMALLOC_LL_BYTES`).
+pub const DEFAULT_LL_BYTES: u64 = 1 << 20;
+/// The largest LL slot accepted (its buffers take 2 x world x the slot of device memory).
+pub const MAX_LL_BYTES: u64 = 256 << 20;
+
+/// `SYMMALLOC_LL_BYTES`: the largest message the one-shot LL kernel takes; each communicator
+/// holds 2 x world x this much device memory for it. A multiple of 1 KiB, at most 256M; must
+/// match on all ranks.
+pub fn ll_bytes() -> Result<u64> {
+    let v = parse_u64("SYMMALLOC_LL_BYTES")?.unwrap_or(DEFAULT_LL_BYTES);
+    if v == 0 || v % 1024 != 0 || v > MAX_LL_BYTES {
+        return Err(Error::invalid(format!(
+            "SYMMALLOC_LL_BYTES={v} is not a positive multiple of 1K up to {MAX_LL_BYTES}"
+        )));
+    }
+    Ok(v)
+}
+
+/// Default grid of the one-shot LL kernel: blocks x threads (`SYMMALLOC_LL_GRID`).
+/// Measured on 2x H200 (bench/RESULTS.md): 128x256 gave 3.5 us at 8 KiB and 6.9 us at
+/// 1 MiB graphed; 32x512 gave 3.8 and 8.4 (one SM's stores to a peer are the limit, so the
+/// message is spread thin).
+pub const DEFAULT_LL_GRID: (u32, u32) = (128, 256);
+
+/// `SYMMALLOC_LL_GRID=BLOCKSxTHREADS`: the one-shot LL kernel's grid, fixed for a
+/// communicator's life (its blocks keep per-block call counters); at most 128 blocks of at
+/// most 512 threads, threads a multiple of 32; must match on all ranks.
+pub fn ll_grid() -> Result<(u32, u32)> {
+    let Ok(v) = std::env::var("SYMMALLOC_LL_GRID") else {
+        return Ok(DEFAULT_LL_GRID);
+    };
+    parse_grid(&v).ok_or_else(|| {
+        Error::invalid(format!(
+            "SYMMALLOC_LL_GRID={v:?}; expected BLOCKSxTHREADS with 1..=128 blocks and 32..=512 \
+             threads, a multiple of 32 (e.g. 64x256)"
+        ))
+    })
+}
+
+/// "64x256" -> (64, 256), within the LL kernel's limits.
+pub fn parse_grid(v: &str) -> Option<(u32, u32)> {
+    let (b, t) = v.trim().split_once(['x', 'X'])?;
+    let (b, t) = (b.trim().parse::<u32>().ok()?, t.trim().parse::<u32>().ok()?);
+    ((1..=128).contains(&b) && (32..=512).contains(&t) && t % 32 == 0).then_some((b, t))
+}
+
 /// An AUTO threshold override (`SYMMALLOC_ONE_SHOT_MAX_BYTES`), a size like the others.
 pub fn auto_threshold(name: &str) -> Result<Option<u64>> {
     parse_u64(name)
@@ -89,6 +135,11 @@ mod tests {
         assert_eq!(parse_size("8G"), Some(8 << 30));
         assert_eq!(parse_size("1T"), Some(1 << 40));
         assert_eq!(parse_size("x"), None);
+        assert_eq!(parse_grid("64x256"), Some((64, 256)));
+        assert_eq!(parse_grid(" 128 X 512 "), Some((128, 512)));
+        for bad in ["0x256", "129x256", "64x48", "64x1024", "64", "ax256"] {
+            assert_eq!(parse_grid(bad), None, "{bad}");
+        }
         assert_eq!(parse_size("99999999999T"), None);
     }
 }

@@ -150,6 +150,31 @@ fn run_case(
     fnv(&out)
 }
 
+/// The LL kernel's capacity (the children run with the default SYMMALLOC_LL_BYTES).
+const LL_MAX: usize = symmalloc::config::DEFAULT_LL_BYTES as usize;
+
+/// An explicit ONE_SHOT_LL over its capacity is refused with a message, on every rank alike.
+fn expect_ll_refusal(c: &Child, comm: *mut symm_comm_t, n: usize, dtype: u32) {
+    let p = symm_malloc(n * esize(dtype), c.rank, null_mut());
+    let st = symm_all_reduce_algo(
+        comm,
+        SYMM_ALGO_ONE_SHOT_LL,
+        p,
+        p,
+        n,
+        dtype,
+        SYMM_SUM,
+        null_mut(),
+    );
+    assert_eq!(st, symm_status_t::SYMM_ERR_INVALID_ARGUMENT);
+    assert!(
+        err().contains("ONE_SHOT_LL takes messages up to"),
+        "{}",
+        err()
+    );
+    symm_free(p, n * esize(dtype), c.rank, null_mut());
+}
+
 fn sweep_rank(c: Child) {
     // SAFETY: single-threaded child process.
     let comm = init(&c);
@@ -174,9 +199,18 @@ fn sweep_rank(c: Child) {
     for &n in &counts {
         for dtype in [SYMM_BF16, SYMM_FP16, SYMM_FP32] {
             for op in [SYMM_SUM, SYMM_MAX, SYMM_MIN] {
-                for algo in [SYMM_ALGO_AUTO, SYMM_ALGO_ONE_SHOT, SYMM_ALGO_TWO_SHOT] {
+                for algo in [
+                    SYMM_ALGO_AUTO,
+                    SYMM_ALGO_ONE_SHOT_LL,
+                    SYMM_ALGO_ONE_SHOT,
+                    SYMM_ALGO_TWO_SHOT,
+                ] {
                     for in_place in [true, false] {
                         case += 1;
+                        if algo == SYMM_ALGO_ONE_SHOT_LL && n * esize(dtype) > LL_MAX {
+                            expect_ll_refusal(&c, comm, n, dtype);
+                            continue;
+                        }
                         let h = run_case(
                             &c,
                             comm,
@@ -297,6 +331,8 @@ fn graph_rank(c: Child) {
     for (n, algo, in_place) in [
         (4099usize, SYMM_ALGO_ONE_SHOT, true),
         (4099, SYMM_ALGO_ONE_SHOT, false),
+        (4099, SYMM_ALGO_ONE_SHOT_LL, true),
+        (65_531, SYMM_ALGO_ONE_SHOT_LL, false),
         (1 << 20, SYMM_ALGO_TWO_SHOT, true),
         (1 << 20, SYMM_ALGO_TWO_SHOT, false),
     ] {
@@ -358,7 +394,7 @@ fn graph_rank(c: Child) {
         symm_free(b as _, bytes, c.rank, stream as _);
     }
     assert_eq!(symm_comm_destroy(comm), symm_status_t::SYMM_SUCCESS);
-    println!("rank {}: 4 x 1000 graph replays correct", c.rank);
+    println!("rank {}: 6 x 1000 graph replays correct", c.rank);
 }
 
 #[test]
@@ -419,11 +455,13 @@ fn gpu_steady_state_creates_no_new_mappings_or_segments() {
 }
 
 fn killed_rank(c: Child) {
+    // The waiting kernel: the barrier one-shot or the LL kernel (no barrier, it waits for data).
+    let algo: u32 = c.arg.parse().unwrap();
     let comm = init(&c);
     let stream = util::stream_create(c.rank).unwrap();
     let p = symm_malloc(1 << 20, c.rank, stream as _);
     assert_eq!(
-        symm_all_reduce(comm, p, p, 1024, SYMM_FP32, SYMM_SUM, stream as _),
+        symm_all_reduce_algo(comm, algo, p, p, 1024, SYMM_FP32, SYMM_SUM, stream as _),
         symm_status_t::SYMM_SUCCESS
     );
     util::stream_sync(c.rank, stream).unwrap();
@@ -435,9 +473,9 @@ fn killed_rank(c: Child) {
     let t0 = std::time::Instant::now();
     // The kernel launches, waits for rank 1 at its barrier, gives up after the timeout and
     // sets the error word; this call or the next one reports it.
-    let st = symm_all_reduce(comm, p, p, 1024, SYMM_FP32, SYMM_SUM, stream as _);
+    let st = symm_all_reduce_algo(comm, algo, p, p, 1024, SYMM_FP32, SYMM_SUM, stream as _);
     util::stream_sync(c.rank, stream).unwrap();
-    let st2 = symm_all_reduce(comm, p, p, 1024, SYMM_FP32, SYMM_SUM, stream as _);
+    let st2 = symm_all_reduce_algo(comm, algo, p, p, 1024, SYMM_FP32, SYMM_SUM, stream as _);
     assert!(
         st == symm_status_t::SYMM_ERR_TIMEOUT || st2 == symm_status_t::SYMM_ERR_TIMEOUT,
         "{:?} {:?} {}",
@@ -465,13 +503,15 @@ fn gpu_killed_rank_is_reported_within_the_timeout() {
     if gpu_world("gpu_killed_rank").is_none() {
         return;
     }
-    let outs = run_ranks(
-        "gpu_killed_rank_is_reported_within_the_timeout",
-        2,
-        &[("SYMMALLOC_TIMEOUT_S", "5")],
-        "",
-    );
-    assert_all_ok(&outs[..1]);
+    for algo in [SYMM_ALGO_ONE_SHOT, SYMM_ALGO_ONE_SHOT_LL] {
+        let outs = run_ranks(
+            "gpu_killed_rank_is_reported_within_the_timeout",
+            2,
+            &[("SYMMALLOC_TIMEOUT_S", "5")],
+            &algo.to_string(),
+        );
+        assert_all_ok(&outs[..1]);
+    }
 }
 
 fn asymmetric_rank(c: Child) {
@@ -480,22 +520,59 @@ fn asymmetric_rank(c: Child) {
     let q = symm_malloc(4096, c.rank, null_mut());
     let r = symm_malloc(4096, c.rank, null_mut());
     let buf = if c.rank == 0 { q } else { r };
+    let one_shot = |p: *mut std::ffi::c_void| {
+        symm_all_reduce_algo(
+            comm,
+            SYMM_ALGO_ONE_SHOT,
+            p,
+            p,
+            16,
+            SYMM_FP32,
+            SYMM_SUM,
+            null_mut(),
+        )
+    };
     // Same segment, other offsets: the kernel's first barrier catches it; reported next call.
-    let st = symm_all_reduce(comm, buf, buf, 16, SYMM_FP32, SYMM_SUM, null_mut());
+    let st = one_shot(buf);
     util::device_sync(c.rank).unwrap();
-    let st2 = symm_all_reduce(comm, q, q, 16, SYMM_FP32, SYMM_SUM, null_mut());
+    let st2 = one_shot(q);
     assert!(
         st == symm_status_t::SYMM_ERR_NOT_SYMMETRIC || st2 == symm_status_t::SYMM_ERR_NOT_SYMMETRIC,
         "{st:?} {st2:?} {}",
         err()
     );
-    let st3 = symm_all_reduce(comm, q, q, 16, SYMM_FP32, SYMM_SUM, null_mut());
+    let st3 = one_shot(q);
     assert_eq!(
         st3,
         symm_status_t::SYMM_SUCCESS,
         "usable after the report: {}",
         err()
     );
+    util::device_sync(c.rank).unwrap();
+    // The LL kernel checks descriptors too (block 0 exchanges them). A peer that ran another
+    // call may have left words in the LL buffers, so the communicator stays broken.
+    let ll = |p: *mut std::ffi::c_void| {
+        symm_all_reduce_algo(
+            comm,
+            SYMM_ALGO_ONE_SHOT_LL,
+            p,
+            p,
+            16,
+            SYMM_FP32,
+            SYMM_SUM,
+            null_mut(),
+        )
+    };
+    let st = ll(buf);
+    util::device_sync(c.rank).unwrap();
+    let st2 = ll(q);
+    assert!(
+        st == symm_status_t::SYMM_ERR_NOT_SYMMETRIC || st2 == symm_status_t::SYMM_ERR_NOT_SYMMETRIC,
+        "LL: {st:?} {st2:?} {}",
+        err()
+    );
+    assert_eq!(ll(q), symm_status_t::SYMM_ERR_NOT_SYMMETRIC);
+    assert!(err().contains("unusable"), "{}", err());
     util::device_sync(c.rank).unwrap();
     if !extra.is_null() {
         symm_free(extra, 3 << 20, 0, null_mut());
@@ -517,6 +594,77 @@ fn gpu_asymmetric_buffers_fail_on_every_rank() {
         "gpu_asymmetric_buffers_fail_on_every_rank",
         2,
         &[("SYMMALLOC_TIMEOUT_S", "10")],
+        "",
+    ));
+}
+
+/// bf16 inputs with all-ones elements (a NaN, and the LL kernel's "not arrived" word) and
+/// negative zeros, reduced by the LL kernel and by two-shot.
+fn ll_special_rank(c: Child) {
+    let comm = init(&c);
+    let stream = util::stream_create(c.rank).unwrap();
+    let n = 10_007usize;
+    let mut x = encode(SYMM_BF16, &inputs(seed(), c.rank, n, SYMM_BF16));
+    for i in 0..n {
+        match i % 5 {
+            0 if c.rank == 0 => x[2 * i..2 * i + 2].copy_from_slice(&[0xff, 0xff]),
+            1 => x[2 * i..2 * i + 2].copy_from_slice(&0x8000u16.to_le_bytes()),
+            _ => {}
+        }
+    }
+    let bytes = 2 * n;
+    let (a, b) = (
+        symm_malloc(bytes, c.rank, stream as _) as u64,
+        symm_malloc(bytes, c.rank, stream as _) as u64,
+    );
+    let mut results = Vec::new();
+    for algo in [SYMM_ALGO_ONE_SHOT_LL, SYMM_ALGO_TWO_SHOT] {
+        util::htod_async(c.rank, a, &x, stream).unwrap();
+        util::htod_async(c.rank, b, &vec![0x5au8; bytes], stream).unwrap();
+        let st = symm_all_reduce_algo(
+            comm,
+            algo,
+            a as _,
+            b as _,
+            n,
+            SYMM_BF16,
+            SYMM_SUM,
+            stream as _,
+        );
+        assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
+        util::stream_sync(c.rank, stream).unwrap();
+        let mut out = vec![0u8; bytes];
+        util::dtoh(c.rank, &mut out, b).unwrap();
+        results.push(out);
+    }
+    let word = |o: &[u8], i: usize| u16::from_le_bytes([o[2 * i], o[2 * i + 1]]);
+    for i in 0..n {
+        let (ll, two) = (word(&results[0], i), word(&results[1], i));
+        let nan = |w: u16| bf16_to_f32(w).is_nan();
+        match i % 5 {
+            0 => assert!(nan(ll) && nan(two), "element {i}: {ll:#x} / {two:#x}"),
+            1 => assert_eq!((ll, two), (0x8000, 0x8000), "element {i}: -0 + -0 is -0"),
+            _ => assert_eq!(ll, two, "element {i}: LL and two-shot differ"),
+        }
+    }
+    symm_free(a as _, bytes, c.rank, stream as _);
+    symm_free(b as _, bytes, c.rank, stream as _);
+    assert_eq!(symm_comm_destroy(comm), symm_status_t::SYMM_SUCCESS);
+    println!("rank {}: LL special values match two-shot", c.rank);
+}
+
+#[test]
+fn gpu_ll_all_ones_and_negative_zero_inputs() {
+    if let Some(c) = child() {
+        return ll_special_rank(c);
+    }
+    let Some(world) = gpu_world("gpu_ll_special_values") else {
+        return;
+    };
+    assert_all_ok(&run_ranks(
+        "gpu_ll_all_ones_and_negative_zero_inputs",
+        world,
+        &[],
         "",
     ));
 }

@@ -22,7 +22,7 @@ fn every_table_name_is_instantiated_and_vice_versa() {
     let mut instantiated = BTreeSet::new();
     for line in src.lines() {
         let l = line.trim();
-        for prefix in ["SYMM_ONE_SHOT(", "SYMM_TWO_SHOT("] {
+        for prefix in ["SYMM_ONE_SHOT(", "SYMM_ONE_SHOT_LL(", "SYMM_TWO_SHOT("] {
             if let Some(rest) = l.strip_prefix(prefix) {
                 instantiated.insert(rest.split(',').next().unwrap().trim().to_string());
             }
@@ -46,7 +46,7 @@ fn every_table_name_is_instantiated_and_vice_versa() {
         table, instantiated,
         "kernel table and kernels/*.cu disagree"
     );
-    assert_eq!(table.len(), 18 + 18 + 3 + 1);
+    assert_eq!(table.len(), 18 + 18 + 18 + 3 + 1);
 }
 
 #[test]
@@ -77,7 +77,7 @@ fn argument_struct_matches_the_cuda_source() {
             "int32_t rank",
             "int32_t world",
             "int32_t in_place",
-            "int32_t reserved",
+            "int32_t ll_slot_kib",
         ],
         "kernels/common.cuh SymmArgs changed: update src/comm/kernel_args.rs in step"
     );
@@ -85,14 +85,48 @@ fn argument_struct_matches_the_cuda_source() {
         std::mem::size_of::<symmalloc::comm::kernel_args::SymmArgs>(),
         256
     );
+    use symmalloc::comm::kernel_args as k;
     for (name, value) in [
-        ("SYMM_MAX_RANKS", 8),
-        ("SYMM_MAX_BLOCKS", 128),
-        ("SYMM_THREADS", 512),
+        ("SYMM_MAX_RANKS", k::MAX_RANKS.to_string()),
+        ("SYMM_MAX_BLOCKS", k::MAX_BLOCKS.to_string()),
+        ("SYMM_THREADS", k::THREADS.to_string()),
+        ("SYMM_TWO_SHOT_UNROLL", k::TWO_SHOT_UNROLL.to_string()),
+        ("SYMM_ERR_TIMEOUT_CODE", format!("{}u", k::ERR_TIMEOUT)),
+        (
+            "SYMM_ERR_ASYMMETRIC_CODE",
+            format!("{}u", k::ERR_ASYMMETRIC),
+        ),
+        (
+            "SYMM_ERR_NO_MULTIMEM_CODE",
+            format!("{}u", k::ERR_NO_MULTIMEM),
+        ),
+        (
+            "SYMM_ERR_LL_ASYMMETRIC_CODE",
+            format!("{}u", k::ERR_LL_ASYMMETRIC),
+        ),
+        ("LL_BUFFERS", k::LL_BUFFERS.to_string()),
+        (
+            "LL_EMPTY",
+            format!("0x{0:02x}{0:02x}{0:02x}{0:02x}u", k::LL_EMPTY_BYTE),
+        ),
     ] {
         assert!(
-            src.contains(&format!("#define {name} {value}")),
+            src.contains(&format!("#define {name} {value}\n")),
             "{name} must be {value} (kernel_args.rs)"
         );
     }
+    // The LL region's offsets, written in the CUDA source as sums of the pad's parts.
+    assert_eq!(k::LL_COUNTERS_OFFSET, (128 * 8 * 16 + 128 * 4) as u64);
+    for line in [
+        "#define LL_COUNTERS_OFFSET (SYMM_MAX_BLOCKS * SYMM_MAX_RANKS * 16 + SYMM_MAX_BLOCKS * 4)",
+        "#define LL_DESC_OFFSET (LL_COUNTERS_OFFSET + SYMM_MAX_BLOCKS * 4)",
+        "#define LL_DATA_OFFSET (LL_DESC_OFFSET + 4096)",
+    ] {
+        assert!(
+            src.contains(line),
+            "kernels/one_shot_ll.cu must keep `{line}`"
+        );
+    }
+    assert_eq!(k::LL_DESC_OFFSET, k::LL_COUNTERS_OFFSET + 128 * 4);
+    assert_eq!(k::LL_DATA_OFFSET, k::LL_DESC_OFFSET + 4096);
 }

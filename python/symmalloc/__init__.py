@@ -35,7 +35,7 @@ STATUS = [
 ]
 _DTYPES = {"bfloat16": 0, "float16": 1, "float32": 2}
 _OPS = {"sum": 0, "max": 1, "min": 2}
-_ALGOS = {"auto": 0, "one_shot": 1, "two_shot": 2, "multimem": 3}
+_ALGOS = {"auto": 0, "one_shot": 1, "two_shot": 2, "multimem": 3, "one_shot_ll": 4}
 _STATS = [
     "allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "active_blocks", "segments",
     "physical_creates", "cache_hits", "cache_misses", "peer_mappings", "staged_collectives",

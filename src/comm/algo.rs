@@ -25,6 +25,8 @@ pub enum Algo {
     OneShot,
     TwoShot,
     Multimem,
+    /// One-shot without barriers: values carry their own arrival flags (kernels/one_shot_ll.cu).
+    OneShotLL,
 }
 
 impl DType {
@@ -80,9 +82,10 @@ impl Algo {
             t::SYMM_ALGO_ONE_SHOT => Ok(Algo::OneShot),
             t::SYMM_ALGO_TWO_SHOT => Ok(Algo::TwoShot),
             t::SYMM_ALGO_MULTIMEM => Ok(Algo::Multimem),
+            t::SYMM_ALGO_ONE_SHOT_LL => Ok(Algo::OneShotLL),
             _ => Err(Error::invalid(format!(
                 "algo {v} is not a symm_algo_t; expected SYMM_ALGO_AUTO (0), ONE_SHOT (1), \
-                 TWO_SHOT (2) or MULTIMEM (3)"
+                 TWO_SHOT (2), MULTIMEM (3) or ONE_SHOT_LL (4)"
             ))),
         }
     }
@@ -92,6 +95,7 @@ impl Algo {
             Algo::OneShot => "one_shot",
             Algo::TwoShot => "two_shot",
             Algo::Multimem => "multimem",
+            Algo::OneShotLL => "one_shot_ll",
         }
     }
 }
@@ -108,18 +112,51 @@ pub fn default_one_shot_max(world: usize) -> u64 {
     }
 }
 
-/// AUTO: one-shot up to the threshold (`SYMMALLOC_ONE_SHOT_MAX_BYTES` overrides), two-shot
-/// above. Multimem is never chosen automatically. One rank needs no peers: one-shot.
-pub fn choose(algo: Algo, bytes: u64, world: usize) -> Result<Algo> {
+/// Default largest message (bytes) AUTO sends with the barrier-free one-shot LL kernel.
+/// Measured on 2x H200 (bench/RESULTS.md): LL beat two-shot at every size up to its 1 MiB
+/// slot (6.9 against 9.9 us graphed at 1 MiB). A rank pushes (world - 1) copies of its
+/// message, so wider worlds switch to two-shot earlier (reasoned, not measured: no wider
+/// machine was lent).
+pub fn default_ll_max(world: usize) -> u64 {
+    match world {
+        0..=2 => 1 << 20,
+        3..=4 => 256 << 10,
+        _ => 64 << 10,
+    }
+}
+
+/// AUTO: one-shot LL up to its threshold (`SYMMALLOC_LL_MAX_BYTES`, at most the LL slot
+/// `ll_slot`; 0 turns it off), then barrier one-shot up to `SYMMALLOC_ONE_SHOT_MAX_BYTES`, then
+/// two-shot. Multimem is never chosen automatically. One rank needs no peers: one-shot.
+/// An explicit ONE_SHOT_LL larger than the LL slot is refused.
+pub fn choose(algo: Algo, bytes: u64, world: usize, ll_slot: u64) -> Result<Algo> {
+    if algo == Algo::OneShotLL && bytes > ll_slot {
+        return Err(Error::invalid(format!(
+            "SYMM_ALGO_ONE_SHOT_LL takes messages up to {ll_slot} bytes (SYMMALLOC_LL_BYTES); \
+             this one has {bytes} (use SYMM_ALGO_AUTO)"
+        )));
+    }
     if algo != Algo::Auto {
         return Ok(algo);
     }
     if world == 1 {
         return Ok(Algo::OneShot);
     }
-    let max = config::auto_threshold("SYMMALLOC_ONE_SHOT_MAX_BYTES")?
+    let ll_max = match config::auto_threshold("SYMMALLOC_LL_MAX_BYTES")? {
+        Some(v) if v > ll_slot => {
+            return Err(Error::invalid(format!(
+                "SYMMALLOC_LL_MAX_BYTES={v} exceeds the LL slot of {ll_slot} bytes \
+                 (SYMMALLOC_LL_BYTES); expected 0..={ll_slot}"
+            )))
+        }
+        Some(v) => v,
+        None => default_ll_max(world).min(ll_slot),
+    };
+    let one_shot_max = config::auto_threshold("SYMMALLOC_ONE_SHOT_MAX_BYTES")?
         .unwrap_or_else(|| default_one_shot_max(world));
-    Ok(if bytes <= max {
+    Ok(if bytes <= ll_max {
+        Algo::OneShotLL
+    } else if bytes <= one_shot_max {
         Algo::OneShot
     } else {
         Algo::TwoShot
@@ -129,14 +166,36 @@ pub fn choose(algo: Algo, bytes: u64, world: usize) -> Result<Algo> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    const SLOT: u64 = 1 << 20;
     #[test]
     fn auto_picks_by_size_and_world() {
-        assert_eq!(choose(Algo::Auto, 8 << 10, 2).unwrap(), Algo::OneShot);
-        assert_eq!(choose(Algo::Auto, 16 << 10, 2).unwrap(), Algo::OneShot);
-        assert_eq!(choose(Algo::Auto, 32 << 10, 2).unwrap(), Algo::TwoShot);
-        assert_eq!(choose(Algo::Auto, 8 << 10, 8).unwrap(), Algo::TwoShot);
-        assert_eq!(choose(Algo::Auto, 64 << 20, 1).unwrap(), Algo::OneShot);
-        assert_eq!(choose(Algo::TwoShot, 8, 2).unwrap(), Algo::TwoShot);
+        // (Thresholds come from defaults: no test sets the SYMMALLOC_*_MAX_BYTES variables.)
+        let ll = default_ll_max(2);
+        assert_eq!(
+            choose(Algo::Auto, 8 << 10, 2, SLOT).unwrap(),
+            Algo::OneShotLL
+        );
+        assert_eq!(choose(Algo::Auto, ll, 2, SLOT).unwrap(), Algo::OneShotLL);
+        assert_eq!(choose(Algo::Auto, ll + 2, 2, SLOT).unwrap(), Algo::TwoShot);
+        assert_eq!(
+            choose(Algo::Auto, 8 << 10, 8, SLOT).unwrap(),
+            Algo::OneShotLL
+        );
+        assert_eq!(choose(Algo::Auto, 1 << 20, 8, SLOT).unwrap(), Algo::TwoShot);
+        assert_eq!(
+            choose(Algo::Auto, 64 << 20, 1, SLOT).unwrap(),
+            Algo::OneShot
+        );
+        assert_eq!(choose(Algo::TwoShot, 8, 2, SLOT).unwrap(), Algo::TwoShot);
+        assert_eq!(
+            choose(Algo::OneShotLL, SLOT, 2, SLOT).unwrap(),
+            Algo::OneShotLL
+        );
+        let e = choose(Algo::OneShotLL, SLOT + 2, 2, SLOT).unwrap_err();
+        assert!(e.message.contains("up to 1048576 bytes"), "{}", e.message);
+        // A small slot caps AUTO's LL range.
+        assert_eq!(choose(Algo::Auto, 8 << 10, 2, 4096).unwrap(), Algo::OneShot);
+        assert_eq!(Algo::from_c(4).unwrap(), Algo::OneShotLL);
         assert!(DType::from_c(7).unwrap_err().message.contains("dtype 7"));
         assert!(ReduceOp::from_c(3).is_err());
         assert!(Algo::from_c(9).is_err());

@@ -4,18 +4,36 @@
 pub const MAX_RANKS: usize = 8;
 pub const MAX_BLOCKS: usize = 128;
 pub const THREADS: u32 = 512;
+/// Vectors per thread per round in the two-shot kernel (16-byte path only).
+pub const TWO_SHOT_UNROLL: u64 = 4;
 /// One signal slot: `u32 flag, u32 pad, u64 desc`.
 pub const SLOT_BYTES: u64 = 16;
 /// Signal pad: `[MAX_BLOCKS][MAX_RANKS]` slots.
 pub const PAD_BYTES: u64 = (MAX_BLOCKS * MAX_RANKS) as u64 * SLOT_BYTES;
-/// The communicator's internal block: pad, then local epoch counters.
+/// The communicator's internal block: pad, local barrier epochs, then the one-shot LL region
+/// (kernels/one_shot_ll.cu): per-block call counters, call-descriptor words, data slots.
 pub const COUNTERS_OFFSET: u64 = PAD_BYTES;
-pub const INTERNAL_BYTES: u64 = PAD_BYTES + (MAX_BLOCKS * 4) as u64;
+pub const LL_COUNTERS_OFFSET: u64 = COUNTERS_OFFSET + (MAX_BLOCKS * 4) as u64;
+pub const LL_DESC_OFFSET: u64 = LL_COUNTERS_OFFSET + (MAX_BLOCKS * 4) as u64;
+pub const LL_DATA_OFFSET: u64 = LL_DESC_OFFSET + 4096;
+/// Alternating buffers, each with one slot per sending rank; a slot holds the largest
+/// message the LL kernel takes (`SYMMALLOC_LL_BYTES`).
+pub const LL_BUFFERS: u64 = 2;
+/// What an LL data word holds until a peer's value arrives.
+pub const LL_EMPTY_BYTE: u8 = 0xff;
+
+/// Size of the internal block for `world` ranks and LL slots of `ll_slot` bytes.
+pub fn internal_bytes(world: usize, ll_slot: u64) -> u64 {
+    LL_DATA_OFFSET + LL_BUFFERS * world as u64 * ll_slot
+}
 
 /// Error word codes written by kernels: `(code << 16) | (peer + 1)`.
 pub const ERR_TIMEOUT: u32 = 1;
 pub const ERR_ASYMMETRIC: u32 = 2;
 pub const ERR_NO_MULTIMEM: u32 = 3;
+/// A peer ran another collective while this rank ran the LL kernel: words it sent may be left
+/// in the LL buffers, so the communicator cannot be trusted any more.
+pub const ERR_LL_ASYMMETRIC: u32 = 4;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -32,7 +50,7 @@ pub struct SymmArgs {
     pub rank: i32,
     pub world: i32,
     pub in_place: i32,
-    pub reserved: i32,
+    pub ll_slot_kib: i32,
 }
 
 const _: () = assert!(std::mem::size_of::<SymmArgs>() == 256);

@@ -8,6 +8,7 @@ pub fn kernel_name(algo: Algo, dtype: DType, op: ReduceOp, vec: bool) -> Option<
     let a = match algo {
         Algo::OneShot => "one_shot",
         Algo::TwoShot => "two_shot",
+        Algo::OneShotLL => "one_shot_ll",
         Algo::Multimem if op == ReduceOp::Sum && vec => "multimem",
         _ => return None,
     };
@@ -18,7 +19,12 @@ pub fn kernel_name(algo: Algo, dtype: DType, op: ReduceOp, vec: bool) -> Option<
 /// Every collective kernel name the library may ask the module for.
 pub fn all_kernel_names() -> Vec<String> {
     let mut out = Vec::new();
-    for algo in [Algo::OneShot, Algo::TwoShot, Algo::Multimem] {
+    for algo in [
+        Algo::OneShot,
+        Algo::OneShotLL,
+        Algo::TwoShot,
+        Algo::Multimem,
+    ] {
         for dtype in [DType::Bf16, DType::Fp16, DType::Fp32] {
             for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
                 for vec in [true, false] {

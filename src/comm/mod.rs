@@ -102,7 +102,13 @@ pub struct Communicator {
     host: bool,
     mesh: Mesh,
     windows: PeerWindows,
+    /// Signal pad, epochs and LL buffers (kernel_args.rs has the layout).
     internal: u64,
+    internal_len: u64,
+    /// Bytes per sender slot of the LL buffers (`SYMMALLOC_LL_BYTES`, equal on all ranks).
+    ll_slot: u64,
+    /// The LL kernel's (blocks, threads), fixed for the communicator's life.
+    ll_grid: (u32, u32),
     error: ErrorWord,
     host_epoch: u32,
     scratch: Option<(u64, u64)>,
@@ -162,6 +168,8 @@ impl Communicator {
         host: bool,
     ) -> Result<Box<Communicator>> {
         let timeout = config::timeout();
+        let ll_slot = config::ll_bytes()?;
+        let ll_grid = config::ll_grid()?;
         let sms = if host {
             1
         } else {
@@ -176,16 +184,30 @@ impl Communicator {
         hello.extend_from_slice(&(device as u64).to_le_bytes());
         hello.extend_from_slice(&heap_size.to_le_bytes());
         hello.extend_from_slice(&(host as u64).to_le_bytes());
+        hello.extend_from_slice(&ll_slot.to_le_bytes());
+        hello.extend_from_slice(&((ll_grid.0 as u64) << 32 | ll_grid.1 as u64).to_le_bytes());
         let all = mesh.all_gather(&hello, &[], "init")?;
         let word = |b: &[u8], i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
         let mut devices = Vec::new();
         for (r, (msg, _)) in all.iter().enumerate() {
-            if msg.len() != 24 {
+            if msg.len() != 40 {
                 return Err(Error::peer(format!(
                     "rank {r} sent a malformed init message"
                 )));
             }
             let (d, hs, h) = (word(msg, 0) as i32, word(msg, 1), word(msg, 2) != 0);
+            let grid = word(msg, 4);
+            if word(msg, 3) != ll_slot || grid != (ll_grid.0 as u64) << 32 | ll_grid.1 as u64 {
+                return Err(Error::invalid(format!(
+                    "rank {r} has SYMMALLOC_LL_BYTES={} and SYMMALLOC_LL_GRID={}x{}, rank {rank} \
+                     {ll_slot} and {}x{}; set them alike on every rank",
+                    word(msg, 3),
+                    grid >> 32,
+                    grid & 0xffff_ffff,
+                    ll_grid.0,
+                    ll_grid.1
+                )));
+            }
             if h != host {
                 return Err(Error::invalid(format!(
                     "rank {r} uses the {} backend, rank {rank} the {}; set SYMMALLOC_BACKEND alike",
@@ -224,12 +246,23 @@ impl Communicator {
         } else {
             ErrorWord::Device(cuda::mem::MappedWord::new(device)?)
         };
-        let internal = alloc.malloc_in(INTERNAL_BYTES, device, 0, INTERNAL_POOL)?;
+        let internal_len = internal_bytes(world, ll_slot);
+        let internal = alloc.malloc_in(internal_len, device, 0, INTERNAL_POOL)?;
+        // Pad, epochs, LL counters and descriptor words start at 0; LL data words empty.
+        let data_len = internal_len - LL_DATA_OFFSET;
         if host {
-            // SAFETY: internal is a live block of INTERNAL_BYTES bytes of mapped host memory.
-            unsafe { std::ptr::write_bytes(internal as *mut u8, 0, INTERNAL_BYTES as usize) };
+            // SAFETY: internal is a live block of internal_len bytes of mapped host memory.
+            unsafe {
+                std::ptr::write_bytes(internal as *mut u8, 0, LL_DATA_OFFSET as usize);
+                std::ptr::write_bytes(
+                    (internal + LL_DATA_OFFSET) as *mut u8,
+                    LL_EMPTY_BYTE,
+                    data_len as usize,
+                );
+            }
         } else {
-            cuda::mem::memset_sync(device, internal, 0, INTERNAL_BYTES)?;
+            cuda::mem::memset_sync(device, internal, 0, LL_DATA_OFFSET)?;
+            cuda::mem::memset_sync(device, internal + LL_DATA_OFFSET, LL_EMPTY_BYTE, data_len)?;
         }
         let mut comm = Box::new(Communicator {
             rank,
@@ -240,6 +273,9 @@ impl Communicator {
             mesh,
             windows,
             internal,
+            internal_len,
+            ll_slot,
+            ll_grid,
             error,
             host_epoch: 0,
             scratch: None,
@@ -265,7 +301,7 @@ impl Communicator {
             algo: 0,
         };
         let seg = comm
-            .locate(internal, INTERNAL_BYTES)?
+            .locate(internal, internal_len)?
             .expect("internal block is in the heap");
         comm.exchange(&[seg], desc, true)?;
         comm.mesh.barrier("init")?;
@@ -405,6 +441,17 @@ impl Communicator {
                     self.rank
                 ))
             }
+            ERR_LL_ASYMMETRIC => {
+                let e = Error::not_symmetric(format!(
+                    "the previous collective on rank {} (one-shot LL) did not run: rank {peer} \
+                     called another collective (other buffer offsets, count, type or \
+                     algorithm); words it sent may be left in the LL buffers, so this \
+                     communicator is unusable, destroy it",
+                    self.rank
+                ));
+                self.sticky = Some(e.clone());
+                e
+            }
             ERR_NO_MULTIMEM => {
                 self.error.clear();
                 Error::unsupported(
@@ -474,7 +521,7 @@ impl Communicator {
         let bytes = count
             .checked_mul(esize)
             .ok_or_else(|| Error::invalid(format!("count {count} overflows the byte size")))?;
-        let algo = algo::choose(algo, bytes, self.world)?;
+        let algo = algo::choose(algo, bytes, self.world, self.ll_slot)?;
         if algo == Algo::Multimem {
             let supports = !self.host && cuda::driver()?.device(self.device)?.multicast;
             multicast::multicast_gate_from_env(supports)
@@ -577,7 +624,15 @@ impl Communicator {
         } else {
             (self.sms as u64 / 4).clamp(1, 32)
         };
-        let grid = per_rank.div_ceil(THREADS as u64).clamp(1, cap) as u32;
+        // Items one block covers per round.
+        let per_block = match algo {
+            Algo::TwoShot if vec => THREADS as u64 * TWO_SHOT_UNROLL,
+            _ => THREADS as u64,
+        };
+        let (grid, threads) = match algo {
+            Algo::OneShotLL => self.ll_grid,
+            _ => (per_rank.div_ceil(per_block).clamp(1, cap) as u32, THREADS),
+        };
         let mut args = SymmArgs {
             count: desc.count,
             desc: desc.digest(),
@@ -587,6 +642,7 @@ impl Communicator {
             in_place: in_place as i32,
             counters: self.internal + COUNTERS_OFFSET,
             error_word: self.error.device_ptr(),
+            ll_slot_kib: (self.ll_slot >> 10) as i32,
             ..SymmArgs::default()
         };
         args.inputs[..self.world].copy_from_slice(&inputs);
@@ -608,7 +664,7 @@ impl Communicator {
                 f
             }
         };
-        cuda::module::launch(self.device, f, grid, THREADS, stream, &args)
+        cuda::module::launch(self.device, f, grid, threads, stream, &args)
     }
 
     /// All ranks meet; stream-ordered on CUDA (a kernel), immediate on the host backend.
@@ -640,7 +696,7 @@ impl Communicator {
         }
         let _ = self
             .alloc
-            .free(self.internal, INTERNAL_BYTES, self.device, 0);
+            .free(self.internal, self.internal_len, self.device, 0);
         let _ = self.alloc.release_pool(self.device, INTERNAL_POOL);
         release_device(self.device);
         Ok(())

@@ -1,0 +1,227 @@
+//! All-reduce latency through the C ABI alone (no Python): what a C++ engine calling
+//! `symm_all_reduce_algo` sees, eager and CUDA-graphed, bf16 sum, each algorithm. Starts one
+//! process per GPU itself. Complements bench/allreduce.py, whose eager figures include the
+//! Python/ctypes call.
+//!
+//! Each figure is the median over 30 repetitions of the mean of 20 back-to-back calls, timed
+//! with CUDA events after warm-up; ranks meet at a `symm_barrier` and a host sync before each
+//! repetition. Results are checked first against a float64 reference on random data.
+//!
+//! Run: cargo run --release --example allreduce_c
+
+use std::process::Command;
+use symmalloc::comm::convert::{bf16_to_f32, f32_to_bf16};
+use symmalloc::cuda::{self, util};
+use symmalloc::ffi::{self, types::*};
+
+const SIZES: [usize; 11] = [
+    8 << 10,
+    32 << 10,
+    64 << 10,
+    128 << 10,
+    256 << 10,
+    512 << 10,
+    1 << 20,
+    4 << 20,
+    16 << 20,
+    64 << 20,
+    256 << 20,
+];
+const ALGOS: [(symm_algo_t, &str); 4] = [
+    (SYMM_ALGO_AUTO, "auto"),
+    (SYMM_ALGO_ONE_SHOT_LL, "one_shot_ll"),
+    (SYMM_ALGO_ONE_SHOT, "one_shot"),
+    (SYMM_ALGO_TWO_SHOT, "two_shot"),
+];
+const K: usize = 20;
+const REPS: usize = 30;
+
+fn last_error() -> String {
+    // SAFETY: symm_last_error returns a valid NUL-terminated string.
+    unsafe { std::ffi::CStr::from_ptr(ffi::symm_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn ok(st: symm_status_t, what: &str) {
+    assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{what}: {}", last_error());
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() == 5 && args[1] == "--child" {
+        return child(args[2].parse().unwrap(), args[3].parse().unwrap(), &args[4]);
+    }
+    let drv = cuda::driver().unwrap_or_else(|e| {
+        eprintln!("allreduce_c needs GPUs: {}", e.message);
+        std::process::exit(1)
+    });
+    let world = drv.devices.len().min(8);
+    if world < 2 {
+        eprintln!("allreduce_c needs 2 or more GPUs, found {world}");
+        std::process::exit(1);
+    }
+    let mut id = symm_unique_id_t { internal: [0; 128] };
+    ok(ffi::symm_get_unique_id(&mut id), "symm_get_unique_id");
+    let hex: String = id
+        .internal
+        .iter()
+        .map(|&c| format!("{:02x}", c as u8))
+        .collect();
+    let exe = std::env::current_exe().unwrap();
+    let kids: Vec<_> = (0..world)
+        .map(|r| {
+            Command::new(&exe)
+                .args(["--child", &r.to_string(), &world.to_string(), &hex])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut good = true;
+    for mut k in kids {
+        good &= k.wait().map(|s| s.success()).unwrap_or(false);
+    }
+    std::process::exit(if good { 0 } else { 1 });
+}
+
+/// Rank `r`'s element `i`: pseudo-random, reproducible on every rank for the reference.
+fn input(r: usize, i: usize, salt: u64) -> f32 {
+    let mut x = (i as u64 ^ (r as u64) << 40 ^ salt << 20).wrapping_mul(0x9e3779b97f4a7c15);
+    x ^= x >> 29;
+    x = x.wrapping_mul(0xbf58476d1ce4e5b9);
+    x ^= x >> 32;
+    (x % 4096) as f32 / 512.0 - 4.0
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn child(rank: i32, world: i32, hex: &str) {
+    let mut id = symm_unique_id_t { internal: [0; 128] };
+    for (i, c) in id.internal.iter_mut().enumerate() {
+        *c = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap() as _;
+    }
+    let mut comm = std::ptr::null_mut();
+    ok(
+        ffi::symm_comm_init(&mut comm, world, rank, rank, &id),
+        "symm_comm_init",
+    );
+    let stream = util::stream_create(rank).unwrap();
+    let timer = util::Timer::new(rank).unwrap();
+    let ll_max = symmalloc::config::ll_bytes().unwrap();
+    if rank == 0 {
+        println!(
+            "bf16 sum, {world} ranks, C ABI; us per call, median of {REPS} x mean of {K} calls"
+        );
+        println!(
+            "{:>9} | {:>21} | {:>21} | {:>21} | {:>21}",
+            "size", "auto eager/graph", "one_shot_ll", "one_shot", "two_shot"
+        );
+    }
+    // SYMM_BENCH_MAX_BYTES cuts the sweep short (for quick tuning runs).
+    let max_bytes: usize = std::env::var("SYMM_BENCH_MAX_BYTES")
+        .ok()
+        .and_then(|v| symmalloc::config::parse_size(&v))
+        .map_or(usize::MAX, |v| v as usize);
+    for &bytes in SIZES.iter().filter(|&&b| b <= max_bytes) {
+        let n = bytes / 2;
+        let buf = ffi::symm_malloc(bytes, rank, stream as _);
+        assert!(!buf.is_null(), "{}", last_error());
+        let mut cells = Vec::new();
+        for (salt, &(algo, _)) in ALGOS.iter().enumerate() {
+            let salt = salt as u64 + bytes as u64;
+            let skip_one_shot = algo == SYMM_ALGO_ONE_SHOT && bytes > (4 << 20);
+            if (algo == SYMM_ALGO_ONE_SHOT_LL && bytes as u64 > ll_max) || skip_one_shot {
+                cells.push("-".to_string());
+                continue;
+            }
+            // Correctness on random data: every rank's input is a known function of (rank, i).
+            let vals: Vec<u16> = (0..n)
+                .map(|i| f32_to_bf16(input(rank as usize, i, salt)))
+                .collect();
+            let host: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+            util::htod_async(rank, buf as u64, &host, stream).unwrap();
+            ok(
+                ffi::symm_all_reduce_algo(
+                    comm,
+                    algo,
+                    buf,
+                    buf,
+                    n,
+                    SYMM_BF16,
+                    SYMM_SUM,
+                    stream as _,
+                ),
+                "all_reduce",
+            );
+            util::stream_sync(rank, stream).unwrap();
+            let mut out = vec![0u8; bytes];
+            util::dtoh(rank, &mut out, buf as u64).unwrap();
+            for i in (0..n).step_by(97) {
+                let want: f64 = (0..world as usize)
+                    .map(|r| bf16_to_f32(f32_to_bf16(input(r, i, salt))) as f64)
+                    .sum();
+                let got = bf16_to_f32(u16::from_le_bytes([out[2 * i], out[2 * i + 1]])) as f64;
+                assert!(
+                    (got - want).abs() <= 0.02 * want.abs().max(1.0),
+                    "size {bytes} algo {algo} i {i}: {got} vs {want}"
+                );
+            }
+            let call = || {
+                ok(
+                    ffi::symm_all_reduce_algo(
+                        comm,
+                        algo,
+                        buf,
+                        buf,
+                        n,
+                        SYMM_BF16,
+                        SYMM_SUM,
+                        stream as _,
+                    ),
+                    "all_reduce",
+                )
+            };
+            let time = |run: &dyn Fn()| -> f64 {
+                for _ in 0..3 {
+                    run();
+                }
+                let mut v = Vec::new();
+                for _ in 0..REPS {
+                    ok(ffi::symm_barrier(comm, stream as _), "barrier");
+                    util::stream_sync(rank, stream).unwrap();
+                    timer.start(stream).unwrap();
+                    run();
+                    v.push(timer.stop_ms(stream).unwrap() as f64 * 1000.0 / K as f64);
+                }
+                median(v)
+            };
+            let eager = time(&|| (0..K).for_each(|_| call()));
+            util::capture_begin(rank, stream).unwrap();
+            (0..K).for_each(|_| call());
+            let graph = util::capture_end(rank, stream).unwrap();
+            let graphed = time(&|| graph.launch(stream).unwrap());
+            drop(graph);
+            cells.push(format!("{eager:8.1} / {graphed:8.1}"));
+        }
+        ffi::symm_free(buf, bytes, rank, stream as _);
+        if rank == 0 {
+            let label = if bytes >= 1 << 20 {
+                format!("{} MiB", bytes >> 20)
+            } else {
+                format!("{} KiB", bytes >> 10)
+            };
+            println!(
+                "{label:>9} | {}",
+                cells
+                    .iter()
+                    .map(|c| format!("{c:>21}"))
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            );
+        }
+    }
+    ok(ffi::symm_comm_destroy(comm), "destroy");
+}

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds the GPU artifacts here (no GPU needed) and copies them into the git-ignored .device/
+# that scripts/device-run.sh runs on a GPU machine: the two .so files, the demo, the
+# benchmarks, the stripped test binaries and the kernels' fatbin.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release --examples
+cargo build --release
+mapfile -t tests < <(cargo test --release -p symmalloc --lib --test gpu_alloc --test gpu_comm --no-run 2>&1 |
+  grep -oE "\(target/release/deps/[^)]+\)" | tr -d '()')
+rm -rf .device && mkdir -p .device
+cp target/release/libsymmalloc.so target/release/libsymmalloc_pluggable.so target/release/symmalloc-demo \
+  target/release/examples/alloc_bench target/release/examples/allreduce_c .device/
+for t in "${tests[@]}"; do
+  case "$t" in
+    *gpu_alloc-*) cp "$t" .device/t_gpu_alloc ;;
+    *gpu_comm-*) cp "$t" .device/t_gpu_comm ;;
+    *symmalloc-*) cp "$t" .device/t_unit ;;
+  esac
+done
+cp "$(ls -t target/release/build/symmalloc-*/out/symmalloc_kernels.fatbin | head -1)" .device/
+strip .device/t_* .device/alloc_bench .device/allreduce_c .device/symmalloc-demo
+ls -la .device
