@@ -139,7 +139,8 @@ typedef uint32_t symm_algo_t;
 #define SYMM_ALGO_MULTIMEM 3
 
 /**
- * One-shot without barriers (flags carried in the data), for messages up to 256 KiB.
+ * One-shot without barriers (flags carried in the data), for messages up to
+ * `SYMMALLOC_LL_BYTES` (default 1 MiB).
  */
 #define SYMM_ALGO_ONE_SHOT_LL 4
 
@@ -234,9 +235,11 @@ symm_status_t symm_comm_destroy(symm_comm_t *comm);
 symm_status_t symm_all_reduce(symm_comm_t *comm, const void *send, void *recv, size_t count, symm_dtype_t dtype, symm_op_t op, struct CUstream_st *stream);
 
 /**
- * All-reduce with an explicit algorithm (AUTO, ONE_SHOT, TWO_SHOT, MULTIMEM). Stream-ordered
- * and capturable into CUDA graphs. Buffers inside the symmetric heap are used in place;
- * others are staged through a communicator buffer (counted in `staged_collectives`).
+ * All-reduce with an explicit algorithm (AUTO, ONE_SHOT, TWO_SHOT, MULTIMEM, ONE_SHOT_LL).
+ * Stream-ordered and capturable into CUDA graphs. Buffers inside the symmetric heap are used
+ * in place; others are staged through a communicator buffer (counted in
+ * `staged_collectives`). ONE_SHOT_LL takes messages up to `SYMMALLOC_LL_BYTES`; MULTIMEM runs
+ * only where the multicast safety rule allows it (in-place sums of whole 16-byte vectors).
  */
 symm_status_t symm_all_reduce_algo(symm_comm_t *comm, symm_algo_t algo, const void *send, void *recv, size_t count, symm_dtype_t dtype, symm_op_t op, struct CUstream_st *stream);
 

@@ -62,7 +62,14 @@ fn correctness_rank(c: Child) {
     for &count in &[1usize, 7, 8, 9, 100, 1031, 4099] {
         for (dtype, esize) in dtypes() {
             for op in [SYMM_SUM, SYMM_MAX, SYMM_MIN] {
-                for algo in [SYMM_ALGO_AUTO, SYMM_ALGO_ONE_SHOT, SYMM_ALGO_TWO_SHOT] {
+                // (The host backend runs ONE_SHOT_LL with one-shot data movement: the API
+                // path, capacity check and descriptor are the same.)
+                for algo in [
+                    SYMM_ALGO_AUTO,
+                    SYMM_ALGO_ONE_SHOT,
+                    SYMM_ALGO_TWO_SHOT,
+                    SYMM_ALGO_ONE_SHOT_LL,
+                ] {
                     for in_place in [true, false] {
                         case += 1;
                         let s = seed.wrapping_add(case * 7919);

@@ -236,6 +236,25 @@ fn comm_bad_input() {
         symm_status_t::SYMM_ERR_UNSUPPORTED
     );
     assert!(err().contains("multicast"), "{}", err());
+    // The LL kernel's capacity is checked before anything else about the buffers.
+    assert_eq!(
+        symm_all_reduce_algo(
+            comm,
+            SYMM_ALGO_ONE_SHOT_LL,
+            buf,
+            buf,
+            (1 << 18) + 1,
+            SYMM_FP32,
+            SYMM_SUM,
+            null_mut()
+        ),
+        symm_status_t::SYMM_ERR_INVALID_ARGUMENT
+    );
+    assert!(
+        err().contains("ONE_SHOT_LL takes messages up to 1048576 bytes"),
+        "{}",
+        err()
+    );
     // Single rank: the all-reduce is a copy.
     // SAFETY: buf holds 4096 bytes of host memory.
     let v = unsafe { std::slice::from_raw_parts_mut(buf as *mut f32, 16) };

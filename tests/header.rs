@@ -61,6 +61,7 @@ fn header_names_the_contract() {
         "SYMM_ERR_INTERNAL",
         "SYMM_BF16",
         "SYMM_ALGO_MULTIMEM",
+        "SYMM_ALGO_ONE_SHOT_LL",
         "symm_memory_stats_t",
         "staged_collectives",
         "struct CUstream_st *",

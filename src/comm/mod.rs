@@ -12,6 +12,7 @@ pub mod convert;
 pub mod host_reduce;
 pub mod kernel_args;
 pub mod kernels;
+pub mod mc_window;
 pub mod multicast;
 pub mod windows;
 
@@ -117,6 +118,8 @@ pub struct Communicator {
     sms: u32,
     /// Each rank's signal pad in this process's address space (fixed after init).
     pads: Vec<u64>,
+    /// Multicast windows by segment offset (MULTIMEM only; empty unless the gate allowed it).
+    mc: HashMap<u64, mc_window::McWindow>,
     /// Kernels already looked up in the device's module, so a call does no name formatting,
     /// module lock or hash of a string.
     kernels: HashMap<(Algo, DType, ReduceOp, bool), cuda::module::Function>,
@@ -284,6 +287,7 @@ impl Communicator {
             sms,
             pads: Vec::new(),
             kernels: HashMap::new(),
+            mc: HashMap::new(),
         });
         let own_base = comm.windows.bases[rank];
         comm.pads = comm
@@ -526,10 +530,7 @@ impl Communicator {
             let supports = !self.host && cuda::driver()?.device(self.device)?.multicast;
             multicast::multicast_gate_from_env(supports)
                 .map_err(|why| Error::unsupported(format!("SYMM_ALGO_MULTIMEM refused: {why}")))?;
-            return Err(Error::unsupported(
-                "SYMM_ALGO_MULTIMEM: multicast objects are not set up by this build; use \
-                 SYMM_ALGO_AUTO, ONE_SHOT or TWO_SHOT",
-            ));
+            mc_window::check_call(send, recv, count, dtype, op)?;
         }
         let in_send = self.locate(send, bytes)?;
         let in_recv = self.locate(recv, bytes)?;
@@ -555,7 +556,14 @@ impl Communicator {
             self.copy(work_send, send, bytes, stream)?;
             self.alloc.heap(self.device)?.stats.staged_collectives += 1;
         }
-        self.run(algo, desc, dtype, op, stream)?;
+        let mc_out = if algo == Algo::Multimem {
+            // Past the gate: the output segment's multicast window (built collectively once).
+            let seg = *segs.last().expect("the output's segment");
+            self.multicast_window(seg)? + (work_recv - base - seg.offset)
+        } else {
+            0
+        };
+        self.run(algo, desc, dtype, op, stream, mc_out)?;
         if staged {
             self.copy(recv, work_recv, bytes, stream)?;
         }
@@ -569,6 +577,7 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
         stream: u64,
+        mc_out: u64,
     ) -> Result<()> {
         let inputs: Vec<u64> = self
             .windows
@@ -614,12 +623,13 @@ impl Communicator {
             desc.count
         };
 
-        let per_rank = if algo == Algo::TwoShot {
+        let sliced = matches!(algo, Algo::TwoShot | Algo::Multimem);
+        let per_rank = if sliced {
             items.div_ceil(self.world as u64)
         } else {
             items
         };
-        let cap = if algo == Algo::TwoShot {
+        let cap = if sliced {
             MAX_BLOCKS as u64
         } else {
             (self.sms as u64 / 4).clamp(1, 32)
@@ -643,6 +653,7 @@ impl Communicator {
             counters: self.internal + COUNTERS_OFFSET,
             error_word: self.error.device_ptr(),
             ll_slot_kib: (self.ll_slot >> 10) as i32,
+            mc_out,
             ..SymmArgs::default()
         };
         args.inputs[..self.world].copy_from_slice(&inputs);
@@ -681,7 +692,7 @@ impl Communicator {
         if config::check_symmetry() {
             self.exchange(&[], desc, true)?;
         }
-        self.run(Algo::OneShot, desc, DType::Fp32, ReduceOp::Sum, stream)
+        self.run(Algo::OneShot, desc, DType::Fp32, ReduceOp::Sum, stream, 0)
     }
 
     /// Gives back the peer mappings, windows, internal buffers and the device claim.
@@ -689,6 +700,7 @@ impl Communicator {
         if !self.host {
             // Kernels in flight still use the pad and the peers' mappings.
             let _ = cuda::mem::sync_device(self.device);
+            self.destroy_multicast_windows();
         }
         self.windows.destroy(self.alloc);
         if let Some((p, size)) = self.scratch.take() {

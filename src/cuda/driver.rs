@@ -52,6 +52,8 @@ pub struct DeviceInfo {
     pub posix_fd: bool,
     pub multicast: bool,
     pub total_mem: u64,
+    /// The driver's `CUdevice` for this ordinal.
+    pub cu_device: sys::CUdevice,
     ctx: usize,
 }
 
@@ -149,6 +151,7 @@ fn query_device(ordinal: i32) -> Result<DeviceInfo> {
         )? != 0,
         multicast: attr(dev, A::CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED)? != 0,
         total_mem: total as u64,
+        cu_device: dev,
         ctx: ctx as usize,
     })
 }

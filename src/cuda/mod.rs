@@ -8,6 +8,7 @@
 pub mod driver;
 pub mod mem;
 pub mod module;
+pub mod multicast;
 pub mod util;
 
 pub use vmm::granularity;

@@ -284,9 +284,11 @@ pub extern "C" fn symm_all_reduce(
     symm_all_reduce_algo(comm, SYMM_ALGO_AUTO, send, recv, count, dtype, op, stream)
 }
 
-/// All-reduce with an explicit algorithm (AUTO, ONE_SHOT, TWO_SHOT, MULTIMEM). Stream-ordered
-/// and capturable into CUDA graphs. Buffers inside the symmetric heap are used in place;
-/// others are staged through a communicator buffer (counted in `staged_collectives`).
+/// All-reduce with an explicit algorithm (AUTO, ONE_SHOT, TWO_SHOT, MULTIMEM, ONE_SHOT_LL).
+/// Stream-ordered and capturable into CUDA graphs. Buffers inside the symmetric heap are used
+/// in place; others are staged through a communicator buffer (counted in
+/// `staged_collectives`). ONE_SHOT_LL takes messages up to `SYMMALLOC_LL_BYTES`; MULTIMEM runs
+/// only where the multicast safety rule allows it (in-place sums of whole 16-byte vectors).
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub extern "C" fn symm_all_reduce_algo(

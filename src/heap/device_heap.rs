@@ -711,6 +711,18 @@ impl DeviceHeap {
         ))
     }
 
+    /// The CUDA allocation handle of the segment at `offset` (for binding it to a multicast
+    /// object); an error on the host backend.
+    pub fn segment_cuda_handle(&self, offset: u64) -> Result<u64> {
+        match self.segments.get(&offset).map(|s| &s.phys) {
+            Some(Phys::Cuda(h)) => Ok(*h),
+            Some(Phys::Host(_)) => Err(Error::unsupported(
+                "multicast needs CUDA memory; this heap uses the host backend",
+            )),
+            None => Err(Error::internal(format!("no segment at offset {offset:#x}"))),
+        }
+    }
+
     /// Exports the physical memory of the segment at `offset` as a file descriptor.
     pub fn export_segment(
         &self,

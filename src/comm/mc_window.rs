@@ -1,0 +1,206 @@
+//! Multicast windows: for `SYMM_ALGO_MULTIMEM`, one NVLink multicast object per heap segment
+//! the kernel writes, bound to every rank's copy of that segment and mapped at an address of
+//! its own (`multimem.ld_reduce` / `multimem.st` go through it).
+//!
+//! Built collectively, inside the all-reduce call that first needs it, by every rank at once
+//! (the same call on every rank needs the same segment): rank 0 creates the object and sends
+//! its file descriptor; every rank imports it, adds its device; all meet; every rank binds its
+//! own physical segment and maps the object; all meet again. A window is keyed by the
+//! segment's offset and generation; a new generation at that offset tears the old one down.
+//!
+//! Safety rule: `build` runs only after `multicast::multicast_gate_from_env` allowed it, and
+//! every driver call in `cuda::multicast` checks the gate again. On the lent machines the gate
+//! refuses, so none of this runs there: it is written to be correct, not exercised.
+//!
+//! Invariants: a window's handle is bound (this rank's segment, `bound` bytes at offset 0) and
+//! mapped at `va` for `size` bytes until `teardown`, which undoes both and releases the handle.
+
+use super::algo::{DType, ReduceOp};
+use super::Communicator;
+use crate::cuda::{self, vmm};
+use crate::error::{Error, Result};
+use crate::heap::device_heap::SegmentInfo;
+use std::os::fd::AsFd;
+
+#[derive(Debug)]
+pub struct McWindow {
+    pub generation: u64,
+    pub handle: u64,
+    pub va: u64,
+    /// Mapped bytes (the segment rounded up to the multicast granularity).
+    pub size: u64,
+    /// Bytes of this rank's segment bound at offset 0.
+    pub bound: u64,
+}
+
+/// The arguments a multimem all-reduce accepts: sum, in place, 16-byte aligned, a whole
+/// number of 16-byte vectors (the kernel has no element tail).
+pub fn check_call(send: u64, recv: u64, count: u64, dtype: DType, op: ReduceOp) -> Result<()> {
+    let bytes = count * dtype.size() as u64;
+    let why = if op != ReduceOp::Sum {
+        Some(format!("op {} (multimem reduces with add only)", op.name()))
+    } else if send != recv {
+        Some("out of place (the multicast object covers the output only)".to_string())
+    } else if recv % 16 != 0 {
+        Some(format!("buffer {recv:#x} is not 16-byte aligned"))
+    } else if bytes % 16 != 0 {
+        Some(format!(
+            "count {count} {} is {bytes} bytes, not a multiple of 16",
+            dtype.name()
+        ))
+    } else {
+        None
+    };
+    match why {
+        Some(w) => Err(Error::invalid(format!(
+            "SYMM_ALGO_MULTIMEM takes an in-place sum of whole 16-byte vectors: {w}"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Undoes a window, as far as it got; errors are reported, not stopped at.
+fn teardown(device: i32, w: &McWindow) -> Result<()> {
+    let mut first_err = None;
+    let mut note = |r: Result<()>| {
+        if let Err(e) = r {
+            first_err.get_or_insert(e);
+        }
+    };
+    if w.va != 0 {
+        note(vmm::unmap(device, w.va, w.size));
+        note(vmm::unreserve(device, w.va, w.size));
+    }
+    if w.bound != 0 {
+        note(cuda::multicast::unbind(device, w.handle, 0, w.bound));
+    }
+    note(vmm::release(w.handle));
+    first_err.map_or(Ok(()), Err)
+}
+
+impl Communicator {
+    /// The multicast address of segment `seg` (built on first use; collective).
+    pub(super) fn multicast_window(&mut self, seg: SegmentInfo) -> Result<u64> {
+        if let Some(w) = self.mc.get(&seg.offset) {
+            if w.generation == seg.generation {
+                return Ok(w.va);
+            }
+            let old = self.mc.remove(&seg.offset).expect("present");
+            teardown(self.device, &old)?;
+        }
+        cuda::multicast::ensure_allowed(self.device)?;
+        let gran = cuda::multicast::granularity(self.device, self.world as u32, seg.size)?;
+        let size = seg.size.next_multiple_of(gran);
+        let (created, fds) = if self.rank == 0 {
+            let h = cuda::multicast::create(self.device, self.world as u32, size)?;
+            match vmm::export_fd(self.device, h) {
+                Ok(fd) => (Some(h), vec![fd]),
+                Err(e) => {
+                    let _ = vmm::release(h);
+                    return Err(e);
+                }
+            }
+        } else {
+            (None, vec![])
+        };
+        let mut msg = Vec::new();
+        for w in [seg.offset, seg.size, size] {
+            msg.extend_from_slice(&w.to_le_bytes());
+        }
+        let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+        let gathered = self.mesh.all_gather(&msg, &borrowed, "multicast setup");
+        drop(fds);
+        let release_created = || {
+            if let Some(h) = created {
+                let _ = vmm::release(h);
+            }
+        };
+        let all = match gathered {
+            Ok(a) => a,
+            Err(e) => {
+                release_created();
+                return Err(e);
+            }
+        };
+        if let Some(r) = (0..self.world).find(|&r| all[r].0 != msg) {
+            release_created();
+            return Err(Error::not_symmetric(format!(
+                "multicast setup: rank {r} describes another segment or size than rank {} \
+                 (offset {:#x}, {} bytes)",
+                self.rank, seg.offset, seg.size
+            )));
+        }
+        let handle = match created {
+            Some(h) => h,
+            None => {
+                let fd = all[0].1.first().ok_or_else(|| {
+                    Error::peer("multicast setup: rank 0 sent no multicast handle")
+                })?;
+                vmm::import_fd(self.device, fd)?
+            }
+        };
+        let mut w = McWindow {
+            generation: seg.generation,
+            handle,
+            va: 0,
+            size,
+            bound: 0,
+        };
+        let built = self.bind_and_map(&mut w, seg, gran);
+        if let Err(e) = built {
+            let _ = teardown(self.device, &w);
+            return Err(e);
+        }
+        let va = w.va;
+        self.mc.insert(seg.offset, w);
+        Ok(va)
+    }
+
+    fn bind_and_map(&mut self, w: &mut McWindow, seg: SegmentInfo, gran: u64) -> Result<()> {
+        cuda::multicast::add_device(self.device, w.handle)?;
+        // Every device must be added before anyone binds memory.
+        self.mesh.barrier("multicast add device")?;
+        let phys = self
+            .alloc
+            .heap(self.device)?
+            .segment_cuda_handle(seg.offset)?;
+        cuda::multicast::bind_mem(self.device, w.handle, 0, phys, 0, seg.size)?;
+        w.bound = seg.size;
+        let va = vmm::reserve(self.device, w.size, gran)?;
+        if let Err(e) = vmm::map(self.device, va, w.size, w.handle) {
+            let _ = vmm::unreserve(self.device, va, w.size);
+            return Err(e);
+        }
+        w.va = va;
+        // No rank may issue multimem operations before every rank has bound its memory.
+        self.mesh.barrier("multicast bind")
+    }
+
+    /// Tears down every multicast window (at destroy).
+    pub(super) fn destroy_multicast_windows(&mut self) {
+        for (_, w) in std::mem::take(&mut self.mc) {
+            let _ = teardown(self.device, &w);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn multimem_takes_in_place_sums_of_whole_vectors() {
+        let ok = |s, r, n, d, o| check_call(s, r, n, d, o).is_ok();
+        assert!(ok(0x1000, 0x1000, 8, DType::Bf16, ReduceOp::Sum));
+        assert!(ok(0x1000, 0x1000, 4, DType::Fp32, ReduceOp::Sum));
+        assert!(!ok(0x1000, 0x1000, 8, DType::Bf16, ReduceOp::Max));
+        assert!(!ok(0x1000, 0x2000, 8, DType::Bf16, ReduceOp::Sum));
+        assert!(!ok(0x1008, 0x1008, 8, DType::Bf16, ReduceOp::Sum));
+        let e = check_call(0x1000, 0x1000, 9, DType::Fp16, ReduceOp::Sum).unwrap_err();
+        assert!(
+            e.message.contains("count 9 fp16 is 18 bytes"),
+            "{}",
+            e.message
+        );
+    }
+}
