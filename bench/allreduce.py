@@ -3,8 +3,8 @@
 8 KiB to 256 MiB, eager and CUDA graph, all in the same run.
 
 Run on a machine with >= 2 GPUs:  python3 bench/allreduce.py [--out DIR]
-(it starts one process per GPU itself). Each number is the median over R repetitions of the
-mean time of K back-to-back calls, timed with CUDA events after warm-up; graph numbers replay
+(it starts one process per GPU itself). Each number is the median over R repetitions (50; 30
+above 4 MiB) of the mean time of K (20; 10) back-to-back calls, timed with CUDA events after warm-up; graph numbers replay
 a graph of K captured calls. Results are checked against NCCL before timing.
 Multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0).
 """
@@ -26,8 +26,11 @@ def _size(v):
     return int(v[:-1]) * units[v[-1].upper()] if v[-1].upper() in units else int(v)
 
 
-# The one-shot LL kernel's capacity (SYMMALLOC_LL_BYTES, default 1 MiB as in src/config.rs).
-LL_MAX = _size(os.environ.get("SYMMALLOC_LL_BYTES", "1M"))
+def ll_max(world):
+    """The one-shot LL kernel's capacity (SYMMALLOC_LL_BYTES; defaults as in src/config.rs)."""
+    if "SYMMALLOC_LL_BYTES" in os.environ:
+        return _size(os.environ["SYMMALLOC_LL_BYTES"])
+    return 4 << 20 if world <= 2 else (1 << 20 if world <= 4 else 256 << 10)
 SIZES = [8 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
 
@@ -49,7 +52,7 @@ def timed(fn, k, reps, graph):
         def run():
             for _ in range(k):
                 fn()
-    for _ in range(3):
+    for _ in range(10):  # warm: clocks up, caches and peer mappings touched
         run()
     torch.cuda.synchronize()
     times = []
@@ -90,7 +93,7 @@ def worker(rank, world, port, out_dir):
         ref = src.float().clone()
         dist.all_reduce(ref)
         for algo in ["auto", "one_shot_ll", "one_shot", "two_shot"]:
-            if algo == "one_shot_ll" and size > LL_MAX:
+            if algo == "one_shot_ll" and size > ll_max(world):
                 continue
             buf.copy_(src)
             comm.all_reduce(buf, algo=algo)
@@ -107,8 +110,8 @@ def worker(rank, world, port, out_dir):
         symm_mem.rendezvous(tsym, group.group_name)
         tsym.copy_(src)
         nccl_buf = src.clone()
-        k = 20 if size <= (4 << 20) else 5
-        reps = 30 if size <= (4 << 20) else 10
+        k = 20 if size <= (4 << 20) else 10
+        reps = 50 if size <= (4 << 20) else 30
         row = {"bytes": size}
         methods = {
             "symm_auto": lambda: comm.all_reduce(buf, algo="auto"),
@@ -124,7 +127,7 @@ def worker(rank, world, port, out_dir):
         for name, fn in methods.items():
             if name in ("symm_one", "symm_one_oop") and size > (64 << 20):
                 continue
-            if name == "symm_ll" and size > LL_MAX:
+            if name == "symm_ll" and size > ll_max(world):
                 continue
             for graph in [False, True]:
                 try:

@@ -110,7 +110,7 @@ fn child(rank: i32, world: i32, hex: &str) {
     );
     let stream = util::stream_create(rank).unwrap();
     let timer = util::Timer::new(rank).unwrap();
-    let ll_max = symmalloc::config::ll_bytes().unwrap();
+    let ll_max = symmalloc::config::ll_bytes(world as usize).unwrap();
     if rank == 0 {
         println!(
             "bf16 sum, {world} ranks, C ABI; us per call, median of {REPS} x mean of {K} calls"

@@ -140,7 +140,7 @@ typedef uint32_t symm_algo_t;
 
 /**
  * One-shot without barriers (flags carried in the data), for messages up to
- * `SYMMALLOC_LL_BYTES` (default 1 MiB).
+ * `SYMMALLOC_LL_BYTES` (default 4 MiB for 2 ranks, 1 MiB for 3-4, 256 KiB for 5-8).
  */
 #define SYMM_ALGO_ONE_SHOT_LL 4
 

@@ -73,16 +73,23 @@ pub fn flag(name: &str) -> bool {
     )
 }
 
-/// Default capacity of the one-shot LL kernel's slots (`SYMMALLOC_LL_BYTES`).
-pub const DEFAULT_LL_BYTES: u64 = 1 << 20;
+/// Default capacity of the one-shot LL kernel's slots (`SYMMALLOC_LL_BYTES`) by world size:
+/// each rank pushes world - 1 copies, so LL pays off to smaller sizes in wider worlds.
+pub fn default_ll_bytes(world: usize) -> u64 {
+    match world {
+        0..=2 => 4 << 20,
+        3..=4 => 1 << 20,
+        _ => 256 << 10,
+    }
+}
 /// The largest LL slot accepted (its buffers take 2 x world x the slot of device memory).
 pub const MAX_LL_BYTES: u64 = 256 << 20;
 
 /// `SYMMALLOC_LL_BYTES`: the largest message the one-shot LL kernel takes; each communicator
-/// holds 2 x world x this much device memory for it. A multiple of 1 KiB, at most 256M; must
-/// match on all ranks.
-pub fn ll_bytes() -> Result<u64> {
-    let v = parse_u64("SYMMALLOC_LL_BYTES")?.unwrap_or(DEFAULT_LL_BYTES);
+/// holds 2 x world x this much device memory for it (default `default_ll_bytes`). A multiple
+/// of 1 KiB, at most 256M; must match on all ranks.
+pub fn ll_bytes(world: usize) -> Result<u64> {
+    let v = parse_u64("SYMMALLOC_LL_BYTES")?.unwrap_or(default_ll_bytes(world));
     if v == 0 || v % 1024 != 0 || v > MAX_LL_BYTES {
         return Err(Error::invalid(format!(
             "SYMMALLOC_LL_BYTES={v} is not a positive multiple of 1K up to {MAX_LL_BYTES}"
@@ -91,15 +98,17 @@ pub fn ll_bytes() -> Result<u64> {
     Ok(v)
 }
 
-/// Default grid of the one-shot LL kernel: blocks x threads (`SYMMALLOC_LL_GRID`).
-/// Measured on 2x H200 (bench/RESULTS.md): 128x256 gave 3.5 us at 8 KiB and 6.9 us at
-/// 1 MiB graphed; 32x512 gave 3.8 and 8.4 (one SM's stores to a peer are the limit, so the
-/// message is spread thin).
-pub const DEFAULT_LL_GRID: (u32, u32) = (128, 256);
+/// Default grid of the one-shot LL kernel: blocks x the most threads per block
+/// (`SYMMALLOC_LL_GRID`). Measured on 2x H200 (bench/RESULTS.md): one SM's stores to a peer
+/// are the limit, so a message is spread over every block (128x512: 6.2 us at 1 MiB and
+/// 16.6 at 4 MiB graphed; 32x512: 8.4 at 1 MiB).
+pub const DEFAULT_LL_GRID: (u32, u32) = (128, 512);
 
-/// `SYMMALLOC_LL_GRID=BLOCKSxTHREADS`: the one-shot LL kernel's grid, fixed for a
-/// communicator's life (its blocks keep per-block call counters); at most 128 blocks of at
-/// most 512 threads, threads a multiple of 32; must match on all ranks.
+/// `SYMMALLOC_LL_GRID=BLOCKSxTHREADS`: the one-shot LL kernel's blocks, fixed for a
+/// communicator's life (each block keeps a call counter), and the most threads per block
+/// (each call uses just enough, at least 64, to spread its message over every block); at
+/// most 128 blocks of at most 512 threads, threads a multiple of 32; must match on all
+/// ranks.
 pub fn ll_grid() -> Result<(u32, u32)> {
     let Ok(v) = std::env::var("SYMMALLOC_LL_GRID") else {
         return Ok(DEFAULT_LL_GRID);

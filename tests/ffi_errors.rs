@@ -243,7 +243,7 @@ fn comm_bad_input() {
             SYMM_ALGO_ONE_SHOT_LL,
             buf,
             buf,
-            (1 << 18) + 1,
+            (1 << 20) + 1,
             SYMM_FP32,
             SYMM_SUM,
             null_mut()
@@ -251,7 +251,7 @@ fn comm_bad_input() {
         symm_status_t::SYMM_ERR_INVALID_ARGUMENT
     );
     assert!(
-        err().contains("ONE_SHOT_LL takes messages up to 1048576 bytes"),
+        err().contains("ONE_SHOT_LL takes messages up to 4194304 bytes"),
         "{}",
         err()
     );

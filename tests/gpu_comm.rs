@@ -150,8 +150,9 @@ fn run_case(
     fnv(&out)
 }
 
-/// The LL kernel's capacity (the children run with the default SYMMALLOC_LL_BYTES).
-const LL_MAX: usize = symmalloc::config::DEFAULT_LL_BYTES as usize;
+/// The LL kernel's capacity for two ranks (the children run with the default
+/// SYMMALLOC_LL_BYTES; the sweep runs on two GPUs).
+const LL_MAX: usize = 4 << 20;
 
 /// An explicit ONE_SHOT_LL over its capacity is refused with a message, on every rank alike.
 fn expect_ll_refusal(c: &Child, comm: *mut symm_comm_t, n: usize, dtype: u32) {

@@ -113,13 +113,13 @@ pub fn default_one_shot_max(world: usize) -> u64 {
 }
 
 /// Default largest message (bytes) AUTO sends with the barrier-free one-shot LL kernel.
-/// Measured on 2x H200 (bench/RESULTS.md): LL beat two-shot at every size up to its 1 MiB
-/// slot (6.9 against 9.9 us graphed at 1 MiB). A rank pushes (world - 1) copies of its
-/// message, so wider worlds switch to two-shot earlier (reasoned, not measured: no wider
-/// machine was lent).
+/// Measured on 2x H200 (bench/RESULTS.md): LL beat two-shot at every size up to 4 MiB (6.2
+/// against 9.8 us graphed at 1 MiB, 16.6 against 18.4 at 4 MiB) and lost from 16 MiB (61
+/// against 55). A rank pushes (world - 1) copies of its message, so wider worlds switch to
+/// two-shot earlier (reasoned, not measured: no wider machine was lent).
 pub fn default_ll_max(world: usize) -> u64 {
     match world {
-        0..=2 => 1 << 20,
+        0..=2 => 4 << 20,
         3..=4 => 256 << 10,
         _ => 64 << 10,
     }
@@ -166,7 +166,7 @@ pub fn choose(algo: Algo, bytes: u64, world: usize, ll_slot: u64) -> Result<Algo
 #[cfg(test)]
 mod tests {
     use super::*;
-    const SLOT: u64 = 1 << 20;
+    const SLOT: u64 = 4 << 20;
     #[test]
     fn auto_picks_by_size_and_world() {
         // (Thresholds come from defaults: no test sets the SYMMALLOC_*_MAX_BYTES variables.)
@@ -183,6 +183,10 @@ mod tests {
         );
         assert_eq!(choose(Algo::Auto, 1 << 20, 8, SLOT).unwrap(), Algo::TwoShot);
         assert_eq!(
+            choose(Algo::Auto, 4 << 20, 2, SLOT).unwrap(),
+            Algo::OneShotLL
+        );
+        assert_eq!(
             choose(Algo::Auto, 64 << 20, 1, SLOT).unwrap(),
             Algo::OneShot
         );
@@ -192,7 +196,7 @@ mod tests {
             Algo::OneShotLL
         );
         let e = choose(Algo::OneShotLL, SLOT + 2, 2, SLOT).unwrap_err();
-        assert!(e.message.contains("up to 1048576 bytes"), "{}", e.message);
+        assert!(e.message.contains("up to 4194304 bytes"), "{}", e.message);
         // A small slot caps AUTO's LL range.
         assert_eq!(choose(Algo::Auto, 8 << 10, 2, 4096).unwrap(), Algo::OneShot);
         assert_eq!(Algo::from_c(4).unwrap(), Algo::OneShotLL);

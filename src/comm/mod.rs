@@ -125,6 +125,16 @@ pub struct Communicator {
     kernels: HashMap<(Algo, DType, ReduceOp, bool), cuda::module::Function>,
 }
 
+/// Threads per block for an LL call of `items` 16-byte items: enough to give every block a
+/// share (a power of two, at least 64), at most the grid's limit. A pure function of the
+/// message, so every rank maps items to the same threads.
+pub fn ll_threads(items: u64, (blocks, max_threads): (u32, u32)) -> u32 {
+    items
+        .div_ceil(blocks as u64)
+        .next_power_of_two()
+        .clamp(64, max_threads as u64) as u32
+}
+
 fn release_device(device: i32) {
     let mut d = DEVICES_IN_USE.lock().unwrap_or_else(|p| p.into_inner());
     d.retain(|&x| x != device);
@@ -171,7 +181,7 @@ impl Communicator {
         host: bool,
     ) -> Result<Box<Communicator>> {
         let timeout = config::timeout();
-        let ll_slot = config::ll_bytes()?;
+        let ll_slot = config::ll_bytes(world)?;
         let ll_grid = config::ll_grid()?;
         let sms = if host {
             1
@@ -640,7 +650,10 @@ impl Communicator {
             _ => THREADS as u64,
         };
         let (grid, threads) = match algo {
-            Algo::OneShotLL => self.ll_grid,
+            Algo::OneShotLL => {
+                let ll_items = (desc.count * esize).div_ceil(16);
+                (self.ll_grid.0, ll_threads(ll_items, self.ll_grid))
+            }
             _ => (per_rank.div_ceil(per_block).clamp(1, cap) as u32, THREADS),
         };
         let mut args = SymmArgs {
@@ -717,5 +730,20 @@ impl Communicator {
     /// Open connections (for tests counting descriptors).
     pub fn connection_count(&self) -> usize {
         self.mesh.fds().len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ll_threads;
+
+    #[test]
+    fn ll_threads_spread_a_message_over_every_block() {
+        assert_eq!(ll_threads(1, (128, 512)), 64, "at least two warps");
+        assert_eq!(ll_threads(512, (128, 512)), 64);
+        assert_eq!(ll_threads(16384, (128, 512)), 128);
+        assert_eq!(ll_threads(65536, (128, 512)), 512);
+        assert_eq!(ll_threads(1 << 20, (128, 512)), 512, "capped");
+        assert_eq!(ll_threads(65536, (128, 256)), 256);
     }
 }

@@ -41,7 +41,7 @@ pub const SYMM_ALGO_ONE_SHOT: symm_algo_t = 1;
 pub const SYMM_ALGO_TWO_SHOT: symm_algo_t = 2;
 pub const SYMM_ALGO_MULTIMEM: symm_algo_t = 3;
 /// One-shot without barriers (flags carried in the data), for messages up to
-/// `SYMMALLOC_LL_BYTES` (default 1 MiB).
+/// `SYMMALLOC_LL_BYTES` (default 4 MiB for 2 ranks, 1 MiB for 3-4, 256 KiB for 5-8).
 pub const SYMM_ALGO_ONE_SHOT_LL: symm_algo_t = 4;
 
 /// Opaque bytes that identify one job; send them to every rank by any means.
