@@ -15,15 +15,15 @@ step() { echo; echo "=== $* ==="; }
 run() { local name=$1; shift; step "$name"; timeout "${T:-300}" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n "${TAILN:-15}" "$OUT/$name.log"; echo "[$name rc=$rc]"; }
 
 if [ "${1:-tests}" = gpu ]; then
-  run gpu_alloc $D/t_gpu_alloc --test-threads=1 --nocapture
-  T=400 TAILN=12 run gpu_comm $D/t_gpu_comm --test-threads=1 --nocapture
+  run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture
+  T=400 TAILN=12 run gpu_comm $D/t_gpu_comm --include-ignored --test-threads=1 --nocapture
 elif [ "${1:-tests}" = tests ]; then
   step machine; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m | head -5; ldd --version | head -1
   env | grep -E "NVLS|MULTICAST" | sort
   run demo $D/symmalloc-demo
   run unit $D/t_unit --test-threads=2
-  run gpu_alloc $D/t_gpu_alloc --test-threads=1 --nocapture
-  T=400 TAILN=25 run gpu_comm $D/t_gpu_comm --test-threads=1 --nocapture
+  run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture
+  T=400 TAILN=25 run gpu_comm $D/t_gpu_comm --include-ignored --test-threads=1 --nocapture
   for mode in mempool graph global; do
     T=240 TAILN=4 run torch_$mode python3 -m torch.distributed.run --nproc_per_node=2 --master_port=29533 python/tests/torch_gpu_check.py $mode
   done

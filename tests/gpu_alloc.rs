@@ -24,10 +24,9 @@ fn read_f32(device: i32, ptr: u64, n: usize) -> Vec<f32> {
 }
 
 #[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
 fn gpu_malloc_write_read_free() {
-    if gpus("gpu_malloc_write_read_free").is_none() {
-        return;
-    }
+    gpus("gpu_malloc_write_read_free");
     for size in [512usize, 4096, 1 << 20, 3 << 20, 64 << 20] {
         let p = symm_malloc(size, 0, null_mut());
         assert!(!p.is_null(), "{}", err());
@@ -42,10 +41,9 @@ fn gpu_malloc_write_read_free() {
 }
 
 #[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
 fn gpu_random_sequences_on_cuda_memory() {
-    if gpus("gpu_random_sequences_on_cuda_memory").is_none() {
-        return;
-    }
+    gpus("gpu_random_sequences_on_cuda_memory");
     let a = Allocator::new(Box::new(CudaBackend::new().unwrap())).unwrap();
     let mut rng = Rng::new(seed());
     let mut live: Vec<(u64, u64, u8)> = Vec::new();
@@ -93,10 +91,9 @@ fn gpu_random_sequences_on_cuda_memory() {
 }
 
 #[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
 fn gpu_embedded_kernel_runs_on_a_stream() {
-    if gpus("gpu_embedded_kernel_runs_on_a_stream").is_none() {
-        return;
-    }
+    gpus("gpu_embedded_kernel_runs_on_a_stream");
     let n = 100_003usize;
     let x = symm_malloc(n * 4, 0, null_mut()) as u64;
     let y = symm_malloc(n * 4, 0, null_mut()) as u64;
@@ -121,10 +118,9 @@ fn gpu_embedded_kernel_runs_on_a_stream() {
 }
 
 #[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
 fn gpu_graph_that_allocates_computes_and_frees() {
-    if gpus("gpu_graph_that_allocates_computes_and_frees").is_none() {
-        return;
-    }
+    gpus("gpu_graph_that_allocates_computes_and_frees");
     let n = 65_536usize;
     let s = util::stream_create(0).unwrap();
     let x = symm_malloc(n * 4, 0, s as _) as u64;
@@ -183,10 +179,9 @@ fn gpu_graph_that_allocates_computes_and_frees() {
 }
 
 #[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
 fn gpu_cross_stream_reuse_waits_for_the_old_stream() {
-    if gpus("gpu_cross_stream_reuse_waits_for_the_old_stream").is_none() {
-        return;
-    }
+    gpus("gpu_cross_stream_reuse_waits_for_the_old_stream");
     let n = 1 << 22;
     let (s1, s2) = (
         util::stream_create(0).unwrap(),
@@ -257,10 +252,9 @@ fn graph_replays(alloc: &dyn Fn(usize) -> u64, async_upload: bool) -> Result<(),
 }
 
 #[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
 fn gpu_graph_replay_experiment() {
-    if gpus("gpu_graph_replay_experiment").is_none() {
-        return;
-    }
+    gpus("gpu_graph_replay_experiment");
     let sym = |b: usize| symm_malloc(b, 0, null_mut()) as u64;
     let raw = |b: usize| util::raw_alloc(0, b).unwrap();
     for (name, alloc, async_upload) in [

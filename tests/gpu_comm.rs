@@ -256,13 +256,10 @@ fn sweep_rank(c: Child) {
     println!("rank {}: {case} cases within tolerance", c.rank);
 }
 
-fn gpu_world(test: &str) -> Option<i32> {
-    let n = gpus(test)?;
-    if n < 2 {
-        println!("SKIPPED {test}: needs 2 GPUs, found {n}");
-        return None;
-    }
-    Some(n.min(8) as i32)
+fn gpu_world(test: &str) -> i32 {
+    let n = gpus(test);
+    assert!(n >= 2, "{test} needs 2 GPUs, found {n}");
+    n.min(8) as i32
 }
 
 fn compare_rank_files(dir: &std::path::Path, world: i32) {
@@ -300,13 +297,12 @@ fn run_and_compare(name: &str, world: i32) -> Vec<std::process::Output> {
 }
 
 #[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
 fn gpu_all_reduce_sweep_matches_reference_and_is_bitwise_equal() {
     if let Some(c) = child() {
         return sweep_rank(c);
     }
-    let Some(world) = gpu_world("gpu_all_reduce_sweep") else {
-        return;
-    };
+    let world = gpu_world("gpu_all_reduce_sweep");
     let outs = run_and_compare(
         "gpu_all_reduce_sweep_matches_reference_and_is_bitwise_equal",
         world,
@@ -316,7 +312,7 @@ fn gpu_all_reduce_sweep_matches_reference_and_is_bitwise_equal() {
             "{}",
             String::from_utf8_lossy(&o.stdout)
                 .lines()
-                .filter(|l| l.starts_with("rank"))
+                .filter_map(|l| l.find("rank ").map(|i| &l[i..]))
                 .collect::<Vec<_>>()
                 .join("\n")
         );
@@ -399,13 +395,12 @@ fn graph_rank(c: Child) {
 }
 
 #[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
 fn gpu_graph_replays_are_correct() {
     if let Some(c) = child() {
         return graph_rank(c);
     }
-    let Some(world) = gpu_world("gpu_graph_replays_are_correct") else {
-        return;
-    };
+    let world = gpu_world("gpu_graph_replays_are_correct");
     run_and_compare("gpu_graph_replays_are_correct", world);
 }
 
@@ -440,13 +435,12 @@ fn steady_rank(c: Child) {
 }
 
 #[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
 fn gpu_steady_state_creates_no_new_mappings_or_segments() {
     if let Some(c) = child() {
         return steady_rank(c);
     }
-    let Some(world) = gpu_world("gpu_steady_state") else {
-        return;
-    };
+    let world = gpu_world("gpu_steady_state");
     assert_all_ok(&run_ranks(
         "gpu_steady_state_creates_no_new_mappings_or_segments",
         world,
@@ -497,13 +491,12 @@ fn killed_rank(c: Child) {
 }
 
 #[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
 fn gpu_killed_rank_is_reported_within_the_timeout() {
     if let Some(c) = child() {
         return killed_rank(c);
     }
-    if gpu_world("gpu_killed_rank").is_none() {
-        return;
-    }
+    gpu_world("gpu_killed_rank");
     for algo in [SYMM_ALGO_ONE_SHOT, SYMM_ALGO_ONE_SHOT_LL] {
         let outs = run_ranks(
             "gpu_killed_rank_is_reported_within_the_timeout",
@@ -584,13 +577,12 @@ fn asymmetric_rank(c: Child) {
 }
 
 #[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
 fn gpu_asymmetric_buffers_fail_on_every_rank() {
     if let Some(c) = child() {
         return asymmetric_rank(c);
     }
-    if gpu_world("gpu_asymmetric").is_none() {
-        return;
-    }
+    gpu_world("gpu_asymmetric");
     assert_all_ok(&run_ranks(
         "gpu_asymmetric_buffers_fail_on_every_rank",
         2,
@@ -655,13 +647,12 @@ fn ll_special_rank(c: Child) {
 }
 
 #[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
 fn gpu_ll_all_ones_and_negative_zero_inputs() {
     if let Some(c) = child() {
         return ll_special_rank(c);
     }
-    let Some(world) = gpu_world("gpu_ll_special_values") else {
-        return;
-    };
+    let world = gpu_world("gpu_ll_special_values");
     assert_all_ok(&run_ranks(
         "gpu_ll_all_ones_and_negative_zero_inputs",
         world,
