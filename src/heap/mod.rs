@@ -1,4 +1,4 @@
-//! The symmetric caching allocator: one `DeviceHeap` per device behind a mutex, over one
+//! The symmetric caching allocator: one `DeviceHeap` per device behind a spin lock, over one
 //! backend chosen at first use (`SYMMALLOC_BACKEND`). Pure Rust above the `Backend` trait.
 //!
 //! The process-wide instance (`global()`) serves the C ABI; tests may build private instances
@@ -11,6 +11,7 @@ pub mod host_backend;
 pub mod parked;
 pub mod pools;
 pub mod ranges;
+pub mod spin_lock;
 pub mod stats;
 
 use crate::config::{self, BackendKind};
@@ -18,12 +19,13 @@ use crate::error::{Error, Result};
 use backend::{Backend, Stream};
 use device_heap::{DeviceHeap, SegmentInfo};
 use pools::PoolId;
+use spin_lock::{SpinGuard, SpinLock};
 use stats::Stats;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
 pub struct Allocator {
     backend: Box<dyn Backend>,
-    heaps: Vec<OnceLock<Mutex<DeviceHeap>>>,
+    heaps: Vec<OnceLock<SpinLock<DeviceHeap>>>,
     /// Serialises heap creation (reserving address space) per device.
     init_lock: Mutex<()>,
 }
@@ -74,7 +76,7 @@ impl Allocator {
     }
 
     /// The device's heap, locked; created (address space reserved) on first use.
-    pub fn heap(&self, device: i32) -> Result<MutexGuard<'_, DeviceHeap>> {
+    pub fn heap(&self, device: i32) -> Result<SpinGuard<'_, DeviceHeap>> {
         self.check_device(device)?;
         let slot = &self.heaps[device as usize];
         if slot.get().is_none() {
@@ -90,21 +92,16 @@ impl Allocator {
                     ));
                 }
                 let heap = DeviceHeap::new(self.backend.as_ref(), device, size)?;
-                let _ = slot.set(Mutex::new(heap));
+                let _ = slot.set(SpinLock::new(heap));
             }
         }
-        Ok(slot
-            .get()
-            .expect("initialised above")
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()))
+        Ok(slot.get().expect("initialised above").lock())
     }
 
     /// The device whose heap contains `ptr`, among heaps already created.
     pub fn device_of(&self, ptr: u64) -> Option<i32> {
         self.heaps.iter().enumerate().find_map(|(d, h)| {
-            let h = h.get()?.lock().unwrap_or_else(|p| p.into_inner());
-            h.contains(ptr).then_some(d as i32)
+            h.get()?.lock().contains(ptr).then_some(d as i32)
         })
     }
 
@@ -144,9 +141,7 @@ impl Allocator {
 
     pub fn empty_cache(&self) -> Result<()> {
         for h in self.heaps.iter().filter_map(OnceLock::get) {
-            h.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .empty_cache(self.backend.as_ref())?;
+            h.lock().empty_cache(self.backend.as_ref())?;
         }
         Ok(())
     }
