@@ -100,9 +100,10 @@ impl Allocator {
 
     /// The device whose heap contains `ptr`, among heaps already created.
     pub fn device_of(&self, ptr: u64) -> Option<i32> {
-        self.heaps.iter().enumerate().find_map(|(d, h)| {
-            h.get()?.lock().contains(ptr).then_some(d as i32)
-        })
+        self.heaps
+            .iter()
+            .enumerate()
+            .find_map(|(d, h)| h.get()?.lock().contains(ptr).then_some(d as i32))
     }
 
     /// Allocates into the calling thread's current pool for `device`.

@@ -104,6 +104,10 @@ mod tests {
             panic!("while locked");
         }));
         assert!(r.is_err());
-        assert_eq!(*l.lock(), 80_000, "the guard released the lock while unwinding");
+        assert_eq!(
+            *l.lock(),
+            80_000,
+            "the guard released the lock while unwinding"
+        );
     }
 }
