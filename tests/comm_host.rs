@@ -153,12 +153,7 @@ fn correctness_rank(c: Child) {
         "{outside:?}"
     );
     assert!(stats(c.rank).staged_collectives > before.staged_collectives);
-    assert_eq!(
-        symm_comm_destroy(comm),
-        symm_status_t::SYMM_SUCCESS,
-        "{}",
-        err()
-    );
+    destroy(comm);
     println!("rank {}: {case} cases correct", c.rank);
 }
 
@@ -204,12 +199,7 @@ fn steady_rank(c: Child) {
         warm,
         "new mappings or segments after warm-up"
     );
-    assert_eq!(
-        symm_comm_destroy(comm),
-        symm_status_t::SYMM_SUCCESS,
-        "{}",
-        err()
-    );
+    destroy(comm);
     let s = stats(c.rank);
     assert_eq!(s.peer_mappings, 0, "destroy unmaps every peer segment");
     assert_eq!(s.active_blocks, 0);
@@ -290,12 +280,7 @@ fn killed_rank(c: Child) {
     let e = err();
     assert!(e.contains("rank 1"), "error must name the dead rank: {e}");
     assert!(t0.elapsed().as_secs_f64() < 10.0);
-    assert_eq!(
-        symm_comm_destroy(comm),
-        symm_status_t::SYMM_SUCCESS,
-        "destroy after a dead peer: {}",
-        err()
-    );
+    destroy(comm);
     println!("rank {}: collective failed as expected: {e}", c.rank);
 }
 
@@ -364,7 +349,7 @@ fn asymmetric_rank(c: Child) {
             symm_free(x, size, c.rank, null_mut());
         }
     }
-    assert_eq!(symm_comm_destroy(comm), symm_status_t::SYMM_SUCCESS);
+    destroy(comm);
     println!("rank {}: asymmetry reported on every rank", c.rank);
 }
 
@@ -392,7 +377,7 @@ fn intruder_rank(c: Child) {
     );
     // SAFETY: as above.
     assert_eq!(unsafe { (p as *const f32).read() }, c.world as f32);
-    assert_eq!(symm_comm_destroy(comm), symm_status_t::SYMM_SUCCESS);
+    destroy(comm);
 }
 
 #[test]

@@ -247,12 +247,7 @@ fn sweep_rank(c: Child) {
         );
         writeln!(f, "{case} {h:016x}").unwrap();
     }
-    assert_eq!(
-        symm_comm_destroy(comm),
-        symm_status_t::SYMM_SUCCESS,
-        "{}",
-        err()
-    );
+    destroy(comm);
     println!("rank {}: {case} cases within tolerance", c.rank);
 }
 
@@ -390,7 +385,7 @@ fn graph_rank(c: Child) {
         symm_free(a as _, bytes, c.rank, stream as _);
         symm_free(b as _, bytes, c.rank, stream as _);
     }
-    assert_eq!(symm_comm_destroy(comm), symm_status_t::SYMM_SUCCESS);
+    destroy(comm);
     println!("rank {}: 6 x 1000 graph replays correct", c.rank);
 }
 
@@ -426,7 +421,7 @@ fn steady_rank(c: Child) {
         warm,
         "new mappings or segments after warm-up"
     );
-    assert_eq!(symm_comm_destroy(comm), symm_status_t::SYMM_SUCCESS);
+    destroy(comm);
     println!(
         "rank {}: 10,000 iterations in {:.2} s, no new mappings or segments",
         c.rank,
@@ -481,12 +476,7 @@ fn killed_rank(c: Child) {
     let e = err();
     assert!(e.contains("rank 1"), "{e}");
     assert!(t0.elapsed().as_secs_f64() < 20.0, "took {:?}", t0.elapsed());
-    assert_eq!(
-        symm_comm_destroy(comm),
-        symm_status_t::SYMM_SUCCESS,
-        "{}",
-        err()
-    );
+    destroy(comm);
     println!("rank {}: dead peer reported: {e}", c.rank);
 }
 
@@ -572,7 +562,7 @@ fn asymmetric_rank(c: Child) {
         symm_free(extra, 3 << 20, 0, null_mut());
     }
     symm_free(p, 8 << 20, c.rank, null_mut());
-    assert_eq!(symm_comm_destroy(comm), symm_status_t::SYMM_SUCCESS);
+    destroy(comm);
     println!("rank {}: asymmetry reported on every rank", c.rank);
 }
 
@@ -642,7 +632,7 @@ fn ll_special_rank(c: Child) {
     }
     symm_free(a as _, bytes, c.rank, stream as _);
     symm_free(b as _, bytes, c.rank, stream as _);
-    assert_eq!(symm_comm_destroy(comm), symm_status_t::SYMM_SUCCESS);
+    destroy(comm);
     println!("rank {}: LL special values match two-shot", c.rank);
 }
 

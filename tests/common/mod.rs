@@ -183,6 +183,17 @@ pub fn init(c: &Child) -> *mut symmalloc::ffi::symm_comm_t {
     comm
 }
 
+/// Destroys a communicator that must go down cleanly.
+pub fn destroy(comm: *mut symmalloc::ffi::symm_comm_t) {
+    use symmalloc::ffi::{symm_comm_destroy, types::symm_status_t};
+    assert_eq!(
+        symm_comm_destroy(comm),
+        symm_status_t::SYMM_SUCCESS,
+        "destroy: {}",
+        err()
+    );
+}
+
 /// The allocator statistics of `device` through the C ABI.
 pub fn stats(device: i32) -> symmalloc::heap::stats::Stats {
     use symmalloc::ffi::{symm_memory_stats, types::symm_status_t};
