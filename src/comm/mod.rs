@@ -103,9 +103,9 @@ pub struct Communicator {
     host: bool,
     mesh: Mesh,
     windows: PeerWindows,
-    /// Signal pad, epochs and LL buffers (kernel_args.rs has the layout).
+    /// Signal pad, epochs and LL buffers: `internal_bytes(world, ll_slot)` bytes (kernel_args.rs
+    /// has the layout).
     internal: u64,
-    internal_len: u64,
     /// Bytes per sender slot of the LL buffers (`SYMMALLOC_LL_BYTES`, equal on all ranks).
     ll_slot: u64,
     /// The LL kernel's (blocks, threads), fixed for the communicator's life.
@@ -286,7 +286,6 @@ impl Communicator {
             mesh,
             windows,
             internal,
-            internal_len,
             ll_slot,
             ll_grid,
             error,
@@ -589,26 +588,22 @@ impl Communicator {
         stream: u64,
         mc_out: u64,
     ) -> Result<()> {
-        let inputs: Vec<u64> = self
-            .windows
-            .bases
-            .iter()
-            .map(|b| b + desc.send_off)
-            .collect();
-        let outputs: Vec<u64> = self
-            .windows
-            .bases
-            .iter()
-            .map(|b| b + desc.recv_off)
-            .collect();
+        // Every rank's buffers in this address space, straight into the kernel's argument
+        // layout (no allocation per call); entries past the world stay 0.
+        let (mut inputs, mut outputs) = ([0u64; MAX_RANKS], [0u64; MAX_RANKS]);
+        for (r, b) in self.windows.bases.iter().enumerate() {
+            inputs[r] = b + desc.send_off;
+            outputs[r] = b + desc.recv_off;
+        }
+        let world = self.world;
         let in_place = desc.send_off == desc.recv_off;
         if self.host {
             let call = host_reduce::HostCall {
                 rank: self.rank,
                 world: self.world,
                 pads: &self.pads,
-                inputs: &inputs,
-                outputs: &outputs,
+                inputs: &inputs[..world],
+                outputs: &outputs[..world],
                 count: desc.count as usize,
                 dtype,
                 op,
@@ -626,7 +621,10 @@ impl Communicator {
             return r;
         }
         let esize = dtype.size() as u64;
-        let vec = inputs.iter().chain(&outputs).all(|p| p % 16 == 0);
+        let vec = inputs[..world]
+            .iter()
+            .chain(&outputs[..world])
+            .all(|p| p % 16 == 0);
         let items = if vec {
             desc.count * esize / 16
         } else {
@@ -657,6 +655,8 @@ impl Communicator {
             _ => (per_rank.div_ceil(per_block).clamp(1, cap) as u32, THREADS),
         };
         let mut args = SymmArgs {
+            inputs,
+            outputs,
             count: desc.count,
             desc: desc.digest(),
             timeout_ns: self.timeout.as_nanos() as u64,
@@ -669,9 +669,7 @@ impl Communicator {
             mc_out,
             ..SymmArgs::default()
         };
-        args.inputs[..self.world].copy_from_slice(&inputs);
-        args.outputs[..self.world].copy_from_slice(&outputs);
-        args.pads[..self.world].copy_from_slice(&self.pads);
+        args.pads[..world].copy_from_slice(&self.pads);
         let f = match self.kernels.get(&(algo, dtype, op, vec)) {
             Some(&f) => f,
             None => {
@@ -719,9 +717,12 @@ impl Communicator {
         if let Some((p, size)) = self.scratch.take() {
             let _ = self.alloc.free(p, size, self.device, 0);
         }
-        let _ = self
-            .alloc
-            .free(self.internal, self.internal_len, self.device, 0);
+        let _ = self.alloc.free(
+            self.internal,
+            internal_bytes(self.world, self.ll_slot),
+            self.device,
+            0,
+        );
         let _ = self.alloc.release_pool(self.device, INTERNAL_POOL);
         release_device(self.device);
         Ok(())
