@@ -69,12 +69,21 @@ fn main() {
         .map(|&c| format!("{:02x}", c as u8))
         .collect();
     let exe = std::env::current_exe().unwrap();
+    // SYMM_BENCH_RANK0_WRAP runs rank 0 alone under a wrapper (a profiler such as ncu), so the
+    // other ranks' kernels run unprofiled and concurrently with the profiled one.
+    let wrap = std::env::var("SYMM_BENCH_RANK0_WRAP").unwrap_or_default();
     let kids: Vec<_> = (0..world)
         .map(|r| {
-            Command::new(&exe)
+            let mut words: Vec<String> = match r {
+                0 => wrap.split_whitespace().map(str::to_string).collect(),
+                _ => Vec::new(),
+            };
+            words.push(exe.display().to_string());
+            Command::new(&words[0])
+                .args(&words[1..])
                 .args(["--child", &r.to_string(), &world.to_string(), &hex])
                 .spawn()
-                .unwrap()
+                .unwrap_or_else(|e| panic!("cannot start rank {r} with {words:?}: {e}"))
         })
         .collect();
     let mut good = true;
@@ -120,12 +129,21 @@ fn child(rank: i32, world: i32, hex: &str) {
             "size", "auto eager/graph", "one_shot_ll", "one_shot", "two_shot"
         );
     }
-    // SYMM_BENCH_MAX_BYTES cuts the sweep short (for quick tuning runs).
-    let max_bytes: usize = std::env::var("SYMM_BENCH_MAX_BYTES")
-        .ok()
-        .and_then(|v| symmalloc::config::parse_size(&v))
-        .map_or(usize::MAX, |v| v as usize);
-    for &bytes in SIZES.iter().filter(|&&b| b <= max_bytes) {
+    // SYMM_BENCH_MIN_BYTES / SYMM_BENCH_MAX_BYTES narrow the sweep (tuning and profiling runs).
+    let limit = |name: &str, default: usize| -> usize {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| symmalloc::config::parse_size(&v))
+            .map_or(default, |v| v as usize)
+    };
+    let (min_bytes, max_bytes) = (
+        limit("SYMM_BENCH_MIN_BYTES", 0),
+        limit("SYMM_BENCH_MAX_BYTES", usize::MAX),
+    );
+    for &bytes in SIZES
+        .iter()
+        .filter(|&&b| (min_bytes..=max_bytes).contains(&b))
+    {
         let n = bytes / 2;
         let buf = ffi::symm_malloc(bytes, rank, stream as _);
         assert!(!buf.is_null(), "{}", last_error());
