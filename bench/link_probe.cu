@@ -61,7 +61,7 @@ __global__ void copy(const uint4* __restrict__ src, uint4* __restrict__ dst, uin
   }
 }
 
-// out[i] = peer_out[i] = a[i] + b[i] over n vectors.
+// out[i] = a[i] + b[i] over n vectors, and peer_out[i] too unless peer_out is null.
 __global__ void add_store2(const uint4* __restrict__ a, const uint4* __restrict__ b,
                            uint4* __restrict__ out, uint4* __restrict__ peer_out, uint64_t n) {
   const uint64_t span = (uint64_t)gridDim.x * blockDim.x * U;
@@ -78,7 +78,7 @@ __global__ void add_store2(const uint4* __restrict__ a, const uint4* __restrict_
       if (i0 + u * blockDim.x < n) {
         const uint4 s = add(v[u], w[u]);
         out[i0 + u * blockDim.x] = s;
-        peer_out[i0 + u * blockDim.x] = s;
+        if (peer_out) peer_out[i0 + u * blockDim.x] = s;
       }
   }
 }
@@ -108,24 +108,6 @@ __global__ void bulk_copy(const uint4* __restrict__ src, uint4* __restrict__ dst
     }
   }
   if (threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-
-// out[i] = a[i] + b[i] over n vectors, all local.
-__global__ void add2(const uint4* __restrict__ a, const uint4* __restrict__ b,
-                     uint4* __restrict__ out, uint64_t n) {
-  const uint64_t span = (uint64_t)gridDim.x * blockDim.x * U;
-  for (uint64_t i0 = (uint64_t)blockIdx.x * blockDim.x * U + threadIdx.x; i0 < n; i0 += span) {
-    uint4 v[U], w[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (i0 + u * blockDim.x < n) {
-        v[u] = a[i0 + u * blockDim.x];
-        w[u] = b[i0 + u * blockDim.x];
-      }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (i0 + u * blockDim.x < n) out[i0 + u * blockDim.x] = add(v[u], w[u]);
-  }
 }
 
 constexpr int MAX_CHUNKS = 64;
@@ -191,7 +173,8 @@ static void launch_cepipe(int chunks) {
       CHECK(cudaSetDevice(me));
       uint4* mine = g[me].out + me * half + c * cn;
       CHECK(cudaStreamWaitEvent(g[me].s, pp[1 - me].a[c], 0));
-      add2<<<132, 512, 0, g[me].s>>>(g[me].in + me * half + c * cn, g[me].scratch + c * cn, mine, cn);
+      add_store2<<<132, 512, 0, g[me].s>>>(g[me].in + me * half + c * cn, g[me].scratch + c * cn, mine,
+                                           nullptr, cn);
       CHECK(cudaGetLastError());
       CHECK(cudaEventRecord(pp[me].r[c], g[me].s));
       CHECK(cudaStreamWaitEvent(pp[me].sb, pp[me].r[c], 0));

@@ -78,6 +78,17 @@ __device__ __forceinline__ bool failed(const SymmArgs& a) {
   return *(volatile uint32_t*)a.error_word != 0;
 }
 
+// The periodic check of every spinning wait (once per 1024 spins, so the poll stays tight):
+// true when the wait must end, because another thread has already reported an error or this
+// one has waited longer than timeout_ns since `start` for `peer` (reported as TIMEOUT).
+__device__ __forceinline__ bool give_up(const SymmArgs& a, uint32_t& spins, uint64_t start, int peer) {
+  if ((++spins & 1023u) != 0) return false;
+  if (failed(a)) return true;
+  if (globaltimer() - start <= a.timeout_ns) return false;
+  report(a, SYMM_ERR_TIMEOUT_CODE, peer);
+  return true;
+}
+
 // This block's barrier epoch at kernel start (every thread gets it). Each barrier uses the
 // next value; epoch_end stores the last one used for the next kernel.
 __device__ __forceinline__ uint32_t epoch_begin(const SymmArgs& a) {
@@ -106,13 +117,9 @@ __device__ __forceinline__ bool block_barrier(const SymmArgs& a, uint32_t epoch,
     const uint64_t start = globaltimer();
     uint32_t spins = 0;
     while ((int32_t)(ld_acquire_sys(&mine->flag) - epoch) < 0) {
-      if ((++spins & 1023u) == 0) {
-        if (failed(a)) { ok = 0; break; }
-        if (globaltimer() - start > a.timeout_ns) {
-          report(a, SYMM_ERR_TIMEOUT_CODE, p);
-          ok = 0;
-          break;
-        }
+      if (give_up(a, spins, start, p)) {
+        ok = 0;
+        break;
       }
     }
     if (ok && check_desc && *(volatile uint64_t*)&mine->desc != a.desc) {

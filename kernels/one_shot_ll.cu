@@ -112,13 +112,7 @@ __device__ __forceinline__ bool ll_wait(const SymmArgs& a, const uint4* p, int p
   while (true) {
     v = ld_volatile_v4(p);
     if (ll_arrived(v)) return true;
-    if ((++spins & 1023u) == 0) {
-      if (failed(a)) return false;
-      if (globaltimer() - start > a.timeout_ns) {
-        report(a, SYMM_ERR_TIMEOUT_CODE, peer);
-        return false;
-      }
-    }
+    if (give_up(a, spins, start, peer)) return false;
   }
 }
 
@@ -135,13 +129,9 @@ __device__ __forceinline__ bool ll_check_desc(const SymmArgs& a, uint32_t buf, u
     uint32_t spins = 0;
     uint64_t d;
     while ((d = *mine) == 0) {
-      if ((++spins & 1023u) == 0) {
-        if (failed(a)) { ok = 0; break; }
-        if (globaltimer() - start > a.timeout_ns) {
-          report(a, SYMM_ERR_TIMEOUT_CODE, p);
-          ok = 0;
-          break;
-        }
+      if (give_up(a, spins, start, p)) {
+        ok = 0;
+        break;
       }
     }
     if (ok && d != a.desc) {
