@@ -213,7 +213,10 @@ symm_status_t symm_get_unique_id(symm_unique_id_t *out);
 
 /**
  * Creates the communicator of `rank` (of `world_size`, 1 to 8) on `device`. Collective: every
- * rank calls it with the same id. Waits at most SYMMALLOC_TIMEOUT_S for the peers.
+ * rank calls it with the same id. Waits at most SYMMALLOC_TIMEOUT_S for the peers. Reads the
+ * communicator settings (SYMMALLOC_LL_*, SYMMALLOC_ONE_SHOT_MAX_BYTES,
+ * SYMMALLOC_CHECK_SYMMETRY) and fails with SYMM_ERR_INVALID_ARGUMENT unless every rank has
+ * the same.
  */
 symm_status_t symm_comm_init(symm_comm_t **comm, int world_size, int rank, int device, const symm_unique_id_t *id);
 

@@ -366,6 +366,86 @@ fn asymmetric_allocations_fail_on_every_rank() {
     ));
 }
 
+/// Each case: a variable, its value on rank 0 and on rank 1 ("" leaves it unset).
+const SETTING_CASES: [(&str, &str, &str); 4] = [
+    ("SYMMALLOC_LL_MAX_BYTES", "64K", ""),
+    ("SYMMALLOC_ONE_SHOT_MAX_BYTES", "", "1M"),
+    ("SYMMALLOC_CHECK_SYMMETRY", "1", ""),
+    ("SYMMALLOC_LL_BYTES", "1M", "2M"),
+];
+
+fn settings_rank(c: Child) {
+    let (name, ..) = SETTING_CASES[c.arg.parse::<usize>().unwrap()];
+    let (st, comm) = try_init(&c);
+    let msg = err();
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_ERR_INVALID_ARGUMENT,
+        "rank {}: {msg}",
+        c.rank
+    );
+    assert!(comm.is_null(), "rank {}: a communicator came back", c.rank);
+    assert!(
+        msg.contains("set them alike on every rank") && msg.matches(name).count() == 2,
+        "rank {}: the message must name {name} for both ranks: {msg}",
+        c.rank
+    );
+    // Nothing was left claimed: the same rank can still allocate.
+    let p = symm_malloc(4096, c.rank, null_mut());
+    assert!(!p.is_null(), "rank {}: {}", c.rank, err());
+    symm_free(p, 4096, c.rank, null_mut());
+    println!("rank {}: refused: {msg}", c.rank);
+}
+
+#[test]
+fn init_refuses_ranks_whose_collective_settings_differ() {
+    if let Some(c) = child() {
+        return settings_rank(c);
+    }
+    for (case, &(name, v0, v1)) in SETTING_CASES.iter().enumerate() {
+        let outs = wait_all(spawn_ranks_with(
+            "init_refuses_ranks_whose_collective_settings_differ",
+            2,
+            |r| {
+                let v = if r == 0 { v0 } else { v1 };
+                let mut env = vec![HOST, ("SYMMALLOC_TIMEOUT_S", "10")];
+                if !v.is_empty() {
+                    env.push((name, v));
+                }
+                env
+            },
+            &case.to_string(),
+        ));
+        assert_all_ok(&outs);
+    }
+}
+
+#[test]
+fn an_ll_threshold_above_the_slot_is_refused_at_init() {
+    if let Some(c) = child() {
+        let (st, comm) = try_init(&c);
+        let msg = err();
+        assert_eq!(st, symm_status_t::SYMM_ERR_INVALID_ARGUMENT, "{msg}");
+        assert!(comm.is_null());
+        assert!(
+            msg.contains("SYMMALLOC_LL_MAX_BYTES=2097152 exceeds the LL slot of 1048576"),
+            "{msg}"
+        );
+        return;
+    }
+    assert_all_ok(&run_ranks(
+        "an_ll_threshold_above_the_slot_is_refused_at_init",
+        2,
+        &[
+            HOST,
+            ("SYMMALLOC_TIMEOUT_S", "10"),
+            ("SYMMALLOC_LL_BYTES", "1M"),
+            ("SYMMALLOC_LL_MAX_BYTES", "2M"),
+        ],
+        "",
+    ));
+}
+
 fn intruder_rank(c: Child) {
     let comm = init(&c);
     let p = symm_malloc(4096, c.rank, null_mut());

@@ -125,11 +125,63 @@ pub fn default_ll_max(world: usize) -> u64 {
     }
 }
 
-/// AUTO: one-shot LL up to its threshold (`SYMMALLOC_LL_MAX_BYTES`, at most the LL slot
-/// `ll_slot`; 0 turns it off), then barrier one-shot up to `SYMMALLOC_ONE_SHOT_MAX_BYTES`, then
-/// two-shot. Multimem is never chosen automatically. One rank needs no peers: one-shot.
-/// An explicit ONE_SHOT_LL larger than the LL slot is refused.
-pub fn choose(algo: Algo, bytes: u64, world: usize, ll_slot: u64) -> Result<Algo> {
+/// AUTO's size thresholds, fixed for a communicator's life: read from the environment once,
+/// at init, and checked there to be equal on every rank (ranks that picked different
+/// algorithms for one call would fail it as asymmetric).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AutoThresholds {
+    /// Largest message for the one-shot LL kernel (`SYMMALLOC_LL_MAX_BYTES`); at most the slot.
+    pub ll_max: u64,
+    /// Largest message for the barrier one-shot (`SYMMALLOC_ONE_SHOT_MAX_BYTES`).
+    pub one_shot_max: u64,
+}
+
+impl AutoThresholds {
+    /// Overrides (None: the default for `world`) checked against the LL slot `ll_slot`.
+    pub fn new(
+        world: usize,
+        ll_slot: u64,
+        ll_max: Option<u64>,
+        one_shot_max: Option<u64>,
+    ) -> Result<Self> {
+        let ll_max = match ll_max {
+            Some(v) if v > ll_slot => {
+                return Err(Error::invalid(format!(
+                    "SYMMALLOC_LL_MAX_BYTES={v} exceeds the LL slot of {ll_slot} bytes \
+                     (SYMMALLOC_LL_BYTES); expected 0..={ll_slot}"
+                )))
+            }
+            Some(v) => v,
+            None => default_ll_max(world).min(ll_slot),
+        };
+        let one_shot_max = one_shot_max.unwrap_or_else(|| default_one_shot_max(world));
+        Ok(AutoThresholds {
+            ll_max,
+            one_shot_max,
+        })
+    }
+
+    /// `SYMMALLOC_LL_MAX_BYTES` and `SYMMALLOC_ONE_SHOT_MAX_BYTES` from the environment.
+    pub fn from_env(world: usize, ll_slot: u64) -> Result<Self> {
+        Self::new(
+            world,
+            ll_slot,
+            config::auto_threshold("SYMMALLOC_LL_MAX_BYTES")?,
+            config::auto_threshold("SYMMALLOC_ONE_SHOT_MAX_BYTES")?,
+        )
+    }
+}
+
+/// AUTO: one-shot LL up to `auto.ll_max` (0 turns it off), then barrier one-shot up to
+/// `auto.one_shot_max`, then two-shot. Multimem is never chosen automatically. One rank needs
+/// no peers: one-shot. An explicit ONE_SHOT_LL larger than the LL slot is refused.
+pub fn choose(
+    algo: Algo,
+    bytes: u64,
+    world: usize,
+    ll_slot: u64,
+    auto: &AutoThresholds,
+) -> Result<Algo> {
     if algo == Algo::OneShotLL && bytes > ll_slot {
         return Err(Error::invalid(format!(
             "SYMM_ALGO_ONE_SHOT_LL takes messages up to {ll_slot} bytes (SYMMALLOC_LL_BYTES); \
@@ -142,21 +194,9 @@ pub fn choose(algo: Algo, bytes: u64, world: usize, ll_slot: u64) -> Result<Algo
     if world == 1 {
         return Ok(Algo::OneShot);
     }
-    let ll_max = match config::auto_threshold("SYMMALLOC_LL_MAX_BYTES")? {
-        Some(v) if v > ll_slot => {
-            return Err(Error::invalid(format!(
-                "SYMMALLOC_LL_MAX_BYTES={v} exceeds the LL slot of {ll_slot} bytes \
-                 (SYMMALLOC_LL_BYTES); expected 0..={ll_slot}"
-            )))
-        }
-        Some(v) => v,
-        None => default_ll_max(world).min(ll_slot),
-    };
-    let one_shot_max = config::auto_threshold("SYMMALLOC_ONE_SHOT_MAX_BYTES")?
-        .unwrap_or_else(|| default_one_shot_max(world));
-    Ok(if bytes <= ll_max {
+    Ok(if bytes <= auto.ll_max {
         Algo::OneShotLL
-    } else if bytes <= one_shot_max {
+    } else if bytes <= auto.one_shot_max {
         Algo::OneShot
     } else {
         Algo::TwoShot
@@ -167,41 +207,64 @@ pub fn choose(algo: Algo, bytes: u64, world: usize, ll_slot: u64) -> Result<Algo
 mod tests {
     use super::*;
     const SLOT: u64 = 4 << 20;
+    fn pick(algo: Algo, bytes: u64, world: usize, slot: u64) -> Result<Algo> {
+        let auto = AutoThresholds::new(world, slot, None, None).unwrap();
+        choose(algo, bytes, world, slot, &auto)
+    }
+
     #[test]
     fn auto_picks_by_size_and_world() {
-        // (Thresholds come from defaults: no test sets the SYMMALLOC_*_MAX_BYTES variables.)
         let ll = default_ll_max(2);
+        assert_eq!(pick(Algo::Auto, 8 << 10, 2, SLOT).unwrap(), Algo::OneShotLL);
+        assert_eq!(pick(Algo::Auto, ll, 2, SLOT).unwrap(), Algo::OneShotLL);
+        assert_eq!(pick(Algo::Auto, ll + 2, 2, SLOT).unwrap(), Algo::TwoShot);
+        assert_eq!(pick(Algo::Auto, 8 << 10, 8, SLOT).unwrap(), Algo::OneShotLL);
+        assert_eq!(pick(Algo::Auto, 1 << 20, 8, SLOT).unwrap(), Algo::TwoShot);
+        assert_eq!(pick(Algo::Auto, 4 << 20, 2, SLOT).unwrap(), Algo::OneShotLL);
+        assert_eq!(pick(Algo::Auto, 64 << 20, 1, SLOT).unwrap(), Algo::OneShot);
+        assert_eq!(pick(Algo::TwoShot, 8, 2, SLOT).unwrap(), Algo::TwoShot);
         assert_eq!(
-            choose(Algo::Auto, 8 << 10, 2, SLOT).unwrap(),
+            pick(Algo::OneShotLL, SLOT, 2, SLOT).unwrap(),
             Algo::OneShotLL
         );
-        assert_eq!(choose(Algo::Auto, ll, 2, SLOT).unwrap(), Algo::OneShotLL);
-        assert_eq!(choose(Algo::Auto, ll + 2, 2, SLOT).unwrap(), Algo::TwoShot);
-        assert_eq!(
-            choose(Algo::Auto, 8 << 10, 8, SLOT).unwrap(),
-            Algo::OneShotLL
-        );
-        assert_eq!(choose(Algo::Auto, 1 << 20, 8, SLOT).unwrap(), Algo::TwoShot);
-        assert_eq!(
-            choose(Algo::Auto, 4 << 20, 2, SLOT).unwrap(),
-            Algo::OneShotLL
-        );
-        assert_eq!(
-            choose(Algo::Auto, 64 << 20, 1, SLOT).unwrap(),
-            Algo::OneShot
-        );
-        assert_eq!(choose(Algo::TwoShot, 8, 2, SLOT).unwrap(), Algo::TwoShot);
-        assert_eq!(
-            choose(Algo::OneShotLL, SLOT, 2, SLOT).unwrap(),
-            Algo::OneShotLL
-        );
-        let e = choose(Algo::OneShotLL, SLOT + 2, 2, SLOT).unwrap_err();
+        let e = pick(Algo::OneShotLL, SLOT + 2, 2, SLOT).unwrap_err();
         assert!(e.message.contains("up to 4194304 bytes"), "{}", e.message);
         // A small slot caps AUTO's LL range.
-        assert_eq!(choose(Algo::Auto, 8 << 10, 2, 4096).unwrap(), Algo::OneShot);
+        assert_eq!(pick(Algo::Auto, 8 << 10, 2, 4096).unwrap(), Algo::OneShot);
         assert_eq!(Algo::from_c(4).unwrap(), Algo::OneShotLL);
         assert!(DType::from_c(7).unwrap_err().message.contains("dtype 7"));
         assert!(ReduceOp::from_c(3).is_err());
         assert!(Algo::from_c(9).is_err());
+    }
+
+    #[test]
+    fn overridden_thresholds_move_the_crossovers_and_are_checked() {
+        // LL off, barrier one-shot up to 64 KiB, two-shot above.
+        let auto = AutoThresholds::new(2, SLOT, Some(0), Some(64 << 10)).unwrap();
+        assert_eq!(
+            choose(Algo::Auto, 16, 2, SLOT, &auto).unwrap(),
+            Algo::OneShot
+        );
+        assert_eq!(
+            choose(Algo::Auto, 64 << 10, 2, SLOT, &auto).unwrap(),
+            Algo::OneShot
+        );
+        assert_eq!(
+            choose(Algo::Auto, (64 << 10) + 2, 2, SLOT, &auto).unwrap(),
+            Algo::TwoShot
+        );
+        // An LL threshold above the slot is refused, naming both numbers.
+        let e = AutoThresholds::new(2, SLOT, Some(SLOT + 1), None).unwrap_err();
+        assert!(
+            e.message.contains("SYMMALLOC_LL_MAX_BYTES=4194305")
+                && e.message.contains("expected 0..=4194304"),
+            "{}",
+            e.message
+        );
+        // Defaults are capped by a small slot.
+        assert_eq!(
+            AutoThresholds::new(2, 4096, None, None).unwrap().ll_max,
+            4096
+        );
     }
 }

@@ -95,6 +95,20 @@ impl CallDesc {
     }
 }
 
+/// The init message's collective settings, as the variables that set them.
+fn describe_settings(w: &[u64]) -> String {
+    format!(
+        "SYMMALLOC_LL_BYTES={} SYMMALLOC_LL_GRID={}x{} SYMMALLOC_LL_MAX_BYTES={} \
+         SYMMALLOC_ONE_SHOT_MAX_BYTES={} SYMMALLOC_CHECK_SYMMETRY={}",
+        w[0],
+        w[1] >> 32,
+        w[1] & 0xffff_ffff,
+        w[2],
+        w[3],
+        w[4]
+    )
+}
+
 pub struct Communicator {
     pub rank: usize,
     pub world: usize,
@@ -110,6 +124,9 @@ pub struct Communicator {
     ll_slot: u64,
     /// The LL kernel's (blocks, threads), fixed for the communicator's life.
     ll_grid: (u32, u32),
+    /// AUTO's thresholds and `SYMMALLOC_CHECK_SYMMETRY`: read at init, equal on all ranks.
+    auto: algo::AutoThresholds,
+    check_symmetry: bool,
     error: ErrorWord,
     host_epoch: u32,
     scratch: Option<(u64, u64)>,
@@ -183,6 +200,8 @@ impl Communicator {
         let timeout = config::timeout();
         let ll_slot = config::ll_bytes(world)?;
         let ll_grid = config::ll_grid()?;
+        let auto = algo::AutoThresholds::from_env(world, ll_slot)?;
+        let check_symmetry = config::check_symmetry();
         let sms = if host {
             1
         } else {
@@ -192,33 +211,37 @@ impl Communicator {
         let heap_size = alloc.heap(device)?.size();
         let mesh = Mesh::connect(id, rank, world, timeout)?;
 
-        // Agree on devices, heap sizes and backend.
+        // Agree on devices, heap sizes, backend and every setting that shapes a collective.
+        let settings = [
+            ll_slot,
+            (ll_grid.0 as u64) << 32 | ll_grid.1 as u64,
+            auto.ll_max,
+            auto.one_shot_max,
+            check_symmetry as u64,
+        ];
         let mut hello = Vec::new();
-        hello.extend_from_slice(&(device as u64).to_le_bytes());
-        hello.extend_from_slice(&heap_size.to_le_bytes());
-        hello.extend_from_slice(&(host as u64).to_le_bytes());
-        hello.extend_from_slice(&ll_slot.to_le_bytes());
-        hello.extend_from_slice(&((ll_grid.0 as u64) << 32 | ll_grid.1 as u64).to_le_bytes());
+        for w in [device as u64, heap_size, host as u64]
+            .iter()
+            .chain(&settings)
+        {
+            hello.extend_from_slice(&w.to_le_bytes());
+        }
         let all = mesh.all_gather(&hello, &[], "init")?;
         let word = |b: &[u8], i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
         let mut devices = Vec::new();
         for (r, (msg, _)) in all.iter().enumerate() {
-            if msg.len() != 40 {
+            if msg.len() != hello.len() {
                 return Err(Error::peer(format!(
                     "rank {r} sent a malformed init message"
                 )));
             }
             let (d, hs, h) = (word(msg, 0) as i32, word(msg, 1), word(msg, 2) != 0);
-            let grid = word(msg, 4);
-            if word(msg, 3) != ll_slot || grid != (ll_grid.0 as u64) << 32 | ll_grid.1 as u64 {
+            let theirs: Vec<u64> = (0..settings.len()).map(|i| word(msg, 3 + i)).collect();
+            if theirs != settings {
                 return Err(Error::invalid(format!(
-                    "rank {r} has SYMMALLOC_LL_BYTES={} and SYMMALLOC_LL_GRID={}x{}, rank {rank} \
-                     {ll_slot} and {}x{}; set them alike on every rank",
-                    word(msg, 3),
-                    grid >> 32,
-                    grid & 0xffff_ffff,
-                    ll_grid.0,
-                    ll_grid.1
+                    "rank {r} has {}, rank {rank} has {}; set them alike on every rank",
+                    describe_settings(&theirs),
+                    describe_settings(&settings)
                 )));
             }
             if h != host {
@@ -288,6 +311,8 @@ impl Communicator {
             internal,
             ll_slot,
             ll_grid,
+            auto,
+            check_symmetry,
             error,
             host_epoch: 0,
             scratch: None,
@@ -534,7 +559,7 @@ impl Communicator {
         let bytes = count
             .checked_mul(esize)
             .ok_or_else(|| Error::invalid(format!("count {count} overflows the byte size")))?;
-        let algo = algo::choose(algo, bytes, self.world, self.ll_slot)?;
+        let algo = algo::choose(algo, bytes, self.world, self.ll_slot, &self.auto)?;
         if algo == Algo::Multimem {
             let supports = !self.host && cuda::driver()?.device(self.device)?.multicast;
             multicast::multicast_gate_from_env(supports)
@@ -560,7 +585,7 @@ impl Communicator {
             op: op as u64,
             algo: algo as u64,
         };
-        self.exchange(&segs, desc, config::check_symmetry())?;
+        self.exchange(&segs, desc, self.check_symmetry)?;
         if staged {
             self.copy(work_send, send, bytes, stream)?;
             self.alloc.heap(self.device)?.stats.staged_collectives += 1;
@@ -700,7 +725,7 @@ impl Communicator {
             op: 0,
             algo: u64::MAX,
         };
-        if config::check_symmetry() {
+        if self.check_symmetry {
             self.exchange(&[], desc, true)?;
         }
         self.run(Algo::OneShot, desc, DType::Fp32, ReduceOp::Sum, stream, 0)

@@ -181,7 +181,10 @@ fn register(comm: Box<Communicator>, out: *mut *mut symm_comm_t) -> Result<()> {
 }
 
 /// Creates the communicator of `rank` (of `world_size`, 1 to 8) on `device`. Collective: every
-/// rank calls it with the same id. Waits at most SYMMALLOC_TIMEOUT_S for the peers.
+/// rank calls it with the same id. Waits at most SYMMALLOC_TIMEOUT_S for the peers. Reads the
+/// communicator settings (SYMMALLOC_LL_*, SYMMALLOC_ONE_SHOT_MAX_BYTES,
+/// SYMMALLOC_CHECK_SYMMETRY) and fails with SYMM_ERR_INVALID_ARGUMENT unless every rank has
+/// the same.
 #[no_mangle]
 pub extern "C" fn symm_comm_init(
     comm: *mut *mut symm_comm_t,

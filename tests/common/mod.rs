@@ -71,12 +71,22 @@ pub fn new_id_hex() -> String {
     id.to_bytes().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Starts `world` processes running test `name` of this binary as ranks; returns their outputs
-/// in rank order. `env` is added to every child; `per_rank` lets one rank differ.
+/// Starts `world` processes running test `name` of this binary as ranks, in rank order. `env`
+/// is added to every child.
 pub fn spawn_ranks(
     name: &str,
     world: i32,
     env: &[(&str, &str)],
+    arg: &str,
+) -> Vec<std::process::Child> {
+    spawn_ranks_with(name, world, |_| env.to_vec(), arg)
+}
+
+/// As `spawn_ranks`, with each rank's environment additions from `env(rank)`.
+pub fn spawn_ranks_with<'a>(
+    name: &str,
+    world: i32,
+    env: impl Fn(i32) -> Vec<(&'a str, &'a str)>,
     arg: &str,
 ) -> Vec<std::process::Child> {
     let exe = std::env::current_exe().unwrap();
@@ -97,7 +107,7 @@ pub fn spawn_ranks(
             .env("SYMM_TEST_ARG", arg)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());
-            for (k, v) in env {
+            for (k, v) in env(r) {
                 c.env(k, v);
             }
             c.spawn().unwrap()
@@ -164,7 +174,13 @@ pub fn err() -> String {
 }
 
 /// Creates this child's communicator (device = rank) from the id its parent passed.
-pub fn init(c: &Child) -> *mut symmalloc::ffi::symm_comm_t {
+/// symm_comm_init for this child's rank: the status and the communicator (null on failure).
+pub fn try_init(
+    c: &Child,
+) -> (
+    symmalloc::ffi::types::symm_status_t,
+    *mut symmalloc::ffi::symm_comm_t,
+) {
     use symmalloc::ffi::{symm_comm_init, types::*};
     let mut id = symm_unique_id_t { internal: [0; 128] };
     id.internal
@@ -173,9 +189,14 @@ pub fn init(c: &Child) -> *mut symmalloc::ffi::symm_comm_t {
         .for_each(|(d, s)| *d = s as _);
     let mut comm = std::ptr::null_mut();
     let st = symm_comm_init(&mut comm, c.world, c.rank, c.rank, &id);
+    (st, comm)
+}
+
+pub fn init(c: &Child) -> *mut symmalloc::ffi::symm_comm_t {
+    let (st, comm) = try_init(c);
     assert_eq!(
         st,
-        symm_status_t::SYMM_SUCCESS,
+        symmalloc::ffi::types::symm_status_t::SYMM_SUCCESS,
         "rank {}: {}",
         c.rank,
         err()
