@@ -1,12 +1,15 @@
 //! Allocator benchmark: malloc+free pair latency (p50/p99, 1 and 8 threads, 512 B to 64 MiB)
 //! for symmalloc's cache against the driver's cuMemAlloc, cuMemAllocAsync (stream-ordered pool)
 //! and raw cuMemCreate+map; and reserved/allocated at the peak of a replayed transformer
-//! training-step trace. PyTorch's caching allocator is measured by bench/alloc_torch.py in
-//! the same run (bench/run-alloc.sh). Needs a GPU.
+//! training-step trace. PyTorch's caching allocator (torch.empty + del) is measured in the same
+//! run by bench/alloc_torch.py, which this program starts after its own rows (python3 with torch
+//! must be on PATH; the column says why when it is not). One table. Needs a GPU.
 //!
-//! Run: cargo run --release --example alloc_bench
+//! Run from the repository root: cargo run --release --example alloc_bench
+//! (SYMM_BENCH_TORCH_SCRIPT names the script when run from elsewhere.)
 
 use cudarc::driver::sys;
+use std::collections::HashMap;
 use std::time::Instant;
 use symmalloc::cuda::{self, CtxGuard};
 use symmalloc::heap::{self, pools};
@@ -118,12 +121,26 @@ fn main() {
             rows.push((size, threads, sym, alloc, asyncp, create));
         }
     }
+    let torch = torch_rows();
+    if let Err(why) = &torch {
+        println!("torch column: not measured: {why}");
+    }
     println!("\nmalloc+free pair latency, us (p50 / p99), per thread");
     println!(
-        "{:>8} {:>3} | {:>17} | {:>17} | {:>17} | {:>17} | create/symm p50",
-        "size", "thr", "symmalloc cached", "cuMemAlloc", "cuMemAllocAsync", "cuMemCreate+map"
+        "{:>8} {:>3} | {:>17} | {:>17} | {:>17} | {:>17} | {:>17} | create/symm p50",
+        "size",
+        "thr",
+        "symmalloc cached",
+        "cuMemAlloc",
+        "cuMemAllocAsync",
+        "cuMemCreate+map",
+        "torch.empty+del"
     );
     for (size, th, s, a1, a2, c) in &rows {
+        let t = match torch.as_ref().ok().and_then(|m| m.get(&(*size, *th))) {
+            Some((p50, p99)) => format!("{p50:>7.2} / {p99:>7.2}"),
+            None => "-".to_string(),
+        };
         let label = if *size >= 1 << 20 {
             format!("{} MiB", size >> 20)
         } else if *size >= 1024 {
@@ -132,11 +149,52 @@ fn main() {
             format!("{size} B")
         };
         println!(
-            "{label:>8} {th:>3} | {:>7.3} / {:>7.3} | {:>7.2} / {:>7.2} | {:>7.3} / {:>7.3} | {:>7.1} / {:>7.1} | {:>8.0}x",
+            "{label:>8} {th:>3} | {:>7.3} / {:>7.3} | {:>7.2} / {:>7.2} | {:>7.3} / {:>7.3} | {:>7.1} / {:>7.1} | {t:>17} | {:>8.0}x",
             s.0, s.1, a1.0, a1.1, a2.0, a2.1, c.0, c.1, c.0 / s.0
         );
     }
     trace_replay(a);
+}
+
+/// (size, threads) -> (p50, p99) in us.
+type Column = HashMap<(u64, usize), (f64, f64)>;
+
+/// PyTorch's caching allocator on the same GPU, from bench/alloc_torch.py run now, after this
+/// process's own measurements.
+fn torch_rows() -> Result<Column, String> {
+    let script = std::env::var("SYMM_BENCH_TORCH_SCRIPT")
+        .unwrap_or_else(|_| "bench/alloc_torch.py".to_string());
+    if !std::path::Path::new(&script).is_file() {
+        return Err(format!(
+            "{script} not found (run from the repository root or set SYMM_BENCH_TORCH_SCRIPT)"
+        ));
+    }
+    let sizes: Vec<String> = SIZES.iter().map(|s| s.to_string()).collect();
+    let out = std::process::Command::new("python3")
+        .args([&script, "--lines", "--sizes", &sizes.join(",")])
+        .output()
+        .map_err(|e| format!("cannot start python3: {e}"))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(format!(
+            "{script} failed ({}): {}",
+            out.status,
+            err.lines().last().unwrap_or("no output")
+        ));
+    }
+    let mut rows = HashMap::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        if let ["torch", size, threads, p50, p99] = w[..] {
+            let parsed = (size.parse(), threads.parse(), p50.parse(), p99.parse());
+            if let (Ok(s), Ok(t), Ok(a), Ok(b)) = parsed {
+                rows.insert((s, t), (a, b));
+                continue;
+            }
+        }
+        return Err(format!("{script} printed an unexpected line: {line:?}"));
+    }
+    Ok(rows)
 }
 
 /// A transformer training step: forward keeps each layer's activations, backward frees them in

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a lent GPU machine, from
 # prebuilt artifacts in .device/ (see the README's "GPU runs" section). Logs go to $OUT.
-#   bash scripts/device-run.sh tests | bench
+#   bash scripts/device-run.sh tests | gpu | bench | alloc
 # Safety: NVLink multicast stays off. The three disabling variables are forced on and
 # SYMMALLOC_ENABLE_MULTICAST is removed, so nothing here can create a multicast object.
 set -u
@@ -14,7 +14,12 @@ export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
 step() { echo; echo "=== $* ==="; }
 run() { local name=$1; shift; step "$name"; timeout "${T:-300}" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n "${TAILN:-15}" "$OUT/$name.log"; echo "[$name rc=$rc]"; }
 
-if [ "${1:-tests}" = gpu ]; then
+if [ "${1:-tests}" = alloc ]; then
+  # The allocator table alone (the issue names a one-GPU machine): alloc_bench runs
+  # bench/alloc_torch.py itself, so the torch column comes from the same run.
+  step machine; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  T=300 TAILN=30 run alloc $D/alloc_bench
+elif [ "${1:-tests}" = gpu ]; then
   run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture
   T=400 TAILN=12 run gpu_comm $D/t_gpu_comm --include-ignored --test-threads=1 --nocapture
 elif [ "${1:-tests}" = tests ]; then
@@ -40,6 +45,5 @@ elif [ "${1:-tests}" = tests ]; then
 else
   T=200 TAILN=16 run allreduce_c $D/allreduce_c
   T=560 TAILN=30 run allreduce python3 bench/allreduce.py --out "$OUT"
-  T=200 TAILN=30 run alloc $D/alloc_bench
-  T=120 TAILN=10 run alloc_torch python3 bench/alloc_torch.py
+  T=300 TAILN=30 run alloc $D/alloc_bench
 fi
