@@ -2,10 +2,12 @@
 //! the peer windows, the signal pad (a symmetric internal block), the kernels' error word and
 //! the staging scratch; runs all-reduce and barrier.
 //!
-//! Invariants: every rank calls collectives in the same order with symmetric buffers; segments
-//! a collective touches are shared with the peers (exchanged once per segment generation)
-//! before any kernel reads them; an error word set by a kernel is reported by the next call
-//! (timeouts stay reported: the communicator is then broken and must be destroyed).
+//! Invariants: every rank has the same collective settings (LL slot and grid, AUTO thresholds,
+//! symmetry checking: read once at init and compared there); every rank calls collectives in
+//! the same order with symmetric buffers; segments a collective touches are shared with the
+//! peers (exchanged once per segment generation) before any kernel reads them; an error word
+//! set by a kernel is reported by the next call (timeouts stay reported: the communicator is
+//! then broken and must be destroyed).
 
 pub mod algo;
 pub mod convert;
