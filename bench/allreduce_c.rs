@@ -7,9 +7,15 @@
 //! with CUDA events after warm-up; ranks meet at a `symm_barrier` and a host sync before each
 //! repetition. Results are checked first against a float64 reference on random data.
 //!
+//! A second table gives the host's side of an eager AUTO call: the CPU time to enqueue one
+//! `symm_all_reduce_algo` (median of 30 x mean of 20), next to launching an empty kernel through
+//! the same launch wrapper and through bare cuLaunchKernel. Eager latency is the larger of this
+//! and the kernel's own time.
+//!
 //! Run: cargo run --release --example allreduce_c
 
 use std::process::Command;
+use std::time::Instant;
 use symmalloc::comm::convert::{bf16_to_f32, f32_to_bf16};
 use symmalloc::cuda::{self, util};
 use symmalloc::ffi::{self, types::*};
@@ -140,6 +146,7 @@ fn child(rank: i32, world: i32, hex: &str) {
         limit("SYMM_BENCH_MIN_BYTES", 0),
         limit("SYMM_BENCH_MAX_BYTES", usize::MAX),
     );
+    let mut host_rows = Vec::new();
     for &bytes in SIZES
         .iter()
         .filter(|&&b| (min_bytes..=max_bytes).contains(&b))
@@ -205,6 +212,19 @@ fn child(rank: i32, world: i32, hex: &str) {
                 median(v)
             };
             let eager = time(&|| (0..K).for_each(|_| call()));
+            if algo == SYMM_ALGO_AUTO {
+                // CPU time per enqueue: the calls return before their kernels run.
+                let mut v = Vec::new();
+                for _ in 0..REPS {
+                    ok(ffi::symm_barrier(comm, stream as _), "barrier");
+                    util::stream_sync(rank, stream).unwrap();
+                    let t0 = Instant::now();
+                    (0..K).for_each(|_| call());
+                    v.push(t0.elapsed().as_secs_f64() * 1e6 / K as f64);
+                    util::stream_sync(rank, stream).unwrap();
+                }
+                host_rows.push((bytes, median(v)));
+            }
             util::capture_begin(rank, stream).unwrap();
             (0..K).for_each(|_| call());
             let graph = util::capture_end(rank, stream).unwrap();
@@ -214,13 +234,9 @@ fn child(rank: i32, world: i32, hex: &str) {
         }
         ffi::symm_free(buf, bytes, rank, stream as _);
         if rank == 0 {
-            let label = if bytes >= 1 << 20 {
-                format!("{} MiB", bytes >> 20)
-            } else {
-                format!("{} KiB", bytes >> 10)
-            };
             println!(
-                "{label:>9} | {}",
+                "{:>9} | {}",
+                label(bytes),
                 cells
                     .iter()
                     .map(|c| format!("{c:>21}"))
@@ -229,5 +245,83 @@ fn child(rank: i32, world: i32, hex: &str) {
             );
         }
     }
+    if rank == 0 && !host_rows.is_empty() {
+        let (wrapped, bare) = launch_floor(rank, stream);
+        println!(
+            "\nhost side of an eager AUTO call, us per call: empty kernel through the launch \
+             wrapper {wrapped:.2}, through bare cuLaunchKernel {bare:.2}"
+        );
+        for (bytes, us) in host_rows {
+            println!("{:>9} | symm_all_reduce_algo enqueue {us:.2}", label(bytes));
+        }
+    }
     ok(ffi::symm_comm_destroy(comm), "destroy");
+}
+
+fn label(bytes: usize) -> String {
+    if bytes >= 1 << 20 {
+        format!("{} MiB", bytes >> 20)
+    } else {
+        format!("{} KiB", bytes >> 10)
+    }
+}
+
+/// CPU time per launch of the self-test kernel with no work (n = 0): through
+/// `cuda::module::launch` (context push/pop around cuLaunchKernel, as every collective) and
+/// through bare cuLaunchKernel under a context pushed once.
+fn launch_floor(device: i32, stream: u64) -> (f64, f64) {
+    use cudarc::driver::sys;
+    use symmalloc::cuda::module;
+    #[repr(C)]
+    struct Saxpy {
+        x: u64,
+        y: u64,
+        n: u64,
+        a: f32,
+        reserved: f32,
+    }
+    let f = module::function(device, symmalloc::comm::kernels::SELFTEST_SAXPY).unwrap();
+    let args = Saxpy {
+        x: 0,
+        y: 0,
+        n: 0,
+        a: 0.0,
+        reserved: 0.0,
+    };
+    let per_call = |launch: &dyn Fn()| -> f64 {
+        let mut v = Vec::new();
+        for _ in 0..REPS {
+            util::stream_sync(device, stream).unwrap();
+            let t0 = Instant::now();
+            (0..K).for_each(|_| launch());
+            v.push(t0.elapsed().as_secs_f64() * 1e6 / K as f64);
+        }
+        util::stream_sync(device, stream).unwrap();
+        median(v)
+    };
+    let wrapped = per_call(&|| module::launch(device, f, 1, 256, stream, &args).unwrap());
+    let _ctx = symmalloc::cuda::CtxGuard::new(device).unwrap();
+    let raw = f.raw() as sys::CUfunction;
+    let bare = per_call(&|| {
+        let mut params = [&args as *const Saxpy as *mut std::ffi::c_void];
+        // SAFETY: params points at one argument laid out as the kernel's SaxpyArgs; the
+        // context is current (pushed above) and the stream is this rank's.
+        let r = unsafe {
+            sys::cuLaunchKernel(
+                raw,
+                1,
+                1,
+                1,
+                256,
+                1,
+                1,
+                0,
+                stream as sys::CUstream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuLaunchKernel");
+    });
+    (wrapped, bare)
 }

@@ -22,6 +22,13 @@ static MODULES: OnceLock<Vec<Mutex<Option<Loaded>>>> = OnceLock::new();
 #[derive(Clone, Copy, Debug)]
 pub struct Function(usize);
 
+impl Function {
+    /// The CUfunction handle, for callers that launch it themselves (benchmarks).
+    pub fn raw(self) -> usize {
+        self.0
+    }
+}
+
 /// Looks up `name` in the device's module, loading the module on first use.
 pub fn function(device: i32, name: &str) -> Result<Function> {
     let drv = driver()?;
