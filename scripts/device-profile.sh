@@ -5,13 +5,8 @@
 #   ncu:   Nsight Compute on the two-shot kernel at 64 MiB; rank 0 alone runs under ncu and
 #          the peer runs unprofiled, so the profiled kernel's barriers find a live peer. The
 #          metrics must fit in one pass: a replayed pass would wait for a peer that has moved on.
-# Safety: NVLink multicast stays off, as in scripts/device-run.sh.
-set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-unset SYMMALLOC_ENABLE_MULTICAST
-D=$PWD/.device
-OUT=${OUT:-/tmp/symm-out}
-mkdir -p "$OUT"
+# Safety: NVLink multicast stays off (scripts/device-env.sh).
+. "$(dirname "$0")/device-env.sh"
 export PATH=$PATH:/usr/local/cuda/bin
 what=${1:-all}
 

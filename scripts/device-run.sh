@@ -2,14 +2,8 @@
 # Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a lent GPU machine, from
 # prebuilt artifacts in .device/ (see the README's "GPU runs" section). Logs go to $OUT.
 #   bash scripts/device-run.sh tests | gpu | bench | alloc
-# Safety: NVLink multicast stays off. The three disabling variables are forced on and
-# SYMMALLOC_ENABLE_MULTICAST is removed, so nothing here can create a multicast object.
-set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-unset SYMMALLOC_ENABLE_MULTICAST
-D=$PWD/.device
-OUT=${OUT:-/tmp/symm-out}
-mkdir -p "$OUT"
+# Safety: NVLink multicast stays off (scripts/device-env.sh).
+. "$(dirname "$0")/device-env.sh"
 export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
 step() { echo; echo "=== $* ==="; }
 run() { local name=$1; shift; step "$name"; timeout "${T:-300}" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n "${TAILN:-15}" "$OUT/$name.log"; echo "[$name rc=$rc]"; }
