@@ -570,14 +570,16 @@ impl Communicator {
         }
         let in_send = self.locate(send, bytes)?;
         let in_recv = self.locate(recv, bytes)?;
-        let (work_send, work_recv, staged, segs) = match (in_send, in_recv) {
-            (Some(a), Some(b)) => (send, recv, false, vec![a, b]),
+        // The segments the kernel touches, output last (no allocation per call).
+        let (work_send, work_recv, staged, seg_pair, nsegs) = match (in_send, in_recv) {
+            (Some(a), Some(b)) => (send, recv, false, [a, b], 2),
             _ => {
                 let s = self.ensure_scratch(bytes)?;
                 let seg = self.locate(s, bytes)?.expect("scratch is in the heap");
-                (s, s, true, vec![seg])
+                (s, s, true, [seg, seg], 1)
             }
         };
+        let segs = &seg_pair[..nsegs];
         let base = self.windows.bases[self.rank];
         let desc = CallDesc {
             send_off: work_send - base,
@@ -587,7 +589,7 @@ impl Communicator {
             op: op as u64,
             algo: algo as u64,
         };
-        self.exchange(&segs, desc, self.check_symmetry)?;
+        self.exchange(segs, desc, self.check_symmetry)?;
         if staged {
             self.copy(work_send, send, bytes, stream)?;
             self.alloc.heap(self.device)?.stats.staged_collectives += 1;
