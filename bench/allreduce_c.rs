@@ -272,16 +272,8 @@ fn label(bytes: usize) -> String {
 fn launch_floor(device: i32, stream: u64) -> (f64, f64) {
     use cudarc::driver::sys;
     use symmalloc::cuda::module;
-    #[repr(C)]
-    struct Saxpy {
-        x: u64,
-        y: u64,
-        n: u64,
-        a: f32,
-        reserved: f32,
-    }
     let f = module::function(device, symmalloc::comm::kernels::SELFTEST_SAXPY).unwrap();
-    let args = Saxpy {
+    let args = util::SaxpyArgs {
         x: 0,
         y: 0,
         n: 0,
@@ -303,7 +295,7 @@ fn launch_floor(device: i32, stream: u64) -> (f64, f64) {
     let _ctx = symmalloc::cuda::CtxGuard::new(device).unwrap();
     let raw = f.raw() as sys::CUfunction;
     let bare = per_call(&|| {
-        let mut params = [&args as *const Saxpy as *mut std::ffi::c_void];
+        let mut params = [&args as *const util::SaxpyArgs as *mut std::ffi::c_void];
         // SAFETY: params points at one argument laid out as the kernel's SaxpyArgs; the
         // context is current (pushed above) and the stream is this rank's.
         let r = unsafe {

@@ -45,16 +45,18 @@ pub fn device_sync(device: i32) -> Result<()> {
     super::mem::sync_device(device)
 }
 
+/// The parameter of `symm_selftest_saxpy` (kernels/selftest.cu's SaxpyArgs).
+#[repr(C)]
+pub struct SaxpyArgs {
+    pub x: u64,
+    pub y: u64,
+    pub n: u64,
+    pub a: f32,
+    pub reserved: f32,
+}
+
 /// Launches `symm_selftest_saxpy`: y = a * x + y over n floats.
 pub fn saxpy(device: i32, stream: u64, a: f32, x: u64, y: u64, n: u64) -> Result<()> {
-    #[repr(C)]
-    struct Args {
-        x: u64,
-        y: u64,
-        n: u64,
-        a: f32,
-        reserved: f32,
-    }
     let f = module::function(device, crate::comm::kernels::SELFTEST_SAXPY)?;
     let grid = n.div_ceil(256).max(1) as u32;
     module::launch(
@@ -63,7 +65,7 @@ pub fn saxpy(device: i32, stream: u64, a: f32, x: u64, y: u64, n: u64) -> Result
         grid,
         256,
         stream,
-        &Args {
+        &SaxpyArgs {
             x,
             y,
             n,
