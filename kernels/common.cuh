@@ -1,14 +1,27 @@
 // symmalloc kernels: shared definitions.
 //
 // Owns: the kernel argument struct (mirrored by src/comm/kernel_args.rs, keep in step), the
-// signal-pad layout, element conversion, 16-byte vectors, and the cross-rank block barrier.
+// layout of the communicator's internal block, error reporting, element conversion, 16-byte
+// vectors, and the cross-rank block barrier.
 //
 // Barrier protocol: block b of rank r owns slot pads[r][b][p] for each peer p. To arrive at
 // epoch e, thread p of block b writes its call descriptor then e (release, system scope) into
 // pads[p][b][r]; it then waits (acquire, system scope) until pads[r][b][p].flag >= e. Epochs
 // count up per block index and are kept in `counters` (local memory), so graph replays need no
-// reset. A wait longer than timeout_ns sets the host-visible error word and the kernel stops
-// touching peer memory; a descriptor that differs from the peer's sets NOT_SYMMETRIC.
+// reset. A descriptor that differs from the peer's is reported as NOT_SYMMETRIC.
+//
+// What a spin loop may touch (the rule every wait in kernels/ follows):
+//   - its own flag or data words, in this GPU's memory (peers write them over NVLink);
+//   - once every SYMM_SPIN_CHECK spins: %globaltimer (a register) and this rank's abort word
+//     (device memory of this GPU, an L2 hit). The lanes of a warp spin in step, so that is one
+//     load per warp, not per thread;
+//   - never host-mapped memory. A PCIe read per spinning thread turned one late peer into
+//     self-sustaining 0.4-1.2 ms stalls of captured graphs (bench/NOTES.md). Kernels only ever
+//     *write* the host-mapped error words: one posted store per error, by the thread that
+//     records it.
+// A wait longer than timeout_ns records TIMEOUT in the abort word; every wait of this kernel
+// and of every later kernel of the communicator then stops within SYMM_SPIN_CHECK spins, and
+// blocks that start after it skip their work at once, touching no peer memory.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -23,6 +36,16 @@
 #define SYMM_ERR_NO_MULTIMEM_CODE 3u
 #define SYMM_ERR_LL_ASYMMETRIC_CODE 4u
 
+// The communicator's internal block, the same on every rank (kernel_args.rs mirrors it): the
+// signal pad ([SYMM_MAX_BLOCKS][SYMM_MAX_RANKS] Slots), the barrier epochs (one uint32_t per
+// block, local), the control words (the abort word, local), then the one-shot LL region
+// (one_shot_ll.cu).
+#define SYMM_PAD_BYTES (SYMM_MAX_BLOCKS * SYMM_MAX_RANKS * 16)
+#define SYMM_ABORT_OFFSET (SYMM_PAD_BYTES + SYMM_MAX_BLOCKS * 4)
+#define SYMM_CONTROL_BYTES 128
+// Spins between two looks at the clock and the abort word.
+#define SYMM_SPIN_CHECK 1024u
+
 enum { OP_SUM = 0, OP_MAX = 1, OP_MIN = 2 };
 
 struct SymmArgs {
@@ -31,7 +54,7 @@ struct SymmArgs {
   uint64_t pads[SYMM_MAX_RANKS];  // each rank's signal pad
   uint64_t mc_out;                // multicast address of the output (multimem only)
   uint64_t counters;              // uint32_t[SYMM_MAX_BLOCKS] epochs, local
-  uint64_t error_word;            // uint32_t, host-mapped: (code << 16) | (rank + 1)
+  uint64_t error_word;            // uint32_t[2], host-mapped, written only: see report()
   uint64_t count;                 // elements
   uint64_t desc;                  // hash of (offsets, count, dtype, op, algo): equal on all ranks
   uint64_t timeout_ns;
@@ -67,35 +90,61 @@ __device__ __forceinline__ void st_volatile_u64(uint64_t* p, uint64_t v) {
   *(volatile uint64_t*)p = v;
 }
 
-// A plain store, not an atomic: the word lives in host memory and PCIe atomics are not
-// guaranteed. Any one of several concurrent reports is enough.
-__device__ __forceinline__ void report(const SymmArgs& a, uint32_t code, int peer) {
-  *(volatile uint32_t*)a.error_word = (code << 16) | (uint32_t)(peer + 1);
+// The communicator's abort word: 0, or the first fatal error's (code << 16) | (peer + 1). In
+// this rank's own internal block (device memory): waits poll it, the host never reads it.
+__device__ __forceinline__ uint32_t* abort_word(const SymmArgs& a) {
+  return (uint32_t*)(a.pads[a.rank] + SYMM_ABORT_OFFSET);
+}
+
+__device__ __forceinline__ bool aborted(const SymmArgs& a) {
+  return *(volatile uint32_t*)abort_word(a) != 0;
+}
+
+// Host-mapped error words, written by kernels and read by the host at its next call: [0] holds
+// a recoverable error of one call (the host clears it), [1] the fatal error (never cleared), so
+// a recoverable report can never hide a fatal one. Plain posted stores, not atomics: PCIe
+// atomics are not guaranteed, and any one of several concurrent reports is enough.
+__device__ __forceinline__ void report_to_host(const SymmArgs& a, int which, uint32_t w) {
+  ((volatile uint32_t*)a.error_word)[which] = w;
   __threadfence_system();
 }
 
-__device__ __forceinline__ bool failed(const SymmArgs& a) {
-  return *(volatile uint32_t*)a.error_word != 0;
+// A recoverable error: this call did not run (its blocks stop); later calls may.
+__device__ __forceinline__ void report(const SymmArgs& a, uint32_t code, int peer) {
+  report_to_host(a, 0, (code << 16) | (uint32_t)(peer + 1));
 }
 
-// The periodic check of every spinning wait (once per 1024 spins, so the poll stays tight):
-// true when the wait must end, because another thread has already reported an error or this
-// one has waited longer than timeout_ns since `start` for `peer` (reported as TIMEOUT).
+// A fatal error (a peer timed out, or the LL buffers may hold a stray call's words): the first
+// thread to see one records it in the abort word, which stops every wait of this and every later
+// kernel, and tells the host once.
+__device__ __forceinline__ void abort_comm(const SymmArgs& a, uint32_t code, int peer) {
+  const uint32_t w = (code << 16) | (uint32_t)(peer + 1);
+  if (atomicCAS(abort_word(a), 0u, w) == 0u) report_to_host(a, 1, w);
+}
+
+// The periodic check of every spinning wait (once per SYMM_SPIN_CHECK spins, so the poll stays
+// tight): true when the wait must end, because the communicator was aborted or this thread has
+// waited longer than timeout_ns since `start` for `peer` (then it aborts with TIMEOUT).
 __device__ __forceinline__ bool give_up(const SymmArgs& a, uint32_t& spins, uint64_t start, int peer) {
-  if ((++spins & 1023u) != 0) return false;
-  if (failed(a)) return true;
+  if ((++spins % SYMM_SPIN_CHECK) != 0) return false;
+  if (aborted(a)) return true;
   if (globaltimer() - start <= a.timeout_ns) return false;
-  report(a, SYMM_ERR_TIMEOUT_CODE, peer);
+  abort_comm(a, SYMM_ERR_TIMEOUT_CODE, peer);
   return true;
 }
 
-// This block's barrier epoch at kernel start (every thread gets it). Each barrier uses the
-// next value; epoch_end stores the last one used for the next kernel.
-__device__ __forceinline__ uint32_t epoch_begin(const SymmArgs& a) {
-  __shared__ uint32_t epoch;
-  if (threadIdx.x == 0) epoch = ((const uint32_t*)a.counters)[blockIdx.x];
+// This block's barrier epoch at kernel start (every thread gets it), or false when the
+// communicator was aborted: the block must then return at once, touching no peer memory. Each
+// barrier uses the next epoch; epoch_end stores the last one used for the next kernel.
+__device__ __forceinline__ bool epoch_begin(const SymmArgs& a, uint32_t& e) {
+  __shared__ uint32_t epoch, dead;
+  if (threadIdx.x == 0) {
+    epoch = ((const uint32_t*)a.counters)[blockIdx.x];
+    dead = *(volatile uint32_t*)abort_word(a);
+  }
   __syncthreads();
-  return epoch;
+  e = epoch;
+  return dead == 0;
 }
 
 __device__ __forceinline__ void epoch_end(const SymmArgs& a, uint32_t e) {

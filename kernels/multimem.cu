@@ -36,7 +36,8 @@ __device__ __forceinline__ void multimem_sum_item(uint64_t addr) {
 template <int DT>
 __device__ __forceinline__ void multimem_body(const SymmArgs& a) {
 #ifdef SYMM_HAS_MULTIMEM
-  uint32_t e = epoch_begin(a);
+  uint32_t e;
+  if (!epoch_begin(a, e)) return;  // aborted: touch no peer memory
   bool ok = block_barrier(a, ++e, true);
   const uint64_t items = a.count / (DT == 2 ? 4 : 8);
   const uint64_t slice = (items + a.world - 1) / a.world;

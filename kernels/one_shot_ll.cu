@@ -27,8 +27,8 @@
 
 #define LL_BUFFERS 2
 #define LL_EMPTY 0xffffffffu
-// Offsets inside the communicator's internal block (after the signal pad and epochs).
-#define LL_COUNTERS_OFFSET (SYMM_MAX_BLOCKS * SYMM_MAX_RANKS * 16 + SYMM_MAX_BLOCKS * 4)
+// Offsets inside the communicator's internal block (after the pad, epochs and control words).
+#define LL_COUNTERS_OFFSET (SYMM_ABORT_OFFSET + SYMM_CONTROL_BYTES)
 #define LL_DESC_OFFSET (LL_COUNTERS_OFFSET + SYMM_MAX_BLOCKS * 4)
 #define LL_DATA_OFFSET (LL_DESC_OFFSET + 4096)
 // (kernel_args.rs mirrors every value above; tests/kernel_table.rs checks them.)
@@ -104,8 +104,8 @@ __device__ __forceinline__ void ll_store_output(const SymmArgs& a, uint64_t i, u
     if (first + k < a.count) out[first + k] = e[k];
 }
 
-// Spins until `p` holds an arrived vector; false (error word set) on timeout or another
-// thread's failure.
+// Spins until `p` holds an arrived vector; false on timeout or once the communicator was
+// aborted (common.cuh: what a spin loop may touch).
 __device__ __forceinline__ bool ll_wait(const SymmArgs& a, const uint4* p, int peer, uint64_t start,
                                         uint4& v) {
   uint32_t spins = 0;
@@ -117,7 +117,8 @@ __device__ __forceinline__ bool ll_wait(const SymmArgs& a, const uint4* p, int p
 }
 
 // Block 0 exchanges call descriptors: a peer that runs another collective (other count, type
-// or buffers) would leave words behind in our slots, so a mismatch is reported, never reduced.
+// or buffers) would leave words behind in our slots, so a mismatch is never reduced: it aborts
+// the communicator, which also stops the other blocks' waits for words that will not come.
 __device__ __forceinline__ bool ll_check_desc(const SymmArgs& a, uint32_t buf, uint64_t start) {
   int ok = 1;
   const int p = threadIdx.x;
@@ -135,7 +136,7 @@ __device__ __forceinline__ bool ll_check_desc(const SymmArgs& a, uint32_t buf, u
       }
     }
     if (ok && d != a.desc) {
-      report(a, SYMM_ERR_LL_ASYMMETRIC_CODE, p);
+      abort_comm(a, SYMM_ERR_LL_ASYMMETRIC_CODE, p);
       ok = 0;
     }
     *mine = 0;
@@ -147,9 +148,13 @@ template <typename T, int OP, bool VEC>
 __device__ __forceinline__ void one_shot_ll_body(const SymmArgs& a) {
   constexpr int N = 16 / sizeof(T);
   uint32_t* counters = (uint32_t*)(ll_region(a, a.rank) + LL_COUNTERS_OFFSET);
-  __shared__ uint32_t call;
-  if (threadIdx.x == 0) call = counters[blockIdx.x];
+  __shared__ uint32_t call, dead;
+  if (threadIdx.x == 0) {
+    call = counters[blockIdx.x];
+    dead = *(volatile uint32_t*)abort_word(a);
+  }
   __syncthreads();
+  if (dead) return;  // aborted: push nothing into the peers' buffers
   const uint32_t buf = call % LL_BUFFERS;
   const uint64_t start = globaltimer();
   const uint64_t items = (a.count + N - 1) / N;

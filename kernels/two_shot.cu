@@ -12,7 +12,8 @@
 template <typename T, int OP, bool VEC>
 __device__ __forceinline__ void two_shot_body(const SymmArgs& a) {
   using P = Pack<T, VEC>;
-  uint32_t e = epoch_begin(a);
+  uint32_t e;
+  if (!epoch_begin(a, e)) return;  // aborted: touch no peer memory
   bool ok = block_barrier(a, ++e, true);
   const uint64_t items = a.count / P::N;
   const uint64_t slice = (items + a.world - 1) / a.world;

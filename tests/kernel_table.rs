@@ -105,6 +105,8 @@ fn argument_struct_matches_the_cuda_source() {
             format!("{}u", k::ERR_LL_ASYMMETRIC),
         ),
         ("LL_BUFFERS", k::LL_BUFFERS.to_string()),
+        ("SYMM_CONTROL_BYTES", k::CONTROL_BYTES.to_string()),
+        ("SYMM_SPIN_CHECK", format!("{}u", k::SPIN_CHECK)),
         (
             "LL_EMPTY",
             format!("0x{0:02x}{0:02x}{0:02x}{0:02x}u", k::LL_EMPTY_BYTE),
@@ -115,18 +117,43 @@ fn argument_struct_matches_the_cuda_source() {
             "{name} must be {value} (kernel_args.rs)"
         );
     }
-    // The LL region's offsets, written in the CUDA source as sums of the pad's parts.
-    assert_eq!(k::LL_COUNTERS_OFFSET, (128 * 8 * 16 + 128 * 4) as u64);
+    // The internal block's offsets, written in the CUDA source as sums of its parts.
+    assert_eq!(k::PAD_BYTES, 128 * 8 * 16);
+    assert_eq!(k::ABORT_OFFSET, k::PAD_BYTES + 128 * 4);
+    assert_eq!(k::LL_COUNTERS_OFFSET, k::ABORT_OFFSET + k::CONTROL_BYTES);
     for line in [
-        "#define LL_COUNTERS_OFFSET (SYMM_MAX_BLOCKS * SYMM_MAX_RANKS * 16 + SYMM_MAX_BLOCKS * 4)",
+        "#define SYMM_PAD_BYTES (SYMM_MAX_BLOCKS * SYMM_MAX_RANKS * 16)",
+        "#define SYMM_ABORT_OFFSET (SYMM_PAD_BYTES + SYMM_MAX_BLOCKS * 4)",
+        "#define LL_COUNTERS_OFFSET (SYMM_ABORT_OFFSET + SYMM_CONTROL_BYTES)",
         "#define LL_DESC_OFFSET (LL_COUNTERS_OFFSET + SYMM_MAX_BLOCKS * 4)",
         "#define LL_DATA_OFFSET (LL_DESC_OFFSET + 4096)",
     ] {
         assert!(
             src.contains(line),
-            "kernels/one_shot_ll.cu must keep `{line}`"
+            "kernels/ must keep `{line}` (kernel_args.rs mirrors it)"
         );
     }
     assert_eq!(k::LL_DESC_OFFSET, k::LL_COUNTERS_OFFSET + 128 * 4);
     assert_eq!(k::LL_DATA_OFFSET, k::LL_DESC_OFFSET + 4096);
+}
+
+/// What a spin loop may touch (kernels/common.cuh): no kernel reads host-mapped memory. The only
+/// host-mapped pointer a kernel gets is `error_word`, so it may appear only in the argument
+/// struct and as the target of the one store in `report_to_host`.
+#[test]
+fn kernels_only_ever_store_to_the_host_mapped_error_words() {
+    let src = sources();
+    let uses: Vec<&str> = src
+        .lines()
+        .filter(|l| l.contains("error_word"))
+        .map(|l| l.split("//").next().unwrap().trim())
+        .collect();
+    assert_eq!(
+        uses,
+        [
+            "uint64_t error_word;",
+            "((volatile uint32_t*)a.error_word)[which] = w;"
+        ],
+        "a kernel touches the host-mapped error words other than by report_to_host's store"
+    );
 }

@@ -10,10 +10,15 @@ pub const TWO_SHOT_UNROLL: u64 = 4;
 pub const SLOT_BYTES: u64 = 16;
 /// Signal pad: `[MAX_BLOCKS][MAX_RANKS]` slots.
 pub const PAD_BYTES: u64 = (MAX_BLOCKS * MAX_RANKS) as u64 * SLOT_BYTES;
-/// The communicator's internal block: pad, local barrier epochs, then the one-shot LL region
-/// (kernels/one_shot_ll.cu): per-block call counters, call-descriptor words, data slots.
+/// The communicator's internal block: pad, local barrier epochs, control words (the abort
+/// word), then the one-shot LL region (kernels/one_shot_ll.cu): per-block call counters,
+/// call-descriptor words, data slots. Everything before `LL_DATA_OFFSET` starts at 0.
 pub const COUNTERS_OFFSET: u64 = PAD_BYTES;
-pub const LL_COUNTERS_OFFSET: u64 = COUNTERS_OFFSET + (MAX_BLOCKS * 4) as u64;
+/// The abort word (`u32`, device memory of this rank): 0, or the first fatal error's
+/// `(code << 16) | (peer + 1)`. Kernels poll it in their waits; the host never reads it.
+pub const ABORT_OFFSET: u64 = COUNTERS_OFFSET + (MAX_BLOCKS * 4) as u64;
+pub const CONTROL_BYTES: u64 = 128;
+pub const LL_COUNTERS_OFFSET: u64 = ABORT_OFFSET + CONTROL_BYTES;
 pub const LL_DESC_OFFSET: u64 = LL_COUNTERS_OFFSET + (MAX_BLOCKS * 4) as u64;
 pub const LL_DATA_OFFSET: u64 = LL_DESC_OFFSET + 4096;
 /// Alternating buffers, each with one slot per sending rank; a slot holds the largest
@@ -27,7 +32,12 @@ pub fn internal_bytes(world: usize, ll_slot: u64) -> u64 {
     LL_DATA_OFFSET + LL_BUFFERS * world as u64 * ll_slot
 }
 
-/// Error word codes written by kernels: `(code << 16) | (peer + 1)`.
+/// Spins between two looks at the clock and the abort word in every kernel wait.
+pub const SPIN_CHECK: u32 = 1024;
+
+/// Error codes kernels write into the host-mapped error words (`SymmArgs::error_word` points at
+/// two `u32`: `[0]` a recoverable error of one call, `[1]` the fatal error), each as
+/// `(code << 16) | (peer + 1)`.
 pub const ERR_TIMEOUT: u32 = 1;
 pub const ERR_ASYMMETRIC: u32 = 2;
 pub const ERR_NO_MULTIMEM: u32 = 3;
@@ -54,6 +64,9 @@ pub struct SymmArgs {
 }
 
 const _: () = assert!(std::mem::size_of::<SymmArgs>() == 256);
+// The abort word lies in the part of the block that init zeroes, before the LL region.
+const _: () =
+    assert!(ABORT_OFFSET + 4 <= LL_COUNTERS_OFFSET && LL_COUNTERS_OFFSET < LL_DATA_OFFSET);
 
 /// Address of slot `[block][peer]` of the pad at `pad`.
 pub fn slot(pad: u64, block: usize, peer: usize) -> u64 {

@@ -237,6 +237,30 @@ pub fn is_capturing(device: i32, stream: u64) -> Result<bool> {
     Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
+/// The id of the capture `stream` belongs to, `None` when it is not being captured.
+pub fn capture_id(device: i32, stream: u64) -> Result<Option<u64>> {
+    let _ctx = CtxGuard::new(device)?;
+    let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut id: sys::cuuint64_t = 0;
+    // SAFETY: stream is a caller-provided CUstream (0 = legacy default); the status and id
+    // out-pointers are valid and the optional outputs are NULL (not wanted).
+    check(
+        unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                stream as sys::CUstream,
+                &mut st,
+                &mut id,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        },
+        "cuStreamGetCaptureInfo",
+    )?;
+    Ok((st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE).then_some(id))
+}
+
 /// A reusable event for cross-stream ordering. cuStreamWaitEvent waits on the event's most
 /// recent record at the time of the wait, so one event can be re-recorded freely afterwards.
 pub struct OrderingEvent(usize);

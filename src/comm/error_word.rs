@@ -1,0 +1,167 @@
+//! The kernels' error words, as the host sees them: two `u32` in pinned host memory mapped into
+//! the device (kernels/common.cuh, `report_to_host`). Word 0 holds a recoverable error of one
+//! call (cleared once reported); word 1 the fatal error (never cleared: the communicator is then
+//! unusable). Kernels only ever write these words, once per error; the host reads them at the
+//! start of every call, so an error surfaces at the next call without a synchronization.
+//!
+//! On the host backend collectives return their errors directly and nothing writes the words.
+
+use super::kernel_args::{ERR_ASYMMETRIC, ERR_LL_ASYMMETRIC, ERR_NO_MULTIMEM, ERR_TIMEOUT};
+use crate::cuda;
+use crate::error::{Error, Result};
+use std::time::Duration;
+
+pub enum ErrorWords {
+    Device(cuda::mem::MappedWord),
+    /// The host backend: no kernel writes anything.
+    Host,
+}
+
+impl ErrorWords {
+    pub fn new(host: bool, device: i32) -> Result<Self> {
+        Ok(if host {
+            ErrorWords::Host
+        } else {
+            ErrorWords::Device(cuda::mem::MappedWord::new(device)?)
+        })
+    }
+
+    /// (recoverable, fatal).
+    fn read(&self) -> (u32, u32) {
+        match self {
+            // SAFETY: host is a live pinned allocation of 64 bytes; volatile because the GPU
+            // writes it.
+            ErrorWords::Device(w) => unsafe {
+                (
+                    std::ptr::read_volatile(w.host),
+                    std::ptr::read_volatile(w.host.add(1)),
+                )
+            },
+            ErrorWords::Host => (0, 0),
+        }
+    }
+
+    fn clear_recoverable(&self) {
+        if let ErrorWords::Device(w) = self {
+            // SAFETY: as read().
+            unsafe { std::ptr::write_volatile(w.host, 0) }
+        }
+    }
+
+    /// What the kernels get in `SymmArgs::error_word` (0 on the host backend).
+    pub fn device_ptr(&self) -> u64 {
+        match self {
+            ErrorWords::Device(w) => w.device_ptr,
+            ErrorWords::Host => 0,
+        }
+    }
+
+    /// The error a kernel reported since the last call, if any. A recoverable one is cleared
+    /// here (reported once); a fatal one is returned with `fatal` set so the caller keeps it.
+    pub fn take(&self, rank: usize, timeout: Duration) -> Option<Reported> {
+        let (recoverable, fatal) = self.read();
+        if fatal != 0 {
+            return Some(decode(fatal, rank, timeout));
+        }
+        if recoverable != 0 {
+            self.clear_recoverable();
+            return Some(decode(recoverable, rank, timeout));
+        }
+        None
+    }
+}
+
+/// A decoded error word.
+#[derive(Debug)]
+pub struct Reported {
+    pub error: Error,
+    /// The communicator is unusable from now on (every later call reports this error).
+    pub fatal: bool,
+}
+
+/// Turns a word `(code << 16) | (peer + 1)` written by a kernel of `rank` into an error.
+pub fn decode(word: u32, rank: usize, timeout: Duration) -> Reported {
+    let (code, peer) = (word >> 16, (word & 0xffff).saturating_sub(1));
+    match code {
+        ERR_TIMEOUT => Reported {
+            error: Error::timeout(format!(
+                "a collective kernel on rank {rank} waited more than {:.1} s for rank {peer} (it \
+                 may have died or called a different collective); this communicator is \
+                 unusable, destroy it",
+                timeout.as_secs_f64()
+            )),
+            fatal: true,
+        },
+        ERR_ASYMMETRIC => Reported {
+            error: Error::not_symmetric(format!(
+                "the previous collective on rank {rank} did not run: rank {peer} called it with \
+                 other buffer offsets, count, type or algorithm"
+            )),
+            fatal: false,
+        },
+        ERR_LL_ASYMMETRIC => Reported {
+            error: Error::not_symmetric(format!(
+                "the previous collective on rank {rank} (one-shot LL) did not run: rank {peer} \
+                 called another collective (other buffer offsets, count, type or algorithm); \
+                 words it sent may be left in the LL buffers, so this communicator is unusable, \
+                 destroy it"
+            )),
+            fatal: true,
+        },
+        ERR_NO_MULTIMEM => Reported {
+            error: Error::unsupported(
+                "the multimem kernel ran on a GPU without multimem (needs sm_90)",
+            ),
+            fatal: false,
+        },
+        _ => Reported {
+            error: Error::internal(format!("unknown kernel error word {word:#x}")),
+            fatal: true,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Status;
+
+    const T: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn a_timeout_names_both_ranks_and_is_fatal() {
+        let r = decode(ERR_TIMEOUT << 16 | 2, 0, T);
+        assert!(r.fatal);
+        assert_eq!(r.error.status, Status::ErrTimeout);
+        assert!(r
+            .error
+            .message
+            .contains("rank 0 waited more than 5.0 s for rank 1"));
+    }
+
+    #[test]
+    fn barrier_asymmetry_is_recoverable_ll_asymmetry_is_not() {
+        let b = decode(ERR_ASYMMETRIC << 16 | 1, 1, T);
+        assert!(!b.fatal);
+        assert_eq!(b.error.status, Status::ErrNotSymmetric);
+        assert!(b.error.message.contains("rank 0 called it"));
+        let l = decode(ERR_LL_ASYMMETRIC << 16 | 1, 1, T);
+        assert!(l.fatal);
+        assert!(l.error.message.contains("unusable"));
+    }
+
+    #[test]
+    fn unknown_codes_are_internal_and_fatal() {
+        let r = decode(99 << 16 | 1, 0, T);
+        assert!(r.fatal);
+        assert_eq!(r.error.status, Status::ErrInternal);
+        assert!(r.error.message.contains("0x630001"));
+    }
+
+    #[test]
+    fn the_host_backend_never_reports_through_words() {
+        let w = ErrorWords::new(true, 0).unwrap();
+        assert_eq!(w.device_ptr(), 0);
+        assert!(w.take(0, T).is_none());
+    }
+}

@@ -1,0 +1,157 @@
+//! The lazy, collective segment exchange: before a kernel touches a segment, its owner shares
+//! it (an fd per segment) and every peer maps it into its window; every rank also compares the
+//! call's descriptor and the segments' offsets and sizes, and fails loudly on a mismatch.
+//!
+//! Invariant: a segment is exchanged once per generation (PeerWindows keeps which), so a
+//! steady-state call sends nothing.
+
+use super::Communicator;
+use crate::error::{Error, Result};
+use crate::heap::device_heap::SegmentInfo;
+use std::os::fd::AsFd;
+
+/// Everything ranks must agree on for one collective call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct CallDesc {
+    pub send_off: u64,
+    pub recv_off: u64,
+    pub count: u64,
+    pub dtype: u64,
+    pub op: u64,
+    pub algo: u64,
+}
+
+impl CallDesc {
+    pub fn words(&self) -> [u64; 6] {
+        [
+            self.send_off,
+            self.recv_off,
+            self.count,
+            self.dtype,
+            self.op,
+            self.algo,
+        ]
+    }
+    /// A 64-bit digest the kernels compare at their first barrier.
+    pub fn digest(&self) -> u64 {
+        let mut x: u64 = 0xcbf29ce484222325;
+        for w in self.words() {
+            for b in w.to_le_bytes() {
+                x ^= b as u64;
+                x = x.wrapping_mul(0x100000001b3);
+            }
+        }
+        x | 1
+    }
+}
+
+impl Communicator {
+    /// The segment holding `ptr..ptr+bytes`, `None` when `ptr` is outside the heap, an error
+    /// when it is inside the heap but not inside one live block.
+    pub(super) fn locate(&self, ptr: u64, bytes: u64) -> Result<Option<SegmentInfo>> {
+        let heap = self.alloc.heap(self.device)?;
+        if !heap.contains(ptr) {
+            return Ok(None);
+        }
+        let (seg, bstart, bsize) = heap.segment_of(ptr)?;
+        if ptr + bytes > bstart + bsize {
+            return Err(Error::invalid(format!(
+                "buffer {ptr:#x} of {bytes} bytes runs past the end of its symm_malloc block \
+                 ({bsize} bytes at {bstart:#x}); expected count * element size to fit"
+            )));
+        }
+        Ok(Some(seg))
+    }
+
+    /// Shares `segs` (own segments) with every peer and maps theirs; checks every rank passed
+    /// the same call descriptor and segments. Collective: all ranks must call it together.
+    pub(super) fn exchange(
+        &mut self,
+        segs: &[SegmentInfo],
+        desc: CallDesc,
+        force: bool,
+    ) -> Result<()> {
+        let mut need: Vec<SegmentInfo> = Vec::new();
+        for s in segs {
+            if self.windows.needs_sharing(s) && !need.contains(s) {
+                need.push(*s);
+            }
+        }
+        if need.is_empty() && !force {
+            return Ok(());
+        }
+        let mut msg = Vec::new();
+        for w in desc.words() {
+            msg.extend_from_slice(&w.to_le_bytes());
+        }
+        msg.extend_from_slice(&(need.len() as u64).to_le_bytes());
+        for s in &need {
+            for w in [s.offset, s.size, s.generation] {
+                msg.extend_from_slice(&w.to_le_bytes());
+            }
+        }
+        let fds = {
+            let heap = self.alloc.heap(self.device)?;
+            need.iter()
+                .map(|s| heap.export_segment(self.alloc.backend(), s.offset))
+                .collect::<Result<Vec<_>>>()?
+        };
+        let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+        let all = self.mesh.all_gather(&msg, &borrowed, "segment exchange")?;
+        drop(fds);
+        let describe = |m: &[u8]| -> String {
+            let w = |i: usize| u64::from_le_bytes(m[i * 8..i * 8 + 8].try_into().unwrap());
+            let n = w(6) as usize;
+            let segs: Vec<String> = (0..n)
+                .map(|k| format!("{:#x}+{:#x}", w(7 + 3 * k), w(8 + 3 * k)))
+                .collect();
+            format!(
+                "send offset {:#x}, recv offset {:#x}, count {}, new segments [{}]",
+                w(0),
+                w(1),
+                w(2),
+                segs.join(", ")
+            )
+        };
+        // Compare everything except generations (they may differ after OOM retries).
+        let shape = |m: &[u8]| -> Vec<u64> {
+            m.chunks(8)
+                .enumerate()
+                .filter(|(i, _)| *i < 7 || (*i - 7) % 3 != 2)
+                .map(|(_, c)| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect()
+        };
+        let mismatched: Vec<usize> = (0..self.world)
+            .filter(|&r| shape(&all[r].0) != shape(&msg))
+            .collect();
+        if !mismatched.is_empty() {
+            let lines: Vec<String> = (0..self.world)
+                .map(|r| format!("rank {r}: {}", describe(&all[r].0)))
+                .collect();
+            return Err(Error::not_symmetric(format!(
+                "ranks disagree on the collective's buffers (allocation sequences differ between \
+                 ranks?): {}",
+                lines.join("; ")
+            )));
+        }
+        for (r, (_, fds)) in all.into_iter().enumerate() {
+            if r == self.rank {
+                continue;
+            }
+            if fds.len() != need.len() {
+                return Err(Error::peer(format!(
+                    "rank {r} sent {} fds for {} segments",
+                    fds.len(),
+                    need.len()
+                )));
+            }
+            for (s, fd) in need.iter().zip(fds) {
+                self.windows.import(self.alloc, r, *s, fd)?;
+            }
+        }
+        for s in &need {
+            self.windows.mark_shared(s);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,152 @@
+//! Launching a collective: the host backend's CPU path, or the kernel for (algorithm, type, op,
+//! vector width) with its grid and the argument struct every kernel takes.
+//!
+//! Invariants: the grid is a pure function of the call (every rank picks the same one, so
+//! block b meets block b); the LL kernel always runs on the communicator's fixed grid; kernels
+//! of one communicator are ordered (streams.rs), whatever streams carry them.
+
+use super::algo::{Algo, DType, ReduceOp};
+use super::exchange::CallDesc;
+use super::host_reduce;
+use super::kernel_args::*;
+use super::kernels;
+use super::Communicator;
+use crate::cuda;
+use crate::error::{Error, Result, Status};
+
+/// Threads per block for an LL call of `items` 16-byte items: enough to give every block a
+/// share (a power of two, at least 64), at most the grid's limit. A pure function of the
+/// message, so every rank maps items to the same threads.
+pub fn ll_threads(items: u64, (blocks, max_threads): (u32, u32)) -> u32 {
+    items
+        .div_ceil(blocks as u64)
+        .next_power_of_two()
+        .clamp(64, max_threads as u64) as u32
+}
+
+impl Communicator {
+    pub(super) fn run(
+        &mut self,
+        algo: Algo,
+        desc: CallDesc,
+        dtype: DType,
+        op: ReduceOp,
+        stream: u64,
+        mc_out: u64,
+    ) -> Result<()> {
+        // Every rank's buffers in this address space, straight into the kernel's argument
+        // layout (no allocation per call); entries past the world stay 0.
+        let (mut inputs, mut outputs) = ([0u64; MAX_RANKS], [0u64; MAX_RANKS]);
+        for (r, b) in self.windows.bases.iter().enumerate() {
+            inputs[r] = b + desc.send_off;
+            outputs[r] = b + desc.recv_off;
+        }
+        let world = self.world;
+        let in_place = desc.send_off == desc.recv_off;
+        if self.host {
+            let call = host_reduce::HostCall {
+                rank: self.rank,
+                world: self.world,
+                pads: &self.pads,
+                inputs: &inputs[..world],
+                outputs: &outputs[..world],
+                count: desc.count as usize,
+                dtype,
+                op,
+                algo,
+                in_place,
+                desc: desc.digest(),
+                timeout: self.timeout,
+            };
+            let r = host_reduce::all_reduce(&call, &mut self.host_epoch);
+            if let Err(e) = &r {
+                if e.status == Status::ErrTimeout {
+                    self.sticky = Some(e.clone());
+                }
+            }
+            return r;
+        }
+        let esize = dtype.size() as u64;
+        let vec = inputs[..world]
+            .iter()
+            .chain(&outputs[..world])
+            .all(|p| p % 16 == 0);
+        let items = if vec {
+            desc.count * esize / 16
+        } else {
+            desc.count
+        };
+
+        let sliced = matches!(algo, Algo::TwoShot | Algo::Multimem);
+        let per_rank = if sliced {
+            items.div_ceil(self.world as u64)
+        } else {
+            items
+        };
+        let cap = if sliced {
+            MAX_BLOCKS as u64
+        } else {
+            (self.sms as u64 / 4).clamp(1, 32)
+        };
+        // Items one block covers per round.
+        let per_block = match algo {
+            Algo::TwoShot if vec => THREADS as u64 * TWO_SHOT_UNROLL,
+            _ => THREADS as u64,
+        };
+        let (grid, threads) = match algo {
+            Algo::OneShotLL => {
+                let ll_items = (desc.count * esize).div_ceil(16);
+                (self.ll_grid.0, ll_threads(ll_items, self.ll_grid))
+            }
+            _ => (per_rank.div_ceil(per_block).clamp(1, cap) as u32, THREADS),
+        };
+        let mut args = SymmArgs {
+            inputs,
+            outputs,
+            count: desc.count,
+            desc: desc.digest(),
+            timeout_ns: self.timeout.as_nanos() as u64,
+            rank: self.rank as i32,
+            world: self.world as i32,
+            in_place: in_place as i32,
+            counters: self.internal + COUNTERS_OFFSET,
+            error_word: self.errors.device_ptr(),
+            ll_slot_kib: (self.ll_slot >> 10) as i32,
+            mc_out,
+            ..SymmArgs::default()
+        };
+        args.pads[..world].copy_from_slice(&self.pads);
+        let f = match self.kernels.get(&(algo, dtype, op, vec)) {
+            Some(&f) => f,
+            None => {
+                let name = kernels::kernel_name(algo, dtype, op, vec).ok_or_else(|| {
+                    Error::unsupported(format!(
+                        "no {} kernel for {} {}",
+                        algo.name(),
+                        dtype.name(),
+                        op.name()
+                    ))
+                })?;
+                let f = cuda::module::function(self.device, &name)?;
+                self.kernels.insert((algo, dtype, op, vec), f);
+                f
+            }
+        };
+        cuda::module::launch(self.device, f, grid, threads, stream, &args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ll_threads;
+
+    #[test]
+    fn ll_threads_spread_a_message_over_every_block() {
+        assert_eq!(ll_threads(1, (128, 512)), 64, "at least two warps");
+        assert_eq!(ll_threads(512, (128, 512)), 64);
+        assert_eq!(ll_threads(16384, (128, 512)), 128);
+        assert_eq!(ll_threads(65536, (128, 512)), 512);
+        assert_eq!(ll_threads(1 << 20, (128, 512)), 512, "capped");
+        assert_eq!(ll_threads(65536, (128, 256)), 256);
+    }
+}
