@@ -150,9 +150,11 @@ fn run_case(
     fnv(&out)
 }
 
-/// The LL kernel's capacity for two ranks (the children run with the default
-/// SYMMALLOC_LL_BYTES; the sweep runs on two GPUs).
-const LL_MAX: usize = 4 << 20;
+/// The LL kernel's capacity in a world of `world` ranks (the children run with the default
+/// SYMMALLOC_LL_BYTES, or the one the caller set, and it is 1 MiB at 3-4 ranks).
+fn ll_max(world: i32) -> usize {
+    symmalloc::config::ll_bytes(world as usize).unwrap() as usize
+}
 
 /// An explicit ONE_SHOT_LL over its capacity is refused with a message, on every rank alike.
 fn expect_ll_refusal(c: &Child, comm: *mut symm_comm_t, n: usize, dtype: u32) {
@@ -208,7 +210,7 @@ fn sweep_rank(c: Child) {
                 ] {
                     for in_place in [true, false] {
                         case += 1;
-                        if algo == SYMM_ALGO_ONE_SHOT_LL && n * esize(dtype) > LL_MAX {
+                        if algo == SYMM_ALGO_ONE_SHOT_LL && n * esize(dtype) > ll_max(c.world) {
                             expect_ll_refusal(&c, comm, n, dtype);
                             continue;
                         }
@@ -649,4 +651,187 @@ fn gpu_ll_all_ones_and_negative_zero_inputs() {
         &[],
         "",
     ));
+}
+
+/// One communicator, two streams, no ordering by the caller: each stream reduces its own
+/// inputs into a fresh output per call, issued back to back and alternating between the
+/// streams, with no synchronization between them. Without the library's ordering
+/// (src/comm/streams.rs) kernels of both streams would run at once on one rank and share
+/// barrier epochs, LL counters, LL buffers and the staging scratch: a wrong sum or a wait that
+/// never ends. Every output is checked against the float64 reference.
+fn two_streams_rank(c: Child) {
+    let comm = init(&c);
+    let streams = [
+        util::stream_create(c.rank).unwrap(),
+        util::stream_create(c.rank).unwrap(),
+    ];
+    let seed: u64 = c.arg.parse().unwrap();
+    let mut f = out_file(&c);
+    const CALLS: usize = 12;
+    let ll = ll_max(c.world) / 2; // bf16 elements that fit the LL kernel
+                                  // (algorithm on each stream, elements, stream 0's input outside the heap = staged)
+    let phases = [
+        (
+            [SYMM_ALGO_ONE_SHOT_LL, SYMM_ALGO_ONE_SHOT_LL],
+            65_531.min(ll),
+            false,
+        ),
+        ([SYMM_ALGO_ONE_SHOT, SYMM_ALGO_TWO_SHOT], 300_007, false),
+        ([SYMM_ALGO_AUTO, SYMM_ALGO_TWO_SHOT], 262_147, true),
+    ];
+    let mut checked = 0;
+    for (phase, &(algos, n, staged)) in phases.iter().enumerate() {
+        let bytes = n * 2;
+        let alloc = |j: usize| -> u64 {
+            if staged && j == 0 {
+                util::raw_alloc(c.rank, bytes).unwrap()
+            } else {
+                let p = symm_malloc(bytes, c.rank, null_mut()) as u64;
+                assert!(p != 0, "{}", err());
+                p
+            }
+        };
+        let ins: Vec<[u64; 2]> = (0..CALLS).map(|_| [alloc(0), alloc(1)]).collect();
+        let outs: Vec<[u64; 2]> = (0..CALLS)
+            .map(|_| {
+                let p = [0, 1].map(|_| symm_malloc(bytes, c.rank, null_mut()) as u64);
+                assert!(p[0] != 0 && p[1] != 0, "{}", err());
+                p
+            })
+            .collect();
+        for round in 0..3u64 {
+            let sd = |k: usize, j: usize| {
+                seed ^ (phase as u64) << 40 ^ round << 32 ^ (k as u64) << 8 ^ j as u64
+            };
+            // Inputs and poisoned outputs first, so the collectives below go back to back.
+            for k in 0..CALLS {
+                for j in 0..2 {
+                    let x = encode(SYMM_BF16, &inputs(sd(k, j), c.rank, n, SYMM_BF16));
+                    util::htod(c.rank, ins[k][j], &x).unwrap();
+                    util::htod(c.rank, outs[k][j], &vec![0xFFu8; bytes]).unwrap();
+                }
+            }
+            util::device_sync(c.rank).unwrap();
+            for k in 0..CALLS {
+                for j in 0..2 {
+                    let st = symm_all_reduce_algo(
+                        comm,
+                        algos[j],
+                        ins[k][j] as _,
+                        outs[k][j] as _,
+                        n,
+                        SYMM_BF16,
+                        SYMM_SUM,
+                        streams[j] as _,
+                    );
+                    assert_eq!(
+                        st,
+                        symm_status_t::SYMM_SUCCESS,
+                        "phase {phase} call {k} stream {j}: {}",
+                        err()
+                    );
+                }
+            }
+            for s in streams {
+                util::stream_sync(c.rank, s).unwrap();
+            }
+            for (k, pair) in outs.iter().enumerate() {
+                for (j, &o) in pair.iter().enumerate() {
+                    let mut out = vec![0u8; bytes];
+                    util::dtoh(c.rank, &mut out, o).unwrap();
+                    let e = rel_err(
+                        &decode(SYMM_BF16, &out),
+                        &reference(sd(k, j), c.world, n, SYMM_BF16, SYMM_SUM),
+                    );
+                    assert!(
+                        e <= tol(SYMM_BF16),
+                        "phase {phase} round {round} call {k} stream {j} ({}): rel err {e}",
+                        algos[j]
+                    );
+                    writeln!(f, "{phase} {round} {k} {j} {:016x}", fnv(&out)).unwrap();
+                    checked += 1;
+                }
+            }
+        }
+        for k in 0..CALLS {
+            for j in 0..2 {
+                if !(staged && j == 0) {
+                    symm_free(ins[k][j] as _, bytes, c.rank, null_mut());
+                }
+                symm_free(outs[k][j] as _, bytes, c.rank, null_mut());
+            }
+        }
+    }
+    destroy(comm);
+    println!(
+        "rank {}: {checked} outputs of two unordered streams correct",
+        c.rank
+    );
+}
+
+#[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
+fn gpu_two_streams_one_communicator_never_mix() {
+    if let Some(c) = child() {
+        return two_streams_rank(c);
+    }
+    let world = gpu_world("gpu_two_streams");
+    run_and_compare("gpu_two_streams_one_communicator_never_mix", world);
+}
+
+/// A graph of 20 collectives replayed after a peer died: the first kernel's wait times out and
+/// aborts the communicator (the abort word, device memory), so the other 19 kernels return at
+/// once instead of each waiting out the timeout; the next call names the dead rank.
+fn killed_graph_rank(c: Child) {
+    let algo: u32 = c.arg.parse().unwrap();
+    let comm = init(&c);
+    let stream = util::stream_create(c.rank).unwrap();
+    let p = symm_malloc(1 << 20, c.rank, stream as _);
+    util::capture_begin(c.rank, stream).unwrap();
+    for _ in 0..20 {
+        let st = symm_all_reduce_algo(comm, algo, p, p, 4096, SYMM_FP32, SYMM_SUM, stream as _);
+        assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
+    }
+    let graph = util::capture_end(c.rank, stream).unwrap();
+    graph.launch(stream).unwrap();
+    util::stream_sync(c.rank, stream).unwrap();
+    if c.rank == 1 {
+        // SAFETY: killing ourselves, as a crashed rank would die.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let t0 = std::time::Instant::now();
+    graph.launch(stream).unwrap();
+    util::stream_sync(c.rank, stream).unwrap();
+    let replay = t0.elapsed().as_secs_f64();
+    // SYMMALLOC_TIMEOUT_S=3: one timeout, not twenty.
+    assert!(
+        (2.5..9.0).contains(&replay),
+        "the replay took {replay:.2} s"
+    );
+    let st = symm_all_reduce_algo(comm, algo, p, p, 4096, SYMM_FP32, SYMM_SUM, stream as _);
+    assert_eq!(st, symm_status_t::SYMM_ERR_TIMEOUT, "{}", err());
+    let e = err();
+    assert!(e.contains("for rank 1"), "{e}");
+    drop(graph);
+    destroy(comm);
+    println!("rank {}: replay stopped after {replay:.2} s: {e}", c.rank);
+}
+
+#[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
+fn gpu_dead_peer_stops_a_replayed_graph_after_one_timeout() {
+    if let Some(c) = child() {
+        return killed_graph_rank(c);
+    }
+    gpu_world("gpu_killed_graph");
+    for algo in [SYMM_ALGO_ONE_SHOT, SYMM_ALGO_ONE_SHOT_LL] {
+        let outs = run_ranks(
+            "gpu_dead_peer_stops_a_replayed_graph_after_one_timeout",
+            2,
+            &[("SYMMALLOC_TIMEOUT_S", "3")],
+            &algo.to_string(),
+        );
+        assert_all_ok(&outs[..1]);
+    }
 }
