@@ -139,13 +139,26 @@ def get_unique_id() -> bytes:
     return buf.raw
 
 
-def _current_stream_handle(device: Optional[int] = None) -> int:
-    import torch
+_raw_stream = None
 
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object: ~10x cheaper
-    if raw is not None:
-        return raw(torch.cuda.current_device() if device is None else device)
-    return torch.cuda.current_stream(device).cuda_stream
+
+def _stream_getter():
+    """``device -> current stream handle`` without a Stream object (about 10x cheaper), bound once."""
+    global _raw_stream
+    if _raw_stream is None:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _raw_stream = raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return _raw_stream
+
+
+def _current_stream_handle(device: Optional[int] = None) -> int:
+    if device is None:
+        import torch
+
+        device = torch.cuda.current_device()
+    return _stream_getter()(device)
 
 
 _TORCH_DTYPE_CODES: Dict[object, int] = {}
@@ -171,6 +184,7 @@ class Communicator:
         self.device = rank if device is None else device
         self._comm = ctypes.c_void_p()
         _check(_library().symm_comm_init(ctypes.byref(self._comm), world_size, rank, self.device, bytes(unique_id)))
+        self._bind()
 
     @classmethod
     def from_env(cls) -> "Communicator":
@@ -178,6 +192,7 @@ class Communicator:
         self = cls.__new__(cls)
         self._comm = ctypes.c_void_p()
         _check(_library().symm_comm_init_from_env(ctypes.byref(self._comm)))
+        self._bind()
         self.rank = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
         self.world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")))
         self.device = self.rank
@@ -185,28 +200,49 @@ class Communicator:
 
     def all_reduce(self, tensor, op: str = "sum", algo: str = "auto", out=None) -> None:
         """All-reduce of a contiguous CUDA tensor on the current stream: in place, or into
-        ``out`` (same shape and dtype)."""
-        code = _dtype_code(tensor.dtype)
+        ``out`` (same shape and dtype).
+
+        The eager path is kept lean (it is most of an eager call's cost): the entry point is
+        bound once, and only what the library cannot see is checked here (dtype, op, algorithm
+        names, contiguity, ``out``'s shape); pointers, sizes and symmetry are checked by it."""
+        code = _TORCH_DTYPE_CODES.get(tensor.dtype)
         if code is None:
-            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"dtype {tensor.dtype} is not bfloat16, float16 or float32")
+            code = _dtype_code(tensor.dtype)
+            if code is None:
+                raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"dtype {tensor.dtype} is not bfloat16, float16 or float32")
         op_code, algo_code = _OPS.get(op), _ALGOS.get(algo)
         if op_code is None or algo_code is None:
             raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"op {op!r} / algo {algo!r} unknown; ops {list(_OPS)}, algos {list(_ALGOS)}")
         if not tensor.is_contiguous():
             raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "tensor must be contiguous")
-        dst = tensor
-        if out is not None:
-            dst = out
-            if dst.dtype != tensor.dtype or dst.numel() != tensor.numel() or not dst.is_contiguous():
+        send = tensor.data_ptr()
+        if out is None:
+            recv, dst = send, tensor
+        else:
+            if out.dtype != tensor.dtype or out.numel() != tensor.numel() or not out.is_contiguous():
                 raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "out must be contiguous with the tensor's dtype and size")
-        status = _library().symm_all_reduce_algo(
-            self._comm, algo_code, tensor.data_ptr(), dst.data_ptr(), tensor.numel(), code, op_code,
-            _current_stream_handle(dst.get_device() if dst.is_cuda else None))
+            recv, dst = out.data_ptr(), out
+        dev = dst.get_device()
+        status = self._all_reduce(self._comm, algo_code, send, recv, tensor.numel(), code, op_code,
+                                  self._stream(dev) if dev >= 0 else 0)
         if status:
             _check(status)
 
+    def _bind(self) -> None:
+        """What every call needs, looked up once: the entry point and the stream getter."""
+        self._all_reduce = _library().symm_all_reduce_algo
+        try:
+            self._stream = _stream_getter()
+        except ImportError:  # no torch (the host backend): only CPU tensors, stream 0
+            self._stream = lambda dev: 0
+
     def barrier(self) -> None:
-        _check(_library().symm_barrier(self._comm, _current_stream_handle()))
+        """All ranks meet, ordered on the current stream."""
+        try:
+            stream = _current_stream_handle(self.device)
+        except (ImportError, RuntimeError):  # no torch or no CUDA: the host backend ignores it
+            stream = 0
+        _check(_library().symm_barrier(self._comm, stream))
 
     def close(self) -> None:
         if getattr(self, "_comm", None) and self._comm.value:

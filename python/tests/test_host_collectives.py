@@ -1,0 +1,129 @@
+"""The Python all-reduce path end to end on the host backend (no GPU, no torch): two processes,
+real shared memory, duck-typed tensors over symm_malloc'd host memory. Runs in CI under
+``SYMMALLOC_BACKEND=host`` (the Makefile's second pytest pass); skipped, with the reason, on the
+CUDA backend, where python/tests/torch_gpu_check.py covers the same path on GPUs."""
+import ctypes
+import multiprocessing as mp
+import os
+import random
+
+import pytest
+
+import symmalloc
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("SYMMALLOC_BACKEND") != "host",
+    reason="needs SYMMALLOC_BACKEND=host (GPU runs use torch_gpu_check.py)",
+)
+
+
+class _DType:
+    def __init__(self, name):
+        self.name = name
+
+    def __str__(self):
+        return f"torch.{self.name}"
+
+
+FLOAT32 = _DType("float32")
+
+
+class HostTensor:
+    """What Communicator.all_reduce reads of a torch tensor, over host memory."""
+
+    def __init__(self, ptr, n, dtype=FLOAT32, contiguous=True):
+        self.ptr, self.n, self.dtype, self.contiguous = ptr, n, dtype, contiguous
+
+    def data_ptr(self):
+        return self.ptr
+
+    def numel(self):
+        return self.n
+
+    def is_contiguous(self):
+        return self.contiguous
+
+    def get_device(self):
+        return -1
+
+    def values(self):
+        return list((ctypes.c_float * self.n).from_address(self.ptr))
+
+    def fill(self, vals):
+        (ctypes.c_float * self.n).from_address(self.ptr)[:] = vals
+
+
+def _inputs(seed, rank, n):
+    g = random.Random(seed * 1000 + rank)
+    return [ctypes.c_float(g.uniform(-4, 4)).value for _ in range(n)]
+
+
+def _rank(rank, world, uid, q):
+    try:
+        lib = symmalloc._library()
+        comm = symmalloc.Communicator(rank, world, uid)
+        results = []
+        for case, (n, algo, op, in_place) in enumerate(
+            [(1, "auto", "sum", True), (1001, "one_shot", "sum", False), (4099, "two_shot", "max", True),
+             (777, "one_shot_ll", "min", False), (65_537, "auto", "sum", False)]
+        ):
+            a = lib.symm_malloc(4 * n, rank, None)
+            b = lib.symm_malloc(4 * n, rank, None)
+            x, out = HostTensor(a, n), HostTensor(b, n)
+            x.fill(_inputs(case, rank, n))
+            out.fill([float("nan")] * n)
+            comm.all_reduce(x, op=op, algo=algo, out=None if in_place else out)
+            results.append((x if in_place else out).values())
+            lib.symm_free(a, 4 * n, rank, None)
+            lib.symm_free(b, 4 * n, rank, None)
+        # Errors the Python side reports before the library is called.
+        p = lib.symm_malloc(64, rank, None)
+        errors = []
+        for kwargs in [dict(op="avg"), dict(algo="fast"), dict(out=HostTensor(p, 8))]:
+            try:
+                comm.all_reduce(HostTensor(p, 16), **kwargs)
+            except symmalloc.SymmallocError as e:
+                errors.append(str(e))
+        for t in [HostTensor(p, 16, dtype=_DType("int64")), HostTensor(p, 16, contiguous=False)]:
+            try:
+                comm.all_reduce(t)
+            except symmalloc.SymmallocError as e:
+                errors.append(str(e))
+        comm.barrier()
+        lib.symm_free(p, 64, rank, None)
+        comm.close()
+        q.put((rank, results, errors, None))
+    except Exception as e:  # reported to the parent, never a hang
+        q.put((rank, None, None, repr(e)))
+
+
+def test_two_processes_reduce_through_the_python_path():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    uid = symmalloc.get_unique_id()
+    procs = [ctx.Process(target=_rank, args=(r, 2, uid, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict()
+    for _ in procs:
+        rank, results, errors, failure = q.get(timeout=120)
+        assert failure is None, f"rank {rank}: {failure}"
+        got[rank] = (results, errors)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    cases = [(1, "sum"), (1001, "sum"), (4099, "max"), (777, "min"), (65_537, "sum")]
+    for case, (n, op) in enumerate(cases):
+        a, b = _inputs(case, 0, n), _inputs(case, 1, n)
+        fold = {"sum": lambda u, v: u + v, "max": max, "min": min}[op]
+        want = [fold(u, v) for u, v in zip(a, b)]
+        for rank in (0, 1):
+            out = got[rank][0][case]
+            assert all(abs(o - w) <= 1e-5 * max(1.0, abs(w)) for o, w in zip(out, want)), (case, rank)
+        assert got[0][0][case] == got[1][0][case], f"case {case}: ranks differ bitwise"
+    errors = got[0][1]
+    assert len(errors) == 5, errors
+    assert "op 'avg'" in errors[0] and "algo 'fast'" in errors[1]
+    assert "out must be contiguous with the tensor's dtype and size" in errors[2]
+    assert "dtype torch.int64 is not" in errors[3] and "contiguous" in errors[4]
+    assert all(e.startswith("SYMM_ERR_INVALID_ARGUMENT") for e in errors)
