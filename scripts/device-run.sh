@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a lent GPU machine, from
 # prebuilt artifacts in .device/ (see the README's "GPU runs" section). Logs go to $OUT.
-#   bash scripts/device-run.sh tests | gpu | bench | alloc
+#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail
+#   tail: bench/tail.py over RUNS (default 10) fresh processes, with the eager Python-vs-C table;
+#         LIB=DIR runs it against the libraries in DIR instead of .device/ (an older build).
 # Safety: NVLink multicast stays off (scripts/device-env.sh).
 . "$(dirname "$0")/device-env.sh"
 export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
@@ -13,6 +15,10 @@ if [ "${1:-tests}" = alloc ]; then
   # bench/alloc_torch.py itself, so the torch column comes from the same run.
   step machine; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   T=300 TAILN=30 run alloc $D/alloc_bench
+elif [ "${1:-tests}" = tail ]; then
+  step machine; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  export SYMMALLOC_LIBRARY_DIR=${LIB:-$D}
+  T=590 TAILN=${TAILN:-60} run tail python3 bench/tail.py --runs "${RUNS:-10}" --out "$OUT" --c-bench "$D/allreduce_c"
 elif [ "${1:-tests}" = gpu ]; then
   run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture
   T=400 TAILN=12 run gpu_comm $D/t_gpu_comm --include-ignored --test-threads=1 --nocapture

@@ -1,0 +1,324 @@
+"""Tail latency of graphed all-reduces, across fresh processes: symmalloc against PyTorch's
+symmetric memory and NCCL, all measured in the same processes.
+
+    python3 bench/tail.py [--runs 10] [--out DIR] [--c-bench PATH/allreduce_c]
+
+Each run is a fresh job (one process per GPU, started anew). In a run, for every size (8 KiB to
+64 MiB) and every method that takes it, a graph of 20 bf16-sum all-reduces of one buffer pair
+is captured and kept (many graphs in one process, as an inference engine holds one per batch
+size), checked against NCCL on fresh random data (the output poisoned first), then replayed
+300 times back to back, each replay timed with CUDA events: per row p50 / p99 / max of the
+per-call time (replay time / 20). Methods: symmalloc AUTO, ONE_SHOT_LL (within its capacity),
+ONE_SHOT (to 4 MiB) and TWO_SHOT, in place and out of place; torch two_shot_all_reduce_ (in
+place) and one_shot_all_reduce (out of place); NCCL (in place).
+
+After the runs it prints, per row, the median over runs of p50 / p99 / max and the worst run,
+and counts stalled rows: a row whose p50 in a run is more than 1.5x that row's best p50 over
+all runs. Targets (issue 13), every symmalloc row of every run: p99 <= 1.1x p50, max <= p50 +
+50 us, no stalled row.
+
+With --c-bench, the eager section compares one eager call from Python (this package's
+Communicator.all_reduce, and the wrapper as it was before session 4, kept below as
+`legacy_all_reduce`) with the same call from C (bench/allreduce_c.rs, run by this script in the
+same invocation), AUTO in place, 8 KiB to 1 MiB.
+
+Multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+SIZES = [8 << 10, 64 << 10, 256 << 10, 768 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+EAGER_SIZES = [8 << 10, 64 << 10, 256 << 10, 1 << 20]
+CALLS, REPLAYS = 20, 300
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def label(size):
+    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+
+
+def ll_capacity(world):
+    """SYMMALLOC_LL_BYTES' default (src/config.rs), unless set."""
+    v = os.environ.get("SYMMALLOC_LL_BYTES")
+    if v:
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        return int(v[:-1]) * units[v[-1].upper()] if v[-1].upper() in units else int(v)
+    return 4 << 20 if world <= 2 else (1 << 20 if world <= 4 else 256 << 10)
+
+
+def legacy_all_reduce(comm, tensor, op="sum", algo="auto", out=None):
+    """The package's all_reduce as it was before session 4 (for the eager before/after)."""
+    import symmalloc as s
+
+    code = s._dtype_code(tensor.dtype)
+    op_code, algo_code = s._OPS.get(op), s._ALGOS.get(algo)
+    if code is None or op_code is None or algo_code is None or not tensor.is_contiguous():
+        raise ValueError("bad call")
+    dst = tensor if out is None else out
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    dev = dst.get_device() if dst.is_cuda else None
+    stream = raw(torch.cuda.current_device() if dev is None else dev)
+    status = s._library().symm_all_reduce_algo(
+        comm._comm, algo_code, tensor.data_ptr(), dst.data_ptr(), tensor.numel(), code, op_code, stream)
+    if status:
+        s._check(status)
+
+
+# ---------------------------------------------------------------- one run (one process per GPU)
+
+def worker(rank, world, port, out_path, eager):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    import symmalloc
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD.group_name
+    uid = [symmalloc.get_unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(uid, src=0)
+    comm = symmalloc.Communicator(rank, world, uid[0])
+    pool = symmalloc.mem_pool(rank)
+    gen = torch.Generator(device="cuda").manual_seed(int(time.time()) * 16 + rank)
+    stream = torch.cuda.Stream()
+    keep = []  # every graph stays alive, as in an engine that holds many
+    rows = []
+
+    def check_and_time(name, size, fn, result, fill):
+        """Captures CALLS calls of fn, checks one replay, times REPLAYS replays."""
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            fn()  # warm-up outside capture (segment exchange, kernel lookup)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(CALLS):
+                fn()
+        keep.append(g)
+        # Correctness: fresh random input, output poisoned, one replay of the 20 calls. In place
+        # the buffer is reduced 20 times: every rank then holds world^19 times the sum (a
+        # power of two at 2, 4 and 8 ranks, so exact in bf16 but for the first sum's rounding).
+        src, ref = fill()
+        g.replay()
+        torch.cuda.synchronize()
+        got = result().float() / (world ** (CALLS - 1) if name.endswith("_in") else 1)
+        err = ((got - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"{name} {label(size)}: rel err {err}"
+        fill()  # finite data for the timed replays
+        for _ in range(5):
+            g.replay()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPLAYS)]
+        dist.barrier()
+        torch.cuda.synchronize()
+        cur = torch.cuda.current_stream()
+        for a, b in ev:
+            a.record(cur)
+            g.replay()
+            b.record(cur)
+        torch.cuda.synchronize()
+        t = sorted(a.elapsed_time(b) * 1000.0 / CALLS for a, b in ev)
+        row = {"name": name, "bytes": size, "p50": t[len(t) // 2], "p99": t[int(len(t) * 0.99)], "max": t[-1]}
+        rows.append(row)
+        return row
+
+    for size in SIZES:
+        n = size // 2
+        with torch.cuda.use_mem_pool(pool):
+            buf = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+            out = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        tsym = symm_mem.empty(n, dtype=torch.bfloat16, device=torch.device("cuda", rank))
+        symm_mem.rendezvous(tsym, group)
+        nccl_buf = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        holder = {}
+
+        def fill_into(t, poison=None):
+            def f():
+                src = torch.randn(n, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+                t.copy_(src)
+                if poison is not None:
+                    poison.fill_(float("nan"))
+                ref = src.float()
+                dist.all_reduce(ref)
+                return src, ref
+            return f
+
+        methods = []
+        for algo in ["auto", "one_shot_ll", "one_shot", "two_shot"]:
+            if algo == "one_shot_ll" and size > ll_capacity(world):
+                continue
+            if algo == "one_shot" and size > (4 << 20):
+                continue
+            methods.append((f"symm_{algo}_in", lambda a=algo: comm.all_reduce(buf, algo=a), lambda: buf,
+                            fill_into(buf)))
+            methods.append((f"symm_{algo}_out", lambda a=algo: comm.all_reduce(buf, algo=a, out=out), lambda: out,
+                            fill_into(buf, out)))
+        methods.append(("torch_two_shot_in", lambda: torch.ops.symm_mem.two_shot_all_reduce_(tsym, "sum", group),
+                        lambda: tsym, fill_into(tsym)))
+
+        def torch_one():
+            holder["one"] = torch.ops.symm_mem.one_shot_all_reduce(tsym, "sum", group)
+
+        def fill_one():
+            r = fill_into(tsym)()
+            if "one" in holder:
+                holder["one"].fill_(float("nan"))
+            return r
+        methods.append(("torch_one_shot_out", torch_one, lambda: holder["one"], fill_one))
+        methods.append(("nccl_in", lambda: dist.all_reduce(nccl_buf), lambda: nccl_buf, fill_into(nccl_buf)))
+        for name, fn, result, fill in methods:
+            row = check_and_time(name, size, fn, result, fill)
+            if rank == 0:
+                print(f"  {label(size):>7} {name:<22} p50 {row['p50']:8.2f}  p99 {row['p99']:8.2f}  max {row['max']:8.2f}",
+                      flush=True)
+
+    eager_rows = []
+    if eager:
+        for size in EAGER_SIZES:
+            with torch.cuda.use_mem_pool(pool):
+                x = torch.randn(size // 2, generator=gen, device="cuda").to(torch.bfloat16)
+            row = {"bytes": size}
+            for name, fn in [("python", lambda: comm.all_reduce(x)), ("legacy", lambda: legacy_all_reduce(comm, x))]:
+                for _ in range(30):
+                    fn()
+                times = []
+                for _ in range(50):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    dist.barrier()
+                    torch.cuda.synchronize()
+                    a.record()
+                    for _ in range(CALLS):
+                        fn()
+                    b.record()
+                    b.synchronize()
+                    times.append(a.elapsed_time(b) * 1000.0 / CALLS)
+                times.sort()
+                row[name] = times[len(times) // 2]
+            eager_rows.append(row)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"rows": rows, "eager": eager_rows, "device": torch.cuda.get_device_name(0), "world": world,
+                       "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}, f)
+    keep.clear()
+    comm.close()
+    dist.destroy_process_group()
+
+
+def one_run(out_path, port, eager):
+    import torch
+    import torch.multiprocessing as mp
+
+    world = min(torch.cuda.device_count(), 8)
+    if world < 2:
+        sys.exit(f"needs >= 2 GPUs, found {world}")
+    mp.spawn(worker, args=(world, port, out_path, eager), nprocs=world)
+
+
+# ---------------------------------------------------------------- the driver and the tables
+
+def c_eager(path):
+    """AUTO eager µs per call from bench/allreduce_c.rs, 8 KiB to 1 MiB, by size."""
+    env = dict(os.environ, SYMM_BENCH_MAX_BYTES="1M", **NO_MULTICAST)
+    env.pop("SYMMALLOC_ENABLE_MULTICAST", None)
+    text = subprocess.run([path], env=env, capture_output=True, text=True, timeout=300).stdout
+    print(text)
+    got = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(\d+) (KiB|MiB) \|\s*([\d.]+) /", line)
+        if m:
+            got[int(m.group(1)) << (10 if m.group(2) == "KiB" else 20)] = float(m.group(3))
+    return got
+
+
+def report(runs, c_figures):
+    rows = {}
+    for i, r in enumerate(runs):
+        for row in r["rows"]:
+            rows.setdefault((row["bytes"], row["name"]), []).append((i, row))
+    d = runs[0]
+    print(f"\nbf16 sum, {d['world']}x {d['device']}, torch {d['torch']}, NCCL {d['nccl']}; graphs of {CALLS} calls, "
+          f"{REPLAYS} replays each, {len(runs)} fresh runs; us per call")
+    print(f"{'size':>7} {'method':<22} | {'p50':>7} {'p99':>7} {'max':>7} (median over runs) | "
+          f"{'worst p50':>9} {'worst p99':>9} {'worst max':>9} | stalled runs | p99<=1.1p50 max<=p50+50")
+    stalled_runs = [0] * len(runs)
+    symm_bad = []
+    for (size, name), per in rows.items():
+        med = lambda k: sorted(r[k] for _, r in per)[len(per) // 2]  # noqa: E731
+        best = min(r["p50"] for _, r in per)
+        stalled = [i for i, r in per if r["p50"] > 1.5 * best]
+        for i in stalled:
+            stalled_runs[i] += 1
+        tail_ok = all(r["p99"] <= 1.1 * r["p50"] for _, r in per)
+        max_ok = all(r["max"] <= r["p50"] + 50 for _, r in per)
+        if name.startswith("symm") and not (tail_ok and max_ok and not stalled):
+            symm_bad.append((label(size), name))
+        worst = lambda k: max(r[k] for _, r in per)  # noqa: E731
+        print(f"{label(size):>7} {name:<22} | {med('p50'):7.2f} {med('p99'):7.2f} {med('max'):7.2f}                   | "
+              f"{worst('p50'):9.2f} {worst('p99'):9.2f} {worst('max'):9.2f} | {len(stalled):>3} / {len(per):<3}     | "
+              f"{'yes' if tail_ok else 'NO':>11} {'yes' if max_ok else 'NO':>11}")
+    print(f"\nstalled rows per run (p50 > 1.5x the row's best run): {stalled_runs}")
+    print(f"symmalloc rows missing a target in some run: {len(symm_bad)}" + (f" {symm_bad}" if symm_bad else ""))
+    eager = [r["eager"] for r in runs if r.get("eager")]
+    if eager:
+        print("\neager AUTO in place, us per call (median of 50 x mean of 20), Python from run 1, C from allreduce_c:")
+        print(f"{'size':>7} | {'python':>7} | {'legacy':>7} | {'C ABI':>7} | python - C")
+        for row in eager[0]:
+            c = c_figures.get(row["bytes"])
+            diff = f"{row['python'] - c:+.2f}" if c else "-"
+            cs = f"{c:7.2f}" if c else "      -"
+            print(f"{label(row['bytes']):>7} | {row['python']:7.2f} | {row['legacy']:7.2f} | {cs} | {diff}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    ap.add_argument("--c-bench", help="path of the allreduce_c binary: adds the eager Python vs C table")
+    ap.add_argument("--one-run", help=argparse.SUPPRESS)
+    ap.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=29541)
+    ap.add_argument("--table-only", action="store_true")
+    a = ap.parse_args()
+    for k, v in NO_MULTICAST.items():
+        os.environ[k] = v  # multicast stays off, in this process and every child
+    os.environ.pop("SYMMALLOC_ENABLE_MULTICAST", None)
+    if a.one_run:
+        return one_run(a.one_run, a.port, a.eager)
+    os.makedirs(a.out, exist_ok=True)
+    paths = [os.path.join(a.out, f"tail_run{i}.json") for i in range(a.runs)]
+    c_figures = {}
+    if not a.table_only:
+        for i, p in enumerate(paths):
+            t0 = time.time()
+            cmd = [sys.executable, os.path.abspath(__file__), "--one-run", p, "--port", str(a.port + i)]
+            if i == 0 and a.c_bench:
+                cmd.append("--eager")
+            r = subprocess.run(cmd, env=os.environ, timeout=600)
+            print(f"run {i}: rc {r.returncode}, {time.time() - t0:.0f} s", flush=True)
+        if a.c_bench:
+            c_figures = c_eager(a.c_bench)
+            with open(os.path.join(a.out, "tail_c_eager.json"), "w") as f:
+                json.dump(c_figures, f)
+    elif os.path.exists(os.path.join(a.out, "tail_c_eager.json")):
+        c_figures = {int(k): v for k, v in json.load(open(os.path.join(a.out, "tail_c_eager.json"))).items()}
+    runs = [json.load(open(p)) for p in paths if os.path.exists(p)]
+    if not runs:
+        sys.exit("no run finished")
+    report(runs, c_figures)
+
+
+if __name__ == "__main__":
+    main()
