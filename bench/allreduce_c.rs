@@ -146,6 +146,10 @@ fn child(rank: i32, world: i32, hex: &str) {
         limit("SYMM_BENCH_MIN_BYTES", 0),
         limit("SYMM_BENCH_MAX_BYTES", usize::MAX),
     );
+    // SYMM_BENCH_ALGOS (e.g. "auto,two_shot") narrows the algorithms (the eager comparison of
+    // bench/tail.py needs AUTO alone).
+    let algos = std::env::var("SYMM_BENCH_ALGOS").unwrap_or_default();
+    let wanted = |name: &str| algos.is_empty() || algos.split(',').any(|a| a.trim() == name);
     let mut host_rows = Vec::new();
     for &bytes in SIZES
         .iter()
@@ -155,10 +159,13 @@ fn child(rank: i32, world: i32, hex: &str) {
         let buf = ffi::symm_malloc(bytes, rank, stream as _);
         assert!(!buf.is_null(), "{}", last_error());
         let mut cells = Vec::new();
-        for (salt, &(algo, _)) in ALGOS.iter().enumerate() {
+        for (salt, &(algo, name)) in ALGOS.iter().enumerate() {
             let salt = salt as u64 + bytes as u64;
             let skip_one_shot = algo == SYMM_ALGO_ONE_SHOT && bytes > (4 << 20);
-            if (algo == SYMM_ALGO_ONE_SHOT_LL && bytes as u64 > ll_max) || skip_one_shot {
+            if (algo == SYMM_ALGO_ONE_SHOT_LL && bytes as u64 > ll_max)
+                || skip_one_shot
+                || !wanted(name)
+            {
                 cells.push("-".to_string());
                 continue;
             }

@@ -19,8 +19,9 @@ all runs. Targets (issue 13), every symmalloc row of every run: p99 <= 1.1x p50,
 
 With --c-bench, the eager section compares one eager call from Python (this package's
 Communicator.all_reduce, and the wrapper as it was before session 4, kept below as
-`legacy_all_reduce`) with the same call from C (bench/allreduce_c.rs, run by this script in the
-same invocation), AUTO in place, 8 KiB to 1 MiB.
+`legacy_all_reduce`) with the same call from C (bench/allreduce_c.rs), AUTO in place, 8 KiB to
+1 MiB. An eager call is bound by the host's CPU, which drifts on a shared machine, so Python and
+C jobs alternate (--eager-pairs, default 3) and each pair's difference is reported.
 
 Multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 """
@@ -76,7 +77,7 @@ def legacy_all_reduce(comm, tensor, op="sum", algo="auto", out=None):
 
 # ---------------------------------------------------------------- one run (one process per GPU)
 
-def worker(rank, world, port, out_path, eager):
+def worker(rank, world, port, out_path, mode):
     import torch
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
@@ -133,7 +134,7 @@ def worker(rank, world, port, out_path, eager):
         rows.append(row)
         return row
 
-    for size in SIZES:
+    for size in SIZES if mode == "graphs" else []:
         n = size // 2
         with torch.cuda.use_mem_pool(pool):
             buf = torch.empty(n, dtype=torch.bfloat16, device="cuda")
@@ -184,7 +185,7 @@ def worker(rank, world, port, out_path, eager):
                       flush=True)
 
     eager_rows = []
-    if eager:
+    if mode == "eager":
         for size in EAGER_SIZES:
             with torch.cuda.use_mem_pool(pool):
                 x = torch.randn(size // 2, generator=gen, device="cuda").to(torch.bfloat16)
@@ -217,24 +218,23 @@ def worker(rank, world, port, out_path, eager):
     dist.destroy_process_group()
 
 
-def one_run(out_path, port, eager):
+def one_run(out_path, port, mode):
     import torch
     import torch.multiprocessing as mp
 
     world = min(torch.cuda.device_count(), 8)
     if world < 2:
         sys.exit(f"needs >= 2 GPUs, found {world}")
-    mp.spawn(worker, args=(world, port, out_path, eager), nprocs=world)
+    mp.spawn(worker, args=(world, port, out_path, mode), nprocs=world)
 
 
 # ---------------------------------------------------------------- the driver and the tables
 
 def c_eager(path):
     """AUTO eager µs per call from bench/allreduce_c.rs, 8 KiB to 1 MiB, by size."""
-    env = dict(os.environ, SYMM_BENCH_MAX_BYTES="1M", **NO_MULTICAST)
+    env = dict(os.environ, SYMM_BENCH_MAX_BYTES="1M", SYMM_BENCH_ALGOS="auto", **NO_MULTICAST)
     env.pop("SYMMALLOC_ENABLE_MULTICAST", None)
     text = subprocess.run([path], env=env, capture_output=True, text=True, timeout=300).stdout
-    print(text)
     got = {}
     for line in text.splitlines():
         m = re.match(r"\s*(\d+) (KiB|MiB) \|\s*([\d.]+) /", line)
@@ -243,7 +243,39 @@ def c_eager(path):
     return got
 
 
-def report(runs, c_figures):
+def eager_pairs(out, c_bench, pairs, port):
+    """Python eager jobs and C eager jobs, alternating."""
+    result = []
+    for i in range(pairs):
+        p = os.path.join(out, f"tail_eager{i}.json")
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--one-run", p, "--mode", "eager",
+                        "--port", str(port + 100 + i)], env=os.environ, timeout=300, check=True)
+        py = {row["bytes"]: row for row in json.load(open(p))["eager"]}
+        c = c_eager(c_bench)
+        result.append({"python": py, "c": c})
+        print(f"eager pair {i}: " + "  ".join(
+            f"{label(b)} py {py[b]['python']:.2f} legacy {py[b]['legacy']:.2f} C {c.get(b, float('nan')):.2f}"
+            for b in EAGER_SIZES if b in py), flush=True)
+    return result
+
+
+def report(runs, pairs):
+    if runs:
+        graph_table(runs)
+    if pairs:
+        print(f"\neager AUTO in place, us per call (median of 50 x mean of 20); {len(pairs)} pairs of a Python job "
+              "and a C job (bench/allreduce_c.rs), alternating")
+        print(f"{'size':>7} | {'python':>17} | {'legacy python':>17} | {'C ABI':>17} | python - C per pair")
+        for b in EAGER_SIZES:
+            py = [p["python"][b]["python"] for p in pairs]
+            lg = [p["python"][b]["legacy"] for p in pairs]
+            c = [p["c"].get(b, float("nan")) for p in pairs]
+            rng = lambda v: f"{min(v):6.2f} - {max(v):6.2f}"  # noqa: E731
+            print(f"{label(b):>7} | {rng(py):>17} | {rng(lg):>17} | {rng(c):>17} | "
+                  + " ".join(f"{x - y:+.2f}" for x, y in zip(py, c)))
+
+
+def graph_table(runs):
     rows = {}
     for i, r in enumerate(runs):
         for row in r["rows"]:
@@ -271,24 +303,14 @@ def report(runs, c_figures):
               f"{'yes' if tail_ok else 'NO':>11} {'yes' if max_ok else 'NO':>11}")
     print(f"\nstalled rows per run (p50 > 1.5x the row's best run): {stalled_runs}")
     print(f"symmalloc rows missing a target in some run: {len(symm_bad)}" + (f" {symm_bad}" if symm_bad else ""))
-    eager = [r["eager"] for r in runs if r.get("eager")]
-    if eager:
-        print("\neager AUTO in place, us per call (median of 50 x mean of 20), Python from run 1, C from allreduce_c:")
-        print(f"{'size':>7} | {'python':>7} | {'legacy':>7} | {'C ABI':>7} | python - C")
-        for row in eager[0]:
-            c = c_figures.get(row["bytes"])
-            diff = f"{row['python'] - c:+.2f}" if c else "-"
-            cs = f"{c:7.2f}" if c else "      -"
-            print(f"{label(row['bytes']):>7} | {row['python']:7.2f} | {row['legacy']:7.2f} | {cs} | {diff}")
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     ap.add_argument("--c-bench", help="path of the allreduce_c binary: adds the eager Python vs C table")
+    ap.add_argument("--eager-pairs", type=int, default=3)
     ap.add_argument("--one-run", help=argparse.SUPPRESS)
-    ap.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="graphs", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=29541)
     ap.add_argument("--table-only", action="store_true")
     a = ap.parse_args()
@@ -296,28 +318,30 @@ def main():
         os.environ[k] = v  # multicast stays off, in this process and every child
     os.environ.pop("SYMMALLOC_ENABLE_MULTICAST", None)
     if a.one_run:
-        return one_run(a.one_run, a.port, a.eager)
+        return one_run(a.one_run, a.port, a.mode)
     os.makedirs(a.out, exist_ok=True)
     paths = [os.path.join(a.out, f"tail_run{i}.json") for i in range(a.runs)]
-    c_figures = {}
+    pairs_path = os.path.join(a.out, "tail_eager_pairs.json")
+    pairs = []
     if not a.table_only:
+        if a.c_bench and a.eager_pairs:
+            pairs = eager_pairs(a.out, a.c_bench, a.eager_pairs, a.port)
+            with open(pairs_path, "w") as f:
+                json.dump(pairs, f)
         for i, p in enumerate(paths):
             t0 = time.time()
             cmd = [sys.executable, os.path.abspath(__file__), "--one-run", p, "--port", str(a.port + i)]
-            if i == 0 and a.c_bench:
-                cmd.append("--eager")
             r = subprocess.run(cmd, env=os.environ, timeout=600)
             print(f"run {i}: rc {r.returncode}, {time.time() - t0:.0f} s", flush=True)
-        if a.c_bench:
-            c_figures = c_eager(a.c_bench)
-            with open(os.path.join(a.out, "tail_c_eager.json"), "w") as f:
-                json.dump(c_figures, f)
-    elif os.path.exists(os.path.join(a.out, "tail_c_eager.json")):
-        c_figures = {int(k): v for k, v in json.load(open(os.path.join(a.out, "tail_c_eager.json"))).items()}
+    elif os.path.exists(pairs_path):
+        pairs = json.load(open(pairs_path))
+        for p in pairs:  # JSON keys are strings
+            p["python"] = {int(k): v for k, v in p["python"].items()}
+            p["c"] = {int(k): v for k, v in p["c"].items()}
     runs = [json.load(open(p)) for p in paths if os.path.exists(p)]
-    if not runs:
+    if not runs and not pairs:
         sys.exit("no run finished")
-    report(runs, c_figures)
+    report(runs, pairs)
 
 
 if __name__ == "__main__":

@@ -149,9 +149,11 @@ __device__ __forceinline__ void one_shot_ll_body(const SymmArgs& a) {
   constexpr int N = 16 / sizeof(T);
   uint32_t* counters = (uint32_t*)(ll_region(a, a.rank) + LL_COUNTERS_OFFSET);
   __shared__ uint32_t call, dead;
-  if (threadIdx.x == 0) {
-    call = counters[blockIdx.x];
-    dead = *(volatile uint32_t*)abort_word(a);
+  if (threadIdx.x == 0) {  // both loads in flight before either store (see epoch_begin)
+    const uint32_t c0 = counters[blockIdx.x];
+    const uint32_t d0 = *(volatile uint32_t*)abort_word(a);
+    call = c0;
+    dead = d0;
   }
   __syncthreads();
   if (dead) return;  // aborted: push nothing into the peers' buffers

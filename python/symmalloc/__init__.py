@@ -140,6 +140,7 @@ def get_unique_id() -> bytes:
 
 
 _raw_stream = None
+_VOIDP, _SIZE = ctypes.c_void_p, ctypes.c_size_t
 
 
 def _stream_getter():
@@ -223,14 +224,18 @@ class Communicator:
                 raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "out must be contiguous with the tensor's dtype and size")
             recv, dst = out.data_ptr(), out
         dev = dst.get_device()
-        status = self._all_reduce(self._comm, algo_code, send, recv, tensor.numel(), code, op_code,
-                                  self._stream(dev) if dev >= 0 else 0)
+        # _all_reduce has no argtypes (their per-argument converters cost more than wrapping the
+        # three 64-bit values by hand); the small codes pass as C ints, which is what they are.
+        ptr = _VOIDP(send)
+        status = self._all_reduce(self._comm, algo_code, ptr, ptr if recv == send else _VOIDP(recv),
+                                  _SIZE(tensor.numel()), code, op_code, _VOIDP(self._stream(dev) if dev >= 0 else 0))
         if status:
             _check(status)
 
     def _bind(self) -> None:
         """What every call needs, looked up once: the entry point and the stream getter."""
-        self._all_reduce = _library().symm_all_reduce_algo
+        self._all_reduce = _library()["symm_all_reduce_algo"]  # a function object of its own
+        self._all_reduce.restype = ctypes.c_int
         try:
             self._stream = _stream_getter()
         except ImportError:  # no torch (the host backend): only CPU tensors, stream 0
