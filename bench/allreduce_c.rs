@@ -113,7 +113,25 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// With SYMM_BENCH_PIN=1, rank r runs on cores 4r+4 .. 4r+7 (bench/tail.py pins its Python ranks
+/// the same way, so the eager comparison sees the same host conditions).
+fn pin(rank: i32) {
+    if std::env::var("SYMM_BENCH_PIN").as_deref() != Ok("1") {
+        return;
+    }
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it; the call
+    // changes only this process's affinity.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for c in 4 * rank as usize + 4..4 * rank as usize + 8 {
+            libc::CPU_SET(c, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
 fn child(rank: i32, world: i32, hex: &str) {
+    pin(rank);
     let mut id = symm_unique_id_t { internal: [0; 128] };
     for (i, c) in id.internal.iter_mut().enumerate() {
         *c = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap() as _;

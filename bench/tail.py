@@ -21,7 +21,8 @@ With --c-bench, the eager section compares one eager call from Python (this pack
 Communicator.all_reduce, and the wrapper as it was before session 4, kept below as
 `legacy_all_reduce`) with the same call from C (bench/allreduce_c.rs), AUTO in place, 8 KiB to
 1 MiB. An eager call is bound by the host's CPU, which drifts on a shared machine, so Python and
-C jobs alternate (--eager-pairs, default 3) and each pair's difference is reported.
+C jobs alternate (--eager-pairs, default 3) and each pair's difference is reported. With
+SYMM_BENCH_PIN=1 every rank of both runs on its own four cores (4r+4 .. 4r+7).
 
 Multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 """
@@ -86,6 +87,8 @@ def worker(rank, world, port, out_path, mode):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if os.environ.get("SYMM_BENCH_PIN") == "1":  # as bench/allreduce_c.rs pins its ranks
+        os.sched_setaffinity(0, range(4 * rank + 4, 4 * rank + 8))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     group = dist.group.WORLD.group_name
