@@ -187,28 +187,36 @@ def worker(rank, world, port, out_path, mode):
                 print(f"  {label(size):>7} {name:<22} p50 {row['p50']:8.2f}  p99 {row['p99']:8.2f}  max {row['max']:8.2f}",
                       flush=True)
 
+    def eager_time(fn):
+        """Median over 50 repetitions of the mean of CALLS back-to-back calls, after warm-up."""
+        for _ in range(30):
+            fn()
+        times = []
+        for _ in range(50):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            dist.barrier()
+            torch.cuda.synchronize()
+            a.record()
+            for _ in range(CALLS):
+                fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1000.0 / CALLS)
+        times.sort()
+        return times[len(times) // 2]
+
     eager_rows = []
     if mode == "eager":
         for size in EAGER_SIZES:
             with torch.cuda.use_mem_pool(pool):
                 x = torch.randn(size // 2, generator=gen, device="cuda").to(torch.bfloat16)
             row = {"bytes": size}
-            for name, fn in [("python", lambda: comm.all_reduce(x)), ("legacy", lambda: legacy_all_reduce(comm, x))]:
-                for _ in range(30):
-                    fn()
-                times = []
-                for _ in range(50):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    dist.barrier()
-                    torch.cuda.synchronize()
-                    a.record()
-                    for _ in range(CALLS):
-                        fn()
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b) * 1000.0 / CALLS)
-                times.sort()
-                row[name] = times[len(times) // 2]
+            side = torch.cuda.Stream()  # non-blocking, as allreduce_c's stream; the default is legacy
+            for name, fn, s in [("python", lambda: comm.all_reduce(x), side),
+                                ("legacy", lambda: legacy_all_reduce(comm, x), side),
+                                ("python_default_stream", lambda: comm.all_reduce(x), torch.cuda.default_stream())]:
+                with torch.cuda.stream(s):
+                    row[name] = eager_time(fn)
             eager_rows.append(row)
     torch.cuda.synchronize()
     dist.barrier()
@@ -268,13 +276,16 @@ def report(runs, pairs):
     if pairs:
         print(f"\neager AUTO in place, us per call (median of 50 x mean of 20); {len(pairs)} pairs of a Python job "
               "and a C job (bench/allreduce_c.rs), alternating")
-        print(f"{'size':>7} | {'python':>17} | {'legacy python':>17} | {'C ABI':>17} | python - C per pair")
+        print("(python and legacy on a non-blocking side stream, as C; python default: torch's legacy default stream)")
+        print(f"{'size':>7} | {'python':>17} | {'legacy python':>17} | {'python default':>17} | {'C ABI':>17} | "
+              "python - C per pair")
         for b in EAGER_SIZES:
             py = [p["python"][b]["python"] for p in pairs]
             lg = [p["python"][b]["legacy"] for p in pairs]
+            dflt = [p["python"][b].get("python_default_stream", float("nan")) for p in pairs]
             c = [p["c"].get(b, float("nan")) for p in pairs]
             rng = lambda v: f"{min(v):6.2f} - {max(v):6.2f}"  # noqa: E731
-            print(f"{label(b):>7} | {rng(py):>17} | {rng(lg):>17} | {rng(c):>17} | "
+            print(f"{label(b):>7} | {rng(py):>17} | {rng(lg):>17} | {rng(dflt):>17} | {rng(c):>17} | "
                   + " ".join(f"{x - y:+.2f}" for x, y in zip(py, c)))
 
 
