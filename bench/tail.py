@@ -27,6 +27,7 @@ SYMM_BENCH_PIN=1 every rank of both runs on its own four cores (4r+4 .. 4r+7).
 Multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 """
 import argparse
+import ctypes
 import json
 import os
 import re
@@ -77,6 +78,18 @@ def legacy_all_reduce(comm, tensor, op="sum", algo="auto", out=None):
 
 
 # ---------------------------------------------------------------- one run (one process per GPU)
+
+def _borrowed_class():
+    import symmalloc
+
+    class Borrowed(symmalloc.Communicator):
+        """A view of another Communicator's handle (for an experiment); it never destroys it."""
+
+        def __del__(self):
+            pass
+
+    return Borrowed
+
 
 def worker(rank, world, port, out_path, mode):
     import torch
@@ -212,9 +225,16 @@ def worker(rank, world, port, out_path, mode):
                 x = torch.randn(size // 2, generator=gen, device="cuda").to(torch.bfloat16)
             row = {"bytes": size}
             side = torch.cuda.Stream()  # non-blocking, as allreduce_c's stream; the default is legacy
+            # The same wrapper with the entry point bound through ctypes.PyDLL (the GIL is kept
+            # across the call instead of released and taken again).
+            held = _borrowed_class().__new__(_borrowed_class())  # shares comm's handle; never closes it
+            held.__dict__.update(comm.__dict__)
+            held._all_reduce = ctypes.PyDLL(symmalloc.library_path())["symm_all_reduce_algo"]
+            held._all_reduce.restype = ctypes.c_int
             for name, fn, s in [("python", lambda: comm.all_reduce(x), side),
                                 ("legacy", lambda: legacy_all_reduce(comm, x), side),
-                                ("python_default_stream", lambda: comm.all_reduce(x), torch.cuda.default_stream())]:
+                                ("python_default_stream", lambda: comm.all_reduce(x), torch.cuda.default_stream()),
+                                ("python_gil_held", lambda: held.all_reduce(x), side)]:
                 with torch.cuda.stream(s):
                     row[name] = eager_time(fn)
             eager_rows.append(row)
@@ -285,8 +305,9 @@ def report(runs, pairs):
             dflt = [p["python"][b].get("python_default_stream", float("nan")) for p in pairs]
             c = [p["c"].get(b, float("nan")) for p in pairs]
             rng = lambda v: f"{min(v):6.2f} - {max(v):6.2f}"  # noqa: E731
+            held = [p["python"][b].get("python_gil_held", float("nan")) for p in pairs]
             print(f"{label(b):>7} | {rng(py):>17} | {rng(lg):>17} | {rng(dflt):>17} | {rng(c):>17} | "
-                  + " ".join(f"{x - y:+.2f}" for x, y in zip(py, c)))
+                  + " ".join(f"{x - y:+.2f}" for x, y in zip(py, c)) + f"   (GIL kept: {rng(held)})")
 
 
 def graph_table(runs):
