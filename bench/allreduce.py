@@ -20,17 +20,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import symmalloc  # noqa: E402
 
-def _size(v):
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    v = v.strip()
-    return int(v[:-1]) * units[v[-1].upper()] if v[-1].upper() in units else int(v)
+from tail import ll_capacity as ll_max  # noqa: E402  (the LL capacity, as src/config.rs sets it)
 
-
-def ll_max(world):
-    """The one-shot LL kernel's capacity (SYMMALLOC_LL_BYTES; defaults as in src/config.rs)."""
-    if "SYMMALLOC_LL_BYTES" in os.environ:
-        return _size(os.environ["SYMMALLOC_LL_BYTES"])
-    return 4 << 20 if world <= 2 else (1 << 20 if world <= 4 else 256 << 10)
 SIZES = [8 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
 

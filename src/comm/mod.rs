@@ -212,11 +212,6 @@ impl Communicator {
         self.streams.before_launch(self.device, stream)
     }
 
-    /// Calls that had to wait for the previous call's stream (streams.rs).
-    pub fn stream_switches(&self) -> u64 {
-        self.streams.ordered
-    }
-
     /// All ranks meet; stream-ordered on CUDA (a kernel), immediate on the host backend.
     pub fn barrier(&mut self, stream: u64) -> Result<()> {
         self.check_error_word()?;

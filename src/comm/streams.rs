@@ -34,8 +34,6 @@ pub fn can_order(prev: Capture, next: Capture) -> bool {
 pub struct StreamOrder {
     last: Option<u64>,
     event: Option<cuda::driver::OrderingEvent>,
-    /// Calls that had to wait for another stream (for tests).
-    pub ordered: u64,
 }
 
 impl StreamOrder {
@@ -54,7 +52,6 @@ impl StreamOrder {
                     }
                     let ev = self.event.as_ref().expect("created above");
                     ev.order(device, stream, prev)?;
-                    self.ordered += 1;
                 }
             }
             _ => {}
