@@ -18,6 +18,27 @@
 struct CUstream_st;
 
 /**
+ * The library's version (semantic versioning; the crate's). The header carries the version
+ * it was generated from; `symm_version()` says which library was loaded.
+ */
+#define SYMMALLOC_VERSION_MAJOR 0
+
+#define SYMMALLOC_VERSION_MINOR 1
+
+#define SYMMALLOC_VERSION_PATCH 0
+
+/**
+ * `MAJOR * 10000 + MINOR * 100 + PATCH`, as `symm_version()` returns it.
+ */
+#define SYMMALLOC_VERSION_CODE (((SYMMALLOC_VERSION_MAJOR * 10000) + (SYMMALLOC_VERSION_MINOR * 100)) + SYMMALLOC_VERSION_PATCH)
+
+/**
+ * Bytes of the first `symm_memory_stats_t` (its ten v1 fields): the least that
+ * `symm_memory_stats_sized` serves, and exactly what `symm_memory_stats` writes.
+ */
+#define SYMM_MEMORY_STATS_V1_SIZE 80
+
+/**
  * Result of every status-returning function.
  */
 typedef enum {
@@ -191,9 +212,25 @@ void symm_record_stream(void *ptr, struct CUstream_st *stream);
 void symm_empty_cache(void);
 
 /**
- * Fills `*out` with the statistics of `device`.
+ * The loaded library's version, `SYMMALLOC_VERSION_CODE` of the header it was built with.
+ */
+int symm_version(void);
+
+/**
+ * Fills the ten v1 fields of `*out` (`SYMM_MEMORY_STATS_V1_SIZE` bytes: `allocated_bytes` to
+ * `staged_collectives`) with the statistics of `device`, and nothing past them, so a caller
+ * built against any version of the header is safe. The fields added since are filled by
+ * `symm_memory_stats_sized`.
  */
 symm_status_t symm_memory_stats(int device, symm_memory_stats_t *out);
+
+/**
+ * Fills the first `size` bytes of `*out` with the statistics of `device`; pass
+ * `sizeof(symm_memory_stats_t)`. Nothing past `size` is written. A size that is not a whole
+ * number of fields, is below the v1 struct, or is larger than this library's struct (a newer
+ * header) is refused with SYMM_ERR_INVALID_ARGUMENT and nothing is written.
+ */
+symm_status_t symm_memory_stats_sized(int device, symm_memory_stats_t *out, size_t size);
 
 /**
  * The calling thread's last error message ("" after a successful call). Valid until the

@@ -125,10 +125,7 @@ fn gpu_graph_that_allocates_computes_and_frees() {
     let s = util::stream_create(0).unwrap();
     let x = symm_malloc(n * 4, 0, s as _) as u64;
     let y = symm_malloc(n * 4, 0, s as _) as u64;
-    let mut st0 = std::mem::MaybeUninit::uninit();
-    symm_memory_stats(0, st0.as_mut_ptr());
-    // SAFETY: filled by the call.
-    let before = unsafe { st0.assume_init() };
+    let before = stats(0);
     // Capture: allocate a temporary in a private pool (as PyTorch does for graphs), compute
     // y = 2x + y through it, free it.
     let pool = PoolId(77, 1);
@@ -165,10 +162,7 @@ fn gpu_graph_that_allocates_computes_and_frees() {
     }
     drop(graph);
     symm_release_pool(0, 77, 1);
-    let mut st1 = std::mem::MaybeUninit::uninit();
-    symm_memory_stats(0, st1.as_mut_ptr());
-    // SAFETY: filled by the call.
-    let after = unsafe { st1.assume_init() };
+    let after = stats(0);
     assert_eq!(
         after.active_blocks, before.active_blocks,
         "graph's temporary leaked"

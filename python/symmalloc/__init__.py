@@ -102,7 +102,7 @@ def _library():
         lib.symm_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         lib.symm_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         lib.symm_last_error.restype = ctypes.c_char_p
-        lib.symm_memory_stats.argtypes = [ctypes.c_int, ctypes.POINTER(_Stats)]
+        lib.symm_memory_stats_sized.argtypes = [ctypes.c_int, ctypes.POINTER(_Stats), ctypes.c_size_t]
         lib.symm_get_unique_id.argtypes = [ctypes.c_char_p]
         lib.symm_comm_init.argtypes = [
             ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_char_p,
@@ -128,7 +128,7 @@ def _check(status: int) -> None:
 def memory_stats(device: int = 0) -> Dict[str, int]:
     """The allocator's statistics for ``device`` as a dict."""
     s = _Stats()
-    _check(_library().symm_memory_stats(device, ctypes.byref(s)))
+    _check(_library().symm_memory_stats_sized(device, ctypes.byref(s), ctypes.sizeof(s)))
     return {n: getattr(s, n) for n in _STATS}
 
 

@@ -122,17 +122,68 @@ pub extern "C" fn symm_empty_cache() {
     guard_void("symm_empty_cache", || heap::global()?.empty_cache())
 }
 
-/// Fills `*out` with the statistics of `device`.
+/// The library's version (semantic versioning; the crate's). The header carries the version
+/// it was generated from; `symm_version()` says which library was loaded.
+pub const SYMMALLOC_VERSION_MAJOR: i32 = 0;
+pub const SYMMALLOC_VERSION_MINOR: i32 = 1;
+pub const SYMMALLOC_VERSION_PATCH: i32 = 0;
+/// `MAJOR * 10000 + MINOR * 100 + PATCH`, as `symm_version()` returns it.
+pub const SYMMALLOC_VERSION_CODE: i32 =
+    SYMMALLOC_VERSION_MAJOR * 10000 + SYMMALLOC_VERSION_MINOR * 100 + SYMMALLOC_VERSION_PATCH;
+/// Bytes of the first `symm_memory_stats_t` (its ten v1 fields): the least that
+/// `symm_memory_stats_sized` serves, and exactly what `symm_memory_stats` writes.
+pub const SYMM_MEMORY_STATS_V1_SIZE: usize = 80;
+
+/// The loaded library's version, `SYMMALLOC_VERSION_CODE` of the header it was built with.
+#[no_mangle]
+pub extern "C" fn symm_version() -> c_int {
+    SYMMALLOC_VERSION_CODE
+}
+
+fn write_stats(device: c_int, out: *mut Stats, size: usize, name: &str) -> Result<()> {
+    if out.is_null() {
+        return Err(Error::invalid(format!("{name}: out is NULL")));
+    }
+    let have = std::mem::size_of::<Stats>();
+    if size < SYMM_MEMORY_STATS_V1_SIZE || size > have || size % 8 != 0 {
+        return Err(Error::invalid(format!(
+            "{name}: size {size} is not a symm_memory_stats_t size this library serves; \
+             expected a multiple of 8 from {SYMM_MEMORY_STATS_V1_SIZE} (v1) to {have} \
+             (sizeof(symm_memory_stats_t) of library {}.{}.{}; a larger struct comes from a \
+             newer header)",
+            SYMMALLOC_VERSION_MAJOR, SYMMALLOC_VERSION_MINOR, SYMMALLOC_VERSION_PATCH
+        )));
+    }
+    let s = heap::global()?.stats(device)?;
+    // SAFETY: out is non-NULL and the caller declared `size` writable bytes there (checked to be
+    // at most sizeof(Stats)); the source is a live Stats; the regions are distinct.
+    unsafe { std::ptr::copy_nonoverlapping(&s as *const Stats as *const u8, out as *mut u8, size) };
+    Ok(())
+}
+
+/// Fills the ten v1 fields of `*out` (`SYMM_MEMORY_STATS_V1_SIZE` bytes: `allocated_bytes` to
+/// `staged_collectives`) with the statistics of `device`, and nothing past them, so a caller
+/// built against any version of the header is safe. The fields added since are filled by
+/// `symm_memory_stats_sized`.
 #[no_mangle]
 pub extern "C" fn symm_memory_stats(device: c_int, out: *mut Stats) -> symm_status_t {
     guard_status("symm_memory_stats", || {
-        if out.is_null() {
-            return Err(Error::invalid("symm_memory_stats: out is NULL"));
-        }
-        let s = heap::global()?.stats(device)?;
-        // SAFETY: out is non-NULL and, per the contract, points at a symm_memory_stats_t.
-        unsafe { out.write(s) };
-        Ok(())
+        write_stats(device, out, SYMM_MEMORY_STATS_V1_SIZE, "symm_memory_stats")
+    })
+}
+
+/// Fills the first `size` bytes of `*out` with the statistics of `device`; pass
+/// `sizeof(symm_memory_stats_t)`. Nothing past `size` is written. A size that is not a whole
+/// number of fields, is below the v1 struct, or is larger than this library's struct (a newer
+/// header) is refused with SYMM_ERR_INVALID_ARGUMENT and nothing is written.
+#[no_mangle]
+pub extern "C" fn symm_memory_stats_sized(
+    device: c_int,
+    out: *mut Stats,
+    size: usize,
+) -> symm_status_t {
+    guard_status("symm_memory_stats_sized", || {
+        write_stats(device, out, size, "symm_memory_stats_sized")
     })
 }
 
@@ -328,4 +379,36 @@ pub extern "C" fn symm_barrier(comm: *mut symm_comm_t, stream: *mut CUstream_st)
     guard_status("symm_barrier", || {
         with_comm(comm, |c| c.barrier(stream_of(stream)))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_header_version_is_the_crates() {
+        let v = |s: &str| s.parse::<i32>().unwrap();
+        assert_eq!(
+            (
+                SYMMALLOC_VERSION_MAJOR,
+                SYMMALLOC_VERSION_MINOR,
+                SYMMALLOC_VERSION_PATCH
+            ),
+            (
+                v(env!("CARGO_PKG_VERSION_MAJOR")),
+                v(env!("CARGO_PKG_VERSION_MINOR")),
+                v(env!("CARGO_PKG_VERSION_PATCH"))
+            ),
+            "update the SYMMALLOC_VERSION_* constants with Cargo.toml's version"
+        );
+        assert_eq!(symm_version(), SYMMALLOC_VERSION_CODE);
+    }
+
+    #[test]
+    fn the_v1_stats_are_the_first_ten_fields() {
+        assert_eq!(
+            SYMM_MEMORY_STATS_V1_SIZE,
+            std::mem::offset_of!(Stats, requested_bytes)
+        );
+    }
 }

@@ -217,10 +217,10 @@ pub fn destroy(comm: *mut symmalloc::ffi::symm_comm_t) {
 
 /// The allocator statistics of `device` through the C ABI.
 pub fn stats(device: i32) -> symmalloc::heap::stats::Stats {
-    use symmalloc::ffi::{symm_memory_stats, types::symm_status_t};
-    let mut s = std::mem::MaybeUninit::uninit();
+    use symmalloc::ffi::{symm_memory_stats_sized, types::symm_status_t};
+    let mut s = std::mem::MaybeUninit::<symmalloc::heap::stats::Stats>::uninit();
     assert_eq!(
-        symm_memory_stats(device, s.as_mut_ptr()),
+        symm_memory_stats_sized(device, s.as_mut_ptr(), std::mem::size_of_val(&s)),
         symm_status_t::SYMM_SUCCESS,
         "{}",
         err()
