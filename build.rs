@@ -82,6 +82,18 @@ fn main() {
         "nvcc failed compiling kernels/ ({status})"
     );
     println!("cargo:rustc-env=SYMMALLOC_FATBIN={}", fatbin.display());
+
+    // The shared object's SONAME: libsymmalloc.so.MAJOR, or .so.0.MINOR before 1.0 (a 0.x minor
+    // release may change the ABI). The Makefile links libsymmalloc.so.SOVERSION to the build
+    // output and installs the versioned file under that name; programs record the SONAME.
+    let major = env::var("CARGO_PKG_VERSION_MAJOR").unwrap();
+    let minor = env::var("CARGO_PKG_VERSION_MINOR").unwrap();
+    let soversion = if major == "0" {
+        format!("0.{minor}")
+    } else {
+        major
+    };
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libsymmalloc.so.{soversion}");
 }
 
 fn find_nvcc(root: &Path) -> Option<PathBuf> {

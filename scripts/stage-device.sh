@@ -21,4 +21,7 @@ done
 cp "$(ls -t target/release/build/symmalloc-*/out/symmalloc_kernels.fatbin | head -1)" .device/
 strip .device/t_* .device/alloc_bench .device/allreduce_c .device/symmalloc-demo
 strip --strip-debug .device/*.so  # keeps the dynamic symbols; the tree travels under 64 MiB
+# The SONAME the C harness records (build.rs): the file under that name beside the library.
+soname=$(readelf -d .device/libsymmalloc.so | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
+ln -sf libsymmalloc.so ".device/$soname"
 ls -la .device

@@ -106,3 +106,26 @@ fn shim_heap_use_binds_to_libc() {
         );
     }
 }
+
+/// The library carries a SONAME (libsymmalloc.so.MAJOR, or .so.0.MINOR before 1.0), so programs
+/// and pkg-config/CMake users record the ABI version rather than a path.
+#[test]
+fn library_has_a_versioned_soname() {
+    let Some(d) = lib_dir() else { return };
+    let out = Command::new("readelf")
+        .args(["-d"])
+        .arg(d.join("libsymmalloc.so"))
+        .output()
+        .expect("readelf");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let minor = env!("CARGO_PKG_VERSION_MINOR");
+    let want = match env!("CARGO_PKG_VERSION_MAJOR") {
+        "0" => format!("[libsymmalloc.so.0.{minor}]"),
+        major => format!("[libsymmalloc.so.{major}]"),
+    };
+    assert!(
+        text.lines()
+            .any(|l| l.contains("(SONAME)") && l.contains(&want)),
+        "no SONAME {want} in:\n{text}"
+    );
+}
