@@ -47,6 +47,9 @@ class SymmallocError(RuntimeError):
     """A failed symmalloc call: ``status`` is the symm_status_t name."""
 
     def __init__(self, status: str, message: str):
+        # symm_last_error() already starts with the status: state it once.
+        if message.startswith(status + ": "):
+            message = message[len(status) + 2:]
         super().__init__(f"{status}: {message}")
         self.status = status
 

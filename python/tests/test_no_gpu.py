@@ -31,6 +31,7 @@ def test_bad_unique_id_rejected():
     with pytest.raises(symmalloc.SymmallocError) as e:
         symmalloc.Communicator(0, 1, b"x" * 128)
     assert e.value.status == "SYMM_ERR_INVALID_ARGUMENT" and "magic" in str(e.value)
+    assert str(e.value).count("SYMM_ERR_INVALID_ARGUMENT") == 1, "the status is stated once"
     with pytest.raises(symmalloc.SymmallocError):
         symmalloc.Communicator(0, 1, b"short")
 
