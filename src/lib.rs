@@ -5,12 +5,14 @@
 //! - `heap`: the caching allocator over a narrow backend trait (CUDA VMM or host memfd);
 //! - `ipc`: single-node bootstrap over Unix sockets;
 //! - `comm`: communicator, peer windows, collectives;
-//! - `cuda`: checked wrappers over the driver API (dynamically loaded).
+//! - `cuda`: checked wrappers over the driver API (dynamically loaded);
+//! - `config`, `debug`, `error`: environment variables, diagnostics, errors (the bottom layer).
 
 pub mod comm;
 pub mod comm_env;
 pub mod config;
 pub mod cuda;
+pub mod debug;
 pub mod error;
 pub mod ffi;
 pub mod heap;

@@ -152,6 +152,17 @@ impl Communicator {
         for s in &need {
             self.windows.mark_shared(s);
         }
+        crate::info!(
+            "rank {}/{}: exchanged {} segment(s) [{}] with every peer; {} peer mapping(s) made",
+            self.rank,
+            self.world,
+            need.len(),
+            need.iter()
+                .map(|s| format!("{:#x}+{:#x}", s.offset, s.size))
+                .collect::<Vec<_>>()
+                .join(", "),
+            need.len() * (self.world - 1)
+        );
         Ok(())
     }
 }

@@ -200,6 +200,7 @@ impl Communicator {
             sms,
             pads: Vec::new(),
             kernels: HashMap::new(),
+            auto_seen: Default::default(),
             mc: HashMap::new(),
         });
         let own_base = comm.windows.bases[rank];
@@ -222,6 +223,13 @@ impl Communicator {
             .expect("internal block is in the heap");
         comm.exchange(&[seg], desc, true)?;
         comm.mesh.barrier("init")?;
+        crate::info!(
+            "rank {rank}/{world}: communicator on device {device} (ranks' devices {devices:?}, \
+             {} backend); {}; timeout {:.1} s",
+            if host { "host" } else { "cuda" },
+            describe_settings(&settings),
+            timeout.as_secs_f64()
+        );
         Ok(comm)
     }
 }

@@ -71,6 +71,8 @@ pub struct Communicator {
     sms: u32,
     /// Each rank's signal pad in this process's address space (fixed after init).
     pads: Vec<u64>,
+    /// Message sizes AUTO has chosen for already (kept only under SYMMALLOC_DEBUG=INFO).
+    auto_seen: std::collections::HashSet<u64>,
     /// Multicast windows by segment offset (MULTIMEM only; empty unless the gate allowed it).
     mc: HashMap<u64, mc_window::McWindow>,
     /// Kernels already looked up in the device's module, so a call does no name formatting,
@@ -154,7 +156,19 @@ impl Communicator {
         let bytes = count
             .checked_mul(esize)
             .ok_or_else(|| Error::invalid(format!("count {count} overflows the byte size")))?;
+        let asked = algo;
         let algo = algo::choose(algo, bytes, self.world, self.ll_slot, &self.auto)?;
+        if asked == Algo::Auto
+            && crate::debug::enabled(crate::debug::Level::Info)
+            && self.auto_seen.insert(bytes)
+        {
+            crate::info!(
+                "rank {}/{}: AUTO chose {} for {bytes} bytes",
+                self.rank,
+                self.world,
+                algo.name()
+            );
+        }
         if algo == Algo::Multimem {
             let supports = !self.host && cuda::driver()?.device(self.device)?.multicast;
             multicast::multicast_gate_from_env(supports)
@@ -196,6 +210,17 @@ impl Communicator {
         } else {
             0
         };
+        crate::trace!(
+            "rank {}/{}: all_reduce {} {count} x {} {} send +{:#x} recv +{:#x} stream {stream:#x}{}",
+            self.rank,
+            self.world,
+            algo.name(),
+            dtype.name(),
+            op.name(),
+            desc.send_off,
+            desc.recv_off,
+            if staged { " (staged)" } else { "" }
+        );
         self.run(algo, desc, dtype, op, stream, mc_out)?;
         if staged {
             self.copy(recv, work_recv, bytes, stream)?;
@@ -232,6 +257,12 @@ impl Communicator {
 
     /// Gives back the peer mappings, windows, internal buffers and the device claim.
     pub fn destroy(mut self: Box<Self>) -> Result<()> {
+        crate::info!(
+            "rank {}/{}: communicator on device {} destroyed",
+            self.rank,
+            self.world,
+            self.device
+        );
         if !self.host {
             // Kernels in flight still use the pad and the peers' mappings.
             let _ = cuda::mem::sync_device(self.device);

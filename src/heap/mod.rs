@@ -92,6 +92,11 @@ impl Allocator {
                     ));
                 }
                 let heap = DeviceHeap::new(self.backend.as_ref(), device, size)?;
+                crate::info!(
+                    "device {device}: {} backend, symmetric heap of {size} bytes at {:#x}",
+                    self.backend.name(),
+                    heap.base()
+                );
                 let _ = slot.set(SpinLock::new(heap));
             }
         }
