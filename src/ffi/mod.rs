@@ -1,6 +1,6 @@
 //! The C ABI: the only `#[no_mangle]` code. Each entry point checks its arguments, runs inside
 //! a panic guard, and reports failure as a status (or NULL) plus `symm_last_error()`.
-//! Contract: ../shared/DESIGN.md and include/symmalloc.h (generated from this file).
+//! Contract: include/symmalloc.h (generated from this file) and the README (design, ABI policy).
 
 // Entry points are called from C with raw pointers; each dereference is checked for NULL and
 // carries a SAFETY note. Marking them `unsafe fn` would change nothing for C callers.
