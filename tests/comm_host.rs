@@ -5,54 +5,8 @@
 mod common;
 use common::*;
 use std::ptr::null_mut;
-use symmalloc::comm::convert::*;
 use symmalloc::ffi::types::*;
 use symmalloc::ffi::*;
-
-const HOST: (&str, &str) = ("SYMMALLOC_BACKEND", "host");
-
-/// Rank r's input element i for a seed: reproducible on every rank, so each rank can compute
-/// the float64 reference of the whole reduction.
-fn input(seed: u64, rank: i32, i: usize) -> f32 {
-    let mut r = Rng::new(seed ^ ((rank as u64) << 40) ^ (i as u64).wrapping_mul(0x9E37));
-    r.unit() * 4.0
-}
-
-fn dtypes() -> [(u32, usize); 3] {
-    [(SYMM_BF16, 2), (SYMM_FP16, 2), (SYMM_FP32, 4)]
-}
-
-unsafe fn write_elem(p: *mut u8, dtype: u32, i: usize, v: f32) {
-    match dtype {
-        SYMM_BF16 => (p as *mut u16).add(i).write(f32_to_bf16(v)),
-        SYMM_FP16 => (p as *mut u16).add(i).write(f32_to_f16(v)),
-        _ => (p as *mut f32).add(i).write(v),
-    }
-}
-
-unsafe fn read_elem(p: *const u8, dtype: u32, i: usize) -> f32 {
-    match dtype {
-        SYMM_BF16 => bf16_to_f32((p as *const u16).add(i).read()),
-        SYMM_FP16 => f16_to_f32((p as *const u16).add(i).read()),
-        _ => (p as *const f32).add(i).read(),
-    }
-}
-
-fn rounded(dtype: u32, v: f32) -> f64 {
-    (match dtype {
-        SYMM_BF16 => bf16_to_f32(f32_to_bf16(v)),
-        SYMM_FP16 => f16_to_f32(f32_to_f16(v)),
-        _ => v,
-    }) as f64
-}
-
-fn tolerance(dtype: u32) -> f64 {
-    match dtype {
-        SYMM_BF16 => 1e-2,
-        SYMM_FP16 => 2e-3,
-        _ => 1e-5,
-    }
-}
 
 fn correctness_rank(c: Child) {
     let comm = init(&c);

@@ -8,8 +8,6 @@ use std::ptr::null_mut;
 use symmalloc::ffi::types::*;
 use symmalloc::ffi::*;
 
-const HOST: (&str, &str) = ("SYMMALLOC_BACKEND", "host");
-
 fn calls_rank(c: Child) {
     let comm = init(&c);
     for (n, algo) in [

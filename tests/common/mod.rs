@@ -2,6 +2,10 @@
 //! the GPU-presence check that GPU tests use to skip with a visible reason.
 #![allow(dead_code)]
 
+mod data;
+#[allow(unused_imports)]
+pub use data::*;
+
 use std::process::{Command, Output};
 
 /// xorshift64*: deterministic, seedable, good enough for test data.
@@ -255,4 +259,53 @@ pub fn expect_exchange_asymmetry(
     let e = err();
     assert!(e.contains("rank 0") && e.contains("rank 1"), "{e}");
     (extra, p)
+}
+
+// ---- Host-backend element helpers (the multi-process host tests share them).
+
+pub const HOST: (&str, &str) = ("SYMMALLOC_BACKEND", "host");
+use symmalloc::comm::convert::*;
+use symmalloc::ffi::types::{SYMM_BF16, SYMM_FP16, SYMM_FP32};
+
+/// Rank r's input element i for a seed: reproducible on every rank, so each rank can compute
+/// the float64 reference of the whole collective.
+pub fn input(seed: u64, rank: i32, i: usize) -> f32 {
+    let mut r = Rng::new(seed ^ ((rank as u64) << 40) ^ (i as u64).wrapping_mul(0x9E37));
+    r.unit() * 4.0
+}
+
+pub fn dtypes() -> [(u32, usize); 3] {
+    [(SYMM_BF16, 2), (SYMM_FP16, 2), (SYMM_FP32, 4)]
+}
+
+pub unsafe fn write_elem(p: *mut u8, dtype: u32, i: usize, v: f32) {
+    match dtype {
+        SYMM_BF16 => (p as *mut u16).add(i).write(f32_to_bf16(v)),
+        SYMM_FP16 => (p as *mut u16).add(i).write(f32_to_f16(v)),
+        _ => (p as *mut f32).add(i).write(v),
+    }
+}
+
+pub unsafe fn read_elem(p: *const u8, dtype: u32, i: usize) -> f32 {
+    match dtype {
+        SYMM_BF16 => bf16_to_f32((p as *const u16).add(i).read()),
+        SYMM_FP16 => f16_to_f32((p as *const u16).add(i).read()),
+        _ => (p as *const f32).add(i).read(),
+    }
+}
+
+pub fn rounded(dtype: u32, v: f32) -> f64 {
+    (match dtype {
+        SYMM_BF16 => bf16_to_f32(f32_to_bf16(v)),
+        SYMM_FP16 => f16_to_f32(f32_to_f16(v)),
+        _ => v,
+    }) as f64
+}
+
+pub fn tolerance(dtype: u32) -> f64 {
+    match dtype {
+        SYMM_BF16 => 1e-2,
+        SYMM_FP16 => 2e-3,
+        _ => 1e-5,
+    }
 }
