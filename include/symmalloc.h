@@ -284,6 +284,24 @@ symm_status_t symm_all_reduce(symm_comm_t *comm, const void *send, void *recv, s
 symm_status_t symm_all_reduce_algo(symm_comm_t *comm, symm_algo_t algo, const void *send, void *recv, size_t count, symm_dtype_t dtype, symm_op_t op, struct CUstream_st *stream);
 
 /**
+ * Reduce-scatter: rank r receives elements [r * recv_count, (r + 1) * recv_count) of the
+ * reduction of every rank's `send` (world * recv_count elements) in `recv` (recv_count).
+ * bf16, fp16, fp32; sum, max, min. Stream-ordered and capturable; buffers inside the heap
+ * are used in place, others staged. In place: recv = send + rank * recv_count; any other
+ * overlap is SYMM_ERR_INVALID_ARGUMENT. Every rank must call it with the same count, type,
+ * op and buffer offsets (SYMM_ERR_NOT_SYMMETRIC otherwise).
+ */
+symm_status_t symm_reduce_scatter(symm_comm_t *comm, const void *send, void *recv, size_t recv_count, symm_dtype_t dtype, symm_op_t op, struct CUstream_st *stream);
+
+/**
+ * All-gather: rank r's `send` (send_count elements) lands at element r * send_count of every
+ * rank's `recv` (world * send_count). Any type (bf16, fp16, fp32: the bits are copied).
+ * Stream-ordered and capturable; buffers inside the heap are used in place, others staged. In
+ * place: send = recv + rank * send_count; any other overlap is SYMM_ERR_INVALID_ARGUMENT.
+ */
+symm_status_t symm_all_gather(symm_comm_t *comm, const void *send, void *recv, size_t send_count, symm_dtype_t dtype, struct CUstream_st *stream);
+
+/**
  * Every rank waits for every other; stream-ordered.
  */
 symm_status_t symm_barrier(symm_comm_t *comm, struct CUstream_st *stream);

@@ -22,6 +22,7 @@ elif [ "${1:-tests}" = tail ]; then
 elif [ "${1:-tests}" = gpu ]; then
   run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture
   T=400 TAILN=12 run gpu_comm $D/t_gpu_comm --include-ignored --test-threads=1 --nocapture
+  T=200 TAILN=6 run gpu_sg $D/t_gpu_sg --include-ignored --test-threads=1 --nocapture
 elif [ "${1:-tests}" = tests ]; then
   step machine; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m | head -5; ldd --version | head -1
   env | grep -E "NVLS|MULTICAST" | sort
@@ -29,7 +30,8 @@ elif [ "${1:-tests}" = tests ]; then
   run unit $D/t_unit --test-threads=2
   run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture
   T=400 TAILN=25 run gpu_comm $D/t_gpu_comm --include-ignored --test-threads=1 --nocapture
-  for mode in mempool graph global; do
+  T=200 TAILN=6 run gpu_sg $D/t_gpu_sg --include-ignored --test-threads=1 --nocapture
+  for mode in mempool graph global scatter_gather; do
     T=240 TAILN=4 run torch_$mode python3 -m torch.distributed.run --nproc_per_node=2 --master_port=29533 python/tests/torch_gpu_check.py $mode
   done
   step c_harness

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --examples
 cargo build --release
-mapfile -t tests < <(cargo test --release -p symmalloc --lib --test gpu_alloc --test gpu_comm --no-run 2>&1 |
+mapfile -t tests < <(cargo test --release -p symmalloc --lib --test gpu_alloc --test gpu_comm --test gpu_scatter_gather --no-run 2>&1 |
   grep -oE "\(target/release/deps/[^)]+\)" | tr -d '()')
 rm -rf .device && mkdir -p .device
 cp target/release/libsymmalloc.so target/release/libsymmalloc_pluggable.so target/release/symmalloc-demo \
@@ -15,6 +15,7 @@ for t in "${tests[@]}"; do
   case "$t" in
     *gpu_alloc-*) cp "$t" .device/t_gpu_alloc ;;
     *gpu_comm-*) cp "$t" .device/t_gpu_comm ;;
+    *gpu_scatter_gather-*) cp "$t" .device/t_gpu_sg ;;
     *symmalloc-*) cp "$t" .device/t_unit ;;
   esac
 done

@@ -61,6 +61,8 @@ fn header_names_the_contract() {
         "symm_comm_destroy",
         "symm_all_reduce",
         "symm_all_reduce_algo",
+        "symm_reduce_scatter",
+        "symm_all_gather",
         "symm_barrier",
         "SYMM_ERR_INTERNAL",
         "SYMM_BF16",

@@ -22,7 +22,13 @@ fn every_table_name_is_instantiated_and_vice_versa() {
     let mut instantiated = BTreeSet::new();
     for line in src.lines() {
         let l = line.trim();
-        for prefix in ["SYMM_ONE_SHOT(", "SYMM_ONE_SHOT_LL(", "SYMM_TWO_SHOT("] {
+        for prefix in [
+            "SYMM_ONE_SHOT(",
+            "SYMM_ONE_SHOT_LL(",
+            "SYMM_TWO_SHOT(",
+            "SYMM_REDUCE_SCATTER(",
+            "SYMM_ALL_GATHER(",
+        ] {
             if let Some(rest) = l.strip_prefix(prefix) {
                 instantiated.insert(rest.split(',').next().unwrap().trim().to_string());
             }
@@ -46,7 +52,8 @@ fn every_table_name_is_instantiated_and_vice_versa() {
         table, instantiated,
         "kernel table and kernels/*.cu disagree"
     );
-    assert_eq!(table.len(), 18 + 18 + 18 + 3 + 1);
+    // one-shot, LL, two-shot, multimem, reduce-scatter, all-gather, self-test
+    assert_eq!(table.len(), 18 + 18 + 18 + 3 + 18 + 6 + 1);
 }
 
 #[test]
@@ -91,6 +98,7 @@ fn argument_struct_matches_the_cuda_source() {
         ("SYMM_MAX_BLOCKS", k::MAX_BLOCKS.to_string()),
         ("SYMM_THREADS", k::THREADS.to_string()),
         ("SYMM_TWO_SHOT_UNROLL", k::TWO_SHOT_UNROLL.to_string()),
+        ("SYMM_SG_UNROLL", k::SG_UNROLL.to_string()),
         ("SYMM_ERR_TIMEOUT_CODE", format!("{}u", k::ERR_TIMEOUT)),
         (
             "SYMM_ERR_ASYMMETRIC_CODE",

@@ -117,6 +117,14 @@ def _library():
             ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p,
         ]
         lib.symm_barrier.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.symm_reduce_scatter.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
+            ctypes.c_uint32, ctypes.c_void_p,
+        ]
+        lib.symm_all_gather.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
+            ctypes.c_void_p,
+        ]
         _lib = lib
     return _lib
 
@@ -234,6 +242,36 @@ class Communicator:
                                   _SIZE(tensor.numel()), code, op_code, _VOIDP(self._stream(dev) if dev >= 0 else 0))
         if status:
             _check(status)
+
+    def _shapes(self, out, inp, out_per_in: int, in_per_out: int):
+        """The symm_dtype_t of two contiguous tensors of one dtype whose sizes relate as given."""
+        code = _dtype_code(inp.dtype)
+        if code is None or out.dtype != inp.dtype:
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"dtypes {out.dtype} / {inp.dtype}: expected one of bfloat16, float16, float32 for both")
+        if not (out.is_contiguous() and inp.is_contiguous()):
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "out and inp must be contiguous")
+        if out.numel() * in_per_out != inp.numel() * out_per_in:
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"out has {out.numel()} elements and inp {inp.numel()}; expected out = inp * {out_per_in} / {in_per_out} (world size {self.world_size})")
+        return code
+
+    def reduce_scatter(self, out, inp, op: str = "sum") -> None:
+        """Rank r's ``out`` gets elements [r * n, (r + 1) * n) of the reduction of every rank's
+        ``inp`` (n = out.numel(), inp.numel() = world_size * n), on the current stream."""
+        code = self._shapes(out, inp, 1, self.world_size)
+        op_code = _OPS.get(op)
+        if op_code is None:
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"op {op!r} unknown; ops {list(_OPS)}")
+        dev = out.get_device()
+        _check(_library().symm_reduce_scatter(self._comm, inp.data_ptr(), out.data_ptr(), out.numel(), code, op_code,
+                                               self._stream(dev) if dev >= 0 else 0))
+
+    def all_gather(self, out, inp) -> None:
+        """Every rank's ``inp`` lands at r * inp.numel() of ``out`` (world_size * inp.numel()
+        elements), on the current stream."""
+        code = self._shapes(out, inp, self.world_size, 1)
+        dev = out.get_device()
+        _check(_library().symm_all_gather(self._comm, inp.data_ptr(), out.data_ptr(), inp.numel(), code,
+                                           self._stream(dev) if dev >= 0 else 0))
 
     def _bind(self) -> None:
         """What every call needs, looked up once: the entry point and the stream getter."""

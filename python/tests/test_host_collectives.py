@@ -76,6 +76,24 @@ def _rank(rank, world, uid, q):
             results.append((x if in_place else out).values())
             lib.symm_free(a, 4 * n, rank, None)
             lib.symm_free(b, 4 * n, rank, None)
+        # Reduce-scatter and all-gather through the same wrappers.
+        n = 1001
+        a = lib.symm_malloc(4 * n * world, rank, None)
+        b = lib.symm_malloc(4 * n * world, rank, None)
+        big, small = HostTensor(a, n * world), HostTensor(b, n)
+        big.fill(_inputs(100, rank, n * world))
+        small.fill([float("nan")] * n)
+        comm.reduce_scatter(small, big)
+        results.append(small.values())
+        small.fill(_inputs(200, rank, n))
+        comm.all_gather(big, small)
+        results.append(big.values())
+        try:
+            comm.reduce_scatter(HostTensor(b, n + 1), big)
+        except symmalloc.SymmallocError as e:
+            results.append(str(e))
+        lib.symm_free(a, 4 * n * world, rank, None)
+        lib.symm_free(b, 4 * n * world, rank, None)
         # Errors the Python side reports before the library is called.
         p = lib.symm_malloc(64, rank, None)
         errors = []
@@ -121,6 +139,14 @@ def test_two_processes_reduce_through_the_python_path():
             out = got[rank][0][case]
             assert all(abs(o - w) <= 1e-5 * max(1.0, abs(w)) for o, w in zip(out, want)), (case, rank)
         assert got[0][0][case] == got[1][0][case], f"case {case}: ranks differ bitwise"
+    n = 1001
+    for rank in (0, 1):
+        rs, ag, shape_error = got[rank][0][5], got[rank][0][6], got[rank][0][7]
+        ins = [_inputs(100, r, 2 * n) for r in (0, 1)]
+        want = [ins[0][rank * n + i] + ins[1][rank * n + i] for i in range(n)]
+        assert all(abs(o - w) <= 1e-5 * max(1.0, abs(w)) for o, w in zip(rs, want)), rank
+        assert ag == _inputs(200, 0, n) + _inputs(200, 1, n), f"rank {rank}: all-gather differs"
+        assert "out has 1002 elements and inp 2002" in shape_error, shape_error
     errors = got[0][1]
     assert len(errors) == 5, errors
     assert "op 'avg'" in errors[0] and "algo 'fast'" in errors[1]

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed here")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.parametrize("mode", ["mempool", "graph", "global"])
+@pytest.mark.parametrize("mode", ["mempool", "graph", "global", "scatter_gather"])
 def test_torchrun(mode):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")

@@ -1,6 +1,7 @@
 """GPU checks of the PyTorch integration, run by torchrun (one process per GPU):
-    torchrun --nproc_per_node=2 python/tests/torch_gpu_check.py mempool|graph|global
+    torchrun --nproc_per_node=2 python/tests/torch_gpu_check.py mempool|graph|global|scatter_gather
 Each mode asserts and exits non-zero on failure. python/tests/test_torch_gpu.py drives it."""
+import contextlib
 import os
 import sys
 
@@ -107,6 +108,33 @@ def global_mode(comm):
     print(f"rank {comm.rank}: global mode, 100 MLP steps; loss {a[0]:.4f} -> {a[-1]:.4f}, matches NCCL (worst rel diff {worst:.1e})")
 
 
+def scatter_gather(comm):
+    """comm.reduce_scatter / comm.all_gather against NCCL's reduce_scatter_tensor and
+    all_gather_into_tensor: MemPool tensors, plain torch tensors (staged), odd sizes."""
+    pool = symmalloc.mem_pool()
+    world = dist.get_world_size()
+    gen = torch.Generator(device="cuda").manual_seed(300 + comm.rank)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for n in (1, 7, 4099, 1_000_003):
+            for pooled in (True, False):
+                with torch.cuda.use_mem_pool(pool) if pooled else contextlib.nullcontext():
+                    inp = torch.randn(world * n, generator=gen, device="cuda").to(dtype)
+                    out = torch.full((n,), float("nan"), device="cuda", dtype=dtype)
+                    small = torch.randn(n, generator=gen, device="cuda").to(dtype)
+                    gathered = torch.full((world * n,), float("nan"), device="cuda", dtype=dtype)
+                ref = torch.empty(n, device="cuda", dtype=torch.float32)
+                dist.reduce_scatter_tensor(ref, inp.float())
+                comm.reduce_scatter(out, inp)
+                ref_g = torch.empty(world * n, device="cuda", dtype=dtype)
+                dist.all_gather_into_tensor(ref_g, small)
+                comm.all_gather(gathered, small)
+                torch.cuda.synchronize()
+                e = rel(out, ref)
+                assert e <= TOL[dtype], f"reduce_scatter {dtype} n={n} pooled={pooled}: rel err {e}"
+                assert torch.equal(gathered, ref_g), f"all_gather {dtype} n={n} pooled={pooled} differs from NCCL"
+    print(f"rank {comm.rank}: reduce_scatter and all_gather match NCCL (bf16/fp16/fp32, odd sizes, pooled and staged)")
+
+
 def main():
     mode = sys.argv[1]
     rank = int(os.environ["LOCAL_RANK"])
@@ -115,7 +143,7 @@ def main():
     torch.cuda.set_device(rank)
     comm = symmalloc.Communicator.from_env()
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    {"mempool": mempool, "graph": graph, "global": global_mode}[mode](comm)
+    {"mempool": mempool, "graph": graph, "global": global_mode, "scatter_gather": scatter_gather}[mode](comm)
     dist.barrier()
     comm.close()
     dist.destroy_process_group()

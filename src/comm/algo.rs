@@ -27,6 +27,10 @@ pub enum Algo {
     Multimem,
     /// One-shot without barriers: values carry their own arrival flags (kernels/one_shot_ll.cu).
     OneShotLL,
+    /// Not all-reduce algorithms: the collectives of kernels/scatter_gather.cu (never chosen by
+    /// AUTO, never named by a symm_algo_t).
+    ReduceScatter,
+    AllGather,
 }
 
 impl DType {
@@ -96,6 +100,8 @@ impl Algo {
             Algo::TwoShot => "two_shot",
             Algo::Multimem => "multimem",
             Algo::OneShotLL => "one_shot_ll",
+            Algo::ReduceScatter => "reduce_scatter",
+            Algo::AllGather => "all_gather",
         }
     }
 }

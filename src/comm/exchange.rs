@@ -5,6 +5,7 @@
 //! Invariant: a segment is exchanged once per generation (PeerWindows keeps which), so a
 //! steady-state call sends nothing.
 
+use super::algo::Algo;
 use super::Communicator;
 use crate::error::{Error, Result};
 use crate::heap::device_heap::SegmentInfo;
@@ -21,16 +22,22 @@ pub(super) struct CallDesc {
     pub algo: u64,
 }
 
+/// Stands for an offset that only its own rank uses, so ranks need not agree on it.
+pub(super) const RANK_LOCAL: u64 = u64::MAX - 1;
+
 impl CallDesc {
+    /// What every rank must agree on. Reduce-scatter writes only the caller's own `recv`, and
+    /// all-gather reads only the caller's own `send` (in place, those offsets differ by rank by
+    /// design), so those are left out.
     pub fn words(&self) -> [u64; 6] {
-        [
-            self.send_off,
-            self.recv_off,
-            self.count,
-            self.dtype,
-            self.op,
-            self.algo,
-        ]
+        let (send, recv) = if self.algo == Algo::ReduceScatter as u64 {
+            (self.send_off, RANK_LOCAL)
+        } else if self.algo == Algo::AllGather as u64 {
+            (RANK_LOCAL, self.recv_off)
+        } else {
+            (self.send_off, self.recv_off)
+        };
+        [send, recv, self.count, self.dtype, self.op, self.algo]
     }
     /// A 64-bit digest the kernels compare at their first barrier.
     pub fn digest(&self) -> u64 {

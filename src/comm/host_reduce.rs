@@ -1,7 +1,7 @@
-//! The host backend's all-reduce: the same semantics as the kernels (fixed rank order, fp32
-//! accumulation, one-shot and two-shot data movement, barriers through the shared signal pad
-//! with acquire/release and a timeout), run by the CPU over the peer windows. Slot 0 of the pad
-//! is used (the host has one "block").
+//! The host backend's collectives: the same semantics as the kernels (fixed rank order, fp32
+//! accumulation, one-shot and two-shot data movement, reduce-scatter and all-gather, barriers
+//! through the shared signal pad with acquire/release and a timeout), run by the CPU over the
+//! peer windows. Slot 0 of the pad is used (the host has one "block").
 
 use super::algo::{Algo, DType, ReduceOp};
 use super::convert::*;
@@ -111,11 +111,36 @@ fn reduce(c: &HostCall<'_>, i: usize) -> f32 {
     acc
 }
 
-/// Runs one all-reduce; `epoch` is the communicator's host epoch counter.
-pub fn all_reduce(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
+/// Runs one collective (`c.algo`); `epoch` is the communicator's host epoch counter.
+pub fn run(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
     *epoch = epoch.wrapping_add(1);
     barrier(c, *epoch, true)?;
     match c.algo {
+        Algo::ReduceScatter => {
+            // Slice `rank` (c.count elements) of every input, into this rank's output.
+            let begin = c.rank * c.count;
+            for i in 0..c.count {
+                let v = reduce(c, begin + i);
+                store(c.dtype, c.outputs[c.rank], i, v);
+            }
+        }
+        Algo::AllGather => {
+            // This rank's input into slot `rank` of every output (bit-exact: a copy of elements).
+            let es = c.dtype.size();
+            for r in 0..c.world {
+                for i in 0..c.count * es {
+                    // SAFETY: both ranges are mapped buffers of the collective (checked by the
+                    // caller): input bytes 0..count*es, output bytes of slot `rank`.
+                    unsafe {
+                        let b = std::ptr::read_volatile((c.inputs[c.rank] as *const u8).add(i));
+                        std::ptr::write_volatile(
+                            (c.outputs[r] as *mut u8).add(c.rank * c.count * es + i),
+                            b,
+                        );
+                    }
+                }
+            }
+        }
         Algo::TwoShot => {
             let slice = c.count.div_ceil(c.world);
             let begin = (slice * c.rank).min(c.count);

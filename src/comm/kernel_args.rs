@@ -6,6 +6,8 @@ pub const MAX_BLOCKS: usize = 128;
 pub const THREADS: u32 = 512;
 /// Vectors per thread per round in the two-shot kernel (16-byte path only).
 pub const TWO_SHOT_UNROLL: u64 = 4;
+/// The same for reduce-scatter and all-gather (kernels/scatter_gather.cu).
+pub const SG_UNROLL: u64 = 4;
 /// One signal slot: `u32 flag, u32 pad, u64 desc`.
 pub const SLOT_BYTES: u64 = 16;
 /// Signal pad: `[MAX_BLOCKS][MAX_RANKS]` slots.

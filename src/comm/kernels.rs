@@ -10,6 +10,12 @@ pub fn kernel_name(algo: Algo, dtype: DType, op: ReduceOp, vec: bool) -> Option<
         Algo::TwoShot => "two_shot",
         Algo::OneShotLL => "one_shot_ll",
         Algo::Multimem if op == ReduceOp::Sum && vec => "multimem",
+        Algo::ReduceScatter => "reduce_scatter",
+        // All-gather moves data and has no op: one kernel per type, listed under Sum.
+        Algo::AllGather if op == ReduceOp::Sum => {
+            let v = if vec { "vec" } else { "scalar" };
+            return Some(format!("symm_all_gather_{}_{v}", dtype.name()));
+        }
         _ => return None,
     };
     let v = if vec { "vec" } else { "scalar" };
@@ -24,6 +30,8 @@ pub fn all_kernel_names() -> Vec<String> {
         Algo::OneShotLL,
         Algo::TwoShot,
         Algo::Multimem,
+        Algo::ReduceScatter,
+        Algo::AllGather,
     ] {
         for dtype in [DType::Bf16, DType::Fp16, DType::Fp32] {
             for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {

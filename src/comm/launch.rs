@@ -58,7 +58,7 @@ impl Communicator {
                 desc: desc.digest(),
                 timeout: self.timeout,
             };
-            let r = host_reduce::all_reduce(&call, &mut self.host_epoch);
+            let r = host_reduce::run(&call, &mut self.host_epoch);
             if let Err(e) = &r {
                 if e.status == Status::ErrTimeout {
                     self.sticky = Some(e.clone());
@@ -67,10 +67,14 @@ impl Communicator {
             return r;
         }
         let esize = dtype.size() as u64;
+        // Reduce-scatter and all-gather address slices of count elements: vectors need them
+        // whole (all-reduce kernels do the element tail themselves).
+        let sg = matches!(algo, Algo::ReduceScatter | Algo::AllGather);
         let vec = inputs[..world]
             .iter()
             .chain(&outputs[..world])
-            .all(|p| p % 16 == 0);
+            .all(|p| p % 16 == 0)
+            && (!sg || (desc.count * esize) % 16 == 0);
         let items = if vec {
             desc.count * esize / 16
         } else {
@@ -83,7 +87,7 @@ impl Communicator {
         } else {
             items
         };
-        let cap = if sliced {
+        let cap = if sliced || sg {
             MAX_BLOCKS as u64
         } else {
             (self.sms as u64 / 4).clamp(1, 32)
@@ -91,6 +95,7 @@ impl Communicator {
         // Items one block covers per round.
         let per_block = match algo {
             Algo::TwoShot if vec => THREADS as u64 * TWO_SHOT_UNROLL,
+            Algo::ReduceScatter | Algo::AllGather if vec => THREADS as u64 * SG_UNROLL,
             _ => THREADS as u64,
         };
         let (grid, threads) = match algo {

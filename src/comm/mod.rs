@@ -25,6 +25,7 @@ pub mod kernels;
 mod launch;
 pub mod mc_window;
 pub mod multicast;
+mod scatter_gather;
 pub mod streams;
 pub mod windows;
 
@@ -78,6 +79,32 @@ pub struct Communicator {
     /// Kernels already looked up in the device's module, so a call does no name formatting,
     /// module lock or hash of a string.
     kernels: HashMap<(Algo, DType, ReduceOp, bool), cuda::module::Function>,
+}
+
+/// Collective buffers must be non-NULL and aligned to their element.
+fn check_pointers(send: u64, recv: u64, dtype: DType) -> Result<()> {
+    if send == 0 || recv == 0 {
+        return Err(Error::invalid(format!(
+            "send ({send:#x}) and recv ({recv:#x}) must not be NULL when count > 0"
+        )));
+    }
+    let esize = dtype.size() as u64;
+    if send % esize != 0 || recv % esize != 0 {
+        return Err(Error::invalid(format!(
+            "send {send:#x} / recv {recv:#x} are not aligned to the {}-byte {} element",
+            esize,
+            dtype.name()
+        )));
+    }
+    Ok(())
+}
+
+/// `count * esize * times` bytes, or an error naming the count that overflows.
+fn byte_size(count: u64, esize: u64, times: u64) -> Result<u64> {
+    count
+        .checked_mul(esize)
+        .and_then(|b| b.checked_mul(times))
+        .ok_or_else(|| Error::invalid(format!("count {count} overflows the byte size")))
 }
 
 impl Communicator {
@@ -140,22 +167,8 @@ impl Communicator {
         if count == 0 {
             return Ok(());
         }
-        if send == 0 || recv == 0 {
-            return Err(Error::invalid(format!(
-                "send ({send:#x}) and recv ({recv:#x}) must not be NULL when count > 0"
-            )));
-        }
-        let esize = dtype.size() as u64;
-        if send % esize != 0 || recv % esize != 0 {
-            return Err(Error::invalid(format!(
-                "send {send:#x} / recv {recv:#x} are not aligned to the {}-byte {} element",
-                esize,
-                dtype.name()
-            )));
-        }
-        let bytes = count
-            .checked_mul(esize)
-            .ok_or_else(|| Error::invalid(format!("count {count} overflows the byte size")))?;
+        check_pointers(send, recv, dtype)?;
+        let bytes = byte_size(count, dtype.size() as u64, 1)?;
         let asked = algo;
         let algo = algo::choose(algo, bytes, self.world, self.ll_slot, &self.auto)?;
         if asked == Algo::Auto

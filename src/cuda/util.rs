@@ -197,6 +197,13 @@ pub fn raw_alloc(device: i32, bytes: usize) -> Result<u64> {
     Ok(p)
 }
 
+/// Frees memory from `raw_alloc`.
+pub fn raw_free(device: i32, ptr: u64) -> Result<()> {
+    let _ctx = CtxGuard::new(device)?;
+    // SAFETY: ptr came from cuMemAlloc (raw_alloc) and is freed once.
+    check(unsafe { sys::cuMemFree_v2(ptr) }, "cuMemFree")
+}
+
 /// Stream-ordered host-to-device copy (the host buffer must stay alive until the stream syncs).
 pub fn htod_async(device: i32, dst: u64, src: &[u8], stream: u64) -> Result<()> {
     let _ctx = CtxGuard::new(device)?;

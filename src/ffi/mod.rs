@@ -373,6 +373,65 @@ pub extern "C" fn symm_all_reduce_algo(
     })
 }
 
+/// Reduce-scatter: rank r receives elements [r * recv_count, (r + 1) * recv_count) of the
+/// reduction of every rank's `send` (world * recv_count elements) in `recv` (recv_count).
+/// bf16, fp16, fp32; sum, max, min. Stream-ordered and capturable; buffers inside the heap
+/// are used in place, others staged. In place: recv = send + rank * recv_count; any other
+/// overlap is SYMM_ERR_INVALID_ARGUMENT. Every rank must call it with the same count, type,
+/// op and buffer offsets (SYMM_ERR_NOT_SYMMETRIC otherwise).
+#[no_mangle]
+pub extern "C" fn symm_reduce_scatter(
+    comm: *mut symm_comm_t,
+    send: *const c_void,
+    recv: *mut c_void,
+    recv_count: usize,
+    dtype: symm_dtype_t,
+    op: symm_op_t,
+    stream: *mut CUstream_st,
+) -> symm_status_t {
+    guard_status("symm_reduce_scatter", || {
+        let dtype = DType::from_c(dtype)?;
+        let op = ReduceOp::from_c(op)?;
+        with_comm(comm, |c| {
+            c.reduce_scatter(
+                send as u64,
+                recv as u64,
+                recv_count as u64,
+                dtype,
+                op,
+                stream_of(stream),
+            )
+        })
+    })
+}
+
+/// All-gather: rank r's `send` (send_count elements) lands at element r * send_count of every
+/// rank's `recv` (world * send_count). Any type (bf16, fp16, fp32: the bits are copied).
+/// Stream-ordered and capturable; buffers inside the heap are used in place, others staged. In
+/// place: send = recv + rank * send_count; any other overlap is SYMM_ERR_INVALID_ARGUMENT.
+#[no_mangle]
+pub extern "C" fn symm_all_gather(
+    comm: *mut symm_comm_t,
+    send: *const c_void,
+    recv: *mut c_void,
+    send_count: usize,
+    dtype: symm_dtype_t,
+    stream: *mut CUstream_st,
+) -> symm_status_t {
+    guard_status("symm_all_gather", || {
+        let dtype = DType::from_c(dtype)?;
+        with_comm(comm, |c| {
+            c.all_gather(
+                send as u64,
+                recv as u64,
+                send_count as u64,
+                dtype,
+                stream_of(stream),
+            )
+        })
+    })
+}
+
 /// Every rank waits for every other; stream-ordered.
 #[no_mangle]
 pub extern "C" fn symm_barrier(comm: *mut symm_comm_t, stream: *mut CUstream_st) -> symm_status_t {

@@ -1,0 +1,191 @@
+//! Reduce-scatter and all-gather on real GPUs, one process per GPU (run on the device machine;
+//! fails without two GPUs, and is #[ignore]d so `cargo test` lists it as not run). Fresh random
+//! inputs for every case, outputs poisoned first; reduce-scatter against a float64 reference,
+//! all-gather bit for bit; odd and even counts up to 2^20 + 3, every type and op, apart, in place
+//! (NCCL's rule) and staged from outside the heap; then 200 graph replays of each on fresh data.
+
+mod common;
+use common::*;
+use symmalloc::cuda::util;
+use symmalloc::ffi::types::*;
+use symmalloc::ffi::*;
+
+const GATHER: u32 = u32::MAX; // in the op column: all-gather
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Layout {
+    Apart,
+    Same,
+    Staged,
+}
+
+/// Rank r's slice of the collective's result, as every rank computes it from the seeds.
+fn expected(seed: u64, world: i32, rank: usize, n: usize, dtype: u32, op: u32) -> Vec<f64> {
+    if op == GATHER {
+        (0..world)
+            .flat_map(|r| inputs(seed, r, n, dtype).into_iter().map(|v| v as f64))
+            .collect()
+    } else {
+        reference(seed, world, world as usize * n, dtype, op)[rank * n..(rank + 1) * n].to_vec()
+    }
+}
+
+/// One call; returns the output bytes.
+#[allow(clippy::too_many_arguments)]
+fn run_case(
+    c: &Child,
+    comm: *mut symm_comm_t,
+    stream: u64,
+    seed: u64,
+    n: usize,
+    dtype: u32,
+    op: u32,
+    layout: Layout,
+) -> Vec<u8> {
+    let (es, world, rank) = (esize(dtype), c.world as usize, c.rank as usize);
+    let big = world * n * es;
+    let heap = symm_malloc(big, c.rank, stream as _) as u64;
+    let other = symm_malloc(big, c.rank, stream as _) as u64;
+    assert!(heap != 0 && other != 0, "{}", err());
+    let outside = util::raw_alloc(c.rank, big).unwrap();
+    let gather = op == GATHER;
+    let slot = (rank * n * es) as u64;
+    let (send, recv) = match (layout, gather) {
+        (Layout::Apart, _) => (heap, other),
+        (Layout::Same, false) => (heap, heap + slot),
+        (Layout::Same, true) => (heap + slot, heap),
+        (Layout::Staged, _) => (outside, other),
+    };
+    let (send_n, recv_n) = if gather {
+        (n, world * n)
+    } else {
+        (world * n, n)
+    };
+    let x = encode(dtype, &inputs(seed, c.rank, send_n, dtype));
+    let poison = vec![0xFFu8; recv_n * es];
+    if layout != Layout::Same {
+        util::htod_async(c.rank, recv, &poison, stream).unwrap();
+    }
+    util::htod_async(c.rank, send, &x, stream).unwrap();
+    let st = if gather {
+        symm_all_gather(comm, send as _, recv as _, n, dtype, stream as _)
+    } else {
+        symm_reduce_scatter(comm, send as _, recv as _, n, dtype, op, stream as _)
+    };
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_SUCCESS,
+        "n {n} dtype {dtype} op {op} {layout:?}: {}",
+        err()
+    );
+    util::stream_sync(c.rank, stream).unwrap();
+    let mut out = vec![0u8; recv_n * es];
+    util::dtoh(c.rank, &mut out, recv).unwrap();
+    symm_free(heap as _, big, c.rank, stream as _);
+    symm_free(other as _, big, c.rank, stream as _);
+    util::raw_free(c.rank, outside).unwrap();
+    out
+}
+
+fn check(c: &Child, out: &[u8], seed: u64, n: usize, dtype: u32, op: u32, what: &str) {
+    let want = expected(seed, c.world, c.rank as usize, n, dtype, op);
+    let got = decode(dtype, out);
+    if op == GATHER || op != SYMM_SUM {
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(*g as f64 == *w, "{what}: element {i}: {g} vs {w}");
+        }
+    } else {
+        let e = rel_err(&got, &want);
+        assert!(e <= tol(dtype), "{what}: rel err {e}");
+    }
+}
+
+fn sweep_rank(c: Child) {
+    let comm = init(&c);
+    let stream = util::stream_create(c.rank).unwrap();
+    let seed: u64 = c.arg.parse().unwrap();
+    let mut case = 0u64;
+    for &n in &[1usize, 7, 8, 9, 1031, 65_537, (1 << 20) + 3, 1 << 20] {
+        for dtype in [SYMM_BF16, SYMM_FP16, SYMM_FP32] {
+            for op in [SYMM_SUM, SYMM_MAX, SYMM_MIN, GATHER] {
+                for layout in [Layout::Apart, Layout::Same, Layout::Staged] {
+                    if n > 65_537 && (layout != Layout::Apart || (op != SYMM_SUM && op != GATHER)) {
+                        continue; // the large counts: the two main shapes, not every variant
+                    }
+                    case += 1;
+                    let s = seed.wrapping_add(case * 7919);
+                    let out = run_case(&c, comm, stream, s, n, dtype, op, layout);
+                    let what = format!("rank {} n {n} dtype {dtype} op {op} {layout:?}", c.rank);
+                    check(&c, &out, s, n, dtype, op, &what);
+                }
+            }
+        }
+    }
+    // Graphs: one capture of each, 200 replays on fresh inputs uploaded in stream order.
+    for op in [SYMM_SUM, GATHER] {
+        let (n, dtype, es, world) = (4099usize, SYMM_BF16, 2usize, c.world as usize);
+        let (send_n, recv_n) = if op == GATHER {
+            (n, world * n)
+        } else {
+            (world * n, n)
+        };
+        let send = symm_malloc(send_n * es, c.rank, stream as _) as u64;
+        let recv = symm_malloc(recv_n * es, c.rank, stream as _) as u64;
+        util::capture_begin(c.rank, stream).unwrap();
+        let st = if op == GATHER {
+            symm_all_gather(comm, send as _, recv as _, n, dtype, stream as _)
+        } else {
+            symm_reduce_scatter(comm, send as _, recv as _, n, dtype, op, stream as _)
+        };
+        assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
+        let graph = util::capture_end(c.rank, stream).unwrap();
+        for replay in 0..200u64 {
+            let s = seed ^ (replay << 24) ^ op as u64;
+            util::htod_async(
+                c.rank,
+                send,
+                &encode(dtype, &inputs(s, c.rank, send_n, dtype)),
+                stream,
+            )
+            .unwrap();
+            util::htod_async(c.rank, recv, &vec![0xFFu8; recv_n * es], stream).unwrap();
+            graph.launch(stream).unwrap();
+            util::stream_sync(c.rank, stream).unwrap();
+            let mut out = vec![0u8; recv_n * es];
+            util::dtoh(c.rank, &mut out, recv).unwrap();
+            check(
+                &c,
+                &out,
+                s,
+                n,
+                dtype,
+                op,
+                &format!("rank {} replay {replay} op {op}", c.rank),
+            );
+        }
+        drop(graph);
+        symm_free(send as _, send_n * es, c.rank, stream as _);
+        symm_free(recv as _, recv_n * es, c.rank, stream as _);
+    }
+    destroy(comm);
+    println!(
+        "rank {}: {case} cases and 2 x 200 graph replays correct",
+        c.rank
+    );
+}
+
+#[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
+fn gpu_reduce_scatter_and_all_gather_match_reference() {
+    if let Some(c) = child() {
+        return sweep_rank(c);
+    }
+    let n = gpus("gpu_reduce_scatter_and_all_gather");
+    assert!(n >= 2, "needs 2 GPUs, found {n}");
+    assert_all_ok(&run_ranks(
+        "gpu_reduce_scatter_and_all_gather_match_reference",
+        n.min(8) as i32,
+        &[],
+        &seed().to_string(),
+    ));
+}
