@@ -302,6 +302,17 @@ symm_status_t symm_reduce_scatter(symm_comm_t *comm, const void *send, void *rec
 symm_status_t symm_all_gather(symm_comm_t *comm, const void *send, void *recv, size_t send_count, symm_dtype_t dtype, struct CUstream_st *stream);
 
 /**
+ * All-reduce fused with residual add and RMSNorm, for tensor-parallel inference: with
+ * `r = sum over ranks of x + residual` (fp32), writes `residual = r` and
+ * `out = r * rsqrt(mean(r^2) + eps) * weight`, row by row. `x`, `residual` and `out` are
+ * `[tokens, hidden]`, `weight` is `[hidden]`; bf16 or fp16. `hidden` is a multiple of 8 up to
+ * 16384, every pointer 16-byte aligned, and no two buffers overlap (SYMM_ERR_INVALID_ARGUMENT
+ * otherwise, naming the value). Only `x` is read by peers: it must be symmetric (in the heap,
+ * or it is staged); the others are this rank's own. Stream-ordered and capturable.
+ */
+symm_status_t symm_all_reduce_add_rms_norm(symm_comm_t *comm, const void *x, void *residual, const void *weight, void *out, size_t tokens, size_t hidden, float eps, symm_dtype_t dtype, struct CUstream_st *stream);
+
+/**
  * Every rank waits for every other; stream-ordered.
  */
 symm_status_t symm_barrier(symm_comm_t *comm, struct CUstream_st *stream);

@@ -1,4 +1,4 @@
-//! Reduce-scatter and all-gather on real GPUs, one process per GPU (run on the device machine;
+//! Reduce-scatter, all-gather and the fused all-reduce + residual + RMSNorm on real GPUs, one process per GPU (run on the device machine;
 //! fails without two GPUs, and is #[ignore]d so `cargo test` lists it as not run). Fresh random
 //! inputs for every case, outputs poisoned first; reduce-scatter against a float64 reference,
 //! all-gather bit for bit; odd and even counts up to 2^20 + 3, every type and op, apart, in place
@@ -188,4 +188,195 @@ fn gpu_reduce_scatter_and_all_gather_match_reference() {
         &[],
         &seed().to_string(),
     ));
+}
+
+/// The fused call for tokens x hidden, bf16/fp16, on fresh random data: residual and out against
+/// a float64 reference; outputs hashed so the parent can compare ranks bit for bit. Also 200
+/// graph replays of one shape.
+fn rms_rank(c: Child) {
+    let comm = init(&c);
+    let stream = util::stream_create(c.rank).unwrap();
+    let seed: u64 = c.arg.parse().unwrap();
+    let mut hash = 0xcbf29ce484222325u64;
+    let mut case = 0u64;
+    let shapes = [
+        (1usize, 2048usize),
+        (6, 6144),
+        (138, 4096),
+        (2048, 8192),
+        (3, 16384),
+        (4096, 2048),
+    ];
+    for dtype in [SYMM_BF16, SYMM_FP16] {
+        for &(tokens, hidden) in &shapes {
+            case += 1;
+            let s = seed.wrapping_add(case * 104_729);
+            let (n, es) = (tokens * hidden, 2usize);
+            let bytes = n * es;
+            let x = symm_malloc(bytes, c.rank, stream as _) as u64;
+            let res = util::raw_alloc(c.rank, bytes).unwrap(); // this rank's own: anywhere
+            let out = util::raw_alloc(c.rank, bytes).unwrap();
+            let w = util::raw_alloc(c.rank, hidden * es).unwrap();
+            let xs = inputs(s, c.rank, n, dtype);
+            let rs = inputs(s ^ 1, 100, n, dtype);
+            let ws: Vec<f32> = inputs(s ^ 2, 200, hidden, dtype)
+                .iter()
+                .map(|v| 0.5 + v.abs() / 4.0)
+                .collect();
+            util::htod_async(c.rank, x, &encode(dtype, &xs), stream).unwrap();
+            util::htod_async(c.rank, res, &encode(dtype, &rs), stream).unwrap();
+            util::htod_async(c.rank, w, &encode(dtype, &ws), stream).unwrap();
+            util::htod_async(c.rank, out, &vec![0xFFu8; bytes], stream).unwrap();
+            let st = symm_all_reduce_add_rms_norm(
+                comm,
+                x as _,
+                res as _,
+                w as _,
+                out as _,
+                tokens,
+                hidden,
+                1e-5,
+                dtype,
+                stream as _,
+            );
+            assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
+            util::stream_sync(c.rank, stream).unwrap();
+            let (mut got_r, mut got_o) = (vec![0u8; bytes], vec![0u8; bytes]);
+            util::dtoh(c.rank, &mut got_r, res).unwrap();
+            util::dtoh(c.rank, &mut got_o, out).unwrap();
+            let all: Vec<Vec<f32>> = (0..c.world).map(|r| inputs(s, r, n, dtype)).collect();
+            let wr: Vec<f64> = encode_decode(dtype, &ws);
+            let (mut want_r, mut want_o) = (vec![0f64; n], vec![0f64; n]);
+            for t in 0..tokens {
+                let row = t * hidden..(t + 1) * hidden;
+                for i in row.clone() {
+                    want_r[i] = all.iter().map(|v| v[i] as f64).sum::<f64>() + rs[i] as f64;
+                }
+                let ms = want_r[row.clone()].iter().map(|v| v * v).sum::<f64>() / hidden as f64;
+                let inv = 1.0 / (ms + 1e-5).sqrt();
+                for i in row {
+                    want_o[i] = want_r[i] * inv * wr[i - t * hidden];
+                }
+            }
+            let what = format!("rank {} dtype {dtype} {tokens} x {hidden}", c.rank);
+            let (er, eo) = (
+                rel_err(&decode(dtype, &got_r), &want_r),
+                rel_err(&decode(dtype, &got_o), &want_o),
+            );
+            assert!(
+                er <= tol(dtype) && eo <= tol(dtype),
+                "{what}: residual {er}, out {eo}"
+            );
+            hash = got_r
+                .iter()
+                .chain(&got_o)
+                .fold(hash, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3));
+            symm_free(x as _, bytes, c.rank, stream as _);
+            for p in [res, out, w] {
+                util::raw_free(c.rank, p).unwrap();
+            }
+        }
+    }
+    // 200 graph replays on fresh x, residual re-uploaded each time.
+    let (tokens, hidden, dtype) = (6usize, 4096usize, SYMM_BF16);
+    let bytes = tokens * hidden * 2;
+    let x = symm_malloc(bytes, c.rank, stream as _) as u64;
+    let res = util::raw_alloc(c.rank, bytes).unwrap();
+    let out = util::raw_alloc(c.rank, bytes).unwrap();
+    let w = util::raw_alloc(c.rank, hidden * 2).unwrap();
+    util::htod(c.rank, w, &encode(dtype, &vec![1.0f32; hidden])).unwrap();
+    util::capture_begin(c.rank, stream).unwrap();
+    let st = symm_all_reduce_add_rms_norm(
+        comm,
+        x as _,
+        res as _,
+        w as _,
+        out as _,
+        tokens,
+        hidden,
+        1e-5,
+        dtype,
+        stream as _,
+    );
+    assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
+    let graph = util::capture_end(c.rank, stream).unwrap();
+    for replay in 0..200u64 {
+        let s = seed ^ (replay << 30);
+        let n = tokens * hidden;
+        util::htod_async(
+            c.rank,
+            x,
+            &encode(dtype, &inputs(s, c.rank, n, dtype)),
+            stream,
+        )
+        .unwrap();
+        util::htod_async(c.rank, res, &vec![0u8; bytes], stream).unwrap();
+        graph.launch(stream).unwrap();
+        util::stream_sync(c.rank, stream).unwrap();
+        let mut got = vec![0u8; bytes];
+        util::dtoh(c.rank, &mut got, res).unwrap();
+        let e = rel_err(
+            &decode(dtype, &got),
+            &reference(s, c.world, n, dtype, SYMM_SUM),
+        );
+        assert!(e <= tol(dtype), "replay {replay}: residual rel err {e}");
+    }
+    drop(graph);
+    symm_free(x as _, bytes, c.rank, stream as _);
+    destroy(comm);
+    println!(
+        "rank {}: outputs hash {hash:016x}; {case} fused cases and 200 replays correct",
+        c.rank
+    );
+}
+
+fn encode_decode(dtype: u32, v: &[f32]) -> Vec<f64> {
+    decode(dtype, &encode(dtype, v))
+        .into_iter()
+        .map(|x| x as f64)
+        .collect()
+}
+
+#[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
+fn gpu_fused_rms_norm_matches_reference_on_every_rank() {
+    if let Some(c) = child() {
+        return rms_rank(c);
+    }
+    let n = gpus("gpu_fused_rms_norm");
+    assert!(n >= 2, "needs 2 GPUs, found {n}");
+    let outs = run_ranks(
+        "gpu_fused_rms_norm_matches_reference_on_every_rank",
+        n.min(8) as i32,
+        &[],
+        &seed().to_string(),
+    );
+    assert_all_ok(&outs);
+    let hashes: Vec<String> = outs
+        .iter()
+        .map(|o| {
+            let s = String::from_utf8_lossy(&o.stdout);
+            let l = s
+                .lines()
+                .find(|l| l.contains("outputs hash"))
+                .expect("hash line");
+            l.split_whitespace()
+                .nth(3)
+                .unwrap()
+                .trim_end_matches(';')
+                .to_string()
+        })
+        .collect();
+    assert!(
+        hashes.iter().all(|h| *h == hashes[0]),
+        "ranks differ: {hashes:?}"
+    );
+    println!(
+        "{}",
+        String::from_utf8_lossy(&outs[0].stdout)
+            .lines()
+            .filter(|l| l.contains("rank "))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 }

@@ -63,6 +63,7 @@ fn header_names_the_contract() {
         "symm_all_reduce_algo",
         "symm_reduce_scatter",
         "symm_all_gather",
+        "symm_all_reduce_add_rms_norm",
         "symm_barrier",
         "SYMM_ERR_INTERNAL",
         "SYMM_BF16",

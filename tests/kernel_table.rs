@@ -38,6 +38,7 @@ fn every_table_name_is_instantiated_and_vice_versa() {
             let at = l
                 .find("(SymmArgs")
                 .or_else(|| l.find("(SaxpyArgs"))
+                .or_else(|| l.find("(RmsArgs"))
                 .expect("kernel signature");
             let name = l[..at].split_whitespace().last().unwrap();
             if name != "NAME" {
@@ -52,8 +53,8 @@ fn every_table_name_is_instantiated_and_vice_versa() {
         table, instantiated,
         "kernel table and kernels/*.cu disagree"
     );
-    // one-shot, LL, two-shot, multimem, reduce-scatter, all-gather, self-test
-    assert_eq!(table.len(), 18 + 18 + 18 + 3 + 18 + 6 + 1);
+    // one-shot, LL, two-shot, multimem, reduce-scatter, all-gather, fused RMSNorm, self-test
+    assert_eq!(table.len(), 18 + 18 + 18 + 3 + 18 + 6 + 2 + 1);
 }
 
 #[test]
@@ -99,6 +100,7 @@ fn argument_struct_matches_the_cuda_source() {
         ("SYMM_THREADS", k::THREADS.to_string()),
         ("SYMM_TWO_SHOT_UNROLL", k::TWO_SHOT_UNROLL.to_string()),
         ("SYMM_SG_UNROLL", k::SG_UNROLL.to_string()),
+        ("SYMM_RMS_VECS", k::RMS_VECS.to_string()),
         ("SYMM_ERR_TIMEOUT_CODE", format!("{}u", k::ERR_TIMEOUT)),
         (
             "SYMM_ERR_ASYMMETRIC_CODE",
@@ -163,5 +165,33 @@ fn kernels_only_ever_store_to_the_host_mapped_error_words() {
             "((volatile uint32_t*)a.error_word)[which] = w;"
         ],
         "a kernel touches the host-mapped error words other than by report_to_host's store"
+    );
+}
+
+#[test]
+fn rms_argument_struct_matches_the_cuda_source() {
+    let src = sources();
+    let start = src.find("struct RmsArgs {").unwrap();
+    let body = &src[start..start + src[start..].find("};").unwrap()];
+    let fields: Vec<String> = body
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let l = l.split("//").next().unwrap().trim();
+            (!l.is_empty()).then(|| l.trim_end_matches(';').to_string())
+        })
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            "SymmArgs s",
+            "uint64_t residual",
+            "uint64_t weight",
+            "uint64_t out",
+            "uint64_t hidden",
+            "float eps",
+            "float reserved",
+        ],
+        "kernels/rms_norm.cu RmsArgs changed: update src/comm/kernel_args.rs in step"
     );
 }

@@ -121,6 +121,10 @@ def _library():
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
             ctypes.c_uint32, ctypes.c_void_p,
         ]
+        lib.symm_all_reduce_add_rms_norm.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_size_t, ctypes.c_size_t, ctypes.c_float, ctypes.c_uint32, ctypes.c_void_p,
+        ]
         lib.symm_all_gather.argtypes = [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
             ctypes.c_void_p,
@@ -272,6 +276,28 @@ class Communicator:
         dev = out.get_device()
         _check(_library().symm_all_gather(self._comm, inp.data_ptr(), out.data_ptr(), inp.numel(), code,
                                            self._stream(dev) if dev >= 0 else 0))
+
+    def all_reduce_add_rms_norm(self, x, residual, weight, eps: float = 1e-6, out=None):
+        """``residual += allreduce(x)``, then returns ``out = rms_norm(residual) * weight``
+        (fp32 inside). x and residual are [tokens, hidden] bf16/fp16, weight [hidden]; ``out``
+        (same shape as x) is allocated when not given. On the current stream."""
+        code = _dtype_code(x.dtype)
+        hidden = weight.numel()
+        if code is None or residual.dtype != x.dtype or weight.dtype != x.dtype:
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"dtypes x {x.dtype}, residual {residual.dtype}, weight {weight.dtype}: expected one of bfloat16, float16 for all")
+        if hidden == 0 or x.numel() % hidden or residual.numel() != x.numel():
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"x has {x.numel()} elements, residual {residual.numel()}, weight {hidden}; expected x and residual [tokens, hidden], weight [hidden]")
+        if out is None:
+            out = x.new_empty(x.shape)
+        elif out.dtype != x.dtype or out.numel() != x.numel():
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "out must have x's dtype and size")
+        if not all(t.is_contiguous() for t in (x, residual, weight, out)):
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "x, residual, weight and out must be contiguous")
+        dev = out.get_device()
+        _check(_library().symm_all_reduce_add_rms_norm(
+            self._comm, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            x.numel() // hidden, hidden, eps, code, self._stream(dev) if dev >= 0 else 0))
+        return out
 
     def _bind(self) -> None:
         """What every call needs, looked up once: the entry point and the stream getter."""

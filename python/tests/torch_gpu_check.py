@@ -133,6 +133,24 @@ def scatter_gather(comm):
                 assert e <= TOL[dtype], f"reduce_scatter {dtype} n={n} pooled={pooled}: rel err {e}"
                 assert torch.equal(gathered, ref_g), f"all_gather {dtype} n={n} pooled={pooled} differs from NCCL"
     print(f"rank {comm.rank}: reduce_scatter and all_gather match NCCL (bf16/fp16/fp32, odd sizes, pooled and staged)")
+    # The fused call against NCCL all-reduce + add + torch's rms_norm, in float32.
+    for dtype in (torch.bfloat16, torch.float16):
+        for tokens, hidden in ((1, 4096), (6, 6144), (138, 8192)):
+            with torch.cuda.use_mem_pool(pool):
+                x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+            residual = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+            dist.broadcast(residual, 0)  # replicated, as in a model
+            weight = (torch.rand(hidden, generator=gen, device="cuda") + 0.5).to(dtype)
+            dist.broadcast(weight, 0)
+            total = x.float()
+            dist.all_reduce(total)
+            r = total + residual.float()
+            ref = torch.nn.functional.rms_norm(r, (hidden,), weight.float(), 1e-6)
+            out = comm.all_reduce_add_rms_norm(x, residual, weight, eps=1e-6)
+            torch.cuda.synchronize()
+            assert rel(residual, r) <= TOL[dtype], f"fused residual {dtype} {tokens}x{hidden}: {rel(residual, r)}"
+            assert rel(out, ref) <= TOL[dtype], f"fused out {dtype} {tokens}x{hidden}: {rel(out, ref)}"
+    print(f"rank {comm.rank}: all_reduce_add_rms_norm matches NCCL + rms_norm (bf16/fp16, tokens 1-138, hidden 4096-8192)")
 
 
 def main():

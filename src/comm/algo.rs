@@ -31,6 +31,8 @@ pub enum Algo {
     /// AUTO, never named by a symm_algo_t).
     ReduceScatter,
     AllGather,
+    /// All-reduce fused with residual add and RMSNorm (kernels/rms_norm.cu).
+    AddRmsNorm,
 }
 
 impl DType {
@@ -102,6 +104,7 @@ impl Algo {
             Algo::OneShotLL => "one_shot_ll",
             Algo::ReduceScatter => "reduce_scatter",
             Algo::AllGather => "all_gather",
+            Algo::AddRmsNorm => "all_reduce_add_rms_norm",
         }
     }
 }

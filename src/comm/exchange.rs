@@ -26,11 +26,14 @@ pub(super) struct CallDesc {
 pub(super) const RANK_LOCAL: u64 = u64::MAX - 1;
 
 impl CallDesc {
-    /// What every rank must agree on. Reduce-scatter writes only the caller's own `recv`, and
+    /// What every rank must agree on. Reduce-scatter and the fused RMSNorm write only the
+    /// caller's own buffers (the fused call carries `hidden` in `op`), and
     /// all-gather reads only the caller's own `send` (in place, those offsets differ by rank by
     /// design), so those are left out.
     pub fn words(&self) -> [u64; 6] {
-        let (send, recv) = if self.algo == Algo::ReduceScatter as u64 {
+        let own_output =
+            self.algo == Algo::ReduceScatter as u64 || self.algo == Algo::AddRmsNorm as u64;
+        let (send, recv) = if own_output {
             (self.send_off, RANK_LOCAL)
         } else if self.algo == Algo::AllGather as u64 {
             (RANK_LOCAL, self.recv_off)

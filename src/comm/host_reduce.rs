@@ -23,6 +23,18 @@ pub struct HostCall<'a> {
     pub in_place: bool,
     pub desc: u64,
     pub timeout: Duration,
+    /// The fused call's own buffers (Algo::AddRmsNorm only).
+    pub rms: Option<HostRms>,
+}
+
+/// This rank's buffers of a fused all-reduce + residual + RMSNorm.
+#[derive(Clone, Copy)]
+pub struct HostRms {
+    pub residual: u64,
+    pub weight: u64,
+    pub out: u64,
+    pub hidden: usize,
+    pub eps: f32,
 }
 
 fn flag(addr: u64) -> &'static AtomicU32 {
@@ -122,6 +134,24 @@ pub fn run(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
             for i in 0..c.count {
                 let v = reduce(c, begin + i);
                 store(c.dtype, c.outputs[c.rank], i, v);
+            }
+        }
+        Algo::AddRmsNorm => {
+            let f = c.rms.expect("the fused call carries its buffers");
+            let mut row = vec![0f32; f.hidden];
+            for t in 0..c.count / f.hidden {
+                let mut ss = 0f32;
+                for (j, v) in row.iter_mut().enumerate() {
+                    let i = t * f.hidden + j;
+                    *v = reduce(c, i) + load(c.dtype, f.residual, i);
+                    store(c.dtype, f.residual, i, *v);
+                    ss += *v * *v;
+                }
+                let inv = 1.0 / (ss / f.hidden as f32 + f.eps).sqrt();
+                for (j, v) in row.iter().enumerate() {
+                    let w = load(c.dtype, f.weight, j);
+                    store(c.dtype, f.out, t * f.hidden + j, v * inv * w);
+                }
             }
         }
         Algo::AllGather => {

@@ -74,3 +74,23 @@ const _: () =
 pub fn slot(pad: u64, block: usize, peer: usize) -> u64 {
     pad + ((block * MAX_RANKS + peer) as u64) * SLOT_BYTES
 }
+
+/// Vectors per thread per row in the fused all-reduce + RMSNorm kernel (kernels/rms_norm.cu).
+pub const RMS_VECS: u64 = 4;
+/// The largest hidden size one block covers: THREADS x RMS_VECS vectors of 8 elements.
+pub const RMS_MAX_HIDDEN: u64 = THREADS as u64 * RMS_VECS * 8;
+
+/// Mirror of `RmsArgs` (kernels/rms_norm.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RmsArgs {
+    pub s: SymmArgs,
+    pub residual: u64,
+    pub weight: u64,
+    pub out: u64,
+    pub hidden: u64,
+    pub eps: f32,
+    pub reserved: f32,
+}
+
+const _: () = assert!(std::mem::size_of::<RmsArgs>() == 256 + 40);

@@ -16,6 +16,10 @@ pub fn kernel_name(algo: Algo, dtype: DType, op: ReduceOp, vec: bool) -> Option<
             let v = if vec { "vec" } else { "scalar" };
             return Some(format!("symm_all_gather_{}_{v}", dtype.name()));
         }
+        // One kernel per 16-bit type (16-byte vectors only).
+        Algo::AddRmsNorm if op == ReduceOp::Sum && vec && dtype != DType::Fp32 => {
+            return Some(format!("symm_all_reduce_add_rms_norm_{}", dtype.name()));
+        }
         _ => return None,
     };
     let v = if vec { "vec" } else { "scalar" };
@@ -32,6 +36,7 @@ pub fn all_kernel_names() -> Vec<String> {
         Algo::Multimem,
         Algo::ReduceScatter,
         Algo::AllGather,
+        Algo::AddRmsNorm,
     ] {
         for dtype in [DType::Bf16, DType::Fp16, DType::Fp32] {
             for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {

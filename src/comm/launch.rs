@@ -24,6 +24,21 @@ pub fn ll_threads(items: u64, (blocks, max_threads): (u32, u32)) -> u32 {
         .clamp(64, max_threads as u64) as u32
 }
 
+/// Runs a collective on the host backend; a timeout leaves the communicator broken (`sticky`).
+pub(super) fn run_host(
+    call: &host_reduce::HostCall<'_>,
+    epoch: &mut u32,
+    sticky: &mut Option<Error>,
+) -> Result<()> {
+    let r = host_reduce::run(call, epoch);
+    if let Err(e) = &r {
+        if e.status == Status::ErrTimeout {
+            *sticky = Some(e.clone());
+        }
+    }
+    r
+}
+
 impl Communicator {
     pub(super) fn run(
         &mut self,
@@ -57,14 +72,9 @@ impl Communicator {
                 in_place,
                 desc: desc.digest(),
                 timeout: self.timeout,
+                rms: None,
             };
-            let r = host_reduce::run(&call, &mut self.host_epoch);
-            if let Err(e) = &r {
-                if e.status == Status::ErrTimeout {
-                    self.sticky = Some(e.clone());
-                }
-            }
-            return r;
+            return run_host(&call, &mut self.host_epoch, &mut self.sticky);
         }
         let esize = dtype.size() as u64;
         // Reduce-scatter and all-gather address slices of count elements: vectors need them
@@ -105,39 +115,57 @@ impl Communicator {
             }
             _ => (per_rank.div_ceil(per_block).clamp(1, cap) as u32, THREADS),
         };
+        let mut args = self.symm_args(&desc, mc_out);
+        args.in_place = in_place as i32;
+        let f = self.kernel(algo, dtype, op, vec)?;
+        cuda::module::launch(self.device, f, grid, threads, stream, &args)
+    }
+
+    /// The argument struct every kernel starts with: every rank's buffers at the call's offsets
+    /// in this address space (entries past the world stay 0), the pads, epochs and error words.
+    pub(super) fn symm_args(&self, desc: &CallDesc, mc_out: u64) -> SymmArgs {
         let mut args = SymmArgs {
-            inputs,
-            outputs,
             count: desc.count,
             desc: desc.digest(),
             timeout_ns: self.timeout.as_nanos() as u64,
             rank: self.rank as i32,
             world: self.world as i32,
-            in_place: in_place as i32,
             counters: self.internal + COUNTERS_OFFSET,
             error_word: self.errors.device_ptr(),
             ll_slot_kib: (self.ll_slot >> 10) as i32,
             mc_out,
             ..SymmArgs::default()
         };
-        args.pads[..world].copy_from_slice(&self.pads);
-        let f = match self.kernels.get(&(algo, dtype, op, vec)) {
-            Some(&f) => f,
-            None => {
-                let name = kernels::kernel_name(algo, dtype, op, vec).ok_or_else(|| {
-                    Error::unsupported(format!(
-                        "no {} kernel for {} {}",
-                        algo.name(),
-                        dtype.name(),
-                        op.name()
-                    ))
-                })?;
-                let f = cuda::module::function(self.device, &name)?;
-                self.kernels.insert((algo, dtype, op, vec), f);
-                f
-            }
-        };
-        cuda::module::launch(self.device, f, grid, threads, stream, &args)
+        for (r, b) in self.windows.bases.iter().enumerate() {
+            args.inputs[r] = b + desc.send_off;
+            args.outputs[r] = b + desc.recv_off;
+        }
+        args.pads[..self.world].copy_from_slice(&self.pads);
+        args
+    }
+
+    /// The kernel for (algorithm, type, op, vector width), looked up in the module once.
+    pub(super) fn kernel(
+        &mut self,
+        algo: Algo,
+        dtype: DType,
+        op: ReduceOp,
+        vec: bool,
+    ) -> Result<cuda::module::Function> {
+        if let Some(&f) = self.kernels.get(&(algo, dtype, op, vec)) {
+            return Ok(f);
+        }
+        let name = kernels::kernel_name(algo, dtype, op, vec).ok_or_else(|| {
+            Error::unsupported(format!(
+                "no {} kernel for {} {}",
+                algo.name(),
+                dtype.name(),
+                op.name()
+            ))
+        })?;
+        let f = cuda::module::function(self.device, &name)?;
+        self.kernels.insert((algo, dtype, op, vec), f);
+        Ok(f)
     }
 }
 

@@ -25,6 +25,7 @@ pub mod kernels;
 mod launch;
 pub mod mc_window;
 pub mod multicast;
+pub mod rms_norm;
 mod scatter_gather;
 pub mod streams;
 pub mod windows;

@@ -432,6 +432,44 @@ pub extern "C" fn symm_all_gather(
     })
 }
 
+/// All-reduce fused with residual add and RMSNorm, for tensor-parallel inference: with
+/// `r = sum over ranks of x + residual` (fp32), writes `residual = r` and
+/// `out = r * rsqrt(mean(r^2) + eps) * weight`, row by row. `x`, `residual` and `out` are
+/// `[tokens, hidden]`, `weight` is `[hidden]`; bf16 or fp16. `hidden` is a multiple of 8 up to
+/// 16384, every pointer 16-byte aligned, and no two buffers overlap (SYMM_ERR_INVALID_ARGUMENT
+/// otherwise, naming the value). Only `x` is read by peers: it must be symmetric (in the heap,
+/// or it is staged); the others are this rank's own. Stream-ordered and capturable.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn symm_all_reduce_add_rms_norm(
+    comm: *mut symm_comm_t,
+    x: *const c_void,
+    residual: *mut c_void,
+    weight: *const c_void,
+    out: *mut c_void,
+    tokens: usize,
+    hidden: usize,
+    eps: f32,
+    dtype: symm_dtype_t,
+    stream: *mut CUstream_st,
+) -> symm_status_t {
+    guard_status("symm_all_reduce_add_rms_norm", || {
+        let dtype = DType::from_c(dtype)?;
+        let call = crate::comm::rms_norm::RmsCall {
+            x: x as u64,
+            residual: residual as u64,
+            weight: weight as u64,
+            out: out as u64,
+            tokens: tokens as u64,
+            hidden: hidden as u64,
+            eps,
+        };
+        with_comm(comm, |c| {
+            c.all_reduce_add_rms_norm(&call, dtype, stream_of(stream))
+        })
+    })
+}
+
 /// Every rank waits for every other; stream-ordered.
 #[no_mangle]
 pub extern "C" fn symm_barrier(comm: *mut symm_comm_t, stream: *mut CUstream_st) -> symm_status_t {

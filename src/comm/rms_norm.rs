@@ -1,0 +1,183 @@
+//! All-reduce fused with residual add and RMSNorm (kernels/rms_norm.cu; host_reduce.rs on the
+//! host backend): `residual = allreduce(x) + residual`, `out = rms_norm(residual) * weight`,
+//! over `[tokens, hidden]` rows, bf16 or fp16 with fp32 arithmetic.
+//!
+//! Only `x` is read by peers, so only `x` must be symmetric (in the heap, or staged through the
+//! scratch, counted in `staged_collectives`); `residual`, `weight` and `out` are this rank's own
+//! and may live anywhere on the device. `hidden` travels in the call descriptor, so ranks that
+//! disagree on it get SYMM_ERR_NOT_SYMMETRIC. Every rank computes every row from all ranks' x
+//! in one fixed order, so every rank's result is bitwise identical.
+
+use super::algo::{Algo, DType, ReduceOp};
+use super::exchange::{CallDesc, RANK_LOCAL};
+use super::host_reduce::{HostCall, HostRms};
+use super::kernel_args::{RmsArgs, MAX_BLOCKS, RMS_MAX_HIDDEN, RMS_VECS, THREADS};
+use super::{byte_size, launch::run_host, Communicator};
+use crate::cuda;
+use crate::error::{Error, Result};
+
+/// The fused call's own buffers and shape.
+pub struct RmsCall {
+    pub x: u64,
+    pub residual: u64,
+    pub weight: u64,
+    pub out: u64,
+    pub tokens: u64,
+    pub hidden: u64,
+    pub eps: f32,
+}
+
+impl Communicator {
+    pub fn all_reduce_add_rms_norm(
+        &mut self,
+        c: &RmsCall,
+        dtype: DType,
+        stream: u64,
+    ) -> Result<()> {
+        self.check_error_word()?;
+        check(c, dtype)?;
+        if c.tokens == 0 {
+            return Ok(());
+        }
+        let es = dtype.size() as u64;
+        let count = byte_size(c.tokens, c.hidden, 1)?;
+        let bytes = byte_size(count, es, 1)?;
+        let row = c.hidden * es;
+        let own = [
+            (c.residual, bytes, "residual"),
+            (c.out, bytes, "out"),
+            (c.weight, row, "weight"),
+        ];
+        for (i, &(p, n, name)) in own.iter().enumerate() {
+            for &(q, m, other) in own[..i].iter().chain([(c.x, bytes, "x")].iter()) {
+                if p < q + m && q < p + n {
+                    return Err(Error::invalid(format!(
+                        "all_reduce_add_rms_norm: {name} ({p:#x}, {n} bytes) overlaps {other} \
+                         ({q:#x}, {m} bytes); expected separate buffers"
+                    )));
+                }
+            }
+        }
+        let (x, staged, seg) = match self.locate(c.x, bytes)? {
+            Some(seg) => (c.x, false, seg),
+            None => {
+                let s = self.ensure_scratch(bytes)?;
+                (
+                    s,
+                    true,
+                    self.locate(s, bytes)?.expect("scratch is in the heap"),
+                )
+            }
+        };
+        let base = self.windows.bases[self.rank];
+        let desc = CallDesc {
+            send_off: x - base,
+            recv_off: RANK_LOCAL,
+            count,
+            dtype: dtype as u64,
+            op: c.hidden,
+            algo: Algo::AddRmsNorm as u64,
+        };
+        self.exchange(&[seg], desc, self.check_symmetry)?;
+        self.order_streams(stream)?;
+        if staged {
+            self.copy(x, c.x, bytes, stream)?;
+            self.alloc.heap(self.device)?.stats.staged_collectives += 1;
+        }
+        crate::trace!(
+            "rank {}/{}: all_reduce_add_rms_norm {} x {} {} x +{:#x} stream {stream:#x}{}",
+            self.rank,
+            self.world,
+            c.tokens,
+            c.hidden,
+            dtype.name(),
+            desc.send_off,
+            if staged { " (staged)" } else { "" }
+        );
+        let rms = HostRms {
+            residual: c.residual,
+            weight: c.weight,
+            out: c.out,
+            hidden: c.hidden as usize,
+            eps: c.eps,
+        };
+        if self.host {
+            let inputs: Vec<u64> = self
+                .windows
+                .bases
+                .iter()
+                .map(|b| b + desc.send_off)
+                .collect();
+            let call = HostCall {
+                rank: self.rank,
+                world: self.world,
+                pads: &self.pads,
+                inputs: &inputs,
+                outputs: &[],
+                count: count as usize,
+                dtype,
+                op: ReduceOp::Sum,
+                algo: Algo::AddRmsNorm,
+                in_place: false,
+                desc: desc.digest(),
+                timeout: self.timeout,
+                rms: Some(rms),
+            };
+            return run_host(&call, &mut self.host_epoch, &mut self.sticky);
+        }
+        let args = RmsArgs {
+            s: self.symm_args(&desc, 0),
+            residual: c.residual,
+            weight: c.weight,
+            out: c.out,
+            hidden: c.hidden,
+            eps: c.eps,
+            reserved: 0.0,
+        };
+        // A block per row (grid-stride over the tokens), just enough threads for a row.
+        let grid = c.tokens.min(MAX_BLOCKS as u64) as u32;
+        let threads = (c.hidden / 8)
+            .div_ceil(RMS_VECS)
+            .next_power_of_two()
+            .clamp(64, THREADS as u64) as u32;
+        let f = self.kernel(Algo::AddRmsNorm, dtype, ReduceOp::Sum, true)?;
+        cuda::module::launch(self.device, f, grid, threads, stream, &args)
+    }
+}
+
+/// What the kernel needs of the shape, types and pointers, each named when it is wrong.
+fn check(c: &RmsCall, dtype: DType) -> Result<()> {
+    if dtype == DType::Fp32 {
+        return Err(Error::unsupported(
+            "all_reduce_add_rms_norm takes bf16 or fp16 (fp32 accumulation inside); fp32 is not \
+             supported",
+        ));
+    }
+    if c.hidden == 0 || c.hidden % 8 != 0 || c.hidden > RMS_MAX_HIDDEN {
+        return Err(Error::invalid(format!(
+            "all_reduce_add_rms_norm: hidden {} is not supported; expected a multiple of 8 from 8 \
+             to {RMS_MAX_HIDDEN}",
+            c.hidden
+        )));
+    }
+    if !(c.eps.is_finite() && c.eps >= 0.0) {
+        return Err(Error::invalid(format!(
+            "all_reduce_add_rms_norm: eps {} is not a finite non-negative number",
+            c.eps
+        )));
+    }
+    for (p, name) in [
+        (c.x, "x"),
+        (c.residual, "residual"),
+        (c.weight, "weight"),
+        (c.out, "out"),
+    ] {
+        if p == 0 || p % 16 != 0 {
+            return Err(Error::invalid(format!(
+                "all_reduce_add_rms_norm: {name} {p:#x} must be a non-NULL, 16-byte aligned \
+                 pointer"
+            )));
+        }
+    }
+    Ok(())
+}
