@@ -94,6 +94,26 @@ def _rank(rank, world, uid, q):
             results.append(str(e))
         lib.symm_free(a, 4 * n * world, rank, None)
         lib.symm_free(b, 4 * n * world, rank, None)
+        # The fused all-reduce + residual + RMSNorm (fp16: two bytes per element).
+        tokens, hidden = 3, 64
+        bufs = [lib.symm_malloc(2 * tokens * hidden, rank, None) for _ in range(3)]
+        wbuf = lib.symm_malloc(2 * hidden, rank, None)
+        h16 = lambda p, vals: (ctypes.c_uint16 * len(vals)).from_address(p).__setitem__(slice(None), vals)  # noqa: E731
+        import struct
+        half = lambda v: struct.unpack("<H", struct.pack("<e", v))[0]  # noqa: E731
+        xs = _inputs(300, rank, tokens * hidden)
+        rs = _inputs(301, 9, tokens * hidden)
+        h16(bufs[0], [half(v) for v in xs])
+        h16(bufs[1], [half(v) for v in rs])
+        h16(wbuf, [half(1.0)] * hidden)
+        F16 = _DType("float16")
+        comm.all_reduce_add_rms_norm(HostTensor(bufs[0], tokens * hidden, F16), HostTensor(bufs[1], tokens * hidden, F16),
+                                     HostTensor(wbuf, hidden, F16), eps=1e-6, out=HostTensor(bufs[2], tokens * hidden, F16))
+        read16 = lambda p, k: [struct.unpack("<e", struct.pack("<H", v))[0] for v in (ctypes.c_uint16 * k).from_address(p)]  # noqa: E731
+        results.append((read16(bufs[1], tokens * hidden), read16(bufs[2], tokens * hidden)))
+        for p in bufs:
+            lib.symm_free(p, 2 * tokens * hidden, rank, None)
+        lib.symm_free(wbuf, 2 * hidden, rank, None)
         # Errors the Python side reports before the library is called.
         p = lib.symm_malloc(64, rank, None)
         errors = []
@@ -147,6 +167,23 @@ def test_two_processes_reduce_through_the_python_path():
         assert all(abs(o - w) <= 1e-5 * max(1.0, abs(w)) for o, w in zip(rs, want)), rank
         assert ag == _inputs(200, 0, n) + _inputs(200, 1, n), f"rank {rank}: all-gather differs"
         assert "out has 1002 elements and inp 2002" in shape_error, shape_error
+    # The fused call: residual = sum of x + residual, out = its RMS norm (weight 1), fp16.
+    import struct
+    r16 = lambda v: struct.unpack("<e", struct.pack("<e", v))[0]  # noqa: E731
+    tokens, hidden = 3, 64
+    xs = [[r16(v) for v in _inputs(300, r, tokens * hidden)] for r in (0, 1)]
+    rs = [r16(v) for v in _inputs(301, 9, tokens * hidden)]
+    want_r = [xs[0][i] + xs[1][i] + rs[i] for i in range(tokens * hidden)]
+    want_o = []
+    for t in range(tokens):
+        row = want_r[t * hidden:(t + 1) * hidden]
+        inv = (sum(v * v for v in row) / hidden + 1e-6) ** -0.5
+        want_o += [v * inv for v in row]
+    for rank in (0, 1):
+        got_r, got_o = got[rank][0][8]
+        assert all(abs(g - w) <= 2e-3 * max(1.0, abs(w)) for g, w in zip(got_r, want_r)), rank
+        assert all(abs(g - w) <= 2e-3 * max(1.0, abs(w)) for g, w in zip(got_o, want_o)), rank
+    assert got[0][0][8] == got[1][0][8], "the fused outputs differ between ranks"
     errors = got[0][1]
     assert len(errors) == 5, errors
     assert "op 'avg'" in errors[0] and "algo 'fast'" in errors[1]
