@@ -16,6 +16,19 @@ fn sources() -> String {
     s
 }
 
+/// The field declarations of `struct NAME { ... };` in the CUDA source, comments dropped.
+fn struct_fields(src: &str, name: &str) -> Vec<String> {
+    let start = src.find(&format!("struct {name} {{")).unwrap();
+    let body = &src[start..start + src[start..].find("};").unwrap()];
+    body.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let l = l.split("//").next().unwrap().trim();
+            (!l.is_empty()).then(|| l.trim_end_matches(';').to_string())
+        })
+        .collect()
+}
+
 #[test]
 fn every_table_name_is_instantiated_and_vice_versa() {
     let src = sources();
@@ -60,18 +73,8 @@ fn every_table_name_is_instantiated_and_vice_versa() {
 #[test]
 fn argument_struct_matches_the_cuda_source() {
     let src = sources();
-    let start = src.find("struct SymmArgs {").unwrap();
-    let body = &src[start..start + src[start..].find("};").unwrap()];
-    let fields: Vec<String> = body
-        .lines()
-        .skip(1)
-        .filter_map(|l| {
-            let l = l.split("//").next().unwrap().trim();
-            (!l.is_empty()).then(|| l.trim_end_matches(';').to_string())
-        })
-        .collect();
     assert_eq!(
-        fields,
+        struct_fields(&src, "SymmArgs"),
         [
             "uint64_t in[SYMM_MAX_RANKS]",
             "uint64_t out[SYMM_MAX_RANKS]",
@@ -171,18 +174,8 @@ fn kernels_only_ever_store_to_the_host_mapped_error_words() {
 #[test]
 fn rms_argument_struct_matches_the_cuda_source() {
     let src = sources();
-    let start = src.find("struct RmsArgs {").unwrap();
-    let body = &src[start..start + src[start..].find("};").unwrap()];
-    let fields: Vec<String> = body
-        .lines()
-        .skip(1)
-        .filter_map(|l| {
-            let l = l.split("//").next().unwrap().trim();
-            (!l.is_empty()).then(|| l.trim_end_matches(';').to_string())
-        })
-        .collect();
     assert_eq!(
-        fields,
+        struct_fields(&src, "RmsArgs"),
         [
             "SymmArgs s",
             "uint64_t residual",

@@ -184,20 +184,6 @@ fn fused_rms_norm_matches_reference_and_is_identical_on_every_rank() {
             &seed.to_string(),
         );
         assert_all_ok(&outs);
-        let hashes: Vec<String> = outs
-            .iter()
-            .map(|o| {
-                let s = String::from_utf8_lossy(&o.stdout);
-                let l = s
-                    .lines()
-                    .find(|l| l.contains("outputs hash"))
-                    .expect("hash line");
-                l.rsplit(' ').next().unwrap().to_string()
-            })
-            .collect();
-        assert!(
-            hashes.iter().all(|h| *h == hashes[0]),
-            "ranks differ: {hashes:?}"
-        );
+        assert_same_output_hash(&outs);
     }
 }

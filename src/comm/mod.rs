@@ -153,6 +153,14 @@ impl Communicator {
         }
     }
 
+    /// Copies a caller's input from outside the heap into the scratch (stream-ordered) and
+    /// counts the call in `staged_collectives`.
+    fn stage_in(&self, scratch: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
+        self.copy(scratch, src, bytes, stream)?;
+        self.alloc.heap(self.device)?.stats.staged_collectives += 1;
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn all_reduce(
         &mut self,
@@ -214,8 +222,7 @@ impl Communicator {
         // Before the call's first work on the stream: the staged copy uses the scratch.
         self.order_streams(stream)?;
         if staged {
-            self.copy(work_send, send, bytes, stream)?;
-            self.alloc.heap(self.device)?.stats.staged_collectives += 1;
+            self.stage_in(work_send, send, bytes, stream)?;
         }
         let mc_out = if algo == Algo::Multimem {
             // Past the gate: the output segment's multicast window (built collectively once).

@@ -81,8 +81,7 @@ impl Communicator {
         self.exchange(&[seg], desc, self.check_symmetry)?;
         self.order_streams(stream)?;
         if staged {
-            self.copy(x, c.x, bytes, stream)?;
-            self.alloc.heap(self.device)?.stats.staged_collectives += 1;
+            self.stage_in(x, c.x, bytes, stream)?;
         }
         crate::trace!(
             "rank {}/{}: all_reduce_add_rms_norm {} x {} {} x +{:#x} stream {stream:#x}{}",

@@ -123,8 +123,7 @@ impl Communicator {
         self.exchange(&[seg], desc, self.check_symmetry)?;
         self.order_streams(stream)?;
         if staged {
-            self.copy(work_send, send, send_bytes, stream)?;
-            self.alloc.heap(self.device)?.stats.staged_collectives += 1;
+            self.stage_in(work_send, send, send_bytes, stream)?;
         }
         crate::trace!(
             "rank {}/{}: {} {count} x {} {} send +{:#x} recv +{:#x} stream {stream:#x}{}",

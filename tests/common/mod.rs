@@ -309,3 +309,27 @@ pub fn tolerance(dtype: u32) -> f64 {
         _ => 1e-5,
     }
 }
+
+/// Each rank printed `rank R: outputs hash H...`: every rank's H must be the same (results
+/// identical bit for bit on every rank).
+pub fn assert_same_output_hash(outs: &[Output]) {
+    let hashes: Vec<String> = outs
+        .iter()
+        .map(|o| {
+            let s = String::from_utf8_lossy(&o.stdout);
+            let l = s
+                .lines()
+                .find(|l| l.contains("outputs hash"))
+                .expect("a rank printed no hash line");
+            let h = l.split("outputs hash ").nth(1).unwrap();
+            h.split(|ch: char| !ch.is_ascii_hexdigit())
+                .next()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert!(
+        hashes.iter().all(|h| *h == hashes[0]),
+        "ranks differ: {hashes:?}"
+    );
+}
