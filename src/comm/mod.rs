@@ -153,6 +153,29 @@ impl Communicator {
         }
     }
 
+    /// The TRACE line of one collective call (formats nothing unless SYMMALLOC_DEBUG=TRACE).
+    fn trace_call(
+        &self,
+        what: std::fmt::Arguments<'_>,
+        desc: &CallDesc,
+        dtype: DType,
+        op: ReduceOp,
+        stream: u64,
+        staged: bool,
+    ) {
+        crate::trace!(
+            "rank {}/{}: {what} {} x {} {} send +{:#x} recv +{:#x} stream {stream:#x}{}",
+            self.rank,
+            self.world,
+            desc.count,
+            dtype.name(),
+            op.name(),
+            desc.send_off,
+            desc.recv_off,
+            if staged { " (staged)" } else { "" }
+        );
+    }
+
     /// Copies a caller's input from outside the heap into the scratch (stream-ordered) and
     /// counts the call in `staged_collectives`.
     fn stage_in(&self, scratch: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
@@ -231,16 +254,13 @@ impl Communicator {
         } else {
             0
         };
-        crate::trace!(
-            "rank {}/{}: all_reduce {} {count} x {} {} send +{:#x} recv +{:#x} stream {stream:#x}{}",
-            self.rank,
-            self.world,
-            algo.name(),
-            dtype.name(),
-            op.name(),
-            desc.send_off,
-            desc.recv_off,
-            if staged { " (staged)" } else { "" }
+        self.trace_call(
+            format_args!("all_reduce {}", algo.name()),
+            &desc,
+            dtype,
+            op,
+            stream,
+            staged,
         );
         self.run(algo, desc, dtype, op, stream, mc_out)?;
         if staged {

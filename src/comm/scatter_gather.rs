@@ -125,16 +125,13 @@ impl Communicator {
         if staged {
             self.stage_in(work_send, send, send_bytes, stream)?;
         }
-        crate::trace!(
-            "rank {}/{}: {} {count} x {} {} send +{:#x} recv +{:#x} stream {stream:#x}{}",
-            self.rank,
-            self.world,
-            algo.name(),
-            dtype.name(),
-            op.name(),
-            desc.send_off,
-            desc.recv_off,
-            if staged { " (staged)" } else { "" }
+        self.trace_call(
+            format_args!("{}", algo.name()),
+            &desc,
+            dtype,
+            op,
+            stream,
+            staged,
         );
         self.run(algo, desc, dtype, op, stream, 0)?;
         if staged {
