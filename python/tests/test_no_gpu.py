@@ -65,3 +65,20 @@ def test_torch_helpers_need_torch():
             symmalloc.mem_pool(0)
     else:
         pytest.skip("torch installed: covered by the GPU tests")
+
+
+def test_version_matches_the_crate():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cargo = os.path.join(root, "Cargo.toml")
+    if not os.path.isfile(cargo):
+        pytest.skip("not run from a checkout (no Cargo.toml beside the package)")
+    import re
+
+    want = re.search(r'^version = "([^"]+)"', open(cargo).read(), re.M).group(1)
+    assert symmalloc.__version__ == want
+
+
+def test_custom_op_handles_name_live_communicators_only():
+    with pytest.raises(symmalloc.SymmallocError) as e:
+        symmalloc.communicator(123456)
+    assert "handle 123456 is not a live Communicator" in str(e.value)

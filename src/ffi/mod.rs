@@ -262,7 +262,8 @@ pub extern "C" fn symm_comm_init(
 
 /// Creates the communicator from launcher variables: torchrun (LOCAL_RANK, LOCAL_WORLD_SIZE,
 /// TORCHELASTIC_RUN_ID or MASTER_ADDR+MASTER_PORT) or Open MPI (OMPI_COMM_WORLD_LOCAL_RANK,
-/// OMPI_COMM_WORLD_LOCAL_SIZE). The device is the local rank.
+/// OMPI_COMM_WORLD_LOCAL_SIZE). The device is the local rank. The id is `SYMMALLOC_UNIQUE_ID`
+/// (hex) when set, else derived from those variables (see `comm_env::unique_id`).
 #[no_mangle]
 pub extern "C" fn symm_comm_init_from_env(comm: *mut *mut symm_comm_t) -> symm_status_t {
     guard_status("symm_comm_init_from_env", || {
@@ -273,8 +274,9 @@ pub extern "C" fn symm_comm_init_from_env(comm: *mut *mut symm_comm_t) -> symm_s
         }
         // SAFETY: comm is non-NULL.
         unsafe { comm.write(std::ptr::null_mut()) };
-        let env = crate::comm_env::from_env(&|k| std::env::var(k).ok())?;
-        let uid = UniqueId::from_job_key(&env.job_key);
+        let get = |k: &str| std::env::var(k).ok();
+        let env = crate::comm_env::from_env(&get)?;
+        let uid = crate::comm_env::unique_id(&get, &env.job_key)?;
         register(
             Communicator::init(env.world, env.rank, env.device, &uid)?,
             comm,

@@ -71,6 +71,28 @@ impl UniqueId {
         b
     }
 
+    /// The id from the 256 hex digits of its bytes (as `SYMMALLOC_UNIQUE_ID` carries it).
+    pub fn from_hex(s: &str) -> Result<Self> {
+        let bad = || {
+            let shown: String = s.chars().take(16).collect();
+            Error::invalid(format!(
+                "{:?}{} ({} characters) is not an id: expected the 256 hex digits of the 128 \
+                 bytes of symm_get_unique_id",
+                shown,
+                if s.chars().count() > 16 { "..." } else { "" },
+                s.len()
+            ))
+        };
+        if s.len() != 2 * ID_BYTES || !s.is_ascii() {
+            return Err(bad());
+        }
+        let mut b = [0u8; ID_BYTES];
+        for (i, byte) in b.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+        }
+        Self::from_bytes(&b)
+    }
+
     pub fn from_bytes(b: &[u8; ID_BYTES]) -> Result<Self> {
         if &b[..8] != MAGIC {
             return Err(Error::invalid(format!(

@@ -1,0 +1,137 @@
+"""symmalloc's collectives as PyTorch custom ops (``torch.ops.symmalloc.*``), for torch.compile.
+
+A ``Communicator`` method is a ctypes call, which Dynamo cannot trace: inside a compiled
+function it is a graph break. These ops are registered with ``torch.library.custom_op``, with
+fake (meta) implementations and their mutations declared, so ``torch.compile(fullgraph=True)``
+keeps a tensor-parallel block whole, also under ``mode="reduce-overhead"`` (CUDA graphs). A
+communicator is named by its ``handle`` (an int); the wrappers below take the object::
+
+    import symmalloc, symmalloc.ops as sops
+    comm = symmalloc.Communicator.from_process_group()
+    y = sops.all_reduce(x, comm)                     # torch.ops.symmalloc.all_reduce
+
+| op | schema | result |
+|---|---|---|
+| ``all_reduce`` | ``(Tensor x, int comm, str op, str algo) -> Tensor`` | a new tensor |
+| ``all_reduce_`` | ``(Tensor(a!) x, int comm, str op, str algo) -> ()`` | ``x`` in place |
+| ``reduce_scatter`` | ``(Tensor x, int comm, str op) -> Tensor`` | dim 0 divided by the world size |
+| ``all_gather`` | ``(Tensor x, int comm) -> Tensor`` | dim 0 multiplied by the world size |
+| ``all_reduce_add_rms_norm`` | ``(Tensor x, Tensor(a!) residual, Tensor weight, float eps, int comm) -> Tensor`` | ``out``; ``residual`` updated |
+
+Inputs that are not in symmalloc's heap (a compiled graph allocates from PyTorch's own pools)
+are staged through the communicator's scratch buffer, inside the same call; allocate the inputs
+from ``symmalloc.mem_pool()`` for the zero-copy path.
+"""
+
+from typing import Union
+
+import torch
+
+from . import Communicator, SymmallocError, communicator
+
+__all__ = ["all_reduce", "all_reduce_", "reduce_scatter", "all_gather", "all_reduce_add_rms_norm"]
+
+Comm = Union[Communicator, int]
+
+
+def _handle(comm: Comm) -> int:
+    return comm.handle if isinstance(comm, Communicator) else int(comm)
+
+
+def _rows(x: torch.Tensor, world: int, what: str) -> int:
+    if x.dim() == 0 or x.shape[0] % world:
+        raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"{what}: x has shape {tuple(x.shape)}; expected dim 0 divisible by the world size {world}")
+    return x.shape[0] // world
+
+
+@torch.library.custom_op("symmalloc::all_reduce", mutates_args=())
+def _all_reduce(x: torch.Tensor, comm: int, op: str, algo: str) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    communicator(comm).all_reduce(x, op=op, algo=algo, out=out)
+    return out
+
+
+@_all_reduce.register_fake
+def _(x, comm, op, algo):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("symmalloc::all_reduce_", mutates_args=("x",))
+def _all_reduce_(x: torch.Tensor, comm: int, op: str, algo: str) -> None:
+    if not x.is_contiguous():
+        raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "all_reduce_: x must be contiguous (it is reduced in place)")
+    communicator(comm).all_reduce(x, op=op, algo=algo)
+
+
+@_all_reduce_.register_fake
+def _(x, comm, op, algo):
+    return None
+
+
+@torch.library.custom_op("symmalloc::reduce_scatter", mutates_args=())
+def _reduce_scatter(x: torch.Tensor, comm: int, op: str) -> torch.Tensor:
+    c = communicator(comm)
+    x = x.contiguous()
+    out = x.new_empty((_rows(x, c.world_size, "reduce_scatter"),) + tuple(x.shape[1:]))
+    c.reduce_scatter(out, x, op=op)
+    return out
+
+
+@_reduce_scatter.register_fake
+def _(x, comm, op):
+    world = communicator(comm).world_size
+    return x.new_empty((_rows(x, world, "reduce_scatter"),) + tuple(x.shape[1:]))
+
+
+@torch.library.custom_op("symmalloc::all_gather", mutates_args=())
+def _all_gather(x: torch.Tensor, comm: int) -> torch.Tensor:
+    c = communicator(comm)
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * c.world_size,) + tuple(x.shape[1:])) if x.dim() else x.new_empty(c.world_size)
+    c.all_gather(out, x)
+    return out
+
+
+@_all_gather.register_fake
+def _(x, comm):
+    world = communicator(comm).world_size
+    return x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:])) if x.dim() else x.new_empty(world)
+
+
+@torch.library.custom_op("symmalloc::all_reduce_add_rms_norm", mutates_args=("residual",))
+def _all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, comm: int) -> torch.Tensor:
+    if not residual.is_contiguous():
+        raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "all_reduce_add_rms_norm: residual must be contiguous (it is updated in place)")
+    return communicator(comm).all_reduce_add_rms_norm(x.contiguous(), residual, weight.contiguous(), eps=eps)
+
+
+@_all_reduce_add_rms_norm.register_fake
+def _(x, residual, weight, eps, comm):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def all_reduce(x: torch.Tensor, comm: Comm, op: str = "sum", algo: str = "auto") -> torch.Tensor:
+    """The reduction of every rank's ``x``, as a new tensor (``torch.ops.symmalloc.all_reduce``)."""
+    return torch.ops.symmalloc.all_reduce(x, _handle(comm), op, algo)
+
+
+def all_reduce_(x: torch.Tensor, comm: Comm, op: str = "sum", algo: str = "auto") -> torch.Tensor:
+    """Reduces ``x`` in place and returns it (``torch.ops.symmalloc.all_reduce_``)."""
+    torch.ops.symmalloc.all_reduce_(x, _handle(comm), op, algo)
+    return x
+
+
+def reduce_scatter(x: torch.Tensor, comm: Comm, op: str = "sum") -> torch.Tensor:
+    """Rank r's slice r (along dim 0) of the reduction of every rank's ``x``."""
+    return torch.ops.symmalloc.reduce_scatter(x, _handle(comm), op)
+
+
+def all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along dim 0, in rank order."""
+    return torch.ops.symmalloc.all_gather(x, _handle(comm))
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, comm: Comm, eps: float = 1e-6) -> torch.Tensor:
+    """``residual += all_reduce(x)``; returns ``rms_norm(residual) * weight``."""
+    return torch.ops.symmalloc.all_reduce_add_rms_norm(x, residual, weight, eps, _handle(comm))

@@ -1,0 +1,38 @@
+"""PyTorch-native paths through torchrun: torch.compile over the custom ops
+(torch_compile_check.py) and from_env's secret through torchrun's store (from_env_check.py).
+On CI-like machines they run on CPU tensors over the host backend (SYMMALLOC_BACKEND=host);
+on a machine with 2 GPUs the compile check runs on them. Both skip, with the reason, without
+torch."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed here (the device machine runs these)")
+HERE = os.path.dirname(os.path.abspath(__file__))
+HOST = os.environ.get("SYMMALLOC_BACKEND") == "host"
+
+
+def _torchrun(script, port):
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env.pop("SYMMALLOC_ENABLE_MULTICAST", None)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+                        os.path.join(HERE, script)], env=env, capture_output=True, text=True, timeout=900)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return r.stdout
+
+
+def test_compile_keeps_the_block_whole():
+    if not HOST and not (torch.cuda.is_available() and torch.cuda.device_count() >= 2):
+        pytest.skip("needs 2 GPUs, or SYMMALLOC_BACKEND=host")
+    out = _torchrun("torch_compile_check.py", 29541)
+    assert out.count("0 graph breaks") == 2, out
+
+
+def test_from_env_secret_comes_through_the_store():
+    if not HOST:
+        pytest.skip("runs on the host backend (SYMMALLOC_BACKEND=host)")
+    out = _torchrun("from_env_check.py", 29542)
+    assert "intruder refused" in out and out.count("id removed") == 2, out
