@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a lent GPU machine, from
 # prebuilt artifacts in .device/ (see the README's "GPU runs" section). Logs go to $OUT.
-#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail
+#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native
+#   native: the PyTorch-native checks (torch.compile over the custom ops at 2 ranks; the wheel
+#           installed in a fresh venv outside the checkout, running the benchmark CLI with peers
+#           and a plot).
 #   tail: bench/tail.py over RUNS (default 10) fresh processes, with the eager Python-vs-C table;
 #         LIB=DIR runs it against the libraries in DIR instead of .device/ (an older build).
 # Safety: NVLink multicast stays off (scripts/device-env.sh).
@@ -19,6 +22,20 @@ elif [ "${1:-tests}" = tail ]; then
   step machine; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   export SYMMALLOC_LIBRARY_DIR=${LIB:-$D}
   T=590 TAILN=${TAILN:-60} run tail python3 bench/tail.py --runs "${RUNS:-10}" --out "$OUT" --c-bench "$D/allreduce_c"
+elif [ "${1:-tests}" = native ]; then
+  step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__)"
+  [ -n "${SKIP_COMPILE:-}" ] || T=400 TAILN=6 run torch_compile python3 -m torch.distributed.run --nproc_per_node=2 --master_port=29534 python/tests/torch_compile_check.py
+  step wheel
+  # Installed into a folder of its own (the machine's torch lives in a venv that a new venv
+  # cannot inherit), used through PYTHONPATH from outside the checkout.
+  V=/tmp/symm-wheel-site; rm -rf $V
+  python3 -m pip install --no-deps --no-index --target $V $D/symmalloc-*.whl > "$OUT/wheel.log" 2>&1; echo "[pip install rc=$?]"
+  export PYTHONPATH=$V
+  ( cd /tmp && env -u SYMMALLOC_LIBRARY_DIR python3 -c "import symmalloc; print('wheel', symmalloc.__version__, symmalloc.library_path(), symmalloc.pluggable_path())" )
+  for c in ${COLLS:-all_reduce reduce_scatter all_gather}; do
+    ( cd /tmp && T=300 TAILN=30 run cli_$c env -u SYMMALLOC_LIBRARY_DIR python3 -m symmalloc.bench -c $c -b 8K -e ${MAXB:-256M} -f 4 -G 1 \
+        --compare nccl,torch --plot "$OUT/cli_$c.png" --json "$OUT/cli_$c.json" )
+  done
 elif [ "${1:-tests}" = gpu ]; then
   run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture
   T=400 TAILN=12 run gpu_comm $D/t_gpu_comm --include-ignored --test-threads=1 --nocapture

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the GPU artifacts here (no GPU needed) and copies them into the git-ignored .device/
 # that scripts/device-run.sh runs on a GPU machine: the two .so files, the demo, the
-# benchmarks, the stripped test binaries and the kernels' fatbin.
+# benchmarks, the stripped test binaries, the kernels' fatbin and the wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --examples
@@ -25,4 +25,6 @@ strip --strip-debug .device/*.so  # keeps the dynamic symbols; the tree travels 
 # The SONAME the C harness records (build.rs): the file under that name beside the library.
 soname=$(readelf -d .device/libsymmalloc.so | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
 ln -sf libsymmalloc.so ".device/$soname"
+# The manylinux wheel (make wheel), for the install-and-run check on the device.
+make --no-print-directory wheel >/dev/null && cp .whl/symmalloc-*.whl .device/
 ls -la .device

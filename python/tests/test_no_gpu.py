@@ -82,3 +82,26 @@ def test_custom_op_handles_name_live_communicators_only():
     with pytest.raises(symmalloc.SymmallocError) as e:
         symmalloc.communicator(123456)
     assert "handle 123456 is not a live Communicator" in str(e.value)
+
+
+def test_bench_cli_arguments():
+    from symmalloc import bench
+
+    assert [bench.parse_size(s) for s in ("8K", "1M", "256MiB", "3", "1.5K")] == [8192, 1 << 20, 256 << 20, 3, 1536]
+    assert bench.sizes(8 << 10, 64 << 10, 2) == [8 << 10, 16 << 10, 32 << 10, 64 << 10]
+    assert bench.size_label(1 << 20) == "1M" and bench.size_label(1536) == "1536"
+    assert bench.bus_factor("all_reduce", 4) == 1.5 and bench.bus_factor("all_gather", 4) == 0.75
+    a = bench.arguments(["-c", "reduce_scatter", "-b", "1M", "-e", "4M", "--compare", "nccl,torch", "-G", "0"])
+    assert (a.collective, a.minbytes, a.maxbytes, a.peers, a.graph) == ("reduce_scatter", 1 << 20, 4 << 20, ["nccl", "torch"], 0)
+    for bad in (["-b", "1M", "-e", "8K"], ["--compare", "mpi"], ["-b", "8Q"], ["-c", "all_gather", "-a", "two_shot"], ["-n", "0"]):
+        with pytest.raises(SystemExit):
+            bench.arguments(bad)
+
+
+def test_bench_cli_help_runs_without_torch_or_gpu():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "symmalloc.bench", "--help"], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(symmalloc.__file__)))
+    assert r.returncode == 0 and "--compare" in r.stdout and "bus bandwidth" in r.stdout.lower(), r.stdout + r.stderr
