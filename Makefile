@@ -106,6 +106,7 @@ test-wheel: wheel
 	cp python/tests/test_no_gpu.py python/tests/test_host_collectives.py python/tests/test_torch_native.py $$d/; \
 	cd $$d; unset $$(env | sed -n 's/^\(SYMMALLOC_[A-Z_]*\)=.*/\1/p'); \
 	venv/bin/python -c "import symmalloc, os; p = symmalloc.library_path(); assert p.startswith('$$d/venv/'), p; \
+	  assert symmalloc._fast_all_reduce() is not None, 'the wheel lacks symmalloc._fastcall'; \
 	  print('test-wheel: symmalloc', symmalloc.__version__, 'loads', os.path.relpath(p, '$$d'))"; \
 	venv/bin/python -m pytest -q -p no:cacheprovider .; \
 	SYMMALLOC_BACKEND=host venv/bin/python -m pytest -q -p no:cacheprovider .

@@ -7,7 +7,8 @@ Each run is a fresh job (one process per GPU, started anew). In a run, for every
 64 MiB) and every method that takes it, a graph of 20 bf16-sum all-reduces of one buffer pair
 is captured and kept (many graphs in one process, as an inference engine holds one per batch
 size), checked against NCCL on fresh random data (the output poisoned first), then replayed
-300 times back to back, each replay timed with CUDA events: per row p50 / p99 / max of the
+300 times back to back behind a gate (a fixed GPU spin that holds the stream until the host has
+enqueued every replay), each replay timed with CUDA events: per row p50 / p99 / max of the
 per-call time (replay time / 20). Methods: symmalloc AUTO, ONE_SHOT_LL (within its capacity),
 ONE_SHOT (to 4 MiB) and TWO_SHOT, in place and out of place; torch two_shot_all_reduce_ (in
 place) and one_shot_all_reduce (out of place); NCCL (in place).
@@ -41,6 +42,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 SIZES = [8 << 10, 64 << 10, 256 << 10, 768 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 EAGER_SIZES = [8 << 10, 64 << 10, 256 << 10, 1 << 20]
 CALLS, REPLAYS = 20, 300
+# The gate before the timed replays (clock cycles: about 20 ms at 2 GHz, ten times what the
+# host takes to enqueue 300 replays); SYMM_BENCH_GATE=0 turns it off to compare.
+GATE_CYCLES = int(os.environ.get("SYMM_BENCH_GATE", 40_000_000))
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -140,6 +144,15 @@ def worker(rank, world, port, out_path, mode):
         dist.barrier()
         torch.cuda.synchronize()
         cur = torch.cuda.current_stream()
+        # The gate: a fixed spin holds each GPU's stream while its host enqueues every replay,
+        # so the timed replays run back to back on both GPUs and a late host (one rank's
+        # process descheduled between two launches) cannot show up as a peer's wait. Both gates
+        # start together (barrier) and last the same; one untimed replay absorbs what skew is
+        # left. Without it, the time a rank's host takes to launch replay k is part of its
+        # peer's replay k (NOTES: "Host gaps in the tail benchmark").
+        if GATE_CYCLES:
+            torch.cuda._sleep(GATE_CYCLES)
+            g.replay()
         for a, b in ev:
             a.record(cur)
             g.replay()
@@ -231,7 +244,15 @@ def worker(rank, world, port, out_path, mode):
             held.__dict__.update(comm.__dict__)
             held._all_reduce = ctypes.PyDLL(symmalloc.library_path())["symm_all_reduce_algo"]
             held._all_reduce.restype = ctypes.c_int
+            held._fast = None
+            # The package's wrapper with its compiled caller turned off: calls through ctypes,
+            # as every call did before session 5.
+            plain = _borrowed_class().__new__(_borrowed_class())
+            plain.__dict__.update(comm.__dict__)
+            plain._fast = None
+            row["fastcall"] = comm._fast is not None
             for name, fn, s in [("python", lambda: comm.all_reduce(x), side),
+                                ("python_ctypes", lambda: plain.all_reduce(x), side),
                                 ("legacy", lambda: legacy_all_reduce(comm, x), side),
                                 ("python_default_stream", lambda: comm.all_reduce(x), torch.cuda.default_stream()),
                                 ("python_gil_held", lambda: held.all_reduce(x), side)]:
@@ -296,17 +317,21 @@ def report(runs, pairs):
     if pairs:
         print(f"\neager AUTO in place, us per call (median of 50 x mean of 20); {len(pairs)} pairs of a Python job "
               "and a C job (bench/allreduce_c.rs), alternating")
-        print("(python and legacy on a non-blocking side stream, as C; python default: torch's legacy default stream)")
-        print(f"{'size':>7} | {'python':>17} | {'legacy python':>17} | {'python default':>17} | {'C ABI':>17} | "
-              "python - C per pair")
+        print("(python: the package's call, through symmalloc._fastcall when built (fastcall: "
+              f"{[p['python'][EAGER_SIZES[0]].get('fastcall') for p in pairs]}); python ctypes: the same "
+              "wrapper through ctypes (before session 5); legacy: the wrapper before session 4; all on a non-blocking "
+              "side stream, as C; python default: torch's legacy default stream)")
+        print(f"{'size':>7} | {'python':>17} | {'python ctypes':>17} | {'legacy python':>17} | {'python default':>17} | "
+              f"{'C ABI':>17} | python - C per pair")
         for b in EAGER_SIZES:
             py = [p["python"][b]["python"] for p in pairs]
+            pc = [p["python"][b].get("python_ctypes", float("nan")) for p in pairs]
             lg = [p["python"][b]["legacy"] for p in pairs]
             dflt = [p["python"][b].get("python_default_stream", float("nan")) for p in pairs]
             c = [p["c"].get(b, float("nan")) for p in pairs]
             rng = lambda v: f"{min(v):6.2f} - {max(v):6.2f}"  # noqa: E731
             held = [p["python"][b].get("python_gil_held", float("nan")) for p in pairs]
-            print(f"{label(b):>7} | {rng(py):>17} | {rng(lg):>17} | {rng(dflt):>17} | {rng(c):>17} | "
+            print(f"{label(b):>7} | {rng(py):>17} | {rng(pc):>17} | {rng(lg):>17} | {rng(dflt):>17} | {rng(c):>17} | "
                   + " ".join(f"{x - y:+.2f}" for x, y in zip(py, c)) + f"   (GIL kept: {rng(held)})")
 
 

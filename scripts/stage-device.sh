@@ -27,4 +27,7 @@ soname=$(readelf -d .device/libsymmalloc.so | sed -n 's/.*(SONAME).*\[\(.*\)\]/\
 ln -sf libsymmalloc.so ".device/$soname"
 # The manylinux wheel (make wheel), for the install-and-run check on the device.
 make --no-print-directory wheel >/dev/null && cp .whl/symmalloc-*.whl .device/
+# Its compiled eager caller, beside the libraries: the in-tree package loads it from there.
+python3 -c "import zipfile, glob; zipfile.ZipFile(glob.glob('.device/symmalloc-*.whl')[0]).extract('symmalloc/_fastcall.abi3.so', '/tmp/symm-stage')"
+cp /tmp/symm-stage/symmalloc/_fastcall.abi3.so .device/
 ls -la .device

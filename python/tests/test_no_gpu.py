@@ -105,3 +105,15 @@ def test_bench_cli_help_runs_without_torch_or_gpu():
     r = subprocess.run([sys.executable, "-m", "symmalloc.bench", "--help"], capture_output=True, text=True,
                        cwd=os.path.dirname(os.path.dirname(symmalloc.__file__)))
     assert r.returncode == 0 and "--compare" in r.stdout and "bus bandwidth" in r.stdout.lower(), r.stdout + r.stderr
+
+
+def test_fast_path_when_built_reports_errors_like_ctypes():
+    fast = symmalloc._fast_all_reduce()
+    if fast is None:
+        pytest.skip("symmalloc._fastcall is not built here (a checkout; the wheel has it: make test-wheel)")
+    assert fast(0, 0, 0, 0, 1, 0, 0, 0) == 1  # comm NULL: SYMM_ERR_INVALID_ARGUMENT
+    assert "comm" in symmalloc._library().symm_last_error().decode()
+    with pytest.raises(TypeError):
+        fast(0, 0, 0)
+    with pytest.raises(OverflowError):
+        fast(0, 1 << 40, 0, 0, 1, 0, 0, 0)
