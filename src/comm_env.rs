@@ -155,7 +155,8 @@ mod tests {
         for bad in ["zz", "00", &hex[..254]] {
             let e = unique_id(&|_| Some(bad.to_string()), "k").unwrap_err();
             assert!(
-                e.message.starts_with("environment variable SYMMALLOC_UNIQUE_ID:")
+                e.message
+                    .starts_with("environment variable SYMMALLOC_UNIQUE_ID:")
                     && e.message.contains("256 hex digits"),
                 "{}",
                 e.message
