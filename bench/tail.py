@@ -251,11 +251,22 @@ def worker(rank, world, port, out_path, mode):
             plain.__dict__.update(comm.__dict__)
             plain._fast = None
             row["fastcall"] = comm._fast is not None
+            # The C ABI's call itself, in this process: symm_all_reduce_algo through the
+            # compiled caller with every argument computed once (no Python work per call but
+            # the loop's). It takes the C job's place in a comparison that no difference
+            # between two processes' CPUs can blur.
+            with torch.cuda.stream(side):
+                c_args = (comm._comm.value, 0, x.data_ptr(), x.data_ptr(), x.numel(), 0, 0,
+                          torch._C._cuda_getCurrentRawStream(rank))
+            c_call = (lambda: comm._fast(*c_args)) if comm._fast is not None else None
             for name, fn, s in [("python", lambda: comm.all_reduce(x), side),
+                                ("c_in_process", c_call, side),
                                 ("python_ctypes", lambda: plain.all_reduce(x), side),
                                 ("legacy", lambda: legacy_all_reduce(comm, x), side),
                                 ("python_default_stream", lambda: comm.all_reduce(x), torch.cuda.default_stream()),
                                 ("python_gil_held", lambda: held.all_reduce(x), side)]:
+                if fn is None:
+                    continue
                 with torch.cuda.stream(s):
                     row[name] = eager_time(fn)
             eager_rows.append(row)
@@ -323,6 +334,7 @@ def report(runs, pairs):
               "side stream, as C; python default: torch's legacy default stream)")
         print(f"{'size':>7} | {'python':>17} | {'python ctypes':>17} | {'legacy python':>17} | {'python default':>17} | "
               f"{'C ABI':>17} | python - C per pair")
+        in_process = []
         for b in EAGER_SIZES:
             py = [p["python"][b]["python"] for p in pairs]
             pc = [p["python"][b].get("python_ctypes", float("nan")) for p in pairs]
@@ -331,8 +343,14 @@ def report(runs, pairs):
             c = [p["c"].get(b, float("nan")) for p in pairs]
             rng = lambda v: f"{min(v):6.2f} - {max(v):6.2f}"  # noqa: E731
             held = [p["python"][b].get("python_gil_held", float("nan")) for p in pairs]
+            cin = [p["python"][b].get("c_in_process", float("nan")) for p in pairs]
             print(f"{label(b):>7} | {rng(py):>17} | {rng(pc):>17} | {rng(lg):>17} | {rng(dflt):>17} | {rng(c):>17} | "
                   + " ".join(f"{x - y:+.2f}" for x, y in zip(py, c)) + f"   (GIL kept: {rng(held)})")
+            in_process.append((b, cin, [x - y for x, y in zip(py, cin)]))
+        print("\nthe same C ABI call from the Python job itself (c_in_process: symm_all_reduce_algo through the "
+              "compiled caller, arguments computed once), and python - c_in_process per pair:")
+        for b, cin, diff in in_process:
+            print(f"{label(b):>7} | c_in_process {rng(cin)} | " + " ".join(f"{d:+.2f}" for d in diff))
 
 
 def graph_table(runs):

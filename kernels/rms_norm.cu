@@ -87,6 +87,129 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
   epoch_end(a, e);
 }
 
+// Small messages (x up to the LL threshold): the LL protocol of one_shot_ll.cu instead of the two
+// barriers, so the fused call costs about what the LL all-reduce costs. Every block of the
+// communicator's fixed LL grid pushes its grid-stride share of x into every peer's slot, takes
+// part in the descriptor check and bumps its call counter, exactly as the LL all-reduce does (so
+// the two share buffers and counters in step). Then block b pulls whole rows b, b + grid, ...:
+// it waits for each peer's items of the row, reduces them with its own in rank order, adds the
+// residual and normalizes. Any block may pull and reset any item: slots are indexed by item, and
+// each item is read and reset once per call. A failed wait (timeout, abort) stops the waits of
+// that thread; the block still meets at every __syncthreads and writes nothing for the row.
+#ifndef LL_BUFFERS
+#error "rms_norm.cu uses one_shot_ll.cu's LL protocol: build.rs includes kernels/*.cu in name order"
+#endif
+
+template <typename T>
+__device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
+  constexpr int N = 16 / sizeof(T);
+  const SymmArgs& a = f.s;
+  uint32_t* counters = (uint32_t*)(ll_region(a, a.rank) + LL_COUNTERS_OFFSET);
+  __shared__ uint32_t call, dead;
+  if (threadIdx.x == 0) {  // both loads in flight before either store (see epoch_begin)
+    const uint32_t c0 = counters[blockIdx.x];
+    const uint32_t d0 = *(volatile uint32_t*)abort_word(a);
+    call = c0;
+    dead = d0;
+  }
+  __syncthreads();
+  if (dead) return;  // aborted: push nothing into the peers' buffers
+  const uint32_t buf = call % LL_BUFFERS;
+  const uint64_t start = globaltimer();
+  const uint64_t items = a.count / N;  // hidden is a multiple of 8: whole vectors
+  const uint4* x = (const uint4*)a.in[a.rank];
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < items;
+       i += (uint64_t)gridDim.x * blockDim.x) {
+    uint4 v = x[i];
+    ll_sanitize<T>(v);
+#pragma unroll
+    for (int r = 0; r < SYMM_MAX_RANKS; ++r)
+      if (r < a.world && r != a.rank) st_volatile_v4(ll_slot(a, r, buf, a.rank) + i, v);
+  }
+  bool ok = ll_check_desc(a, buf, start);
+
+  const uint64_t vecs = f.hidden / N;
+  const uint64_t tokens = a.count / f.hidden;
+  for (uint64_t t = blockIdx.x; ok && t < tokens; t += gridDim.x) {
+    float r[SYMM_RMS_VECS][N];
+    uint4 own[SYMM_RMS_VECS], res[SYMM_RMS_VECS], wgt[SYMM_RMS_VECS];
+    float ss = 0.f;
+    bool mine = true;  // this thread's waits all succeeded
+#pragma unroll
+    for (int k = 0; k < SYMM_RMS_VECS; ++k) {  // local loads first: in flight during the polls
+      const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+      if (j < vecs) {
+        own[k] = x[t * vecs + j];
+        res[k] = ((const uint4*)f.residual)[t * vecs + j];
+        wgt[k] = ((const uint4*)f.weight)[j];
+        ll_sanitize<T>(own[k]);
+      }
+    }
+    // Rank order (every rank adds the same values in the same order); per peer, every load of
+    // the row is issued before any wait, so the polls overlap.
+#pragma unroll
+    for (int p = 0; p < SYMM_MAX_RANKS; ++p) {
+      if (p >= a.world) break;
+      uint4 v[SYMM_RMS_VECS];
+#pragma unroll
+      for (int k = 0; k < SYMM_RMS_VECS; ++k) {
+        const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+        if (j < vecs) v[k] = p == a.rank ? own[k] : ld_volatile_v4(ll_slot(a, a.rank, buf, p) + t * vecs + j);
+      }
+#pragma unroll
+      for (int k = 0; k < SYMM_RMS_VECS; ++k) {
+        const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+        if (j >= vecs) continue;
+        if (p != a.rank) {
+          uint4* slot = ll_slot(a, a.rank, buf, p) + t * vecs + j;
+          if (!ll_arrived(v[k]) && !(mine && ll_wait(a, slot, p, start, v[k]))) {
+            mine = false;
+            continue;
+          }
+          *slot = make_uint4(LL_EMPTY, LL_EMPTY, LL_EMPTY, LL_EMPTY);
+        }
+        const T* e = (const T*)&v[k];
+#pragma unroll
+        for (int q = 0; q < N; ++q) r[k][q] = p == 0 ? to_f32(e[q]) : r[k][q] + to_f32(e[q]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < SYMM_RMS_VECS; ++k) {
+      const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+      if (j >= vecs) continue;
+      const T* re = (const T*)&res[k];
+#pragma unroll
+      for (int q = 0; q < N; ++q) {
+        r[k][q] += to_f32(re[q]);
+        ss += r[k][q] * r[k][q];
+      }
+    }
+    const float inv = rsqrtf(block_sum(ss) / (float)f.hidden + f.eps);
+    ok = __syncthreads_and(mine) != 0;
+    if (!ok) break;
+#pragma unroll
+    for (int k = 0; k < SYMM_RMS_VECS; ++k) {
+      const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+      if (j >= vecs) continue;
+      ((uint4*)f.residual)[t * vecs + j] = pack<T, true>(r[k]);
+      const T* w = (const T*)&wgt[k];
+      float o[N];
+#pragma unroll
+      for (int q = 0; q < N; ++q) o[q] = r[k][q] * inv * to_f32(w[q]);
+      ((uint4*)f.out)[t * vecs + j] = pack<T, true>(o);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) counters[blockIdx.x] = call + 1;
+}
+
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_ll_bf16(RmsArgs f) {
+  rms_ll_body<__nv_bfloat16>(f);
+}
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_ll_fp16(RmsArgs f) {
+  rms_ll_body<__half>(f);
+}
+
 extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_bf16(RmsArgs f) {
   rms_body<__nv_bfloat16>(f);
 }

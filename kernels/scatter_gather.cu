@@ -77,6 +77,91 @@ __device__ __forceinline__ void all_gather_body(const SymmArgs& a) {
   epoch_end(a, e);
 }
 
+// Reduce-scatter of small slices (up to AUTO's LL threshold) with the LL protocol of
+// one_shot_ll.cu, no barrier: every rank pushes slice p of its input into its slot of peer p's
+// LL buffer, then reduces its own slice from the slots in rank order. Peers never read this
+// rank's buffers, so no closing barrier either. The launch picks it from values equal on every
+// rank (the input's offset and the slice's size, whole 16-byte vectors), never from the output,
+// which is rank-local: an output that is not 16-byte aligned is written element by element.
+// Blocks run on the communicator's fixed LL grid and keep its call counters in step.
+#ifndef LL_BUFFERS
+#error "scatter_gather.cu uses one_shot_ll.cu's LL protocol: build.rs includes kernels/*.cu in name order"
+#endif
+
+template <typename T, int OP>
+__device__ __forceinline__ void reduce_scatter_ll_body(const SymmArgs& a) {
+  constexpr int N = 16 / sizeof(T);
+  uint32_t* counters = (uint32_t*)(ll_region(a, a.rank) + LL_COUNTERS_OFFSET);
+  __shared__ uint32_t call, dead;
+  if (threadIdx.x == 0) {  // both loads in flight before either store (see epoch_begin)
+    const uint32_t c0 = counters[blockIdx.x];
+    const uint32_t d0 = *(volatile uint32_t*)abort_word(a);
+    call = c0;
+    dead = d0;
+  }
+  __syncthreads();
+  if (dead) return;  // aborted: push nothing into the peers' buffers
+  const uint32_t buf = call % LL_BUFFERS;
+  const uint64_t start = globaltimer();
+  const uint64_t items = a.count / N;  // this rank's slice, whole vectors (the launch checks)
+  const uint4* x = (const uint4*)a.in[a.rank];
+  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  const uint64_t first = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  for (uint64_t i = first; i < items; i += stride) {
+#pragma unroll
+    for (int p = 0; p < SYMM_MAX_RANKS; ++p) {
+      if (p >= a.world || p == a.rank) continue;
+      uint4 v = x[(uint64_t)p * items + i];
+      ll_sanitize<T>(v);
+      st_volatile_v4(ll_slot(a, p, buf, a.rank) + i, v);
+    }
+  }
+  bool ok = ll_check_desc(a, buf, start);
+  const bool vec_out = (a.out[a.rank] & 15) == 0;
+  for (uint64_t i = first; ok && i < items; i += stride) {
+    uint4 own = x[(uint64_t)a.rank * items + i];
+    ll_sanitize<T>(own);
+    float acc[N];
+#pragma unroll
+    for (int p = 0; p < SYMM_MAX_RANKS; ++p) {
+      if (p >= a.world) break;
+      uint4 v = own;
+      if (p != a.rank) {
+        uint4* slot = ll_slot(a, a.rank, buf, p) + i;
+        v = ld_volatile_v4(slot);
+        if (!ll_arrived(v) && !ll_wait(a, slot, p, start, v)) { ok = false; break; }
+        *slot = make_uint4(LL_EMPTY, LL_EMPTY, LL_EMPTY, LL_EMPTY);
+      }
+      const T* e = (const T*)&v;
+#pragma unroll
+      for (int k = 0; k < N; ++k) acc[k] = p == 0 ? to_f32(e[k]) : combine<OP>(acc[k], to_f32(e[k]));
+    }
+    if (!ok) break;
+    if (vec_out) {
+      ((uint4*)a.out[a.rank])[i] = pack<T, true>(acc);
+    } else {
+      T* o = (T*)a.out[a.rank] + i * N;
+#pragma unroll
+      for (int k = 0; k < N; ++k) o[k] = from_f32<T>(acc[k]);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) counters[blockIdx.x] = call + 1;
+}
+
+#define SYMM_REDUCE_SCATTER_LL(NAME, T, OP) \
+  extern "C" __global__ void __launch_bounds__(SYMM_THREADS) NAME(SymmArgs a) { reduce_scatter_ll_body<T, OP>(a); }
+
+SYMM_REDUCE_SCATTER_LL(symm_reduce_scatter_ll_bf16_sum_vec, __nv_bfloat16, OP_SUM)
+SYMM_REDUCE_SCATTER_LL(symm_reduce_scatter_ll_bf16_max_vec, __nv_bfloat16, OP_MAX)
+SYMM_REDUCE_SCATTER_LL(symm_reduce_scatter_ll_bf16_min_vec, __nv_bfloat16, OP_MIN)
+SYMM_REDUCE_SCATTER_LL(symm_reduce_scatter_ll_fp16_sum_vec, __half, OP_SUM)
+SYMM_REDUCE_SCATTER_LL(symm_reduce_scatter_ll_fp16_max_vec, __half, OP_MAX)
+SYMM_REDUCE_SCATTER_LL(symm_reduce_scatter_ll_fp16_min_vec, __half, OP_MIN)
+SYMM_REDUCE_SCATTER_LL(symm_reduce_scatter_ll_fp32_sum_vec, float, OP_SUM)
+SYMM_REDUCE_SCATTER_LL(symm_reduce_scatter_ll_fp32_max_vec, float, OP_MAX)
+SYMM_REDUCE_SCATTER_LL(symm_reduce_scatter_ll_fp32_min_vec, float, OP_MIN)
+
 #define SYMM_REDUCE_SCATTER(NAME, T, OP, VEC) \
   extern "C" __global__ void __launch_bounds__(SYMM_THREADS) NAME(SymmArgs a) { reduce_scatter_body<T, OP, VEC>(a); }
 #define SYMM_ALL_GATHER(NAME, T, VEC) \

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a lent GPU machine, from
 # prebuilt artifacts in .device/ (see the README's "GPU runs" section). Logs go to $OUT.
-#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native
+#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused
+#   fused: bench/fused.py (all-reduce + residual add + RMSNorm, fused vs unfused vs NCCL, and a
+#          16-layer decoder step).
 #   native: the PyTorch-native checks (torch.compile over the custom ops at 2 ranks; the wheel
 #           installed in a fresh venv outside the checkout, running the benchmark CLI with peers
 #           and a plot).
@@ -36,6 +38,9 @@ elif [ "${1:-tests}" = native ]; then
     ( cd /tmp && T=300 TAILN=30 run cli_$c env -u SYMMALLOC_LIBRARY_DIR python3 -m symmalloc.bench -c $c -b 8K -e ${MAXB:-256M} -f 4 -G 1 \
         --compare nccl,torch --plot "$OUT/cli_$c.png" --json "$OUT/cli_$c.json" )
   done
+elif [ "${1:-tests}" = fused ]; then
+  step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  T=560 TAILN=${TAILN:-60} run fused python3 bench/fused.py --out "$OUT"
 elif [ "${1:-tests}" = gpu ]; then
   run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture
   T=400 TAILN=12 run gpu_comm $D/t_gpu_comm --include-ignored --test-threads=1 --nocapture

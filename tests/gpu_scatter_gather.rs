@@ -105,7 +105,9 @@ fn sweep_rank(c: Child) {
     let stream = util::stream_create(c.rank).unwrap();
     let seed: u64 = c.arg.parse().unwrap();
     let mut case = 0u64;
-    for &n in &[1usize, 7, 8, 9, 1031, 65_537, (1 << 20) + 3, 1 << 20] {
+    // 8, 4096 and 1 << 20 are whole 16-byte vectors within the LL threshold: the reduce-scatter
+    // LL kernel; the others the barrier kernel.
+    for &n in &[1usize, 7, 8, 9, 1031, 4096, 65_537, (1 << 20) + 3, 1 << 20] {
         for dtype in [SYMM_BF16, SYMM_FP16, SYMM_FP32] {
             for op in [SYMM_SUM, SYMM_MAX, SYMM_MIN, GATHER] {
                 for layout in [Layout::Apart, Layout::Same, Layout::Staged] {
@@ -122,8 +124,9 @@ fn sweep_rank(c: Child) {
         }
     }
     // Graphs: one capture of each, 200 replays on fresh inputs uploaded in stream order.
-    for op in [SYMM_SUM, GATHER] {
-        let (n, dtype, es, world) = (4099usize, SYMM_BF16, 2usize, c.world as usize);
+    // (4096: the reduce-scatter LL kernel, whose call counters must stay in step over replays.)
+    for (op, n) in [(SYMM_SUM, 4099usize), (GATHER, 4099), (SYMM_SUM, 4096)] {
+        let (dtype, es, world) = (SYMM_BF16, 2usize, c.world as usize);
         let (send_n, recv_n) = if op == GATHER {
             (n, world * n)
         } else {
@@ -299,6 +302,20 @@ fn rms_rank(c: Child) {
         stream as _,
     );
     assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
+    // An LL all-reduce between fused calls: the fused LL kernel shares the LL buffers and call
+    // counters, which must stay in step across both kinds of call.
+    let y = symm_malloc(bytes, c.rank, stream as _) as u64;
+    let st = symm_all_reduce_algo(
+        comm,
+        SYMM_ALGO_ONE_SHOT_LL,
+        x as _,
+        y as _,
+        tokens * hidden,
+        dtype,
+        SYMM_SUM,
+        stream as _,
+    );
+    assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
     let graph = util::capture_end(c.rank, stream).unwrap();
     for replay in 0..200u64 {
         let s = seed ^ (replay << 30);
@@ -320,12 +337,22 @@ fn rms_rank(c: Child) {
             &reference(s, c.world, n, dtype, SYMM_SUM),
         );
         assert!(e <= tol(dtype), "replay {replay}: residual rel err {e}");
+        util::dtoh(c.rank, &mut got, y).unwrap();
+        let e = rel_err(
+            &decode(dtype, &got),
+            &reference(s, c.world, n, dtype, SYMM_SUM),
+        );
+        assert!(
+            e <= tol(dtype),
+            "replay {replay}: LL all-reduce rel err {e}"
+        );
     }
     drop(graph);
     symm_free(x as _, bytes, c.rank, stream as _);
+    symm_free(y as _, bytes, c.rank, stream as _);
     destroy(comm);
     println!(
-        "rank {}: outputs hash {hash:016x}; {case} fused cases and 200 replays correct",
+        "rank {}: outputs hash {hash:016x}; {case} fused cases (LL and barrier kernels) and 200 replays of fused + LL all-reduce correct",
         c.rank
     );
 }

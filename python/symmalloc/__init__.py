@@ -326,9 +326,12 @@ class Communicator:
             code = _dtype_code(tensor.dtype)
             if code is None:
                 raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"dtype {tensor.dtype} is not bfloat16, float16 or float32")
-        op_code, algo_code = _OPS.get(op), _ALGOS.get(algo)
-        if op_code is None or algo_code is None:
-            raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"op {op!r} / algo {algo!r} unknown; ops {list(_OPS)}, algos {list(_ALGOS)}")
+        if op == "sum" and algo == "auto":  # the defaults: no lookups
+            op_code = algo_code = 0
+        else:
+            op_code, algo_code = _OPS.get(op), _ALGOS.get(algo)
+            if op_code is None or algo_code is None:
+                raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"op {op!r} / algo {algo!r} unknown; ops {list(_OPS)}, algos {list(_ALGOS)}")
         if not tensor.is_contiguous():
             raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "tensor must be contiguous")
         send = tensor.data_ptr()
@@ -341,7 +344,7 @@ class Communicator:
         dev = dst.get_device()
         fast = self._fast
         if fast is not None:
-            status = fast(self._comm.value, algo_code, send, recv, tensor.numel(), code, op_code,
+            status = fast(self._handle, algo_code, send, recv, tensor.numel(), code, op_code,
                           self._stream(dev) if dev >= 0 else 0)
             if status:
                 _check(status)
@@ -411,6 +414,7 @@ class Communicator:
         ``handle`` by which the custom ops (``symmalloc.ops``) name this communicator."""
         self.handle = next(_HANDLES)
         _COMMS[self.handle] = self
+        self._handle = self._comm.value or 0  # the symm_comm_t address, for the compiled caller
         self._all_reduce = _library()["symm_all_reduce_algo"]  # a function object of its own
         self._all_reduce.restype = ctypes.c_int
         self._fast = _fast_all_reduce()
@@ -429,6 +433,7 @@ class Communicator:
 
     def close(self) -> None:
         if getattr(self, "_comm", None) and self._comm.value:
+            self._handle = 0
             _check(_library().symm_comm_destroy(self._comm))
             self._comm = ctypes.c_void_p()
 

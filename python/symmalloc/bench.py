@@ -3,8 +3,9 @@
 One process per GPU: started here (``--nproc``, default every visible GPU) or by torchrun.
 For each size it checks symmalloc's result against a float64 reference on fresh random data
 (the output poisoned first), then times it with CUDA events: ``--reps`` repetitions of
-``--iters`` back-to-back calls (eagerly, or one CUDA graph of them with ``--graph 1``), after
-``--warmup`` untimed repetitions. p50 and p99 are over the repetitions' per-call means.
+``--iters`` back-to-back calls (eagerly, each repetition after a barrier; or one CUDA graph of
+them with ``--graph 1``, every replay enqueued behind a GPU gate so that they run back to back),
+after ``--warmup`` untimed repetitions. p50 and p99 are over the repetitions' per-call means.
 ``--compare nccl,torch`` times NCCL and PyTorch's symmetric memory on the same buffers' sizes
 in the same processes. Multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 
@@ -24,6 +25,7 @@ from typing import Callable, Dict, List, Optional
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+_GATE_CYCLES = 40_000_000  # about 20 ms at 2 GHz: longer than enqueuing the timed replays takes
 
 
 def parse_size(text: str) -> int:
@@ -120,6 +122,22 @@ def _timed(torch, dist, fn: Callable[[], None], a) -> Dict[str, float]:
         run()
     torch.cuda.synchronize()
     times = []
+    if a.graph:
+        # Every replay enqueued behind a gate (a fixed GPU spin, the same on every rank), so the
+        # replays run back to back and one rank's host launching late never shows as its
+        # peer's wait; one untimed replay absorbs the ranks' skew at the gate's end.
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(a.reps)]
+        dist.barrier()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(_GATE_CYCLES)
+        run()
+        for start, stop in events:
+            start.record()
+            run()
+            stop.record()
+        torch.cuda.synchronize()
+        times = sorted(start.elapsed_time(stop) * 1000.0 / a.iters for start, stop in events)
+        return {"p50": percentile(times, 0.5), "p99": percentile(times, 0.99), "max": times[-1]}
     for _ in range(a.reps):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         dist.barrier()

@@ -115,7 +115,7 @@ def scatter_gather(comm):
     world = dist.get_world_size()
     gen = torch.Generator(device="cuda").manual_seed(300 + comm.rank)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for n in (1, 7, 4099, 1_000_003):
+        for n in (1, 7, 4096, 4099, 1 << 20, 1_000_003, (1 << 26) + 1) if dtype == torch.bfloat16 else (1, 7, 4096, 4099, 1 << 20, 1_000_003, 1 << 26):
             for pooled in (True, False):
                 with torch.cuda.use_mem_pool(pool) if pooled else contextlib.nullcontext():
                     inp = torch.randn(world * n, generator=gen, device="cuda").to(dtype)
@@ -132,10 +132,11 @@ def scatter_gather(comm):
                 e = rel(out, ref)
                 assert e <= TOL[dtype], f"reduce_scatter {dtype} n={n} pooled={pooled}: rel err {e}"
                 assert torch.equal(gathered, ref_g), f"all_gather {dtype} n={n} pooled={pooled} differs from NCCL"
-    print(f"rank {comm.rank}: reduce_scatter and all_gather match NCCL (bf16/fp16/fp32, odd sizes, pooled and staged)")
+    print(f"rank {comm.rank}: reduce_scatter and all_gather match NCCL (bf16/fp16/fp32, counts 1 to 2^26+1, pooled and staged)")
     # The fused call against NCCL all-reduce + add + torch's rms_norm, in float32.
     for dtype in (torch.bfloat16, torch.float16):
-        for tokens, hidden in ((1, 4096), (6, 6144), (138, 8192)):
+        shapes = [(t, h) for h in (2048, 4096, 8192) for t in (1, 6, 138, 1024, 4096)] + [(6, 6144), (3, 16384)]
+        for tokens, hidden in shapes:
             with torch.cuda.use_mem_pool(pool):
                 x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
             residual = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
@@ -150,7 +151,7 @@ def scatter_gather(comm):
             torch.cuda.synchronize()
             assert rel(residual, r) <= TOL[dtype], f"fused residual {dtype} {tokens}x{hidden}: {rel(residual, r)}"
             assert rel(out, ref) <= TOL[dtype], f"fused out {dtype} {tokens}x{hidden}: {rel(out, ref)}"
-    print(f"rank {comm.rank}: all_reduce_add_rms_norm matches NCCL + rms_norm (bf16/fp16, tokens 1-138, hidden 4096-8192)")
+    print(f"rank {comm.rank}: all_reduce_add_rms_norm matches NCCL + rms_norm (bf16/fp16, tokens 1-4096 x hidden 2048/4096/8192, 6x6144, 3x16384)")
 
 
 def main():

@@ -30,9 +30,13 @@ pub enum Algo {
     /// Not all-reduce algorithms: the collectives of kernels/scatter_gather.cu (never chosen by
     /// AUTO, never named by a symm_algo_t).
     ReduceScatter,
+    /// Reduce-scatter of slices up to AUTO's LL threshold, barrier-free (launch.rs picks it).
+    ReduceScatterLL,
     AllGather,
-    /// All-reduce fused with residual add and RMSNorm (kernels/rms_norm.cu).
+    /// All-reduce fused with residual add and RMSNorm (kernels/rms_norm.cu): the barrier
+    /// kernel, and the LL kernel for messages up to AUTO's LL threshold.
     AddRmsNorm,
+    AddRmsNormLL,
 }
 
 impl DType {
@@ -103,8 +107,10 @@ impl Algo {
             Algo::Multimem => "multimem",
             Algo::OneShotLL => "one_shot_ll",
             Algo::ReduceScatter => "reduce_scatter",
+            Algo::ReduceScatterLL => "reduce_scatter_ll",
             Algo::AllGather => "all_gather",
             Algo::AddRmsNorm => "all_reduce_add_rms_norm",
+            Algo::AddRmsNormLL => "all_reduce_add_rms_norm_ll",
         }
     }
 }

@@ -11,6 +11,8 @@ pub fn kernel_name(algo: Algo, dtype: DType, op: ReduceOp, vec: bool) -> Option<
         Algo::OneShotLL => "one_shot_ll",
         Algo::Multimem if op == ReduceOp::Sum && vec => "multimem",
         Algo::ReduceScatter => "reduce_scatter",
+        // 16-byte vectors only (the launch falls back to ReduceScatter otherwise).
+        Algo::ReduceScatterLL if vec => "reduce_scatter_ll",
         // All-gather moves data and has no op: one kernel per type, listed under Sum.
         Algo::AllGather if op == ReduceOp::Sum => {
             let v = if vec { "vec" } else { "scalar" };
@@ -19,6 +21,9 @@ pub fn kernel_name(algo: Algo, dtype: DType, op: ReduceOp, vec: bool) -> Option<
         // One kernel per 16-bit type (16-byte vectors only).
         Algo::AddRmsNorm if op == ReduceOp::Sum && vec && dtype != DType::Fp32 => {
             return Some(format!("symm_all_reduce_add_rms_norm_{}", dtype.name()));
+        }
+        Algo::AddRmsNormLL if op == ReduceOp::Sum && vec && dtype != DType::Fp32 => {
+            return Some(format!("symm_all_reduce_add_rms_norm_ll_{}", dtype.name()));
         }
         _ => return None,
     };
@@ -35,8 +40,10 @@ pub fn all_kernel_names() -> Vec<String> {
         Algo::TwoShot,
         Algo::Multimem,
         Algo::ReduceScatter,
+        Algo::ReduceScatterLL,
         Algo::AllGather,
         Algo::AddRmsNorm,
+        Algo::AddRmsNormLL,
     ] {
         for dtype in [DType::Bf16, DType::Fp16, DType::Fp32] {
             for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {

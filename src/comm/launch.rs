@@ -91,6 +91,23 @@ impl Communicator {
             desc.count
         };
 
+        // Small reduce-scatters take the LL kernel. Chosen from values equal on every rank (the
+        // input's offset, the slice's size and the settings), never from the rank-local output.
+        let algo = if algo == Algo::ReduceScatter
+            && desc.send_off % 16 == 0
+            && (desc.count * esize) % 16 == 0
+            && desc.count * esize <= self.auto.ll_max
+        {
+            Algo::ReduceScatterLL
+        } else {
+            algo
+        };
+        let vec = vec || algo == Algo::ReduceScatterLL;
+        let items = if algo == Algo::ReduceScatterLL {
+            desc.count * esize / 16
+        } else {
+            items
+        };
         let sliced = matches!(algo, Algo::TwoShot | Algo::Multimem);
         let per_rank = if sliced {
             items.div_ceil(self.world as u64)
@@ -113,6 +130,7 @@ impl Communicator {
                 let ll_items = (desc.count * esize).div_ceil(16);
                 (self.ll_grid.0, ll_threads(ll_items, self.ll_grid))
             }
+            Algo::ReduceScatterLL => (self.ll_grid.0, ll_threads(items, self.ll_grid)),
             _ => (per_rank.div_ceil(per_block).clamp(1, cap) as u32, THREADS),
         };
         let mut args = self.symm_args(&desc, mc_out);

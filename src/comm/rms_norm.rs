@@ -6,7 +6,9 @@
 //! scratch, counted in `staged_collectives`); `residual`, `weight` and `out` are this rank's own
 //! and may live anywhere on the device. `hidden` travels in the call descriptor, so ranks that
 //! disagree on it get SYMM_ERR_NOT_SYMMETRIC. Every rank computes every row from all ranks' x
-//! in one fixed order, so every rank's result is bitwise identical.
+//! in one fixed order, so every rank's result is bitwise identical. Messages up to AUTO's LL
+//! threshold (`SYMMALLOC_LL_MAX_BYTES`) take the barrier-free LL kernel, larger ones the
+//! barrier kernel; both reduce in the same order.
 
 use super::algo::{Algo, DType, ReduceOp};
 use super::exchange::{CallDesc, RANK_LOCAL};
@@ -133,13 +135,28 @@ impl Communicator {
             eps: c.eps,
             reserved: 0.0,
         };
-        // A block per row (grid-stride over the tokens), just enough threads for a row.
-        let grid = c.tokens.min(MAX_BLOCKS as u64) as u32;
+        // Just enough threads for a row; a block per row (grid-stride over the tokens). Up to
+        // AUTO's LL threshold the LL kernel runs, on the communicator's fixed LL grid (as every
+        // LL call does: its blocks' call counters stay in step). Both choices are functions of
+        // the call and of settings equal on every rank.
         let threads = (c.hidden / 8)
             .div_ceil(RMS_VECS)
             .next_power_of_two()
             .clamp(64, THREADS as u64) as u32;
-        let f = self.kernel(Algo::AddRmsNorm, dtype, ReduceOp::Sum, true)?;
+        // The LL kernel takes up to a vector per thread (more polls in flight, one push pass).
+        let (algo, grid, threads) = if bytes <= self.auto.ll_max && threads <= self.ll_grid.1 {
+            let wide = (c.hidden / 8)
+                .next_power_of_two()
+                .clamp(64, self.ll_grid.1 as u64) as u32;
+            (Algo::AddRmsNormLL, self.ll_grid.0, wide.max(threads))
+        } else {
+            (
+                Algo::AddRmsNorm,
+                c.tokens.min(MAX_BLOCKS as u64) as u32,
+                threads,
+            )
+        };
+        let f = self.kernel(algo, dtype, ReduceOp::Sum, true)?;
         cuda::module::launch(self.device, f, grid, threads, stream, &args)
     }
 }
