@@ -7,7 +7,8 @@
 // the sum of squares is a block reduction in a fixed tree order, so the result does not depend
 // on timing. The first barrier makes every rank's x ready; the closing barrier keeps a caller
 // from overwriting x while a peer still reads it. 16-byte vectors: hidden is a multiple of 8
-// and every pointer is 16-byte aligned (the launch checks).
+// and every pointer is 16-byte aligned (the launch checks). Messages up to the LL threshold take
+// the barrier-free LL kernel instead (rms_ll_body, below); both reduce in the same order.
 #include "common.cuh"
 
 // Vectors per thread per row: a block of SYMM_THREADS covers hidden <= 512 * 4 * 8 = 16384.

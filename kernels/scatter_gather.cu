@@ -12,7 +12,7 @@
 // at output + r * count (in place) is copied onto itself, and nobody else writes there.
 //
 // Items are 16-byte vectors when every pointer and slice is 16-byte aligned (the launch
-// decides), single elements otherwise.
+// decides), single elements otherwise. Small reduce-scatters take the LL kernel below instead.
 #include "common.cuh"
 
 // Vectors per thread per round (kernel_args.rs mirrors it).
