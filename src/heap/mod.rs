@@ -118,7 +118,9 @@ impl Allocator {
 
     pub fn malloc_in(&self, size: u64, device: i32, stream: Stream, pool: PoolId) -> Result<u64> {
         let mut heap = self.heap(device)?;
-        heap.malloc(self.backend.as_ref(), size, stream, pool)
+        let r = heap.malloc(self.backend.as_ref(), size, stream, pool);
+        heap.debug_validate();
+        r
     }
 
     pub fn free(&self, ptr: u64, size: u64, device: i32, stream: Stream) -> Result<()> {
@@ -133,7 +135,9 @@ impl Allocator {
                 None => format!("symm_free({ptr:#x}): pointer was not returned by symm_malloc"),
             }));
         }
-        heap.free(self.backend.as_ref(), ptr, size, stream)
+        let r = heap.free(self.backend.as_ref(), ptr, size, stream);
+        heap.debug_validate();
+        r
     }
 
     pub fn record_stream(&self, ptr: u64, stream: Stream) -> Result<()> {
@@ -142,18 +146,27 @@ impl Allocator {
                 "symm_record_stream({ptr:#x}): pointer was not returned by symm_malloc"
             ))
         })?;
-        self.heap(device)?.record_stream(ptr, stream)
+        let mut heap = self.heap(device)?;
+        let r = heap.record_stream(ptr, stream);
+        heap.debug_validate();
+        r
     }
 
     pub fn empty_cache(&self) -> Result<()> {
         for h in self.heaps.iter().filter_map(OnceLock::get) {
-            h.lock().empty_cache(self.backend.as_ref())?;
+            let mut heap = h.lock();
+            let r = heap.empty_cache(self.backend.as_ref());
+            heap.debug_validate();
+            r?;
         }
         Ok(())
     }
 
     pub fn release_pool(&self, device: i32, pool: PoolId) -> Result<()> {
-        self.heap(device)?.release_pool(self.backend.as_ref(), pool)
+        let mut heap = self.heap(device)?;
+        let r = heap.release_pool(self.backend.as_ref(), pool);
+        heap.debug_validate();
+        r
     }
 
     pub fn stats(&self, device: i32) -> Result<Stats> {

@@ -1,0 +1,324 @@
+//! One device's symmetric heap: segments placed at deterministic offsets of a reserved range,
+//! blocks split from and merged back into segments, free lists per pool (best fit, the
+//! requesting stream's blocks first), stream-ordered reuse and statistics.
+//!
+//! A block is live (handed out), free (listed for best fit, split and merged) or parked (freed
+//! whole onto the fast path of `parked.rs`, for the next request of its size on its stream).
+//!
+//! Invariants (checked by `validate`):
+//! - the blocks of a segment tile it exactly, in address order, and carry its pool; no two
+//!   neighbouring free blocks of a segment wait on the same set of streams (those are merged on
+//!   free; blocks with different pending streams stay apart, so stream sets never grow by
+//!   merging);
+//! - every free block is in its pool's `free_any` and `free_by_stream` sets, under its first
+//!   stream, and nothing else is; every parked block waits on exactly one stream and is in the
+//!   parked LIFO of (pool, that stream, its last rounded request), and nothing else is;
+//! - `segment.live` counts the segment's live and parked blocks (so a segment with parked
+//!   blocks is never released before they are drained); stats equal the sums over live blocks
+//!   and segments;
+//! - a pool being released has no parked blocks; `releasing_pools` counts the pools being
+//!   released;
+//! - segments and the range allocator's free ranges partition the heap.
+//!
+//! Determinism: a placement decision reads only the call sequence (sizes, pools, which calls
+//! used the same stream, capture state), never the clock or the progress of the GPU.
+//!
+//! The layer's jobs, a file each: this file holds the structures, the allocation and free
+//! paths and stream reuse (`record_stream`, the parked fast path's accounting); `placement.rs`
+//! where a block comes from (best fit over the free sets, splitting, new segments at
+//! deterministic offsets, merging on free); `release.rs` memory going back (parked drains,
+//! segment release, `empty_cache`, pools); `export.rs` what peers need of a segment;
+//! `validate.rs` the check of every invariant above. Statistics are the `Stats` of `stats.rs`,
+//! kept here as blocks change state.
+
+mod export;
+mod placement;
+mod release;
+mod validate;
+
+use super::backend::{Backend, Phys, Stream};
+use super::parked::Parked;
+use super::pools::PoolId;
+use super::ranges::Ranges;
+use super::stats::Stats;
+use crate::error::{Error, Result, Status};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Requests are rounded up to this (keeps every block 512-byte aligned).
+pub const ROUND: u64 = 512;
+/// Requests up to this size come from small segments.
+pub const SMALL_MAX: u64 = 1 << 20;
+pub const SMALL_SEGMENT: u64 = 2 << 20;
+pub const LARGE_SEGMENT: u64 = 20 << 20;
+/// Requests from this size get a segment of their own (rounded to the granularity).
+pub const HUGE_MIN: u64 = 10 << 20;
+/// A large block is split only when the remainder is bigger than this.
+const LARGE_SPLIT_MIN: u64 = SMALL_MAX;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Class {
+    Small,
+    Large,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    /// Handed out; holds the requested size.
+    Live(u64),
+    /// Listed in its pool's free sets.
+    Free,
+    /// Kept whole in the parked LIFO of its last rounded request.
+    Parked,
+}
+
+#[derive(Debug)]
+struct Block {
+    size: u64,
+    segment: u64,
+    /// The segment's pool (copied here so the fast path needs no segment lookup).
+    pool: PoolId,
+    state: State,
+    /// Streams whose work must finish before the memory is reused; the first is the stream of
+    /// the last allocation or free.
+    streams: Vec<Stream>,
+}
+
+impl Block {
+    fn is_free(&self) -> bool {
+        self.state == State::Free
+    }
+    fn requested(&self) -> Option<u64> {
+        match self.state {
+            State::Live(r) => Some(r),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Segment {
+    size: u64,
+    pool: PoolId,
+    class: Class,
+    generation: u64,
+    phys: Phys,
+    live: u64,
+}
+
+#[derive(Default, Debug)]
+struct Pool {
+    free_any: BTreeSet<(Class, u64, u64)>,
+    free_by_stream: BTreeSet<(Class, Stream, u64, u64)>,
+    segments: u64,
+    releasing: bool,
+}
+
+/// What peers need to know about the segment that holds an address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentInfo {
+    pub offset: u64,
+    pub size: u64,
+    pub generation: u64,
+}
+
+pub struct DeviceHeap {
+    device: i32,
+    base: u64,
+    ranges: Ranges,
+    gran: u64,
+    segments: BTreeMap<u64, Segment>,
+    blocks: BTreeMap<u64, Block>,
+    pools: BTreeMap<PoolId, Pool>,
+    parked: Parked,
+    releasing_pools: usize,
+    next_generation: u64,
+    pub stats: Stats,
+}
+
+pub fn round_request(size: u64) -> u64 {
+    size.div_ceil(ROUND).max(1) * ROUND
+}
+
+pub fn class_of(rounded: u64) -> Class {
+    if rounded <= SMALL_MAX {
+        Class::Small
+    } else {
+        Class::Large
+    }
+}
+
+impl DeviceHeap {
+    pub fn new(backend: &dyn Backend, device: i32, size: u64) -> Result<Self> {
+        let gran = backend.granularity(device)?;
+        let size = size.next_multiple_of(gran);
+        let base = backend.reserve(device, size)?;
+        Ok(DeviceHeap {
+            device,
+            base,
+            ranges: Ranges::new(size, gran),
+            gran,
+            segments: BTreeMap::new(),
+            blocks: BTreeMap::new(),
+            pools: BTreeMap::new(),
+            parked: Parked::default(),
+            releasing_pools: 0,
+            next_generation: 1,
+            stats: Stats {
+                heap_bytes: size,
+                ..Stats::default()
+            },
+        })
+    }
+
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+    pub fn size(&self) -> u64 {
+        self.ranges.size()
+    }
+    pub fn contains(&self, ptr: u64) -> bool {
+        ptr >= self.base && ptr < self.base + self.size()
+    }
+
+    /// Allocates `size` bytes for `stream` in `pool`; returns the address.
+    pub fn malloc(
+        &mut self,
+        backend: &dyn Backend,
+        size: u64,
+        stream: Stream,
+        pool: PoolId,
+    ) -> Result<u64> {
+        if size > self.size() {
+            return Err(Error::invalid(format!(
+                "size {size} exceeds the heap of device {} ({} bytes; set SYMMALLOC_HEAP_SIZE)",
+                self.device,
+                self.size()
+            )));
+        }
+        let rounded = round_request(size);
+        if let Some(off) = self.parked.pop(&(pool, stream, rounded)) {
+            self.unpark_live(off, size);
+            return Ok(self.base + off);
+        }
+        let class = class_of(rounded);
+        self.set_releasing(pool, false);
+        if class == Class::Large {
+            // Large sizes vary (sequence lengths, packing): give best fit every large parked
+            // block of the pool, merged, rather than splitting fresh memory around them.
+            self.drain_parked(Some(pool), |r| class_of(r) == Class::Large);
+        }
+        let mut found = self.find_free(backend, pool, class, rounded, stream)?;
+        if found.is_none() && self.drain_parked(Some(pool), |_| true) > 0 {
+            // Parked blocks merged back with their neighbours may fit now.
+            found = self.find_free(backend, pool, class, rounded, stream)?;
+        }
+        let off = match found {
+            Some(off) => {
+                self.stats.cache_hits += 1;
+                off
+            }
+            None => {
+                self.stats.cache_misses += 1;
+                self.new_segment(backend, pool, class, rounded, size)?
+            }
+        };
+        self.take(backend, off, rounded, size, stream)?;
+        Ok(self.base + off)
+    }
+
+    /// The fast path's hit: the parked block at `off` (which waits only on the requesting
+    /// stream) becomes live for `requested` bytes.
+    fn unpark_live(&mut self, off: u64, requested: u64) {
+        let b = self.blocks.get_mut(&off).expect("parked block exists");
+        debug_assert_eq!(b.state, State::Parked);
+        b.state = State::Live(requested);
+        let size = b.size;
+        self.count_live(size, requested);
+        self.stats.cache_hits += 1;
+    }
+
+    fn count_live(&mut self, size: u64, requested: u64) {
+        self.stats.allocated_bytes += size;
+        self.stats.requested_bytes += requested;
+        self.stats.active_blocks += 1;
+        self.stats.peak_allocated_bytes = self
+            .stats
+            .peak_allocated_bytes
+            .max(self.stats.allocated_bytes);
+    }
+
+    /// The offset and requested size of the live block at `ptr`.
+    fn live_block(&self, ptr: u64, what: &str) -> Result<(u64, u64)> {
+        let off = ptr.wrapping_sub(self.base);
+        match self.blocks.get(&off) {
+            Some(b) => match b.requested() {
+                Some(r) => Ok((off, r)),
+                None => Err(Error::invalid(format!(
+                    "{what}({ptr:#x}): double free or use after free: the block is already free"
+                ))),
+            },
+            None => Err(Error::invalid(format!(
+                "{what}({ptr:#x}): pointer was not returned by symm_malloc on device {}",
+                self.device
+            ))),
+        }
+    }
+
+    /// Frees the block at `ptr`; `size` must be the size it was allocated with.
+    pub fn free(
+        &mut self,
+        backend: &dyn Backend,
+        ptr: u64,
+        size: u64,
+        stream: Stream,
+    ) -> Result<()> {
+        let (off, requested) = self.live_block(ptr, "symm_free")?;
+        if requested != size {
+            return Err(Error::invalid(format!(
+                "symm_free({ptr:#x}, size={size}): the block was allocated with size \
+                 {requested}; expected the same size"
+            )));
+        }
+        let block = self.blocks.get_mut(&off).expect("live block");
+        let bsize = block.size;
+        self.stats.allocated_bytes -= bsize;
+        self.stats.requested_bytes -= requested;
+        self.stats.active_blocks -= 1;
+        let pool_releasing =
+            self.releasing_pools > 0 && self.pools.get(&block.pool).is_some_and(|p| p.releasing);
+        if !pool_releasing && block.streams.iter().all(|&s| s == stream) {
+            // Fast path: only this stream used the block, so its next user on this stream
+            // needs no ordering. Keep it whole for the next request of the same size.
+            block.state = State::Parked;
+            block.streams.clear();
+            block.streams.push(stream);
+            let key = (block.pool, stream, round_request(requested));
+            self.parked.push(key, off);
+            return Ok(());
+        }
+        block.state = State::Free;
+        let mut streams = vec![stream];
+        streams.extend(block.streams.iter().copied().filter(|&s| s != stream));
+        block.streams = streams;
+        let seg = block.segment;
+        let segment = self.segments.get_mut(&seg).expect("segment");
+        segment.live -= 1;
+        let (seg_live, pool) = (segment.live, segment.pool);
+        let merged = self.merge_neighbours(off);
+        self.list_free(merged);
+        if seg_live == 0 && self.pools.get(&pool).is_some_and(|p| p.releasing) {
+            self.release_segment(backend, seg)?;
+        }
+        Ok(())
+    }
+
+    /// The next reuse of the block at `ptr` also waits for `stream`'s work.
+    pub fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<()> {
+        let (off, _) = self.live_block(ptr, "symm_record_stream")?;
+        let b = self.blocks.get_mut(&off).expect("live block");
+        if !b.streams.contains(&stream) {
+            b.streams.push(stream);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,114 @@
+//! Memory going back: parked blocks drained to the free lists, segments without live blocks
+//! returned to the backend (`empty_cache`), and pools released (now for their free segments,
+//! at the last free for the others).
+//!
+//! Invariants kept: a segment with live or parked blocks is never released; a pool being
+//! released has no parked blocks, and `releasing_pools` counts the pools being released.
+
+use super::*;
+
+impl DeviceHeap {
+    /// Returns the parked blocks of `pool` (all pools with `None`) to the free lists, merged
+    /// with their free neighbours; returns how many there were.
+    pub(super) fn drain_parked(
+        &mut self,
+        pool: Option<PoolId>,
+        sizes: impl Fn(u64) -> bool,
+    ) -> usize {
+        if self.parked.is_empty() {
+            return 0;
+        }
+        let offs = self.parked.drain(pool, sizes);
+        for &off in &offs {
+            let b = self.blocks.get_mut(&off).expect("parked block exists");
+            debug_assert_eq!(b.state, State::Parked);
+            b.state = State::Free;
+            let seg = b.segment;
+            self.segments.get_mut(&seg).expect("segment").live -= 1;
+            let merged = self.merge_neighbours(off);
+            self.list_free(merged);
+        }
+        offs.len()
+    }
+
+    pub(super) fn set_releasing(&mut self, pool: PoolId, releasing: bool) {
+        let p = self.pools.entry(pool).or_default();
+        if p.releasing != releasing {
+            p.releasing = releasing;
+            if releasing {
+                self.releasing_pools += 1;
+            } else {
+                self.releasing_pools -= 1;
+            }
+        }
+    }
+
+    pub(super) fn remove_pool(&mut self, pool: PoolId) {
+        if self.pools.remove(&pool).is_some_and(|p| p.releasing) {
+            self.releasing_pools -= 1;
+        }
+    }
+
+    pub(super) fn release_segment(&mut self, backend: &dyn Backend, seg: u64) -> Result<()> {
+        let s = &self.segments[&seg];
+        debug_assert_eq!(s.live, 0);
+        let (len, pool) = (s.size, s.pool);
+        // A free segment may still hold several free blocks (different pending streams).
+        let offs: Vec<u64> = self.blocks.range(seg..seg + len).map(|(&o, _)| o).collect();
+        backend.unmap(self.device, self.base + seg, len)?;
+        for o in offs {
+            self.unlist_free(o);
+            self.blocks.remove(&o);
+        }
+        let s = self.segments.remove(&seg).expect("segment");
+        backend.release(s.phys)?;
+        self.ranges.free(seg, len);
+        let p = self.pools.get_mut(&pool).expect("pool");
+        p.segments -= 1;
+        if p.segments == 0 && p.releasing {
+            self.remove_pool(pool);
+        }
+        self.stats.segments -= 1;
+        self.stats.reserved_bytes -= len;
+        self.stats.physical_releases += 1;
+        Ok(())
+    }
+
+    pub(super) fn release_free_segments(
+        &mut self,
+        backend: &dyn Backend,
+        pool: Option<PoolId>,
+    ) -> Result<()> {
+        let idle: Vec<u64> = self
+            .segments
+            .iter()
+            .filter(|(_, s)| s.live == 0 && pool.is_none_or(|p| s.pool == p))
+            .map(|(&o, _)| o)
+            .collect();
+        for seg in idle {
+            self.release_segment(backend, seg)?;
+        }
+        Ok(())
+    }
+
+    /// Returns every segment without live blocks to the backend.
+    pub fn empty_cache(&mut self, backend: &dyn Backend) -> Result<()> {
+        self.drain_parked(None, |_| true);
+        self.release_free_segments(backend, None)
+    }
+
+    /// Marks `pool` released: its free segments go now, the others when their last block is
+    /// freed. Allocating into the pool again revives it.
+    pub fn release_pool(&mut self, backend: &dyn Backend, pool: PoolId) -> Result<()> {
+        if !self.pools.contains_key(&pool) {
+            return Ok(());
+        }
+        self.drain_parked(Some(pool), |_| true);
+        self.set_releasing(pool, true);
+        self.release_free_segments(backend, Some(pool))?;
+        if self.pools.get(&pool).is_some_and(|p| p.segments == 0) {
+            self.remove_pool(pool);
+        }
+        Ok(())
+    }
+}

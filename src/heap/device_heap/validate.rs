@@ -1,0 +1,159 @@
+//! The validator: every invariant of the layer's header (mod.rs), checked over the whole
+//! structure. Run after every operation in debug builds (heap/mod.rs) and by the tests.
+
+use super::*;
+
+impl DeviceHeap {
+    /// In debug builds, checks every invariant after an operation that changed the heap (the
+    /// allocator calls it under the heap's lock, whatever the operation returned); a broken
+    /// invariant is a bug of this layer, and panics naming it. Free in release builds.
+    #[inline]
+    pub fn debug_validate(&self) {
+        #[cfg(debug_assertions)]
+        if let Err(e) = self.validate() {
+            panic!("heap invariant broken on device {}: {e}", self.device);
+        }
+    }
+
+    /// Checks every invariant in the module header; `Err` names the first one broken.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        self.ranges.validate()?;
+        let mut st = Stats {
+            heap_bytes: self.stats.heap_bytes,
+            ..Stats::default()
+        };
+        let mut free_count: BTreeMap<PoolId, usize> = BTreeMap::new();
+        let mut parked_seen = 0;
+        for (&soff, s) in &self.segments {
+            if !self.ranges.is_free(soff, s.size) {
+                st.segments += 1;
+                st.reserved_bytes += s.size;
+            } else {
+                return Err(format!("segment {soff:#x} lies in a free address range"));
+            }
+            let mut at = soff;
+            let mut live = 0;
+            let mut prev_free: Option<&Vec<Stream>> = None;
+            for (&boff, b) in self.blocks.range(soff..soff + s.size) {
+                if boff != at || b.segment != soff || b.size == 0 || b.pool != s.pool {
+                    return Err(format!(
+                        "blocks of segment {soff:#x} do not tile it at {boff:#x}"
+                    ));
+                }
+                at += b.size;
+                match b.state {
+                    State::Live(req) => {
+                        live += 1;
+                        st.allocated_bytes += b.size;
+                        st.requested_bytes += req;
+                        st.active_blocks += 1;
+                        prev_free = None;
+                    }
+                    State::Parked => {
+                        live += 1;
+                        parked_seen += 1;
+                        prev_free = None;
+                    }
+                    State::Free => {
+                        if let Some(p) = prev_free {
+                            let q = &b.streams;
+                            if p.is_empty()
+                                || q.is_empty()
+                                || (p.len() == q.len() && p.iter().all(|s| q.contains(s)))
+                            {
+                                return Err(format!(
+                                    "free neighbours not merged at {boff:#x} (streams {p:?} and {q:?})"
+                                ));
+                            }
+                        }
+                        prev_free = Some(&b.streams);
+                        *free_count.entry(s.pool).or_default() += 1;
+                        let p = self.pools.get(&s.pool).ok_or("segment's pool is missing")?;
+                        let stream = b.streams.first().copied().unwrap_or(0);
+                        if !p.free_any.contains(&(s.class, b.size, boff))
+                            || !p.free_by_stream.contains(&(s.class, stream, b.size, boff))
+                        {
+                            return Err(format!("free block {boff:#x} is not in its free lists"));
+                        }
+                    }
+                }
+            }
+            if at != soff + s.size {
+                return Err(format!("blocks of segment {soff:#x} end at {at:#x}"));
+            }
+            if live != s.live {
+                return Err(format!(
+                    "segment {soff:#x} counts {} live blocks, has {live}",
+                    s.live
+                ));
+            }
+        }
+        let mut parked_listed = 0;
+        for (&(pool, stream, rounded), off) in self.parked.entries() {
+            parked_listed += 1;
+            let b = self
+                .blocks
+                .get(&off)
+                .ok_or(format!("parked offset {off:#x} is not a block"))?;
+            let class = self.segments[&b.segment].class;
+            if b.state != State::Parked
+                || b.pool != pool
+                || b.streams != [stream]
+                || rounded > b.size
+                || class_of(rounded) != class
+            {
+                return Err(format!(
+                    "parked block {off:#x} ({b:?}) does not match its key \
+                     ({pool:?}, stream {stream:#x}, {rounded} bytes)"
+                ));
+            }
+            if self.pools.get(&pool).is_none_or(|p| p.releasing) {
+                return Err(format!(
+                    "block {off:#x} is parked in pool {pool:?}, which is released"
+                ));
+            }
+        }
+        if parked_listed != parked_seen || self.parked.len() != parked_seen {
+            return Err(format!(
+                "{parked_seen} blocks are parked, the LIFOs hold {parked_listed} (count {})",
+                self.parked.len()
+            ));
+        }
+        let releasing = self.pools.values().filter(|p| p.releasing).count();
+        if releasing != self.releasing_pools {
+            return Err(format!(
+                "{releasing} pools are being released, counted {}",
+                self.releasing_pools
+            ));
+        }
+        for (id, p) in &self.pools {
+            let n = free_count.get(id).copied().unwrap_or(0);
+            if p.free_any.len() != n || p.free_by_stream.len() != n {
+                return Err(format!(
+                    "pool {id:?} lists {} free blocks, has {n}",
+                    p.free_any.len()
+                ));
+            }
+        }
+        if self.ranges.free_bytes() + st.reserved_bytes != self.size() {
+            return Err("segments and free ranges do not partition the heap".into());
+        }
+        let s = &self.stats;
+        if (
+            s.allocated_bytes,
+            s.requested_bytes,
+            s.active_blocks,
+            s.segments,
+            s.reserved_bytes,
+        ) != (
+            st.allocated_bytes,
+            st.requested_bytes,
+            st.active_blocks,
+            st.segments,
+            st.reserved_bytes,
+        ) {
+            return Err(format!("stats {s:?} disagree with the blocks ({st:?})"));
+        }
+        Ok(())
+    }
+}
