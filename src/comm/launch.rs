@@ -24,6 +24,15 @@ pub fn ll_threads(items: u64, (blocks, max_threads): (u32, u32)) -> u32 {
         .clamp(64, max_threads as u64) as u32
 }
 
+/// Whether a reduce-scatter takes the LL kernel: its input's offset and its slice are whole
+/// 16-byte vectors and the slice is within AUTO's LL threshold. Only values equal on every rank
+/// go in (the offset and count are checked symmetric, the threshold is a communicator setting):
+/// never the output, which is rank-local. A rank that chose LL while a peer chose the barrier
+/// kernel would wait for words that never come.
+pub fn reduce_scatter_takes_ll(send_off: u64, count: u64, esize: u64, ll_max: u64) -> bool {
+    send_off % 16 == 0 && (count * esize) % 16 == 0 && count * esize <= ll_max
+}
+
 /// Runs a collective on the host backend; a timeout leaves the communicator broken (`sticky`).
 pub(super) fn run_host(
     call: &host_reduce::HostCall<'_>,
@@ -91,12 +100,9 @@ impl Communicator {
             desc.count
         };
 
-        // Small reduce-scatters take the LL kernel. Chosen from values equal on every rank (the
-        // input's offset, the slice's size and the settings), never from the rank-local output.
+        // Small reduce-scatters take the LL kernel (chosen from values equal on every rank).
         let algo = if algo == Algo::ReduceScatter
-            && desc.send_off % 16 == 0
-            && (desc.count * esize) % 16 == 0
-            && desc.count * esize <= self.auto.ll_max
+            && reduce_scatter_takes_ll(desc.send_off, desc.count, esize, self.auto.ll_max)
         {
             Algo::ReduceScatterLL
         } else {
@@ -189,7 +195,34 @@ impl Communicator {
 
 #[cfg(test)]
 mod tests {
-    use super::ll_threads;
+    use super::{ll_threads, reduce_scatter_takes_ll};
+
+    #[test]
+    fn reduce_scatter_takes_ll_for_small_aligned_slices_only() {
+        let ll_max = 4 << 20;
+        assert!(reduce_scatter_takes_ll(0, 8, 2, ll_max), "one bf16 vector");
+        assert!(
+            reduce_scatter_takes_ll(4096, 1 << 20, 2, ll_max),
+            "2 MiB slice"
+        );
+        assert!(
+            reduce_scatter_takes_ll(0, 1 << 20, 4, ll_max),
+            "4 MiB fp32 slice: the edge"
+        );
+        assert!(
+            !reduce_scatter_takes_ll(0, (1 << 20) + 4, 4, ll_max),
+            "past the threshold"
+        );
+        assert!(
+            !reduce_scatter_takes_ll(0, 7, 2, ll_max),
+            "not whole vectors"
+        );
+        assert!(
+            !reduce_scatter_takes_ll(8, 8, 2, ll_max),
+            "input offset not 16-byte aligned"
+        );
+        assert!(!reduce_scatter_takes_ll(0, 8, 2, 0), "LL turned off");
+    }
 
     #[test]
     fn ll_threads_spread_a_message_over_every_block() {

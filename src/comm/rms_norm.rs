@@ -143,12 +143,10 @@ impl Communicator {
             .div_ceil(RMS_VECS)
             .next_power_of_two()
             .clamp(64, THREADS as u64) as u32;
-        // The LL kernel takes up to a vector per thread (more polls in flight, one push pass).
-        let (algo, grid, threads) = if bytes <= self.auto.ll_max && threads <= self.ll_grid.1 {
-            let wide = (c.hidden / 8)
-                .next_power_of_two()
-                .clamp(64, self.ll_grid.1 as u64) as u32;
-            (Algo::AddRmsNormLL, self.ll_grid.0, wide.max(threads))
+        let (algo, grid, threads) = if let Some(t) =
+            ll_threads_for(bytes, c.hidden, threads, self.auto.ll_max, self.ll_grid.1)
+        {
+            (Algo::AddRmsNormLL, self.ll_grid.0, t)
         } else {
             (
                 Algo::AddRmsNorm,
@@ -159,6 +157,26 @@ impl Communicator {
         let f = self.kernel(algo, dtype, ReduceOp::Sum, true)?;
         cuda::module::launch(self.device, f, grid, threads, stream, &args)
     }
+}
+
+/// The LL kernel's threads per block when the fused call takes it: x within AUTO's LL threshold
+/// and a row within the LL grid's block size. It takes up to a vector per thread (more polls in
+/// flight, one push pass), at least the `barrier_threads` a row needs. `None`: the barrier
+/// kernel. Every input is equal on every rank, so every rank picks the same kernel.
+pub fn ll_threads_for(
+    bytes: u64,
+    hidden: u64,
+    barrier_threads: u32,
+    ll_max: u64,
+    ll_max_threads: u32,
+) -> Option<u32> {
+    if bytes > ll_max || barrier_threads > ll_max_threads {
+        return None;
+    }
+    let wide = (hidden / 8)
+        .next_power_of_two()
+        .clamp(64, ll_max_threads as u64) as u32;
+    Some(wide.max(barrier_threads))
 }
 
 /// What the kernel needs of the shape, types and pointers, each named when it is wrong.
@@ -196,4 +214,48 @@ fn check(c: &RmsCall, dtype: DType) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ll_threads_for;
+
+    #[test]
+    fn fused_call_takes_ll_within_the_threshold_and_a_row_per_block() {
+        let (ll_max, max_threads) = (4 << 20, 512);
+        // hidden 4096: 512 vectors, a vector per thread; the barrier kernel would use 128.
+        assert_eq!(
+            ll_threads_for(8192, 4096, 128, ll_max, max_threads),
+            Some(512)
+        );
+        // hidden 16384: 2048 vectors over at most 512 threads (4 each, as the barrier kernel).
+        assert_eq!(
+            ll_threads_for(32768, 16384, 512, ll_max, max_threads),
+            Some(512)
+        );
+        assert_eq!(
+            ll_threads_for(64, 8, 64, ll_max, max_threads),
+            Some(64),
+            "at least two warps"
+        );
+        assert_eq!(
+            ll_threads_for(ll_max, 4096, 128, ll_max, max_threads),
+            Some(512),
+            "the edge"
+        );
+        assert_eq!(
+            ll_threads_for(ll_max + 1, 4096, 128, ll_max, max_threads),
+            None
+        );
+        assert_eq!(
+            ll_threads_for(8192, 16384, 512, ll_max, 256),
+            None,
+            "row wider than a block"
+        );
+        assert_eq!(
+            ll_threads_for(8192, 4096, 128, 0, max_threads),
+            None,
+            "LL turned off"
+        );
+    }
 }
