@@ -39,8 +39,14 @@ lint:
 test-rust:
 	$(CARGO) test -p symmalloc
 
-# The Python package against the release build, on both backends (no GPU needed).
-test-python: build
+# The Python package against the release build, on both backends (no GPU needed), with the
+# compiled eager caller built beside the library, where the package looks for it (the wheel
+# carries it in the package).
+PY_INCLUDE = $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+target/release/_fastcall.abi3.so: python/symmalloc/_fastcall.c
+	$(CC) -O2 -shared -fPIC -Wall -Wextra -Werror -I$(PY_INCLUDE) $< -o $@
+
+test-python: build target/release/_fastcall.abi3.so
 	cd python && SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release $(PYTHON) -m pytest -q tests
 	cd python && SYMMALLOC_BACKEND=host SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release $(PYTHON) -m pytest -q tests
 

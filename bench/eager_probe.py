@@ -9,7 +9,9 @@ both ranks in step), 8 KiB bf16 AUTO in place, for:
   fastcall     symmalloc._fastcall.all_reduce with those values precomputed: the library's own
                host path plus the compiled caller
   ctypes       the same through the ctypes function object
-  wrapper      Communicator.all_reduce (what a user calls)
+  method       the Python method Communicator.all_reduce (what users called until session 6)
+  caller       comm.all_reduce: the compiled caller (symmalloc._fastcall.eager) when built,
+               which reads the tensor in C and falls back to the method for anything unusual
 The C ABI's eager time for the same call comes from bench/allreduce_c.rs.
 """
 import os
@@ -62,7 +64,8 @@ def worker(rank, world):
         probes = {
             "torch_prep": lambda: (x.is_contiguous(), x.data_ptr(), x.numel(), x.get_device(), raw(rank)),
             "ctypes": lambda: lib_fn(comm._comm, 0, vp(ptr), vp(ptr), __import__("ctypes").c_size_t(n), 0, 0, ctypes_voidp(stream)),
-            "wrapper": lambda: comm.all_reduce(x),
+            "method": lambda: symmalloc.Communicator.all_reduce(comm, x),
+            "caller": lambda: comm.all_reduce(x),
         }
         if fast is not None:
             probes["fastcall"] = lambda: fast(handle, 0, ptr, ptr, n, 0, 0, stream)

@@ -167,6 +167,12 @@ def get_unique_id() -> bytes:
 _raw_stream = None
 _VOIDP, _SIZE = ctypes.c_void_p, ctypes.c_size_t
 _fast = None  # symmalloc._fastcall.all_reduce once bound; False when the module is absent
+_FASTCALL_MODULE = None  # the bound symmalloc._fastcall module, once found
+
+
+def _eager_fallback(handle: int, *args, **kwargs) -> None:
+    """What the compiled eager caller hands back: ``Communicator.all_reduce`` in Python."""
+    return Communicator.all_reduce(communicator(handle), *args, **kwargs)
 
 
 def _fast_all_reduce():
@@ -192,6 +198,8 @@ def _fast_all_reduce():
         if mod is not None:
             mod.bind(ctypes.cast(_library().symm_all_reduce_algo, ctypes.c_void_p).value)
         _fast = mod.all_reduce if mod is not None else False
+        global _FASTCALL_MODULE
+        _FASTCALL_MODULE = mod
     return _fast or None
 
 
@@ -316,11 +324,13 @@ class Communicator:
         """All-reduce of a contiguous CUDA tensor on the current stream: in place, or into
         ``out`` (same shape and dtype).
 
-        The eager path is kept lean (it is most of an eager call's cost): the call goes through
-        the compiled ``_fastcall`` module when the package has it (the wheel does), else through
-        an entry point bound once with ctypes; only what the library cannot see is checked here
-        (dtype, op, algorithm names, contiguity, ``out``'s shape); pointers, sizes and symmetry
-        are checked by it."""
+        The eager path is kept lean (it is most of an eager call's cost). Where the compiled
+        ``_fastcall`` module is present (the wheel has it) and torch is imported, each
+        communicator's ``all_reduce`` is that module's caller, which does what this method does
+        in C and hands anything unusual back here (see ``_compile_eager``). This method calls the
+        library through the compiled module's int-level entry, else through ctypes; only what
+        the library cannot see is checked here (dtype, op, algorithm names, contiguity, ``out``'s
+        shape); pointers, sizes and symmetry are checked by it."""
         code = _TORCH_DTYPE_CODES.get(tensor.dtype)
         if code is None:
             code = _dtype_code(tensor.dtype)
@@ -422,6 +432,24 @@ class Communicator:
             self._stream = _stream_getter()
         except ImportError:  # no torch (the host backend): only CPU tensors, stream 0
             self._stream = lambda dev: 0
+            return
+        import torch
+
+        self._compile_eager(torch.Tensor, {getattr(torch, name): code for name, code in _DTYPES.items()}, self._stream)
+
+    def _compile_eager(self, tensor_type, dtypes, stream) -> bool:
+        """Puts the eager all-reduce in C (``_fastcall.eager``) in front of the method: an
+        instance attribute that shadows ``Communicator.all_reduce``, so ``comm.all_reduce(x)``
+        runs no Python frame. It takes exact ``tensor_type`` instances of the three ``dtypes``
+        (dtype object -> code) with known op/algo names; anything else (a subclass, an unknown
+        name, a mismatched ``out``, a closed communicator) goes to the method, which raises as
+        always. close() invalidates it. False when the compiled module is absent."""
+        mod = _FASTCALL_MODULE
+        if self._fast is None or not self._handle or mod is None or not hasattr(mod, "eager"):
+            return False
+        self.all_reduce = mod.eager(self.handle, self._handle, _eager_fallback, _check, tensor_type,
+                                    tuple(dtypes.items()), dict(_OPS), dict(_ALGOS), stream)
+        return True
 
     def barrier(self) -> None:
         """All ranks meet, ordered on the current stream."""
@@ -434,6 +462,9 @@ class Communicator:
     def close(self) -> None:
         if getattr(self, "_comm", None) and self._comm.value:
             self._handle = 0
+            caller = self.__dict__.pop("all_reduce", None)
+            if caller is not None:
+                _FASTCALL_MODULE.invalidate(caller)  # a caller someone kept now takes the fallback
             _check(_library().symm_comm_destroy(self._comm))
             self._comm = ctypes.c_void_p()
 

@@ -58,10 +58,24 @@ def _inputs(seed, rank, n):
     return [ctypes.c_float(g.uniform(-4, 4)).value for _ in range(n)]
 
 
-def _rank(rank, world, uid, q):
+def _rank(rank, world, uid, q, compiled=False):
     try:
         lib = symmalloc._library()
         comm = symmalloc.Communicator(rank, world, uid)
+        fallbacks = []
+        if compiled:
+            # The compiled eager caller, for these duck-typed tensors as for torch.Tensor; calls
+            # it hands back to the Python method are counted.
+            dtypes = {FLOAT32: 2, _DType("bfloat16"): 0, _DType("float16"): 1}
+            assert comm._compile_eager(HostTensor, dtypes, lambda dev: 0), "the compiled module is not loaded"
+            assert "all_reduce" in comm.__dict__ and type(comm.all_reduce).__name__ == "builtin_function_or_method"
+            method = symmalloc.Communicator.all_reduce
+
+            def counted(self, *args, **kwargs):
+                fallbacks.append(kwargs)
+                return method(self, *args, **kwargs)
+
+            symmalloc.Communicator.all_reduce = counted
         results = []
         for case, (n, algo, op, in_place) in enumerate(
             [(1, "auto", "sum", True), (1001, "one_shot", "sum", False), (4099, "two_shot", "max", True),
@@ -129,17 +143,29 @@ def _rank(rank, world, uid, q):
                 errors.append(str(e))
         comm.barrier()
         lib.symm_free(p, 64, rank, None)
+        kept = comm.all_reduce
         comm.close()
+        if compiled:
+            results.append(len(fallbacks))
+            try:  # a caller kept past close() must not reach the freed communicator
+                kept(HostTensor(p, 16))
+            except symmalloc.SymmallocError as e:
+                errors.append(str(e))
         q.put((rank, results, errors, None))
     except Exception as e:  # reported to the parent, never a hang
         q.put((rank, None, None, repr(e)))
 
 
-def test_two_processes_reduce_through_the_python_path():
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "compiled"])
+def test_two_processes_reduce_through_the_python_path(compiled):
+    """The same calls, results and errors through the Python method and through the compiled
+    eager caller (symmalloc/_fastcall.c) that Communicator puts in front of it."""
+    if compiled and symmalloc._fast_all_reduce() is None:
+        pytest.skip("symmalloc._fastcall is not built (make test-python builds it; the wheel has it)")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     uid = symmalloc.get_unique_id()
-    procs = [ctx.Process(target=_rank, args=(r, 2, uid, q)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, 2, uid, q, compiled)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict()
@@ -185,6 +211,10 @@ def test_two_processes_reduce_through_the_python_path():
         assert all(abs(g - w) <= 2e-3 * max(1.0, abs(w)) for g, w in zip(got_o, want_o)), rank
     assert got[0][0][8] == got[1][0][8], "the fused outputs differ between ranks"
     errors = got[0][1]
+    if compiled:
+        # Only the five bad calls went back to the Python method; the five good ones did not.
+        assert got[0][0][9] == 5 and got[1][0][9] == 5, (got[0][0][9], got[1][0][9])
+        assert "is not a live Communicator" in errors.pop(), "a kept caller after close()"
     assert len(errors) == 5, errors
     assert "op 'avg'" in errors[0] and "algo 'fast'" in errors[1]
     assert "out must be contiguous with the tensor's dtype and size" in errors[2]

@@ -110,7 +110,7 @@ def test_bench_cli_help_runs_without_torch_or_gpu():
 def test_fast_path_when_built_reports_errors_like_ctypes():
     fast = symmalloc._fast_all_reduce()
     if fast is None:
-        pytest.skip("symmalloc._fastcall is not built here (a checkout; the wheel has it: make test-wheel)")
+        pytest.skip("symmalloc._fastcall is not built (make test-python builds it; the wheel has it)")
     assert fast(0, 0, 0, 0, 1, 0, 0, 0) == 1  # comm NULL: SYMM_ERR_INVALID_ARGUMENT
     assert "comm" in symmalloc._library().symm_last_error().decode()
     with pytest.raises(TypeError):
