@@ -185,7 +185,9 @@ fn rms_argument_struct_matches_the_cuda_source() {
             "uint64_t out",
             "uint64_t hidden",
             "float eps",
-            "float reserved",
+            "uint32_t push_threads",
+            "uint32_t cluster",
+            "uint32_t reserved",
         ],
         "kernels/rms_norm.cu RmsArgs changed: update src/comm/kernel_args.rs in step"
     );

@@ -90,7 +90,11 @@ pub struct RmsArgs {
     pub out: u64,
     pub hidden: u64,
     pub eps: f32,
-    pub reserved: f32,
+    /// LL kernel: threads per block that push x (the LL all-reduce's spread of the message).
+    pub push_threads: u32,
+    /// LL kernel: blocks per row, 1 or a thread-block cluster of 2..=8 (sm_90+).
+    pub cluster: u32,
+    pub reserved: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<RmsArgs>() == 256 + 40);
+const _: () = assert!(std::mem::size_of::<RmsArgs>() == 256 + 48);
