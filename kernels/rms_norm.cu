@@ -22,8 +22,6 @@ struct RmsArgs {
   uint64_t hidden;
   float eps;
   uint32_t push_threads;  // LL kernel: threads per block that push x (the LL all-reduce's spread)
-  uint32_t cluster;       // LL kernel: blocks per row (1, or a cluster of 2..8 blocks on sm_90+)
-  uint32_t reserved;
 };
 
 // Sum over the block in a fixed order (shuffle tree per warp, then warp 0 over the warps).
@@ -93,47 +91,16 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
 // Small messages (x up to the LL threshold): the LL protocol of one_shot_ll.cu instead of the two
 // barriers, so the fused call costs about what the LL all-reduce costs. Every block of the
 // communicator's fixed LL grid pushes its share of x into every peer's slot, spread over the
-// blocks exactly as the LL all-reduce spreads a message (push_threads per block, grid-stride:
-// one SM's stores to a peer are the bottleneck otherwise), takes part in the descriptor check and
-// bumps its call counter, as the LL all-reduce does (so the two share buffers and counters in
-// step). Then each row is pulled by `cluster` blocks (a thread-block cluster on sm_90+, else 1):
-// block q of a cluster takes vectors [q*seg, (q+1)*seg) of rows g, g + groups, ... (g its
-// cluster). It waits for each peer's items, reduces them with its own in rank order and adds the
-// residual; the row's sum of squares is each block's tree sum, then the cluster's blocks' sums in
-// block order read through distributed shared memory: a fixed order, so every rank computes the
-// same bits. Any block may pull and reset any item: slots are indexed by item, and each item is
-// read and reset once per call. A failed wait (timeout, abort) stops the waits of that thread;
-// the cluster learns of it at the row's exchange and every block of it stops there together
-// (a block never leaves a cluster barrier unmatched, nor exits while a peer block may still read
-// its shared memory).
+// blocks as the LL all-reduce spreads a message of that size (push_threads per block,
+// grid-stride: one SM's stores to a peer are the bottleneck otherwise), takes part in the
+// descriptor check and bumps its call counter, exactly as the LL all-reduce does (so the two
+// share buffers and counters in step). Then block b pulls whole rows b, b + grid, ...:
+// it waits for each peer's items of the row, reduces them with its own in rank order, adds the
+// residual and normalizes. Any block may pull and reset any item: slots are indexed by item, and
+// each item is read and reset once per call. A failed wait (timeout, abort) stops the waits of
+// that thread; the block still meets at every __syncthreads and writes nothing for the row.
 #ifndef LL_BUFFERS
 #error "rms_norm.cu uses one_shot_ll.cu's LL protocol: build.rs includes kernels/*.cu in name order"
-#endif
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define SYMM_HAS_CLUSTERS 1
-// Every thread of every block of the cluster arrives; release/acquire orders shared memory.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// `local` (this block's shared variable) as it is in block `q` of the cluster.
-__device__ __forceinline__ uint32_t cluster_addr(const void* local, uint32_t q) {
-  uint32_t mine = (uint32_t)__cvta_generic_to_shared(local), theirs;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(theirs) : "r"(mine), "r"(q));
-  return theirs;
-}
-__device__ __forceinline__ float ld_cluster_f32(const float* local, uint32_t q) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr(local, q)) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint32_t ld_cluster_u32(const uint32_t* local, uint32_t q) {
-  uint32_t v;
-  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(cluster_addr(local, q)) : "memory");
-  return v;
-}
-#else
-#define SYMM_HAS_CLUSTERS 0
 #endif
 
 template <typename T>
@@ -142,8 +109,6 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   const SymmArgs& a = f.s;
   uint32_t* counters = (uint32_t*)(ll_region(a, a.rank) + LL_COUNTERS_OFFSET);
   __shared__ uint32_t call, dead;
-  __shared__ float row_part[2];     // this block's share of a row's sum of squares, by row parity
-  __shared__ uint32_t row_ok[2];    // and whether all its waits succeeded
   if (threadIdx.x == 0) {  // both loads in flight before either store (see epoch_begin)
     const uint32_t c0 = counters[blockIdx.x];
     const uint32_t d0 = *(volatile uint32_t*)abort_word(a);
@@ -151,44 +116,34 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
     dead = d0;
   }
   __syncthreads();
-  const uint32_t C = SYMM_HAS_CLUSTERS ? f.cluster : 1;
-  if (dead && C == 1) return;  // aborted: push nothing into the peers' buffers
-  bool ok = !dead;             // (in a cluster, an aborted block still meets its peers below)
+  if (dead) return;  // aborted: push nothing into the peers' buffers
   const uint32_t buf = call % LL_BUFFERS;
   const uint64_t start = globaltimer();
   const uint64_t items = a.count / N;  // hidden is a multiple of 8: whole vectors
   const uint4* x = (const uint4*)a.in[a.rank];
-  if (ok) {
-    const uint64_t tp = f.push_threads;
-    for (uint64_t u = threadIdx.x; u < tp; u += blockDim.x) {
-      for (uint64_t i = (uint64_t)blockIdx.x * tp + u; i < items; i += (uint64_t)gridDim.x * tp) {
-        uint4 v = x[i];
-        ll_sanitize<T>(v);
+  const uint64_t tp = f.push_threads;
+  for (uint64_t u = threadIdx.x; u < tp; u += blockDim.x) {
+    for (uint64_t i = (uint64_t)blockIdx.x * tp + u; i < items; i += (uint64_t)gridDim.x * tp) {
+      uint4 v = x[i];
+      ll_sanitize<T>(v);
 #pragma unroll
-        for (int r = 0; r < SYMM_MAX_RANKS; ++r)
-          if (r < a.world && r != a.rank) st_volatile_v4(ll_slot(a, r, buf, a.rank) + i, v);
-      }
+      for (int r = 0; r < SYMM_MAX_RANKS; ++r)
+        if (r < a.world && r != a.rank) st_volatile_v4(ll_slot(a, r, buf, a.rank) + i, v);
     }
-    ok = ll_check_desc(a, buf, start);
   }
+  bool ok = ll_check_desc(a, buf, start);
 
   const uint64_t vecs = f.hidden / N;
   const uint64_t tokens = a.count / f.hidden;
-  // 32-bit: a row has at most 2048 vectors; C is a power of two.
-  const uint32_t seg = ((uint32_t)vecs + C - 1) / C;  // <= SYMM_RMS_VECS * blockDim.x (the host checks)
-  const uint32_t lo = (blockIdx.x % C) * seg, hi = min((uint32_t)vecs, lo + seg);
-  const uint32_t groups = gridDim.x / C;
-  uint32_t parity = 0;
-  for (uint64_t t = blockIdx.x / C; t < tokens; t += groups, parity ^= 1) {
-    if (C == 1 && !ok) break;
+  for (uint64_t t = blockIdx.x; ok && t < tokens; t += gridDim.x) {
     float r[SYMM_RMS_VECS][N];
     uint4 own[SYMM_RMS_VECS], res[SYMM_RMS_VECS], wgt[SYMM_RMS_VECS];
     float ss = 0.f;
-    bool mine = ok;  // this thread's waits all succeeded
+    bool mine = true;  // this thread's waits all succeeded
 #pragma unroll
     for (int k = 0; k < SYMM_RMS_VECS; ++k) {  // local loads first: in flight during the polls
-      const uint32_t j = lo + threadIdx.x + k * blockDim.x;
-      if (mine && j < hi) {
+      const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+      if (j < vecs) {
         own[k] = x[t * vecs + j];
         res[k] = ((const uint4*)f.residual)[t * vecs + j];
         wgt[k] = ((const uint4*)f.weight)[j];
@@ -196,20 +151,20 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
       }
     }
     // Rank order (every rank adds the same values in the same order); per peer, every load of
-    // the row's segment is issued before any wait, so the polls overlap.
+    // the row is issued before any wait, so the polls overlap.
 #pragma unroll
     for (int p = 0; p < SYMM_MAX_RANKS; ++p) {
-      if (p >= a.world || !ok) break;
+      if (p >= a.world) break;
       uint4 v[SYMM_RMS_VECS];
 #pragma unroll
       for (int k = 0; k < SYMM_RMS_VECS; ++k) {
-        const uint32_t j = lo + threadIdx.x + k * blockDim.x;
-        if (j < hi) v[k] = p == a.rank ? own[k] : ld_volatile_v4(ll_slot(a, a.rank, buf, p) + t * vecs + j);
+        const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+        if (j < vecs) v[k] = p == a.rank ? own[k] : ld_volatile_v4(ll_slot(a, a.rank, buf, p) + t * vecs + j);
       }
 #pragma unroll
       for (int k = 0; k < SYMM_RMS_VECS; ++k) {
-        const uint32_t j = lo + threadIdx.x + k * blockDim.x;
-        if (j >= hi) continue;
+        const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+        if (j >= vecs) continue;
         if (p != a.rank) {
           uint4* slot = ll_slot(a, a.rank, buf, p) + t * vecs + j;
           if (!ll_arrived(v[k]) && !(mine && ll_wait(a, slot, p, start, v[k]))) {
@@ -225,8 +180,8 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
     }
 #pragma unroll
     for (int k = 0; k < SYMM_RMS_VECS; ++k) {
-      const uint32_t j = lo + threadIdx.x + k * blockDim.x;
-      if (!ok || j >= hi) continue;
+      const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+      if (j >= vecs) continue;
       const T* re = (const T*)&res[k];
 #pragma unroll
       for (int q = 0; q < N; ++q) {
@@ -234,28 +189,13 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
         ss += r[k][q] * r[k][q];
       }
     }
-    float total = block_sum(ss);
+    const float inv = rsqrtf(block_sum(ss) / (float)f.hidden + f.eps);
     ok = __syncthreads_and(mine) != 0;
-#if SYMM_HAS_CLUSTERS
-    if (C > 1) {  // the cluster's sums in block order; a failed block stops every block here
-      if (threadIdx.x == 0) {
-        row_part[parity] = total;
-        row_ok[parity] = ok;
-      }
-      cluster_sync();
-      total = 0.f;
-      for (uint32_t q = 0; q < C; ++q) {
-        total += ld_cluster_f32(&row_part[parity], q);
-        ok = ld_cluster_u32(&row_ok[parity], q) != 0 && ok;
-      }
-    }
-#endif
     if (!ok) break;
-    const float inv = rsqrtf(total / (float)f.hidden + f.eps);
 #pragma unroll
     for (int k = 0; k < SYMM_RMS_VECS; ++k) {
-      const uint32_t j = lo + threadIdx.x + k * blockDim.x;
-      if (j >= hi) continue;
+      const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+      if (j >= vecs) continue;
       ((uint4*)f.residual)[t * vecs + j] = pack<T, true>(r[k]);
       const T* w = (const T*)&wgt[k];
       float o[N];
@@ -264,11 +204,8 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
       ((uint4*)f.out)[t * vecs + j] = pack<T, true>(o);
     }
   }
-#if SYMM_HAS_CLUSTERS
-  if (C > 1) cluster_sync();  // no block exits while a peer block may still read its row_part
-#endif
   __syncthreads();
-  if (threadIdx.x == 0 && !dead) counters[blockIdx.x] = call + 1;
+  if (threadIdx.x == 0) counters[blockIdx.x] = call + 1;
 }
 
 extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_ll_bf16(RmsArgs f) {

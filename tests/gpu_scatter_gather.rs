@@ -202,9 +202,8 @@ fn rms_rank(c: Child) {
     let seed: u64 = c.arg.parse().unwrap();
     let mut hash = 0xcbf29ce484222325u64;
     let mut case = 0u64;
-    // The LL kernel splits a row over a cluster of 8 ([1, 4096], [6, 6144], [3, 16384]; [2, 6136]
-    // unevenly: 767 vectors over 8 blocks), 4 ([1, 2048], [32, 8192]) or 2 ([40, 4096]) blocks
-    // on sm_90, takes a row per block at [138, 4096]; the rest run the barrier kernel.
+    // Up to 4 MiB of x the LL kernel (one row per block: a vector per thread up to hidden 4096,
+    // two at 8192, four at 16384; [2, 6136] leaves a partial warp), above it the barrier kernel.
     let shapes = [
         (1usize, 2048usize),
         (1, 4096),

@@ -186,8 +186,6 @@ fn rms_argument_struct_matches_the_cuda_source() {
             "uint64_t hidden",
             "float eps",
             "uint32_t push_threads",
-            "uint32_t cluster",
-            "uint32_t reserved",
         ],
         "kernels/rms_norm.cu RmsArgs changed: update src/comm/kernel_args.rs in step"
     );

@@ -84,11 +84,10 @@ impl Communicator {
         let ll_grid = config::ll_grid()?;
         let auto = algo::AutoThresholds::from_env(world, ll_slot)?;
         let check_symmetry = config::check_symmetry();
-        let (sms, cc_major) = if host {
-            (1, 0)
+        let sms = if host {
+            1
         } else {
-            let d = cuda::driver()?.device(device)?;
-            (d.sm_count as u32, d.cc_major.max(0) as u64)
+            cuda::driver()?.device(device)?.sm_count as u32
         };
         // Make sure the heap exists before any peer exchange.
         let heap_size = alloc.heap(device)?.size();
@@ -103,7 +102,7 @@ impl Communicator {
             check_symmetry as u64,
         ];
         let mut hello = Vec::new();
-        for w in [device as u64, heap_size, host as u64, cc_major]
+        for w in [device as u64, heap_size, host as u64]
             .iter()
             .chain(&settings)
         {
@@ -112,7 +111,6 @@ impl Communicator {
         let all = mesh.all_gather(&hello, &[], "init")?;
         let word = |b: &[u8], i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
         let mut devices = Vec::new();
-        let mut min_cc = u64::MAX;
         for (r, (msg, _)) in all.iter().enumerate() {
             if msg.len() != hello.len() {
                 return Err(Error::peer(format!(
@@ -120,8 +118,7 @@ impl Communicator {
                 )));
             }
             let (d, hs, h) = (word(msg, 0) as i32, word(msg, 1), word(msg, 2) != 0);
-            min_cc = min_cc.min(word(msg, 3));
-            let theirs: Vec<u64> = (0..settings.len()).map(|i| word(msg, 4 + i)).collect();
+            let theirs: Vec<u64> = (0..settings.len()).map(|i| word(msg, 3 + i)).collect();
             if theirs != settings {
                 return Err(Error::invalid(format!(
                     "rank {r} has {}, rank {rank} has {}; set them alike on every rank",
@@ -201,7 +198,6 @@ impl Communicator {
             timeout,
             sticky: None,
             sms,
-            clusters: !host && min_cc >= 9,
             pads: Vec::new(),
             kernels: HashMap::new(),
             auto_seen: Default::default(),

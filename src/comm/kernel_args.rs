@@ -92,9 +92,6 @@ pub struct RmsArgs {
     pub eps: f32,
     /// LL kernel: threads per block that push x (the LL all-reduce's spread of the message).
     pub push_threads: u32,
-    /// LL kernel: blocks per row, 1 or a thread-block cluster of 2..=8 (sm_90+).
-    pub cluster: u32,
-    pub reserved: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<RmsArgs>() == 256 + 48);
+const _: () = assert!(std::mem::size_of::<RmsArgs>() == 256 + 40);

@@ -71,10 +71,6 @@ pub struct Communicator {
     timeout: Duration,
     sticky: Option<Error>,
     sms: u32,
-    /// Every rank's GPU runs thread-block clusters (sm_90+): the fused LL kernel may split a
-    /// row over a cluster. Agreed at init (the lowest compute capability of the ranks), so every
-    /// rank picks the same reduction order.
-    clusters: bool,
     /// Each rank's signal pad in this process's address space (fixed after init).
     pads: Vec<u64>,
     /// Message sizes AUTO has chosen for already (kept only under SYMMALLOC_DEBUG=INFO).

@@ -126,88 +126,58 @@ impl Communicator {
             };
             return run_host(&call, &mut self.host_epoch, &mut self.sticky);
         }
-        let mut args = RmsArgs {
+        let args = RmsArgs {
             s: self.symm_args(&desc, 0),
             residual: c.residual,
             weight: c.weight,
             out: c.out,
             hidden: c.hidden,
             eps: c.eps,
-            push_threads: 0,
-            cluster: 1,
-            reserved: 0,
+            // The LL all-reduce's spread for a message of this size (pushes from every block).
+            push_threads: super::launch::ll_threads(count / 8, self.ll_grid),
         };
-        // Up to AUTO's LL threshold the LL kernel runs, on the communicator's fixed LL grid (as
-        // every LL call does: its blocks' call counters stay in step), a row over a cluster of
-        // blocks where the GPUs have clusters; else the barrier kernel, a block per row
-        // (grid-stride over the tokens) with just enough threads for a row. Every choice is a
-        // function of the call and of settings equal on every rank.
-        let ll = ll_shape(
-            bytes,
-            c.tokens,
-            c.hidden,
-            self.auto.ll_max,
-            self.ll_grid,
-            self.clusters,
-        );
-        let (algo, grid, threads, cluster) = if let Some(s) = ll {
-            args.push_threads = super::launch::ll_threads(count / 8, self.ll_grid);
-            args.cluster = s.cluster;
-            (Algo::AddRmsNormLL, self.ll_grid.0, s.threads, s.cluster)
+        // Just enough threads for a row; a block per row (grid-stride over the tokens). Up to
+        // AUTO's LL threshold the LL kernel runs, on the communicator's fixed LL grid (as every
+        // LL call does: its blocks' call counters stay in step). Both choices are functions of
+        // the call and of settings equal on every rank.
+        let threads = (c.hidden / 8)
+            .div_ceil(RMS_VECS)
+            .next_power_of_two()
+            .clamp(64, THREADS as u64) as u32;
+        let (algo, grid, threads) = if let Some(t) =
+            ll_threads_for(bytes, c.hidden, threads, self.auto.ll_max, self.ll_grid.1)
+        {
+            (Algo::AddRmsNormLL, self.ll_grid.0, t)
         } else {
-            let threads = (c.hidden / 8)
-                .div_ceil(RMS_VECS)
-                .next_power_of_two()
-                .clamp(64, THREADS as u64) as u32;
-            let grid = c.tokens.min(MAX_BLOCKS as u64) as u32;
-            (Algo::AddRmsNorm, grid, threads, 1)
+            (
+                Algo::AddRmsNorm,
+                c.tokens.min(MAX_BLOCKS as u64) as u32,
+                threads,
+            )
         };
         let f = self.kernel(algo, dtype, ReduceOp::Sum, true)?;
-        cuda::module::launch_clustered(self.device, f, grid, threads, cluster, stream, &args)
+        cuda::module::launch(self.device, f, grid, threads, stream, &args)
     }
 }
 
-/// How the LL kernel runs a call: blocks per row and threads per block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LlShape {
-    pub cluster: u32,
-    pub threads: u32,
-}
-
-/// The LL kernel's shape when the fused call takes it (x within AUTO's LL threshold), `None`
-/// for the barrier kernel. A row is split over a cluster of up to 8 blocks (`clusters`: every
-/// rank's GPU has them) while every row still gets a cluster of its own and each block keeps at
-/// least 64 vectors (1 KiB) of it: one token of hidden 4096 takes 8 blocks of 64 threads where
-/// one block of 512 took it whole. A block takes its segment a vector per thread where it can
-/// (every load in flight at once), at most `RMS_VECS` per thread. Every input is equal on every
-/// rank, so every rank picks the same kernel and the same reduction order.
-pub fn ll_shape(
+/// The LL kernel's threads per block when the fused call takes it: x within AUTO's LL threshold
+/// and a row within the LL grid's block size. It takes up to a vector per thread (more polls in
+/// flight, one push pass), at least the `barrier_threads` a row needs. `None`: the barrier
+/// kernel. Every input is equal on every rank, so every rank picks the same kernel.
+pub fn ll_threads_for(
     bytes: u64,
-    tokens: u64,
     hidden: u64,
+    barrier_threads: u32,
     ll_max: u64,
-    (blocks, max_threads): (u32, u32),
-    clusters: bool,
-) -> Option<LlShape> {
-    if bytes > ll_max {
+    ll_max_threads: u32,
+) -> Option<u32> {
+    if bytes > ll_max || barrier_threads > ll_max_threads {
         return None;
     }
-    let vecs = hidden / 8;
-    let mut cluster = 1u32;
-    while clusters
-        && cluster < 8
-        && blocks % (2 * cluster) == 0
-        && (blocks / (2 * cluster)) as u64 >= tokens
-        && vecs / (2 * cluster as u64) >= 64
-    {
-        cluster *= 2;
-    }
-    let seg = vecs.div_ceil(cluster as u64);
-    let threads = seg.next_power_of_two().clamp(64, max_threads as u64);
-    (seg <= threads * RMS_VECS).then_some(LlShape {
-        cluster,
-        threads: threads as u32,
-    })
+    let wide = (hidden / 8)
+        .next_power_of_two()
+        .clamp(64, ll_max_threads as u64) as u32;
+    Some(wide.max(barrier_threads))
 }
 
 /// What the kernel needs of the shape, types and pointers, each named when it is wrong.
@@ -249,72 +219,42 @@ fn check(c: &RmsCall, dtype: DType) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{ll_shape, LlShape};
-
-    fn shape(cluster: u32, threads: u32) -> Option<LlShape> {
-        Some(LlShape { cluster, threads })
-    }
+    use super::ll_threads_for;
 
     #[test]
-    fn fused_call_spreads_a_row_over_a_cluster_while_every_row_has_one() {
-        let (ll_max, grid) = (4 << 20, (128, 512));
-        // One token of hidden 4096 (512 vectors): 8 blocks of 64 vectors, a vector per thread.
-        assert_eq!(ll_shape(8192, 1, 4096, ll_max, grid, true), shape(8, 64));
-        // 32 tokens of hidden 8192: 32 clusters of 4 fill the 128 blocks (256 vectors each).
+    fn fused_call_takes_ll_within_the_threshold_and_a_row_per_block() {
+        let (ll_max, max_threads) = (4 << 20, 512);
+        // hidden 4096: 512 vectors, a vector per thread; the barrier kernel would use 128.
         assert_eq!(
-            ll_shape(32 * 16384, 32, 8192, ll_max, grid, true),
-            shape(4, 256)
+            ll_threads_for(8192, 4096, 128, ll_max, max_threads),
+            Some(512)
         );
-        // 6 tokens of hidden 6144: 768 vectors over 8 blocks, 96 each on 128 threads.
+        // hidden 16384: 2048 vectors over at most 512 threads (4 each, as the barrier kernel).
         assert_eq!(
-            ll_shape(6 * 12288, 6, 6144, ll_max, grid, true),
-            shape(8, 128)
-        );
-        // 128 tokens: a block per row, as without clusters.
-        assert_eq!(
-            ll_shape(128 * 8192, 128, 4096, ll_max, grid, true),
-            shape(1, 512)
-        );
-        // hidden 2048 (256 vectors): at least 64 vectors per block caps the cluster at 4.
-        assert_eq!(ll_shape(4096, 1, 2048, ll_max, grid, true), shape(4, 64));
-        // A grid the cluster does not divide keeps it smaller.
-        assert_eq!(
-            ll_shape(8192, 1, 4096, ll_max, (100, 512), true),
-            shape(4, 128)
+            ll_threads_for(32768, 16384, 512, ll_max, max_threads),
+            Some(512)
         );
         assert_eq!(
-            ll_shape(8192, 1, 4096, ll_max, (127, 512), true),
-            shape(1, 512)
-        );
-    }
-
-    #[test]
-    fn without_clusters_a_block_takes_a_row_and_wide_rows_fall_to_the_barrier_kernel() {
-        let (ll_max, grid) = (4 << 20, (128, 512));
-        assert_eq!(ll_shape(8192, 1, 4096, ll_max, grid, false), shape(1, 512));
-        // hidden 16384: 2048 vectors over 512 threads, 4 each.
-        assert_eq!(
-            ll_shape(32768, 1, 16384, ll_max, grid, false),
-            shape(1, 512)
+            ll_threads_for(64, 8, 64, ll_max, max_threads),
+            Some(64),
+            "at least two warps"
         );
         assert_eq!(
-            ll_shape(64, 1, 8, ll_max, grid, false),
-            shape(1, 64),
-            "two warps at least"
-        );
-        assert_eq!(
-            ll_shape(ll_max, 512, 4096, ll_max, grid, false),
-            shape(1, 512),
+            ll_threads_for(ll_max, 4096, 128, ll_max, max_threads),
+            Some(512),
             "the edge"
         );
-        assert_eq!(ll_shape(ll_max + 1, 512, 4096, ll_max, grid, true), None);
         assert_eq!(
-            ll_shape(32768, 1, 16384, ll_max, (128, 256), false),
+            ll_threads_for(ll_max + 1, 4096, 128, ll_max, max_threads),
+            None
+        );
+        assert_eq!(
+            ll_threads_for(8192, 16384, 512, ll_max, 256),
             None,
             "row wider than a block"
         );
         assert_eq!(
-            ll_shape(8192, 1, 4096, 0, grid, true),
+            ll_threads_for(8192, 4096, 128, 0, max_threads),
             None,
             "LL turned off"
         );

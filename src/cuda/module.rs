@@ -75,60 +75,6 @@ pub fn function(device: i32, name: &str) -> Result<Function> {
     Ok(Function(f as usize))
 }
 
-/// Launches `f` as `launch` does, in thread-block clusters of `cluster` blocks (sm_90+; `grid`
-/// a multiple of `cluster`, at most 8). A cluster of 1 is a plain launch.
-pub fn launch_clustered<T>(
-    device: i32,
-    f: Function,
-    grid: u32,
-    block: u32,
-    cluster: u32,
-    stream: u64,
-    args: &T,
-) -> Result<()> {
-    if cluster <= 1 {
-        return launch(device, f, grid, block, stream, args);
-    }
-    if cluster > 8 || grid % cluster != 0 {
-        return Err(Error::internal(format!(
-            "launch_clustered: cluster {cluster} for a grid of {grid}; expected 2..=8 dividing it"
-        )));
-    }
-    let _ctx = CtxGuard::new(device)?;
-    let mut params = [args as *const T as *mut std::ffi::c_void];
-    // SAFETY: an all-zero attribute value is valid (a C union of plain data); only the cluster
-    // dimension is set and read.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attr.value.clusterDim.x = cluster;
-    attr.value.clusterDim.y = 1;
-    attr.value.clusterDim.z = 1;
-    let config = sys::CUlaunchConfig {
-        gridDimX: grid,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: block,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: 0,
-        hStream: stream as sys::CUstream,
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    // SAFETY: as in `launch`; config and attr outlive the call.
-    check(
-        unsafe {
-            sys::cuLaunchKernelEx(
-                &config,
-                f.0 as sys::CUfunction,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        },
-        "cuLaunchKernelEx (cluster)",
-    )
-}
-
 /// Launches `f` with one by-value argument struct `args` (the kernels take a single struct).
 pub fn launch<T>(
     device: i32,
