@@ -128,6 +128,7 @@ fn all_reduce_matches_reference_on_2_to_4_ranks() {
 }
 
 fn steady_rank(c: Child) {
+    let _ = stats(c.rank); // the heap (and its release log's descriptor) exists before counting
     let fds_before = open_fds();
     let comm = init(&c);
     let iters: usize = c.arg.parse().unwrap();
@@ -160,6 +161,76 @@ fn steady_rank(c: Child) {
     symm_empty_cache(); // cached host segments are memfds
     assert_eq!(stats(c.rank).segments, 0);
     assert_eq!(open_fds(), fds_before, "destroy closes every descriptor");
+}
+
+/// A segment released on every rank is unmapped by the peers at their next call, and the same
+/// memory comes back as a new segment that collectives use correctly.
+fn release_rank(c: Child) {
+    let comm = init(&c);
+    let big = 12usize << 20; // a segment of its own
+    let run = |p: *mut std::ffi::c_void, round: i32| {
+        let n = big / 4;
+        // SAFETY: p is `big` bytes of host memory.
+        let v = unsafe { std::slice::from_raw_parts_mut(p as *mut f32, n) };
+        v.iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = (c.rank + round) as f32 + (i % 7) as f32);
+        let st = symm_all_reduce(comm, p, p, n, SYMM_FP32, SYMM_SUM, null_mut());
+        assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
+        let w = c.world as f32;
+        let base = (0..c.world).map(|r| (r + round) as f32).sum::<f32>();
+        assert!(v
+            .iter()
+            .enumerate()
+            .all(|(i, &x)| x == base + w * (i % 7) as f32));
+    };
+    let barrier = || {
+        let st = symm_barrier(comm, null_mut());
+        assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
+    };
+    let m0 = stats(c.rank).peer_mappings;
+    let p = symm_malloc(big, c.rank, null_mut());
+    run(p, 0);
+    let mapped = stats(c.rank).peer_mappings;
+    assert_eq!(
+        mapped,
+        m0 + (c.world as u64 - 1),
+        "each peer's segment mapped here"
+    );
+    let released = stats(c.rank).physical_releases;
+    symm_free(p, big, c.rank, null_mut());
+    symm_empty_cache();
+    assert_eq!(stats(c.rank).physical_releases, released + 1);
+    barrier(); // every rank has released before anyone passes this one
+    barrier(); // and this call, on every rank, retires the peers' segments
+    assert_eq!(
+        stats(c.rank).peer_mappings,
+        m0,
+        "rank {}: the peers' released segments are still mapped",
+        c.rank
+    );
+    // The same offsets again: a new generation, exchanged and mapped before the kernel runs.
+    let q = symm_malloc(big, c.rank, null_mut());
+    assert_eq!(q, p, "deterministic placement reuses the offset");
+    run(q, 1);
+    assert_eq!(stats(c.rank).peer_mappings, mapped);
+    symm_free(q, big, c.rank, null_mut());
+    destroy(comm);
+}
+
+#[test]
+fn released_segments_are_unmapped_by_every_peer_at_its_next_call() {
+    if let Some(c) = child() {
+        return release_rank(c);
+    }
+    for world in [2, 3] {
+        assert_all_ok(&run_ranks(
+            "released_segments_are_unmapped_by_every_peer_at_its_next_call",
+            world,
+            &[HOST],
+            "",
+        ));
+    }
 }
 
 #[test]

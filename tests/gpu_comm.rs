@@ -758,3 +758,78 @@ fn gpu_dead_peer_stops_a_replayed_graph_after_one_timeout() {
         assert_all_ok(&outs[..1]);
     }
 }
+
+/// A segment freed and emptied on every rank gives its memory back to the driver on every GPU
+/// once each peer's next call has unmapped its import; the same offsets then come back as a
+/// new segment that collectives use correctly (a kernel never touches the unmapped one).
+fn release_rank(c: Child) {
+    let comm = init(&c);
+    let stream = util::stream_create(c.rank).unwrap();
+    let call = |what: &str| {
+        let st = symm_barrier(comm, stream as _);
+        assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{what}: {}", err());
+        util::stream_sync(c.rank, stream).unwrap();
+    };
+    call("warm-up");
+    symm_empty_cache();
+    let free = || symmalloc::cuda::driver::mem_info(c.rank).unwrap().0;
+    let free0 = free();
+    let (big, n) = (1usize << 30, 1usize << 20); // a 1 GiB segment; 1M bf16 elements reduced
+    let mut first = 0;
+    for round in 0..3i32 {
+        let p = symm_malloc(big, c.rank, stream as _);
+        assert!(!p.is_null(), "{}", err());
+        if round == 0 {
+            first = p as u64;
+        }
+        assert_eq!(p as u64, first, "the offset comes back");
+        let v = (c.rank + 1 + round) as f32;
+        util::htod_async(c.rank, p as u64, &encode(SYMM_BF16, &vec![v; n]), stream).unwrap();
+        let st = symm_all_reduce(comm, p, p, n, SYMM_BF16, SYMM_SUM, stream as _);
+        assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
+        let mut got = vec![0u8; 2 * n];
+        util::stream_sync(c.rank, stream).unwrap();
+        util::dtoh(c.rank, &mut got, p as u64).unwrap();
+        let want: f32 = (0..c.world).map(|r| (r + 1 + round) as f32).sum();
+        assert!(
+            decode(SYMM_BF16, &got).iter().all(|&x| x == want),
+            "round {round}: wrong sum"
+        );
+        let held = free0.saturating_sub(free()) >> 20;
+        assert!(
+            held >= 1000,
+            "round {round}: the segment holds only {held} MiB"
+        );
+        symm_free(p, big, c.rank, stream as _);
+        util::stream_sync(c.rank, stream).unwrap();
+        symm_empty_cache();
+        call("after the release"); // every rank released before launching this one
+        call("the next call"); // whose start unmaps the peers' segments here
+        let held = free0.saturating_sub(free()) >> 20;
+        assert!(
+            held <= 64,
+            "rank {}, round {round}: {held} MiB of device memory did not come back",
+            c.rank
+        );
+    }
+    destroy(comm);
+    println!(
+        "rank {}: 3 rounds of a 1 GiB segment reduced, released and returned to the driver on every GPU",
+        c.rank
+    );
+}
+
+#[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
+fn gpu_released_segments_return_to_the_driver_on_every_rank() {
+    if let Some(c) = child() {
+        return release_rank(c);
+    }
+    let world = gpu_world("gpu_released_segments");
+    assert_all_ok(&run_ranks(
+        "gpu_released_segments_return_to_the_driver_on_every_rank",
+        world,
+        &[],
+        "",
+    ));
+}

@@ -6,15 +6,18 @@ use super::algo;
 use super::error_word::ErrorWords;
 use super::exchange::CallDesc;
 use super::kernel_args::*;
+use super::retire::PeerReleases;
 use super::streams::StreamOrder;
 use super::windows::PeerWindows;
 use super::Communicator;
 use crate::config;
 use crate::cuda;
 use crate::error::{Error, Result};
+use crate::heap::release_log::ReleaseView;
 use crate::heap::{self, pools::INTERNAL_POOL, Allocator};
 use crate::ipc::{Mesh, UniqueId};
 use std::collections::HashMap;
+use std::os::fd::AsFd;
 use std::sync::Mutex;
 
 /// Devices with a live communicator in this process.
@@ -108,7 +111,10 @@ impl Communicator {
         {
             hello.extend_from_slice(&w.to_le_bytes());
         }
-        let all = mesh.all_gather(&hello, &[], "init")?;
+        // Each rank's heap release log travels with its hello (retire.rs reads the peers').
+        let log_fd = alloc.heap(device)?.release_log_fd()?;
+        let all = mesh.all_gather(&hello, &[log_fd.as_fd()], "init")?;
+        drop(log_fd);
         let word = |b: &[u8], i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
         let mut devices = Vec::new();
         for (r, (msg, _)) in all.iter().enumerate() {
@@ -158,6 +164,20 @@ impl Communicator {
             }
         }
 
+        let mut releases = PeerReleases::default();
+        for (r, (_, fds)) in all.iter().enumerate() {
+            let view = if r == rank {
+                None
+            } else {
+                let fd = fds
+                    .first()
+                    .ok_or_else(|| Error::peer(format!("rank {r} sent no release log at init")))?;
+                Some(ReleaseView::open(fd.as_fd())?)
+            };
+            // Earlier records name segments this communicator never mapped.
+            releases.seen.push(view.as_ref().map_or(0, |v| v.count()));
+            releases.views.push(view);
+        }
         let windows = PeerWindows::new(alloc, device, rank, world)?;
         let errors = ErrorWords::new(host, device)?;
         let internal_len = internal_bytes(world, ll_slot);
@@ -198,6 +218,7 @@ impl Communicator {
             timeout,
             sticky: None,
             sms,
+            releases,
             pads: Vec::new(),
             kernels: HashMap::new(),
             auto_seen: Default::default(),

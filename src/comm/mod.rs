@@ -3,8 +3,9 @@
 //! the staging scratch; runs all-reduce and barrier.
 //!
 //! Files: `init` (bootstrap and agreement), `exchange` (lazy segment exchange, call
-//! descriptors), `launch` (grid and kernel launch), `streams` (order across streams),
-//! `error_word` (what kernels report), `algo` (AUTO), `host_reduce` (the host backend).
+//! descriptors), `retire` (unmapping segments peers released), `launch` (grid and kernel
+//! launch), `streams` (order across streams), `error_word` (what kernels report), `algo`
+//! (AUTO), `host_reduce` (the host backend).
 //!
 //! Invariants: every rank has the same collective settings (LL slot and grid, AUTO thresholds,
 //! symmetry checking: read once at init and compared there); every rank calls collectives in
@@ -25,6 +26,7 @@ pub mod kernels;
 mod launch;
 pub mod mc_window;
 pub mod multicast;
+mod retire;
 pub mod rms_norm;
 mod scatter_gather;
 pub mod streams;
@@ -71,6 +73,8 @@ pub struct Communicator {
     timeout: Duration,
     sticky: Option<Error>,
     sms: u32,
+    /// The peers' release logs: their segments given back, to unmap here (retire.rs).
+    releases: retire::PeerReleases,
     /// Each rank's signal pad in this process's address space (fixed after init).
     pads: Vec<u64>,
     /// Message sizes AUTO has chosen for already (kept only under SYMMALLOC_DEBUG=INFO).
@@ -109,6 +113,13 @@ fn byte_size(count: u64, esize: u64, times: u64) -> Result<u64> {
 }
 
 impl Communicator {
+    /// What every call does first: report a kernel's error, then unmap the peer segments
+    /// released since the last call (retire.rs).
+    fn begin_call(&mut self, stream: u64) -> Result<()> {
+        self.check_error_word()?;
+        self.retire_released(stream)
+    }
+
     /// Reports what a kernel of this communicator wrote into the error words since the last
     /// call; a fatal error stays and is reported by every later call.
     fn check_error_word(&mut self) -> Result<()> {
@@ -195,7 +206,7 @@ impl Communicator {
         op: ReduceOp,
         stream: u64,
     ) -> Result<()> {
-        self.check_error_word()?;
+        self.begin_call(stream)?;
         if count == 0 {
             return Ok(());
         }
@@ -280,7 +291,7 @@ impl Communicator {
 
     /// All ranks meet; stream-ordered on CUDA (a kernel), immediate on the host backend.
     pub fn barrier(&mut self, stream: u64) -> Result<()> {
-        self.check_error_word()?;
+        self.begin_call(stream)?;
         let desc = CallDesc {
             send_off: 0,
             recv_off: 0,

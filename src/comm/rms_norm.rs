@@ -36,7 +36,7 @@ impl Communicator {
         dtype: DType,
         stream: u64,
     ) -> Result<()> {
-        self.check_error_word()?;
+        self.begin_call(stream)?;
         check(c, dtype)?;
         if c.tokens == 0 {
             return Ok(());

@@ -70,7 +70,7 @@ impl Communicator {
         op: ReduceOp,
         stream: u64,
     ) -> Result<()> {
-        self.check_error_word()?;
+        self.begin_call(stream)?;
         if count == 0 {
             return Ok(());
         }

@@ -4,7 +4,9 @@
 //! Invariants: a mapping is keyed by (peer, segment offset) and carries the segment's
 //! generation; mappings of one peer never overlap; a segment that comes back with a new
 //! generation (released and re-created) replaces every older mapping it overlaps. Every mapping
-//! counts once in the device's `peer_mappings` stat while it exists.
+//! counts once in the device's `peer_mappings` stat while it exists. A mapping goes when the
+//! peer's segment is replaced (a new generation), released (retire.rs) or the communicator is
+//! destroyed.
 
 use crate::error::Result;
 use crate::heap::backend::Phys;
@@ -77,6 +79,24 @@ impl PeerWindows {
                 h.stats.peer_mappings -= 1;
             }
         }
+    }
+
+    /// Unmaps `peer`'s segment at `offset` if this rank maps exactly that `generation` of it
+    /// (the peer released it); true when it did.
+    pub fn unmap_released(
+        &mut self,
+        alloc: &Allocator,
+        peer: usize,
+        offset: u64,
+        generation: u64,
+    ) -> bool {
+        let here = self.mapped[peer]
+            .get(&offset)
+            .is_some_and(|m| m.generation == generation);
+        if here {
+            self.unmap_one(alloc, peer, offset);
+        }
+        here
     }
 
     /// Maps `peer`'s segment `seg` (memory passed as `fd`) into the peer's window.

@@ -11,6 +11,7 @@ pub mod host_backend;
 pub mod parked;
 pub mod pools;
 pub mod ranges;
+pub mod release_log;
 pub mod spin_lock;
 pub mod stats;
 

@@ -28,7 +28,8 @@
 //! where a block comes from (best fit over the free sets, splitting, new segments at
 //! deterministic offsets, merging on free); `release.rs` memory going back (parked drains,
 //! segment release, `empty_cache`, pools); `export.rs` what peers need of a segment;
-//! `validate.rs` the check of every invariant above. Statistics are the `Stats` of `stats.rs`,
+//! `validate.rs` the check of every invariant above. Each released segment is recorded in the
+//! heap's `ReleaseLog` (shared memory its peers read, to unmap their mappings of it). Statistics are the `Stats` of `stats.rs`,
 //! kept here as blocks change state.
 
 mod export;
@@ -40,6 +41,7 @@ use super::backend::{Backend, Phys, Stream};
 use super::parked::Parked;
 use super::pools::PoolId;
 use super::ranges::Ranges;
+use super::release_log::ReleaseLog;
 use super::stats::Stats;
 use crate::error::{Error, Result, Status};
 use std::collections::{BTreeMap, BTreeSet};
@@ -132,6 +134,8 @@ pub struct DeviceHeap {
     parked: Parked,
     releasing_pools: usize,
     next_generation: u64,
+    /// Every segment given back, for the peers that mapped it (release_log.rs).
+    release_log: ReleaseLog,
     pub stats: Stats,
 }
 
@@ -163,6 +167,7 @@ impl DeviceHeap {
             parked: Parked::default(),
             releasing_pools: 0,
             next_generation: 1,
+            release_log: ReleaseLog::new()?,
             stats: Stats {
                 heap_bytes: size,
                 ..Stats::default()
@@ -178,6 +183,11 @@ impl DeviceHeap {
     }
     pub fn contains(&self, ptr: u64) -> bool {
         ptr >= self.base && ptr < self.base + self.size()
+    }
+
+    /// A descriptor of the release log, for a communicator to hand its peers.
+    pub fn release_log_fd(&self) -> Result<std::os::fd::OwnedFd> {
+        self.release_log.export()
     }
 
     /// Allocates `size` bytes for `stream` in `pool`; returns the address.

@@ -61,6 +61,8 @@ impl DeviceHeap {
             self.blocks.remove(&o);
         }
         let s = self.segments.remove(&seg).expect("segment");
+        // Peers that mapped it unmap theirs at their communicator's next call (comm/retire.rs).
+        self.release_log.record(seg, s.generation);
         backend.release(s.phys)?;
         self.ranges.free(seg, len);
         let p = self.pools.get_mut(&pool).expect("pool");
