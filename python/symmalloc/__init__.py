@@ -527,7 +527,8 @@ def mem_pool(device: Optional[int] = None):
 
 
 def install_global() -> None:
-    """Make symmalloc PyTorch's CUDA allocator. Must run before CUDA allocates anything."""
+    """Make symmalloc PyTorch's CUDA allocator. Must run before CUDA allocates anything, and
+    before ``torch.cuda.set_device`` (which sets up PyTorch's own allocator)."""
     import torch
 
     if torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
@@ -543,4 +544,7 @@ def install_global() -> None:
     ]:
         if hasattr(raw, setter):  # only some PyTorch builds expose these to Python
             getattr(raw, setter)(ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value)
-    torch.cuda.memory.change_current_allocator(alloc)
+    try:
+        torch.cuda.memory.change_current_allocator(alloc)
+    except RuntimeError as e:  # torch's allocator is already set up (set_device, a tensor, ...)
+        raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"install_global() must run before any CUDA use in this process, torch.cuda.set_device included: {e}") from None
