@@ -72,7 +72,8 @@ typedef struct {
    */
   uint64_t reserved_bytes;
   /**
-   * Highest `allocated_bytes` seen.
+   * Highest `allocated_bytes` seen by the heap (blocks threads keep for reuse count as
+   * allocated there: at most 256 MiB per thread and device; see `SYMMALLOC_THREAD_CACHE`).
    */
   uint64_t peak_allocated_bytes;
   /**

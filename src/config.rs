@@ -66,6 +66,15 @@ pub fn check_symmetry() -> bool {
     flag("SYMMALLOC_CHECK_SYMMETRY")
 }
 
+/// `SYMMALLOC_THREAD_CACHE=0` turns off the per-thread caches in front of the heap
+/// (heap/tcache.rs); on by default.
+pub fn thread_cache() -> bool {
+    !matches!(
+        std::env::var("SYMMALLOC_THREAD_CACHE").as_deref(),
+        Ok("0") | Ok("false") | Ok("no") | Ok("off")
+    )
+}
+
 pub fn flag(name: &str) -> bool {
     matches!(
         std::env::var(name).as_deref(),

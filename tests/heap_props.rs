@@ -346,3 +346,120 @@ fn eight_threads_random_malloc_free() {
     }
     assert!(ops > 1000);
 }
+
+/// Thread caches (heap/tcache.rs): a thread's freed block comes back to it for the same size
+/// and stream and counts as free meanwhile; other threads, other streams, `record_stream`,
+/// pools being released and exited threads all hand blocks back to the heap; errors name the
+/// double free and leave everything intact; the heap and the caches agree after every step.
+#[test]
+fn thread_caches_keep_blocks_for_their_thread_and_give_them_back() {
+    let a = std::sync::Arc::new(allocator());
+    let dp = pools::DEFAULT_POOL;
+    let s1 = 0x1000;
+    let p = a.malloc_in(4096, 0, s1, dp).unwrap();
+    a.free(p, 4096, 0, s1).unwrap();
+    let s = a.stats(0).unwrap();
+    assert_eq!(
+        (s.allocated_bytes, s.active_blocks, s.requested_bytes),
+        (0, 0, 0),
+        "kept counts as free"
+    );
+    // Kept for this thread: another thread asking for the same size and stream gets another
+    // block (without thread caches, the heap's parked path would hand it p).
+    let a1 = a.clone();
+    let other = std::thread::spawn(move || {
+        let q = a1.malloc_in(4096, 0, s1, dp).unwrap();
+        a1.free(q, 4096, 0, s1).unwrap();
+        q
+    })
+    .join()
+    .unwrap();
+    assert_eq!(other != p, symmalloc::config::thread_cache());
+    a.validate(0).unwrap();
+    // A second free of the kept block is a double free, and changes nothing.
+    let e = a.free(p, 4096, 0, s1).unwrap_err();
+    assert!(e.message.contains("double free"), "{}", e.message);
+    let hits = a.stats(0).unwrap().cache_hits;
+    assert_eq!(
+        a.malloc_in(4000, 0, s1, dp).unwrap(),
+        p,
+        "same rounded size, same stream"
+    );
+    let s = a.stats(0).unwrap();
+    assert_eq!((s.requested_bytes, s.cache_hits), (4000, hits + 1));
+    // A wrong size is refused by the heap, with the block still live at its request.
+    assert!(a
+        .free(p, 4096, 0, s1)
+        .unwrap_err()
+        .message
+        .contains("allocated with size 4000"));
+    assert_eq!(a.stats(0).unwrap().requested_bytes, 4000);
+    a.validate(0).unwrap();
+    // Freed by another thread: the heap takes it (parked for that stream), nothing is lost.
+    let a2 = a.clone();
+    std::thread::spawn(move || a2.free(p, 4000, 0, s1).unwrap())
+        .join()
+        .unwrap();
+    a.validate(0).unwrap();
+    assert_eq!(a.stats(0).unwrap().active_blocks, 0);
+    // record_stream takes the block back from the cache: its free then waits on both streams.
+    let q = a.malloc_in(8192, 0, s1, dp).unwrap();
+    a.record_stream(q, 0x2000).unwrap();
+    a.free(q, 8192, 0, s1).unwrap();
+    a.validate(0).unwrap();
+    assert_eq!(a.stats(0).unwrap().active_blocks, 0);
+    // A thread that exits leaves its kept blocks behind; empty_cache takes them back.
+    let a3 = a.clone();
+    std::thread::spawn(move || {
+        let r = a3.malloc_in(3 << 20, 0, 0x3000, dp).unwrap();
+        a3.free(r, 3 << 20, 0, 0x3000).unwrap();
+    })
+    .join()
+    .unwrap();
+    a.validate(0).unwrap();
+    assert_eq!(a.stats(0).unwrap().allocated_bytes, 0);
+    a.empty_cache().unwrap();
+    let s = a.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.segments), (0, 0), "{s:?}");
+    a.validate(0).unwrap();
+    // A pool being released: its kept blocks go back, and later frees are not kept.
+    let pool = PoolId(7, 1);
+    let b1 = a.malloc_in(1 << 20, 0, s1, pool).unwrap();
+    let b2 = a.malloc_in(1 << 20, 0, s1, pool).unwrap();
+    a.free(b1, 1 << 20, 0, s1).unwrap();
+    a.release_pool(0, pool).unwrap();
+    a.free(b2, 1 << 20, 0, s1).unwrap();
+    a.validate(0).unwrap();
+    let s = a.stats(0).unwrap();
+    assert_eq!(
+        (s.allocated_bytes, s.reserved_bytes),
+        (0, 0),
+        "the released pool's segment went back: {s:?}"
+    );
+    // Memory grows only once what caches keep cannot serve a request: a block kept by this
+    // thread is merged back rather than a new segment made.
+    let c: Vec<u64> = (0..4)
+        .map(|_| a.malloc_in(512 << 10, 0, s1, dp).unwrap())
+        .collect();
+    assert_eq!(
+        a.stats(0).unwrap().segments,
+        1,
+        "four 512 KiB blocks fill a small segment"
+    );
+    a.free(c[1], 512 << 10, 0, s1).unwrap();
+    a.free(c[2], 512 << 10, 0, s1).unwrap();
+    let creates = a.stats(0).unwrap().physical_creates;
+    let d = a.malloc_in(1 << 20, 0, s1, dp).unwrap();
+    assert_eq!(d, c[1], "the two kept neighbours, merged");
+    assert_eq!(
+        a.stats(0).unwrap().physical_creates,
+        creates,
+        "no new segment"
+    );
+    for (p, n) in [(d, 1 << 20), (c[0], 512 << 10), (c[3], 512 << 10)] {
+        a.free(p, n, 0, s1).unwrap();
+    }
+    a.empty_cache().unwrap();
+    a.validate(0).unwrap();
+    assert_eq!(a.stats(0).unwrap().reserved_bytes, 0);
+}

@@ -1,8 +1,14 @@
-//! The symmetric caching allocator: one `DeviceHeap` per device behind a spin lock, over one
-//! backend chosen at first use (`SYMMALLOC_BACKEND`). Pure Rust above the `Backend` trait.
+//! The symmetric caching allocator: one `DeviceHeap` per device behind a spin lock, with a
+//! cache per thread in front of it (`tcache.rs`), over one backend chosen at first use
+//! (`SYMMALLOC_BACKEND`). Pure Rust above the `Backend` trait.
 //!
 //! The process-wide instance (`global()`) serves the C ABI; tests may build private instances
 //! over the host backend with `Allocator::new`.
+//!
+//! Invariants: a block lent to a thread cache is taken back from it (under the heap's lock)
+//! before the heap frees it or records a stream on it; statistics are the heap's corrected by
+//! every cache of the device; `validate` checks the heap and that heap and caches agree on
+//! every lent block.
 
 pub mod backend;
 pub mod cuda_backend;
@@ -14,6 +20,7 @@ pub mod ranges;
 pub mod release_log;
 pub mod spin_lock;
 pub mod stats;
+pub mod tcache;
 
 use crate::config::{self, BackendKind};
 use crate::error::{Error, Result};
@@ -22,13 +29,46 @@ use device_heap::{DeviceHeap, SegmentInfo};
 use pools::PoolId;
 use spin_lock::{SpinGuard, SpinLock};
 use stats::Stats;
-use std::sync::{Mutex, OnceLock};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use tcache::{Keep, Reclaim, ThreadCache};
+
+type Cache = Arc<SpinLock<ThreadCache>>;
 
 pub struct Allocator {
     backend: Box<dyn Backend>,
     heaps: Vec<OnceLock<SpinLock<DeviceHeap>>>,
     /// Serialises heap creation (reserving address space) per device.
     init_lock: Mutex<()>,
+    /// Tells this allocator's thread caches from another instance's (tests build several).
+    id: u64,
+    /// `SYMMALLOC_THREAD_CACHE`: whether threads cache blocks at all.
+    thread_caches: bool,
+    /// Every thread cache of this allocator, by id.
+    caches: Mutex<std::collections::HashMap<u64, Cache>>,
+    /// Per device: a pool is being released, so frees go to the heap (its segments go back at
+    /// their last free).
+    releasing: Vec<AtomicBool>,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A thread's cache of one device of one allocator.
+struct Mine {
+    alloc: u64,
+    device: i32,
+    cache: Cache,
+}
+
+impl Drop for Mine {
+    fn drop(&mut self) {
+        self.cache.lock().orphan = true; // its blocks go back at the next drain
+    }
+}
+
+thread_local! {
+    static MINE: RefCell<Vec<Mine>> = const { RefCell::new(Vec::new()) };
 }
 
 static GLOBAL: OnceLock<std::result::Result<Allocator, Error>> = OnceLock::new();
@@ -54,7 +94,106 @@ impl Allocator {
             backend,
             heaps: (0..n).map(|_| OnceLock::new()).collect(),
             init_lock: Mutex::new(()),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            thread_caches: config::thread_cache(),
+            caches: Mutex::new(Default::default()),
+            releasing: (0..n).map(|_| AtomicBool::new(false)).collect(),
         })
+    }
+
+    /// Runs `f` on the calling thread's cache of `device` (made and registered on first use);
+    /// None when thread caches are off or the thread is exiting.
+    fn with_cache<R>(&self, device: i32, f: impl FnOnce(&mut ThreadCache) -> R) -> Option<R> {
+        if !self.thread_caches {
+            return None;
+        }
+        MINE.try_with(|mine| {
+            let mut mine = mine.try_borrow_mut().ok()?;
+            let at = match mine
+                .iter()
+                .position(|m| m.alloc == self.id && m.device == device)
+            {
+                Some(i) => i,
+                None => {
+                    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+                    let cache = Arc::new(SpinLock::new(ThreadCache::new(id, device)));
+                    self.registry().insert(id, cache.clone());
+                    mine.push(Mine {
+                        alloc: self.id,
+                        device,
+                        cache,
+                    });
+                    mine.len() - 1
+                }
+            };
+            let mut c = mine[at].cache.lock();
+            Some(f(&mut c))
+        })
+        .ok()
+        .flatten()
+    }
+
+    fn registry(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Cache>> {
+        self.caches.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The caches of `device` (orphans included).
+    fn caches_of(&self, device: i32) -> Vec<Cache> {
+        self.registry()
+            .values()
+            .filter(|c| c.lock().device == device)
+            .cloned()
+            .collect()
+    }
+
+    /// Takes the block at `ptr` back from the cache it is lent to, if any, so that the heap may
+    /// free it or record a stream on it. `what` names the caller for errors.
+    fn reclaim(&self, heap: &mut DeviceHeap, ptr: u64, what: &str) -> Result<()> {
+        let Some(id) = heap.tracker(ptr) else {
+            return Ok(());
+        };
+        let cache = self.registry().get(&id).cloned();
+        let got = match &cache {
+            Some(c) => c.lock().reclaim(ptr),
+            None => Reclaim::Missing,
+        };
+        match got {
+            Reclaim::Lent(requested) => heap.untrack(ptr, requested),
+            Reclaim::Kept => Err(Error::invalid(format!(
+                "{what}({ptr:#x}): double free or use after free: the block is already free"
+            ))),
+            Reclaim::Missing => Err(Error::internal(format!(
+                "{what}({ptr:#x}): the block's thread cache {id} does not hold it"
+            ))),
+        }
+    }
+
+    /// Returns the kept blocks of `device`'s caches that `which` selects to the heap (the heap's
+    /// parked path takes them, as if freed there); drops orphaned caches left empty.
+    fn drain_caches(
+        &self,
+        heap: &mut DeviceHeap,
+        device: i32,
+        which: impl Fn(&tcache::Key) -> bool,
+    ) -> Result<()> {
+        if !self.thread_caches {
+            return Ok(());
+        }
+        let mut reg = self.registry();
+        let mut back = Vec::new();
+        reg.retain(|_, c| {
+            let mut c = c.lock();
+            if c.device == device {
+                back.extend(c.drain(&which));
+            }
+            !(c.orphan && c.is_empty())
+        });
+        drop(reg);
+        for k in back {
+            heap.untrack(k.ptr, k.recorded)?;
+            heap.free(self.backend.as_ref(), k.ptr, k.recorded, k.key.1)?;
+        }
+        Ok(())
     }
 
     pub fn backend(&self) -> &dyn Backend {
@@ -118,13 +257,66 @@ impl Allocator {
     }
 
     pub fn malloc_in(&self, size: u64, device: i32, stream: Stream, pool: PoolId) -> Result<u64> {
+        let Some(rounded) = size
+            .div_ceil(device_heap::ROUND)
+            .max(1)
+            .checked_mul(device_heap::ROUND)
+        else {
+            // Larger than any heap: the heap names the size.
+            let mut heap = self.heap(device)?;
+            return heap.malloc(self.backend.as_ref(), size, stream, pool);
+        };
+        let key = (pool, stream, rounded);
+        if let Some(Some(p)) = self.with_cache(device, |c| c.take(key, size)) {
+            return Ok(p);
+        }
         let mut heap = self.heap(device)?;
-        let r = heap.malloc(self.backend.as_ref(), size, stream, pool);
+        if device_heap::class_of(key.2) == device_heap::Class::Large {
+            // As the heap does with its parked blocks: large sizes vary, so best fit gets
+            // this thread's kept large blocks of the pool rather than fresh memory.
+            let large = |k: &tcache::Key| {
+                k.0 == pool && device_heap::class_of(k.2) == device_heap::Class::Large
+            };
+            for k in self
+                .with_cache(device, |c| c.drain(large))
+                .unwrap_or_default()
+            {
+                heap.untrack(k.ptr, k.recorded)?;
+                heap.free(self.backend.as_ref(), k.ptr, k.recorded, k.key.1)?;
+            }
+        }
+        let be = self.backend.as_ref();
+        // Memory grows only once the blocks threads keep could not serve the request either
+        // (so the caches never make the heap larger than it would be without them).
+        let r = match heap.malloc_without_growing(be, size, stream, pool) {
+            Ok(Some(p)) => Ok(p),
+            Ok(None) => self
+                .drain_caches(&mut heap, device, |_| true)
+                .and_then(|()| heap.malloc(be, size, stream, pool)),
+            Err(e) => Err(e),
+        };
+        let r = r.and_then(|p| {
+            if self.thread_caches {
+                let id = self.with_cache(device, |c| c.id);
+                if let Some(id) = id {
+                    let bsize = heap.track(p, id)?;
+                    self.with_cache(device, |c| c.lend(p, key, bsize, size));
+                }
+            }
+            Ok(p)
+        });
+        self.releasing[device as usize].store(heap.releasing_any(), Ordering::Relaxed);
         heap.debug_validate();
         r
     }
 
     pub fn free(&self, ptr: u64, size: u64, device: i32, stream: Stream) -> Result<()> {
+        if device >= 0 && (device as usize) < self.releasing.len() {
+            let allowed = !self.releasing[device as usize].load(Ordering::Relaxed);
+            if self.with_cache(device, |c| c.keep(ptr, size, stream, allowed)) == Some(Keep::Kept) {
+                return Ok(());
+            }
+        }
         let mut heap = self.heap(device)?;
         if !heap.contains(ptr) {
             drop(heap); // device_of locks every heap, this one included
@@ -136,7 +328,10 @@ impl Allocator {
                 None => format!("symm_free({ptr:#x}): pointer was not returned by symm_malloc"),
             }));
         }
-        let r = heap.free(self.backend.as_ref(), ptr, size, stream);
+        let r = self
+            .reclaim(&mut heap, ptr, "symm_free")
+            .and_then(|()| heap.free(self.backend.as_ref(), ptr, size, stream));
+        self.releasing[device as usize].store(heap.releasing_any(), Ordering::Relaxed);
         heap.debug_validate();
         r
     }
@@ -148,15 +343,20 @@ impl Allocator {
             ))
         })?;
         let mut heap = self.heap(device)?;
-        let r = heap.record_stream(ptr, stream);
+        let r = self
+            .reclaim(&mut heap, ptr, "symm_record_stream")
+            .and_then(|()| heap.record_stream(ptr, stream));
         heap.debug_validate();
         r
     }
 
     pub fn empty_cache(&self) -> Result<()> {
-        for h in self.heaps.iter().filter_map(OnceLock::get) {
+        for (d, h) in self.heaps.iter().enumerate() {
+            let Some(h) = h.get() else { continue };
             let mut heap = h.lock();
-            let r = heap.empty_cache(self.backend.as_ref());
+            let r = self
+                .drain_caches(&mut heap, d as i32, |_| true)
+                .and_then(|()| heap.empty_cache(self.backend.as_ref()));
             heap.debug_validate();
             r?;
         }
@@ -165,20 +365,61 @@ impl Allocator {
 
     pub fn release_pool(&self, device: i32, pool: PoolId) -> Result<()> {
         let mut heap = self.heap(device)?;
-        let r = heap.release_pool(self.backend.as_ref(), pool);
+        let r = self
+            .drain_caches(&mut heap, device, |k| k.0 == pool)
+            .and_then(|()| heap.release_pool(self.backend.as_ref(), pool));
+        self.releasing[device as usize].store(heap.releasing_any(), Ordering::Relaxed);
         heap.debug_validate();
         r
     }
 
+    /// The device's statistics: the heap's, with the blocks threads keep counted as free.
+    /// (`peak_allocated_bytes` is the heap's: it counts kept blocks as allocated, at most
+    /// `tcache::KEEP_BYTES` per thread.)
     pub fn stats(&self, device: i32) -> Result<Stats> {
-        Ok(self.heap(device)?.stats)
+        let heap = self.heap(device)?;
+        let mut s = heap.stats;
+        for c in self.caches_of(device) {
+            c.lock().adjust(&mut s);
+        }
+        Ok(s)
     }
 
     pub fn segment_of(&self, device: i32, ptr: u64) -> Result<(SegmentInfo, u64, u64)> {
         self.heap(device)?.segment_of(ptr)
     }
 
+    /// Checks the heap's invariants, every cache's, and that they agree on every lent block.
     pub fn validate(&self, device: i32) -> std::result::Result<(), String> {
-        self.heap(device).map_err(|e| e.message)?.validate()
+        let heap = self.heap(device).map_err(|e| e.message)?;
+        heap.validate()?;
+        let mut lent: std::collections::HashMap<u64, (u64, u64, u64)> = heap
+            .tracked_blocks()
+            .into_iter()
+            .map(|(p, id, size, rec)| (p, (id, size, rec)))
+            .collect();
+        for c in self.caches_of(device) {
+            let c = c.lock();
+            c.validate()?;
+            for (p, size, rec) in c.blocks() {
+                match lent.remove(&p) {
+                    Some(h) if h == (c.id, size, rec) => {}
+                    h => {
+                        return Err(format!(
+                            "thread cache {} holds {p:#x} ({size} bytes, request {rec}); the heap \
+                             has {h:?}",
+                            c.id
+                        ))
+                    }
+                }
+            }
+        }
+        if let Some((p, h)) = lent.iter().next() {
+            return Err(format!(
+                "block {p:#x} is lent to thread cache {} ({h:?}), which does not hold it",
+                h.0
+            ));
+        }
+        Ok(())
     }
 }

@@ -9,7 +9,8 @@ pub struct Stats {
     pub allocated_bytes: u64,
     /// Bytes of physical memory held in segments.
     pub reserved_bytes: u64,
-    /// Highest `allocated_bytes` seen.
+    /// Highest `allocated_bytes` seen by the heap (blocks threads keep for reuse count as
+    /// allocated there: at most 256 MiB per thread and device; see `SYMMALLOC_THREAD_CACHE`).
     pub peak_allocated_bytes: u64,
     /// Live blocks.
     pub active_blocks: u64,

@@ -28,13 +28,15 @@
 //! where a block comes from (best fit over the free sets, splitting, new segments at
 //! deterministic offsets, merging on free); `release.rs` memory going back (parked drains,
 //! segment release, `empty_cache`, pools); `export.rs` what peers need of a segment;
-//! `validate.rs` the check of every invariant above. Each released segment is recorded in the
+//! `validate.rs` the check of every invariant above; `tracked.rs` live blocks lent to thread
+//! caches. Each released segment is recorded in the
 //! heap's `ReleaseLog` (shared memory its peers read, to unmap their mappings of it). Statistics are the `Stats` of `stats.rs`,
 //! kept here as blocks change state.
 
 mod export;
 mod placement;
 mod release;
+mod tracked;
 mod validate;
 
 use super::backend::{Backend, Phys, Stream};
@@ -136,6 +138,8 @@ pub struct DeviceHeap {
     next_generation: u64,
     /// Every segment given back, for the peers that mapped it (release_log.rs).
     release_log: ReleaseLog,
+    /// Live blocks lent to thread caches: offset -> cache id (tracked.rs).
+    tracked: std::collections::HashMap<u64, u64>,
     pub stats: Stats,
 }
 
@@ -168,6 +172,7 @@ impl DeviceHeap {
             releasing_pools: 0,
             next_generation: 1,
             release_log: ReleaseLog::new()?,
+            tracked: std::collections::HashMap::new(),
             stats: Stats {
                 heap_bytes: size,
                 ..Stats::default()
@@ -185,6 +190,11 @@ impl DeviceHeap {
         ptr >= self.base && ptr < self.base + self.size()
     }
 
+    /// Whether a pool of this heap is being released (its blocks then go back whole).
+    pub fn releasing_any(&self) -> bool {
+        self.releasing_pools > 0
+    }
+
     /// A descriptor of the release log, for a communicator to hand its peers.
     pub fn release_log_fd(&self) -> Result<std::os::fd::OwnedFd> {
         self.release_log.export()
@@ -198,6 +208,30 @@ impl DeviceHeap {
         stream: Stream,
         pool: PoolId,
     ) -> Result<u64> {
+        self.malloc_or_grow(backend, size, stream, pool, true)
+            .map(|p| p.expect("a heap that may grow places every request or fails"))
+    }
+
+    /// As `malloc`, but `None` where it would need a new segment (the allocator then first
+    /// takes back what thread caches keep).
+    pub fn malloc_without_growing(
+        &mut self,
+        backend: &dyn Backend,
+        size: u64,
+        stream: Stream,
+        pool: PoolId,
+    ) -> Result<Option<u64>> {
+        self.malloc_or_grow(backend, size, stream, pool, false)
+    }
+
+    fn malloc_or_grow(
+        &mut self,
+        backend: &dyn Backend,
+        size: u64,
+        stream: Stream,
+        pool: PoolId,
+        grow: bool,
+    ) -> Result<Option<u64>> {
         if size > self.size() {
             return Err(Error::invalid(format!(
                 "size {size} exceeds the heap of device {} ({} bytes; set SYMMALLOC_HEAP_SIZE)",
@@ -208,7 +242,7 @@ impl DeviceHeap {
         let rounded = round_request(size);
         if let Some(off) = self.parked.pop(&(pool, stream, rounded)) {
             self.unpark_live(off, size);
-            return Ok(self.base + off);
+            return Ok(Some(self.base + off));
         }
         let class = class_of(rounded);
         self.set_releasing(pool, false);
@@ -227,13 +261,14 @@ impl DeviceHeap {
                 self.stats.cache_hits += 1;
                 off
             }
+            None if !grow => return Ok(None),
             None => {
                 self.stats.cache_misses += 1;
                 self.new_segment(backend, pool, class, rounded, size)?
             }
         };
         self.take(backend, off, rounded, size, stream)?;
-        Ok(self.base + off)
+        Ok(Some(self.base + off))
     }
 
     /// The fast path's hit: the parked block at `off` (which waits only on the requesting
@@ -283,6 +318,7 @@ impl DeviceHeap {
         stream: Stream,
     ) -> Result<()> {
         let (off, requested) = self.live_block(ptr, "symm_free")?;
+        self.refuse_tracked(off, "symm_free")?;
         if requested != size {
             return Err(Error::invalid(format!(
                 "symm_free({ptr:#x}, size={size}): the block was allocated with size \
@@ -325,6 +361,7 @@ impl DeviceHeap {
     /// The next reuse of the block at `ptr` also waits for `stream`'s work.
     pub fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<()> {
         let (off, _) = self.live_block(ptr, "symm_record_stream")?;
+        self.refuse_tracked(off, "symm_record_stream")?;
         let b = self.blocks.get_mut(&off).expect("live block");
         if !b.streams.contains(&stream) {
             b.streams.push(stream);

@@ -135,6 +135,13 @@ impl DeviceHeap {
                 ));
             }
         }
+        for &off in self.tracked.keys() {
+            if self.blocks.get(&off).and_then(Block::requested).is_none() {
+                return Err(format!(
+                    "block {off:#x} is lent to a thread cache but not live"
+                ));
+            }
+        }
         if self.ranges.free_bytes() + st.reserved_bytes != self.size() {
             return Err("segments and free ranges do not partition the heap".into());
         }

@@ -1,0 +1,317 @@
+//! Per-thread caches in front of the device heaps. A block that a thread frees whole, on the
+//! stream it was allocated on, stays with that thread for its next request of the same rounded
+//! size, pool and stream, without the heap's lock (mimalloc's thread-local free lists; PyTorch
+//! keeps its blocks per stream). Under eight threads on their own streams the shared lock was
+//! the whole tail: p99 25-81 us for a 0.35 us pair, waiters queueing behind a holder that takes
+//! the lock again and again.
+//!
+//! Each thread has one cache per (allocator, device), found through thread-local storage and
+//! registered with its allocator, which drains the caches for `empty_cache`, `release_pool`, an
+//! allocation the heap cannot place, and reads them for statistics. Blocks a cache holds are
+//! live to the heap (device_heap/tracked.rs), so the heap never reuses them; the cache keeps
+//! the accounting that makes the kept ones count as free in the statistics. A thread that exits
+//! leaves its cache behind, marked orphaned; the next drain returns its blocks and drops it.
+//!
+//! Invariants (checked by `Allocator::validate`): every block the heap lends is in exactly one
+//! cache, either handed out (`lent`, by address, with its current request) or kept for reuse
+//! (`kept`: at most KEEP_BLOCKS blocks and KEEP_BYTES bytes, each waiting only on its key's
+//! stream); the heap's size and recorded request of each match the cache's. Lock order: a
+//! heap, then the registry, then one cache; the fast paths take only their own cache's lock,
+//! which nobody else takes but a drain, statistics or validation.
+
+use super::backend::Stream;
+use super::pools::PoolId;
+use super::stats::Stats;
+use std::collections::HashMap;
+
+/// What a kept block is kept for: (pool, stream, rounded size).
+pub type Key = (PoolId, Stream, u64);
+
+/// Most blocks a thread keeps per device.
+pub const KEEP_BLOCKS: usize = 16;
+/// Most bytes a thread keeps per device.
+pub const KEEP_BYTES: u64 = 256 << 20;
+
+#[derive(Debug)]
+pub struct Kept {
+    pub key: Key,
+    pub ptr: u64,
+    /// The block's size in the heap.
+    pub size: u64,
+    /// The request the heap recorded when it lent the block.
+    pub recorded: u64,
+}
+
+#[derive(Debug)]
+struct Lent {
+    key: Key,
+    size: u64,
+    recorded: u64,
+    /// What the current user asked for (the stats' requested bytes).
+    requested: u64,
+}
+
+/// A free through the cache: kept, or the heap's to do.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Keep {
+    Kept,
+    /// Not handed out by this cache, or not keepable (another size or stream, the cache full,
+    /// a pool being released): the allocator takes it back and frees it in the heap.
+    ToHeap,
+}
+
+/// What the cache knew of a block the heap said it lent.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reclaim {
+    /// Handed out: taken back, with its user's request.
+    Lent(u64),
+    /// Kept: the user already freed it.
+    Kept,
+    Missing,
+}
+
+#[derive(Debug)]
+pub struct ThreadCache {
+    pub id: u64,
+    pub device: i32,
+    /// Its thread has exited: drain it and let it go.
+    pub orphan: bool,
+    kept: Vec<Kept>,
+    lent: HashMap<u64, Lent>,
+    kept_bytes: u64,
+    /// Sum of kept blocks' recorded requests.
+    kept_recorded: u64,
+    /// Sum over lent blocks of (requested - recorded).
+    lent_delta: i64,
+    hits: u64,
+}
+
+impl ThreadCache {
+    pub fn new(id: u64, device: i32) -> Self {
+        ThreadCache {
+            id,
+            device,
+            orphan: false,
+            kept: Vec::new(),
+            lent: HashMap::new(),
+            kept_bytes: 0,
+            kept_recorded: 0,
+            lent_delta: 0,
+            hits: 0,
+        }
+    }
+
+    /// The newest kept block for `key`, handed out for `requested` bytes.
+    pub fn take(&mut self, key: Key, requested: u64) -> Option<u64> {
+        let i = self.kept.iter().rposition(|k| k.key == key)?;
+        let k = self.kept.swap_remove(i);
+        self.kept_bytes -= k.size;
+        self.kept_recorded -= k.recorded;
+        self.lent_delta += requested as i64 - k.recorded as i64;
+        self.hits += 1;
+        self.lent.insert(
+            k.ptr,
+            Lent {
+                key,
+                size: k.size,
+                recorded: k.recorded,
+                requested,
+            },
+        );
+        Some(k.ptr)
+    }
+
+    /// Records a block the heap just lent this cache for its first user.
+    pub fn lend(&mut self, ptr: u64, key: Key, size: u64, recorded: u64) {
+        self.lent.insert(
+            ptr,
+            Lent {
+                key,
+                size,
+                recorded,
+                requested: recorded,
+            },
+        );
+    }
+
+    /// A free of `ptr` (`size` bytes, on `stream`) by this cache's thread.
+    pub fn keep(&mut self, ptr: u64, size: u64, stream: Stream, allowed: bool) -> Keep {
+        let Some(l) = self.lent.get(&ptr) else {
+            return Keep::ToHeap;
+        };
+        if !allowed
+            || l.requested != size
+            || l.key.1 != stream
+            || self.kept.len() >= KEEP_BLOCKS
+            || self.kept_bytes + l.size > KEEP_BYTES
+        {
+            return Keep::ToHeap;
+        }
+        let l = self.lent.remove(&ptr).expect("checked above");
+        self.lent_delta -= l.requested as i64 - l.recorded as i64;
+        self.kept_bytes += l.size;
+        self.kept_recorded += l.recorded;
+        self.kept.push(Kept {
+            key: l.key,
+            ptr,
+            size: l.size,
+            recorded: l.recorded,
+        });
+        Keep::Kept
+    }
+
+    /// Takes back a block the heap lent this cache (for a free or `record_stream` the heap
+    /// does itself).
+    pub fn reclaim(&mut self, ptr: u64) -> Reclaim {
+        if let Some(l) = self.lent.remove(&ptr) {
+            self.lent_delta -= l.requested as i64 - l.recorded as i64;
+            return Reclaim::Lent(l.requested);
+        }
+        if self.kept.iter().any(|k| k.ptr == ptr) {
+            Reclaim::Kept
+        } else {
+            Reclaim::Missing
+        }
+    }
+
+    /// Removes and returns the kept blocks `which` selects.
+    pub fn drain(&mut self, which: impl Fn(&Key) -> bool) -> Vec<Kept> {
+        let (out, stay): (Vec<Kept>, Vec<Kept>) = self.kept.drain(..).partition(|k| which(&k.key));
+        self.kept = stay;
+        for k in &out {
+            self.kept_bytes -= k.size;
+            self.kept_recorded -= k.recorded;
+        }
+        out
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.kept.is_empty() && self.lent.is_empty()
+    }
+
+    /// The heap's statistics, with this cache's kept blocks counted as free and its lent
+    /// blocks at their users' requests.
+    pub fn adjust(&self, s: &mut Stats) {
+        s.allocated_bytes -= self.kept_bytes;
+        s.active_blocks -= self.kept.len() as u64;
+        s.requested_bytes =
+            (s.requested_bytes as i64 - self.kept_recorded as i64 + self.lent_delta) as u64;
+        s.cache_hits += self.hits;
+    }
+
+    /// Every block this cache holds: (address, size, recorded request).
+    pub fn blocks(&self) -> Vec<(u64, u64, u64)> {
+        self.kept
+            .iter()
+            .map(|k| (k.ptr, k.size, k.recorded))
+            .chain(self.lent.iter().map(|(&p, l)| (p, l.size, l.recorded)))
+            .collect()
+    }
+
+    /// The cache's own invariants (the counters equal their sums, the caps hold).
+    pub fn validate(&self) -> Result<(), String> {
+        let bytes: u64 = self.kept.iter().map(|k| k.size).sum();
+        let rec: u64 = self.kept.iter().map(|k| k.recorded).sum();
+        let delta: i64 = self
+            .lent
+            .values()
+            .map(|l| l.requested as i64 - l.recorded as i64)
+            .sum();
+        if (bytes, rec, delta) != (self.kept_bytes, self.kept_recorded, self.lent_delta) {
+            return Err(format!(
+                "thread cache {}: counters ({}, {}, {}) disagree with its blocks ({bytes}, {rec}, {delta})",
+                self.id, self.kept_bytes, self.kept_recorded, self.lent_delta
+            ));
+        }
+        if self.kept.len() > KEEP_BLOCKS || bytes > KEEP_BYTES {
+            return Err(format!("thread cache {} keeps more than its caps", self.id));
+        }
+        if self.kept.iter().any(|k| self.lent.contains_key(&k.ptr)) {
+            return Err(format!(
+                "thread cache {}: a block is both kept and lent",
+                self.id
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::heap::pools::DEFAULT_POOL;
+
+    #[test]
+    fn a_block_is_kept_only_for_its_size_stream_and_user() {
+        let mut c = ThreadCache::new(1, 0);
+        let key = (DEFAULT_POOL, 7, 1024);
+        c.lend(0x1000, key, 1024, 1000);
+        assert_eq!(c.keep(0x1000, 999, 7, true), Keep::ToHeap, "wrong size");
+        assert_eq!(
+            c.keep(0x1000, 1000, 8, true),
+            Keep::ToHeap,
+            "another stream"
+        );
+        assert_eq!(
+            c.keep(0x1000, 1000, 7, false),
+            Keep::ToHeap,
+            "a pool is being released"
+        );
+        assert_eq!(c.keep(0x2000, 1000, 7, true), Keep::ToHeap, "not lent here");
+        assert_eq!(c.keep(0x1000, 1000, 7, true), Keep::Kept);
+        assert_eq!(c.reclaim(0x1000), Reclaim::Kept, "a second free");
+        assert_eq!(
+            c.take((DEFAULT_POOL, 8, 1024), 1000),
+            None,
+            "another stream"
+        );
+        assert_eq!(c.take(key, 900), Some(0x1000));
+        let mut s = Stats {
+            allocated_bytes: 1024,
+            requested_bytes: 1000,
+            active_blocks: 1,
+            ..Stats::default()
+        };
+        c.adjust(&mut s);
+        assert_eq!(
+            (s.allocated_bytes, s.requested_bytes, s.cache_hits),
+            (1024, 900, 1)
+        );
+        assert_eq!(c.reclaim(0x1000), Reclaim::Lent(900));
+        assert!(c.is_empty());
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn the_caps_hold_and_drains_select() {
+        let mut c = ThreadCache::new(1, 0);
+        for i in 0..KEEP_BLOCKS as u64 + 2 {
+            let key = (DEFAULT_POOL, i % 2, 512);
+            c.lend(0x1000 * (i + 1), key, 512, 512);
+            let kept = c.keep(0x1000 * (i + 1), 512, i % 2, true);
+            assert_eq!(kept == Keep::Kept, (i as usize) < KEEP_BLOCKS, "block {i}");
+        }
+        let mut s = Stats {
+            allocated_bytes: 512 * (KEEP_BLOCKS as u64 + 2),
+            requested_bytes: 512 * (KEEP_BLOCKS as u64 + 2),
+            active_blocks: KEEP_BLOCKS as u64 + 2,
+            ..Stats::default()
+        };
+        c.adjust(&mut s);
+        assert_eq!(
+            (s.allocated_bytes, s.active_blocks),
+            (1024, 2),
+            "two still lent"
+        );
+        let odd = c.drain(|k| k.1 == 1);
+        assert_eq!(odd.len(), KEEP_BLOCKS / 2);
+        c.validate().unwrap();
+        let big = (DEFAULT_POOL, 0, KEEP_BYTES);
+        c.lend(0x9_0000_0000, big, KEEP_BYTES, KEEP_BYTES);
+        assert_eq!(
+            c.keep(0x9_0000_0000, KEEP_BYTES, 0, true),
+            Keep::ToHeap,
+            "bytes cap"
+        );
+    }
+}
