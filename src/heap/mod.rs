@@ -176,6 +176,26 @@ impl Allocator {
         device: i32,
         which: impl Fn(&tcache::Key) -> bool,
     ) -> Result<()> {
+        self.drain_where(heap, device, |_| true, which)
+    }
+
+    /// As `drain_caches`, for the caches `whose` selects, all their kept blocks.
+    fn drain_caches_of(
+        &self,
+        heap: &mut DeviceHeap,
+        device: i32,
+        whose: impl Fn(&ThreadCache) -> bool,
+    ) -> Result<()> {
+        self.drain_where(heap, device, whose, |_| true)
+    }
+
+    fn drain_where(
+        &self,
+        heap: &mut DeviceHeap,
+        device: i32,
+        whose: impl Fn(&ThreadCache) -> bool,
+        which: impl Fn(&tcache::Key) -> bool,
+    ) -> Result<()> {
         if !self.thread_caches {
             return Ok(());
         }
@@ -183,7 +203,7 @@ impl Allocator {
         let mut back = Vec::new();
         reg.retain(|_, c| {
             let mut c = c.lock();
-            if c.device == device {
+            if c.device == device && whose(&c) {
                 back.extend(c.drain(&which));
             }
             !(c.orphan && c.is_empty())
@@ -286,14 +306,23 @@ impl Allocator {
             }
         }
         let be = self.backend.as_ref();
-        // Memory grows only once the blocks threads keep could not serve the request either
-        // (so the caches never make the heap larger than it would be without them).
+        // Before the heap grows, this thread's kept blocks (and those of exited threads) go back
+        // to it; other threads' only when growing fails. Taking every thread's blocks at each
+        // growth made them all miss next, and their misses grow the heap in turn.
         let r = match heap.malloc_without_growing(be, size, stream, pool) {
             Ok(Some(p)) => Ok(p),
-            Ok(None) => self
+            Ok(None) => {
+                let mine = self.with_cache(device, |c| c.id);
+                self.drain_caches_of(&mut heap, device, |c| Some(c.id) == mine || c.orphan)
+                    .and_then(|()| heap.malloc(be, size, stream, pool))
+            }
+            Err(e) => Err(e),
+        };
+        let r = match r {
+            Err(e) if e.status == crate::error::Status::ErrOutOfMemory => self
                 .drain_caches(&mut heap, device, |_| true)
                 .and_then(|()| heap.malloc(be, size, stream, pool)),
-            Err(e) => Err(e),
+            r => r,
         };
         let r = r.and_then(|p| {
             if self.thread_caches {
