@@ -267,3 +267,32 @@ fn gpu_graph_replay_experiment() {
         );
     }
 }
+
+/// `symm_empty_cache` gives a freed block's segment back only after the work queued on it has
+/// finished: `cuMemUnmap` and `cuMemRelease` do not wait, so without the wait the kernels below
+/// would read unmapped memory (an illegal-address fault at the stream sync).
+#[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
+fn gpu_empty_cache_waits_for_queued_work() {
+    gpus("gpu_empty_cache_waits_for_queued_work");
+    let n = 1 << 24; // 64 MiB of f32: a segment of its own
+    let s1 = util::stream_create(0).unwrap();
+    let x = symm_malloc(n * 4, 0, s1 as _) as u64;
+    let y = symm_malloc(n * 4, 0, s1 as _) as u64;
+    util::htod(0, x, f32s(&vec![1.0; n])).unwrap();
+    util::htod(0, y, f32s(&vec![0.0; n])).unwrap();
+    for _ in 0..50 {
+        util::saxpy(0, s1, 1.0, x, y, n as u64).unwrap(); // milliseconds of reads of x
+    }
+    let released = stats(0).physical_releases;
+    symm_free(x as _, n * 4, 0, s1 as _);
+    symm_empty_cache();
+    assert!(
+        stats(0).physical_releases > released,
+        "x's segment went back"
+    );
+    util::stream_sync(0, s1).unwrap();
+    let out = read_f32(0, y, n);
+    assert!(out.iter().all(|&v| v == 50.0), "y = {}", out[0]);
+    symm_free(y as _, n * 4, 0, s1 as _);
+}

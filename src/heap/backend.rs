@@ -4,7 +4,9 @@
 //! Contract: `reserve` returns address space that nothing else uses; `create` returns physical
 //! memory that `map` places at any granularity-aligned address of a reservation (and that stays
 //! alive while mapped or exported); `export` gives a file descriptor another process can
-//! `import`; `order` makes `waiter` wait for the work submitted to `on` so far, never by polling.
+//! `import`; `order` makes `waiter` wait for the work submitted to `on` so far, never by polling;
+//! `synchronize` waits for all work submitted to the device (`unmap` and `release` do not: the
+//! heap calls it before giving memory back, as PyTorch does before `cuMemUnmap`).
 
 use crate::error::Result;
 use std::os::fd::OwnedFd;
@@ -38,4 +40,6 @@ pub trait Backend: Send + Sync {
     fn free_bytes(&self, device: i32) -> Option<u64>;
     fn order(&self, device: i32, waiter: Stream, on: Stream) -> Result<()>;
     fn is_capturing(&self, device: i32, stream: Stream) -> Result<bool>;
+    /// Waits for all work submitted to the device; fails while a stream capture is under way.
+    fn synchronize(&self, device: i32) -> Result<()>;
 }

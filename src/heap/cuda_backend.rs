@@ -96,4 +96,7 @@ impl Backend for CudaBackend {
     fn is_capturing(&self, device: i32, stream: Stream) -> Result<bool> {
         cuda::driver::is_capturing(device, stream)
     }
+    fn synchronize(&self, device: i32) -> Result<()> {
+        crate::cuda::util::device_sync(device)
+    }
 }

@@ -49,7 +49,19 @@ impl DeviceHeap {
         }
     }
 
+    /// Gives the segment's memory back, after the device's work has finished (its free blocks
+    /// may still be in use by work queued on their streams; `cuMemUnmap` and `cuMemRelease` do
+    /// not wait for it). While a capture makes that wait impossible, the segment stays cached
+    /// and goes at a later `empty_cache`.
     pub(super) fn release_segment(&mut self, backend: &dyn Backend, seg: u64) -> Result<()> {
+        if let Err(e) = backend.synchronize(self.device) {
+            crate::info!(
+                "device {}: segment {seg:#x} kept: cannot wait for the device's work ({})",
+                self.device,
+                e.message
+            );
+            return Ok(());
+        }
         let s = &self.segments[&seg];
         debug_assert_eq!(s.live, 0);
         let (len, pool) = (s.size, s.pool);
