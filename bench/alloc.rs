@@ -263,11 +263,14 @@ fn trace_replay(a: &heap::Allocator) {
         let op = a.malloc_in(opt, dev, s, pools::DEFAULT_POOL).unwrap();
         a.free(op, opt, dev, s).unwrap();
     }
+    let st = a.stats(dev).unwrap();
     println!(
-        "\ntrace replay (8 layers, 5 steps): peak allocated {:.2} GiB, peak reserved {:.2} GiB, reserved/allocated at peak {:.3}",
+        "\ntrace replay (8 layers, 5 steps): peak allocated {:.2} GiB, peak reserved {:.2} GiB, reserved/allocated at peak {:.3}; segments created {}, released {}",
         peak_alloc as f64 / (1u64 << 30) as f64,
         peak_res as f64 / (1u64 << 30) as f64,
-        peak_ratio
+        peak_ratio,
+        st.physical_creates,
+        st.physical_releases
     );
     for (p, sz) in live {
         a.free(p, sz, dev, s).unwrap();

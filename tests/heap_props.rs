@@ -463,3 +463,41 @@ fn thread_caches_keep_blocks_for_their_thread_and_give_them_back() {
     a.validate(0).unwrap();
     assert_eq!(a.stats(0).unwrap().reserved_bytes, 0);
 }
+
+/// Before the heap grows, idle segments too small for the request go back while reserved
+/// memory would otherwise exceed 1.05x what is allocated (device_heap/release.rs): varying
+/// large sizes no longer leave them idle for good. Segments that could still serve stay.
+#[test]
+fn growing_gives_back_idle_segments_too_small_for_the_request() {
+    let a = allocator();
+    let (dp, s) = (pools::DEFAULT_POOL, 0x1000);
+    const MIB: u64 = 1 << 20;
+    let live = a.malloc_in(100 * MIB, 0, s, dp).unwrap();
+    let x = a.malloc_in(20 * MIB, 0, s, dp).unwrap();
+    let y = a.malloc_in(24 * MIB, 0, s, dp).unwrap();
+    a.free(x, 20 * MIB, 0, s).unwrap();
+    a.free(y, 24 * MIB, 0, s).unwrap();
+    let before = a.stats(0).unwrap();
+    assert_eq!(before.reserved_bytes, 144 * MIB);
+    // 30 MiB fits neither: growing to 174 MiB reserved for 130 allocated would pass 1.05x, so
+    // the 24 MiB and then the 20 MiB segment go back first.
+    let z = a.malloc_in(30 * MIB, 0, s, dp).unwrap();
+    let after = a.stats(0).unwrap();
+    assert_eq!(after.physical_releases, before.physical_releases + 2);
+    assert_eq!(after.reserved_bytes, 130 * MIB);
+    a.validate(0).unwrap();
+    // A smaller request is served by what is cached: nothing is given back.
+    a.free(z, 30 * MIB, 0, s).unwrap();
+    let w = a.malloc_in(12 * MIB, 0, s, dp).unwrap();
+    let s2 = a.stats(0).unwrap();
+    assert_eq!(
+        (s2.physical_releases, s2.reserved_bytes),
+        (after.physical_releases, 130 * MIB)
+    );
+    for (p, n) in [(w, 12 * MIB), (live, 100 * MIB)] {
+        a.free(p, n, 0, s).unwrap();
+    }
+    a.empty_cache().unwrap();
+    a.validate(0).unwrap();
+    assert_eq!(a.stats(0).unwrap().reserved_bytes, 0);
+}

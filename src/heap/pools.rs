@@ -6,6 +6,16 @@
 
 use crate::error::{Error, Result};
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Pools open on any thread (PyTorch opens one around every graph capture): while any is, the
+/// heap never waits for the device on its own initiative (a wait could break a capture).
+static OPEN: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether any thread has a pool open.
+pub fn any_open() -> bool {
+    OPEN.load(Ordering::Relaxed) > 0
+}
 
 /// PyTorch's `MempoolId_t`: a pair of integers. (0, 0) is the default pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -28,7 +38,9 @@ pub fn begin(device: i32, pool: PoolId) -> Result<()> {
     }
     STACK
         .try_with(|s| s.borrow_mut().push((device, pool)))
-        .map_err(|_| Error::invalid("symm_begin_pool called while the thread is exiting"))
+        .map_err(|_| Error::invalid("symm_begin_pool called while the thread is exiting"))?;
+    OPEN.fetch_add(1, Ordering::Relaxed);
+    Ok(())
 }
 
 pub fn end(device: i32, pool: PoolId) -> Result<()> {
@@ -38,6 +50,7 @@ pub fn end(device: i32, pool: PoolId) -> Result<()> {
         match top {
             Some(i) if s[i].1 == pool => {
                 s.remove(i);
+                OPEN.fetch_sub(1, Ordering::Relaxed);
                 Ok(())
             }
             Some(i) => Err(Error::invalid(format!(

@@ -264,6 +264,7 @@ impl DeviceHeap {
             None if !grow => return Ok(None),
             None => {
                 self.stats.cache_misses += 1;
+                self.trim_before_growing(backend, pool, class, rounded, stream)?;
                 self.new_segment(backend, pool, class, rounded, size)?
             }
         };
