@@ -74,13 +74,21 @@ fn main() {
         drv.devices.len()
     );
     let a = heap::global().unwrap();
-    let streams: Vec<u64> = (0..8)
+    let streams: Vec<u64> = (0..32)
         .map(|_| cuda::util::stream_create(0).unwrap())
         .collect();
     let gran = cuda::vmm::granularity(0).unwrap() as u64;
     let mut rows = Vec::new();
+    // 32 threads too where the machine has the cores for them (one stream each).
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let counts: Vec<usize> = if cores >= 32 {
+        vec![1, 8, 32]
+    } else {
+        println!("32 threads: not run ({cores} cores here)");
+        vec![1, 8]
+    };
     for &size in &SIZES {
-        for threads in [1usize, 8] {
+        for &threads in &counts {
             let iters = if threads == 1 { 20_000 } else { 5_000 };
             let sym = measure(threads, iters, |t| {
                 let p = a
