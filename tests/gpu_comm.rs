@@ -833,3 +833,43 @@ fn gpu_released_segments_return_to_the_driver_on_every_rank() {
         "",
     ));
 }
+
+/// A rank's process uses its own GPU only: no primary context on any other GPU (each costs
+/// about 500 MiB of that GPU's memory; retaining every device's at start-up put one on every GPU
+/// for every rank, the 0.51 GiB per GPU of bench/ddp_memory.py).
+fn contexts_rank(c: Child) {
+    let comm = init(&c);
+    let stream = util::stream_create(c.rank).unwrap();
+    let p = symm_malloc(1 << 20, c.rank, stream as _);
+    let st = symm_all_reduce(comm, p, p, 1 << 18, SYMM_BF16, SYMM_SUM, stream as _);
+    assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
+    util::stream_sync(c.rank, stream).unwrap();
+    let drv = symmalloc::cuda::driver::driver().unwrap();
+    for d in 0..drv.devices.len() as i32 {
+        let active = drv.primary_context_active(d).unwrap();
+        assert_eq!(
+            active,
+            d == c.rank,
+            "rank {}: device {d}'s primary context active: {active}",
+            c.rank
+        );
+    }
+    symm_free(p, 1 << 20, c.rank, stream as _);
+    destroy(comm);
+    println!("rank {}: a context on its own GPU only", c.rank);
+}
+
+#[test]
+#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
+fn gpu_ranks_make_no_context_on_other_gpus() {
+    if let Some(c) = child() {
+        return contexts_rank(c);
+    }
+    let world = gpu_world("gpu_ranks_make_no_context_on_other_gpus");
+    assert_all_ok(&run_ranks(
+        "gpu_ranks_make_no_context_on_other_gpus",
+        world,
+        &[],
+        "",
+    ));
+}

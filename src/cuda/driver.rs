@@ -54,7 +54,27 @@ pub struct DeviceInfo {
     pub total_mem: u64,
     /// The driver's `CUdevice` for this ordinal.
     pub cu_device: sys::CUdevice,
-    ctx: usize,
+    /// The device's primary context, retained on first use (`context`), never before: a
+    /// retained primary context is a live context on that GPU (about 500 MiB of its memory), so
+    /// retaining every device's at start-up put one on each GPU for every rank's process.
+    ctx: std::sync::Arc<OnceLock<std::result::Result<usize, Error>>>,
+}
+
+impl DeviceInfo {
+    /// The device's primary context (retained for the process's life on first use).
+    pub fn context(&self) -> Result<usize> {
+        self.ctx
+            .get_or_init(|| {
+                let mut ctx: sys::CUcontext = std::ptr::null_mut();
+                // SAFETY: valid out-pointer; cu_device came from cuDeviceGet.
+                check(
+                    unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, self.cu_device) },
+                    "cuDevicePrimaryCtxRetain",
+                )
+                .map(|()| ctx as usize)
+            })
+            .clone()
+    }
 }
 
 static DRIVER: OnceLock<std::result::Result<Driver, Error>> = OnceLock::new();
@@ -129,12 +149,6 @@ fn query_device(ordinal: i32) -> Result<DeviceInfo> {
         unsafe { sys::cuDeviceTotalMem_v2(&mut total, dev) },
         "cuDeviceTotalMem",
     )?;
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: valid out-pointer; the primary context is retained for the process's life.
-    check(
-        unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
-        "cuDevicePrimaryCtxRetain",
-    )?;
     Ok(DeviceInfo {
         ordinal,
         name,
@@ -152,7 +166,7 @@ fn query_device(ordinal: i32) -> Result<DeviceInfo> {
         multicast: attr(dev, A::CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED)? != 0,
         total_mem: total as u64,
         cu_device: dev,
-        ctx: ctx as usize,
+        ctx: Default::default(),
     })
 }
 
@@ -188,6 +202,19 @@ impl Driver {
         )?;
         Ok(v != 0)
     }
+
+    /// Whether the device's primary context is active in this process (whoever retained it),
+    /// read without creating it.
+    pub fn primary_context_active(&self, device: i32) -> Result<bool> {
+        let dev = self.device(device)?.cu_device;
+        let (mut flags, mut active) = (0u32, 0i32);
+        // SAFETY: valid out-pointers; dev came from cuDeviceGet.
+        check(
+            unsafe { sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) },
+            "cuDevicePrimaryCtxGetState",
+        )?;
+        Ok(active != 0)
+    }
 }
 
 /// Pushes a device's primary context for the guard's lifetime.
@@ -195,10 +222,10 @@ pub struct CtxGuard(());
 
 impl CtxGuard {
     pub fn new(device: i32) -> Result<CtxGuard> {
-        let info = driver()?.device(device)?;
+        let ctx = driver()?.device(device)?.context()?;
         // SAFETY: ctx is the retained primary context of this device.
         check(
-            unsafe { sys::cuCtxPushCurrent_v2(info.ctx as sys::CUcontext) },
+            unsafe { sys::cuCtxPushCurrent_v2(ctx as sys::CUcontext) },
             "cuCtxPushCurrent",
         )?;
         Ok(CtxGuard(()))
