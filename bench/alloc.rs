@@ -30,7 +30,7 @@ fn measure(threads: usize, iters: usize, pair: impl Fn(usize) + Sync) -> (f64, f
             .map(|t| {
                 let (pair, start) = (&pair, &start);
                 s.spawn(move || {
-                    let _ctx = CtxGuard::new(0).unwrap();
+                    let _ctx = HOST_ONLY.get().is_none().then(|| CtxGuard::new(0).unwrap());
                     for _ in 0..iters / 10 {
                         pair(t);
                     }
@@ -55,7 +55,42 @@ fn check(r: sys::CUresult, what: &str) {
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{what}");
 }
 
+/// Set by `--pairs-only`: the symmalloc pair column alone, on whichever backend
+/// `SYMMALLOC_BACKEND` names (no CUDA call of the benchmark's own).
+static HOST_ONLY: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+
 fn main() {
+    if std::env::args().any(|a| a == "--pairs-only") {
+        HOST_ONLY.set(()).unwrap();
+        let a = heap::global().unwrap();
+        println!(
+            "symmalloc cached malloc+free pair, us p50 / p99, {} backend",
+            a.backend().name()
+        );
+        for &size in &SIZES {
+            for threads in [1usize, 8] {
+                let iters = if threads == 1 { 20_000 } else { 5_000 };
+                let (p50, p99) = measure(threads, iters, |t| {
+                    let p = a
+                        .malloc_in(size, 0, 0x1000 * (t as u64 + 1), pools::DEFAULT_POOL)
+                        .unwrap();
+                    a.free(p, size, 0, 0x1000 * (t as u64 + 1)).unwrap();
+                });
+                println!("{size:>10} {threads:>2} | {p50:.3} / {p99:.3}");
+            }
+            // One thread, a million pairs under one clock read: the mean without the timer's grain.
+            let t0 = Instant::now();
+            for _ in 0..1_000_000 {
+                let p = a.malloc_in(size, 0, 0x1000, pools::DEFAULT_POOL).unwrap();
+                a.free(p, size, 0, 0x1000).unwrap();
+            }
+            println!(
+                "{size:>10}  1 | mean {:.1} ns",
+                t0.elapsed().as_nanos() as f64 / 1e6
+            );
+        }
+        return;
+    }
     if std::env::args().any(|a| a == "--trace-only") {
         // The trace replay alone, on whichever backend SYMMALLOC_BACKEND names (host works
         // without a GPU: placement is the same, only the memory differs).
