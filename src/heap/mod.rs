@@ -291,19 +291,15 @@ impl Allocator {
             return Ok(p);
         }
         let mut heap = self.heap(device)?;
+        let mine = self.with_cache(device, |c| c.id); // this thread's cache, if caches are on
+        let is_mine = |c: &ThreadCache| Some(c.id) == mine;
         if device_heap::class_of(key.2) == device_heap::Class::Large {
             // As the heap does with its parked blocks: large sizes vary, so best fit gets
             // this thread's kept large blocks of the pool rather than fresh memory.
             let large = |k: &tcache::Key| {
                 k.0 == pool && device_heap::class_of(k.2) == device_heap::Class::Large
             };
-            for k in self
-                .with_cache(device, |c| c.drain(large))
-                .unwrap_or_default()
-            {
-                heap.untrack(k.ptr, k.recorded)?;
-                heap.free(self.backend.as_ref(), k.ptr, k.recorded, k.key.1)?;
-            }
+            self.drain_where(&mut heap, device, is_mine, large)?;
         }
         let be = self.backend.as_ref();
         // Before the heap grows, this thread's kept blocks (and those of exited threads) go back
@@ -311,11 +307,9 @@ impl Allocator {
         // growth made them all miss next, and their misses grow the heap in turn.
         let r = match heap.malloc_without_growing(be, size, stream, pool) {
             Ok(Some(p)) => Ok(p),
-            Ok(None) => {
-                let mine = self.with_cache(device, |c| c.id);
-                self.drain_caches_of(&mut heap, device, |c| Some(c.id) == mine || c.orphan)
-                    .and_then(|()| heap.malloc(be, size, stream, pool))
-            }
+            Ok(None) => self
+                .drain_caches_of(&mut heap, device, |c| is_mine(c) || c.orphan)
+                .and_then(|()| heap.malloc(be, size, stream, pool)),
             Err(e) => Err(e),
         };
         let r = match r {
@@ -325,12 +319,9 @@ impl Allocator {
             r => r,
         };
         let r = r.and_then(|p| {
-            if self.thread_caches {
-                let id = self.with_cache(device, |c| c.id);
-                if let Some(id) = id {
-                    let bsize = heap.track(p, id)?;
-                    self.with_cache(device, |c| c.lend(p, key, bsize, size));
-                }
+            if let Some(id) = mine {
+                let bsize = heap.track(p, id)?;
+                self.with_cache(device, |c| c.lend(p, key, bsize, size));
             }
             Ok(p)
         });
