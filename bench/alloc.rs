@@ -51,6 +51,19 @@ fn measure(threads: usize, iters: usize, pair: impl Fn(usize) + Sync) -> (f64, f
     (pct(&mut v, 0.5), pct(&mut v, 0.99))
 }
 
+/// The host CPU's model name (Linux), for the table's header: pair costs follow the CPU.
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
 fn check(r: sys::CUresult, what: &str) {
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{what}");
 }
@@ -67,22 +80,41 @@ fn main() {
             "symmalloc cached malloc+free pair, us p50 / p99, {} backend",
             a.backend().name()
         );
+        // The host backend takes any stream value. The CUDA backend hands streams to the driver
+        // (capture checks, waits before a release), so it gets real ones: a made-up handle
+        // there is undefined behaviour in the driver (it crashed at the first heap growth).
+        let streams: Vec<u64> = if a.backend().name() == "cuda" {
+            let _ctx = CtxGuard::new(0).unwrap();
+            (0..8)
+                .map(|_| cuda::util::stream_create(0).unwrap())
+                .collect()
+        } else {
+            (1..=8).map(|t| 0x1000 * t).collect()
+        };
+        // What one clock-read pair adds to every per-pair figure below.
+        let (clock50, clock99) = measure(1, 20_000, |_| {});
+        println!(
+            "host CPU: {}; a clock read pair alone: {clock50:.3} / {clock99:.3}",
+            cpu_model()
+        );
         for &size in &SIZES {
             for threads in [1usize, 8] {
                 let iters = if threads == 1 { 20_000 } else { 5_000 };
                 let (p50, p99) = measure(threads, iters, |t| {
                     let p = a
-                        .malloc_in(size, 0, 0x1000 * (t as u64 + 1), pools::DEFAULT_POOL)
+                        .malloc_in(size, 0, streams[t], pools::DEFAULT_POOL)
                         .unwrap();
-                    a.free(p, size, 0, 0x1000 * (t as u64 + 1)).unwrap();
+                    a.free(p, size, 0, streams[t]).unwrap();
                 });
                 println!("{size:>10} {threads:>2} | {p50:.3} / {p99:.3}");
             }
             // One thread, a million pairs under one clock read: the mean without the timer's grain.
             let t0 = Instant::now();
             for _ in 0..1_000_000 {
-                let p = a.malloc_in(size, 0, 0x1000, pools::DEFAULT_POOL).unwrap();
-                a.free(p, size, 0, 0x1000).unwrap();
+                let p = a
+                    .malloc_in(size, 0, streams[0], pools::DEFAULT_POOL)
+                    .unwrap();
+                a.free(p, size, 0, streams[0]).unwrap();
             }
             println!(
                 "{size:>10}  1 | mean {:.1} ns",
@@ -168,7 +200,11 @@ fn main() {
     if let Err(why) = &torch {
         println!("torch column: not measured: {why}");
     }
-    println!("\nmalloc+free pair latency, us (p50 / p99), per thread");
+    let (clock50, clock99) = measure(1, 20_000, |_| {});
+    println!(
+        "\nmalloc+free pair latency, us (p50 / p99), per thread; host CPU: {}; a clock read pair alone: {clock50:.3} / {clock99:.3}",
+        cpu_model()
+    );
     println!(
         "{:>8} {:>3} | {:>17} | {:>17} | {:>17} | {:>17} | {:>17} | create/symm p50",
         "size",
