@@ -219,6 +219,9 @@ def main():
     ap.add_argument("--tokens", default="1,6,8,32,128,138,512,2048")
     ap.add_argument("--step-tokens", default="1,8,64")
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--world", type=int, default=0,
+                    help="ranks (default: every GPU, at most 8, at least 2); --world 1 times the "
+                    "kernels' local work alone on one GPU (no NVLink traffic)")
     a = ap.parse_args()
     a.hidden = [int(v) for v in a.hidden.split(",") if v]
     a.tokens = [int(v) for v in a.tokens.split(",") if v]
@@ -229,9 +232,10 @@ def main():
         for k, v in [("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")]:
             os.environ[k] = v  # multicast stays off
         os.environ.pop("SYMMALLOC_ENABLE_MULTICAST", None)
-        world = min(torch.cuda.device_count(), 8)
-        if world < 2:
-            sys.exit(f"needs >= 2 GPUs, found {world}")
+        gpus = torch.cuda.device_count()
+        world = a.world or min(gpus, 8)
+        if world > gpus or (world < 2 and not a.world):
+            sys.exit(f"needs {'>= 2' if not a.world else world} GPUs, found {gpus}")
         mp.spawn(worker, args=(world, 29581, a, path), nprocs=world)
     table(path)
 
