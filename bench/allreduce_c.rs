@@ -62,8 +62,20 @@ fn main() {
         eprintln!("allreduce_c needs GPUs: {}", e.message);
         std::process::exit(1)
     });
-    let world = drv.devices.len().min(8);
-    if world < 2 {
+    // SYMM_BENCH_WORLD=N runs N ranks (N = 1 times the kernels' local work alone on one GPU,
+    // with no NVLink traffic: a tuning aid, not a collective's latency).
+    let gpus = drv.devices.len();
+    let world = match std::env::var("SYMM_BENCH_WORLD") {
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=gpus.min(8)).contains(&n) => n,
+            _ => {
+                eprintln!("SYMM_BENCH_WORLD={v:?}: expected 1..={} ranks", gpus.min(8));
+                std::process::exit(1)
+            }
+        },
+        Err(_) => gpus.min(8),
+    };
+    if world < 2 && std::env::var("SYMM_BENCH_WORLD").is_err() {
         eprintln!("allreduce_c needs 2 or more GPUs, found {world}");
         std::process::exit(1);
     }
