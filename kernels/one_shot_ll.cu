@@ -147,6 +147,12 @@ __device__ __forceinline__ bool ll_check_desc(const SymmArgs& a, uint32_t buf, u
 template <typename T, int OP, bool VEC>
 __device__ __forceinline__ void one_shot_ll_body(const SymmArgs& a) {
   constexpr int N = 16 / sizeof(T);
+  const uint64_t items = (a.count + N - 1) / N;
+  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  const uint64_t first = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  // The thread's first input vector does not depend on the call: in flight before the counter
+  // and abort-word loads, so the two latencies overlap; the pull reuses it.
+  const uint4 first_in = first < items ? ll_load_input<T, VEC>(a, first) : make_uint4(0, 0, 0, 0);
   uint32_t* counters = (uint32_t*)(ll_region(a, a.rank) + LL_COUNTERS_OFFSET);
   __shared__ uint32_t call, dead;
   if (threadIdx.x == 0) {  // both loads in flight before either store (see epoch_begin)
@@ -159,14 +165,11 @@ __device__ __forceinline__ void one_shot_ll_body(const SymmArgs& a) {
   if (dead) return;  // aborted: push nothing into the peers' buffers
   const uint32_t buf = call % LL_BUFFERS;
   const uint64_t start = globaltimer();
-  const uint64_t items = (a.count + N - 1) / N;
-  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
-  const uint64_t first = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
 
   // Push: this rank's input into its slot of every peer's buffer. Small grids of small blocks
   // spread a message over many SMs: one SM's stores to a peer are the bottleneck otherwise.
   for (uint64_t i = first; i < items; i += stride) {
-    uint4 v = ll_load_input<T, VEC>(a, i);
+    uint4 v = i == first ? first_in : ll_load_input<T, VEC>(a, i);
     ll_sanitize<T>(v);
 #pragma unroll
     for (int r = 0; r < SYMM_MAX_RANKS; ++r)
@@ -176,7 +179,7 @@ __device__ __forceinline__ void one_shot_ll_body(const SymmArgs& a) {
 
   // Pull: wait for every peer's item, reduce in rank order, reset the words read.
   for (uint64_t i = first; ok && i < items; i += stride) {
-    uint4 own = ll_load_input<T, VEC>(a, i);
+    uint4 own = i == first ? first_in : ll_load_input<T, VEC>(a, i);
     ll_sanitize<T>(own);
     float acc[N];
 #pragma unroll

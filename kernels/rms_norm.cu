@@ -103,10 +103,40 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
 #error "rms_norm.cu uses one_shot_ll.cu's LL protocol: build.rs includes kernels/*.cu in name order"
 #endif
 
+// Row t's own x, residual and weight vectors of this thread (nothing past the row's end or the
+// last row).
+__device__ __forceinline__ void load_row(const RmsArgs& f, const uint4* x, uint64_t t, uint64_t vecs,
+                                         uint64_t tokens, uint4 (&own)[SYMM_RMS_VECS],
+                                         uint4 (&res)[SYMM_RMS_VECS], uint4 (&wgt)[SYMM_RMS_VECS]) {
+#pragma unroll
+  for (int k = 0; k < SYMM_RMS_VECS; ++k) {
+    const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+    if (t < tokens && j < vecs) {
+      own[k] = x[t * vecs + j];
+      res[k] = ((const uint4*)f.residual)[t * vecs + j];
+      wgt[k] = ((const uint4*)f.weight)[j];
+    }
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   constexpr int N = 16 / sizeof(T);
   const SymmArgs& a = f.s;
+  const uint64_t items = a.count / N;  // hidden is a multiple of 8: whole vectors
+  const uint64_t vecs = f.hidden / N;
+  const uint64_t tokens = a.count / f.hidden;
+  const uint4* x = (const uint4*)a.in[a.rank];
+  const uint64_t tp = f.push_threads;
+  // This rank's own loads do not depend on the call: the first pushed vector and the first
+  // row's x, residual and weight are in flight before the counter and abort-word loads, so the
+  // two latencies overlap instead of adding up.
+  const uint64_t p0 = (uint64_t)blockIdx.x * tp + threadIdx.x;
+  uint4 pv = make_uint4(0, 0, 0, 0);
+  if (threadIdx.x < tp && p0 < items) pv = x[p0];
+  uint4 own[SYMM_RMS_VECS], res[SYMM_RMS_VECS], wgt[SYMM_RMS_VECS];
+  load_row(f, x, blockIdx.x, vecs, tokens, own, res, wgt);
+
   uint32_t* counters = (uint32_t*)(ll_region(a, a.rank) + LL_COUNTERS_OFFSET);
   __shared__ uint32_t call, dead;
   if (threadIdx.x == 0) {  // both loads in flight before either store (see epoch_begin)
@@ -119,12 +149,9 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   if (dead) return;  // aborted: push nothing into the peers' buffers
   const uint32_t buf = call % LL_BUFFERS;
   const uint64_t start = globaltimer();
-  const uint64_t items = a.count / N;  // hidden is a multiple of 8: whole vectors
-  const uint4* x = (const uint4*)a.in[a.rank];
-  const uint64_t tp = f.push_threads;
   for (uint64_t u = threadIdx.x; u < tp; u += blockDim.x) {
     for (uint64_t i = (uint64_t)blockIdx.x * tp + u; i < items; i += (uint64_t)gridDim.x * tp) {
-      uint4 v = x[i];
+      uint4 v = i == p0 ? pv : x[i];
       ll_sanitize<T>(v);
 #pragma unroll
       for (int r = 0; r < SYMM_MAX_RANKS; ++r)
@@ -133,23 +160,14 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   }
   bool ok = ll_check_desc(a, buf, start);
 
-  const uint64_t vecs = f.hidden / N;
-  const uint64_t tokens = a.count / f.hidden;
   for (uint64_t t = blockIdx.x; ok && t < tokens; t += gridDim.x) {
     float r[SYMM_RMS_VECS][N];
-    uint4 own[SYMM_RMS_VECS], res[SYMM_RMS_VECS], wgt[SYMM_RMS_VECS];
     float ss = 0.f;
     bool mine = true;  // this thread's waits all succeeded
+    if (t != blockIdx.x) load_row(f, x, t, vecs, tokens, own, res, wgt);
 #pragma unroll
-    for (int k = 0; k < SYMM_RMS_VECS; ++k) {  // local loads first: in flight during the polls
-      const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
-      if (j < vecs) {
-        own[k] = x[t * vecs + j];
-        res[k] = ((const uint4*)f.residual)[t * vecs + j];
-        wgt[k] = ((const uint4*)f.weight)[j];
-        ll_sanitize<T>(own[k]);
-      }
-    }
+    for (int k = 0; k < SYMM_RMS_VECS; ++k)
+      if (threadIdx.x + (uint64_t)k * blockDim.x < vecs) ll_sanitize<T>(own[k]);
     // Rank order (every rank adds the same values in the same order); per peer, every load of
     // the row is issued before any wait, so the polls overlap.
 #pragma unroll
