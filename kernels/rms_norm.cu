@@ -128,14 +128,13 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   const uint64_t tokens = a.count / f.hidden;
   const uint4* x = (const uint4*)a.in[a.rank];
   const uint64_t tp = f.push_threads;
-  // This rank's own loads do not depend on the call: the first pushed vector and the first
-  // row's x, residual and weight are in flight before the counter and abort-word loads, so the
-  // two latencies overlap instead of adding up.
+  // The first pushed vector does not depend on the call: in flight before the counter and
+  // abort-word loads, so the two latencies overlap (as in the LL all-reduce). The row's own
+  // loads are not hoisted as well: at 2 ranks that delayed the counter load behind them and
+  // cost 0.1-0.3 us (bench/NOTES.md); they are issued before the polls instead.
   const uint64_t p0 = (uint64_t)blockIdx.x * tp + threadIdx.x;
   uint4 pv = make_uint4(0, 0, 0, 0);
   if (threadIdx.x < tp && p0 < items) pv = x[p0];
-  uint4 own[SYMM_RMS_VECS], res[SYMM_RMS_VECS], wgt[SYMM_RMS_VECS];
-  load_row(f, x, blockIdx.x, vecs, tokens, own, res, wgt);
 
   uint32_t* counters = (uint32_t*)(ll_region(a, a.rank) + LL_COUNTERS_OFFSET);
   __shared__ uint32_t call, dead;
@@ -164,7 +163,8 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
     float r[SYMM_RMS_VECS][N];
     float ss = 0.f;
     bool mine = true;  // this thread's waits all succeeded
-    if (t != blockIdx.x) load_row(f, x, t, vecs, tokens, own, res, wgt);
+    uint4 own[SYMM_RMS_VECS], res[SYMM_RMS_VECS], wgt[SYMM_RMS_VECS];
+    load_row(f, x, t, vecs, tokens, own, res, wgt);  // in flight during the polls
 #pragma unroll
     for (int k = 0; k < SYMM_RMS_VECS; ++k)
       if (threadIdx.x + (uint64_t)k * blockDim.x < vecs) ll_sanitize<T>(own[k]);
