@@ -163,6 +163,13 @@ fn main() {
                     .unwrap();
                 a.free(p, size, 0, streams[t]).unwrap();
             });
+            // Every thread on one stream (a stream shared by the threads of a server).
+            let shared = measure(threads, iters, |_| {
+                let p = a
+                    .malloc_in(size, 0, streams[0], pools::DEFAULT_POOL)
+                    .unwrap();
+                a.free(p, size, 0, streams[0]).unwrap();
+            });
             let raw_iters = if size >= (8 << 20) { 200 } else { 1000 };
             let alloc = measure(threads, raw_iters, |_| {
                 let mut p = 0;
@@ -193,7 +200,7 @@ fn main() {
                 cuda::vmm::unreserve(0, va, len).unwrap();
                 cuda::vmm::release(h).unwrap();
             });
-            rows.push((size, threads, sym, alloc, asyncp, create));
+            rows.push((size, threads, sym, shared, alloc, asyncp, create));
         }
     }
     let torch = torch_rows();
@@ -206,16 +213,17 @@ fn main() {
         cpu_model()
     );
     println!(
-        "{:>8} {:>3} | {:>17} | {:>17} | {:>17} | {:>17} | {:>17} | create/symm p50",
+        "{:>8} {:>3} | {:>17} | {:>17} | {:>17} | {:>17} | {:>17} | {:>17} | create/symm p50",
         "size",
         "thr",
         "symmalloc cached",
+        "symm shared strm",
         "cuMemAlloc",
         "cuMemAllocAsync",
         "cuMemCreate+map",
         "torch.empty+del"
     );
-    for (size, th, s, a1, a2, c) in &rows {
+    for (size, th, s, sh, a1, a2, c) in &rows {
         let t = match torch.as_ref().ok().and_then(|m| m.get(&(*size, *th))) {
             Some((p50, p99)) => format!("{p50:>7.2} / {p99:>7.2}"),
             None => "-".to_string(),
@@ -228,8 +236,8 @@ fn main() {
             format!("{size} B")
         };
         println!(
-            "{label:>8} {th:>3} | {:>7.3} / {:>7.3} | {:>7.2} / {:>7.2} | {:>7.3} / {:>7.3} | {:>7.1} / {:>7.1} | {t:>17} | {:>8.0}x",
-            s.0, s.1, a1.0, a1.1, a2.0, a2.1, c.0, c.1, c.0 / s.0
+            "{label:>8} {th:>3} | {:>7.3} / {:>7.3} | {:>7.3} / {:>7.3} | {:>7.2} / {:>7.2} | {:>7.3} / {:>7.3} | {:>7.1} / {:>7.1} | {t:>17} | {:>8.0}x",
+            s.0, s.1, sh.0, sh.1, a1.0, a1.1, a2.0, a2.1, c.0, c.1, c.0 / s.0
         );
     }
     trace_replay(a);
