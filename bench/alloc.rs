@@ -51,6 +51,12 @@ fn measure(threads: usize, iters: usize, pair: impl Fn(usize) + Sync) -> (f64, f
     (pct(&mut v, 0.5), pct(&mut v, 0.99))
 }
 
+/// One cached malloc+free pair of `size` bytes on `stream`, device 0, the default pool.
+fn pair(a: &heap::Allocator, size: u64, stream: u64) {
+    let p = a.malloc_in(size, 0, stream, pools::DEFAULT_POOL).unwrap();
+    a.free(p, size, 0, stream).unwrap();
+}
+
 /// The host CPU's model name (Linux), for the table's header: pair costs follow the CPU.
 fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
@@ -100,21 +106,13 @@ fn main() {
         for &size in &SIZES {
             for threads in [1usize, 8] {
                 let iters = if threads == 1 { 20_000 } else { 5_000 };
-                let (p50, p99) = measure(threads, iters, |t| {
-                    let p = a
-                        .malloc_in(size, 0, streams[t], pools::DEFAULT_POOL)
-                        .unwrap();
-                    a.free(p, size, 0, streams[t]).unwrap();
-                });
+                let (p50, p99) = measure(threads, iters, |t| pair(a, size, streams[t]));
                 println!("{size:>10} {threads:>2} | {p50:.3} / {p99:.3}");
             }
             // One thread, a million pairs under one clock read: the mean without the timer's grain.
             let t0 = Instant::now();
             for _ in 0..1_000_000 {
-                let p = a
-                    .malloc_in(size, 0, streams[0], pools::DEFAULT_POOL)
-                    .unwrap();
-                a.free(p, size, 0, streams[0]).unwrap();
+                pair(a, size, streams[0]);
             }
             println!(
                 "{size:>10}  1 | mean {:.1} ns",
@@ -157,19 +155,9 @@ fn main() {
     for &size in &SIZES {
         for &threads in &counts {
             let iters = if threads == 1 { 20_000 } else { 5_000 };
-            let sym = measure(threads, iters, |t| {
-                let p = a
-                    .malloc_in(size, 0, streams[t], pools::DEFAULT_POOL)
-                    .unwrap();
-                a.free(p, size, 0, streams[t]).unwrap();
-            });
+            let sym = measure(threads, iters, |t| pair(a, size, streams[t]));
             // Every thread on one stream (a stream shared by the threads of a server).
-            let shared = measure(threads, iters, |_| {
-                let p = a
-                    .malloc_in(size, 0, streams[0], pools::DEFAULT_POOL)
-                    .unwrap();
-                a.free(p, size, 0, streams[0]).unwrap();
-            });
+            let shared = measure(threads, iters, |_| pair(a, size, streams[0]));
             let raw_iters = if size >= (8 << 20) { 200 } else { 1000 };
             let alloc = measure(threads, raw_iters, |_| {
                 let mut p = 0;

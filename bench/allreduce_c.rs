@@ -64,21 +64,21 @@ fn main() {
     });
     // SYMM_BENCH_WORLD=N runs N ranks (N = 1 times the kernels' local work alone on one GPU,
     // with no NVLink traffic: a tuning aid, not a collective's latency).
-    let gpus = drv.devices.len();
+    let gpus = drv.devices.len().min(8);
     let world = match std::env::var("SYMM_BENCH_WORLD") {
         Ok(v) => match v.parse::<usize>() {
-            Ok(n) if (1..=gpus.min(8)).contains(&n) => n,
+            Ok(n) if (1..=gpus).contains(&n) => n,
             _ => {
-                eprintln!("SYMM_BENCH_WORLD={v:?}: expected 1..={} ranks", gpus.min(8));
+                eprintln!("SYMM_BENCH_WORLD={v:?}: expected 1..={gpus} ranks");
                 std::process::exit(1)
             }
         },
-        Err(_) => gpus.min(8),
+        Err(_) if gpus < 2 => {
+            eprintln!("allreduce_c needs 2 or more GPUs, found {gpus}");
+            std::process::exit(1)
+        }
+        Err(_) => gpus,
     };
-    if world < 2 && std::env::var("SYMM_BENCH_WORLD").is_err() {
-        eprintln!("allreduce_c needs 2 or more GPUs, found {world}");
-        std::process::exit(1);
-    }
     let mut id = symm_unique_id_t { internal: [0; 128] };
     ok(ffi::symm_get_unique_id(&mut id), "symm_get_unique_id");
     let hex: String = id

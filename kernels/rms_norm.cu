@@ -103,15 +103,14 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
 #error "rms_norm.cu uses one_shot_ll.cu's LL protocol: build.rs includes kernels/*.cu in name order"
 #endif
 
-// Row t's own x, residual and weight vectors of this thread (nothing past the row's end or the
-// last row).
+// Row t's own x, residual and weight vectors of this thread (nothing past the row's end).
 __device__ __forceinline__ void load_row(const RmsArgs& f, const uint4* x, uint64_t t, uint64_t vecs,
-                                         uint64_t tokens, uint4 (&own)[SYMM_RMS_VECS],
-                                         uint4 (&res)[SYMM_RMS_VECS], uint4 (&wgt)[SYMM_RMS_VECS]) {
+                                         uint4 (&own)[SYMM_RMS_VECS], uint4 (&res)[SYMM_RMS_VECS],
+                                         uint4 (&wgt)[SYMM_RMS_VECS]) {
 #pragma unroll
   for (int k = 0; k < SYMM_RMS_VECS; ++k) {
     const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
-    if (t < tokens && j < vecs) {
+    if (j < vecs) {
       own[k] = x[t * vecs + j];
       res[k] = ((const uint4*)f.residual)[t * vecs + j];
       wgt[k] = ((const uint4*)f.weight)[j];
@@ -164,7 +163,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
     float ss = 0.f;
     bool mine = true;  // this thread's waits all succeeded
     uint4 own[SYMM_RMS_VECS], res[SYMM_RMS_VECS], wgt[SYMM_RMS_VECS];
-    load_row(f, x, t, vecs, tokens, own, res, wgt);  // in flight during the polls
+    load_row(f, x, t, vecs, own, res, wgt);  // in flight during the polls
 #pragma unroll
     for (int k = 0; k < SYMM_RMS_VECS; ++k)
       if (threadIdx.x + (uint64_t)k * blockDim.x < vecs) ll_sanitize<T>(own[k]);
