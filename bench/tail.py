@@ -23,7 +23,8 @@ Communicator.all_reduce, and the wrapper as it was before session 4, kept below 
 `legacy_all_reduce`) with the same call from C (bench/allreduce_c.rs), AUTO in place, 8 KiB to
 1 MiB. An eager call is bound by the host's CPU, which drifts on a shared machine, so Python and
 C jobs alternate (--eager-pairs, default 3) and each pair's difference is reported. With
-SYMM_BENCH_PIN=1 every rank of both runs on its own four cores (4r+4 .. 4r+7). Two processes
+SYMM_BENCH_PIN=1 every rank of both runs on its own four cores (4r+4 .. 4r+7); SYMM_BENCH_WORLD=N
+runs N ranks in both (N = 1 on one GPU: the host side alone). Two processes
 differ by more than the target's margin on their own (an empty cuLaunchKernel cost 3.3 to 4.6 us
 in 23 processes of one machine, bench/NOTES.md), so the target is judged within the Python job:
 the package's call and the same C ABI call with its arguments computed once, in alternation.
@@ -317,9 +318,12 @@ def one_run(out_path, port, mode):
     import torch
     import torch.multiprocessing as mp
 
-    world = min(torch.cuda.device_count(), 8)
-    if world < 2:
-        sys.exit(f"needs >= 2 GPUs, found {world}")
+    gpus = torch.cuda.device_count()
+    # SYMM_BENCH_WORLD=N runs N ranks, as in bench/allreduce_c.rs (1: the host side and the
+    # kernels' local work alone, on one GPU; the C job reads the same variable).
+    world = int(os.environ.get("SYMM_BENCH_WORLD", "0")) or min(gpus, 8)
+    if not 1 <= world <= gpus or (world < 2 and "SYMM_BENCH_WORLD" not in os.environ):
+        sys.exit(f"needs >= 2 GPUs (or SYMM_BENCH_WORLD=N, N <= {gpus}), found {gpus}")
     mp.spawn(worker, args=(world, port, out_path, mode), nprocs=world)
 
 
