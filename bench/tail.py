@@ -26,7 +26,7 @@ C jobs alternate (--eager-pairs, default 3) and each pair's difference is report
 SYMM_BENCH_PIN=1 every rank of both runs on its own four cores (4r+4 .. 4r+7); SYMM_BENCH_WORLD=N
 runs N ranks in both (N = 1 on one GPU: the host side alone). Two processes
 differ by more than the target's margin on their own (an empty cuLaunchKernel cost 3.3 to 4.6 us
-in 23 processes of one machine, bench/NOTES.md), so the target is judged within the Python job:
+in 21 processes of one machine, bench/NOTES.md), so the target is judged within the Python job:
 the package's call and the same C ABI call with its arguments computed once, in alternation.
 
 Multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
