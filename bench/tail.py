@@ -247,9 +247,8 @@ def worker(rank, world, port, out_path, mode):
         for _ in range(50):
             ta.append(calls_time(fa))
             tb.append(calls_time(fb))
-        diff = sorted(x - y for x, y in zip(ta, tb))
         med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-        return med(ta), med(tb), diff[len(diff) // 2]
+        return med(ta), med(tb), med([x - y for x, y in zip(ta, tb)])
 
     eager_rows = []
     if mode == "eager":
