@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a lent GPU machine, from
 # prebuilt artifacts in .device/ (see the README's "GPU runs" section). Logs go to $OUT.
-#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused
+#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab
 #   fused: bench/fused.py (all-reduce + residual add + RMSNorm, fused vs unfused vs NCCL, and a
 #          16-layer decoder step).
 #   native: the PyTorch-native checks (torch.compile over the custom ops at 2 ranks; the wheel
@@ -9,6 +9,9 @@
 #           and a plot).
 #   tail: bench/tail.py over RUNS (default 10) fresh processes, with the eager Python-vs-C table;
 #         LIB=DIR runs it against the libraries in DIR instead of .device/ (an older build).
+#   ab: this build against .device/old (scripts/stage-device.sh --old), in alternating processes,
+#       ROUNDS (default 2) of bench/fused.py (HIDDEN, TOKENS) and allreduce_c (AUTO, 8 KiB-4 MiB);
+#       WORLD=N runs N ranks (1 on one GPU: the kernels' local work alone, a filter only).
 # Safety: NVLink multicast stays off (scripts/device-env.sh).
 . "$(dirname "$0")/device-env.sh"
 export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
@@ -37,6 +40,23 @@ elif [ "${1:-tests}" = native ]; then
   for c in ${COLLS:-all_reduce reduce_scatter all_gather}; do
     ( cd /tmp && T=300 TAILN=30 run cli_$c env -u SYMMALLOC_LIBRARY_DIR python3 -m symmalloc.bench -c $c -b 8K -e ${MAXB:-256M} -f 4 -G 1 \
         --compare nccl,torch --plot "$OUT/cli_$c.png" --json "$OUT/cli_$c.json" )
+  done
+elif [ "${1:-tests}" = ab ]; then
+  [ -f "$D/old/libsymmalloc.so" ] || { echo "ab: no .device/old (run scripts/stage-device.sh --old on the other build first)"; exit 2; }
+  step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  W=${WORLD:-}
+  for i in $(seq "${ROUNDS:-2}"); do
+    for b in new old; do
+      L=$D; [ $b = old ] && L=$D/old
+      step "fused $b, round $i"
+      SYMMALLOC_LIBRARY_DIR=$L timeout 300 python3 bench/fused.py ${W:+--world $W} --hidden "${HIDDEN:-4096,6144,8192}" \
+        --tokens "${TOKENS:-1,6,32,128}" --step-tokens "" --out "$OUT/ab_${b}_$i" > "$OUT/ab_fused_${b}_$i.log" 2>&1
+      echo "[rc=$?]"; grep -E "^\[ .*\|" "$OUT/ab_fused_${b}_$i.log" | awk -F'|' '{print $1 "| fused" $2 "| all-reduce" $5 "|" $7}'
+      step "allreduce_c $b, round $i"
+      env SYMMALLOC_LIBRARY_DIR="$L" ${W:+SYMM_BENCH_WORLD=$W} SYMM_BENCH_ALGOS=auto SYMM_BENCH_MAX_BYTES=4M timeout 120 "$L/allreduce_c" \
+        > "$OUT/ab_arc_${b}_$i.log" 2>&1
+      echo "[rc=$?]"; grep -E "(KiB|MiB) \|" "$OUT/ab_arc_${b}_$i.log" | grep -v enqueue | awk -F'|' '{print $1 "|" $2}'
+    done
   done
 elif [ "${1:-tests}" = fused ]; then
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

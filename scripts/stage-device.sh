@@ -2,13 +2,28 @@
 # Builds the GPU artifacts here (no GPU needed) and copies them into the git-ignored .device/
 # that scripts/device-run.sh runs on a GPU machine: the two .so files, the demo, the
 # benchmarks, the stripped test binaries, the kernels' fatbin and the wheel.
+#   bash scripts/stage-device.sh         stage this checkout (.device/old, if there, is kept)
+#   bash scripts/stage-device.sh --old   only the build an A/B compares against: the libraries,
+#                                        the compiled eager caller and allreduce_c, into .device/old
+#                                        (`device-run.sh ab` times .device against it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --examples
 cargo build --release
+if [ "${1:-}" = --old ]; then
+  rm -rf .device/old && mkdir -p .device/old
+  cp target/release/libsymmalloc.so target/release/libsymmalloc_pluggable.so target/release/examples/allreduce_c .device/old/
+  make --no-print-directory target/release/_fastcall.abi3.so >/dev/null && cp target/release/_fastcall.abi3.so .device/old/
+  strip .device/old/allreduce_c && strip --strip-debug .device/old/*.so
+  soname=$(readelf -d .device/old/libsymmalloc.so | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
+  ln -sf libsymmalloc.so ".device/old/$soname"
+  ls -la .device/old
+  exit 0
+fi
 mapfile -t tests < <(cargo test --release -p symmalloc --lib --test gpu_alloc --test gpu_comm --test gpu_scatter_gather --no-run 2>&1 |
   grep -oE "\(target/release/deps/[^)]+\)" | tr -d '()')
-rm -rf .device && mkdir -p .device
+# Everything but an A/B's other build (--old) is replaced.
+mkdir -p .device && find .device -mindepth 1 -maxdepth 1 ! -name old -exec rm -rf {} +
 cp target/release/libsymmalloc.so target/release/libsymmalloc_pluggable.so target/release/symmalloc-demo \
   target/release/examples/alloc_bench target/release/examples/allreduce_c .device/
 for t in "${tests[@]}"; do
