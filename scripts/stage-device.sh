@@ -10,13 +10,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --examples
 cargo build --release
+# The SONAME the C harness records (build.rs): the file under that name beside the library in $1.
+link_soname() {
+  local soname
+  soname=$(readelf -d "$1/libsymmalloc.so" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
+  ln -sf libsymmalloc.so "$1/$soname"
+}
 if [ "${1:-}" = --old ]; then
   rm -rf .device/old && mkdir -p .device/old
   cp target/release/libsymmalloc.so target/release/libsymmalloc_pluggable.so target/release/examples/allreduce_c .device/old/
   make --no-print-directory target/release/_fastcall.abi3.so >/dev/null && cp target/release/_fastcall.abi3.so .device/old/
   strip .device/old/allreduce_c && strip --strip-debug .device/old/*.so
-  soname=$(readelf -d .device/old/libsymmalloc.so | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
-  ln -sf libsymmalloc.so ".device/old/$soname"
+  link_soname .device/old
   ls -la .device/old
   exit 0
 fi
@@ -37,9 +42,7 @@ done
 cp "$(ls -t target/release/build/symmalloc-*/out/symmalloc_kernels.fatbin | head -1)" .device/
 strip .device/t_* .device/alloc_bench .device/allreduce_c .device/symmalloc-demo
 strip --strip-debug .device/*.so  # keeps the dynamic symbols; the tree travels under 64 MiB
-# The SONAME the C harness records (build.rs): the file under that name beside the library.
-soname=$(readelf -d .device/libsymmalloc.so | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
-ln -sf libsymmalloc.so ".device/$soname"
+link_soname .device
 # The manylinux wheel (make wheel), for the install-and-run check on the device.
 make --no-print-directory wheel >/dev/null && cp .whl/symmalloc-*.whl .device/
 # Its compiled eager caller, beside the libraries: the in-tree package loads it from there.
