@@ -12,6 +12,9 @@
 #   ab: this build against .device/old (scripts/stage-device.sh --old), in alternating processes,
 #       ROUNDS (default 2) of bench/fused.py (HIDDEN, TOKENS) and allreduce_c (AUTO, 8 KiB-4 MiB);
 #       WORLD=N runs N ranks (1 on one GPU: the kernels' local work alone, a filter only).
+#   shared: the multi-rank GPU tests (t_gpu_comm, t_gpu_sg) at RANKS (default "2 4") ranks on the
+#           machine's GPUs, several ranks per GPU (SYMMALLOC_SHARED_GPU=1): the protocol at N
+#           ranks on a one-GPU machine; correctness only (the ranks' kernels time-slice).
 # Safety: NVLink multicast stays off (scripts/device-env.sh).
 . "$(dirname "$0")/device-env.sh"
 export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
@@ -61,6 +64,13 @@ elif [ "${1:-tests}" = ab ]; then
 elif [ "${1:-tests}" = fused ]; then
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   T=560 TAILN=${TAILN:-60} run fused python3 bench/fused.py --out "$OUT"
+elif [ "${1:-tests}" = shared ]; then
+  step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  for n in ${RANKS:-2 4}; do
+    export SYMMALLOC_SHARED_GPU=1 SYMM_TEST_RANKS=$n
+    T=${T:-400} TAILN=14 run gpu_comm_$n $D/t_gpu_comm --include-ignored --test-threads=1 --nocapture ${FILTER:-}
+    T=${T:-300} TAILN=5 run gpu_sg_$n $D/t_gpu_sg --include-ignored --test-threads=1 --nocapture ${FILTER:-}
+  done
 elif [ "${1:-tests}" = gpu ]; then
   run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture
   T=400 TAILN=12 run gpu_comm $D/t_gpu_comm --include-ignored --test-threads=1 --nocapture

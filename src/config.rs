@@ -75,6 +75,14 @@ pub fn thread_cache() -> bool {
     )
 }
 
+/// `SYMMALLOC_SHARED_GPU=1`: several ranks (processes) may use one GPU. For testing the
+/// collectives' protocol at N ranks on a machine with fewer GPUs: without MPS the ranks' kernels
+/// time-slice, so each wait on a peer can last a scheduler time slice (milliseconds). Correct,
+/// never fast; multicast stays off. Must match on all ranks.
+pub fn shared_gpu() -> bool {
+    flag("SYMMALLOC_SHARED_GPU")
+}
+
 pub fn flag(name: &str) -> bool {
     matches!(
         std::env::var(name).as_deref(),

@@ -392,11 +392,12 @@ fn asymmetric_allocations_fail_on_every_rank() {
 }
 
 /// Each case: a variable, its value on rank 0 and on rank 1 ("" leaves it unset).
-const SETTING_CASES: [(&str, &str, &str); 4] = [
+const SETTING_CASES: [(&str, &str, &str); 5] = [
     ("SYMMALLOC_LL_MAX_BYTES", "64K", ""),
     ("SYMMALLOC_ONE_SHOT_MAX_BYTES", "", "1M"),
     ("SYMMALLOC_CHECK_SYMMETRY", "1", ""),
     ("SYMMALLOC_LL_BYTES", "1M", "2M"),
+    ("SYMMALLOC_SHARED_GPU", "1", ""),
 ];
 
 fn settings_rank(c: Child) {
@@ -469,6 +470,98 @@ fn an_ll_threshold_above_the_slot_is_refused_at_init() {
         ],
         "",
     ));
+}
+
+/// Ranks on one device: refused by default, naming both ranks and the opt-in; with
+/// `SYMMALLOC_SHARED_GPU=1` every algorithm reduces correctly (what the one-GPU protocol runs
+/// on the device machine rely on).
+fn shared_device_rank(c: Child) {
+    assert_eq!(c.device, 0);
+    let (st, comm) = try_init(&c);
+    if c.arg == "refuse" {
+        let msg = err();
+        assert_eq!(st, symm_status_t::SYMM_ERR_INVALID_ARGUMENT, "{msg}");
+        assert!(comm.is_null());
+        assert!(
+            msg.contains("both use device 0") && msg.contains("SYMMALLOC_SHARED_GPU=1"),
+            "rank {}: {msg}",
+            c.rank
+        );
+        return;
+    }
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_SUCCESS,
+        "rank {}: {}",
+        c.rank,
+        err()
+    );
+    let n = 1031;
+    let p = symm_malloc(2 * n * 4, 0, null_mut()) as *mut f32;
+    assert!(!p.is_null(), "{}", err());
+    for (k, algo) in [
+        SYMM_ALGO_AUTO,
+        SYMM_ALGO_ONE_SHOT,
+        SYMM_ALGO_TWO_SHOT,
+        SYMM_ALGO_ONE_SHOT_LL,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let v = |r: i32, i: usize| (r * 1000 + (i * 7 + k) as i32 % 997) as f32;
+        // SAFETY: p holds 2n f32 of host memory; recv = p + n is poisoned first.
+        unsafe {
+            for i in 0..n {
+                p.add(i).write(v(c.rank, i));
+                p.add(n + i).write(f32::NAN);
+            }
+        }
+        let st = symm_all_reduce_algo(
+            comm,
+            algo,
+            p as _,
+            // SAFETY: in bounds of the block.
+            unsafe { p.add(n) } as _,
+            n,
+            SYMM_FP32,
+            SYMM_SUM,
+            null_mut(),
+        );
+        assert_eq!(st, symm_status_t::SYMM_SUCCESS, "algo {algo}: {}", err());
+        for i in 0..n {
+            let want: f32 = (0..c.world).map(|r| v(r, i)).sum();
+            // SAFETY: as above.
+            let got = unsafe { p.add(n + i).read() };
+            assert_eq!(got, want, "rank {} algo {algo} element {i}", c.rank);
+        }
+    }
+    symm_free(p as _, 2 * n * 4, 0, null_mut());
+    destroy(comm);
+    println!(
+        "rank {}: four algorithms correct on a shared device",
+        c.rank
+    );
+}
+
+#[test]
+fn ranks_share_a_device_only_when_asked() {
+    if let Some(c) = child() {
+        return shared_device_rank(c);
+    }
+    let refused = [
+        HOST,
+        ("SYMMALLOC_TIMEOUT_S", "10"),
+        ("SYMM_TEST_DEVICE", "0"),
+    ];
+    let name = "ranks_share_a_device_only_when_asked";
+    assert_all_ok(&run_ranks(name, 2, &refused, "refuse"));
+    let shared = [
+        HOST,
+        ("SYMMALLOC_TIMEOUT_S", "10"),
+        ("SYMM_TEST_DEVICE", "0"),
+        ("SYMMALLOC_SHARED_GPU", "1"),
+    ];
+    assert_all_ok(&run_ranks(name, 3, &shared, "share"));
 }
 
 fn intruder_rank(c: Child) {

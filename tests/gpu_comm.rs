@@ -34,8 +34,8 @@ fn run_case(
     let es = esize(dtype);
     let off = if misalign { es } else { 0 };
     let bytes = n * es + off;
-    let a = symm_malloc(bytes, c.rank, stream as _) as u64;
-    let b = symm_malloc(bytes, c.rank, stream as _) as u64;
+    let a = symm_malloc(bytes, c.device, stream as _) as u64;
+    let b = symm_malloc(bytes, c.device, stream as _) as u64;
     assert!(a != 0 && b != 0, "{}", err());
     let (send, recv) = (
         a + off as u64,
@@ -48,9 +48,9 @@ fn run_case(
     let x = encode(dtype, &inputs(seed, c.rank, n, dtype));
     let poison = vec![0xFFu8; n * es]; // NaN in every dtype
                                        // Stream-ordered uploads: the collective on the same stream sees them.
-    util::htod_async(c.rank, send, &x, stream).unwrap();
+    util::htod_async(c.device, send, &x, stream).unwrap();
     if !in_place {
-        util::htod_async(c.rank, recv, &poison, stream).unwrap();
+        util::htod_async(c.device, recv, &poison, stream).unwrap();
     }
     let st = symm_all_reduce_algo(comm, algo, send as _, recv as _, n, dtype, op, stream as _);
     assert_eq!(
@@ -60,16 +60,16 @@ fn run_case(
         c.rank,
         err()
     );
-    util::stream_sync(c.rank, stream).unwrap();
+    util::stream_sync(c.device, stream).unwrap();
     let mut out = vec![0u8; n * es];
-    util::dtoh(c.rank, &mut out, recv).unwrap();
+    util::dtoh(c.device, &mut out, recv).unwrap();
     let got = decode(dtype, &out);
     let want = reference(seed, c.world, n, dtype, op);
     let e = rel_err(&got, &want);
     assert!(e <= tol(dtype), "rank {} n {n} dtype {dtype} op {op} algo {algo} in_place {in_place} misalign {misalign}: rel err {e}", c.rank);
     // Stream-ordered frees: the next case may reuse the blocks.
-    symm_free(a as _, bytes, c.rank, stream as _);
-    symm_free(b as _, bytes, c.rank, stream as _);
+    symm_free(a as _, bytes, c.device, stream as _);
+    symm_free(b as _, bytes, c.device, stream as _);
     fnv(&out)
 }
 
@@ -81,7 +81,7 @@ fn ll_max(world: i32) -> usize {
 
 /// An explicit ONE_SHOT_LL over its capacity is refused with a message, on every rank alike.
 fn expect_ll_refusal(c: &Child, comm: *mut symm_comm_t, n: usize, dtype: u32) {
-    let p = symm_malloc(n * esize(dtype), c.rank, null_mut());
+    let p = symm_malloc(n * esize(dtype), c.device, null_mut());
     let st = symm_all_reduce_algo(
         comm,
         SYMM_ALGO_ONE_SHOT_LL,
@@ -98,13 +98,13 @@ fn expect_ll_refusal(c: &Child, comm: *mut symm_comm_t, n: usize, dtype: u32) {
         "{}",
         err()
     );
-    symm_free(p, n * esize(dtype), c.rank, null_mut());
+    symm_free(p, n * esize(dtype), c.device, null_mut());
 }
 
 fn sweep_rank(c: Child) {
     // SAFETY: single-threaded child process.
     let comm = init(&c);
-    let stream = util::stream_create(c.rank).unwrap();
+    let stream = util::stream_create(c.device).unwrap();
     let seed: u64 = c.arg.parse().unwrap();
     let mut f = out_file(&c);
     let mut case = 0u64;
@@ -176,12 +176,6 @@ fn sweep_rank(c: Child) {
     println!("rank {}: {case} cases within tolerance", c.rank);
 }
 
-fn gpu_world(test: &str) -> i32 {
-    let n = gpus(test);
-    assert!(n >= 2, "{test} needs 2 GPUs, found {n}");
-    n.min(8) as i32
-}
-
 fn compare_rank_files(dir: &std::path::Path, world: i32) {
     let files: Vec<String> = (0..world)
         .map(|r| std::fs::read_to_string(dir.join(format!("rank{r}.txt"))).unwrap())
@@ -242,7 +236,7 @@ fn gpu_all_reduce_sweep_matches_reference_and_is_bitwise_equal() {
 
 fn graph_rank(c: Child) {
     let comm = init(&c);
-    let stream = util::stream_create(c.rank).unwrap();
+    let stream = util::stream_create(c.device).unwrap();
     let mut f = out_file(&c);
     let seed: u64 = c.arg.parse().unwrap();
     for (n, algo, in_place) in [
@@ -254,10 +248,10 @@ fn graph_rank(c: Child) {
         (1 << 20, SYMM_ALGO_TWO_SHOT, false),
     ] {
         let bytes = n * 2;
-        let a = symm_malloc(bytes, c.rank, stream as _) as u64;
-        let b = symm_malloc(bytes, c.rank, stream as _) as u64;
+        let a = symm_malloc(bytes, c.device, stream as _) as u64;
+        let b = symm_malloc(bytes, c.device, stream as _) as u64;
         let recv = if in_place { a } else { b };
-        util::capture_begin(c.rank, stream).unwrap();
+        util::capture_begin(c.device, stream).unwrap();
         let st = symm_all_reduce_algo(
             comm,
             algo,
@@ -269,20 +263,20 @@ fn graph_rank(c: Child) {
             stream as _,
         );
         assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
-        let graph = util::capture_end(c.rank, stream).unwrap();
+        let graph = util::capture_end(c.device, stream).unwrap();
         let poison = vec![0xFFu8; bytes];
         for replay in 0..1000u64 {
             let s = seed ^ (replay << 20) ^ n as u64;
             // Stream-ordered uploads: the replay on the same stream sees them.
             let x = encode(SYMM_BF16, &inputs(s, c.rank, n, SYMM_BF16));
-            util::htod_async(c.rank, a, &x, stream).unwrap();
+            util::htod_async(c.device, a, &x, stream).unwrap();
             if !in_place {
-                util::htod_async(c.rank, b, &poison, stream).unwrap();
+                util::htod_async(c.device, b, &poison, stream).unwrap();
             }
             graph.launch(stream).unwrap();
-            util::stream_sync(c.rank, stream).unwrap();
+            util::stream_sync(c.device, stream).unwrap();
             let mut out = vec![0u8; bytes];
-            util::dtoh(c.rank, &mut out, recv).unwrap();
+            util::dtoh(c.device, &mut out, recv).unwrap();
             let e = rel_err(
                 &decode(SYMM_BF16, &out),
                 &reference(s, c.world, n, SYMM_BF16, SYMM_SUM),
@@ -306,9 +300,9 @@ fn graph_rank(c: Child) {
             stream as _,
         );
         assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
-        util::stream_sync(c.rank, stream).unwrap();
-        symm_free(a as _, bytes, c.rank, stream as _);
-        symm_free(b as _, bytes, c.rank, stream as _);
+        util::stream_sync(c.device, stream).unwrap();
+        symm_free(a as _, bytes, c.device, stream as _);
+        symm_free(b as _, bytes, c.device, stream as _);
     }
     destroy(comm);
     println!("rank {}: 6 x 1000 graph replays correct", c.rank);
@@ -326,21 +320,21 @@ fn gpu_graph_replays_are_correct() {
 
 fn steady_rank(c: Child) {
     let comm = init(&c);
-    let stream = util::stream_create(c.rank).unwrap();
+    let stream = util::stream_create(c.device).unwrap();
     let mut warm = None;
     let t0 = std::time::Instant::now();
     for it in 0..10_000 {
-        let p = symm_malloc(64 << 10, c.rank, stream as _);
+        let p = symm_malloc(64 << 10, c.device, stream as _);
         let st = symm_all_reduce(comm, p, p, 32 << 10, SYMM_BF16, SYMM_SUM, stream as _);
         assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
-        symm_free(p, 64 << 10, c.rank, stream as _);
+        symm_free(p, 64 << 10, c.device, stream as _);
         if it == 1 {
-            let s = stats(c.rank);
+            let s = stats(c.device);
             warm = Some((s.peer_mappings, s.physical_creates));
         }
     }
-    util::stream_sync(c.rank, stream).unwrap();
-    let s = stats(c.rank);
+    util::stream_sync(c.device, stream).unwrap();
+    let s = stats(c.device);
     assert_eq!(
         Some((s.peer_mappings, s.physical_creates)),
         warm,
@@ -373,13 +367,13 @@ fn killed_rank(c: Child) {
     // The waiting kernel: the barrier one-shot or the LL kernel (no barrier, it waits for data).
     let algo: u32 = c.arg.parse().unwrap();
     let comm = init(&c);
-    let stream = util::stream_create(c.rank).unwrap();
-    let p = symm_malloc(1 << 20, c.rank, stream as _);
+    let stream = util::stream_create(c.device).unwrap();
+    let p = symm_malloc(1 << 20, c.device, stream as _);
     assert_eq!(
         symm_all_reduce_algo(comm, algo, p, p, 1024, SYMM_FP32, SYMM_SUM, stream as _),
         symm_status_t::SYMM_SUCCESS
     );
-    util::stream_sync(c.rank, stream).unwrap();
+    util::stream_sync(c.device, stream).unwrap();
     if c.rank == 1 {
         // SAFETY: killing ourselves, as a crashed rank would die.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
@@ -389,7 +383,7 @@ fn killed_rank(c: Child) {
     // The kernel launches, waits for rank 1 at its barrier, gives up after the timeout and
     // sets the error word; this call or the next one reports it.
     let st = symm_all_reduce_algo(comm, algo, p, p, 1024, SYMM_FP32, SYMM_SUM, stream as _);
-    util::stream_sync(c.rank, stream).unwrap();
+    util::stream_sync(c.device, stream).unwrap();
     let st2 = symm_all_reduce_algo(comm, algo, p, p, 1024, SYMM_FP32, SYMM_SUM, stream as _);
     assert!(
         st == symm_status_t::SYMM_ERR_TIMEOUT || st2 == symm_status_t::SYMM_ERR_TIMEOUT,
@@ -426,8 +420,8 @@ fn gpu_killed_rank_is_reported_within_the_timeout() {
 fn asymmetric_rank(c: Child) {
     let comm = init(&c);
     let (extra, p) = expect_exchange_asymmetry(&c, comm);
-    let q = symm_malloc(4096, c.rank, null_mut());
-    let r = symm_malloc(4096, c.rank, null_mut());
+    let q = symm_malloc(4096, c.device, null_mut());
+    let r = symm_malloc(4096, c.device, null_mut());
     let buf = if c.rank == 0 { q } else { r };
     let one_shot = |p: *mut std::ffi::c_void| {
         symm_all_reduce_algo(
@@ -443,7 +437,7 @@ fn asymmetric_rank(c: Child) {
     };
     // Same segment, other offsets: the kernel's first barrier catches it; reported next call.
     let st = one_shot(buf);
-    util::device_sync(c.rank).unwrap();
+    util::device_sync(c.device).unwrap();
     let st2 = one_shot(q);
     assert!(
         st == symm_status_t::SYMM_ERR_NOT_SYMMETRIC || st2 == symm_status_t::SYMM_ERR_NOT_SYMMETRIC,
@@ -457,7 +451,7 @@ fn asymmetric_rank(c: Child) {
         "usable after the report: {}",
         err()
     );
-    util::device_sync(c.rank).unwrap();
+    util::device_sync(c.device).unwrap();
     // The LL kernel checks descriptors too (block 0 exchanges them). A peer that ran another
     // call may have left words in the LL buffers, so the communicator stays broken.
     let ll = |p: *mut std::ffi::c_void| {
@@ -473,7 +467,7 @@ fn asymmetric_rank(c: Child) {
         )
     };
     let st = ll(buf);
-    util::device_sync(c.rank).unwrap();
+    util::device_sync(c.device).unwrap();
     let st2 = ll(q);
     assert!(
         st == symm_status_t::SYMM_ERR_NOT_SYMMETRIC || st2 == symm_status_t::SYMM_ERR_NOT_SYMMETRIC,
@@ -482,11 +476,11 @@ fn asymmetric_rank(c: Child) {
     );
     assert_eq!(ll(q), symm_status_t::SYMM_ERR_NOT_SYMMETRIC);
     assert!(err().contains("unusable"), "{}", err());
-    util::device_sync(c.rank).unwrap();
+    util::device_sync(c.device).unwrap();
     if !extra.is_null() {
         symm_free(extra, 3 << 20, 0, null_mut());
     }
-    symm_free(p, 8 << 20, c.rank, null_mut());
+    symm_free(p, 8 << 20, c.device, null_mut());
     destroy(comm);
     println!("rank {}: asymmetry reported on every rank", c.rank);
 }
@@ -510,7 +504,7 @@ fn gpu_asymmetric_buffers_fail_on_every_rank() {
 /// negative zeros, reduced by the LL kernel and by two-shot.
 fn ll_special_rank(c: Child) {
     let comm = init(&c);
-    let stream = util::stream_create(c.rank).unwrap();
+    let stream = util::stream_create(c.device).unwrap();
     let n = 10_007usize;
     let mut x = encode(SYMM_BF16, &inputs(seed(), c.rank, n, SYMM_BF16));
     for i in 0..n {
@@ -522,13 +516,13 @@ fn ll_special_rank(c: Child) {
     }
     let bytes = 2 * n;
     let (a, b) = (
-        symm_malloc(bytes, c.rank, stream as _) as u64,
-        symm_malloc(bytes, c.rank, stream as _) as u64,
+        symm_malloc(bytes, c.device, stream as _) as u64,
+        symm_malloc(bytes, c.device, stream as _) as u64,
     );
     let mut results = Vec::new();
     for algo in [SYMM_ALGO_ONE_SHOT_LL, SYMM_ALGO_TWO_SHOT] {
-        util::htod_async(c.rank, a, &x, stream).unwrap();
-        util::htod_async(c.rank, b, &vec![0x5au8; bytes], stream).unwrap();
+        util::htod_async(c.device, a, &x, stream).unwrap();
+        util::htod_async(c.device, b, &vec![0x5au8; bytes], stream).unwrap();
         let st = symm_all_reduce_algo(
             comm,
             algo,
@@ -540,9 +534,9 @@ fn ll_special_rank(c: Child) {
             stream as _,
         );
         assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
-        util::stream_sync(c.rank, stream).unwrap();
+        util::stream_sync(c.device, stream).unwrap();
         let mut out = vec![0u8; bytes];
-        util::dtoh(c.rank, &mut out, b).unwrap();
+        util::dtoh(c.device, &mut out, b).unwrap();
         results.push(out);
     }
     let word = |o: &[u8], i: usize| u16::from_le_bytes([o[2 * i], o[2 * i + 1]]);
@@ -555,8 +549,8 @@ fn ll_special_rank(c: Child) {
             _ => assert_eq!(ll, two, "element {i}: LL and two-shot differ"),
         }
     }
-    symm_free(a as _, bytes, c.rank, stream as _);
-    symm_free(b as _, bytes, c.rank, stream as _);
+    symm_free(a as _, bytes, c.device, stream as _);
+    symm_free(b as _, bytes, c.device, stream as _);
     destroy(comm);
     println!("rank {}: LL special values match two-shot", c.rank);
 }
@@ -585,8 +579,8 @@ fn gpu_ll_all_ones_and_negative_zero_inputs() {
 fn two_streams_rank(c: Child) {
     let comm = init(&c);
     let streams = [
-        util::stream_create(c.rank).unwrap(),
-        util::stream_create(c.rank).unwrap(),
+        util::stream_create(c.device).unwrap(),
+        util::stream_create(c.device).unwrap(),
     ];
     let seed: u64 = c.arg.parse().unwrap();
     let mut f = out_file(&c);
@@ -607,9 +601,9 @@ fn two_streams_rank(c: Child) {
         let bytes = n * 2;
         let alloc = |j: usize| -> u64 {
             if staged && j == 0 {
-                util::raw_alloc(c.rank, bytes).unwrap()
+                util::raw_alloc(c.device, bytes).unwrap()
             } else {
-                let p = symm_malloc(bytes, c.rank, null_mut()) as u64;
+                let p = symm_malloc(bytes, c.device, null_mut()) as u64;
                 assert!(p != 0, "{}", err());
                 p
             }
@@ -617,7 +611,7 @@ fn two_streams_rank(c: Child) {
         let ins: Vec<[u64; 2]> = (0..CALLS).map(|_| [alloc(0), alloc(1)]).collect();
         let outs: Vec<[u64; 2]> = (0..CALLS)
             .map(|_| {
-                let p = [0, 1].map(|_| symm_malloc(bytes, c.rank, null_mut()) as u64);
+                let p = [0, 1].map(|_| symm_malloc(bytes, c.device, null_mut()) as u64);
                 assert!(p[0] != 0 && p[1] != 0, "{}", err());
                 p
             })
@@ -630,11 +624,11 @@ fn two_streams_rank(c: Child) {
             for k in 0..CALLS {
                 for j in 0..2 {
                     let x = encode(SYMM_BF16, &inputs(sd(k, j), c.rank, n, SYMM_BF16));
-                    util::htod(c.rank, ins[k][j], &x).unwrap();
-                    util::htod(c.rank, outs[k][j], &vec![0xFFu8; bytes]).unwrap();
+                    util::htod(c.device, ins[k][j], &x).unwrap();
+                    util::htod(c.device, outs[k][j], &vec![0xFFu8; bytes]).unwrap();
                 }
             }
-            util::device_sync(c.rank).unwrap();
+            util::device_sync(c.device).unwrap();
             for k in 0..CALLS {
                 for j in 0..2 {
                     let st = symm_all_reduce_algo(
@@ -656,12 +650,12 @@ fn two_streams_rank(c: Child) {
                 }
             }
             for s in streams {
-                util::stream_sync(c.rank, s).unwrap();
+                util::stream_sync(c.device, s).unwrap();
             }
             for (k, pair) in outs.iter().enumerate() {
                 for (j, &o) in pair.iter().enumerate() {
                     let mut out = vec![0u8; bytes];
-                    util::dtoh(c.rank, &mut out, o).unwrap();
+                    util::dtoh(c.device, &mut out, o).unwrap();
                     let e = rel_err(
                         &decode(SYMM_BF16, &out),
                         &reference(sd(k, j), c.world, n, SYMM_BF16, SYMM_SUM),
@@ -679,9 +673,9 @@ fn two_streams_rank(c: Child) {
         for k in 0..CALLS {
             for j in 0..2 {
                 if !(staged && j == 0) {
-                    symm_free(ins[k][j] as _, bytes, c.rank, null_mut());
+                    symm_free(ins[k][j] as _, bytes, c.device, null_mut());
                 }
-                symm_free(outs[k][j] as _, bytes, c.rank, null_mut());
+                symm_free(outs[k][j] as _, bytes, c.device, null_mut());
             }
         }
     }
@@ -708,16 +702,16 @@ fn gpu_two_streams_one_communicator_never_mix() {
 fn killed_graph_rank(c: Child) {
     let algo: u32 = c.arg.parse().unwrap();
     let comm = init(&c);
-    let stream = util::stream_create(c.rank).unwrap();
-    let p = symm_malloc(1 << 20, c.rank, stream as _);
-    util::capture_begin(c.rank, stream).unwrap();
+    let stream = util::stream_create(c.device).unwrap();
+    let p = symm_malloc(1 << 20, c.device, stream as _);
+    util::capture_begin(c.device, stream).unwrap();
     for _ in 0..20 {
         let st = symm_all_reduce_algo(comm, algo, p, p, 4096, SYMM_FP32, SYMM_SUM, stream as _);
         assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
     }
-    let graph = util::capture_end(c.rank, stream).unwrap();
+    let graph = util::capture_end(c.device, stream).unwrap();
     graph.launch(stream).unwrap();
-    util::stream_sync(c.rank, stream).unwrap();
+    util::stream_sync(c.device, stream).unwrap();
     if c.rank == 1 {
         // SAFETY: killing ourselves, as a crashed rank would die.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
@@ -725,7 +719,7 @@ fn killed_graph_rank(c: Child) {
     std::thread::sleep(std::time::Duration::from_millis(500));
     let t0 = std::time::Instant::now();
     graph.launch(stream).unwrap();
-    util::stream_sync(c.rank, stream).unwrap();
+    util::stream_sync(c.device, stream).unwrap();
     let replay = t0.elapsed().as_secs_f64();
     // SYMMALLOC_TIMEOUT_S=3: one timeout, not twenty.
     assert!(
@@ -764,32 +758,32 @@ fn gpu_dead_peer_stops_a_replayed_graph_after_one_timeout() {
 /// new segment that collectives use correctly (a kernel never touches the unmapped one).
 fn release_rank(c: Child) {
     let comm = init(&c);
-    let stream = util::stream_create(c.rank).unwrap();
+    let stream = util::stream_create(c.device).unwrap();
     let call = |what: &str| {
         let st = symm_barrier(comm, stream as _);
         assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{what}: {}", err());
-        util::stream_sync(c.rank, stream).unwrap();
+        util::stream_sync(c.device, stream).unwrap();
     };
     call("warm-up");
     symm_empty_cache();
-    let free = || symmalloc::cuda::driver::mem_info(c.rank).unwrap().0;
+    let free = || symmalloc::cuda::driver::mem_info(c.device).unwrap().0;
     let free0 = free();
     let (big, n) = (1usize << 30, 1usize << 20); // a 1 GiB segment; 1M bf16 elements reduced
     let mut first = 0;
     for round in 0..3i32 {
-        let p = symm_malloc(big, c.rank, stream as _);
+        let p = symm_malloc(big, c.device, stream as _);
         assert!(!p.is_null(), "{}", err());
         if round == 0 {
             first = p as u64;
         }
         assert_eq!(p as u64, first, "the offset comes back");
         let v = (c.rank + 1 + round) as f32;
-        util::htod_async(c.rank, p as u64, &encode(SYMM_BF16, &vec![v; n]), stream).unwrap();
+        util::htod_async(c.device, p as u64, &encode(SYMM_BF16, &vec![v; n]), stream).unwrap();
         let st = symm_all_reduce(comm, p, p, n, SYMM_BF16, SYMM_SUM, stream as _);
         assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
         let mut got = vec![0u8; 2 * n];
-        util::stream_sync(c.rank, stream).unwrap();
-        util::dtoh(c.rank, &mut got, p as u64).unwrap();
+        util::stream_sync(c.device, stream).unwrap();
+        util::dtoh(c.device, &mut got, p as u64).unwrap();
         let want: f32 = (0..c.world).map(|r| (r + 1 + round) as f32).sum();
         assert!(
             decode(SYMM_BF16, &got).iter().all(|&x| x == want),
@@ -800,8 +794,8 @@ fn release_rank(c: Child) {
             held >= 1000,
             "round {round}: the segment holds only {held} MiB"
         );
-        symm_free(p, big, c.rank, stream as _);
-        util::stream_sync(c.rank, stream).unwrap();
+        symm_free(p, big, c.device, stream as _);
+        util::stream_sync(c.device, stream).unwrap();
         symm_empty_cache();
         call("after the release"); // every rank released before launching this one
         call("the next call"); // whose start unmaps the peers' segments here
@@ -839,22 +833,22 @@ fn gpu_released_segments_return_to_the_driver_on_every_rank() {
 /// for every rank, the 0.51 GiB per GPU of bench/ddp_memory.py).
 fn contexts_rank(c: Child) {
     let comm = init(&c);
-    let stream = util::stream_create(c.rank).unwrap();
-    let p = symm_malloc(1 << 20, c.rank, stream as _);
+    let stream = util::stream_create(c.device).unwrap();
+    let p = symm_malloc(1 << 20, c.device, stream as _);
     let st = symm_all_reduce(comm, p, p, 1 << 18, SYMM_BF16, SYMM_SUM, stream as _);
     assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
-    util::stream_sync(c.rank, stream).unwrap();
+    util::stream_sync(c.device, stream).unwrap();
     let drv = symmalloc::cuda::driver::driver().unwrap();
     for d in 0..drv.devices.len() as i32 {
         let active = drv.primary_context_active(d).unwrap();
         assert_eq!(
             active,
-            d == c.rank,
+            d == c.device,
             "rank {}: device {d}'s primary context active: {active}",
             c.rank
         );
     }
-    symm_free(p, 1 << 20, c.rank, stream as _);
+    symm_free(p, 1 << 20, c.device, stream as _);
     destroy(comm);
     println!("rank {}: a context on its own GPU only", c.rank);
 }

@@ -44,10 +44,10 @@ fn run_case(
 ) -> Vec<u8> {
     let (es, world, rank) = (esize(dtype), c.world as usize, c.rank as usize);
     let big = world * n * es;
-    let heap = symm_malloc(big, c.rank, stream as _) as u64;
-    let other = symm_malloc(big, c.rank, stream as _) as u64;
+    let heap = symm_malloc(big, c.device, stream as _) as u64;
+    let other = symm_malloc(big, c.device, stream as _) as u64;
     assert!(heap != 0 && other != 0, "{}", err());
-    let outside = util::raw_alloc(c.rank, big).unwrap();
+    let outside = util::raw_alloc(c.device, big).unwrap();
     let gather = op == GATHER;
     let slot = (rank * n * es) as u64;
     let (send, recv) = match (layout, gather) {
@@ -64,9 +64,9 @@ fn run_case(
     let x = encode(dtype, &inputs(seed, c.rank, send_n, dtype));
     let poison = vec![0xFFu8; recv_n * es];
     if layout != Layout::Same {
-        util::htod_async(c.rank, recv, &poison, stream).unwrap();
+        util::htod_async(c.device, recv, &poison, stream).unwrap();
     }
-    util::htod_async(c.rank, send, &x, stream).unwrap();
+    util::htod_async(c.device, send, &x, stream).unwrap();
     let st = if gather {
         symm_all_gather(comm, send as _, recv as _, n, dtype, stream as _)
     } else {
@@ -78,12 +78,12 @@ fn run_case(
         "n {n} dtype {dtype} op {op} {layout:?}: {}",
         err()
     );
-    util::stream_sync(c.rank, stream).unwrap();
+    util::stream_sync(c.device, stream).unwrap();
     let mut out = vec![0u8; recv_n * es];
-    util::dtoh(c.rank, &mut out, recv).unwrap();
-    symm_free(heap as _, big, c.rank, stream as _);
-    symm_free(other as _, big, c.rank, stream as _);
-    util::raw_free(c.rank, outside).unwrap();
+    util::dtoh(c.device, &mut out, recv).unwrap();
+    symm_free(heap as _, big, c.device, stream as _);
+    symm_free(other as _, big, c.device, stream as _);
+    util::raw_free(c.device, outside).unwrap();
     out
 }
 
@@ -102,7 +102,7 @@ fn check(c: &Child, out: &[u8], seed: u64, n: usize, dtype: u32, op: u32, what: 
 
 fn sweep_rank(c: Child) {
     let comm = init(&c);
-    let stream = util::stream_create(c.rank).unwrap();
+    let stream = util::stream_create(c.device).unwrap();
     let seed: u64 = c.arg.parse().unwrap();
     let mut case = 0u64;
     // 8, 4096 and 1 << 20 are whole 16-byte vectors within the LL threshold: the reduce-scatter
@@ -132,30 +132,30 @@ fn sweep_rank(c: Child) {
         } else {
             (world * n, n)
         };
-        let send = symm_malloc(send_n * es, c.rank, stream as _) as u64;
-        let recv = symm_malloc(recv_n * es, c.rank, stream as _) as u64;
-        util::capture_begin(c.rank, stream).unwrap();
+        let send = symm_malloc(send_n * es, c.device, stream as _) as u64;
+        let recv = symm_malloc(recv_n * es, c.device, stream as _) as u64;
+        util::capture_begin(c.device, stream).unwrap();
         let st = if op == GATHER {
             symm_all_gather(comm, send as _, recv as _, n, dtype, stream as _)
         } else {
             symm_reduce_scatter(comm, send as _, recv as _, n, dtype, op, stream as _)
         };
         assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
-        let graph = util::capture_end(c.rank, stream).unwrap();
+        let graph = util::capture_end(c.device, stream).unwrap();
         for replay in 0..200u64 {
             let s = seed ^ (replay << 24) ^ op as u64;
             util::htod_async(
-                c.rank,
+                c.device,
                 send,
                 &encode(dtype, &inputs(s, c.rank, send_n, dtype)),
                 stream,
             )
             .unwrap();
-            util::htod_async(c.rank, recv, &vec![0xFFu8; recv_n * es], stream).unwrap();
+            util::htod_async(c.device, recv, &vec![0xFFu8; recv_n * es], stream).unwrap();
             graph.launch(stream).unwrap();
-            util::stream_sync(c.rank, stream).unwrap();
+            util::stream_sync(c.device, stream).unwrap();
             let mut out = vec![0u8; recv_n * es];
-            util::dtoh(c.rank, &mut out, recv).unwrap();
+            util::dtoh(c.device, &mut out, recv).unwrap();
             check(
                 &c,
                 &out,
@@ -167,8 +167,8 @@ fn sweep_rank(c: Child) {
             );
         }
         drop(graph);
-        symm_free(send as _, send_n * es, c.rank, stream as _);
-        symm_free(recv as _, recv_n * es, c.rank, stream as _);
+        symm_free(send as _, send_n * es, c.device, stream as _);
+        symm_free(recv as _, recv_n * es, c.device, stream as _);
     }
     destroy(comm);
     println!(
@@ -183,11 +183,10 @@ fn gpu_reduce_scatter_and_all_gather_match_reference() {
     if let Some(c) = child() {
         return sweep_rank(c);
     }
-    let n = gpus("gpu_reduce_scatter_and_all_gather");
-    assert!(n >= 2, "needs 2 GPUs, found {n}");
+    let world = gpu_world("gpu_reduce_scatter_and_all_gather");
     assert_all_ok(&run_ranks(
         "gpu_reduce_scatter_and_all_gather_match_reference",
-        n.min(8) as i32,
+        world,
         &[],
         &seed().to_string(),
     ));
@@ -198,7 +197,7 @@ fn gpu_reduce_scatter_and_all_gather_match_reference() {
 /// graph replays of one shape.
 fn rms_rank(c: Child) {
     let comm = init(&c);
-    let stream = util::stream_create(c.rank).unwrap();
+    let stream = util::stream_create(c.device).unwrap();
     let seed: u64 = c.arg.parse().unwrap();
     let mut hash = 0xcbf29ce484222325u64;
     let mut case = 0u64;
@@ -222,20 +221,20 @@ fn rms_rank(c: Child) {
             let s = seed.wrapping_add(case * 104_729);
             let (n, es) = (tokens * hidden, 2usize);
             let bytes = n * es;
-            let x = symm_malloc(bytes, c.rank, stream as _) as u64;
-            let res = util::raw_alloc(c.rank, bytes).unwrap(); // this rank's own: anywhere
-            let out = util::raw_alloc(c.rank, bytes).unwrap();
-            let w = util::raw_alloc(c.rank, hidden * es).unwrap();
+            let x = symm_malloc(bytes, c.device, stream as _) as u64;
+            let res = util::raw_alloc(c.device, bytes).unwrap(); // this rank's own: anywhere
+            let out = util::raw_alloc(c.device, bytes).unwrap();
+            let w = util::raw_alloc(c.device, hidden * es).unwrap();
             let xs = inputs(s, c.rank, n, dtype);
             let rs = inputs(s ^ 1, 100, n, dtype);
             let ws: Vec<f32> = inputs(s ^ 2, 200, hidden, dtype)
                 .iter()
                 .map(|v| 0.5 + v.abs() / 4.0)
                 .collect();
-            util::htod_async(c.rank, x, &encode(dtype, &xs), stream).unwrap();
-            util::htod_async(c.rank, res, &encode(dtype, &rs), stream).unwrap();
-            util::htod_async(c.rank, w, &encode(dtype, &ws), stream).unwrap();
-            util::htod_async(c.rank, out, &vec![0xFFu8; bytes], stream).unwrap();
+            util::htod_async(c.device, x, &encode(dtype, &xs), stream).unwrap();
+            util::htod_async(c.device, res, &encode(dtype, &rs), stream).unwrap();
+            util::htod_async(c.device, w, &encode(dtype, &ws), stream).unwrap();
+            util::htod_async(c.device, out, &vec![0xFFu8; bytes], stream).unwrap();
             let st = symm_all_reduce_add_rms_norm(
                 comm,
                 x as _,
@@ -249,10 +248,10 @@ fn rms_rank(c: Child) {
                 stream as _,
             );
             assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
-            util::stream_sync(c.rank, stream).unwrap();
+            util::stream_sync(c.device, stream).unwrap();
             let (mut got_r, mut got_o) = (vec![0u8; bytes], vec![0u8; bytes]);
-            util::dtoh(c.rank, &mut got_r, res).unwrap();
-            util::dtoh(c.rank, &mut got_o, out).unwrap();
+            util::dtoh(c.device, &mut got_r, res).unwrap();
+            util::dtoh(c.device, &mut got_o, out).unwrap();
             let all: Vec<Vec<f32>> = (0..c.world).map(|r| inputs(s, r, n, dtype)).collect();
             let wr: Vec<f64> = encode_decode(dtype, &ws);
             let (mut want_r, mut want_o) = (vec![0f64; n], vec![0f64; n]);
@@ -280,21 +279,21 @@ fn rms_rank(c: Child) {
                 .iter()
                 .chain(&got_o)
                 .fold(hash, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3));
-            symm_free(x as _, bytes, c.rank, stream as _);
+            symm_free(x as _, bytes, c.device, stream as _);
             for p in [res, out, w] {
-                util::raw_free(c.rank, p).unwrap();
+                util::raw_free(c.device, p).unwrap();
             }
         }
     }
     // 200 graph replays on fresh x, residual re-uploaded each time.
     let (tokens, hidden, dtype) = (6usize, 4096usize, SYMM_BF16);
     let bytes = tokens * hidden * 2;
-    let x = symm_malloc(bytes, c.rank, stream as _) as u64;
-    let res = util::raw_alloc(c.rank, bytes).unwrap();
-    let out = util::raw_alloc(c.rank, bytes).unwrap();
-    let w = util::raw_alloc(c.rank, hidden * 2).unwrap();
-    util::htod(c.rank, w, &encode(dtype, &vec![1.0f32; hidden])).unwrap();
-    util::capture_begin(c.rank, stream).unwrap();
+    let x = symm_malloc(bytes, c.device, stream as _) as u64;
+    let res = util::raw_alloc(c.device, bytes).unwrap();
+    let out = util::raw_alloc(c.device, bytes).unwrap();
+    let w = util::raw_alloc(c.device, hidden * 2).unwrap();
+    util::htod(c.device, w, &encode(dtype, &vec![1.0f32; hidden])).unwrap();
+    util::capture_begin(c.device, stream).unwrap();
     let st = symm_all_reduce_add_rms_norm(
         comm,
         x as _,
@@ -310,7 +309,7 @@ fn rms_rank(c: Child) {
     assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
     // An LL all-reduce between fused calls: the fused LL kernel shares the LL buffers and call
     // counters, which must stay in step across both kinds of call.
-    let y = symm_malloc(bytes, c.rank, stream as _) as u64;
+    let y = symm_malloc(bytes, c.device, stream as _) as u64;
     let st = symm_all_reduce_algo(
         comm,
         SYMM_ALGO_ONE_SHOT_LL,
@@ -322,28 +321,28 @@ fn rms_rank(c: Child) {
         stream as _,
     );
     assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
-    let graph = util::capture_end(c.rank, stream).unwrap();
+    let graph = util::capture_end(c.device, stream).unwrap();
     for replay in 0..200u64 {
         let s = seed ^ (replay << 30);
         let n = tokens * hidden;
         util::htod_async(
-            c.rank,
+            c.device,
             x,
             &encode(dtype, &inputs(s, c.rank, n, dtype)),
             stream,
         )
         .unwrap();
-        util::htod_async(c.rank, res, &vec![0u8; bytes], stream).unwrap();
+        util::htod_async(c.device, res, &vec![0u8; bytes], stream).unwrap();
         graph.launch(stream).unwrap();
-        util::stream_sync(c.rank, stream).unwrap();
+        util::stream_sync(c.device, stream).unwrap();
         let mut got = vec![0u8; bytes];
-        util::dtoh(c.rank, &mut got, res).unwrap();
+        util::dtoh(c.device, &mut got, res).unwrap();
         let e = rel_err(
             &decode(dtype, &got),
             &reference(s, c.world, n, dtype, SYMM_SUM),
         );
         assert!(e <= tol(dtype), "replay {replay}: residual rel err {e}");
-        util::dtoh(c.rank, &mut got, y).unwrap();
+        util::dtoh(c.device, &mut got, y).unwrap();
         let e = rel_err(
             &decode(dtype, &got),
             &reference(s, c.world, n, dtype, SYMM_SUM),
@@ -354,8 +353,8 @@ fn rms_rank(c: Child) {
         );
     }
     drop(graph);
-    symm_free(x as _, bytes, c.rank, stream as _);
-    symm_free(y as _, bytes, c.rank, stream as _);
+    symm_free(x as _, bytes, c.device, stream as _);
+    symm_free(y as _, bytes, c.device, stream as _);
     destroy(comm);
     println!(
         "rank {}: outputs hash {hash:016x}; {case} fused cases (LL and barrier kernels) and 200 replays of fused + LL all-reduce correct",
@@ -376,11 +375,10 @@ fn gpu_fused_rms_norm_matches_reference_on_every_rank() {
     if let Some(c) = child() {
         return rms_rank(c);
     }
-    let n = gpus("gpu_fused_rms_norm");
-    assert!(n >= 2, "needs 2 GPUs, found {n}");
+    let world = gpu_world("gpu_fused_rms_norm");
     let outs = run_ranks(
         "gpu_fused_rms_norm_matches_reference_on_every_rank",
-        n.min(8) as i32,
+        world,
         &[],
         &seed().to_string(),
     );

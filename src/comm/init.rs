@@ -27,13 +27,14 @@ static DEVICES_IN_USE: Mutex<Vec<i32>> = Mutex::new(Vec::new());
 fn describe_settings(w: &[u64]) -> String {
     format!(
         "SYMMALLOC_LL_BYTES={} SYMMALLOC_LL_GRID={}x{} SYMMALLOC_LL_MAX_BYTES={} \
-         SYMMALLOC_ONE_SHOT_MAX_BYTES={} SYMMALLOC_CHECK_SYMMETRY={}",
+         SYMMALLOC_ONE_SHOT_MAX_BYTES={} SYMMALLOC_CHECK_SYMMETRY={} SYMMALLOC_SHARED_GPU={}",
         w[0],
         w[1] >> 32,
         w[1] & 0xffff_ffff,
         w[2],
         w[3],
-        w[4]
+        w[4],
+        w[5]
     )
 }
 
@@ -87,6 +88,7 @@ impl Communicator {
         let ll_grid = config::ll_grid()?;
         let auto = algo::AutoThresholds::from_env(world, ll_slot)?;
         let check_symmetry = config::check_symmetry();
+        let shared_gpu = config::shared_gpu();
         let sms = if host {
             1
         } else {
@@ -103,6 +105,7 @@ impl Communicator {
             auto.ll_max,
             auto.one_shot_max,
             check_symmetry as u64,
+            shared_gpu as u64,
         ];
         let mut hello = Vec::new();
         for w in [device as u64, heap_size, host as u64]
@@ -146,9 +149,12 @@ impl Communicator {
                 )));
             }
             if let Some(prev) = devices.iter().position(|&x| x == d) {
-                return Err(Error::invalid(format!(
-                    "ranks {prev} and {r} both use device {d}; expected one device per rank"
-                )));
+                if !shared_gpu {
+                    return Err(Error::invalid(format!(
+                        "ranks {prev} and {r} both use device {d}; expected one device per rank \
+                         (SYMMALLOC_SHARED_GPU=1 lets ranks share a GPU, for testing only)"
+                    )));
+                }
             }
             devices.push(d);
         }

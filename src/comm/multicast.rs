@@ -2,7 +2,8 @@
 //!
 //! Multimem runs only when `SYMMALLOC_ENABLE_MULTICAST=1` is set AND none of
 //! `NCCL_NVLS_ENABLE=0`, `TORCH_SYMM_MEM_DISABLE_MULTICAST=1`, `NVSHMEM_DISABLE_NVLS=1` is set
-//! (disabling always wins) AND the device reports multicast support. Creating a multicast
+//! (disabling always wins) AND ranks do not share a GPU (`SYMMALLOC_SHARED_GPU`) AND the device
+//! reports multicast support. Creating a multicast
 //! object on a shared host that disallows it can take its GPUs out of service, so nothing in
 //! this library reaches `cuMulticastCreate` unless this gate says yes.
 
@@ -22,6 +23,10 @@ pub fn multicast_gate(
                 "multicast is disabled by {k}={v} in the environment (disabling always wins)"
             ));
         }
+    }
+    if env("SYMMALLOC_SHARED_GPU").is_some_and(|x| matches!(x.trim(), "1" | "true" | "yes" | "on"))
+    {
+        return Err("multicast is off while ranks share a GPU (SYMMALLOC_SHARED_GPU)".into());
     }
     if !is("SYMMALLOC_ENABLE_MULTICAST", "1") {
         return Err(
@@ -74,6 +79,16 @@ mod tests {
             assert!(e.contains(k), "{e}");
         }
         assert!(gate(&[("SYMMALLOC_ENABLE_MULTICAST", "0")], true).is_err());
+        // Ranks that share a GPU never reach multicast, whatever else is set.
+        let e = gate(
+            &[
+                ("SYMMALLOC_ENABLE_MULTICAST", "1"),
+                ("SYMMALLOC_SHARED_GPU", "1"),
+            ],
+            true,
+        )
+        .unwrap_err();
+        assert!(e.contains("SYMMALLOC_SHARED_GPU"), "{e}");
         assert!(gate(
             &[
                 ("SYMMALLOC_ENABLE_MULTICAST", "1"),

@@ -49,6 +49,8 @@ pub fn seed() -> u64 {
 pub struct Child {
     pub rank: i32,
     pub world: i32,
+    /// The device this rank uses: its rank, or with `SYMM_TEST_RANKS` its rank modulo the GPUs.
+    pub device: i32,
     pub id: [u8; 128],
     pub arg: String,
 }
@@ -56,6 +58,7 @@ pub struct Child {
 pub fn child() -> Option<Child> {
     let rank = std::env::var("SYMM_TEST_RANK").ok()?.parse().ok()?;
     let world = std::env::var("SYMM_TEST_WORLD").ok()?.parse().ok()?;
+    let device = std::env::var("SYMM_TEST_DEVICE").ok()?.parse().ok()?;
     let hex = std::env::var("SYMM_TEST_ID").ok()?;
     let mut id = [0u8; 128];
     for (i, b) in id.iter_mut().enumerate() {
@@ -65,6 +68,7 @@ pub fn child() -> Option<Child> {
     Some(Child {
         rank,
         world,
+        device,
         id,
         arg,
     })
@@ -107,6 +111,7 @@ pub fn spawn_ranks_with<'a>(
             ])
             .env("SYMM_TEST_RANK", r.to_string())
             .env("SYMM_TEST_WORLD", world.to_string())
+            .env("SYMM_TEST_DEVICE", device_for(r).to_string())
             .env("SYMM_TEST_ID", &id)
             .env("SYMM_TEST_ARG", arg)
             .stdout(std::process::Stdio::piped())
@@ -117,6 +122,39 @@ pub fn spawn_ranks_with<'a>(
             c.spawn().unwrap()
         })
         .collect()
+}
+
+/// `SYMM_TEST_RANKS=N` (GPU tests): run N ranks over this machine's GPUs, rank r on GPU
+/// r mod GPUs. More ranks than GPUs needs `SYMMALLOC_SHARED_GPU=1` too: that tests the
+/// protocol at N ranks on one GPU (slowly: the ranks' kernels time-slice).
+fn ranks_override() -> Option<i32> {
+    let v = std::env::var("SYMM_TEST_RANKS").ok()?;
+    let n = v.trim().parse::<i32>().ok().filter(|n| (2..=8).contains(n));
+    Some(n.unwrap_or_else(|| panic!("SYMM_TEST_RANKS={v:?}; expected 2..=8 ranks")))
+}
+
+/// The device rank `rank`'s child uses: the rank itself, or with `SYMM_TEST_RANKS` the rank
+/// modulo the number of GPUs.
+fn device_for(rank: i32) -> i32 {
+    match ranks_override() {
+        Some(_) => rank % gpus("SYMM_TEST_RANKS") as i32,
+        None => rank,
+    }
+}
+
+/// The world a multi-rank GPU test runs: one rank per GPU (at most 8), or `SYMM_TEST_RANKS`.
+pub fn gpu_world(test: &str) -> i32 {
+    let n = gpus(test);
+    if let Some(w) = ranks_override() {
+        eprintln!("{test}: {w} ranks on {n} GPU(s) (SYMM_TEST_RANKS)");
+        return w;
+    }
+    assert!(
+        n >= 2,
+        "{test} needs 2 GPUs, found {n} (SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1 runs N \
+         ranks on fewer GPUs)"
+    );
+    n.min(8) as i32
 }
 
 pub fn wait_all(children: Vec<std::process::Child>) -> Vec<Output> {
@@ -177,7 +215,6 @@ pub fn err() -> String {
         .into_owned()
 }
 
-/// Creates this child's communicator (device = rank) from the id its parent passed.
 /// symm_comm_init for this child's rank: the status and the communicator (null on failure).
 pub fn try_init(
     c: &Child,
@@ -192,7 +229,7 @@ pub fn try_init(
         .zip(c.id)
         .for_each(|(d, s)| *d = s as _);
     let mut comm = std::ptr::null_mut();
-    let st = symm_comm_init(&mut comm, c.world, c.rank, c.rank, &id);
+    let st = symm_comm_init(&mut comm, c.world, c.rank, c.device, &id);
     (st, comm)
 }
 
@@ -243,11 +280,11 @@ pub fn expect_exchange_asymmetry(
     use symmalloc::ffi::{symm_all_reduce, symm_malloc, types::*};
     let none = std::ptr::null_mut();
     let extra = if c.rank == 0 {
-        symm_malloc(3 << 20, c.rank, none)
+        symm_malloc(3 << 20, c.device, none)
     } else {
         none as _
     };
-    let p = symm_malloc(8 << 20, c.rank, none);
+    let p = symm_malloc(8 << 20, c.device, none);
     let st = symm_all_reduce(comm, p, p, 1024, SYMM_FP32, SYMM_SUM, none);
     assert_eq!(
         st,
