@@ -265,7 +265,7 @@ fn graph_rank(c: Child) {
         assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
         let graph = util::capture_end(c.device, stream).unwrap();
         let poison = vec![0xFFu8; bytes];
-        for replay in 0..1000u64 {
+        for replay in 0..reps(1000) {
             let s = seed ^ (replay << 20) ^ n as u64;
             // Stream-ordered uploads: the replay on the same stream sees them.
             let x = encode(SYMM_BF16, &inputs(s, c.rank, n, SYMM_BF16));
@@ -305,7 +305,7 @@ fn graph_rank(c: Child) {
         symm_free(b as _, bytes, c.device, stream as _);
     }
     destroy(comm);
-    println!("rank {}: 6 x 1000 graph replays correct", c.rank);
+    println!("rank {}: 6 x {} graph replays correct", c.rank, reps(1000));
 }
 
 #[test]
@@ -323,7 +323,8 @@ fn steady_rank(c: Child) {
     let stream = util::stream_create(c.device).unwrap();
     let mut warm = None;
     let t0 = std::time::Instant::now();
-    for it in 0..10_000 {
+    let iters = reps(10_000);
+    for it in 0..iters {
         let p = symm_malloc(64 << 10, c.device, stream as _);
         let st = symm_all_reduce(comm, p, p, 32 << 10, SYMM_BF16, SYMM_SUM, stream as _);
         assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
@@ -342,7 +343,7 @@ fn steady_rank(c: Child) {
     );
     destroy(comm);
     println!(
-        "rank {}: 10,000 iterations in {:.2} s, no new mappings or segments",
+        "rank {}: {iters} iterations in {:.2} s, no new mappings or segments",
         c.rank,
         t0.elapsed().as_secs_f64()
     );
