@@ -769,6 +769,9 @@ fn release_rank(c: Child) {
     symm_empty_cache();
     let free = || symmalloc::cuda::driver::mem_info(c.device).unwrap().0;
     let free0 = free();
+    // Ranks that share a GPU (SYMMALLOC_SHARED_GPU) see each other's memory in mem_info: no rank
+    // allocates before every rank has measured.
+    call("measured");
     let (big, n) = (1usize << 30, 1usize << 20); // a 1 GiB segment; 1M bf16 elements reduced
     let mut first = 0;
     for round in 0..3i32 {
@@ -806,6 +809,7 @@ fn release_rank(c: Child) {
             "rank {}, round {round}: {held} MiB of device memory did not come back",
             c.rank
         );
+        call("measured");
     }
     destroy(comm);
     println!(
