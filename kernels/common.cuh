@@ -133,22 +133,28 @@ __device__ __forceinline__ bool give_up(const SymmArgs& a, uint32_t& spins, uint
   return true;
 }
 
-// This block's barrier epoch at kernel start (every thread gets it), or false when the
-// communicator was aborted: the block must then return at once, touching no peer memory. Each
-// barrier uses the next epoch; epoch_end stores the last one used for the next kernel.
-__device__ __forceinline__ bool epoch_begin(const SymmArgs& a, uint32_t& e) {
-  __shared__ uint32_t epoch, dead;
+// Every kernel's first step: thread 0 loads the block's word `*word` (a barrier epoch or an LL
+// call counter) and the abort word, and every thread gets the word. False when the communicator
+// was aborted: the block must then return at once, touching no peer memory. Both loads are in
+// flight before either store: a store between them would wait for the first load and serialize
+// two L2 round trips (0.2 us per kernel, measured).
+__device__ __forceinline__ bool block_start(const SymmArgs& a, const uint32_t* word, uint32_t& value) {
+  __shared__ uint32_t value_s, dead_s;
   if (threadIdx.x == 0) {
-    // Both loads in flight before either store: a store between them would wait for the first
-    // load and serialize two L2 round trips (0.2 us per kernel, measured).
-    const uint32_t e0 = ((const uint32_t*)a.counters)[blockIdx.x];
+    const uint32_t v0 = *word;
     const uint32_t d0 = *(volatile uint32_t*)abort_word(a);
-    epoch = e0;
-    dead = d0;
+    value_s = v0;
+    dead_s = d0;
   }
   __syncthreads();
-  e = epoch;
-  return dead == 0;
+  value = value_s;
+  return dead_s == 0;
+}
+
+// This block's barrier epoch at kernel start, or false when aborted (block_start). Each barrier
+// uses the next epoch; epoch_end stores the last one used for the next kernel.
+__device__ __forceinline__ bool epoch_begin(const SymmArgs& a, uint32_t& e) {
+  return block_start(a, (const uint32_t*)a.counters + blockIdx.x, e);
 }
 
 __device__ __forceinline__ void epoch_end(const SymmArgs& a, uint32_t e) {

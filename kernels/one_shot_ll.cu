@@ -20,9 +20,15 @@
 // Layout of rank r's LL region (pads[r] + LL_*_OFFSET, kernel_args.rs mirrors it): per-block
 // call counters (local), LL_BUFFERS x MAX_RANKS call-descriptor words (block 0 of each sender
 // writes its descriptor; the receiver checks it and resets it to 0), then LL_BUFFERS x world
-// slots of ll_slot_kib KiB, one per sending rank. Every call of a communicator uses the same
-// grid (SYMMALLOC_LL_GRID, equal on all ranks, at most SYMM_MAX_BLOCKS blocks of at most
-// SYMM_THREADS), so every block sees every call and the counters stay in step across ranks.
+// slots of ll_slot_kib KiB, one per sending rank.
+//
+// Call counters: an LL call runs on G' blocks, just enough for its message (at most the
+// communicator's LL grid, SYMMALLOC_LL_GRID; a function of the call and of settings equal on
+// every rank). Block b reads counters[b] (ll_begin) and, at its end, writes the next call's
+// number into counters b, b + G', b + 2G', ... below SYMM_MAX_BLOCKS (ll_end). So every counter
+// moves by exactly one per call whatever grid a call ran on: between two calls all counters are
+// equal (kernels of a communicator are stream-ordered), and every block of every rank picks the
+// same buffer. Before this, every call ran on the full LL grid; 120 of 128 blocks idle at 8 KiB.
 #include "common.cuh"
 
 #define LL_BUFFERS 2
@@ -72,6 +78,22 @@ __device__ __forceinline__ uint8_t* ll_region(const SymmArgs& a, int r) {
 __device__ __forceinline__ uint4* ll_slot(const SymmArgs& a, int owner, uint32_t buf, int sender) {
   return (uint4*)(ll_region(a, owner) + LL_DATA_OFFSET +
                   ((uint64_t)buf * a.world + sender) * ((uint64_t)a.ll_slot_kib << 10));
+}
+
+// The block's call number, or false when the communicator was aborted (block_start): the block
+// must then return at once, pushing nothing into the peers' buffers. Loads a caller issued
+// before this that do not depend on the call stay in flight across it.
+__device__ __forceinline__ bool ll_begin(const SymmArgs& a, uint32_t& call) {
+  return block_start(a, (const uint32_t*)(ll_region(a, a.rank) + LL_COUNTERS_OFFSET) + blockIdx.x, call);
+}
+
+// Every LL kernel's last step (all threads call it): the next call's number into this block's
+// counters, b, b + G', ... (the file's header: every counter moves once per call).
+__device__ __forceinline__ void ll_end(const SymmArgs& a, uint32_t call) {
+  __syncthreads();
+  uint32_t* counters = (uint32_t*)(ll_region(a, a.rank) + LL_COUNTERS_OFFSET);
+  for (uint32_t c = blockIdx.x + threadIdx.x * gridDim.x; c < SYMM_MAX_BLOCKS; c += blockDim.x * gridDim.x)
+    counters[c] = call + 1;
 }
 
 // Item i (16 bytes) of this rank's input; elements past count read as 0.
@@ -153,16 +175,8 @@ __device__ __forceinline__ void one_shot_ll_body(const SymmArgs& a) {
   // The thread's first input vector does not depend on the call: in flight before the counter
   // and abort-word loads, so the two latencies overlap; the pull reuses it.
   const uint4 first_in = first < items ? ll_load_input<T, VEC>(a, first) : make_uint4(0, 0, 0, 0);
-  uint32_t* counters = (uint32_t*)(ll_region(a, a.rank) + LL_COUNTERS_OFFSET);
-  __shared__ uint32_t call, dead;
-  if (threadIdx.x == 0) {  // both loads in flight before either store (see epoch_begin)
-    const uint32_t c0 = counters[blockIdx.x];
-    const uint32_t d0 = *(volatile uint32_t*)abort_word(a);
-    call = c0;
-    dead = d0;
-  }
-  __syncthreads();
-  if (dead) return;  // aborted: push nothing into the peers' buffers
+  uint32_t call;
+  if (!ll_begin(a, call)) return;  // aborted: push nothing into the peers' buffers
   const uint32_t buf = call % LL_BUFFERS;
   const uint64_t start = globaltimer();
 
@@ -203,8 +217,7 @@ __device__ __forceinline__ void one_shot_ll_body(const SymmArgs& a) {
     for (int k = 0; k < N; ++k) e[k] = from_f32<T>(acc[k]);
     ll_store_output<T, VEC>(a, i, s);
   }
-  __syncthreads();
-  if (threadIdx.x == 0) counters[blockIdx.x] = call + 1;
+  ll_end(a, call);
 }
 
 #define SYMM_ONE_SHOT_LL(NAME, T, OP, VEC) \

@@ -83,7 +83,7 @@ __device__ __forceinline__ void all_gather_body(const SymmArgs& a) {
 // rank's buffers, so no closing barrier either. The launch picks it from values equal on every
 // rank (the input's offset and the slice's size, whole 16-byte vectors), never from the output,
 // which is rank-local: an output that is not 16-byte aligned is written element by element.
-// Blocks run on the communicator's fixed LL grid and keep its call counters in step.
+// Blocks run on the LL grid fitted to the slice and keep the call counters in step (ll_end).
 #ifndef LL_BUFFERS
 #error "scatter_gather.cu uses one_shot_ll.cu's LL protocol: build.rs includes kernels/*.cu in name order"
 #endif
@@ -91,16 +91,8 @@ __device__ __forceinline__ void all_gather_body(const SymmArgs& a) {
 template <typename T, int OP>
 __device__ __forceinline__ void reduce_scatter_ll_body(const SymmArgs& a) {
   constexpr int N = 16 / sizeof(T);
-  uint32_t* counters = (uint32_t*)(ll_region(a, a.rank) + LL_COUNTERS_OFFSET);
-  __shared__ uint32_t call, dead;
-  if (threadIdx.x == 0) {  // both loads in flight before either store (see epoch_begin)
-    const uint32_t c0 = counters[blockIdx.x];
-    const uint32_t d0 = *(volatile uint32_t*)abort_word(a);
-    call = c0;
-    dead = d0;
-  }
-  __syncthreads();
-  if (dead) return;  // aborted: push nothing into the peers' buffers
+  uint32_t call;
+  if (!ll_begin(a, call)) return;  // aborted: push nothing into the peers' buffers
   const uint32_t buf = call % LL_BUFFERS;
   const uint64_t start = globaltimer();
   const uint64_t items = a.count / N;  // this rank's slice, whole vectors (the launch checks)
@@ -145,8 +137,7 @@ __device__ __forceinline__ void reduce_scatter_ll_body(const SymmArgs& a) {
       for (int k = 0; k < N; ++k) o[k] = from_f32<T>(acc[k]);
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) counters[blockIdx.x] = call + 1;
+  ll_end(a, call);
 }
 
 #define SYMM_REDUCE_SCATTER_LL(NAME, T, OP) \

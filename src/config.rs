@@ -121,11 +121,10 @@ pub fn ll_bytes(world: usize) -> Result<u64> {
 /// 16.6 at 4 MiB graphed; 32x512: 8.4 at 1 MiB).
 pub const DEFAULT_LL_GRID: (u32, u32) = (128, 512);
 
-/// `SYMMALLOC_LL_GRID=BLOCKSxTHREADS`: the one-shot LL kernel's blocks, fixed for a
-/// communicator's life (each block keeps a call counter), and the most threads per block
-/// (each call uses just enough, at least 64, to spread its message over every block); at
-/// most 128 blocks of at most 512 threads, threads a multiple of 32; must match on all
-/// ranks.
+/// `SYMMALLOC_LL_GRID=BLOCKSxTHREADS`: the most blocks of an LL call (each call runs on just
+/// the blocks that have items: launch.rs) and the most threads per block (each call uses just
+/// enough, at least 64, to spread its message over the blocks); at most 128 blocks of at most
+/// 512 threads, threads a multiple of 32; must match on all ranks.
 pub fn ll_grid() -> Result<(u32, u32)> {
     let Ok(v) = std::env::var("SYMMALLOC_LL_GRID") else {
         return Ok(DEFAULT_LL_GRID);

@@ -2,7 +2,7 @@
 //! vector width) with its grid and the argument struct every kernel takes.
 //!
 //! Invariants: the grid is a pure function of the call (every rank picks the same one, so
-//! block b meets block b); the LL kernel always runs on the communicator's fixed grid; kernels
+//! block b meets block b); LL kernels run on at most the communicator's LL grid; kernels
 //! of one communicator are ordered (streams.rs), whatever streams carry them.
 
 use super::algo::{Algo, DType, ReduceOp};
@@ -22,6 +22,18 @@ pub fn ll_threads(items: u64, (blocks, max_threads): (u32, u32)) -> u32 {
         .div_ceil(blocks as u64)
         .next_power_of_two()
         .clamp(64, max_threads as u64) as u32
+}
+
+/// Grid and block of an LL call of `items` 16-byte items: ll_threads per block, and just the
+/// blocks that have items (an item per thread), at most the LL grid's. Idle blocks cost launch
+/// time; kernels/one_shot_ll.cu keeps the call counters in step whatever the grid. A pure
+/// function of the message and of the communicator's LL grid (equal on every rank).
+pub fn ll_shape(items: u64, ll_grid: (u32, u32)) -> (u32, u32) {
+    let threads = ll_threads(items, ll_grid);
+    let blocks = items
+        .div_ceil(threads as u64)
+        .clamp(1, ll_grid.0.max(1) as u64);
+    (blocks as u32, threads)
 }
 
 /// Whether a reduce-scatter takes the LL kernel: its input's offset and its slice are whole
@@ -132,11 +144,8 @@ impl Communicator {
             _ => THREADS as u64,
         };
         let (grid, threads) = match algo {
-            Algo::OneShotLL => {
-                let ll_items = (desc.count * esize).div_ceil(16);
-                (self.ll_grid.0, ll_threads(ll_items, self.ll_grid))
-            }
-            Algo::ReduceScatterLL => (self.ll_grid.0, ll_threads(items, self.ll_grid)),
+            Algo::OneShotLL => ll_shape((desc.count * esize).div_ceil(16), self.ll_grid),
+            Algo::ReduceScatterLL => ll_shape(items, self.ll_grid),
             _ => (per_rank.div_ceil(per_block).clamp(1, cap) as u32, THREADS),
         };
         let mut args = self.symm_args(&desc, mc_out);
@@ -195,7 +204,7 @@ impl Communicator {
 
 #[cfg(test)]
 mod tests {
-    use super::{ll_threads, reduce_scatter_takes_ll};
+    use super::{ll_shape, ll_threads, reduce_scatter_takes_ll};
 
     #[test]
     fn reduce_scatter_takes_ll_for_small_aligned_slices_only() {
@@ -222,6 +231,21 @@ mod tests {
             "input offset not 16-byte aligned"
         );
         assert!(!reduce_scatter_takes_ll(0, 8, 2, 0), "LL turned off");
+    }
+
+    #[test]
+    fn ll_calls_run_on_the_blocks_that_have_items() {
+        assert_eq!(ll_shape(1, (128, 512)), (1, 64));
+        assert_eq!(ll_shape(512, (128, 512)), (8, 64), "8 KiB bf16");
+        assert_eq!(ll_shape(513, (128, 512)), (9, 64));
+        assert_eq!(ll_shape(16384, (128, 512)), (128, 128), "256 KiB");
+        assert_eq!(ll_shape(1 << 20, (128, 512)), (128, 512), "grid-stride");
+        assert_eq!(ll_shape(512, (4, 512)), (4, 128), "a smaller LL grid");
+        assert_eq!(
+            ll_shape(0, (128, 512)),
+            (1, 64),
+            "an empty call still bumps the counters"
+        );
     }
 
     #[test]
