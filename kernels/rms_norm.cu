@@ -89,36 +89,42 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
 }
 
 // Small messages (x up to the LL threshold): the LL protocol of one_shot_ll.cu instead of the two
-// barriers, so the fused call costs about what the LL all-reduce costs. Every block of the
-// communicator's fixed LL grid pushes its share of x into every peer's slot, spread over the
-// blocks as the LL all-reduce spreads a message of that size (push_threads per block,
-// grid-stride: one SM's stores to a peer are the bottleneck otherwise), takes part in the
-// descriptor check and bumps its call counter, exactly as the LL all-reduce does (so the two
-// share buffers and counters in step). Then block b pulls whole rows b, b + grid, ...:
-// it waits for each peer's items of the row, reduces them with its own in rank order, adds the
-// residual and normalizes. Any block may pull and reset any item: slots are indexed by item, and
-// each item is read and reset once per call. A failed wait (timeout, abort) stops the waits of
-// that thread; the block still meets at every __syncthreads and writes nothing for the row.
+// barriers, so the fused call costs about what the LL all-reduce costs. The grid is fitted to the
+// call (rms_norm.rs): enough blocks to push x with the LL all-reduce's spread (push_threads per
+// block; one SM's stores to a peer are the bottleneck otherwise) and to give each row a block, at
+// most the communicator's LL grid; ll_end keeps every call counter in step whatever the grid.
+// Each block pushes its grid-stride share of x into every peer's slot and takes part in the
+// descriptor check, exactly as the LL all-reduce does (the two share buffers and counters). Then
+// block b pulls whole rows b - 1, b - 1 + grid, ... (block 0 the last row of each round): it
+// waits for each peer's items of the row, reduces them with its own in rank order, adds the
+// residual and normalizes. V vectors per thread: V = 1 (up to 1024 threads, hidden <= 8192)
+// keeps every poll of a thread independent; V = 4 (512 threads) covers hidden up to 16384. Any
+// block may pull and reset any item: slots are indexed by item, and each item is read and reset
+// once per call. A failed wait (timeout, abort) stops the waits of that thread; the block still
+// meets at every barrier and writes nothing for the row.
 #ifndef LL_BUFFERS
 #error "rms_norm.cu uses one_shot_ll.cu's LL protocol: build.rs includes kernels/*.cu in name order"
 #endif
 
-// Row t's own x, residual and weight vectors of this thread (nothing past the row's end).
-__device__ __forceinline__ void load_row(const RmsArgs& f, const uint4* x, uint64_t t, uint64_t vecs,
-                                         uint4 (&own)[SYMM_RMS_VECS], uint4 (&res)[SYMM_RMS_VECS],
-                                         uint4 (&wgt)[SYMM_RMS_VECS]) {
+// The sum of v over the block, in the fixed order of block_sum (a shuffle tree per warp, then a
+// shuffle tree over the warps' sums), with one barrier instead of two, which also ANDs `mine`
+// over the block into `all`: every warp reduces the warps' sums itself (each gets the same bits).
+// part[] is double-buffered by the row's parity, so a warp that is a row ahead never overwrites
+// sums a slower warp still reads (the row in between has a barrier every warp must pass).
+__device__ __forceinline__ float block_sum_and(float v, int parity, bool mine, bool& all) {
+  __shared__ float part[2][32];
 #pragma unroll
-  for (int k = 0; k < SYMM_RMS_VECS; ++k) {
-    const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
-    if (j < vecs) {
-      own[k] = x[t * vecs + j];
-      res[k] = ((const uint4*)f.residual)[t * vecs + j];
-      wgt[k] = ((const uint4*)f.weight)[j];
-    }
-  }
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) part[parity][warp] = v;
+  all = __syncthreads_and(mine) != 0;
+  float w = lane < (int)(blockDim.x / 32) ? part[parity][lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) w += __shfl_xor_sync(0xffffffffu, w, o);
+  return w;
 }
 
-template <typename T>
+template <typename T, int V>
 __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   constexpr int N = 16 / sizeof(T);
   const SymmArgs& a = f.s;
@@ -135,16 +141,8 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   uint4 pv = make_uint4(0, 0, 0, 0);
   if (threadIdx.x < tp && p0 < items) pv = x[p0];
 
-  uint32_t* counters = (uint32_t*)(ll_region(a, a.rank) + LL_COUNTERS_OFFSET);
-  __shared__ uint32_t call, dead;
-  if (threadIdx.x == 0) {  // both loads in flight before either store (see epoch_begin)
-    const uint32_t c0 = counters[blockIdx.x];
-    const uint32_t d0 = *(volatile uint32_t*)abort_word(a);
-    call = c0;
-    dead = d0;
-  }
-  __syncthreads();
-  if (dead) return;  // aborted: push nothing into the peers' buffers
+  uint32_t call;
+  if (!ll_begin(a, call)) return;  // aborted: push nothing into the peers' buffers
   const uint32_t buf = call % LL_BUFFERS;
   const uint64_t start = globaltimer();
   for (uint64_t u = threadIdx.x; u < tp; u += blockDim.x) {
@@ -158,28 +156,39 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   }
   bool ok = ll_check_desc(a, buf, start);
 
-  for (uint64_t t = blockIdx.x; ok && t < tokens; t += gridDim.x) {
-    float r[SYMM_RMS_VECS][N];
+  // Row t is pulled by block (t + 1) % grid: block 0 checks the call descriptor first (its
+  // pull waits for the peers' descriptors), so with fewer rows than blocks no row waits on it.
+  int parity = 0;
+  for (uint64_t t = (blockIdx.x + gridDim.x - 1) % gridDim.x; ok && t < tokens; t += gridDim.x, parity ^= 1) {
+    float r[V][N];
     float ss = 0.f;
     bool mine = true;  // this thread's waits all succeeded
-    uint4 own[SYMM_RMS_VECS], res[SYMM_RMS_VECS], wgt[SYMM_RMS_VECS];
-    load_row(f, x, t, vecs, own, res, wgt);  // in flight during the polls
+    uint4 own[V], res[V], wgt[V];
 #pragma unroll
-    for (int k = 0; k < SYMM_RMS_VECS; ++k)
+    for (int k = 0; k < V; ++k) {  // in flight during the polls
+      const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+      if (j < vecs) {
+        own[k] = x[t * vecs + j];
+        res[k] = ((const uint4*)f.residual)[t * vecs + j];
+        wgt[k] = ((const uint4*)f.weight)[j];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k)
       if (threadIdx.x + (uint64_t)k * blockDim.x < vecs) ll_sanitize<T>(own[k]);
     // Rank order (every rank adds the same values in the same order); per peer, every load of
     // the row is issued before any wait, so the polls overlap.
 #pragma unroll
     for (int p = 0; p < SYMM_MAX_RANKS; ++p) {
       if (p >= a.world) break;
-      uint4 v[SYMM_RMS_VECS];
+      uint4 v[V];
 #pragma unroll
-      for (int k = 0; k < SYMM_RMS_VECS; ++k) {
+      for (int k = 0; k < V; ++k) {
         const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
         if (j < vecs) v[k] = p == a.rank ? own[k] : ld_volatile_v4(ll_slot(a, a.rank, buf, p) + t * vecs + j);
       }
 #pragma unroll
-      for (int k = 0; k < SYMM_RMS_VECS; ++k) {
+      for (int k = 0; k < V; ++k) {
         const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
         if (j >= vecs) continue;
         if (p != a.rank) {
@@ -196,7 +205,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
       }
     }
 #pragma unroll
-    for (int k = 0; k < SYMM_RMS_VECS; ++k) {
+    for (int k = 0; k < V; ++k) {
       const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
       if (j >= vecs) continue;
       const T* re = (const T*)&res[k];
@@ -206,11 +215,10 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
         ss += r[k][q] * r[k][q];
       }
     }
-    const float inv = rsqrtf(block_sum(ss) / (float)f.hidden + f.eps);
-    ok = __syncthreads_and(mine) != 0;
+    const float inv = rsqrtf(block_sum_and(ss, parity, mine, ok) / (float)f.hidden + f.eps);
     if (!ok) break;
 #pragma unroll
-    for (int k = 0; k < SYMM_RMS_VECS; ++k) {
+    for (int k = 0; k < V; ++k) {
       const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
       if (j >= vecs) continue;
       ((uint4*)f.residual)[t * vecs + j] = pack<T, true>(r[k]);
@@ -221,15 +229,23 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
       ((uint4*)f.out)[t * vecs + j] = pack<T, true>(o);
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) counters[blockIdx.x] = call + 1;
+  ll_end(a, call);
 }
 
+// One vector per thread, up to 1024 threads (hidden <= 8192).
+#define SYMM_RMS_LL1_THREADS 1024
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LL1_THREADS) symm_all_reduce_add_rms_norm_ll1_bf16(RmsArgs f) {
+  rms_ll_body<__nv_bfloat16, 1>(f);
+}
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LL1_THREADS) symm_all_reduce_add_rms_norm_ll1_fp16(RmsArgs f) {
+  rms_ll_body<__half, 1>(f);
+}
+// SYMM_RMS_VECS vectors per thread, up to SYMM_THREADS threads (hidden <= 16384).
 extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_ll_bf16(RmsArgs f) {
-  rms_ll_body<__nv_bfloat16>(f);
+  rms_ll_body<__nv_bfloat16, SYMM_RMS_VECS>(f);
 }
 extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_ll_fp16(RmsArgs f) {
-  rms_ll_body<__half>(f);
+  rms_ll_body<__half, SYMM_RMS_VECS>(f);
 }
 
 extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_bf16(RmsArgs f) {

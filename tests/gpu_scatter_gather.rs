@@ -201,8 +201,8 @@ fn rms_rank(c: Child) {
     let seed: u64 = c.arg.parse().unwrap();
     let mut hash = 0xcbf29ce484222325u64;
     let mut case = 0u64;
-    // Up to 4 MiB of x the LL kernel (one row per block: a vector per thread up to hidden 4096,
-    // two at 8192, four at 16384; [2, 6136] leaves a partial warp), above it the barrier kernel.
+    // Up to 4 MiB of x the LL kernels (one row per block: a vector per thread up to hidden 8192,
+    // four at 16384; [2, 6136] leaves a partial warp), above it the barrier kernel.
     let shapes = [
         (1usize, 2048usize),
         (1, 4096),
@@ -321,6 +321,21 @@ fn rms_rank(c: Child) {
         stream as _,
     );
     assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
+    // And one of the first row alone: 8 KiB runs on 8 blocks where the calls above run on 48
+    // (LL calls run on the blocks that have items; every block's counter must still move once
+    // per call, or a later call's blocks would disagree on the buffer).
+    let z = symm_malloc(hidden * 2, c.device, stream as _) as u64;
+    let st = symm_all_reduce_algo(
+        comm,
+        SYMM_ALGO_ONE_SHOT_LL,
+        x as _,
+        z as _,
+        hidden,
+        dtype,
+        SYMM_SUM,
+        stream as _,
+    );
+    assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
     let graph = util::capture_end(c.device, stream).unwrap();
     for replay in 0..200u64 {
         let s = seed ^ (replay << 30);
@@ -351,10 +366,21 @@ fn rms_rank(c: Child) {
             e <= tol(dtype),
             "replay {replay}: LL all-reduce rel err {e}"
         );
+        let mut row = vec![0u8; hidden * 2];
+        util::dtoh(c.device, &mut row, z).unwrap();
+        let e = rel_err(
+            &decode(dtype, &row),
+            &reference(s, c.world, n, dtype, SYMM_SUM)[..hidden],
+        );
+        assert!(
+            e <= tol(dtype),
+            "replay {replay}: one-row all-reduce rel err {e}"
+        );
     }
     drop(graph);
     symm_free(x as _, bytes, c.device, stream as _);
     symm_free(y as _, bytes, c.device, stream as _);
+    symm_free(z as _, hidden * 2, c.device, stream as _);
     destroy(comm);
     println!(
         "rank {}: outputs hash {hash:016x}; {case} fused cases (LL and barrier kernels) and 200 replays of fused + LL all-reduce correct",

@@ -34,9 +34,11 @@ pub enum Algo {
     ReduceScatterLL,
     AllGather,
     /// All-reduce fused with residual add and RMSNorm (kernels/rms_norm.cu): the barrier
-    /// kernel, and the LL kernel for messages up to AUTO's LL threshold.
+    /// kernel, and the LL kernels for messages up to AUTO's LL threshold (a vector per thread
+    /// up to hidden 8192, four per thread above).
     AddRmsNorm,
     AddRmsNormLL,
+    AddRmsNormLL1,
 }
 
 impl DType {
@@ -111,6 +113,7 @@ impl Algo {
             Algo::AllGather => "all_gather",
             Algo::AddRmsNorm => "all_reduce_add_rms_norm",
             Algo::AddRmsNormLL => "all_reduce_add_rms_norm_ll",
+            Algo::AddRmsNormLL1 => "all_reduce_add_rms_norm_ll1",
         }
     }
 }

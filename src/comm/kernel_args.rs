@@ -79,6 +79,9 @@ pub fn slot(pad: u64, block: usize, peer: usize) -> u64 {
 pub const RMS_VECS: u64 = 4;
 /// The largest hidden size one block covers: THREADS x RMS_VECS vectors of 8 elements.
 pub const RMS_MAX_HIDDEN: u64 = THREADS as u64 * RMS_VECS * 8;
+/// The fused LL kernel with one vector per thread (`..._ll1_*`) runs blocks of up to this many
+/// threads: rows up to hidden 8192.
+pub const RMS_LL1_THREADS: u64 = 1024;
 
 /// Mirror of `RmsArgs` (kernels/rms_norm.cu).
 #[repr(C)]

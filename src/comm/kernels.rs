@@ -25,6 +25,9 @@ pub fn kernel_name(algo: Algo, dtype: DType, op: ReduceOp, vec: bool) -> Option<
         Algo::AddRmsNormLL if op == ReduceOp::Sum && vec && dtype != DType::Fp32 => {
             return Some(format!("symm_all_reduce_add_rms_norm_ll_{}", dtype.name()));
         }
+        Algo::AddRmsNormLL1 if op == ReduceOp::Sum && vec && dtype != DType::Fp32 => {
+            return Some(format!("symm_all_reduce_add_rms_norm_ll1_{}", dtype.name()));
+        }
         _ => return None,
     };
     let v = if vec { "vec" } else { "scalar" };
@@ -44,6 +47,7 @@ pub fn all_kernel_names() -> Vec<String> {
         Algo::AllGather,
         Algo::AddRmsNorm,
         Algo::AddRmsNormLL,
+        Algo::AddRmsNormLL1,
     ] {
         for dtype in [DType::Bf16, DType::Fp16, DType::Fp32] {
             for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {

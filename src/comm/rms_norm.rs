@@ -13,7 +13,7 @@
 use super::algo::{Algo, DType, ReduceOp};
 use super::exchange::{CallDesc, RANK_LOCAL};
 use super::host_reduce::{HostCall, HostRms};
-use super::kernel_args::{RmsArgs, MAX_BLOCKS, RMS_MAX_HIDDEN, RMS_VECS, THREADS};
+use super::kernel_args::{RmsArgs, MAX_BLOCKS, RMS_LL1_THREADS, RMS_MAX_HIDDEN, RMS_VECS, THREADS};
 use super::{byte_size, launch::run_host, Communicator};
 use crate::cuda;
 use crate::error::{Error, Result};
@@ -126,6 +126,8 @@ impl Communicator {
             };
             return run_host(&call, &mut self.host_epoch, &mut self.sticky);
         }
+        // The LL all-reduce's spread for a message of this size (pushes from every block).
+        let push_threads = super::launch::ll_threads(count / 8, self.ll_grid);
         let args = RmsArgs {
             s: self.symm_args(&desc, 0),
             residual: c.residual,
@@ -133,51 +135,65 @@ impl Communicator {
             out: c.out,
             hidden: c.hidden,
             eps: c.eps,
-            // The LL all-reduce's spread for a message of this size (pushes from every block).
-            push_threads: super::launch::ll_threads(count / 8, self.ll_grid),
+            push_threads,
         };
-        // Just enough threads for a row; a block per row (grid-stride over the tokens). Up to
-        // AUTO's LL threshold the LL kernel runs, on the communicator's fixed LL grid (as every
-        // LL call does: its blocks' call counters stay in step). Both choices are functions of
-        // the call and of settings equal on every rank.
-        let threads = (c.hidden / 8)
-            .div_ceil(RMS_VECS)
-            .next_power_of_two()
-            .clamp(64, THREADS as u64) as u32;
-        let (algo, grid, threads) = if let Some(t) =
-            ll_threads_for(bytes, c.hidden, threads, self.auto.ll_max, self.ll_grid.1)
-        {
-            (Algo::AddRmsNormLL, self.ll_grid.0, t)
-        } else {
-            (
+        // Up to AUTO's LL threshold the LL kernel, on a grid fitted to the call; above it the
+        // barrier kernel with just enough threads for a row and a block per row (grid-stride
+        // over the tokens). Every input of both choices is equal on every rank.
+        let (algo, grid, threads) = match ll_shape(
+            c.tokens,
+            c.hidden,
+            push_threads,
+            bytes,
+            self.auto.ll_max,
+            self.ll_grid.0,
+        ) {
+            Some(shape) => shape,
+            None => (
                 Algo::AddRmsNorm,
                 c.tokens.min(MAX_BLOCKS as u64) as u32,
-                threads,
-            )
+                (c.hidden / 8)
+                    .div_ceil(RMS_VECS)
+                    .next_power_of_two()
+                    .clamp(64, THREADS as u64) as u32,
+            ),
         };
         let f = self.kernel(algo, dtype, ReduceOp::Sum, true)?;
         cuda::module::launch(self.device, f, grid, threads, stream, &args)
     }
 }
 
-/// The LL kernel's threads per block when the fused call takes it: x within AUTO's LL threshold
-/// and a row within the LL grid's block size. It takes up to a vector per thread (more polls in
-/// flight, one push pass), at least the `barrier_threads` a row needs. `None`: the barrier
-/// kernel. Every input is equal on every rank, so every rank picks the same kernel.
-pub fn ll_threads_for(
-    bytes: u64,
+/// The LL kernel, its grid and its block when the fused call takes it (x within AUTO's LL
+/// threshold `ll_max`), or `None` for the barrier kernel.
+/// - Block: a vector of the row per thread (`AddRmsNormLL1`, up to RMS_LL1_THREADS threads, in
+///   whole warps), so no thread's polls wait behind another of its own; wider rows take four
+///   vectors per thread (`AddRmsNormLL`, THREADS threads).
+/// - Grid: enough blocks to push x with `push_threads` per block (the LL all-reduce's spread) and
+///   to give every row a block, at most the communicator's LL grid `ll_blocks`. Idle blocks are
+///   not free: 128 blocks of 512 threads, where 8 push and one pulls, cost about what the spread
+///   saves (bench/NOTES.md).
+///
+/// Every input is equal on every rank, so every rank picks the same kernel and grid.
+pub fn ll_shape(
+    tokens: u64,
     hidden: u64,
-    barrier_threads: u32,
+    push_threads: u32,
+    bytes: u64,
     ll_max: u64,
-    ll_max_threads: u32,
-) -> Option<u32> {
-    if bytes > ll_max || barrier_threads > ll_max_threads {
+    ll_blocks: u32,
+) -> Option<(Algo, u32, u32)> {
+    if bytes > ll_max || tokens == 0 {
         return None;
     }
-    let wide = (hidden / 8)
-        .next_power_of_two()
-        .clamp(64, ll_max_threads as u64) as u32;
-    Some(wide.max(barrier_threads))
+    let vecs = hidden / 8;
+    let (algo, threads) = if vecs <= RMS_LL1_THREADS {
+        (Algo::AddRmsNormLL1, vecs.next_multiple_of(32).max(64))
+    } else {
+        (Algo::AddRmsNormLL, THREADS as u64)
+    };
+    let push_blocks = (tokens * vecs).div_ceil(push_threads.max(1) as u64);
+    let grid = tokens.max(push_blocks).clamp(1, ll_blocks.max(1) as u64);
+    Some((algo, grid as u32, threads as u32))
 }
 
 /// What the kernel needs of the shape, types and pointers, each named when it is wrong.
@@ -219,44 +235,64 @@ fn check(c: &RmsCall, dtype: DType) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::ll_threads_for;
+    use super::ll_shape;
+    use crate::comm::algo::Algo;
 
     #[test]
-    fn fused_call_takes_ll_within_the_threshold_and_a_row_per_block() {
-        let (ll_max, max_threads) = (4 << 20, 512);
-        // hidden 4096: 512 vectors, a vector per thread; the barrier kernel would use 128.
+    fn fused_call_takes_ll_within_the_threshold_on_a_fitted_grid() {
+        let ll_max = 4 << 20;
+        // [1, 4096] bf16: 512 vectors, one per thread; pushed 64 per block (the LL all-reduce's
+        // spread), so 8 blocks, of which block 0 pulls the row.
         assert_eq!(
-            ll_threads_for(8192, 4096, 128, ll_max, max_threads),
-            Some(512)
+            ll_shape(1, 4096, 64, 8192, ll_max, 128),
+            Some((Algo::AddRmsNormLL1, 8, 512))
         );
-        // hidden 16384: 2048 vectors over at most 512 threads (4 each, as the barrier kernel).
+        // hidden 6144: 768 vectors, a block of 768 threads; 12 pushing blocks.
         assert_eq!(
-            ll_threads_for(32768, 16384, 512, ll_max, max_threads),
-            Some(512)
+            ll_shape(1, 6144, 64, 12288, ll_max, 128),
+            Some((Algo::AddRmsNormLL1, 12, 768))
+        );
+        // hidden 8192: the widest row with a vector per thread.
+        assert_eq!(
+            ll_shape(1, 8192, 64, 16384, ll_max, 128),
+            Some((Algo::AddRmsNormLL1, 16, 1024))
+        );
+        // hidden 16384: four vectors per thread.
+        assert_eq!(
+            ll_shape(1, 16384, 64, 32768, ll_max, 128),
+            Some((Algo::AddRmsNormLL, 32, 512))
+        );
+        // 6 rows of 4096: the push takes 48 blocks of 64 (the LL all-reduce's spread).
+        assert_eq!(
+            ll_shape(6, 4096, 64, 6 * 8192, ll_max, 128),
+            Some((Algo::AddRmsNormLL1, 48, 512))
+        );
+        // 100 short rows (hidden 256): a block per row, more than the push needs (50).
+        assert_eq!(
+            ll_shape(100, 256, 64, 100 * 512, ll_max, 128),
+            Some((Algo::AddRmsNormLL1, 100, 64))
+        );
+        // More rows than the LL grid: every block of it, rows grid-stride.
+        assert_eq!(
+            ll_shape(512, 4096, 512, 512 * 8192, ll_max, 128),
+            Some((Algo::AddRmsNormLL1, 128, 512))
         );
         assert_eq!(
-            ll_threads_for(64, 8, 64, ll_max, max_threads),
-            Some(64),
-            "at least two warps"
+            ll_shape(1, 8, 64, 16, ll_max, 128),
+            Some((Algo::AddRmsNormLL1, 1, 64)),
+            "at least two warps, at least one block"
         );
         assert_eq!(
-            ll_threads_for(ll_max, 4096, 128, ll_max, max_threads),
-            Some(512),
+            ll_shape(1, 4096, 64, 8192, ll_max, 4),
+            Some((Algo::AddRmsNormLL1, 4, 512)),
+            "a smaller LL grid caps the blocks"
+        );
+        assert_eq!(
+            ll_shape(512, 4096, 512, ll_max, ll_max, 128).map(|s| s.0),
+            Some(Algo::AddRmsNormLL1),
             "the edge"
         );
-        assert_eq!(
-            ll_threads_for(ll_max + 1, 4096, 128, ll_max, max_threads),
-            None
-        );
-        assert_eq!(
-            ll_threads_for(8192, 16384, 512, ll_max, 256),
-            None,
-            "row wider than a block"
-        );
-        assert_eq!(
-            ll_threads_for(8192, 4096, 128, 0, max_threads),
-            None,
-            "LL turned off"
-        );
+        assert_eq!(ll_shape(513, 4096, 512, ll_max + 1, ll_max, 128), None);
+        assert_eq!(ll_shape(1, 4096, 64, 8192, 0, 128), None, "LL turned off");
     }
 }
