@@ -25,9 +25,9 @@ pub fn ll_threads(items: u64, (blocks, max_threads): (u32, u32)) -> u32 {
 }
 
 /// Grid and block of an LL call of `items` 16-byte items: ll_threads per block, and just the
-/// blocks that have items (an item per thread), at most the LL grid's. Idle blocks cost launch
-/// time; kernels/one_shot_ll.cu keeps the call counters in step whatever the grid. A pure
-/// function of the message and of the communicator's LL grid (equal on every rank).
+/// blocks that have items (an item per thread), at most the LL grid's; kernels/one_shot_ll.cu
+/// keeps the call counters in step whatever the grid. A pure function of the message and of the
+/// communicator's LL grid (equal on every rank).
 pub fn ll_shape(items: u64, ll_grid: (u32, u32)) -> (u32, u32) {
     let threads = ll_threads(items, ll_grid);
     let blocks = items

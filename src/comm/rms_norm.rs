@@ -140,7 +140,7 @@ impl Communicator {
         // Up to AUTO's LL threshold the LL kernel, on a grid fitted to the call; above it the
         // barrier kernel with just enough threads for a row and a block per row (grid-stride
         // over the tokens). Every input of both choices is equal on every rank.
-        let (algo, grid, threads) = match ll_shape(
+        let (algo, grid, threads) = match fused_ll_shape(
             c.tokens,
             c.hidden,
             push_threads,
@@ -169,12 +169,11 @@ impl Communicator {
 ///   whole warps), so no thread's polls wait behind another of its own; wider rows take four
 ///   vectors per thread (`AddRmsNormLL`, THREADS threads).
 /// - Grid: enough blocks to push x with `push_threads` per block (the LL all-reduce's spread) and
-///   to give every row a block, at most the communicator's LL grid `ll_blocks`. Idle blocks are
-///   not free: 128 blocks of 512 threads, where 8 push and one pulls, cost about what the spread
-///   saves (bench/NOTES.md).
+///   to give every row a block, at most the communicator's LL grid `ll_blocks`; more would have
+///   nothing to do.
 ///
 /// Every input is equal on every rank, so every rank picks the same kernel and grid.
-pub fn ll_shape(
+pub fn fused_ll_shape(
     tokens: u64,
     hidden: u64,
     push_threads: u32,
@@ -235,7 +234,7 @@ fn check(c: &RmsCall, dtype: DType) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::ll_shape;
+    use super::fused_ll_shape;
     use crate::comm::algo::Algo;
 
     #[test]
@@ -244,55 +243,62 @@ mod tests {
         // [1, 4096] bf16: 512 vectors, one per thread; pushed 64 per block (the LL all-reduce's
         // spread), so 8 blocks, of which block 0 pulls the row.
         assert_eq!(
-            ll_shape(1, 4096, 64, 8192, ll_max, 128),
+            fused_ll_shape(1, 4096, 64, 8192, ll_max, 128),
             Some((Algo::AddRmsNormLL1, 8, 512))
         );
         // hidden 6144: 768 vectors, a block of 768 threads; 12 pushing blocks.
         assert_eq!(
-            ll_shape(1, 6144, 64, 12288, ll_max, 128),
+            fused_ll_shape(1, 6144, 64, 12288, ll_max, 128),
             Some((Algo::AddRmsNormLL1, 12, 768))
         );
         // hidden 8192: the widest row with a vector per thread.
         assert_eq!(
-            ll_shape(1, 8192, 64, 16384, ll_max, 128),
+            fused_ll_shape(1, 8192, 64, 16384, ll_max, 128),
             Some((Algo::AddRmsNormLL1, 16, 1024))
         );
         // hidden 16384: four vectors per thread.
         assert_eq!(
-            ll_shape(1, 16384, 64, 32768, ll_max, 128),
+            fused_ll_shape(1, 16384, 64, 32768, ll_max, 128),
             Some((Algo::AddRmsNormLL, 32, 512))
         );
         // 6 rows of 4096: the push takes 48 blocks of 64 (the LL all-reduce's spread).
         assert_eq!(
-            ll_shape(6, 4096, 64, 6 * 8192, ll_max, 128),
+            fused_ll_shape(6, 4096, 64, 6 * 8192, ll_max, 128),
             Some((Algo::AddRmsNormLL1, 48, 512))
         );
         // 100 short rows (hidden 256): a block per row, more than the push needs (50).
         assert_eq!(
-            ll_shape(100, 256, 64, 100 * 512, ll_max, 128),
+            fused_ll_shape(100, 256, 64, 100 * 512, ll_max, 128),
             Some((Algo::AddRmsNormLL1, 100, 64))
         );
         // More rows than the LL grid: every block of it, rows grid-stride.
         assert_eq!(
-            ll_shape(512, 4096, 512, 512 * 8192, ll_max, 128),
+            fused_ll_shape(512, 4096, 512, 512 * 8192, ll_max, 128),
             Some((Algo::AddRmsNormLL1, 128, 512))
         );
         assert_eq!(
-            ll_shape(1, 8, 64, 16, ll_max, 128),
+            fused_ll_shape(1, 8, 64, 16, ll_max, 128),
             Some((Algo::AddRmsNormLL1, 1, 64)),
             "at least two warps, at least one block"
         );
         assert_eq!(
-            ll_shape(1, 4096, 64, 8192, ll_max, 4),
+            fused_ll_shape(1, 4096, 64, 8192, ll_max, 4),
             Some((Algo::AddRmsNormLL1, 4, 512)),
             "a smaller LL grid caps the blocks"
         );
         assert_eq!(
-            ll_shape(512, 4096, 512, ll_max, ll_max, 128).map(|s| s.0),
+            fused_ll_shape(512, 4096, 512, ll_max, ll_max, 128).map(|s| s.0),
             Some(Algo::AddRmsNormLL1),
             "the edge"
         );
-        assert_eq!(ll_shape(513, 4096, 512, ll_max + 1, ll_max, 128), None);
-        assert_eq!(ll_shape(1, 4096, 64, 8192, 0, 128), None, "LL turned off");
+        assert_eq!(
+            fused_ll_shape(513, 4096, 512, ll_max + 1, ll_max, 128),
+            None
+        );
+        assert_eq!(
+            fused_ll_shape(1, 4096, 64, 8192, 0, 128),
+            None,
+            "LL turned off"
+        );
     }
 }
