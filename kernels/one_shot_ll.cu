@@ -18,8 +18,8 @@
 // are stream-ordered. So a reset is never overtaken by the next write.
 //
 // Layout of rank r's LL region (pads[r] + LL_*_OFFSET, kernel_args.rs mirrors it): per-block
-// call counters (local), LL_BUFFERS x MAX_RANKS call-descriptor words (block 0 of each sender
-// writes its descriptor; the receiver checks it and resets it to 0), then LL_BUFFERS x world
+// call counters (local), LL_BUFFERS x MAX_RANKS call-descriptor words (the last block of each
+// sender writes its descriptor; the receiver checks it and resets it to 0), then LL_BUFFERS x world
 // slots of ll_slot_kib KiB, one per sending rank.
 //
 // Call counters: an LL call runs on G' blocks, just enough for its message (at most the
@@ -138,13 +138,16 @@ __device__ __forceinline__ bool ll_wait(const SymmArgs& a, const uint4* p, int p
   }
 }
 
-// Block 0 exchanges call descriptors: a peer that runs another collective (other count, type
-// or buffers) would leave words behind in our slots, so a mismatch is never reduced: it aborts
-// the communicator, which also stops the other blocks' waits for words that will not come.
+// The last block exchanges call descriptors: a peer that runs another collective (other count,
+// type or buffers) would leave words behind in our slots, so a mismatch is never reduced: it
+// aborts the communicator, which also stops the other blocks' waits for words that will not
+// come. The last block, because it has the least to pull: on a fitted grid its share of the
+// message is the remainder, and a fused call with more blocks than rows gives it no row, so no
+// row waits behind the check (block 0 checked before session 9).
 __device__ __forceinline__ bool ll_check_desc(const SymmArgs& a, uint32_t buf, uint64_t start) {
   int ok = 1;
   const int p = threadIdx.x;
-  if (blockIdx.x == 0 && p < a.world && p != a.rank) {
+  if (blockIdx.x == gridDim.x - 1 && p < a.world && p != a.rank) {
     uint64_t* remote = (uint64_t*)(ll_region(a, p) + LL_DESC_OFFSET) + buf * SYMM_MAX_RANKS + a.rank;
     st_volatile_u64(remote, a.desc);
     volatile uint64_t* mine =

@@ -95,8 +95,7 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
 // most the communicator's LL grid; ll_end keeps every call counter in step whatever the grid.
 // Each block pushes its grid-stride share of x into every peer's slot and takes part in the
 // descriptor check, exactly as the LL all-reduce does (the two share buffers and counters). Then
-// block b pulls whole rows b - 1, b - 1 + grid, ... (block 0 the last row of each round): it
-// waits for each peer's items of the row, reduces them with its own in rank order, adds the
+// block b pulls whole rows b, b + grid, ...: it waits for each peer's items of the row, reduces them with its own in rank order, adds the
 // residual and normalizes. V vectors per thread: V = 1 (up to 1024 threads, hidden <= 8192)
 // keeps every poll of a thread independent; V = 4 (512 threads) covers hidden up to 16384. Any
 // block may pull and reset any item: slots are indexed by item, and each item is read and reset
@@ -156,10 +155,8 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   }
   bool ok = ll_check_desc(a, buf, start);
 
-  // Row t is pulled by block (t + 1) % grid: block 0 checks the call descriptor first (its
-  // pull waits for the peers' descriptors), so with fewer rows than blocks no row waits on it.
   int parity = 0;
-  for (uint64_t t = (blockIdx.x + gridDim.x - 1) % gridDim.x; ok && t < tokens; t += gridDim.x, parity ^= 1) {
+  for (uint64_t t = blockIdx.x; ok && t < tokens; t += gridDim.x, parity ^= 1) {
     float r[V][N];
     float ss = 0.f;
     bool mine = true;  // this thread's waits all succeeded

@@ -241,7 +241,8 @@ mod tests {
     fn fused_call_takes_ll_within_the_threshold_on_a_fitted_grid() {
         let ll_max = 4 << 20;
         // [1, 4096] bf16: 512 vectors, one per thread; pushed 64 per block (the LL all-reduce's
-        // spread), so 8 blocks, of which block 0 pulls the row.
+        // spread), so 8 blocks, of which block 0 pulls the row and block 7 checks the
+        // call descriptors.
         assert_eq!(
             fused_ll_shape(1, 4096, 64, 8192, ll_max, 128),
             Some((Algo::AddRmsNormLL1, 8, 512))
