@@ -95,9 +95,10 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
 // most the communicator's LL grid; ll_end keeps every call counter in step whatever the grid.
 // Each block pushes its grid-stride share of x into every peer's slot and takes part in the
 // descriptor check, exactly as the LL all-reduce does (the two share buffers and counters). Then
-// block b pulls whole rows b, b + grid, ...: it waits for each peer's items of the row, reduces them with its own in rank order, adds the
-// residual and normalizes. V vectors per thread: V = 1 (up to 1024 threads, hidden <= 8192)
-// keeps every poll of a thread independent; V = 4 (512 threads) covers hidden up to 16384. Any
+// block b pulls whole rows b, b + grid, ...: it waits for each peer's items of the row, reduces
+// them with its own in rank order, adds the residual and normalizes. V vectors per thread: V = 1
+// (up to 768 threads, hidden <= 6144) keeps every poll of a thread independent; V = 4 (512
+// threads) covers hidden up to 16384. Any
 // block may pull and reset any item: slots are indexed by item, and each item is read and reset
 // once per call. A failed wait (timeout, abort) stops the waits of that thread; the block still
 // meets at every barrier and writes nothing for the row.
@@ -229,8 +230,8 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   ll_end(a, call);
 }
 
-// One vector per thread, up to 1024 threads (hidden <= 8192).
-#define SYMM_RMS_LL1_THREADS 1024
+// One vector per thread, up to 768 threads (hidden <= 6144; kernel_args.rs says why not wider).
+#define SYMM_RMS_LL1_THREADS 768
 extern "C" __global__ void __launch_bounds__(SYMM_RMS_LL1_THREADS) symm_all_reduce_add_rms_norm_ll1_bf16(RmsArgs f) {
   rms_ll_body<__nv_bfloat16, 1>(f);
 }

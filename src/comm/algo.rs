@@ -35,7 +35,7 @@ pub enum Algo {
     AllGather,
     /// All-reduce fused with residual add and RMSNorm (kernels/rms_norm.cu): the barrier
     /// kernel, and the LL kernels for messages up to AUTO's LL threshold (a vector per thread
-    /// up to hidden 8192, four per thread above).
+    /// up to hidden 6144, up to four per thread above).
     AddRmsNorm,
     AddRmsNormLL,
     AddRmsNormLL1,

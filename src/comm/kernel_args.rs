@@ -80,8 +80,10 @@ pub const RMS_VECS: u64 = 4;
 /// The largest hidden size one block covers: THREADS x RMS_VECS vectors of 8 elements.
 pub const RMS_MAX_HIDDEN: u64 = THREADS as u64 * RMS_VECS * 8;
 /// The fused LL kernel with one vector per thread (`..._ll1_*`) runs blocks of up to this many
-/// threads: rows up to hidden 8192.
-pub const RMS_LL1_THREADS: u64 = 1024;
+/// threads: rows up to hidden 6144. Wider rows take the four-vector kernel, which at hidden 8192
+/// (512 threads, two vectors each) was 0.03-0.08 µs faster than 1024 threads of one on one H200
+/// (bench/RESULTS.md, session 9).
+pub const RMS_LL1_THREADS: u64 = 768;
 
 /// Mirror of `RmsArgs` (kernels/rms_norm.cu).
 #[repr(C)]

@@ -247,15 +247,16 @@ mod tests {
             fused_ll_shape(1, 4096, 64, 8192, ll_max, 128),
             Some((Algo::AddRmsNormLL1, 8, 512))
         );
-        // hidden 6144: 768 vectors, a block of 768 threads; 12 pushing blocks.
+        // hidden 6144: 768 vectors, a block of 768 threads (the widest with a vector per
+        // thread); 12 pushing blocks.
         assert_eq!(
             fused_ll_shape(1, 6144, 64, 12288, ll_max, 128),
             Some((Algo::AddRmsNormLL1, 12, 768))
         );
-        // hidden 8192: the widest row with a vector per thread.
+        // hidden 8192: two vectors per thread in the four-vector kernel's 512 threads.
         assert_eq!(
             fused_ll_shape(1, 8192, 64, 16384, ll_max, 128),
-            Some((Algo::AddRmsNormLL1, 16, 1024))
+            Some((Algo::AddRmsNormLL, 16, 512))
         );
         // hidden 16384: four vectors per thread.
         assert_eq!(
