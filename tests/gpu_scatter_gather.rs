@@ -201,8 +201,8 @@ fn rms_rank(c: Child) {
     let seed: u64 = c.arg.parse().unwrap();
     let mut hash = 0xcbf29ce484222325u64;
     let mut case = 0u64;
-    // Up to 4 MiB of x the LL kernels (one row per block: a vector per thread up to hidden 8192,
-    // four at 16384; [2, 6136] leaves a partial warp), above it the barrier kernel.
+    // Up to 4 MiB of x the LL kernels (one row per block: a vector per thread up to hidden 6144,
+    // two at 8192, four at 16384; [2, 6136] leaves a partial warp), above it the barrier kernel.
     let shapes = [
         (1usize, 2048usize),
         (1, 4096),
