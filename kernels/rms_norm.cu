@@ -124,6 +124,25 @@ __device__ __forceinline__ float block_sum_and(float v, int parity, bool mine, b
   return w;
 }
 
+// This block's grid-stride share of x, tp threads per block, into every peer's slot (the LL
+// all-reduce's spread). pv is item p0, loaded before the call counter.
+template <typename T>
+__device__ __forceinline__ void rms_ll_push(const SymmArgs& a, uint64_t tp, uint64_t p0, uint4 pv,
+                                            uint32_t buf) {
+  constexpr int N = 16 / sizeof(T);
+  const uint64_t items = a.count / N;
+  const uint4* x = (const uint4*)a.in[a.rank];
+  for (uint64_t u = threadIdx.x; u < tp; u += blockDim.x) {
+    for (uint64_t i = (uint64_t)blockIdx.x * tp + u; i < items; i += (uint64_t)gridDim.x * tp) {
+      uint4 v = i == p0 ? pv : x[i];
+      ll_sanitize<T>(v);
+#pragma unroll
+      for (int r = 0; r < SYMM_MAX_RANKS; ++r)
+        if (r < a.world && r != a.rank) st_volatile_v4(ll_slot(a, r, buf, a.rank) + i, v);
+    }
+  }
+}
+
 template <typename T, int V>
 __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   constexpr int N = 16 / sizeof(T);
@@ -145,15 +164,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   if (!ll_begin(a, call)) return;  // aborted: push nothing into the peers' buffers
   const uint32_t buf = call % LL_BUFFERS;
   const uint64_t start = globaltimer();
-  for (uint64_t u = threadIdx.x; u < tp; u += blockDim.x) {
-    for (uint64_t i = (uint64_t)blockIdx.x * tp + u; i < items; i += (uint64_t)gridDim.x * tp) {
-      uint4 v = i == p0 ? pv : x[i];
-      ll_sanitize<T>(v);
-#pragma unroll
-      for (int r = 0; r < SYMM_MAX_RANKS; ++r)
-        if (r < a.world && r != a.rank) st_volatile_v4(ll_slot(a, r, buf, a.rank) + i, v);
-    }
-  }
+  rms_ll_push<T>(a, tp, p0, pv, buf);
   bool ok = ll_check_desc(a, buf, start);
 
   int parity = 0;
@@ -244,6 +255,162 @@ extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_r
 }
 extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_ll_fp16(RmsArgs f) {
   rms_ll_body<__half, SYMM_RMS_VECS>(f);
+}
+
+// Wide rows on Hopper: a row split over a cluster of C blocks (C = 2-8, a launch attribute;
+// rms_norm.rs picks it), so no single SM moves a whole row of x, residual, weight, out and slot
+// resets. Block q of a cluster takes vectors [q * span, (q + 1) * span) of the cluster's rows,
+// one per thread (span = ceil(vecs / C) <= SYMM_RMS_LLC_THREADS). The sum of squares: each warp's
+// sum into the block's shared memory, one cluster barrier, then every warp of every block of the
+// cluster sums the cluster's C x W warp sums in one fixed order (lane l: sums l and l + 32, then a
+// shuffle tree), so every block gets the same bits; the same exchange ANDs the waits' results.
+// The warp sums are double-buffered by the row's parity: a block writes buffer p again two rows
+// later, after a barrier that every block reaches only once it has read buffer p. A last
+// barrier keeps each block's shared memory alive until the cluster is done reading it. Every
+// block of a cluster meets every barrier: an aborted communicator or a failed descriptor check
+// skips the pushes and waits but not the barriers, and the cluster-wide AND stops all its blocks
+// at the same row. Push, descriptor check, call counters: as rms_ll_body.
+#define SYMM_RMS_LLC_THREADS 256
+
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t cluster_nctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t cluster_id() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t cluster_count() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+  return r;
+}
+// All threads of every block of the cluster; orders each block's earlier shared-memory stores
+// before every block's later loads.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The word at `p` (this block's shared memory) in block `rank` of the cluster.
+__device__ __forceinline__ uint32_t ld_cluster_u32(const void* p, uint32_t rank) {
+  const uint32_t local = (uint32_t)__cvta_generic_to_shared(p);
+  uint32_t remote, v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int N = 16 / sizeof(T);
+  const SymmArgs& a = f.s;
+  const uint64_t items = a.count / N;
+  const uint64_t vecs = f.hidden / N;
+  const uint64_t tokens = a.count / f.hidden;
+  const uint4* x = (const uint4*)a.in[a.rank];
+  const uint64_t tp = f.push_threads;
+  const uint64_t p0 = (uint64_t)blockIdx.x * tp + threadIdx.x;
+  uint4 pv = make_uint4(0, 0, 0, 0);
+  if (threadIdx.x < tp && p0 < items) pv = x[p0];
+
+  uint32_t call;
+  const bool live = ll_begin(a, call);  // block-uniform
+  const uint32_t buf = call % LL_BUFFERS;
+  const uint64_t start = globaltimer();
+  if (live) rms_ll_push<T>(a, tp, p0, pv, buf);
+  const bool ok = live && ll_check_desc(a, buf, start);
+
+  const uint32_t C = cluster_nctarank(), q = cluster_ctarank();
+  const uint64_t span = (vecs + C - 1) / C;
+  const uint64_t j = q * span + threadIdx.x;
+  const bool has = threadIdx.x < span && j < vecs;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, W = blockDim.x / 32;
+  __shared__ float part[2][SYMM_RMS_LLC_THREADS / 32];
+  __shared__ uint32_t part_ok[2][SYMM_RMS_LLC_THREADS / 32];
+  int parity = 0;
+  for (uint64_t t = cluster_id(); t < tokens; t += cluster_count(), parity ^= 1) {
+    const uint64_t at = t * vecs + j;
+    float r[N];
+    float ss = 0.f;
+    bool mine = ok;  // this thread's waits all succeeded
+    uint4 own = make_uint4(0, 0, 0, 0), res = own, wgt = own;
+    if (has) {  // in flight during the polls
+      own = x[at];
+      res = ((const uint4*)f.residual)[at];
+      wgt = ((const uint4*)f.weight)[j];
+      ll_sanitize<T>(own);
+    }
+#pragma unroll
+    for (int p = 0; p < SYMM_MAX_RANKS; ++p) {
+      if (p >= a.world) break;
+      uint4 v = own;
+      if (has && p != a.rank) {
+        uint4* slot = ll_slot(a, a.rank, buf, p) + at;
+        v = ld_volatile_v4(slot);
+        if (!ll_arrived(v) && !(mine && ll_wait(a, slot, p, start, v))) {
+          mine = false;
+          continue;
+        }
+        *slot = make_uint4(LL_EMPTY, LL_EMPTY, LL_EMPTY, LL_EMPTY);
+      }
+      const T* e = (const T*)&v;
+#pragma unroll
+      for (int k = 0; k < N; ++k) r[k] = p == 0 ? to_f32(e[k]) : r[k] + to_f32(e[k]);
+    }
+    if (has) {
+      const T* re = (const T*)&res;
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        r[k] += to_f32(re[k]);
+        ss += r[k] * r[k];
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const bool wok = __all_sync(0xffffffffu, mine);
+    if (lane == 0) {
+      part[parity][warp] = ss;
+      part_ok[parity][warp] = wok;
+    }
+    cluster_sync();
+    float sum = 0.f;
+    uint32_t all = 1;
+    for (uint32_t i = lane; i < C * W; i += 32) {
+      sum += __uint_as_float(ld_cluster_u32(&part[parity][i % W], i / W));
+      all &= ld_cluster_u32(&part_ok[parity][i % W], i / W);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (!__all_sync(0xffffffffu, all != 0)) break;  // the same for every block of the cluster
+    const float inv = rsqrtf(sum / (float)f.hidden + f.eps);
+    if (has) {
+      ((uint4*)f.residual)[at] = pack<T, true>(r);
+      const T* w = (const T*)&wgt;
+      float o[N];
+#pragma unroll
+      for (int k = 0; k < N; ++k) o[k] = r[k] * inv * to_f32(w[k]);
+      ((uint4*)f.out)[at] = pack<T, true>(o);
+    }
+  }
+  cluster_sync();  // no block leaves while another may still read its part[]
+  if (live) ll_end(a, call);
+#else
+  __trap();  // rms_norm.rs launches the cluster kernels on sm_90 and later only
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LLC_THREADS) symm_all_reduce_add_rms_norm_llc_bf16(RmsArgs f) {
+  rms_llc_body<__nv_bfloat16>(f);
+}
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LLC_THREADS) symm_all_reduce_add_rms_norm_llc_fp16(RmsArgs f) {
+  rms_llc_body<__half>(f);
 }
 
 extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_bf16(RmsArgs f) {

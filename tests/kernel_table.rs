@@ -68,8 +68,8 @@ fn every_table_name_is_instantiated_and_vice_versa() {
         "kernel table and kernels/*.cu disagree"
     );
     // one-shot, LL, two-shot, multimem, reduce-scatter (barrier, LL), all-gather, fused RMSNorm (barrier,
-    // LL with four vectors per thread and with one), self-test
-    assert_eq!(table.len(), 18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 1);
+    // LL with four vectors per thread, with one, and over a cluster), self-test
+    assert_eq!(table.len(), 18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 1);
 }
 
 #[test]
@@ -107,6 +107,7 @@ fn argument_struct_matches_the_cuda_source() {
         ("SYMM_SG_UNROLL", k::SG_UNROLL.to_string()),
         ("SYMM_RMS_VECS", k::RMS_VECS.to_string()),
         ("SYMM_RMS_LL1_THREADS", k::RMS_LL1_THREADS.to_string()),
+        ("SYMM_RMS_LLC_THREADS", k::RMS_LLC_THREADS.to_string()),
         ("SYMM_ERR_TIMEOUT_CODE", format!("{}u", k::ERR_TIMEOUT)),
         (
             "SYMM_ERR_ASYMMETRIC_CODE",

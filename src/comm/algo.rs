@@ -39,6 +39,8 @@ pub enum Algo {
     AddRmsNorm,
     AddRmsNormLL,
     AddRmsNormLL1,
+    /// The fused LL kernel with each row split over a thread-block cluster (sm_90+).
+    AddRmsNormLLC,
 }
 
 impl DType {
@@ -114,6 +116,7 @@ impl Algo {
             Algo::AddRmsNorm => "all_reduce_add_rms_norm",
             Algo::AddRmsNormLL => "all_reduce_add_rms_norm_ll",
             Algo::AddRmsNormLL1 => "all_reduce_add_rms_norm_ll1",
+            Algo::AddRmsNormLLC => "all_reduce_add_rms_norm_llc",
         }
     }
 }

@@ -158,9 +158,11 @@ impl Communicator {
             }
             devices.push(d);
         }
+        let mut clusters = !host;
         if !host {
             let drv = cuda::driver()?;
             for (r, &d) in devices.iter().enumerate() {
+                clusters &= drv.device(d)?.cc_major >= 9;
                 if !drv.can_access_peer(device, d)? {
                     return Err(Error::unsupported(format!(
                         "device {device} (rank {rank}) cannot access device {d} (rank {r}) \
@@ -224,6 +226,7 @@ impl Communicator {
             timeout,
             sticky: None,
             sms,
+            clusters,
             releases,
             pads: Vec::new(),
             kernels: HashMap::new(),

@@ -28,6 +28,9 @@ pub fn kernel_name(algo: Algo, dtype: DType, op: ReduceOp, vec: bool) -> Option<
         Algo::AddRmsNormLL1 if op == ReduceOp::Sum && vec && dtype != DType::Fp32 => {
             return Some(format!("symm_all_reduce_add_rms_norm_ll1_{}", dtype.name()));
         }
+        Algo::AddRmsNormLLC if op == ReduceOp::Sum && vec && dtype != DType::Fp32 => {
+            return Some(format!("symm_all_reduce_add_rms_norm_llc_{}", dtype.name()));
+        }
         _ => return None,
     };
     let v = if vec { "vec" } else { "scalar" };
@@ -48,6 +51,7 @@ pub fn all_kernel_names() -> Vec<String> {
         Algo::AddRmsNorm,
         Algo::AddRmsNormLL,
         Algo::AddRmsNormLL1,
+        Algo::AddRmsNormLLC,
     ] {
         for dtype in [DType::Bf16, DType::Fp16, DType::Fp32] {
             for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {

@@ -73,6 +73,9 @@ pub struct Communicator {
     timeout: Duration,
     sticky: Option<Error>,
     sms: u32,
+    /// Every rank's GPU runs thread-block clusters (sm_90+): the fused call may split wide rows
+    /// over a cluster (rms_norm.rs). Equal on every rank: read from every rank's device.
+    clusters: bool,
     /// The peers' release logs: their segments given back, to unmap here (retire.rs).
     releases: retire::PeerReleases,
     /// Each rank's signal pad in this process's address space (fixed after init).

@@ -13,7 +13,9 @@
 use super::algo::{Algo, DType, ReduceOp};
 use super::exchange::{CallDesc, RANK_LOCAL};
 use super::host_reduce::{HostCall, HostRms};
-use super::kernel_args::{RmsArgs, MAX_BLOCKS, RMS_LL1_THREADS, RMS_MAX_HIDDEN, RMS_VECS, THREADS};
+use super::kernel_args::{
+    RmsArgs, MAX_BLOCKS, RMS_LL1_THREADS, RMS_LLC_THREADS, RMS_MAX_HIDDEN, RMS_VECS, THREADS,
+};
 use super::{byte_size, launch::run_host, Communicator};
 use crate::cuda;
 use crate::error::{Error, Result};
@@ -140,37 +142,61 @@ impl Communicator {
         // Up to AUTO's LL threshold the LL kernel, on a grid fitted to the call; above it the
         // barrier kernel with just enough threads for a row and a block per row (grid-stride
         // over the tokens). Every input of both choices is equal on every rank.
-        let (algo, grid, threads) = match fused_ll_shape(
+        let shape = fused_ll_shape(
             c.tokens,
             c.hidden,
             push_threads,
             bytes,
             self.auto.ll_max,
             self.ll_grid.0,
-        ) {
-            Some(shape) => shape,
-            None => (
-                Algo::AddRmsNorm,
-                c.tokens.min(MAX_BLOCKS as u64) as u32,
-                (c.hidden / 8)
-                    .div_ceil(RMS_VECS)
-                    .next_power_of_two()
-                    .clamp(64, THREADS as u64) as u32,
-            ),
-        };
-        let f = self.kernel(algo, dtype, ReduceOp::Sum, true)?;
-        cuda::module::launch(self.device, f, grid, threads, stream, &args)
+            self.clusters,
+        )
+        .unwrap_or(FusedShape {
+            algo: Algo::AddRmsNorm,
+            grid: c.tokens.min(MAX_BLOCKS as u64) as u32,
+            threads: (c.hidden / 8)
+                .div_ceil(RMS_VECS)
+                .next_power_of_two()
+                .clamp(64, THREADS as u64) as u32,
+            cluster: 1,
+        });
+        let f = self.kernel(shape.algo, dtype, ReduceOp::Sum, true)?;
+        if shape.cluster > 1 {
+            return cuda::module::launch_cluster(
+                self.device,
+                f,
+                shape.grid,
+                shape.threads,
+                shape.cluster,
+                stream,
+                &args,
+            );
+        }
+        cuda::module::launch(self.device, f, shape.grid, shape.threads, stream, &args)
     }
 }
 
-/// The LL kernel, its grid and its block when the fused call takes it (x within AUTO's LL
-/// threshold `ll_max`), or `None` for the barrier kernel.
-/// - Block: a vector of the row per thread (`AddRmsNormLL1`, up to RMS_LL1_THREADS threads, in
+/// How the fused call's LL kernel runs: which kernel, its grid, its block and, for the cluster
+/// kernel, the blocks per cluster (1 otherwise).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FusedShape {
+    pub algo: Algo,
+    pub grid: u32,
+    pub threads: u32,
+    pub cluster: u32,
+}
+
+/// The LL kernel's shape when the fused call takes it (x within AUTO's LL threshold `ll_max`),
+/// or `None` for the barrier kernel.
+/// - Rows wider than RMS_LLC_THREADS vectors, when every rank's GPU has thread-block clusters
+///   (`clusters`): `AddRmsNormLLC`, each row split over C = ceil(vecs / RMS_LLC_THREADS) blocks of
+///   a cluster, a vector per thread, so no one SM moves a whole wide row.
+/// - Otherwise a vector of the row per thread (`AddRmsNormLL1`, up to RMS_LL1_THREADS threads, in
 ///   whole warps), so no thread's polls wait behind another of its own; wider rows take four
 ///   vectors per thread (`AddRmsNormLL`, THREADS threads).
 /// - Grid: enough blocks to push x with `push_threads` per block (the LL all-reduce's spread) and
-///   to give every row a block, at most the communicator's LL grid `ll_blocks`; more would have
-///   nothing to do.
+///   to give every row a block (a cluster), at most the communicator's LL grid `ll_blocks`
+///   (whole clusters); more would have nothing to do.
 ///
 /// Every input is equal on every rank, so every rank picks the same kernel and grid.
 pub fn fused_ll_shape(
@@ -180,19 +206,40 @@ pub fn fused_ll_shape(
     bytes: u64,
     ll_max: u64,
     ll_blocks: u32,
-) -> Option<(Algo, u32, u32)> {
+    clusters: bool,
+) -> Option<FusedShape> {
     if bytes > ll_max || tokens == 0 {
         return None;
     }
     let vecs = hidden / 8;
+    let ll_blocks = ll_blocks.max(1) as u64;
+    let push_blocks = (tokens * vecs).div_ceil(push_threads.max(1) as u64);
+    let c = vecs.div_ceil(RMS_LLC_THREADS);
+    if clusters && c > 1 && c <= ll_blocks {
+        let threads = vecs.div_ceil(c).next_multiple_of(32).max(64);
+        let grid = (tokens * c)
+            .max(push_blocks)
+            .next_multiple_of(c)
+            .min(ll_blocks - ll_blocks % c);
+        return Some(FusedShape {
+            algo: Algo::AddRmsNormLLC,
+            grid: grid as u32,
+            threads: threads as u32,
+            cluster: c as u32,
+        });
+    }
     let (algo, threads) = if vecs <= RMS_LL1_THREADS {
         (Algo::AddRmsNormLL1, vecs.next_multiple_of(32).max(64))
     } else {
         (Algo::AddRmsNormLL, THREADS as u64)
     };
-    let push_blocks = (tokens * vecs).div_ceil(push_threads.max(1) as u64);
-    let grid = tokens.max(push_blocks).clamp(1, ll_blocks.max(1) as u64);
-    Some((algo, grid as u32, threads as u32))
+    let grid = tokens.max(push_blocks).clamp(1, ll_blocks);
+    Some(FusedShape {
+        algo,
+        grid: grid as u32,
+        threads: threads as u32,
+        cluster: 1,
+    })
 }
 
 /// What the kernel needs of the shape, types and pointers, each named when it is wrong.
@@ -234,73 +281,112 @@ fn check(c: &RmsCall, dtype: DType) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::fused_ll_shape;
+    use super::{fused_ll_shape, FusedShape};
     use crate::comm::algo::Algo;
+
+    fn shape(algo: Algo, grid: u32, threads: u32, cluster: u32) -> Option<FusedShape> {
+        Some(FusedShape {
+            algo,
+            grid,
+            threads,
+            cluster,
+        })
+    }
 
     #[test]
     fn fused_call_takes_ll_within_the_threshold_on_a_fitted_grid() {
         let ll_max = 4 << 20;
+        let f = |tokens, hidden, push, bytes, ll_max, blocks| {
+            fused_ll_shape(tokens, hidden, push, bytes, ll_max, blocks, false)
+        };
         // [1, 4096] bf16: 512 vectors, one per thread; pushed 64 per block (the LL all-reduce's
         // spread), so 8 blocks, of which block 0 pulls the row and block 7 checks the
         // call descriptors.
         assert_eq!(
-            fused_ll_shape(1, 4096, 64, 8192, ll_max, 128),
-            Some((Algo::AddRmsNormLL1, 8, 512))
+            f(1, 4096, 64, 8192, ll_max, 128),
+            shape(Algo::AddRmsNormLL1, 8, 512, 1)
         );
         // hidden 6144: 768 vectors, a block of 768 threads (the widest with a vector per
         // thread); 12 pushing blocks.
         assert_eq!(
-            fused_ll_shape(1, 6144, 64, 12288, ll_max, 128),
-            Some((Algo::AddRmsNormLL1, 12, 768))
+            f(1, 6144, 64, 12288, ll_max, 128),
+            shape(Algo::AddRmsNormLL1, 12, 768, 1)
         );
         // hidden 8192: two vectors per thread in the four-vector kernel's 512 threads.
         assert_eq!(
-            fused_ll_shape(1, 8192, 64, 16384, ll_max, 128),
-            Some((Algo::AddRmsNormLL, 16, 512))
+            f(1, 8192, 64, 16384, ll_max, 128),
+            shape(Algo::AddRmsNormLL, 16, 512, 1)
         );
         // hidden 16384: four vectors per thread.
         assert_eq!(
-            fused_ll_shape(1, 16384, 64, 32768, ll_max, 128),
-            Some((Algo::AddRmsNormLL, 32, 512))
+            f(1, 16384, 64, 32768, ll_max, 128),
+            shape(Algo::AddRmsNormLL, 32, 512, 1)
         );
         // 6 rows of 4096: the push takes 48 blocks of 64 (the LL all-reduce's spread).
         assert_eq!(
-            fused_ll_shape(6, 4096, 64, 6 * 8192, ll_max, 128),
-            Some((Algo::AddRmsNormLL1, 48, 512))
+            f(6, 4096, 64, 6 * 8192, ll_max, 128),
+            shape(Algo::AddRmsNormLL1, 48, 512, 1)
         );
         // 100 short rows (hidden 256): a block per row, more than the push needs (50).
         assert_eq!(
-            fused_ll_shape(100, 256, 64, 100 * 512, ll_max, 128),
-            Some((Algo::AddRmsNormLL1, 100, 64))
+            f(100, 256, 64, 100 * 512, ll_max, 128),
+            shape(Algo::AddRmsNormLL1, 100, 64, 1)
         );
         // More rows than the LL grid: every block of it, rows grid-stride.
         assert_eq!(
-            fused_ll_shape(512, 4096, 512, 512 * 8192, ll_max, 128),
-            Some((Algo::AddRmsNormLL1, 128, 512))
+            f(512, 4096, 512, 512 * 8192, ll_max, 128),
+            shape(Algo::AddRmsNormLL1, 128, 512, 1)
         );
         assert_eq!(
-            fused_ll_shape(1, 8, 64, 16, ll_max, 128),
-            Some((Algo::AddRmsNormLL1, 1, 64)),
+            f(1, 8, 64, 16, ll_max, 128),
+            shape(Algo::AddRmsNormLL1, 1, 64, 1),
             "at least two warps, at least one block"
         );
         assert_eq!(
-            fused_ll_shape(1, 4096, 64, 8192, ll_max, 4),
-            Some((Algo::AddRmsNormLL1, 4, 512)),
+            f(1, 4096, 64, 8192, ll_max, 4),
+            shape(Algo::AddRmsNormLL1, 4, 512, 1),
             "a smaller LL grid caps the blocks"
         );
         assert_eq!(
-            fused_ll_shape(512, 4096, 512, ll_max, ll_max, 128).map(|s| s.0),
+            f(512, 4096, 512, ll_max, ll_max, 128).map(|s| s.algo),
             Some(Algo::AddRmsNormLL1),
             "the edge"
         );
+        assert_eq!(f(513, 4096, 512, ll_max + 1, ll_max, 128), None);
+        assert_eq!(f(1, 4096, 64, 8192, 0, 128), None, "LL turned off");
+    }
+
+    #[test]
+    fn wide_rows_split_over_a_cluster_where_every_gpu_has_clusters() {
+        let ll_max = 4 << 20;
+        let f = |tokens, hidden, push, blocks| {
+            let bytes = tokens * hidden * 2;
+            fused_ll_shape(tokens, hidden, push, bytes, ll_max, blocks, true)
+        };
+        // Up to 256 vectors a row stays in one block.
+        assert_eq!(f(1, 2048, 64, 128), shape(Algo::AddRmsNormLL1, 4, 256, 1));
+        // [1, 4096]: 2 blocks of 256 threads per row; the push still wants 8 blocks.
+        assert_eq!(f(1, 4096, 64, 128), shape(Algo::AddRmsNormLLC, 8, 256, 2));
+        // [1, 6144]: 3 x 256; 12 pushing blocks, a whole number of clusters.
+        assert_eq!(f(1, 6144, 64, 128), shape(Algo::AddRmsNormLLC, 12, 256, 3));
+        // [32, 8192]: 4 x 256 per row, 128 blocks for 32 rows.
         assert_eq!(
-            fused_ll_shape(513, 4096, 512, ll_max + 1, ll_max, 128),
-            None
+            f(32, 8192, 128, 128),
+            shape(Algo::AddRmsNormLLC, 128, 256, 4)
         );
+        // [3, 16384]: 8 x 256; 24 blocks for the rows, more than the push's 12 of 512.
         assert_eq!(
-            fused_ll_shape(1, 4096, 64, 8192, 0, 128),
-            None,
-            "LL turned off"
+            f(3, 16384, 512, 128),
+            shape(Algo::AddRmsNormLLC, 24, 256, 8)
         );
+        // [2, 6136]: 767 vectors over 3 blocks of 256 (the last has 255).
+        assert_eq!(f(2, 6136, 64, 128), shape(Algo::AddRmsNormLLC, 24, 256, 3));
+        // More rows than clusters fit in the LL grid: whole clusters, rows grid-stride.
+        assert_eq!(
+            f(138, 6144, 512, 128),
+            shape(Algo::AddRmsNormLLC, 126, 256, 3)
+        );
+        // An LL grid smaller than a cluster: one block per row instead.
+        assert_eq!(f(1, 16384, 64, 4), shape(Algo::AddRmsNormLL, 4, 512, 1));
     }
 }

@@ -107,3 +107,54 @@ pub fn launch<T>(
         "cuLaunchKernel",
     )
 }
+
+/// As `launch`, with the grid in thread-block clusters of `cluster` blocks (sm_90+; `grid` a
+/// multiple of `cluster`).
+pub fn launch_cluster<T>(
+    device: i32,
+    f: Function,
+    grid: u32,
+    block: u32,
+    cluster: u32,
+    stream: u64,
+    args: &T,
+) -> Result<()> {
+    if cluster == 0 || grid % cluster != 0 {
+        return Err(Error::internal(format!(
+            "a grid of {grid} blocks is not a whole number of clusters of {cluster}"
+        )));
+    }
+    let _ctx = CtxGuard::new(device)?;
+    let mut params = [args as *const T as *mut std::ffi::c_void];
+    // SAFETY: an all-zero CUlaunchAttribute is a valid value of the plain-data union; the id
+    // and the cluster dimension are set below.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = cluster;
+    attr.value.clusterDim.y = 1;
+    attr.value.clusterDim.z = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: stream as sys::CUstream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: config and attr outlive the call; params as in `launch`.
+    check(
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.0 as sys::CUfunction,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        },
+        "cuLaunchKernelEx",
+    )
+}
