@@ -202,11 +202,15 @@ fn rms_rank(c: Child) {
     let mut hash = 0xcbf29ce484222325u64;
     let mut case = 0u64;
     // Up to 4 MiB of x the LL kernels (one row per block: a vector per thread up to hidden 6144,
-    // two at 8192, four at 16384; [2, 6136] leaves a partial warp), above it the barrier kernel.
+    // four at 16384; [2, 6136] leaves a partial warp; above 6144 and up to 8192, on sm_90, a row
+    // over a cluster of 4 blocks for up to 32 rows, [2, 6400] with a partial block), above it the
+    // barrier kernel.
     let shapes = [
         (1usize, 2048usize),
         (1, 4096),
         (2, 6136),
+        (1, 8192),
+        (2, 6400),
         (32, 8192),
         (40, 4096),
         (6, 6144),
@@ -285,8 +289,9 @@ fn rms_rank(c: Child) {
             }
         }
     }
-    // 200 graph replays on fresh x, residual re-uploaded each time.
-    let (tokens, hidden, dtype) = (6usize, 4096usize, SYMM_BF16);
+    // 200 graph replays on fresh x, residual re-uploaded each time (hidden 8192: the cluster
+    // kernel on sm_90).
+    let (tokens, hidden, dtype) = (6usize, 8192usize, SYMM_BF16);
     let bytes = tokens * hidden * 2;
     let x = symm_malloc(bytes, c.device, stream as _) as u64;
     let res = util::raw_alloc(c.device, bytes).unwrap();
@@ -321,7 +326,7 @@ fn rms_rank(c: Child) {
         stream as _,
     );
     assert_eq!(st, symm_status_t::SYMM_SUCCESS, "capture: {}", err());
-    // And one of the first row alone: 8 KiB runs on 8 blocks where the calls above run on 48
+    // And one of the first row alone: 16 KiB runs on 16 blocks where the calls above run on 96
     // (LL calls run on the blocks that have items; every block's counter must still move once
     // per call, or a later call's blocks would disagree on the buffer).
     let z = symm_malloc(hidden * 2, c.device, stream as _) as u64;

@@ -69,7 +69,10 @@ fn every_table_name_is_instantiated_and_vice_versa() {
     );
     // one-shot, LL, two-shot, multimem, reduce-scatter (barrier, LL), all-gather, fused RMSNorm (barrier,
     // LL with four vectors per thread, with one, and over a cluster), self-test
-    assert_eq!(table.len(), 18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 1);
+    assert_eq!(
+        table.len(),
+        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 1
+    );
 }
 
 #[test]

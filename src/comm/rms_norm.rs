@@ -186,11 +186,18 @@ pub struct FusedShape {
     pub cluster: u32,
 }
 
+/// The widest row the cluster kernel takes: hidden 8192, 4 blocks of 256 threads. Measured on one
+/// H200 with one rank (bench/RESULTS.md, session 9): at 8192 it beat one block per row by 0.2-0.6
+/// µs up to 32 rows; at 4096 and 6144 it lost 0.2-0.6 µs (two cluster barriers cost more than
+/// those rows' single-SM work); 16384 (clusters of 8) was not measured.
+const LLC_MAX_VECS: u64 = 1024;
+
 /// The LL kernel's shape when the fused call takes it (x within AUTO's LL threshold `ll_max`),
 /// or `None` for the barrier kernel.
-/// - Rows wider than RMS_LLC_THREADS vectors, when every rank's GPU has thread-block clusters
-///   (`clusters`): `AddRmsNormLLC`, each row split over C = ceil(vecs / RMS_LLC_THREADS) blocks of
-///   a cluster, a vector per thread, so no one SM moves a whole wide row.
+/// - Rows of more than RMS_LL1_THREADS and at most LLC_MAX_VECS vectors (hidden 6144 < h <= 8192),
+///   when every rank's GPU has thread-block clusters (`clusters`) and every row gets a cluster
+///   of its own within the LL grid: `AddRmsNormLLC`, each row split over C = ceil(vecs /
+///   RMS_LLC_THREADS) blocks of a cluster, a vector per thread, so no one SM moves the row.
 /// - Otherwise a vector of the row per thread (`AddRmsNormLL1`, up to RMS_LL1_THREADS threads, in
 ///   whole warps), so no thread's polls wait behind another of its own; wider rows take four
 ///   vectors per thread (`AddRmsNormLL`, THREADS threads).
@@ -215,7 +222,7 @@ pub fn fused_ll_shape(
     let ll_blocks = ll_blocks.max(1) as u64;
     let push_blocks = (tokens * vecs).div_ceil(push_threads.max(1) as u64);
     let c = vecs.div_ceil(RMS_LLC_THREADS);
-    if clusters && c > 1 && c <= ll_blocks {
+    if clusters && vecs > RMS_LL1_THREADS && vecs <= LLC_MAX_VECS && tokens * c <= ll_blocks {
         let threads = vecs.div_ceil(c).next_multiple_of(32).max(64);
         let grid = (tokens * c)
             .max(push_blocks)
@@ -357,36 +364,53 @@ mod tests {
     }
 
     #[test]
-    fn wide_rows_split_over_a_cluster_where_every_gpu_has_clusters() {
+    fn rows_of_hidden_8192_split_over_a_cluster_where_every_gpu_has_clusters() {
         let ll_max = 4 << 20;
-        let f = |tokens, hidden, push, blocks| {
+        let f = |tokens, hidden, push, blocks, clusters| {
             let bytes = tokens * hidden * 2;
-            fused_ll_shape(tokens, hidden, push, bytes, ll_max, blocks, true)
+            fused_ll_shape(tokens, hidden, push, bytes, ll_max, blocks, clusters)
         };
-        // Up to 256 vectors a row stays in one block.
-        assert_eq!(f(1, 2048, 64, 128), shape(Algo::AddRmsNormLL1, 4, 256, 1));
-        // [1, 4096]: 2 blocks of 256 threads per row; the push still wants 8 blocks.
-        assert_eq!(f(1, 4096, 64, 128), shape(Algo::AddRmsNormLLC, 8, 256, 2));
-        // [1, 6144]: 3 x 256; 12 pushing blocks, a whole number of clusters.
-        assert_eq!(f(1, 6144, 64, 128), shape(Algo::AddRmsNormLLC, 12, 256, 3));
-        // [32, 8192]: 4 x 256 per row, 128 blocks for 32 rows.
+        // [1, 8192]: 4 blocks of 256 threads per row; the push wants 16 blocks.
         assert_eq!(
-            f(32, 8192, 128, 128),
+            f(1, 8192, 64, 128, true),
+            shape(Algo::AddRmsNormLLC, 16, 256, 4)
+        );
+        // [32, 8192]: 128 blocks, a cluster for every row.
+        assert_eq!(
+            f(32, 8192, 256, 128, true),
             shape(Algo::AddRmsNormLLC, 128, 256, 4)
         );
-        // [3, 16384]: 8 x 256; 24 blocks for the rows, more than the push's 12 of 512.
+        // [2, 6400]: 800 vectors over 4 blocks of 200 (224 threads).
         assert_eq!(
-            f(3, 16384, 512, 128),
-            shape(Algo::AddRmsNormLLC, 24, 256, 8)
+            f(2, 6400, 64, 128, true),
+            shape(Algo::AddRmsNormLLC, 28, 224, 4)
         );
-        // [2, 6136]: 767 vectors over 3 blocks of 256 (the last has 255).
-        assert_eq!(f(2, 6136, 64, 128), shape(Algo::AddRmsNormLLC, 24, 256, 3));
-        // More rows than clusters fit in the LL grid: whole clusters, rows grid-stride.
+        // 33 rows would need more clusters than the LL grid holds: one block per row instead.
         assert_eq!(
-            f(138, 6144, 512, 128),
-            shape(Algo::AddRmsNormLLC, 126, 256, 3)
+            f(33, 8192, 256, 128, true).map(|s| s.algo),
+            Some(Algo::AddRmsNormLL)
         );
-        // An LL grid smaller than a cluster: one block per row instead.
-        assert_eq!(f(1, 16384, 64, 4), shape(Algo::AddRmsNormLL, 4, 512, 1));
+        // Neither 4096 and 6144 (slower in clusters) nor 16384 (not measured) take them.
+        assert_eq!(
+            f(1, 4096, 64, 128, true),
+            shape(Algo::AddRmsNormLL1, 8, 512, 1)
+        );
+        assert_eq!(
+            f(1, 6144, 64, 128, true),
+            shape(Algo::AddRmsNormLL1, 12, 768, 1)
+        );
+        assert_eq!(
+            f(1, 16384, 64, 128, true),
+            shape(Algo::AddRmsNormLL, 32, 512, 1)
+        );
+        // A GPU without clusters somewhere in the job, or an LL grid smaller than the clusters.
+        assert_eq!(
+            f(1, 8192, 64, 128, false),
+            shape(Algo::AddRmsNormLL, 16, 512, 1)
+        );
+        assert_eq!(
+            f(1, 8192, 64, 2, true),
+            shape(Algo::AddRmsNormLL, 2, 512, 1)
+        );
     }
 }
