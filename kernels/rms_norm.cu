@@ -274,26 +274,18 @@ extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_r
 // at the same row. Push, descriptor check, call counters: as rms_ll_body.
 #define SYMM_RMS_LLC_THREADS 256
 
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t cluster_nctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t cluster_id() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t cluster_count() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
-  return r;
-}
+// The cluster's special registers: this block's rank in its cluster, the blocks per cluster,
+// this cluster's index in the grid and the number of clusters.
+#define SYMM_CLUSTER_SREG(NAME, REG)                             \
+  __device__ __forceinline__ uint32_t NAME() {                   \
+    uint32_t r;                                                  \
+    asm volatile("mov.u32 %0, %%" REG ";" : "=r"(r));            \
+    return r;                                                    \
+  }
+SYMM_CLUSTER_SREG(cluster_ctarank, "cluster_ctarank")
+SYMM_CLUSTER_SREG(cluster_nctarank, "cluster_nctarank")
+SYMM_CLUSTER_SREG(cluster_id, "clusterid.x")
+SYMM_CLUSTER_SREG(cluster_count, "nclusterid.x")
 // All threads of every block of the cluster; orders each block's earlier shared-memory stores
 // before every block's later loads.
 __device__ __forceinline__ void cluster_sync() {
