@@ -9,6 +9,7 @@
 // from overwriting x while a peer still reads it. 16-byte vectors: hidden is a multiple of 8
 // and every pointer is 16-byte aligned (the launch checks). Messages up to the LL threshold take
 // the barrier-free LL kernel instead (rms_ll_body, below); both reduce in the same order.
+#include "cluster.cuh"
 #include "common.cuh"
 
 // Vectors per thread per row: a block of SYMM_THREADS covers hidden <= 512 * 4 * 8 = 16384.
@@ -260,59 +261,38 @@ extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_r
 // Wide rows on Hopper: a row split over a cluster of C blocks (C = 2-8, a launch attribute;
 // rms_norm.rs picks it), so no single SM moves a whole row of x, residual, weight, out and slot
 // resets. Block q of a cluster takes vectors [q * span, (q + 1) * span) of the cluster's rows,
-// one per thread (span = ceil(vecs / C) <= SYMM_RMS_LLC_THREADS). The sum of squares: each warp's
-// sum into the block's shared memory, one cluster barrier, then every warp of every block of the
-// cluster sums the cluster's C x W warp sums in one fixed order (lane l: sums l and l + 32, then a
-// shuffle tree), so every block gets the same bits; the same exchange ANDs the waits' results.
-// The warp sums are double-buffered by the row's parity: a block writes buffer p again two rows
-// later, after a barrier that every block reaches only once it has read buffer p. A closing
-// barrier keeps each block's shared memory alive until the cluster is done reading it; a block
-// arrives at it (relaxed: it orders nothing) as soon as it has read its last row's sums, and
-// waits at its exit, so the row's stores do not hold the cluster up (1,000 cycles less). Every
-// block of a cluster meets every barrier: an aborted communicator or a failed descriptor check
-// skips the pushes and waits but not the barriers, and the cluster-wide AND stops all its blocks
-// at the same row. Push, descriptor check, call counters: as rms_ll_body.
+// one per thread (span = ceil(vecs / C) <= SYMM_RMS_LLC_THREADS). The sum of squares: the
+// block's sum (a shuffle tree per warp, then warp 0 over the warps' sums) goes with the AND of
+// the block's waits to every block of the cluster (cluster.cuh's fence-free exchange); each
+// block then adds the C sums in block order, so every block (and rank) gets the same bits, and
+// every block stops at the same row if a wait failed anywhere in the cluster.
+// The inbox is double-buffered by the row's parity. Block s sends into inbox[p] of block b for
+// row t + 2 only after its wait on row t + 1 completed, which needed b's send of row t + 1,
+// which b issues after the barrier that follows its reads of inbox[p] for row t. No closing
+// barrier: a block's last wait returns only after every send addressed to it has landed.
+// Every block of a cluster takes part in every exchange: an aborted communicator or a failed
+// descriptor check skips the pushes and waits but not the exchanges. Push, descriptor check,
+// call counters: as rms_ll_body.
 #define SYMM_RMS_LLC_THREADS 256
-
-// The cluster's special registers: this block's rank in its cluster, the blocks per cluster,
-// this cluster's index in the grid and the number of clusters.
-#define SYMM_CLUSTER_SREG(NAME, REG)                             \
-  __device__ __forceinline__ uint32_t NAME() {                   \
-    uint32_t r;                                                  \
-    asm volatile("mov.u32 %0, %%" REG ";" : "=r"(r));            \
-    return r;                                                    \
-  }
-SYMM_CLUSTER_SREG(cluster_ctarank, "cluster_ctarank")
-SYMM_CLUSTER_SREG(cluster_nctarank, "cluster_nctarank")
-SYMM_CLUSTER_SREG(cluster_id, "clusterid.x")
-SYMM_CLUSTER_SREG(cluster_count, "nclusterid.x")
-// All threads of every block of the cluster; orders each block's earlier shared-memory stores
-// before every block's later loads.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The two halves of cluster_sync: arrive without ordering any memory access (the block only
-// promises it will read no other block's shared memory after this), and wait.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-}
-// The word at `p` (this block's shared memory) in block `rank` of the cluster.
-__device__ __forceinline__ uint32_t ld_cluster_u32(const void* p, uint32_t rank) {
-  const uint32_t local = (uint32_t)__cvta_generic_to_shared(p);
-  uint32_t remote, v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
-  return v;
-}
 
 template <typename T>
 __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int N = 16 / sizeof(T);
   const SymmArgs& a = f.s;
+  const uint32_t C = cluster_nctarank(), q = cluster_ctarank();
+  __shared__ float part[SYMM_RMS_LLC_THREADS / 32];
+  __shared__ uint32_t part_ok[SYMM_RMS_LLC_THREADS / 32];
+  __shared__ __align__(8) uint32_t inbox[2][SYMM_MAX_CLUSTER][2];  // (sum's bits, AND of waits)
+  __shared__ __align__(8) uint64_t mbar[2];
+  if (threadIdx.x == 0) {
+    mbar_init(&mbar[0], 1);
+    mbar_init(&mbar[1], 1);
+    fence_mbarrier_init();
+  }
+  // Every block's mbarriers exist before any block sends: the barrier's wait comes after the push.
+  cluster_arrive_relaxed();
+
   const uint64_t items = a.count / N;
   const uint64_t vecs = f.hidden / N;
   const uint64_t tokens = a.count / f.hidden;
@@ -328,16 +308,14 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   const uint64_t start = globaltimer();
   if (live) rms_ll_push<T>(a, tp, p0, pv, buf);
   const bool ok = live && ll_check_desc(a, buf, start);
+  cluster_wait();
 
-  const uint32_t C = cluster_nctarank(), q = cluster_ctarank();
   const uint64_t span = (vecs + C - 1) / C;
   const uint64_t j = q * span + threadIdx.x;
   const bool has = threadIdx.x < span && j < vecs;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, W = blockDim.x / 32;
-  __shared__ float part[2][SYMM_RMS_LLC_THREADS / 32];
-  __shared__ uint32_t part_ok[2][SYMM_RMS_LLC_THREADS / 32];
   int parity = 0;
-  bool arrived = false;  // this block's arrival at the closing barrier
+  uint32_t phases = 0;  // bit p: the parity of mbar[p]'s phase the next wait on it waits for
   for (uint64_t t = cluster_id(); t < tokens; t += cluster_count(), parity ^= 1) {
     const uint64_t at = t * vecs + j;
     float r[N];
@@ -379,26 +357,27 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     const bool wok = __all_sync(0xffffffffu, mine);
     if (lane == 0) {
-      part[parity][warp] = ss;
-      part_ok[parity][warp] = wok;
+      part[warp] = ss;
+      part_ok[warp] = wok;
     }
-    cluster_sync();
+    __syncthreads();
+    if (warp == 0) {  // the block's sum and AND, then lane b sends them to block b
+      float w = lane < W ? part[lane] : 0.f;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) w += __shfl_xor_sync(0xffffffffu, w, o);
+      const uint32_t k = __all_sync(0xffffffffu, lane >= W || part_ok[lane] != 0);
+      if (lane == 0) mbar_expect_arrive(&mbar[parity], C * 8);
+      if (lane < (int)C) st_async_v2(inbox[parity][q], __float_as_uint(w), k, &mbar[parity], lane);
+    }
+    mbar_wait(&mbar[parity], (phases >> parity) & 1);
+    phases ^= 1u << parity;
     float sum = 0.f;
     uint32_t all = 1;
-    for (uint32_t i = lane; i < C * W; i += 32) {
-      sum += __uint_as_float(ld_cluster_u32(&part[parity][i % W], i / W));
-      all &= ld_cluster_u32(&part_ok[parity][i % W], i / W);
+    for (uint32_t b = 0; b < C; ++b) {  // block order: every block gets the same bits
+      sum += __uint_as_float(inbox[parity][b][0]);
+      all &= inbox[parity][b][1];
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const bool go = __all_sync(0xffffffffu, all != 0);  // the same for every block of the cluster
-    // The last row's partial sums are read (and used): the closing barrier's arrival goes now,
-    // so the stores below do not hold it up.
-    if (t + cluster_count() >= tokens) {
-      cluster_arrive_relaxed();
-      arrived = true;
-    }
-    if (!go) break;
+    if (all == 0) break;  // the same in every block of the cluster
     const float inv = rsqrtf(sum / (float)f.hidden + f.eps);
     if (has) {
       ((uint4*)f.residual)[at] = pack<T, true>(r);
@@ -409,9 +388,6 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
       ((uint4*)f.out)[at] = pack<T, true>(o);
     }
   }
-  // No block leaves while another may still read its part[].
-  if (!arrived) cluster_arrive_relaxed();
-  cluster_wait();
   if (live) ll_end(a, call);
 #else
   __trap();  // rms_norm.rs launches the cluster kernels on sm_90 and later only
