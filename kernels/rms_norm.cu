@@ -259,17 +259,21 @@ extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_r
 }
 
 // Wide rows on Hopper: a row split over a cluster of C blocks (C = 2-8, a launch attribute;
-// rms_norm.rs picks it), so no single SM moves a whole row of x, residual, weight, out and slot
+// rms_norm.rs picks 3-8), so no single SM moves a whole row of x, residual, weight, out and slot
 // resets. Block q of a cluster takes vectors [q * span, (q + 1) * span) of the cluster's rows,
 // one per thread (span = ceil(vecs / C) <= SYMM_RMS_LLC_THREADS). The sum of squares: the
 // block's sum (a shuffle tree per warp, then warp 0 over the warps' sums) goes with the AND of
 // the block's waits to every block of the cluster (cluster.cuh's fence-free exchange); each
 // block then adds the C sums in block order, so every block (and rank) gets the same bits, and
 // every block stops at the same row if a wait failed anywhere in the cluster.
+// Warp 0 sends and waits; the other warps wait at a block barrier behind it (with every warp
+// spinning on the mbarrier the call was 0.03-0.09 µs slower on one H200; bench/RESULTS.md).
 // The inbox is double-buffered by the row's parity. Block s sends into inbox[p] of block b for
 // row t + 2 only after its wait on row t + 1 completed, which needed b's send of row t + 1,
-// which b issues after the barrier that follows its reads of inbox[p] for row t. No closing
-// barrier: a block's last wait returns only after every send addressed to it has landed.
+// which b issues after the barrier that follows its reads of inbox[p] for row t. part[] needs
+// no second buffer: a warp writes it for the next row only after the barrier that follows warp
+// 0's send, which reads it. No closing barrier: a block's last wait returns only after every
+// send addressed to it has landed.
 // Every block of a cluster takes part in every exchange: an aborted communicator or a failed
 // descriptor check skips the pushes and waits but not the exchanges. Push, descriptor check,
 // call counters: as rms_ll_body.
@@ -368,9 +372,10 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
       const uint32_t k = __all_sync(0xffffffffu, lane >= W || part_ok[lane] != 0);
       if (lane == 0) mbar_expect_arrive(&mbar[parity], C * 8);
       if (lane < (int)C) st_async_v2(inbox[parity][q], __float_as_uint(w), k, &mbar[parity], lane);
+      mbar_wait(&mbar[parity], (phases >> parity) & 1);
     }
-    mbar_wait(&mbar[parity], (phases >> parity) & 1);
     phases ^= 1u << parity;
+    __syncthreads();  // warp 0 saw the cluster's sums arrive (the others do not spin beside it)
     float sum = 0.f;
     uint32_t all = 1;
     for (uint32_t b = 0; b < C; ++b) {  // block order: every block gets the same bits

@@ -201,13 +201,17 @@ fn rms_rank(c: Child) {
     let seed: u64 = c.arg.parse().unwrap();
     let mut hash = 0xcbf29ce484222325u64;
     let mut case = 0u64;
-    // Up to 4 MiB of x the LL kernels (one row per block: a vector per thread up to hidden 6144,
-    // four at 16384; [2, 6136] leaves a partial warp; above 6144 and up to 8192, on sm_90, a row
-    // over a cluster of 4 blocks for up to 32 rows, [2, 6400] with a partial block), above it the
-    // barrier kernel.
+    // Up to 4 MiB of x the LL kernels: on sm_90, rows wider than 4096 split over a cluster of
+    // C = 3-8 blocks while every row gets one ([2, 5120] and [2, 6136] with partial blocks and
+    // warps, [2, 16376] a last block one vector short, [16, 16384] the whole LL grid), otherwise one
+    // row per block (a vector per thread up to hidden 6144, [2, 4088] a partial warp; four at
+    // 16384: [17, 16384], and every wide row on a GPU without clusters); above 4 MiB the barrier
+    // kernel.
     let shapes = [
         (1usize, 2048usize),
         (1, 4096),
+        (2, 4088),
+        (2, 5120),
         (2, 6136),
         (1, 8192),
         (2, 6400),
@@ -217,6 +221,9 @@ fn rms_rank(c: Child) {
         (138, 4096),
         (2048, 8192),
         (3, 16384),
+        (2, 16376),
+        (16, 16384),
+        (17, 16384),
         (4096, 2048),
     ];
     for dtype in [SYMM_BF16, SYMM_FP16] {

@@ -186,15 +186,18 @@ pub struct FusedShape {
     pub cluster: u32,
 }
 
-/// The widest row the cluster kernel takes: hidden 8192, 4 blocks of 256 threads. Measured on one
-/// H200 with one rank (bench/RESULTS.md, session 9): at 8192 it beat one block per row by 0.2-0.6
-/// µs up to 32 rows; at 4096 and 6144 it lost 0.2-0.6 µs (two cluster barriers cost more than
-/// those rows' single-SM work); 16384 (clusters of 8) was not measured.
-const LLC_MAX_VECS: u64 = 1024;
+/// The rows the cluster kernel takes: more than LLC_MIN_VECS vectors (hidden > 4096) and at most
+/// LLC_MAX_VECS (hidden 16384, clusters of 8, the portable maximum). Measured on one H200 with one
+/// rank (bench/RESULTS.md, session 10; the exchange through st.async): at 6144 (clusters of 3)
+/// 0.10-0.21 µs faster than one block per row, at 16384 (clusters of 8) 1.6 µs faster up to 16
+/// rows; at 8192 0.10-0.12 µs faster than the cluster barrier it replaced up to 16 rows and 0.05
+/// slower at 32; at 4096 (clusters of 2) 0.2-0.3 µs slower than one block per row.
+const LLC_MIN_VECS: u64 = 512;
+const LLC_MAX_VECS: u64 = 2048;
 
 /// The LL kernel's shape when the fused call takes it (x within AUTO's LL threshold `ll_max`),
 /// or `None` for the barrier kernel.
-/// - Rows of more than RMS_LL1_THREADS and at most LLC_MAX_VECS vectors (hidden 6144 < h <= 8192),
+/// - Rows of more than LLC_MIN_VECS and at most LLC_MAX_VECS vectors (4096 < hidden <= 16384),
 ///   when every rank's GPU has thread-block clusters (`clusters`) and every row gets a cluster
 ///   of its own within the LL grid: `AddRmsNormLLC`, each row split over C = ceil(vecs /
 ///   RMS_LLC_THREADS) blocks of a cluster, a vector per thread, so no one SM moves the row.
@@ -222,7 +225,7 @@ pub fn fused_ll_shape(
     let ll_blocks = ll_blocks.max(1) as u64;
     let push_blocks = (tokens * vecs).div_ceil(push_threads.max(1) as u64);
     let c = vecs.div_ceil(RMS_LLC_THREADS);
-    if clusters && vecs > RMS_LL1_THREADS && vecs <= LLC_MAX_VECS && tokens * c <= ll_blocks {
+    if clusters && vecs > LLC_MIN_VECS && vecs <= LLC_MAX_VECS && tokens * c <= ll_blocks {
         let threads = vecs.div_ceil(c).next_multiple_of(32).max(64);
         let grid = (tokens * c)
             .max(push_blocks)
@@ -364,7 +367,7 @@ mod tests {
     }
 
     #[test]
-    fn rows_of_hidden_8192_split_over_a_cluster_where_every_gpu_has_clusters() {
+    fn rows_wider_than_4096_split_over_a_cluster_where_every_gpu_has_clusters() {
         let ll_max = 4 << 20;
         let f = |tokens, hidden, push, blocks, clusters| {
             let bytes = tokens * hidden * 2;
@@ -390,18 +393,32 @@ mod tests {
             f(33, 8192, 256, 128, true).map(|s| s.algo),
             Some(Algo::AddRmsNormLL)
         );
-        // Neither 4096 and 6144 (slower in clusters) nor 16384 (not measured) take them.
+        // [1, 6144]: clusters of 3; [1, 16384]: clusters of 8 (the push wants 32 blocks).
+        assert_eq!(
+            f(1, 6144, 64, 128, true),
+            shape(Algo::AddRmsNormLLC, 12, 256, 3)
+        );
+        assert_eq!(
+            f(1, 16384, 64, 128, true),
+            shape(Algo::AddRmsNormLLC, 32, 256, 8)
+        );
+        // [32, 6144]: 96 blocks; the grid stays a whole number of clusters under the LL grid.
+        assert_eq!(
+            f(32, 6144, 256, 128, true),
+            shape(Algo::AddRmsNormLLC, 96, 256, 3)
+        );
+        assert_eq!(
+            f(42, 6144, 64, 128, true),
+            shape(Algo::AddRmsNormLLC, 126, 256, 3)
+        );
+        // 4096 is faster one block per row; 17 rows of 16384 need 136 blocks.
         assert_eq!(
             f(1, 4096, 64, 128, true),
             shape(Algo::AddRmsNormLL1, 8, 512, 1)
         );
         assert_eq!(
-            f(1, 6144, 64, 128, true),
-            shape(Algo::AddRmsNormLL1, 12, 768, 1)
-        );
-        assert_eq!(
-            f(1, 16384, 64, 128, true),
-            shape(Algo::AddRmsNormLL, 32, 512, 1)
+            f(17, 16384, 256, 128, true).map(|s| s.algo),
+            Some(Algo::AddRmsNormLL)
         );
         // A GPU without clusters somewhere in the job, or an LL grid smaller than the clusters.
         assert_eq!(
