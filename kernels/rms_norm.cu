@@ -150,7 +150,6 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   const SymmArgs& a = f.s;
   const uint64_t items = a.count / N;  // hidden is a multiple of 8: whole vectors
   const uint64_t vecs = f.hidden / N;
-  const uint64_t tokens = a.count / f.hidden;
   const uint4* x = (const uint4*)a.in[a.rank];
   const uint64_t tp = f.push_threads;
   // The first pushed vector does not depend on the call: in flight before the counter and
@@ -169,7 +168,10 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   bool ok = ll_check_desc(a, buf, start);
 
   int parity = 0;
-  for (uint64_t t = blockIdx.x; ok && t < tokens; t += gridDim.x, parity ^= 1) {
+  // Row t exists while t * vecs < items. A product, not tokens = count / hidden: the compiler put
+  // that division (a 64-bit call, or some 20 dependent instructions with a reciprocal when both
+  // fit in 32 bits) ahead of the first loads, 0.15-0.25 µs per call (bench/RESULTS.md, session 10).
+  for (uint64_t t = blockIdx.x; ok && t * vecs < items; t += gridDim.x, parity ^= 1) {
     float r[V][N];
     float ss = 0.f;
     bool mine = true;  // this thread's waits all succeeded
@@ -289,17 +291,9 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   __shared__ uint32_t part_ok[SYMM_RMS_LLC_THREADS / 32];
   __shared__ __align__(8) uint32_t inbox[2][SYMM_MAX_CLUSTER][2];  // (sum's bits, AND of waits)
   __shared__ __align__(8) uint64_t mbar[2];
-  if (threadIdx.x == 0) {
-    mbar_init(&mbar[0], 1);
-    mbar_init(&mbar[1], 1);
-    fence_mbarrier_init();
-  }
-  // Every block's mbarriers exist before any block sends: the barrier's wait comes after the push.
-  cluster_arrive_relaxed();
 
   const uint64_t items = a.count / N;
   const uint64_t vecs = f.hidden / N;
-  const uint64_t tokens = a.count / f.hidden;
   const uint4* x = (const uint4*)a.in[a.rank];
   const uint64_t tp = f.push_threads;
   const uint64_t p0 = (uint64_t)blockIdx.x * tp + threadIdx.x;
@@ -308,19 +302,28 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
 
   uint32_t call;
   const bool live = ll_begin(a, call);  // block-uniform
+  if (threadIdx.x == 0) {
+    mbar_init(&mbar[0], 1);
+    mbar_init(&mbar[1], 1);
+    fence_mbarrier_init();
+  }
+  // Every block's mbarriers exist before any block sends: the barrier's wait comes after the push.
+  // After the call counter, not before: ahead of it this setup delayed the counter's load (0.07-0.1
+  // µs on one H200, bench/RESULTS.md, session 10).
+  cluster_arrive_relaxed();
   const uint32_t buf = call % LL_BUFFERS;
   const uint64_t start = globaltimer();
   if (live) rms_ll_push<T>(a, tp, p0, pv, buf);
   const bool ok = live && ll_check_desc(a, buf, start);
   cluster_wait();
 
-  const uint64_t span = (vecs + C - 1) / C;
+  const uint32_t span = ((uint32_t)vecs + C - 1) / C;  // vecs <= 2048 here: 32-bit division
   const uint64_t j = q * span + threadIdx.x;
   const bool has = threadIdx.x < span && j < vecs;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, W = blockDim.x / 32;
   int parity = 0;
   uint32_t phases = 0;  // bit p: the parity of mbar[p]'s phase the next wait on it waits for
-  for (uint64_t t = cluster_id(); t < tokens; t += cluster_count(), parity ^= 1) {
+  for (uint64_t t = cluster_id(); t * vecs < items; t += cluster_count(), parity ^= 1) {
     const uint64_t at = t * vecs + j;
     float r[N];
     float ss = 0.f;
