@@ -261,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_r
 }
 
 // Wide rows on Hopper: a row split over a cluster of C blocks (C = 2-8, a launch attribute;
-// rms_norm.rs picks 3-8), so no single SM moves a whole row of x, residual, weight, out and slot
+// rms_norm.rs picks it), so no single SM moves a whole row of x, residual, weight, out and slot
 // resets. Block q of a cluster takes vectors [q * span, (q + 1) * span) of the cluster's rows,
 // one per thread (span = ceil(vecs / C) <= SYMM_RMS_LLC_THREADS). The sum of squares: the
 // block's sum (a shuffle tree per warp, then warp 0 over the warps' sums) goes with the AND of
@@ -279,7 +279,7 @@ extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_r
 // Every block of a cluster takes part in every exchange: an aborted communicator or a failed
 // descriptor check skips the pushes and waits but not the exchanges. Push, descriptor check,
 // call counters: as rms_ll_body.
-#define SYMM_RMS_LLC_THREADS 256
+#define SYMM_RMS_LLC_THREADS 512
 
 template <typename T>
 __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {

@@ -202,11 +202,12 @@ fn rms_rank(c: Child) {
     let mut hash = 0xcbf29ce484222325u64;
     let mut case = 0u64;
     // Up to 4 MiB of x the LL kernels: on sm_90, rows wider than 4096 split over a cluster of
-    // C = 3-8 blocks while every row gets one ([2, 5120] and [2, 6136] with partial blocks and
-    // warps, [2, 16376] a last block one vector short, [16, 16384] the whole LL grid), otherwise one
-    // row per block (a vector per thread up to hidden 6144, [2, 4088] a partial warp; four at
-    // 16384: [17, 16384], and every wide row on a GPU without clusters); above 4 MiB the barrier
-    // kernel.
+    // C = 2-8 blocks while every row gets one ([2, 5120] and [2, 6136] with partial blocks and
+    // warps, [2, 16376] a last block one vector short, [16, 16384] the whole LL grid; fewer,
+    // wider blocks when the grid is short: [33, 8192] clusters of 3, [64, 8192] of 2, [17, 16384]
+    // of 7), otherwise one row per block (a vector per thread up to hidden 6144, [2, 4088] a
+    // partial warp; four at [33, 16384], and every wide row on a GPU without clusters); above
+    // 4 MiB the barrier kernel.
     let shapes = [
         (1usize, 2048usize),
         (1, 4096),
@@ -216,6 +217,8 @@ fn rms_rank(c: Child) {
         (1, 8192),
         (2, 6400),
         (32, 8192),
+        (33, 8192),
+        (64, 8192),
         (40, 4096),
         (6, 6144),
         (138, 4096),
@@ -224,6 +227,7 @@ fn rms_rank(c: Child) {
         (2, 16376),
         (16, 16384),
         (17, 16384),
+        (33, 16384),
         (4096, 2048),
     ];
     for dtype in [SYMM_BF16, SYMM_FP16] {

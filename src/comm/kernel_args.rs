@@ -84,9 +84,9 @@ pub const RMS_MAX_HIDDEN: u64 = THREADS as u64 * RMS_VECS * 8;
 /// (512 threads, two vectors each) was 0.03-0.08 µs faster than 1024 threads of one on one H200
 /// (bench/RESULTS.md, session 9).
 pub const RMS_LL1_THREADS: u64 = 768;
-/// The most vectors of a row one block of the cluster kernel (`..._llc_*`) takes, one per thread:
-/// wider rows are split over ceil(vecs / this) blocks of a cluster (at most 8).
-pub const RMS_LLC_THREADS: u64 = 256;
+/// The most vectors of a row one block of the cluster kernel (`..._llc_*`) takes, one per thread
+/// (its launch bound): a row is split over at least ceil(vecs / this) blocks of a cluster.
+pub const RMS_LLC_THREADS: u64 = 512;
 
 /// Mirror of `RmsArgs` (kernels/rms_norm.cu).
 #[repr(C)]

@@ -194,13 +194,21 @@ pub struct FusedShape {
 /// slower at 32; at 4096 (clusters of 2) 0.2-0.3 µs slower than one block per row.
 const LLC_MIN_VECS: u64 = 512;
 const LLC_MAX_VECS: u64 = 2048;
+/// Vectors per block of the cluster kernel while the LL grid has room for ceil(vecs / LLC_SPAN)
+/// blocks per row. Rows wider than the one-vector kernel's (hidden > 6144) take fewer, wider
+/// blocks (up to RMS_LLC_THREADS vectors) when it has not: at [33-64, 8192] and [32-42, 12288]
+/// 0.4-1.4 µs faster than one four-vector block per row, and at [17-32, 16384] 1.5-1.7; at 6144
+/// and below clusters of 2 were 0.1-0.4 µs slower than the one-vector kernel (session 10).
+const LLC_SPAN: u64 = 256;
 
 /// The LL kernel's shape when the fused call takes it (x within AUTO's LL threshold `ll_max`),
 /// or `None` for the barrier kernel.
 /// - Rows of more than LLC_MIN_VECS and at most LLC_MAX_VECS vectors (4096 < hidden <= 16384),
 ///   when every rank's GPU has thread-block clusters (`clusters`) and every row gets a cluster
-///   of its own within the LL grid: `AddRmsNormLLC`, each row split over C = ceil(vecs /
-///   RMS_LLC_THREADS) blocks of a cluster, a vector per thread, so no one SM moves the row.
+///   of its own within the LL grid: `AddRmsNormLLC`, each row split over C blocks of a cluster
+///   (C = ceil(vecs / LLC_SPAN), or as many as the grid holds per row for rows wider than
+///   RMS_LL1_THREADS; at least 2 and at least ceil(vecs / RMS_LLC_THREADS)), a vector per
+///   thread, so no one SM moves the row.
 /// - Otherwise a vector of the row per thread (`AddRmsNormLL1`, up to RMS_LL1_THREADS threads, in
 ///   whole warps), so no thread's polls wait behind another of its own; wider rows take four
 ///   vectors per thread (`AddRmsNormLL`, THREADS threads).
@@ -224,8 +232,20 @@ pub fn fused_ll_shape(
     let vecs = hidden / 8;
     let ll_blocks = ll_blocks.max(1) as u64;
     let push_blocks = (tokens * vecs).div_ceil(push_threads.max(1) as u64);
-    let c = vecs.div_ceil(RMS_LLC_THREADS);
-    if clusters && vecs > LLC_MIN_VECS && vecs <= LLC_MAX_VECS && tokens * c <= ll_blocks {
+    // Blocks per row: ceil(vecs / LLC_SPAN); for rows too wide for the one-vector kernel, fewer
+    // (wider blocks) when the LL grid has no room for that many per row.
+    let c_span = vecs.div_ceil(LLC_SPAN);
+    let c = if vecs > RMS_LL1_THREADS {
+        c_span.min(ll_blocks / tokens)
+    } else {
+        c_span
+    };
+    if clusters
+        && vecs > LLC_MIN_VECS
+        && vecs <= LLC_MAX_VECS
+        && c >= vecs.div_ceil(RMS_LLC_THREADS).max(2)
+        && tokens * c <= ll_blocks
+    {
         let threads = vecs.div_ceil(c).next_multiple_of(32).max(64);
         let grid = (tokens * c)
             .max(push_blocks)
@@ -388,9 +408,18 @@ mod tests {
             f(2, 6400, 64, 128, true),
             shape(Algo::AddRmsNormLLC, 28, 224, 4)
         );
-        // 33 rows would need more clusters than the LL grid holds: one block per row instead.
+        // 33 rows of 4 blocks would outgrow the LL grid: 3 wider blocks per row (342 vectors),
+        // then 2 (512) up to 64 rows; 65 rows take one block per row.
         assert_eq!(
-            f(33, 8192, 256, 128, true).map(|s| s.algo),
+            f(33, 8192, 256, 128, true),
+            shape(Algo::AddRmsNormLLC, 126, 352, 3)
+        );
+        assert_eq!(
+            f(64, 8192, 256, 128, true),
+            shape(Algo::AddRmsNormLLC, 128, 512, 2)
+        );
+        assert_eq!(
+            f(65, 8192, 256, 128, true).map(|s| s.algo),
             Some(Algo::AddRmsNormLL)
         );
         // [1, 6144]: clusters of 3; [1, 16384]: clusters of 8 (the push wants 32 blocks).
@@ -411,13 +440,24 @@ mod tests {
             f(42, 6144, 64, 128, true),
             shape(Algo::AddRmsNormLLC, 126, 256, 3)
         );
-        // 4096 is faster one block per row; 17 rows of 16384 need 136 blocks.
+        // 4096 is faster one block per row, and so are rows the one-vector kernel takes when
+        // the grid has no room for their clusters of 3 ([43, 6144]).
         assert_eq!(
             f(1, 4096, 64, 128, true),
             shape(Algo::AddRmsNormLL1, 8, 512, 1)
         );
         assert_eq!(
-            f(17, 16384, 256, 128, true).map(|s| s.algo),
+            f(43, 6144, 64, 128, true),
+            shape(Algo::AddRmsNormLL1, 128, 768, 1)
+        );
+        // [17, 16384]: clusters of 7 (293 vectors each); at 33 rows a row would need blocks
+        // wider than the kernel's 512 threads.
+        assert_eq!(
+            f(17, 16384, 256, 128, true),
+            shape(Algo::AddRmsNormLLC, 126, 320, 7)
+        );
+        assert_eq!(
+            f(33, 16384, 256, 128, true).map(|s| s.algo),
             Some(Algo::AddRmsNormLL)
         );
         // A GPU without clusters somewhere in the job, or an LL grid smaller than the clusters.
@@ -427,7 +467,11 @@ mod tests {
         );
         assert_eq!(
             f(1, 8192, 64, 2, true),
-            shape(Algo::AddRmsNormLL, 2, 512, 1)
+            shape(Algo::AddRmsNormLLC, 2, 512, 2)
+        );
+        assert_eq!(
+            f(1, 8192, 64, 1, true),
+            shape(Algo::AddRmsNormLL, 1, 512, 1)
         );
     }
 }
