@@ -21,6 +21,7 @@ struct RmsArgs {
   uint64_t weight;
   uint64_t out;
   uint64_t hidden;
+  uint64_t tokens;     // count / hidden (the host's: no division in the kernels)
   float eps;
   uint32_t push_threads;  // LL kernel: threads per block that push x (the LL all-reduce's spread)
 };
@@ -53,8 +54,7 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
   if (!epoch_begin(a, e)) return;  // aborted: touch no peer memory
   bool ok = block_barrier(a, ++e, true);
   const uint64_t vecs = f.hidden / N;
-  const uint64_t tokens = a.count / f.hidden;
-  for (uint64_t t = blockIdx.x; ok && t < tokens; t += gridDim.x) {
+  for (uint64_t t = blockIdx.x; ok && t < f.tokens; t += gridDim.x) {
     float r[SYMM_RMS_VECS][N];
     float ss = 0.f;
 #pragma unroll
@@ -168,10 +168,10 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   bool ok = ll_check_desc(a, buf, start);
 
   int parity = 0;
-  // Row t exists while t * vecs < items. A product, not tokens = count / hidden: the compiler put
-  // that division (a 64-bit call, or some 20 dependent instructions with a reciprocal when both
-  // fit in 32 bits) ahead of the first loads, 0.15-0.25 µs per call (bench/RESULTS.md, session 10).
-  for (uint64_t t = blockIdx.x; ok && t * vecs < items; t += gridDim.x, parity ^= 1) {
+  // The rows from the host (f.tokens), not count / hidden: the compiler put that division (a
+  // 64-bit call, or some 20 dependent instructions with a reciprocal when both fit in 32 bits)
+  // ahead of the first loads, 0.15-0.25 µs per call (bench/RESULTS.md, session 10).
+  for (uint64_t t = blockIdx.x; ok && t < f.tokens; t += gridDim.x, parity ^= 1) {
     float r[V][N];
     float ss = 0.f;
     bool mine = true;  // this thread's waits all succeeded
@@ -323,7 +323,7 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, W = blockDim.x / 32;
   int parity = 0;
   uint32_t phases = 0;  // bit p: the parity of mbar[p]'s phase the next wait on it waits for
-  for (uint64_t t = cluster_id(); t * vecs < items; t += cluster_count(), parity ^= 1) {
+  for (uint64_t t = cluster_id(); t < f.tokens; t += cluster_count(), parity ^= 1) {
     const uint64_t at = t * vecs + j;
     float r[N];
     float ss = 0.f;

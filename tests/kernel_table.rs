@@ -189,6 +189,7 @@ fn rms_argument_struct_matches_the_cuda_source() {
             "uint64_t weight",
             "uint64_t out",
             "uint64_t hidden",
+            "uint64_t tokens",
             "float eps",
             "uint32_t push_threads",
         ],

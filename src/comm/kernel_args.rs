@@ -97,9 +97,11 @@ pub struct RmsArgs {
     pub weight: u64,
     pub out: u64,
     pub hidden: u64,
+    /// count / hidden, so the kernels divide nothing before their first loads.
+    pub tokens: u64,
     pub eps: f32,
     /// LL kernel: threads per block that push x (the LL all-reduce's spread of the message).
     pub push_threads: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<RmsArgs>() == 256 + 40);
+const _: () = assert!(std::mem::size_of::<RmsArgs>() == 256 + 48);

@@ -136,6 +136,7 @@ impl Communicator {
             weight: c.weight,
             out: c.out,
             hidden: c.hidden,
+            tokens: c.tokens,
             eps: c.eps,
             push_threads,
         };
