@@ -159,10 +159,12 @@ impl Communicator {
             devices.push(d);
         }
         let mut clusters = !host;
+        let mut fewest_sms = sms;
         if !host {
             let drv = cuda::driver()?;
             for (r, &d) in devices.iter().enumerate() {
                 clusters &= drv.device(d)?.cc_major >= 9;
+                fewest_sms = fewest_sms.min(drv.device(d)?.sm_count as u32);
                 if !drv.can_access_peer(device, d)? {
                     return Err(Error::unsupported(format!(
                         "device {device} (rank {rank}) cannot access device {d} (rank {r}) \
@@ -230,6 +232,8 @@ impl Communicator {
             releases,
             pads: Vec::new(),
             kernels: HashMap::new(),
+            fewest_sms,
+            resident: HashMap::new(),
             auto_seen: Default::default(),
             mc: HashMap::new(),
         });

@@ -76,6 +76,12 @@ pub struct Communicator {
     /// Every rank's GPU runs thread-block clusters (sm_90+): the fused call may split wide rows
     /// over a cluster (rms_norm.rs). Equal on every rank: read from every rank's device.
     clusters: bool,
+    /// The fewest SMs of any rank's GPU: an LL grid must be resident at once on every rank
+    /// (rms_norm.rs, `fit_resident`). Equal on every rank, as `clusters`.
+    fewest_sms: u32,
+    /// Blocks per SM of a fused LL kernel at a block size, by (algo, dtype, threads): the
+    /// driver's occupancy answer, asked once (rms_norm.rs, `resident_blocks`).
+    resident: HashMap<(Algo, DType, u32), u32>,
     /// The peers' release logs: their segments given back, to unmap here (retire.rs).
     releases: retire::PeerReleases,
     /// Each rank's signal pad in this process's address space (fixed after init).

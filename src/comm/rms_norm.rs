@@ -143,15 +143,23 @@ impl Communicator {
         // Up to AUTO's LL threshold the LL kernel, on a grid fitted to the call; above it the
         // barrier kernel with just enough threads for a row and a block per row (grid-stride
         // over the tokens). Every input of both choices is equal on every rank.
-        let shape = fused_ll_shape(
-            c.tokens,
-            c.hidden,
-            push_threads,
-            bytes,
-            self.auto.ll_max,
+        let (tokens, hidden, ll_max, clusters) =
+            (c.tokens, c.hidden, self.auto.ll_max, self.clusters);
+        let shape = fit_resident(
             self.ll_grid.0,
-            self.clusters,
-        )
+            |blocks| {
+                fused_ll_shape(
+                    tokens,
+                    hidden,
+                    push_threads,
+                    bytes,
+                    ll_max,
+                    blocks,
+                    clusters,
+                )
+            },
+            |s| self.resident_blocks(s, dtype),
+        )?
         .unwrap_or(FusedShape {
             algo: Algo::AddRmsNorm,
             grid: c.tokens.min(MAX_BLOCKS as u64) as u32,
@@ -174,6 +182,60 @@ impl Communicator {
             );
         }
         cuda::module::launch(self.device, f, shape.grid, shape.threads, stream, &args)
+    }
+}
+
+impl Communicator {
+    /// How many blocks of this shape's kernel every rank's GPU holds at once: blocks per SM
+    /// (asked of the driver once per kernel and block size; the same on every rank of one
+    /// architecture) times the fewest SMs of any rank. For clusters this leaves out how a GPU
+    /// groups its SMs (a cluster cannot span groups, and the grouping differs between chips of one
+    /// model, so it is no input every rank shares): the cluster kernel holds two blocks per SM at
+    /// its widest (512 threads), twice what the LL grid asks of 128 SMs.
+    fn resident_blocks(&mut self, s: &FusedShape, dtype: DType) -> Result<u64> {
+        let key = (s.algo, dtype, s.threads);
+        let per_sm = match self.resident.get(&key) {
+            Some(&n) => n,
+            None => {
+                let f = self.kernel(s.algo, dtype, ReduceOp::Sum, true)?;
+                let n = cuda::module::blocks_per_sm(self.device, f, s.threads)?;
+                self.resident.insert(key, n);
+                n
+            }
+        };
+        Ok(per_sm as u64 * self.fewest_sms as u64)
+    }
+}
+
+/// The LL kernel's shape on a grid every rank's GPU holds at once. An LL block waits for items
+/// that the peer's blocks push, whichever block pulls them: if part of the grid waited for an SM
+/// on both ranks, the resident blocks could wait for it until the timeout (bench/NOTES.md,
+/// session 10). `shape_for(blocks)` is the shape on an LL grid of `blocks` (fused_ll_shape), and
+/// `resident(shape)` how many blocks of its kernel fit at once; a shape that does not fit is
+/// asked again on that many blocks (rows then share blocks, or clusters shrink or give way to
+/// one block per row), until one fits. Equal inputs on every rank give the same shape.
+pub fn fit_resident(
+    ll_blocks: u32,
+    mut shape_for: impl FnMut(u32) -> Option<FusedShape>,
+    mut resident: impl FnMut(&FusedShape) -> Result<u64>,
+) -> Result<Option<FusedShape>> {
+    let mut blocks = ll_blocks.max(1);
+    loop {
+        let Some(shape) = shape_for(blocks) else {
+            return Ok(None);
+        };
+        let fits = resident(&shape)?;
+        if shape.grid as u64 <= fits {
+            return Ok(Some(shape));
+        }
+        if fits == 0 || blocks == 1 {
+            return Err(Error::internal(format!(
+                "the fused kernel {} with {} threads per block does not fit this GPU's SMs",
+                shape.algo.name(),
+                shape.threads
+            )));
+        }
+        blocks = (fits as u32).min(blocks - 1);
     }
 }
 
@@ -312,7 +374,7 @@ fn check(c: &RmsCall, dtype: DType) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{fused_ll_shape, FusedShape};
+    use super::{fit_resident, fused_ll_shape, FusedShape};
     use crate::comm::algo::Algo;
 
     fn shape(algo: Algo, grid: u32, threads: u32, cluster: u32) -> Option<FusedShape> {
@@ -473,6 +535,53 @@ mod tests {
         assert_eq!(
             f(1, 8192, 64, 1, true),
             shape(Algo::AddRmsNormLL, 1, 512, 1)
+        );
+    }
+
+    #[test]
+    fn fused_grids_fit_what_every_gpu_holds_at_once() {
+        let ll_max = 4 << 20;
+        let shape_at = |tokens: u64, hidden: u64, push: u32| {
+            move |blocks: u32| {
+                fused_ll_shape(
+                    tokens,
+                    hidden,
+                    push,
+                    tokens * hidden * 2,
+                    ll_max,
+                    blocks,
+                    true,
+                )
+            }
+        };
+        let all = |_: &FusedShape| Ok(u64::MAX);
+        // Room for everything: the shape on the whole LL grid.
+        assert_eq!(
+            fit_resident(128, shape_at(128, 8192, 256), all).unwrap(),
+            shape(Algo::AddRmsNormLL, 128, 512, 1)
+        );
+        // One four-vector block per SM and 108 SMs (an A100): 108 blocks, rows shared.
+        let a100 = |_: &FusedShape| Ok(108);
+        assert_eq!(
+            fit_resident(128, shape_at(128, 8192, 256), a100).unwrap(),
+            shape(Algo::AddRmsNormLL, 108, 512, 1)
+        );
+        // [32, 8192] in clusters of 4 needs 128 blocks; with room for 100, clusters of 3 (99).
+        let hundred = |_: &FusedShape| Ok(100);
+        assert_eq!(
+            fit_resident(128, shape_at(32, 8192, 256), hundred).unwrap(),
+            shape(Algo::AddRmsNormLLC, 99, 352, 3)
+        );
+        // A shape the kernel's own rule turns down stays turned down (above the LL threshold).
+        assert_eq!(
+            fit_resident(128, |_| None, |_: &FusedShape| Ok(0)).unwrap(),
+            None
+        );
+        // A kernel that fits no SM at all is an error that names it, not a loop.
+        let err = fit_resident(128, shape_at(1, 4096, 64), |_: &FusedShape| Ok(0)).unwrap_err();
+        assert!(
+            err.to_string().contains("does not fit"),
+            "unexpected error: {err}"
         );
     }
 }

@@ -75,6 +75,26 @@ pub fn function(device: i32, name: &str) -> Result<Function> {
     Ok(Function(f as usize))
 }
 
+/// How many blocks of `block` threads of `f` one SM holds at once (registers, shared memory and
+/// threads; `cuOccupancyMaxActiveBlocksPerMultiprocessor`, no dynamic shared memory).
+pub fn blocks_per_sm(device: i32, f: Function, block: u32) -> Result<u32> {
+    let _ctx = CtxGuard::new(device)?;
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: n is a valid out-pointer; f is a live function of this device's module.
+    check(
+        unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut n,
+                f.0 as sys::CUfunction,
+                block as std::ffi::c_int,
+                0,
+            )
+        },
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+    )?;
+    Ok(n.max(0) as u32)
+}
+
 /// Launches `f` with one by-value argument struct `args` (the kernels take a single struct).
 pub fn launch<T>(
     device: i32,
