@@ -163,8 +163,9 @@ impl Communicator {
         if !host {
             let drv = cuda::driver()?;
             for (r, &d) in devices.iter().enumerate() {
-                clusters &= drv.device(d)?.cc_major >= 9;
-                fewest_sms = fewest_sms.min(drv.device(d)?.sm_count as u32);
+                let info = drv.device(d)?;
+                clusters &= info.cc_major >= 9;
+                fewest_sms = fewest_sms.min(info.sm_count as u32);
                 if !drv.can_access_peer(device, d)? {
                     return Err(Error::unsupported(format!(
                         "device {device} (rank {rank}) cannot access device {d} (rank {r}) \
