@@ -8,7 +8,7 @@ CMAKE := $(shell command -v cmake 2>/dev/null || echo $(CURDIR)/.toolchain/cmake
 CTEST := $(shell command -v ctest 2>/dev/null || echo $(CURDIR)/.toolchain/cmake/data/bin/ctest)
 CUDA_INCLUDE := $(CURDIR)/.toolchain/nvidia/cu13/include
 
-.PHONY: all run build toolchain test test-rust test-c test-python test-install test-wheel wheel lint header install python-install clean
+.PHONY: all run build toolchain test test-rust test-c test-python test-install test-wheel wheel lint header kernels install python-install clean
 
 all: run
 
@@ -119,6 +119,11 @@ test-wheel: wheel
 
 header:
 	SYMMALLOC_BLESS=1 $(CARGO) test -p symmalloc --test header
+
+# kernels/instances.cu and kernels/symm_constants.cuh, generated from src/comm/kernels.rs and
+# kernel_args.rs (tests/kernel_table.rs fails when they are stale).
+kernels:
+	SYMMALLOC_BLESS=1 $(CARGO) test -p symmalloc --test kernel_table
 
 clean:
 	$(CARGO) clean

@@ -309,7 +309,7 @@ fn label(bytes: usize) -> String {
 fn launch_floor(device: i32, stream: u64) -> (f64, f64) {
     use cudarc::driver::sys;
     use symmalloc::cuda::module;
-    let f = module::function(device, symmalloc::comm::kernels::SELFTEST_SAXPY).unwrap();
+    let f = module::function(device, symmalloc::cuda::util::SELFTEST_SAXPY).unwrap();
     let args = util::SaxpyArgs {
         x: 0,
         y: 0,

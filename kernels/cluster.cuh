@@ -8,7 +8,7 @@
 // and waits on its own mbarrier. Nothing in it is a release at cluster scope: such a release
 // (`barrier.cluster.arrive` with its default .release, `mbarrier.arrive.release.cluster`)
 // compiles to MEMBAR.ALL.GPU, which waits for every store the thread has in flight, including
-// the LL pushes to peers over NVLink and the slot resets (bench/NOTES.md, session 10). The
+// the LL pushes to peers over NVLink and the slot resets (docs/DESIGN.md, "Kernels and their grids"). The
 // complete-tx of st.async is itself a release at cluster scope for the data it carries, and
 // mbar_wait is the matching acquire.
 //
@@ -24,7 +24,7 @@
 #pragma once
 #include <stdint.h>
 
-#define SYMM_MAX_CLUSTER 8
+#include "symm_constants.cuh"  // SYMM_MAX_CLUSTER
 
 // This block's rank in its cluster, the blocks per cluster, this cluster's index in the grid and
 // the number of clusters.

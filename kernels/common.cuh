@@ -1,8 +1,8 @@
 // symmalloc kernels: shared definitions.
 //
-// Owns: the kernel argument struct (mirrored by src/comm/kernel_args.rs, keep in step), the
-// layout of the communicator's internal block, error reporting, element conversion, 16-byte
-// vectors, and the cross-rank block barrier.
+// Owns: the kernel argument struct (mirrored by src/comm/kernel_args.rs; tests/kernel_table.rs
+// checks them field by field), error reporting, element conversion, 16-byte vectors, and the
+// cross-rank block barrier with the barrier kernels' opening and closing steps.
 //
 // Barrier protocol: block b of rank r owns slot pads[r][b][p] for each peer p. To arrive at
 // epoch e, thread p of block b writes its call descriptor then e (release, system scope) into
@@ -16,9 +16,9 @@
 //     (device memory of this GPU, an L2 hit). The lanes of a warp spin in step, so that is one
 //     load per warp, not per thread;
 //   - never host-mapped memory. A PCIe read per spinning thread turned one late peer into
-//     self-sustaining 0.4-1.2 ms stalls of captured graphs (bench/NOTES.md). Kernels only ever
-//     *write* the host-mapped error words: one posted store per error, by the thread that
-//     records it.
+//     self-sustaining 0.4-1.2 ms stalls of captured graphs (docs/DESIGN.md, "What a spin
+//     loop may touch"). Kernels only ever *write* the host-mapped error words: one posted
+//     store per error, by the thread that records it.
 // A wait longer than timeout_ns records TIMEOUT in the abort word; every wait of this kernel
 // and of every later kernel of the communicator then stops within SYMM_SPIN_CHECK spins, and
 // blocks that start after it skip their work at once, touching no peer memory.
@@ -27,24 +27,11 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#define SYMM_MAX_RANKS 8
-#define SYMM_MAX_BLOCKS 128
-#define SYMM_THREADS 512
-
-#define SYMM_ERR_TIMEOUT_CODE 1u
-#define SYMM_ERR_ASYMMETRIC_CODE 2u
-#define SYMM_ERR_NO_MULTIMEM_CODE 3u
-#define SYMM_ERR_LL_ASYMMETRIC_CODE 4u
-
-// The communicator's internal block, the same on every rank (kernel_args.rs mirrors it): the
-// signal pad ([SYMM_MAX_BLOCKS][SYMM_MAX_RANKS] Slots), the barrier epochs (one uint32_t per
-// block, local), the control words (the abort word, local), then the one-shot LL region
-// (one_shot_ll.cu).
-#define SYMM_PAD_BYTES (SYMM_MAX_BLOCKS * SYMM_MAX_RANKS * 16)
-#define SYMM_ABORT_OFFSET (SYMM_PAD_BYTES + SYMM_MAX_BLOCKS * 4)
-#define SYMM_CONTROL_BYTES 128
-// Spins between two looks at the clock and the abort word.
-#define SYMM_SPIN_CHECK 1024u
+// Every constant the host shares with the kernels (limits, error codes, the internal block's
+// offsets, unrolls, block sizes): generated from src/comm/kernel_args.rs, checked for drift by
+// tests/kernel_table.rs. The layout of the internal block is docs/DESIGN.md, "Internal buffer
+// layout".
+#include "symm_constants.cuh"
 
 enum { OP_SUM = 0, OP_MAX = 1, OP_MIN = 2 };
 
@@ -187,6 +174,24 @@ __device__ __forceinline__ bool block_barrier(const SymmArgs& a, uint32_t epoch,
     }
   }
   return __syncthreads_and(ok) != 0;
+}
+
+// Every barrier kernel's opening: the block's epoch (epoch_begin) and the call's first barrier,
+// which checks the call descriptors. False when the communicator was aborted: the block must
+// return at once, touching no peer memory (and not storing its epoch). Otherwise `ok` says
+// whether the kernel may do its work.
+__device__ __forceinline__ bool barrier_open(const SymmArgs& a, uint32_t& e, bool& ok) {
+  if (!epoch_begin(a, e)) return false;
+  ok = block_barrier(a, ++e, true);
+  return true;
+}
+
+// Every barrier kernel's closing: a last barrier unless the kernel already failed (it keeps a
+// caller from touching buffers a peer still reads, and its release publishes the block's
+// stores into peers' memory), then the epoch stored for the next kernel.
+__device__ __forceinline__ void barrier_close(const SymmArgs& a, uint32_t e, bool ok) {
+  if (ok) block_barrier(a, ++e, false);
+  epoch_end(a, e);
 }
 
 template <typename T> __device__ __forceinline__ float to_f32(T v);

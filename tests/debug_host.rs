@@ -94,7 +94,12 @@ fn diagnostics_follow_symmalloc_debug() {
     }
     for lines in diagnostics("trace") {
         assert_eq!(count(&lines, " TRACE "), 4, "{}", lines.join("\n"));
-        assert_eq!(count(&lines, "all_reduce two_shot 1000 x fp32 sum"), 1);
+        assert_eq!(
+            count(&lines, "all_reduce two_shot 1000 x fp32 sum"),
+            1,
+            "{}",
+            lines.join("\n")
+        );
     }
     for lines in diagnostics("") {
         assert!(lines.is_empty(), "off by default: {lines:?}");

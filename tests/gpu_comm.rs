@@ -8,7 +8,7 @@ use common::*;
 use std::io::Write;
 use std::ptr::null_mut;
 use symmalloc::comm::convert::bf16_to_f32;
-use symmalloc::cuda::util;
+use symmalloc::cuda::{mem, util};
 use symmalloc::ffi::types::*;
 use symmalloc::ffi::*;
 
@@ -438,7 +438,7 @@ fn asymmetric_rank(c: Child) {
     };
     // Same segment, other offsets: the kernel's first barrier catches it; reported next call.
     let st = one_shot(buf);
-    util::device_sync(c.device).unwrap();
+    mem::sync_device(c.device).unwrap();
     let st2 = one_shot(q);
     assert!(
         st == symm_status_t::SYMM_ERR_NOT_SYMMETRIC || st2 == symm_status_t::SYMM_ERR_NOT_SYMMETRIC,
@@ -452,7 +452,7 @@ fn asymmetric_rank(c: Child) {
         "usable after the report: {}",
         err()
     );
-    util::device_sync(c.device).unwrap();
+    mem::sync_device(c.device).unwrap();
     // The LL kernel checks descriptors too (block 0 exchanges them). A peer that ran another
     // call may have left words in the LL buffers, so the communicator stays broken.
     let ll = |p: *mut std::ffi::c_void| {
@@ -468,7 +468,7 @@ fn asymmetric_rank(c: Child) {
         )
     };
     let st = ll(buf);
-    util::device_sync(c.device).unwrap();
+    mem::sync_device(c.device).unwrap();
     let st2 = ll(q);
     assert!(
         st == symm_status_t::SYMM_ERR_NOT_SYMMETRIC || st2 == symm_status_t::SYMM_ERR_NOT_SYMMETRIC,
@@ -477,7 +477,7 @@ fn asymmetric_rank(c: Child) {
     );
     assert_eq!(ll(q), symm_status_t::SYMM_ERR_NOT_SYMMETRIC);
     assert!(err().contains("unusable"), "{}", err());
-    util::device_sync(c.device).unwrap();
+    mem::sync_device(c.device).unwrap();
     if !extra.is_null() {
         symm_free(extra, 3 << 20, 0, null_mut());
     }
@@ -629,7 +629,7 @@ fn two_streams_rank(c: Child) {
                     util::htod(c.device, outs[k][j], &vec![0xFFu8; bytes]).unwrap();
                 }
             }
-            util::device_sync(c.device).unwrap();
+            mem::sync_device(c.device).unwrap();
             for k in 0..CALLS {
                 for j in 0..2 {
                     let st = symm_all_reduce_algo(

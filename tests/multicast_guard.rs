@@ -2,7 +2,7 @@
 //! driver's multicast functions, and each of its functions that creates, joins, sizes or binds
 //! a multicast object asks the gate (`ensure_allowed`) before the driver call. (No test may
 //! create a multicast object on a machine with a GPU, so this is checked by reading, and the
-//! gate itself by the pure-function tests in src/comm/multicast.rs.)
+//! gate itself by the pure-function tests in src/cuda/multicast_gate.rs.)
 
 use std::path::{Path, PathBuf};
 

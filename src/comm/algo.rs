@@ -1,9 +1,15 @@
-//! Collective parameters as validated Rust values (element type, operation, algorithm) and the
-//! AUTO choice between one-shot and two-shot.
+//! Every kernel decision of a collective call: the validated values of a call (element type,
+//! operation, the C-visible algorithm), AUTO's choice between the all-reduce algorithms, and
+//! the internal `Kernel` a call runs (barrier or LL, vectors or elements). `shape.rs` sizes the
+//! chosen kernel's grid; `plan.rs` calls both (docs/DESIGN.md, "The collective pipeline").
+//!
+//! Invariant: every decision reads only values equal on every rank (the call descriptor's
+//! shared words, the communicator's settings agreed at init, facts about every rank's GPU
+//! agreed at init), never a rank-local pointer: two ranks that chose different kernels would
+//! wait for each other until the timeout.
 
 use crate::config;
 use crate::error::{Error, Result};
-use crate::ffi::types as t;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
@@ -19,41 +25,70 @@ pub enum ReduceOp {
     Min,
 }
 
+/// The all-reduce algorithm a caller asks for (`symm_algo_t`; ffi/types.rs converts).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Algo {
     Auto,
     OneShot,
     TwoShot,
     Multimem,
-    /// One-shot without barriers: values carry their own arrival flags (kernels/one_shot_ll.cu).
+    /// One-shot without barriers: values carry their own arrival flags (kernels/ll.cuh).
     OneShotLL,
-    /// Not all-reduce algorithms: the collectives of kernels/scatter_gather.cu (never chosen by
-    /// AUTO, never named by a symm_algo_t).
+}
+
+/// What a call runs: one kernel family of kernels/ (src/comm/kernels.rs names its instances).
+/// Internal: callers name an `Algo` or a collective, `algo.rs` picks the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kernel {
+    OneShot,
+    OneShotLL,
+    TwoShot,
+    Multimem,
     ReduceScatter,
-    /// Reduce-scatter of slices up to AUTO's LL threshold, barrier-free (launch.rs picks it).
+    /// Reduce-scatter of slices up to AUTO's LL threshold, barrier-free.
     ReduceScatterLL,
     AllGather,
-    /// All-reduce fused with residual add and RMSNorm (kernels/rms_norm.cu): the barrier
-    /// kernel, and the LL kernels for messages up to AUTO's LL threshold (a vector per thread
-    /// up to hidden 6144, up to four per thread above).
+    /// All-reduce + residual + RMSNorm: the barrier kernel (messages above the LL threshold).
     AddRmsNorm,
+    /// The fused LL kernel with up to four vectors of a row per thread (hidden up to 16384).
     AddRmsNormLL,
+    /// The fused LL kernel with one vector per thread (hidden up to 6144).
     AddRmsNormLL1,
     /// The fused LL kernel with each row split over a thread-block cluster (sm_90+).
     AddRmsNormLLC,
 }
 
-impl DType {
-    pub fn from_c(v: t::symm_dtype_t) -> Result<Self> {
-        match v {
-            t::SYMM_BF16 => Ok(DType::Bf16),
-            t::SYMM_FP16 => Ok(DType::Fp16),
-            t::SYMM_FP32 => Ok(DType::Fp32),
-            _ => Err(Error::invalid(format!(
-                "dtype {v} is not a symm_dtype_t; expected SYMM_BF16 (0), SYMM_FP16 (1) or SYMM_FP32 (2)"
-            ))),
+impl Kernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::OneShot => "one_shot",
+            Kernel::OneShotLL => "one_shot_ll",
+            Kernel::TwoShot => "two_shot",
+            Kernel::Multimem => "multimem",
+            Kernel::ReduceScatter => "reduce_scatter",
+            Kernel::ReduceScatterLL => "reduce_scatter_ll",
+            Kernel::AllGather => "all_gather",
+            Kernel::AddRmsNorm => "all_reduce_add_rms_norm",
+            Kernel::AddRmsNormLL => "all_reduce_add_rms_norm_ll",
+            Kernel::AddRmsNormLL1 => "all_reduce_add_rms_norm_ll1",
+            Kernel::AddRmsNormLLC => "all_reduce_add_rms_norm_llc",
         }
     }
+
+    /// Kernels of the LL protocol (they share the LL buffers and call counters).
+    pub fn is_ll(self) -> bool {
+        matches!(
+            self,
+            Kernel::OneShotLL
+                | Kernel::ReduceScatterLL
+                | Kernel::AddRmsNormLL
+                | Kernel::AddRmsNormLL1
+                | Kernel::AddRmsNormLLC
+        )
+    }
+}
+
+impl DType {
     pub fn size(self) -> usize {
         match self {
             DType::Bf16 | DType::Fp16 => 2,
@@ -70,16 +105,6 @@ impl DType {
 }
 
 impl ReduceOp {
-    pub fn from_c(v: t::symm_op_t) -> Result<Self> {
-        match v {
-            t::SYMM_SUM => Ok(ReduceOp::Sum),
-            t::SYMM_MAX => Ok(ReduceOp::Max),
-            t::SYMM_MIN => Ok(ReduceOp::Min),
-            _ => Err(Error::invalid(format!(
-                "op {v} is not a symm_op_t; expected SYMM_SUM (0), SYMM_MAX (1) or SYMM_MIN (2)"
-            ))),
-        }
-    }
     pub fn name(self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",
@@ -90,19 +115,6 @@ impl ReduceOp {
 }
 
 impl Algo {
-    pub fn from_c(v: t::symm_algo_t) -> Result<Self> {
-        match v {
-            t::SYMM_ALGO_AUTO => Ok(Algo::Auto),
-            t::SYMM_ALGO_ONE_SHOT => Ok(Algo::OneShot),
-            t::SYMM_ALGO_TWO_SHOT => Ok(Algo::TwoShot),
-            t::SYMM_ALGO_MULTIMEM => Ok(Algo::Multimem),
-            t::SYMM_ALGO_ONE_SHOT_LL => Ok(Algo::OneShotLL),
-            _ => Err(Error::invalid(format!(
-                "algo {v} is not a symm_algo_t; expected SYMM_ALGO_AUTO (0), ONE_SHOT (1), \
-                 TWO_SHOT (2), MULTIMEM (3) or ONE_SHOT_LL (4)"
-            ))),
-        }
-    }
     pub fn name(self) -> &'static str {
         match self {
             Algo::Auto => "auto",
@@ -110,13 +122,6 @@ impl Algo {
             Algo::TwoShot => "two_shot",
             Algo::Multimem => "multimem",
             Algo::OneShotLL => "one_shot_ll",
-            Algo::ReduceScatter => "reduce_scatter",
-            Algo::ReduceScatterLL => "reduce_scatter_ll",
-            Algo::AllGather => "all_gather",
-            Algo::AddRmsNorm => "all_reduce_add_rms_norm",
-            Algo::AddRmsNormLL => "all_reduce_add_rms_norm_ll",
-            Algo::AddRmsNormLL1 => "all_reduce_add_rms_norm_ll1",
-            Algo::AddRmsNormLLC => "all_reduce_add_rms_norm_llc",
         }
     }
 }
@@ -193,87 +198,115 @@ impl AutoThresholds {
     }
 }
 
-/// AUTO: one-shot LL up to `auto.ll_max` (0 turns it off), then barrier one-shot up to
-/// `auto.one_shot_max`, then two-shot. Multimem is never chosen automatically. One rank needs
-/// no peers: one-shot. An explicit ONE_SHOT_LL larger than the LL slot is refused.
-pub fn choose(
+/// The all-reduce kernel for an asked algorithm and a message of `bytes`. AUTO: one-shot LL up
+/// to `auto.ll_max` (0 turns it off), then barrier one-shot up to `auto.one_shot_max`, then
+/// two-shot. Multimem is never chosen automatically. One rank needs no peers: one-shot. An
+/// explicit ONE_SHOT_LL larger than the LL slot is refused.
+pub fn all_reduce_kernel(
     algo: Algo,
     bytes: u64,
     world: usize,
     ll_slot: u64,
     auto: &AutoThresholds,
-) -> Result<Algo> {
+) -> Result<Kernel> {
     if algo == Algo::OneShotLL && bytes > ll_slot {
         return Err(Error::invalid(format!(
             "SYMM_ALGO_ONE_SHOT_LL takes messages up to {ll_slot} bytes (SYMMALLOC_LL_BYTES); \
              this one has {bytes} (use SYMM_ALGO_AUTO)"
         )));
     }
-    if algo != Algo::Auto {
-        return Ok(algo);
-    }
-    if world == 1 {
-        return Ok(Algo::OneShot);
-    }
-    Ok(if bytes <= auto.ll_max {
-        Algo::OneShotLL
-    } else if bytes <= auto.one_shot_max {
-        Algo::OneShot
-    } else {
-        Algo::TwoShot
+    Ok(match algo {
+        Algo::OneShot => Kernel::OneShot,
+        Algo::TwoShot => Kernel::TwoShot,
+        Algo::Multimem => Kernel::Multimem,
+        Algo::OneShotLL => Kernel::OneShotLL,
+        Algo::Auto if world == 1 => Kernel::OneShot,
+        Algo::Auto if bytes <= auto.ll_max => Kernel::OneShotLL,
+        Algo::Auto if bytes <= auto.one_shot_max => Kernel::OneShot,
+        Algo::Auto => Kernel::TwoShot,
     })
+}
+
+/// The reduce-scatter kernel: LL when the input's offset and the slice are whole 16-byte
+/// vectors and the slice is within AUTO's LL threshold, the barrier kernel otherwise. Only
+/// values equal on every rank go in (the input's offset and the count are compared across
+/// ranks, the threshold is a communicator setting): never the output, which is rank-local.
+pub fn reduce_scatter_kernel(send_off: u64, slice_bytes: u64, ll_max: u64) -> Kernel {
+    if send_off % 16 == 0 && slice_bytes % 16 == 0 && slice_bytes <= ll_max {
+        Kernel::ReduceScatterLL
+    } else {
+        Kernel::ReduceScatter
+    }
+}
+
+/// Whether a kernel moves 16-byte vectors (else single elements). The LL reduce-scatter and
+/// the fused kernels exist only with vectors (their plans check the alignment they need);
+/// the others take vectors when every offset in `offsets` is 16-byte aligned, and for
+/// reduce-scatter and all-gather, whose items are a rank's slice, when the slice is whole
+/// vectors. (The heap bases of every rank are aligned far beyond 16 bytes, so offsets decide.)
+pub fn vectors(kernel: Kernel, offsets: &[u64], slice_bytes: u64) -> bool {
+    let aligned = offsets.iter().all(|o| o % 16 == 0);
+    match kernel {
+        Kernel::ReduceScatterLL
+        | Kernel::AddRmsNorm
+        | Kernel::AddRmsNormLL
+        | Kernel::AddRmsNormLL1
+        | Kernel::AddRmsNormLLC => true,
+        Kernel::ReduceScatter | Kernel::AllGather => aligned && slice_bytes % 16 == 0,
+        _ => aligned,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     const SLOT: u64 = 4 << 20;
-    fn pick(algo: Algo, bytes: u64, world: usize, slot: u64) -> Result<Algo> {
+    fn pick(algo: Algo, bytes: u64, world: usize, slot: u64) -> Result<Kernel> {
         let auto = AutoThresholds::new(world, slot, None, None).unwrap();
-        choose(algo, bytes, world, slot, &auto)
+        all_reduce_kernel(algo, bytes, world, slot, &auto)
     }
 
     #[test]
     fn auto_picks_by_size_and_world() {
         let ll = default_ll_max(2);
-        assert_eq!(pick(Algo::Auto, 8 << 10, 2, SLOT).unwrap(), Algo::OneShotLL);
-        assert_eq!(pick(Algo::Auto, ll, 2, SLOT).unwrap(), Algo::OneShotLL);
-        assert_eq!(pick(Algo::Auto, ll + 2, 2, SLOT).unwrap(), Algo::TwoShot);
-        assert_eq!(pick(Algo::Auto, 8 << 10, 8, SLOT).unwrap(), Algo::OneShotLL);
-        assert_eq!(pick(Algo::Auto, 1 << 20, 8, SLOT).unwrap(), Algo::TwoShot);
-        assert_eq!(pick(Algo::Auto, 4 << 20, 2, SLOT).unwrap(), Algo::OneShotLL);
-        assert_eq!(pick(Algo::Auto, 64 << 20, 1, SLOT).unwrap(), Algo::OneShot);
-        assert_eq!(pick(Algo::TwoShot, 8, 2, SLOT).unwrap(), Algo::TwoShot);
+        assert_eq!(
+            pick(Algo::Auto, 8 << 10, 2, SLOT).unwrap(),
+            Kernel::OneShotLL
+        );
+        assert_eq!(pick(Algo::Auto, ll, 2, SLOT).unwrap(), Kernel::OneShotLL);
+        assert_eq!(pick(Algo::Auto, ll + 2, 2, SLOT).unwrap(), Kernel::TwoShot);
+        assert_eq!(
+            pick(Algo::Auto, 8 << 10, 8, SLOT).unwrap(),
+            Kernel::OneShotLL
+        );
+        assert_eq!(pick(Algo::Auto, 1 << 20, 8, SLOT).unwrap(), Kernel::TwoShot);
+        assert_eq!(
+            pick(Algo::Auto, 4 << 20, 2, SLOT).unwrap(),
+            Kernel::OneShotLL
+        );
+        assert_eq!(
+            pick(Algo::Auto, 64 << 20, 1, SLOT).unwrap(),
+            Kernel::OneShot
+        );
+        assert_eq!(pick(Algo::TwoShot, 8, 2, SLOT).unwrap(), Kernel::TwoShot);
         assert_eq!(
             pick(Algo::OneShotLL, SLOT, 2, SLOT).unwrap(),
-            Algo::OneShotLL
+            Kernel::OneShotLL
         );
         let e = pick(Algo::OneShotLL, SLOT + 2, 2, SLOT).unwrap_err();
         assert!(e.message.contains("up to 4194304 bytes"), "{}", e.message);
         // A small slot caps AUTO's LL range.
-        assert_eq!(pick(Algo::Auto, 8 << 10, 2, 4096).unwrap(), Algo::OneShot);
-        assert_eq!(Algo::from_c(4).unwrap(), Algo::OneShotLL);
-        assert!(DType::from_c(7).unwrap_err().message.contains("dtype 7"));
-        assert!(ReduceOp::from_c(3).is_err());
-        assert!(Algo::from_c(9).is_err());
+        assert_eq!(pick(Algo::Auto, 8 << 10, 2, 4096).unwrap(), Kernel::OneShot);
     }
 
     #[test]
     fn overridden_thresholds_move_the_crossovers_and_are_checked() {
         // LL off, barrier one-shot up to 64 KiB, two-shot above.
         let auto = AutoThresholds::new(2, SLOT, Some(0), Some(64 << 10)).unwrap();
-        assert_eq!(
-            choose(Algo::Auto, 16, 2, SLOT, &auto).unwrap(),
-            Algo::OneShot
-        );
-        assert_eq!(
-            choose(Algo::Auto, 64 << 10, 2, SLOT, &auto).unwrap(),
-            Algo::OneShot
-        );
-        assert_eq!(
-            choose(Algo::Auto, (64 << 10) + 2, 2, SLOT, &auto).unwrap(),
-            Algo::TwoShot
-        );
+        let k = |bytes| all_reduce_kernel(Algo::Auto, bytes, 2, SLOT, &auto).unwrap();
+        assert_eq!(k(16), Kernel::OneShot);
+        assert_eq!(k(64 << 10), Kernel::OneShot);
+        assert_eq!(k((64 << 10) + 2), Kernel::TwoShot);
         // An LL threshold above the slot is refused, naming both numbers.
         let e = AutoThresholds::new(2, SLOT, Some(SLOT + 1), None).unwrap_err();
         assert!(
@@ -287,5 +320,40 @@ mod tests {
             AutoThresholds::new(2, 4096, None, None).unwrap().ll_max,
             4096
         );
+    }
+
+    #[test]
+    fn reduce_scatter_takes_ll_for_small_aligned_slices_only() {
+        let ll_max = 4 << 20;
+        let ll = Kernel::ReduceScatterLL;
+        assert_eq!(reduce_scatter_kernel(0, 16, ll_max), ll, "one bf16 vector");
+        assert_eq!(reduce_scatter_kernel(4096, 2 << 20, ll_max), ll);
+        assert_eq!(reduce_scatter_kernel(0, 4 << 20, ll_max), ll, "the edge");
+        let barrier = Kernel::ReduceScatter;
+        assert_eq!(reduce_scatter_kernel(0, (4 << 20) + 16, ll_max), barrier);
+        assert_eq!(
+            reduce_scatter_kernel(0, 14, ll_max),
+            barrier,
+            "not whole vectors"
+        );
+        assert_eq!(
+            reduce_scatter_kernel(8, 16, ll_max),
+            barrier,
+            "offset unaligned"
+        );
+        assert_eq!(reduce_scatter_kernel(0, 16, 0), barrier, "LL turned off");
+    }
+
+    #[test]
+    fn vectors_need_aligned_shared_offsets_and_whole_slices() {
+        assert!(vectors(Kernel::OneShot, &[0, 4096], 0));
+        assert!(!vectors(Kernel::OneShot, &[8, 4096], 0));
+        assert!(vectors(Kernel::AllGather, &[4096], 32));
+        assert!(
+            !vectors(Kernel::AllGather, &[4096], 24),
+            "a slice of 12 bf16"
+        );
+        assert!(!vectors(Kernel::OneShotLL, &[8], 6), "the scalar LL kernel");
+        assert!(vectors(Kernel::ReduceScatterLL, &[0], 16), "vectors only");
     }
 }

@@ -5,44 +5,66 @@
 //! Invariant: a segment is exchanged once per generation (PeerWindows keeps which), so a
 //! steady-state call sends nothing.
 
-use super::algo::Algo;
+use super::algo::{DType, Kernel, ReduceOp};
 use super::Communicator;
 use crate::error::{Error, Result};
 use crate::heap::device_heap::SegmentInfo;
 use std::os::fd::AsFd;
 
-/// Everything ranks must agree on for one collective call.
+/// Which exchange a descriptor belongs to (its tag word).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum DescKind {
+    Init,
+    Barrier,
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    AddRmsNorm,
+}
+
+/// Everything ranks must agree on for one collective call, typed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct CallDesc {
+    pub kind: DescKind,
+    /// The kernel the call runs (ranks that chose differently fail the comparison).
+    pub kernel: Kernel,
     pub send_off: u64,
     pub recv_off: u64,
+    /// Elements, as the call counts them (call.rs).
     pub count: u64,
-    pub dtype: u64,
-    pub op: u64,
-    pub algo: u64,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    /// The fused call's row width (hidden); 0 otherwise.
+    pub width: u64,
 }
 
 /// Stands for an offset that only its own rank uses, so ranks need not agree on it.
 pub(super) const RANK_LOCAL: u64 = u64::MAX - 1;
 
+/// Words of a descriptor on the wire (exchange messages start with them).
+const DESC_WORDS: usize = 7;
+
 impl CallDesc {
-    /// What every rank must agree on. Reduce-scatter and the fused RMSNorm write only the
-    /// caller's own buffers (the fused call carries `hidden` in `op`), and
-    /// all-gather reads only the caller's own `send` (in place, those offsets differ by rank by
-    /// design), so those are left out.
-    pub fn words(&self) -> [u64; 6] {
-        let own_output =
-            self.algo == Algo::ReduceScatter as u64 || self.algo == Algo::AddRmsNorm as u64;
-        let (send, recv) = if own_output {
-            (self.send_off, RANK_LOCAL)
-        } else if self.algo == Algo::AllGather as u64 {
-            (RANK_LOCAL, self.recv_off)
-        } else {
-            (self.send_off, self.recv_off)
+    /// What every rank must agree on, as words. Reduce-scatter and the fused call write only
+    /// the caller's own output, and all-gather reads only the caller's own `send` (in place,
+    /// those offsets differ by rank by design), so those are left out (RANK_LOCAL).
+    pub fn words(&self) -> [u64; DESC_WORDS] {
+        let (send, recv) = match self.kind {
+            DescKind::ReduceScatter | DescKind::AddRmsNorm => (self.send_off, RANK_LOCAL),
+            DescKind::AllGather => (RANK_LOCAL, self.recv_off),
+            _ => (self.send_off, self.recv_off),
         };
-        [send, recv, self.count, self.dtype, self.op, self.algo]
+        [
+            self.kind as u64,
+            self.kernel as u64,
+            send,
+            recv,
+            self.count,
+            (self.dtype as u64) << 8 | self.op as u64,
+            self.width,
+        ]
     }
-    /// A 64-bit digest the kernels compare at their first barrier.
+    /// A 64-bit digest the kernels compare (at their first barrier, or in the LL check).
     pub fn digest(&self) -> u64 {
         let mut x: u64 = 0xcbf29ce484222325;
         for w in self.words() {
@@ -111,15 +133,27 @@ impl Communicator {
         drop(fds);
         let describe = |m: &[u8]| -> String {
             let w = |i: usize| u64::from_le_bytes(m[i * 8..i * 8 + 8].try_into().unwrap());
-            let n = w(6) as usize;
+            let n = w(DESC_WORDS) as usize;
             let segs: Vec<String> = (0..n)
-                .map(|k| format!("{:#x}+{:#x}", w(7 + 3 * k), w(8 + 3 * k)))
+                .map(|k| {
+                    let at = DESC_WORDS + 1 + 3 * k;
+                    format!("{:#x}+{:#x}", w(at), w(at + 1))
+                })
                 .collect();
+            let off = |v: u64| match v {
+                RANK_LOCAL => "its own".to_string(),
+                v => format!("{v:#x}"),
+            };
             format!(
-                "send offset {:#x}, recv offset {:#x}, count {}, new segments [{}]",
+                "call {} kernel {}, send offset {}, recv offset {}, count {}, type/op {:#x}, \
+                 width {}, new segments [{}]",
                 w(0),
                 w(1),
-                w(2),
+                off(w(2)),
+                off(w(3)),
+                w(4),
+                w(5),
+                w(6),
                 segs.join(", ")
             )
         };
@@ -127,7 +161,7 @@ impl Communicator {
         let shape = |m: &[u8]| -> Vec<u64> {
             m.chunks(8)
                 .enumerate()
-                .filter(|(i, _)| *i < 7 || (*i - 7) % 3 != 2)
+                .filter(|(i, _)| *i <= DESC_WORDS || (*i - DESC_WORDS - 1) % 3 != 2)
                 .map(|(_, c)| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
                 .collect()
         };

@@ -3,7 +3,7 @@
 //! through the shared signal pad with acquire/release and a timeout), run by the CPU over the
 //! peer windows. Slot 0 of the pad is used (the host has one "block").
 
-use super::algo::{Algo, DType, ReduceOp};
+use super::algo::{DType, Kernel, ReduceOp};
 use super::convert::*;
 use super::kernel_args::slot;
 use crate::error::{Error, Result};
@@ -19,11 +19,11 @@ pub struct HostCall<'a> {
     pub count: usize,
     pub dtype: DType,
     pub op: ReduceOp,
-    pub algo: Algo,
+    pub kernel: Kernel,
     pub in_place: bool,
     pub desc: u64,
     pub timeout: Duration,
-    /// The fused call's own buffers (Algo::AddRmsNorm only).
+    /// The fused call's own buffers (the fused kernels only).
     pub rms: Option<HostRms>,
 }
 
@@ -123,12 +123,13 @@ fn reduce(c: &HostCall<'_>, i: usize) -> f32 {
     acc
 }
 
-/// Runs one collective (`c.algo`); `epoch` is the communicator's host epoch counter.
+/// Runs one collective (`c.kernel`, as the CPU does it); `epoch` is the communicator's host
+/// epoch counter.
 pub fn run(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
     *epoch = epoch.wrapping_add(1);
     barrier(c, *epoch, true)?;
-    match c.algo {
-        Algo::ReduceScatter => {
+    match c.kernel {
+        Kernel::ReduceScatter | Kernel::ReduceScatterLL => {
             // Slice `rank` (c.count elements) of every input, into this rank's output.
             let begin = c.rank * c.count;
             for i in 0..c.count {
@@ -136,7 +137,10 @@ pub fn run(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
                 store(c.dtype, c.outputs[c.rank], i, v);
             }
         }
-        Algo::AddRmsNorm => {
+        Kernel::AddRmsNorm
+        | Kernel::AddRmsNormLL
+        | Kernel::AddRmsNormLL1
+        | Kernel::AddRmsNormLLC => {
             let f = c.rms.expect("the fused call carries its buffers");
             let mut row = vec![0f32; f.hidden];
             for t in 0..c.count / f.hidden {
@@ -154,7 +158,7 @@ pub fn run(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
                 }
             }
         }
-        Algo::AllGather => {
+        Kernel::AllGather => {
             // This rank's input into slot `rank` of every output (bit-exact: a copy of elements).
             let es = c.dtype.size();
             for r in 0..c.world {
@@ -171,7 +175,7 @@ pub fn run(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
                 }
             }
         }
-        Algo::TwoShot => {
+        Kernel::TwoShot => {
             let slice = c.count.div_ceil(c.world);
             let begin = (slice * c.rank).min(c.count);
             let end = (begin + slice).min(c.count);

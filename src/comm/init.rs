@@ -3,8 +3,9 @@
 //! exchange (the internal block's). Also the process-wide claim of one communicator per device.
 
 use super::algo;
+use super::algo::{DType, Kernel, ReduceOp};
 use super::error_word::ErrorWords;
-use super::exchange::CallDesc;
+use super::exchange::{CallDesc, DescKind};
 use super::kernel_args::*;
 use super::retire::PeerReleases;
 use super::streams::StreamOrder;
@@ -246,12 +247,14 @@ impl Communicator {
             .map(|b| b + (internal - own_base))
             .collect();
         let desc = CallDesc {
-            send_off: u64::MAX,
+            kind: DescKind::Init,
+            kernel: Kernel::OneShot,
+            send_off: 0,
             recv_off: 0,
             count: 0,
-            dtype: 0,
-            op: 0,
-            algo: 0,
+            dtype: DType::Fp32,
+            op: ReduceOp::Sum,
+            width: 0,
         };
         let seg = comm
             .locate(internal, internal_len)?

@@ -1,5 +1,9 @@
-//! Rust mirror of `SymmArgs` and the signal-pad layout in kernels/common.cuh (keep in step; the
-//! size is asserted here and in tests/kernel_table.rs against the C source).
+//! Everything the host shares with the kernels: the constants (limits, unrolls, block sizes,
+//! error codes, the internal block's layout), from which kernels/symm_constants.cuh is generated
+//! (`SHARED_CONSTANTS`, kernels.rs), and the Rust mirrors of the argument structs `SymmArgs`
+//! (kernels/common.cuh) and `RmsArgs` (kernels/rms_norm.cuh), checked field by field against the
+//! CUDA source by tests/kernel_table.rs. docs/DESIGN.md, "Internal buffer layout", draws the
+//! layout.
 
 pub const MAX_RANKS: usize = 8;
 pub const MAX_BLOCKS: usize = 128;
@@ -26,8 +30,11 @@ pub const LL_DATA_OFFSET: u64 = LL_DESC_OFFSET + 4096;
 /// Alternating buffers, each with one slot per sending rank; a slot holds the largest
 /// message the LL kernel takes (`SYMMALLOC_LL_BYTES`).
 pub const LL_BUFFERS: u64 = 2;
-/// What an LL data word holds until a peer's value arrives.
+/// What an LL data word holds until a peer's value arrives (every byte LL_EMPTY_BYTE).
 pub const LL_EMPTY_BYTE: u8 = 0xff;
+pub const LL_EMPTY: u32 = u32::from_ne_bytes([LL_EMPTY_BYTE; 4]);
+/// The most blocks of a thread-block cluster the fused cluster kernel uses (the portable limit).
+pub const MAX_CLUSTER: u64 = 8;
 
 /// Size of the internal block for `world` ranks and LL slots of `ll_slot` bytes.
 pub fn internal_bytes(world: usize, ll_slot: u64) -> u64 {
@@ -75,7 +82,7 @@ pub fn slot(pad: u64, block: usize, peer: usize) -> u64 {
     pad + ((block * MAX_RANKS + peer) as u64) * SLOT_BYTES
 }
 
-/// Vectors per thread per row in the fused all-reduce + RMSNorm kernel (kernels/rms_norm.cu).
+/// Vectors per thread per row in the fused all-reduce + RMSNorm kernel (kernels/rms_norm.cuh).
 pub const RMS_VECS: u64 = 4;
 /// The largest hidden size one block covers: THREADS x RMS_VECS vectors of 8 elements.
 pub const RMS_MAX_HIDDEN: u64 = THREADS as u64 * RMS_VECS * 8;
@@ -88,7 +95,7 @@ pub const RMS_LL1_THREADS: u64 = 768;
 /// (its launch bound): a row is split over at least ceil(vecs / this) blocks of a cluster.
 pub const RMS_LLC_THREADS: u64 = 512;
 
-/// Mirror of `RmsArgs` (kernels/rms_norm.cu).
+/// Mirror of `RmsArgs` (kernels/rms_norm.cuh).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RmsArgs {
@@ -105,3 +112,144 @@ pub struct RmsArgs {
 }
 
 const _: () = assert!(std::mem::size_of::<RmsArgs>() == 256 + 48);
+
+/// A constant kernels/symm_constants.cuh defines: `#define NAME VALUE[SUFFIX]`.
+pub struct SharedConstant {
+    pub name: &'static str,
+    pub value: u64,
+    /// "u" for the values kernels compare with unsigned words.
+    pub suffix: &'static str,
+    pub doc: &'static str,
+}
+
+const fn c(name: &'static str, value: u64, doc: &'static str) -> SharedConstant {
+    SharedConstant {
+        name,
+        value,
+        suffix: "",
+        doc,
+    }
+}
+
+const fn cu(name: &'static str, value: u64, doc: &'static str) -> SharedConstant {
+    SharedConstant {
+        name,
+        value,
+        suffix: "u",
+        doc,
+    }
+}
+
+/// Every constant the kernels take from the host, in the order the header lists them.
+pub const SHARED_CONSTANTS: &[SharedConstant] = &[
+    c(
+        "SYMM_MAX_RANKS",
+        MAX_RANKS as u64,
+        "Ranks of a communicator, at most.",
+    ),
+    c(
+        "SYMM_MAX_BLOCKS",
+        MAX_BLOCKS as u64,
+        "Blocks of a collective's grid, at most (one signal slot row each).",
+    ),
+    c(
+        "SYMM_THREADS",
+        THREADS as u64,
+        "Threads per block of the barrier kernels (and the LL kernels' bound).",
+    ),
+    c(
+        "SYMM_TWO_SHOT_UNROLL",
+        TWO_SHOT_UNROLL,
+        "Vectors per thread per round in the two-shot kernel.",
+    ),
+    c(
+        "SYMM_SG_UNROLL",
+        SG_UNROLL,
+        "Vectors per thread per round in reduce-scatter and all-gather.",
+    ),
+    c(
+        "SYMM_RMS_VECS",
+        RMS_VECS,
+        "Vectors of a row per thread in the four-vector fused kernels.",
+    ),
+    c(
+        "SYMM_RMS_LL1_THREADS",
+        RMS_LL1_THREADS,
+        "Threads per block, at most, of the one-vector fused LL kernel.",
+    ),
+    c(
+        "SYMM_RMS_LLC_THREADS",
+        RMS_LLC_THREADS,
+        "Threads per block, at most, of the fused cluster kernel.",
+    ),
+    c(
+        "SYMM_MAX_CLUSTER",
+        MAX_CLUSTER,
+        "Blocks per thread-block cluster, at most.",
+    ),
+    c(
+        "SYMM_PAD_BYTES",
+        PAD_BYTES,
+        "The signal pad: [SYMM_MAX_BLOCKS][SYMM_MAX_RANKS] 16-byte slots.",
+    ),
+    c(
+        "SYMM_ABORT_OFFSET",
+        ABORT_OFFSET,
+        "The abort word's offset in the internal block (after the per-block epochs).",
+    ),
+    c(
+        "SYMM_CONTROL_BYTES",
+        CONTROL_BYTES,
+        "Control words (the abort word) before the LL region.",
+    ),
+    c(
+        "SYMM_LL_COUNTERS_OFFSET",
+        LL_COUNTERS_OFFSET,
+        "LL region: per-block call counters.",
+    ),
+    c(
+        "SYMM_LL_DESC_OFFSET",
+        LL_DESC_OFFSET,
+        "LL region: SYMM_LL_BUFFERS x SYMM_MAX_RANKS call-descriptor words.",
+    ),
+    c(
+        "SYMM_LL_DATA_OFFSET",
+        LL_DATA_OFFSET,
+        "LL region: SYMM_LL_BUFFERS x world data slots of ll_slot_kib KiB.",
+    ),
+    c(
+        "SYMM_LL_BUFFERS",
+        LL_BUFFERS,
+        "LL buffers, alternating between calls.",
+    ),
+    cu(
+        "SYMM_LL_EMPTY",
+        LL_EMPTY as u64,
+        "What an LL data word holds until a peer's value arrives.",
+    ),
+    cu(
+        "SYMM_SPIN_CHECK",
+        SPIN_CHECK as u64,
+        "Spins between two looks at the clock and the abort word.",
+    ),
+    cu(
+        "SYMM_ERR_TIMEOUT_CODE",
+        ERR_TIMEOUT as u64,
+        "Error word code: a peer did not answer in time (fatal).",
+    ),
+    cu(
+        "SYMM_ERR_ASYMMETRIC_CODE",
+        ERR_ASYMMETRIC as u64,
+        "Error word code: a barrier kernel's descriptors differ (this call did not run).",
+    ),
+    cu(
+        "SYMM_ERR_NO_MULTIMEM_CODE",
+        ERR_NO_MULTIMEM as u64,
+        "Error word code: multimem on a GPU without it.",
+    ),
+    cu(
+        "SYMM_ERR_LL_ASYMMETRIC_CODE",
+        ERR_LL_ASYMMETRIC as u64,
+        "Error word code: an LL kernel's descriptors differ (fatal).",
+    ),
+];

@@ -1,68 +1,317 @@
-//! The kernel-id table: every kernel the communicator can launch, by name. Kept in step with
-//! the `extern "C"` instantiations in kernels/*.cu (tests/kernel_table.rs checks both ways).
+//! The kernel-id table: every kernel family of kernels/, and from it every instance's name, the
+//! generated `kernels/instances.cu` (the `extern "C"` kernels) and `kernels/symm_constants.cuh`
+//! (the constants of kernel_args.rs). One list, three uses: the launch looks kernels up by the
+//! names made here, and tests/kernel_table.rs checks the two checked-in files are what this
+//! table generates (`make kernels` rewrites them), so names, instances and constants cannot
+//! drift apart (NCCL keeps its kernel ids in step with names the same way).
 
-use super::algo::{Algo, DType, ReduceOp};
+use super::algo::{DType, Kernel, ReduceOp};
+use super::kernel_args::SHARED_CONSTANTS;
 
-/// Name of the kernel for an algorithm (not AUTO), type, op and vector/scalar variant.
-pub fn kernel_name(algo: Algo, dtype: DType, op: ReduceOp, vec: bool) -> Option<String> {
-    let a = match algo {
-        Algo::OneShot => "one_shot",
-        Algo::TwoShot => "two_shot",
-        Algo::OneShotLL => "one_shot_ll",
-        Algo::Multimem if op == ReduceOp::Sum && vec => "multimem",
-        Algo::ReduceScatter => "reduce_scatter",
-        // 16-byte vectors only (the launch falls back to ReduceScatter otherwise).
-        Algo::ReduceScatterLL if vec => "reduce_scatter_ll",
-        // All-gather moves data and has no op: one kernel per type, listed under Sum.
-        Algo::AllGather if op == ReduceOp::Sum => {
-            let v = if vec { "vec" } else { "scalar" };
-            return Some(format!("symm_all_gather_{}_{v}", dtype.name()));
+/// How a family's body template is instantiated.
+#[derive(Clone, Copy)]
+enum TParams {
+    /// `<T, OP, VEC>`
+    TypeOpVec,
+    /// `<T, OP>`
+    TypeOp,
+    /// `<T, VEC>`
+    TypeVec,
+    /// `<T>`
+    Type,
+    /// `<T, X>` with a fixed second argument.
+    TypeAnd(&'static str),
+    /// `<0|1|2>`: the type as an index (multimem's PTX differs by type).
+    TypeIndex,
+}
+
+/// One kernel family: a body template in a header of kernels/, instantiated for some types,
+/// ops and vector widths. Names: `symm_<name>_<type>[_<op>][_vec|_scalar]`; a family without
+/// ops has one kernel per type (listed under `Sum`), one without widths only vectors.
+pub struct Family {
+    pub kernel: Kernel,
+    name: &'static str,
+    header: &'static str,
+    body: &'static str,
+    args: &'static str,
+    bounds: &'static str,
+    dtypes: &'static [DType],
+    ops: &'static [ReduceOp],
+    vecs: &'static [bool],
+    tparams: TParams,
+}
+
+const ALL_TYPES: &[DType] = &[DType::Bf16, DType::Fp16, DType::Fp32];
+const HALF_TYPES: &[DType] = &[DType::Bf16, DType::Fp16];
+const ALL_OPS: &[ReduceOp] = &[ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min];
+const SUM: &[ReduceOp] = &[ReduceOp::Sum];
+const BOTH: &[bool] = &[true, false];
+const VEC: &[bool] = &[true];
+
+/// Every kernel family, in the order instances.cu lists them.
+pub const FAMILIES: &[Family] = &[
+    Family {
+        kernel: Kernel::OneShot,
+        name: "one_shot",
+        header: "one_shot.cuh",
+        body: "one_shot_body",
+        args: "SymmArgs",
+        bounds: "SYMM_THREADS",
+        dtypes: ALL_TYPES,
+        ops: ALL_OPS,
+        vecs: BOTH,
+        tparams: TParams::TypeOpVec,
+    },
+    Family {
+        kernel: Kernel::OneShotLL,
+        name: "one_shot_ll",
+        header: "one_shot_ll.cuh",
+        body: "one_shot_ll_body",
+        args: "SymmArgs",
+        bounds: "SYMM_THREADS",
+        dtypes: ALL_TYPES,
+        ops: ALL_OPS,
+        vecs: BOTH,
+        tparams: TParams::TypeOpVec,
+    },
+    Family {
+        kernel: Kernel::TwoShot,
+        name: "two_shot",
+        header: "two_shot.cuh",
+        body: "two_shot_body",
+        args: "SymmArgs",
+        bounds: "SYMM_THREADS",
+        dtypes: ALL_TYPES,
+        ops: ALL_OPS,
+        vecs: BOTH,
+        tparams: TParams::TypeOpVec,
+    },
+    Family {
+        kernel: Kernel::Multimem,
+        name: "multimem",
+        header: "multimem.cuh",
+        body: "multimem_body",
+        args: "SymmArgs",
+        bounds: "SYMM_THREADS",
+        dtypes: ALL_TYPES,
+        ops: SUM,
+        vecs: VEC,
+        tparams: TParams::TypeIndex,
+    },
+    Family {
+        kernel: Kernel::ReduceScatter,
+        name: "reduce_scatter",
+        header: "scatter_gather.cuh",
+        body: "reduce_scatter_body",
+        args: "SymmArgs",
+        bounds: "SYMM_THREADS",
+        dtypes: ALL_TYPES,
+        ops: ALL_OPS,
+        vecs: BOTH,
+        tparams: TParams::TypeOpVec,
+    },
+    Family {
+        kernel: Kernel::ReduceScatterLL,
+        name: "reduce_scatter_ll",
+        header: "scatter_gather.cuh",
+        body: "reduce_scatter_ll_body",
+        args: "SymmArgs",
+        bounds: "SYMM_THREADS",
+        dtypes: ALL_TYPES,
+        ops: ALL_OPS,
+        vecs: VEC,
+        tparams: TParams::TypeOp,
+    },
+    Family {
+        kernel: Kernel::AllGather,
+        name: "all_gather",
+        header: "scatter_gather.cuh",
+        body: "all_gather_body",
+        args: "SymmArgs",
+        bounds: "SYMM_THREADS",
+        dtypes: ALL_TYPES,
+        ops: &[],
+        vecs: BOTH,
+        tparams: TParams::TypeVec,
+    },
+    Family {
+        kernel: Kernel::AddRmsNorm,
+        name: "all_reduce_add_rms_norm",
+        header: "rms_norm.cuh",
+        body: "rms_body",
+        args: "RmsArgs",
+        bounds: "SYMM_THREADS",
+        dtypes: HALF_TYPES,
+        ops: &[],
+        vecs: &[],
+        tparams: TParams::Type,
+    },
+    Family {
+        kernel: Kernel::AddRmsNormLL,
+        name: "all_reduce_add_rms_norm_ll",
+        header: "rms_norm.cuh",
+        body: "rms_ll_body",
+        args: "RmsArgs",
+        bounds: "SYMM_THREADS",
+        dtypes: HALF_TYPES,
+        ops: &[],
+        vecs: &[],
+        tparams: TParams::TypeAnd("SYMM_RMS_VECS"),
+    },
+    Family {
+        kernel: Kernel::AddRmsNormLL1,
+        name: "all_reduce_add_rms_norm_ll1",
+        header: "rms_norm.cuh",
+        body: "rms_ll_body",
+        args: "RmsArgs",
+        bounds: "SYMM_RMS_LL1_THREADS",
+        dtypes: HALF_TYPES,
+        ops: &[],
+        vecs: &[],
+        tparams: TParams::TypeAnd("1"),
+    },
+    Family {
+        kernel: Kernel::AddRmsNormLLC,
+        name: "all_reduce_add_rms_norm_llc",
+        header: "rms_norm.cuh",
+        body: "rms_llc_body",
+        args: "RmsArgs",
+        bounds: "SYMM_RMS_LLC_THREADS",
+        dtypes: HALF_TYPES,
+        ops: &[],
+        vecs: &[],
+        tparams: TParams::Type,
+    },
+];
+
+fn c_type(d: DType) -> &'static str {
+    match d {
+        DType::Bf16 => "__nv_bfloat16",
+        DType::Fp16 => "__half",
+        DType::Fp32 => "float",
+    }
+}
+
+fn c_op(o: ReduceOp) -> &'static str {
+    match o {
+        ReduceOp::Sum => "OP_SUM",
+        ReduceOp::Max => "OP_MAX",
+        ReduceOp::Min => "OP_MIN",
+    }
+}
+
+impl Family {
+    /// Whether the family has an instance for (type, op, width).
+    fn has(&self, dtype: DType, op: ReduceOp, vec: bool) -> bool {
+        self.dtypes.contains(&dtype)
+            && (if self.ops.is_empty() {
+                op == ReduceOp::Sum
+            } else {
+                self.ops.contains(&op)
+            })
+            && (if self.vecs.is_empty() {
+                vec
+            } else {
+                self.vecs.contains(&vec)
+            })
+    }
+
+    fn instance_name(&self, dtype: DType, op: ReduceOp, vec: bool) -> String {
+        let mut n = format!("symm_{}_{}", self.name, dtype.name());
+        if !self.ops.is_empty() {
+            n += "_";
+            n += op.name();
         }
-        // One kernel per 16-bit type (16-byte vectors only).
-        Algo::AddRmsNorm if op == ReduceOp::Sum && vec && dtype != DType::Fp32 => {
-            return Some(format!("symm_all_reduce_add_rms_norm_{}", dtype.name()));
+        if !self.vecs.is_empty() {
+            n += if vec { "_vec" } else { "_scalar" };
         }
-        Algo::AddRmsNormLL if op == ReduceOp::Sum && vec && dtype != DType::Fp32 => {
-            return Some(format!("symm_all_reduce_add_rms_norm_ll_{}", dtype.name()));
+        n
+    }
+
+    fn template_args(&self, dtype: DType, op: ReduceOp, vec: bool) -> String {
+        let (t, o) = (c_type(dtype), c_op(op));
+        match self.tparams {
+            TParams::TypeOpVec => format!("{t}, {o}, {vec}"),
+            TParams::TypeOp => format!("{t}, {o}"),
+            TParams::TypeVec => format!("{t}, {vec}"),
+            TParams::Type => t.to_string(),
+            TParams::TypeAnd(x) => format!("{t}, {x}"),
+            TParams::TypeIndex => (dtype as usize).to_string(),
         }
-        Algo::AddRmsNormLL1 if op == ReduceOp::Sum && vec && dtype != DType::Fp32 => {
-            return Some(format!("symm_all_reduce_add_rms_norm_ll1_{}", dtype.name()));
+    }
+
+    /// Every (type, op, width) the family instantiates, in instances.cu's order.
+    fn instances(&self) -> Vec<(DType, ReduceOp, bool)> {
+        let ops: &[ReduceOp] = if self.ops.is_empty() { SUM } else { self.ops };
+        let vecs: &[bool] = if self.vecs.is_empty() { VEC } else { self.vecs };
+        let mut out = Vec::new();
+        for &vec in vecs {
+            for &dtype in self.dtypes {
+                for &op in ops {
+                    out.push((dtype, op, vec));
+                }
+            }
         }
-        Algo::AddRmsNormLLC if op == ReduceOp::Sum && vec && dtype != DType::Fp32 => {
-            return Some(format!("symm_all_reduce_add_rms_norm_llc_{}", dtype.name()));
-        }
-        _ => return None,
-    };
-    let v = if vec { "vec" } else { "scalar" };
-    Some(format!("symm_{a}_{}_{}_{v}", dtype.name(), op.name()))
+        out
+    }
+}
+
+/// Name of the kernel of `kernel` for (type, op, width), None where the family has no such
+/// instance.
+pub fn kernel_name(kernel: Kernel, dtype: DType, op: ReduceOp, vec: bool) -> Option<String> {
+    let f = FAMILIES.iter().find(|f| f.kernel == kernel)?;
+    f.has(dtype, op, vec)
+        .then(|| f.instance_name(dtype, op, vec))
 }
 
 /// Every collective kernel name the library may ask the module for.
 pub fn all_kernel_names() -> Vec<String> {
-    let mut out = Vec::new();
-    for algo in [
-        Algo::OneShot,
-        Algo::OneShotLL,
-        Algo::TwoShot,
-        Algo::Multimem,
-        Algo::ReduceScatter,
-        Algo::ReduceScatterLL,
-        Algo::AllGather,
-        Algo::AddRmsNorm,
-        Algo::AddRmsNormLL,
-        Algo::AddRmsNormLL1,
-        Algo::AddRmsNormLLC,
-    ] {
-        for dtype in [DType::Bf16, DType::Fp16, DType::Fp32] {
-            for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
-                for vec in [true, false] {
-                    out.extend(kernel_name(algo, dtype, op, vec));
-                }
-            }
-        }
-    }
-    out
+    FAMILIES
+        .iter()
+        .flat_map(|f| {
+            f.instances()
+                .into_iter()
+                .map(|(d, o, v)| f.instance_name(d, o, v))
+        })
+        .collect()
 }
 
-/// Kernels that are not collectives.
-pub const SELFTEST_SAXPY: &str = "symm_selftest_saxpy";
+const GENERATED: &str =
+    "// Generated by `make kernels` from src/comm/kernels.rs and kernel_args.rs\n\
+// (tests/kernel_table.rs fails when it is stale): do not edit.";
+
+/// The text of kernels/instances.cu: every family's header, then one `extern "C"` kernel per
+/// instance.
+pub fn instances_source() -> String {
+    let mut s = format!("// Every collective kernel of symmalloc.\n{GENERATED}\n");
+    let mut headers: Vec<&str> = FAMILIES.iter().map(|f| f.header).collect();
+    headers.dedup();
+    for h in headers {
+        s += &format!("#include \"{h}\"\n");
+    }
+    for f in FAMILIES {
+        s += "\n";
+        for (d, o, v) in f.instances() {
+            s += &format!(
+                "extern \"C\" __global__ void __launch_bounds__({}) {}({} a) {{ {}<{}>(a); }}\n",
+                f.bounds,
+                f.instance_name(d, o, v),
+                f.args,
+                f.body,
+                f.template_args(d, o, v)
+            );
+        }
+    }
+    s
+}
+
+/// The text of kernels/symm_constants.cuh: kernel_args.rs's shared constants as macros.
+pub fn constants_header() -> String {
+    let mut s = format!(
+        "// The constants the host shares with the kernels.\n{GENERATED}\n#pragma once\n\n"
+    );
+    for c in SHARED_CONSTANTS {
+        s += &format!("// {}\n#define {} {}{}\n", c.doc, c.name, c.value, c.suffix);
+    }
+    s
+}

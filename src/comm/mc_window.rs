@@ -8,7 +8,7 @@
 //! own physical segment and maps the object; all meet again. A window is keyed by the
 //! segment's offset and generation; a new generation at that offset tears the old one down.
 //!
-//! Safety rule: `build` runs only after `multicast::multicast_gate_from_env` allowed it, and
+//! Safety rule: `build` runs only after `cuda::multicast_gate::multicast_gate_from_env` allowed it, and
 //! every driver call in `cuda::multicast` checks the gate again. On the lent machines the gate
 //! refuses, so none of this runs there: it is written to be correct, not exercised.
 //!

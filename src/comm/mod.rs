@@ -1,11 +1,17 @@
 //! The communicator: one per (process, device) of a single-node job. Owns the bootstrap mesh,
 //! the peer windows, the signal pad (a symmetric internal block), the kernels' error words and
-//! the staging scratch; runs all-reduce and barrier.
+//! the staging scratch; runs the collectives.
 //!
-//! Files: `init` (bootstrap and agreement), `exchange` (lazy segment exchange, call
-//! descriptors), `retire` (unmapping segments peers released), `launch` (grid and kernel
-//! launch), `streams` (order across streams), `error_word` (what kernels report), `algo`
-//! (AUTO), `host_reduce` (the host backend).
+//! Every collective goes through one pipeline (docs/DESIGN.md, "The collective pipeline"): a
+//! front end below builds a `Call` (call.rs: what was asked, checked), `prepare` turns it into a
+//! `Plan` (plan.rs: buffers, staging, kernel and grid from algo.rs and shape.rs, the segment
+//! exchange), and `launch` enqueues it (launch.rs; host_reduce.rs on the host backend).
+//!
+//! Other files: `init` (bootstrap and agreement), `exchange` (lazy segment exchange, call
+//! descriptors), `retire` (unmapping segments peers released), `streams` (order across
+//! streams), `error_word` (what kernels report), `kernels` (the kernel-id table and the
+//! generated kernel sources), `kernel_args` (what the host shares with the kernels),
+//! `mc_window` (multicast windows), `windows` (peer windows).
 //!
 //! Invariants: every rank has the same collective settings (LL slot and grid, AUTO thresholds,
 //! symmetry checking: read once at init and compared there); every rank calls collectives in
@@ -16,6 +22,7 @@
 //! the communicator is then broken and must be destroyed).
 
 pub mod algo;
+pub mod call;
 pub mod convert;
 mod error_word;
 mod exchange;
@@ -25,10 +32,9 @@ pub mod kernel_args;
 pub mod kernels;
 mod launch;
 pub mod mc_window;
-pub mod multicast;
+mod plan;
 mod retire;
-pub mod rms_norm;
-mod scatter_gather;
+pub mod shape;
 pub mod streams;
 pub mod windows;
 
@@ -36,16 +42,14 @@ use crate::cuda;
 use crate::error::{Error, Result};
 use crate::heap::{pools::INTERNAL_POOL, Allocator};
 use crate::ipc::Mesh;
-use algo::{Algo, DType, ReduceOp};
+use algo::{Algo, DType, Kernel, ReduceOp};
+use call::{Call, Coll, Rms};
 use error_word::ErrorWords;
-use exchange::CallDesc;
 use kernel_args::*;
 use std::collections::HashMap;
 use std::time::Duration;
 use streams::StreamOrder;
 use windows::PeerWindows;
-
-pub use launch::ll_threads;
 
 pub struct Communicator {
     pub rank: usize,
@@ -74,14 +78,14 @@ pub struct Communicator {
     sticky: Option<Error>,
     sms: u32,
     /// Every rank's GPU runs thread-block clusters (sm_90+): the fused call may split wide rows
-    /// over a cluster (rms_norm.rs). Equal on every rank: read from every rank's device.
+    /// over a cluster (plan.rs). Equal on every rank: read from every rank's device.
     clusters: bool,
     /// The fewest SMs of any rank's GPU: an LL grid must be resident at once on every rank
-    /// (rms_norm.rs, `fit_resident`). Equal on every rank, as `clusters`.
+    /// (shape.rs, `fit_resident`). Equal on every rank, as `clusters`.
     fewest_sms: u32,
     /// Blocks per SM of a fused LL kernel at a block size, by (algo, dtype, threads): the
-    /// driver's occupancy answer, asked once (rms_norm.rs, `resident_blocks`).
-    resident: HashMap<(Algo, DType, u32), u32>,
+    /// driver's occupancy answer, asked once (plan.rs, `resident_blocks`).
+    resident: HashMap<(Kernel, DType, u32), u32>,
     /// The peers' release logs: their segments given back, to unmap here (retire.rs).
     releases: retire::PeerReleases,
     /// Each rank's signal pad in this process's address space (fixed after init).
@@ -92,33 +96,7 @@ pub struct Communicator {
     mc: HashMap<u64, mc_window::McWindow>,
     /// Kernels already looked up in the device's module, so a call does no name formatting,
     /// module lock or hash of a string.
-    kernels: HashMap<(Algo, DType, ReduceOp, bool), cuda::module::Function>,
-}
-
-/// Collective buffers must be non-NULL and aligned to their element.
-fn check_pointers(send: u64, recv: u64, dtype: DType) -> Result<()> {
-    if send == 0 || recv == 0 {
-        return Err(Error::invalid(format!(
-            "send ({send:#x}) and recv ({recv:#x}) must not be NULL when count > 0"
-        )));
-    }
-    let esize = dtype.size() as u64;
-    if send % esize != 0 || recv % esize != 0 {
-        return Err(Error::invalid(format!(
-            "send {send:#x} / recv {recv:#x} are not aligned to the {}-byte {} element",
-            esize,
-            dtype.name()
-        )));
-    }
-    Ok(())
-}
-
-/// `count * esize * times` bytes, or an error naming the count that overflows.
-fn byte_size(count: u64, esize: u64, times: u64) -> Result<u64> {
-    count
-        .checked_mul(esize)
-        .and_then(|b| b.checked_mul(times))
-        .ok_or_else(|| Error::invalid(format!("count {count} overflows the byte size")))
+    kernels: HashMap<(Kernel, DType, ReduceOp, bool), cuda::module::Function>,
 }
 
 impl Communicator {
@@ -173,29 +151,6 @@ impl Communicator {
         }
     }
 
-    /// The TRACE line of one collective call (formats nothing unless SYMMALLOC_DEBUG=TRACE).
-    fn trace_call(
-        &self,
-        what: std::fmt::Arguments<'_>,
-        desc: &CallDesc,
-        dtype: DType,
-        op: ReduceOp,
-        stream: u64,
-        staged: bool,
-    ) {
-        crate::trace!(
-            "rank {}/{}: {what} {} x {} {} send +{:#x} recv +{:#x} stream {stream:#x}{}",
-            self.rank,
-            self.world,
-            desc.count,
-            dtype.name(),
-            op.name(),
-            desc.send_off,
-            desc.recv_off,
-            if staged { " (staged)" } else { "" }
-        );
-    }
-
     /// Copies a caller's input from outside the heap into the scratch (stream-ordered) and
     /// counts the call in `staged_collectives`.
     fn stage_in(&self, scratch: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
@@ -204,6 +159,16 @@ impl Communicator {
         Ok(())
     }
 
+    /// One collective call through the pipeline: report earlier errors, plan, launch.
+    fn collective(&mut self, call: Call) -> Result<()> {
+        self.begin_call(call.stream)?;
+        match self.prepare(&call)? {
+            Some(plan) => self.launch(&plan),
+            None => Ok(()),
+        }
+    }
+
+    /// All-reduce of `count` elements, in place when `send == recv`.
     #[allow(clippy::too_many_arguments)]
     pub fn all_reduce(
         &mut self,
@@ -215,78 +180,91 @@ impl Communicator {
         op: ReduceOp,
         stream: u64,
     ) -> Result<()> {
-        self.begin_call(stream)?;
-        if count == 0 {
-            return Ok(());
-        }
-        check_pointers(send, recv, dtype)?;
-        let bytes = byte_size(count, dtype.size() as u64, 1)?;
-        let asked = algo;
-        let algo = algo::choose(algo, bytes, self.world, self.ll_slot, &self.auto)?;
-        if asked == Algo::Auto
-            && crate::debug::enabled(crate::debug::Level::Info)
-            && self.auto_seen.insert(bytes)
-        {
-            crate::info!(
-                "rank {}/{}: AUTO chose {} for {bytes} bytes",
-                self.rank,
-                self.world,
-                algo.name()
-            );
-        }
-        if algo == Algo::Multimem {
-            let supports = !self.host && cuda::driver()?.device(self.device)?.multicast;
-            multicast::multicast_gate_from_env(supports)
-                .map_err(|why| Error::unsupported(format!("SYMM_ALGO_MULTIMEM refused: {why}")))?;
-            mc_window::check_call(send, recv, count, dtype, op)?;
-        }
-        let in_send = self.locate(send, bytes)?;
-        let in_recv = self.locate(recv, bytes)?;
-        // The segments the kernel touches, output last (no allocation per call).
-        let (work_send, work_recv, staged, seg_pair, nsegs) = match (in_send, in_recv) {
-            (Some(a), Some(b)) => (send, recv, false, [a, b], 2),
-            _ => {
-                let s = self.ensure_scratch(bytes)?;
-                let seg = self.locate(s, bytes)?.expect("scratch is in the heap");
-                (s, s, true, [seg, seg], 1)
-            }
-        };
-        let segs = &seg_pair[..nsegs];
-        let base = self.windows.bases[self.rank];
-        let desc = CallDesc {
-            send_off: work_send - base,
-            recv_off: work_recv - base,
+        self.collective(Call {
+            coll: Coll::AllReduce(algo),
+            send,
+            recv,
             count,
-            dtype: dtype as u64,
-            op: op as u64,
-            algo: algo as u64,
-        };
-        self.exchange(segs, desc, self.check_symmetry)?;
-        // Before the call's first work on the stream: the staged copy uses the scratch.
-        self.order_streams(stream)?;
-        if staged {
-            self.stage_in(work_send, send, bytes, stream)?;
-        }
-        let mc_out = if algo == Algo::Multimem {
-            // Past the gate: the output segment's multicast window (built collectively once).
-            let seg = *segs.last().expect("the output's segment");
-            self.multicast_window(seg)? + (work_recv - base - seg.offset)
-        } else {
-            0
-        };
-        self.trace_call(
-            format_args!("all_reduce {}", algo.name()),
-            &desc,
             dtype,
             op,
             stream,
-            staged,
-        );
-        self.run(algo, desc, dtype, op, stream, mc_out)?;
-        if staged {
-            self.copy(recv, work_recv, bytes, stream)?;
-        }
-        Ok(())
+        })
+    }
+
+    /// Reduce-scatter: rank r gets elements [r * recv_count, (r + 1) * recv_count) of the
+    /// reduction of every rank's `send` (world * recv_count elements).
+    pub fn reduce_scatter(
+        &mut self,
+        send: u64,
+        recv: u64,
+        recv_count: u64,
+        dtype: DType,
+        op: ReduceOp,
+        stream: u64,
+    ) -> Result<()> {
+        self.collective(Call {
+            coll: Coll::ReduceScatter,
+            send,
+            recv,
+            count: recv_count,
+            dtype,
+            op,
+            stream,
+        })
+    }
+
+    /// All-gather: rank r's `send_count` elements land at r * send_count of every `recv`.
+    pub fn all_gather(
+        &mut self,
+        send: u64,
+        recv: u64,
+        send_count: u64,
+        dtype: DType,
+        stream: u64,
+    ) -> Result<()> {
+        self.collective(Call {
+            coll: Coll::AllGather,
+            send,
+            recv,
+            count: send_count,
+            dtype,
+            op: ReduceOp::Sum,
+            stream,
+        })
+    }
+
+    /// All-reduce of `x` ([tokens, hidden]) + residual, then RMSNorm: `residual` is updated in
+    /// place and `out = rms_norm(residual) * weight` (kernels/rms_norm.cuh). Only `x` is read
+    /// by peers; `residual`, `weight` and `out` are this rank's own.
+    pub fn all_reduce_add_rms_norm(
+        &mut self,
+        x: u64,
+        rms: Rms,
+        dtype: DType,
+        stream: u64,
+    ) -> Result<()> {
+        self.collective(Call {
+            coll: Coll::AddRmsNorm(rms),
+            send: x,
+            recv: 0,
+            count: rms.tokens.saturating_mul(rms.hidden),
+            dtype,
+            op: ReduceOp::Sum,
+            stream,
+        })
+    }
+
+    /// All ranks meet; stream-ordered on CUDA (a kernel), immediate on the host backend.
+    pub fn barrier(&mut self, stream: u64) -> Result<()> {
+        self.collective(Call {
+            coll: Coll::Barrier,
+            send: 0,
+            recv: 0,
+            count: 0,
+            dtype: DType::Fp32,
+            op: ReduceOp::Sum,
+            stream,
+        })
     }
 
     /// Orders this call's work on `stream` after the communicator's previous call, when that
@@ -296,24 +274,6 @@ impl Communicator {
             return Ok(());
         }
         self.streams.before_launch(self.device, stream)
-    }
-
-    /// All ranks meet; stream-ordered on CUDA (a kernel), immediate on the host backend.
-    pub fn barrier(&mut self, stream: u64) -> Result<()> {
-        self.begin_call(stream)?;
-        let desc = CallDesc {
-            send_off: 0,
-            recv_off: 0,
-            count: 0,
-            dtype: 0,
-            op: 0,
-            algo: u64::MAX,
-        };
-        if self.check_symmetry {
-            self.exchange(&[], desc, true)?;
-        }
-        self.order_streams(stream)?;
-        self.run(Algo::OneShot, desc, DType::Fp32, ReduceOp::Sum, stream, 0)
     }
 
     /// Gives back the peer mappings, windows, internal buffers and the device claim.

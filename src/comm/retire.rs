@@ -39,7 +39,7 @@ impl Communicator {
             if cuda::driver::is_capturing(self.device, stream)? {
                 return Ok(()); // a later, uncaptured call retires them
             }
-            cuda::util::device_sync(self.device)?;
+            cuda::mem::sync_device(self.device)?;
         }
         let mut records = Vec::new();
         for peer in 0..self.world {

@@ -9,6 +9,7 @@ pub mod driver;
 pub mod mem;
 pub mod module;
 pub mod multicast;
+pub mod multicast_gate;
 pub mod util;
 
 pub use vmm::granularity;

@@ -2,7 +2,7 @@
 //!
 //! Safety rule (DESIGN.md): creating a multicast object on a shared host that forbids it can
 //! take the host's GPUs out of service. So every function here that touches a multicast
-//! object first asks the gate (`comm::multicast::multicast_gate_from_env`) again, whatever its
+//! object first asks the gate (`multicast_gate::multicast_gate_from_env`) again, whatever its
 //! caller already checked: with `NCCL_NVLS_ENABLE=0`, `TORCH_SYMM_MEM_DISABLE_MULTICAST=1` or
 //! `NVSHMEM_DISABLE_NVLS=1` set, or `SYMMALLOC_ENABLE_MULTICAST=1` missing, nothing reaches
 //! the driver. `tests/multicast_guard.rs` checks that this file is the only caller of
@@ -13,7 +13,7 @@
 //! its peers in between), and unbound before the handle is released.
 
 use super::driver::{check, driver, CtxGuard};
-use crate::comm::multicast::multicast_gate_from_env;
+use super::multicast_gate::multicast_gate_from_env;
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
 

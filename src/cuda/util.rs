@@ -1,5 +1,6 @@
 //! Small driver helpers for the demo, the GPU tests and the benchmarks: host<->device copies,
-//! streams, events, graph capture and the self-test kernel. Not used by the library itself.
+//! streams, events, graph capture and the self-test kernel (kernels/selftest.cu). The library
+//! itself uses none of them.
 
 use super::driver::{check, CtxGuard};
 use super::module;
@@ -41,9 +42,8 @@ pub fn stream_sync(device: i32, stream: u64) -> Result<()> {
     )
 }
 
-pub fn device_sync(device: i32) -> Result<()> {
-    super::mem::sync_device(device)
-}
+/// The self-test kernel's name in the embedded module (kernels/selftest.cu).
+pub const SELFTEST_SAXPY: &str = "symm_selftest_saxpy";
 
 /// The parameter of `symm_selftest_saxpy` (kernels/selftest.cu's SaxpyArgs).
 #[repr(C)]
@@ -57,7 +57,7 @@ pub struct SaxpyArgs {
 
 /// Launches `symm_selftest_saxpy`: y = a * x + y over n floats.
 pub fn saxpy(device: i32, stream: u64, a: f32, x: u64, y: u64, n: u64) -> Result<()> {
-    let f = module::function(device, crate::comm::kernels::SELFTEST_SAXPY)?;
+    let f = module::function(device, SELFTEST_SAXPY)?;
     let grid = n.div_ceil(256).max(1) as u32;
     module::launch(
         device,

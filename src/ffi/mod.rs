@@ -9,7 +9,6 @@
 pub mod guard;
 pub mod types;
 
-use crate::comm::algo::{Algo, DType, ReduceOp};
 use crate::comm::Communicator;
 use crate::error::{Error, Result, Status};
 use crate::heap::{self, pools, stats::Stats};
@@ -358,9 +357,7 @@ pub extern "C" fn symm_all_reduce_algo(
     stream: *mut CUstream_st,
 ) -> symm_status_t {
     guard_status("symm_all_reduce", || {
-        let algo = Algo::from_c(algo)?;
-        let dtype = DType::from_c(dtype)?;
-        let op = ReduceOp::from_c(op)?;
+        let (algo, dtype, op) = (types::algo(algo)?, types::dtype(dtype)?, types::op(op)?);
         with_comm(comm, |c| {
             c.all_reduce(
                 algo,
@@ -392,8 +389,7 @@ pub extern "C" fn symm_reduce_scatter(
     stream: *mut CUstream_st,
 ) -> symm_status_t {
     guard_status("symm_reduce_scatter", || {
-        let dtype = DType::from_c(dtype)?;
-        let op = ReduceOp::from_c(op)?;
+        let (dtype, op) = (types::dtype(dtype)?, types::op(op)?);
         with_comm(comm, |c| {
             c.reduce_scatter(
                 send as u64,
@@ -421,7 +417,7 @@ pub extern "C" fn symm_all_gather(
     stream: *mut CUstream_st,
 ) -> symm_status_t {
     guard_status("symm_all_gather", || {
-        let dtype = DType::from_c(dtype)?;
+        let dtype = types::dtype(dtype)?;
         with_comm(comm, |c| {
             c.all_gather(
                 send as u64,
@@ -456,9 +452,8 @@ pub extern "C" fn symm_all_reduce_add_rms_norm(
     stream: *mut CUstream_st,
 ) -> symm_status_t {
     guard_status("symm_all_reduce_add_rms_norm", || {
-        let dtype = DType::from_c(dtype)?;
-        let call = crate::comm::rms_norm::RmsCall {
-            x: x as u64,
+        let dtype = types::dtype(dtype)?;
+        let rms = crate::comm::call::Rms {
             residual: residual as u64,
             weight: weight as u64,
             out: out as u64,
@@ -467,7 +462,7 @@ pub extern "C" fn symm_all_reduce_add_rms_norm(
             eps,
         };
         with_comm(comm, |c| {
-            c.all_reduce_add_rms_norm(&call, dtype, stream_of(stream))
+            c.all_reduce_add_rms_norm(x as u64, rms, dtype, stream_of(stream))
         })
     })
 }

@@ -97,6 +97,6 @@ impl Backend for CudaBackend {
         cuda::driver::is_capturing(device, stream)
     }
     fn synchronize(&self, device: i32) -> Result<()> {
-        crate::cuda::util::device_sync(device)
+        crate::cuda::mem::sync_device(device)
     }
 }

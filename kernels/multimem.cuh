@@ -4,6 +4,7 @@
 // segment; it runs only under the multicast safety rule (see DESIGN.md and src/comm/multicast.rs).
 // In place only (the multicast object covers the output). Items are 16-byte vectors; the
 // count must be a multiple of 8 bf16/fp16 elements or 4 fp32 elements.
+#pragma once
 #include "common.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -37,8 +38,8 @@ template <int DT>
 __device__ __forceinline__ void multimem_body(const SymmArgs& a) {
 #ifdef SYMM_HAS_MULTIMEM
   uint32_t e;
-  if (!epoch_begin(a, e)) return;  // aborted: touch no peer memory
-  bool ok = block_barrier(a, ++e, true);
+  bool ok;
+  if (!barrier_open(a, e, ok)) return;  // aborted: touch no peer memory
   const uint64_t items = a.count / (DT == 2 ? 4 : 8);
   const uint64_t slice = (items + a.world - 1) / a.world;
   const uint64_t begin = min(items, slice * a.rank);
@@ -47,14 +48,9 @@ __device__ __forceinline__ void multimem_body(const SymmArgs& a) {
   if (ok) {
     for (uint64_t i = begin + (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < end; i += stride)
       multimem_sum_item<DT>(a.mc_out + i * 16);
-    ok = block_barrier(a, ++e, false);
   }
-  epoch_end(a, e);
+  barrier_close(a, e, ok);
 #else
   if (threadIdx.x == 0 && blockIdx.x == 0) report(a, SYMM_ERR_NO_MULTIMEM_CODE, a.rank);
 #endif
 }
-
-extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_multimem_bf16_sum_vec(SymmArgs a) { multimem_body<0>(a); }
-extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_multimem_fp16_sum_vec(SymmArgs a) { multimem_body<1>(a); }
-extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_multimem_fp32_sum_vec(SymmArgs a) { multimem_body<2>(a); }

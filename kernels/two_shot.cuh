@@ -5,16 +5,15 @@
 // Each rank reads only its own slice, so it is race-free in place; the closing barrier makes
 // every peer's stores into this rank's output visible before the kernel ends. The element tail
 // after the last whole vector belongs to the last rank.
+#pragma once
 #include "common.cuh"
-
-#define SYMM_TWO_SHOT_UNROLL 4
 
 template <typename T, int OP, bool VEC>
 __device__ __forceinline__ void two_shot_body(const SymmArgs& a) {
   using P = Pack<T, VEC>;
   uint32_t e;
-  if (!epoch_begin(a, e)) return;  // aborted: touch no peer memory
-  bool ok = block_barrier(a, ++e, true);
+  bool ok;
+  if (!barrier_open(a, e, ok)) return;  // aborted: touch no peer memory
   const uint64_t items = a.count / P::N;
   const uint64_t slice = (items + a.world - 1) / a.world;
   const uint64_t begin = min(items, slice * a.rank);
@@ -47,31 +46,8 @@ __device__ __forceinline__ void two_shot_body(const SymmArgs& a) {
           if (r < a.world) ((T*)a.out[r])[i] = s;
       }
     }
-    // The closing barrier's release (after __syncthreads) publishes the block's stores into
-    // the peers' outputs; no per-thread system fence (it cost 2-4 us from 512 KiB to 4 MiB).
-    ok = block_barrier(a, ++e, false);
   }
-  epoch_end(a, e);
+  // The closing barrier's release (after __syncthreads) publishes the block's stores into the
+  // peers' outputs; no per-thread system fence (it cost 2-4 us from 512 KiB to 4 MiB).
+  barrier_close(a, e, ok);
 }
-
-#define SYMM_TWO_SHOT(NAME, T, OP, VEC) \
-  extern "C" __global__ void __launch_bounds__(SYMM_THREADS) NAME(SymmArgs a) { two_shot_body<T, OP, VEC>(a); }
-
-SYMM_TWO_SHOT(symm_two_shot_bf16_sum_vec, __nv_bfloat16, OP_SUM, true)
-SYMM_TWO_SHOT(symm_two_shot_bf16_max_vec, __nv_bfloat16, OP_MAX, true)
-SYMM_TWO_SHOT(symm_two_shot_bf16_min_vec, __nv_bfloat16, OP_MIN, true)
-SYMM_TWO_SHOT(symm_two_shot_fp16_sum_vec, __half, OP_SUM, true)
-SYMM_TWO_SHOT(symm_two_shot_fp16_max_vec, __half, OP_MAX, true)
-SYMM_TWO_SHOT(symm_two_shot_fp16_min_vec, __half, OP_MIN, true)
-SYMM_TWO_SHOT(symm_two_shot_fp32_sum_vec, float, OP_SUM, true)
-SYMM_TWO_SHOT(symm_two_shot_fp32_max_vec, float, OP_MAX, true)
-SYMM_TWO_SHOT(symm_two_shot_fp32_min_vec, float, OP_MIN, true)
-SYMM_TWO_SHOT(symm_two_shot_bf16_sum_scalar, __nv_bfloat16, OP_SUM, false)
-SYMM_TWO_SHOT(symm_two_shot_bf16_max_scalar, __nv_bfloat16, OP_MAX, false)
-SYMM_TWO_SHOT(symm_two_shot_bf16_min_scalar, __nv_bfloat16, OP_MIN, false)
-SYMM_TWO_SHOT(symm_two_shot_fp16_sum_scalar, __half, OP_SUM, false)
-SYMM_TWO_SHOT(symm_two_shot_fp16_max_scalar, __half, OP_MAX, false)
-SYMM_TWO_SHOT(symm_two_shot_fp16_min_scalar, __half, OP_MIN, false)
-SYMM_TWO_SHOT(symm_two_shot_fp32_sum_scalar, float, OP_SUM, false)
-SYMM_TWO_SHOT(symm_two_shot_fp32_max_scalar, float, OP_MAX, false)
-SYMM_TWO_SHOT(symm_two_shot_fp32_min_scalar, float, OP_MIN, false)

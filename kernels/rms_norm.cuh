@@ -9,11 +9,13 @@
 // from overwriting x while a peer still reads it. 16-byte vectors: hidden is a multiple of 8
 // and every pointer is 16-byte aligned (the launch checks). Messages up to the LL threshold take
 // the barrier-free LL kernel instead (rms_ll_body, below); both reduce in the same order.
+#pragma once
 #include "cluster.cuh"
 #include "common.cuh"
+#include "ll.cuh"
 
-// Vectors per thread per row: a block of SYMM_THREADS covers hidden <= 512 * 4 * 8 = 16384.
-#define SYMM_RMS_VECS 4
+// SYMM_RMS_VECS (symm_constants.cuh): vectors per thread per row, so a block of SYMM_THREADS
+// covers hidden <= 512 * 4 * 8 = 16384.
 
 struct RmsArgs {
   SymmArgs s;          // in[] = every rank's x; count = tokens * hidden
@@ -51,8 +53,8 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
   constexpr int N = P::N;
   const SymmArgs& a = f.s;
   uint32_t e;
-  if (!epoch_begin(a, e)) return;  // aborted: touch no peer memory
-  bool ok = block_barrier(a, ++e, true);
+  bool ok;
+  if (!barrier_open(a, e, ok)) return;  // aborted: touch no peer memory
   const uint64_t vecs = f.hidden / N;
   for (uint64_t t = blockIdx.x; ok && t < f.tokens; t += gridDim.x) {
     float r[SYMM_RMS_VECS][N];
@@ -85,8 +87,7 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
       ((uint4*)f.out)[t * vecs + j] = pack<T, true>(o);
     }
   }
-  if (ok) ok = block_barrier(a, ++e, false);
-  epoch_end(a, e);
+  barrier_close(a, e, ok);
 }
 
 // Small messages (x up to the LL threshold): the LL protocol of one_shot_ll.cu instead of the two
@@ -103,9 +104,6 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
 // block may pull and reset any item: slots are indexed by item, and each item is read and reset
 // once per call. A failed wait (timeout, abort) stops the waits of that thread; the block still
 // meets at every barrier and writes nothing for the row.
-#ifndef LL_BUFFERS
-#error "rms_norm.cu uses one_shot_ll.cu's LL protocol: build.rs includes kernels/*.cu in name order"
-#endif
 
 // The sum of v over the block, in the fixed order of block_sum (a shuffle tree per warp, then a
 // shuffle tree over the warps' sums), with one barrier instead of two, which also ANDs `mine`
@@ -135,11 +133,7 @@ __device__ __forceinline__ void rms_ll_push(const SymmArgs& a, uint64_t tp, uint
   const uint4* x = (const uint4*)a.in[a.rank];
   for (uint64_t u = threadIdx.x; u < tp; u += blockDim.x) {
     for (uint64_t i = (uint64_t)blockIdx.x * tp + u; i < items; i += (uint64_t)gridDim.x * tp) {
-      uint4 v = i == p0 ? pv : x[i];
-      ll_sanitize<T>(v);
-#pragma unroll
-      for (int r = 0; r < SYMM_MAX_RANKS; ++r)
-        if (r < a.world && r != a.rank) st_volatile_v4(ll_slot(a, r, buf, a.rank) + i, v);
+      ll_push<T>(a, buf, i, i == p0 ? pv : x[i]);
     }
   }
 }
@@ -162,7 +156,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
 
   uint32_t call;
   if (!ll_begin(a, call)) return;  // aborted: push nothing into the peers' buffers
-  const uint32_t buf = call % LL_BUFFERS;
+  const uint32_t buf = call % SYMM_LL_BUFFERS;
   const uint64_t start = globaltimer();
   rms_ll_push<T>(a, tp, p0, pv, buf);
   bool ok = ll_check_desc(a, buf, start);
@@ -203,13 +197,9 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
       for (int k = 0; k < V; ++k) {
         const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
         if (j >= vecs) continue;
-        if (p != a.rank) {
-          uint4* slot = ll_slot(a, a.rank, buf, p) + t * vecs + j;
-          if (!ll_arrived(v[k]) && !(mine && ll_wait(a, slot, p, start, v[k]))) {
-            mine = false;
-            continue;
-          }
-          *slot = make_uint4(LL_EMPTY, LL_EMPTY, LL_EMPTY, LL_EMPTY);
+        if (p != a.rank && !ll_settle(a, ll_slot(a, a.rank, buf, p) + t * vecs + j, p, start, v[k], mine)) {
+          mine = false;
+          continue;
         }
         const T* e = (const T*)&v[k];
 #pragma unroll
@@ -244,21 +234,6 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   ll_end(a, call);
 }
 
-// One vector per thread, up to 768 threads (hidden <= 6144; kernel_args.rs says why not wider).
-#define SYMM_RMS_LL1_THREADS 768
-extern "C" __global__ void __launch_bounds__(SYMM_RMS_LL1_THREADS) symm_all_reduce_add_rms_norm_ll1_bf16(RmsArgs f) {
-  rms_ll_body<__nv_bfloat16, 1>(f);
-}
-extern "C" __global__ void __launch_bounds__(SYMM_RMS_LL1_THREADS) symm_all_reduce_add_rms_norm_ll1_fp16(RmsArgs f) {
-  rms_ll_body<__half, 1>(f);
-}
-// SYMM_RMS_VECS vectors per thread, up to SYMM_THREADS threads (hidden <= 16384).
-extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_ll_bf16(RmsArgs f) {
-  rms_ll_body<__nv_bfloat16, SYMM_RMS_VECS>(f);
-}
-extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_ll_fp16(RmsArgs f) {
-  rms_ll_body<__half, SYMM_RMS_VECS>(f);
-}
 
 // Wide rows on Hopper: a row split over a cluster of C blocks (C = 2-8, a launch attribute;
 // rms_norm.rs picks it), so no single SM moves a whole row of x, residual, weight, out and slot
@@ -279,7 +254,6 @@ extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_r
 // Every block of a cluster takes part in every exchange: an aborted communicator or a failed
 // descriptor check skips the pushes and waits but not the exchanges. Push, descriptor check,
 // call counters: as rms_ll_body.
-#define SYMM_RMS_LLC_THREADS 512
 
 template <typename T>
 __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
@@ -311,7 +285,7 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   // After the call counter, not before: ahead of it this setup delayed the counter's load (0.07-0.1
   // µs on one H200, bench/RESULTS.md, session 10).
   cluster_arrive_relaxed();
-  const uint32_t buf = call % LL_BUFFERS;
+  const uint32_t buf = call % SYMM_LL_BUFFERS;
   const uint64_t start = globaltimer();
   if (live) rms_ll_push<T>(a, tp, p0, pv, buf);
   const bool ok = live && ll_check_desc(a, buf, start);
@@ -342,11 +316,10 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
       if (has && p != a.rank) {
         uint4* slot = ll_slot(a, a.rank, buf, p) + at;
         v = ld_volatile_v4(slot);
-        if (!ll_arrived(v) && !(mine && ll_wait(a, slot, p, start, v))) {
+        if (!ll_settle(a, slot, p, start, v, mine)) {
           mine = false;
           continue;
         }
-        *slot = make_uint4(LL_EMPTY, LL_EMPTY, LL_EMPTY, LL_EMPTY);
       }
       const T* e = (const T*)&v;
 #pragma unroll
@@ -400,18 +373,4 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
 #else
   __trap();  // rms_norm.rs launches the cluster kernels on sm_90 and later only
 #endif
-}
-
-extern "C" __global__ void __launch_bounds__(SYMM_RMS_LLC_THREADS) symm_all_reduce_add_rms_norm_llc_bf16(RmsArgs f) {
-  rms_llc_body<__nv_bfloat16>(f);
-}
-extern "C" __global__ void __launch_bounds__(SYMM_RMS_LLC_THREADS) symm_all_reduce_add_rms_norm_llc_fp16(RmsArgs f) {
-  rms_llc_body<__half>(f);
-}
-
-extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_bf16(RmsArgs f) {
-  rms_body<__nv_bfloat16>(f);
-}
-extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_fp16(RmsArgs f) {
-  rms_body<__half>(f);
 }

@@ -6,14 +6,15 @@
 // ranks, meets the peers at a barrier, then writes, so no rank overwrites data a peer still
 // reads; that barrier also ends the last round's reads, so no closing barrier is needed.
 // Out of place, a closing barrier keeps the caller from overwriting an input a peer still reads.
+#pragma once
 #include "common.cuh"
 
 template <typename T, int OP, bool VEC>
 __device__ __forceinline__ void one_shot_body(const SymmArgs& a) {
   using P = Pack<T, VEC>;
   uint32_t e;
-  if (!epoch_begin(a, e)) return;  // aborted: touch no peer memory
-  bool ok = block_barrier(a, ++e, true);
+  bool ok;
+  if (!barrier_open(a, e, ok)) return;  // aborted: touch no peer memory
   const uint64_t items = a.count / P::N;
   const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   const uint64_t rounds = (items + stride - 1) / stride;
@@ -33,28 +34,5 @@ __device__ __forceinline__ void one_shot_body(const SymmArgs& a) {
     if (a.in_place) ok = block_barrier(a, ++e, false);
     if (ok && mine) ((T*)a.out[a.rank])[i] = from_f32<T>(acc[0]);
   }
-  if (ok && !a.in_place) ok = block_barrier(a, ++e, false);
-  epoch_end(a, e);
+  barrier_close(a, e, ok && !a.in_place);
 }
-
-#define SYMM_ONE_SHOT(NAME, T, OP, VEC) \
-  extern "C" __global__ void __launch_bounds__(SYMM_THREADS) NAME(SymmArgs a) { one_shot_body<T, OP, VEC>(a); }
-
-SYMM_ONE_SHOT(symm_one_shot_bf16_sum_vec, __nv_bfloat16, OP_SUM, true)
-SYMM_ONE_SHOT(symm_one_shot_bf16_max_vec, __nv_bfloat16, OP_MAX, true)
-SYMM_ONE_SHOT(symm_one_shot_bf16_min_vec, __nv_bfloat16, OP_MIN, true)
-SYMM_ONE_SHOT(symm_one_shot_fp16_sum_vec, __half, OP_SUM, true)
-SYMM_ONE_SHOT(symm_one_shot_fp16_max_vec, __half, OP_MAX, true)
-SYMM_ONE_SHOT(symm_one_shot_fp16_min_vec, __half, OP_MIN, true)
-SYMM_ONE_SHOT(symm_one_shot_fp32_sum_vec, float, OP_SUM, true)
-SYMM_ONE_SHOT(symm_one_shot_fp32_max_vec, float, OP_MAX, true)
-SYMM_ONE_SHOT(symm_one_shot_fp32_min_vec, float, OP_MIN, true)
-SYMM_ONE_SHOT(symm_one_shot_bf16_sum_scalar, __nv_bfloat16, OP_SUM, false)
-SYMM_ONE_SHOT(symm_one_shot_bf16_max_scalar, __nv_bfloat16, OP_MAX, false)
-SYMM_ONE_SHOT(symm_one_shot_bf16_min_scalar, __nv_bfloat16, OP_MIN, false)
-SYMM_ONE_SHOT(symm_one_shot_fp16_sum_scalar, __half, OP_SUM, false)
-SYMM_ONE_SHOT(symm_one_shot_fp16_max_scalar, __half, OP_MAX, false)
-SYMM_ONE_SHOT(symm_one_shot_fp16_min_scalar, __half, OP_MIN, false)
-SYMM_ONE_SHOT(symm_one_shot_fp32_sum_scalar, float, OP_SUM, false)
-SYMM_ONE_SHOT(symm_one_shot_fp32_max_scalar, float, OP_MAX, false)
-SYMM_ONE_SHOT(symm_one_shot_fp32_min_scalar, float, OP_MIN, false)

@@ -1,0 +1,296 @@
+//! What a caller asks of a communicator, as one value (`Call`), and every check of it that
+//! needs no peer: pointers, alignment, sizes that overflow, overlaps, the fused call's shape.
+//! The public front ends (mod.rs) build a `Call`; `plan.rs` turns it into a `Plan`.
+//!
+//! Units: `count` is in elements, as the C ABI takes it (all-reduce: the message; reduce-scatter:
+//! each rank's output; all-gather: each rank's input; the fused call: tokens x hidden). Buffer
+//! extents are in bytes (`Extents`), computed once here with overflow checks; nothing after this
+//! converts again.
+
+use super::algo::{Algo, DType, ReduceOp};
+use super::kernel_args::RMS_MAX_HIDDEN;
+use crate::error::{Error, Result};
+
+/// Which collective, with what only it takes.
+#[derive(Clone, Copy, Debug)]
+pub enum Coll {
+    AllReduce(Algo),
+    ReduceScatter,
+    AllGather,
+    /// All-reduce + residual + RMSNorm: `residual`, `weight` and `out` are this rank's own.
+    AddRmsNorm(Rms),
+    Barrier,
+}
+
+/// The fused call's own buffers and shape (`count` = tokens x hidden).
+#[derive(Clone, Copy, Debug)]
+pub struct Rms {
+    pub residual: u64,
+    pub weight: u64,
+    pub out: u64,
+    pub tokens: u64,
+    pub hidden: u64,
+    pub eps: f32,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Call {
+    pub coll: Coll,
+    pub send: u64,
+    /// 0 for the fused call (its outputs are in `Rms`) and the barrier.
+    pub recv: u64,
+    pub count: u64,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub stream: u64,
+}
+
+/// A call's buffers in bytes: what `send` and `recv` span, and the slice of one rank
+/// (reduce-scatter's output, all-gather's input; the whole message otherwise).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extents {
+    pub send: u64,
+    pub recv: u64,
+    pub slice: u64,
+}
+
+impl Call {
+    pub fn name(&self) -> &'static str {
+        match self.coll {
+            Coll::AllReduce(_) => "all_reduce",
+            Coll::ReduceScatter => "reduce_scatter",
+            Coll::AllGather => "all_gather",
+            Coll::AddRmsNorm(_) => "all_reduce_add_rms_norm",
+            Coll::Barrier => "barrier",
+        }
+    }
+
+    /// Nothing to do: no element (the call still reports earlier errors, in begin_call).
+    pub fn is_empty(&self) -> bool {
+        match self.coll {
+            Coll::Barrier => false,
+            Coll::AddRmsNorm(r) => r.tokens == 0,
+            _ => self.count == 0,
+        }
+    }
+
+    /// Checks everything that needs no peer and returns the buffers' extents.
+    pub fn check(&self, rank: usize, world: usize) -> Result<Extents> {
+        let es = self.dtype.size() as u64;
+        match self.coll {
+            Coll::Barrier => Ok(Extents {
+                send: 0,
+                recv: 0,
+                slice: 0,
+            }),
+            Coll::AllReduce(_) => {
+                check_pointers(self.send, self.recv, self.dtype)?;
+                let b = byte_size(self.count, es, 1)?;
+                Ok(Extents {
+                    send: b,
+                    recv: b,
+                    slice: b,
+                })
+            }
+            Coll::ReduceScatter | Coll::AllGather => {
+                check_pointers(self.send, self.recv, self.dtype)?;
+                let slice = byte_size(self.count, es, 1)?;
+                let whole = byte_size(self.count, es, world as u64)?;
+                let e = match self.coll {
+                    Coll::ReduceScatter => Extents {
+                        send: whole,
+                        recv: slice,
+                        slice,
+                    },
+                    _ => Extents {
+                        send: slice,
+                        recv: whole,
+                        slice,
+                    },
+                };
+                check_overlap(self, e, rank as u64 * slice)?;
+                Ok(e)
+            }
+            Coll::AddRmsNorm(r) => {
+                check_rms(self.send, &r, self.dtype)?;
+                let b = byte_size(byte_size(r.tokens, r.hidden, 1)?, es, 1)?;
+                let own = [
+                    (r.residual, b, "residual"),
+                    (r.out, b, "out"),
+                    (r.weight, r.hidden * es, "weight"),
+                ];
+                for (i, &(p, n, name)) in own.iter().enumerate() {
+                    for &(q, m, other) in own[..i].iter().chain([(self.send, b, "x")].iter()) {
+                        if p < q + m && q < p + n {
+                            return Err(Error::invalid(format!(
+                                "all_reduce_add_rms_norm: {name} ({p:#x}, {n} bytes) overlaps \
+                                 {other} ({q:#x}, {m} bytes); expected separate buffers"
+                            )));
+                        }
+                    }
+                }
+                Ok(Extents {
+                    send: b,
+                    recv: 0,
+                    slice: b,
+                })
+            }
+        }
+    }
+}
+
+/// Collective buffers must be non-NULL and aligned to their element.
+fn check_pointers(send: u64, recv: u64, dtype: DType) -> Result<()> {
+    if send == 0 || recv == 0 {
+        return Err(Error::invalid(format!(
+            "send ({send:#x}) and recv ({recv:#x}) must not be NULL when count > 0"
+        )));
+    }
+    let esize = dtype.size() as u64;
+    if send % esize != 0 || recv % esize != 0 {
+        return Err(Error::invalid(format!(
+            "send {send:#x} / recv {recv:#x} are not aligned to the {}-byte {} element",
+            esize,
+            dtype.name()
+        )));
+    }
+    Ok(())
+}
+
+/// `count * esize * times` bytes, or an error naming the count that overflows.
+pub fn byte_size(count: u64, esize: u64, times: u64) -> Result<u64> {
+    count
+        .checked_mul(esize)
+        .and_then(|b| b.checked_mul(times))
+        .ok_or_else(|| Error::invalid(format!("count {count} overflows the byte size")))
+}
+
+/// Reduce-scatter and all-gather refuse overlapping buffers unless they are in place by NCCL's
+/// rule: the smaller buffer is this rank's slot (at `slot_at` bytes) of the larger one.
+fn check_overlap(c: &Call, e: Extents, slot_at: u64) -> Result<()> {
+    let (send, recv) = (c.send, c.recv);
+    if send + e.send <= recv || recv + e.recv <= send {
+        return Ok(());
+    }
+    let rs = matches!(c.coll, Coll::ReduceScatter);
+    let (ok, rule, at) = if rs {
+        (
+            recv == send + slot_at,
+            "recv = send + rank * recv_count",
+            send + slot_at,
+        )
+    } else {
+        (
+            send == recv + slot_at,
+            "send = recv + rank * send_count",
+            recv + slot_at,
+        )
+    };
+    if ok {
+        return Ok(());
+    }
+    Err(Error::invalid(format!(
+        "{}: send {send:#x} ({} bytes) and recv {recv:#x} ({} bytes) overlap; in place means \
+         {rule} (here {at:#x}), otherwise the buffers must be apart",
+        c.name(),
+        e.send,
+        e.recv
+    )))
+}
+
+/// What the fused kernels need of the shape, types and pointers, each named when it is wrong.
+fn check_rms(x: u64, r: &Rms, dtype: DType) -> Result<()> {
+    if dtype == DType::Fp32 {
+        return Err(Error::unsupported(
+            "all_reduce_add_rms_norm takes bf16 or fp16 (fp32 accumulation inside); fp32 is not \
+             supported",
+        ));
+    }
+    if r.hidden == 0 || r.hidden % 8 != 0 || r.hidden > RMS_MAX_HIDDEN {
+        return Err(Error::invalid(format!(
+            "all_reduce_add_rms_norm: hidden {} is not supported; expected a multiple of 8 from 8 \
+             to {RMS_MAX_HIDDEN}",
+            r.hidden
+        )));
+    }
+    if !(r.eps.is_finite() && r.eps >= 0.0) {
+        return Err(Error::invalid(format!(
+            "all_reduce_add_rms_norm: eps {} is not a finite non-negative number",
+            r.eps
+        )));
+    }
+    for (p, name) in [
+        (x, "x"),
+        (r.residual, "residual"),
+        (r.weight, "weight"),
+        (r.out, "out"),
+    ] {
+        if p == 0 || p % 16 != 0 {
+            return Err(Error::invalid(format!(
+                "all_reduce_add_rms_norm: {name} {p:#x} must be a non-NULL, 16-byte aligned \
+                 pointer"
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sg(coll: Coll, send: u64, recv: u64, count: u64) -> Call {
+        Call {
+            coll,
+            send,
+            recv,
+            count,
+            dtype: DType::Bf16,
+            op: ReduceOp::Sum,
+            stream: 0,
+        }
+    }
+
+    #[test]
+    fn overlap_is_refused_unless_in_place_by_the_rule() {
+        // Rank 1 of 2, 100-byte slots (50 bf16): send 200 bytes at 0x1000.
+        let rs = |send, recv| sg(Coll::ReduceScatter, send, recv, 50).check(1, 2);
+        assert!(rs(0x1000, 0x2000).is_ok(), "apart");
+        assert!(rs(0x1000, 0x1000 + 100).is_ok(), "in place");
+        let e = rs(0x1000, 0x1000).unwrap_err();
+        assert!(
+            e.message
+                .contains("recv = send + rank * recv_count (here 0x1064)"),
+            "{}",
+            e.message
+        );
+        let ag = |send, recv| sg(Coll::AllGather, send, recv, 50).check(1, 2);
+        assert!(ag(0x2000 + 100, 0x2000).is_ok());
+        let e = ag(0x2000, 0x2000).unwrap_err();
+        assert!(e.message.contains("send = recv + rank * send_count"));
+    }
+
+    #[test]
+    fn extents_are_bytes_and_overflow_is_named() {
+        let e = sg(Coll::ReduceScatter, 0x1000, 0x9000, 8)
+            .check(0, 4)
+            .unwrap();
+        assert_eq!(
+            e,
+            Extents {
+                send: 64,
+                recv: 16,
+                slice: 16
+            }
+        );
+        let e = sg(
+            Coll::AllReduce(Algo::Auto),
+            0x1000,
+            0x1000,
+            u64::MAX / 2 + 1,
+        )
+        .check(0, 2)
+        .unwrap_err();
+        assert!(e.message.contains("overflows"), "{}", e.message);
+    }
+}

@@ -1,0 +1,306 @@
+//! The first half of every collective call: `prepare` turns a checked `Call` into a `Plan`, doing
+//! the shared setup once (where the buffers are, what is staged through the scratch, which
+//! kernel and grid, the call descriptor, the segment exchange with the peers). `launch.rs` then
+//! enqueues the plan. NCCL's enqueue.cc (plan, then launch) is the model; docs/DESIGN.md, "The
+//! collective pipeline", walks one call through both.
+//!
+//! Invariants: every decision in a plan reads only values equal on every rank (algo.rs,
+//! shape.rs), so every rank plans the same kernel and grid for the same call; the segments a
+//! kernel touches are exchanged with the peers (and compared) before the plan exists; nothing
+//! is enqueued on the stream here, so a call that fails in `prepare` leaves no work behind.
+
+use super::algo::{self, DType, Kernel, ReduceOp};
+use super::call::{Call, Coll, Extents};
+use super::exchange::{CallDesc, DescKind, RANK_LOCAL};
+use super::shape::{self, FusedShape};
+use super::Communicator;
+use crate::cuda;
+use crate::error::{Error, Result};
+use crate::heap::device_heap::SegmentInfo;
+
+/// A copy between a caller's buffer and the scratch, stream-ordered around the kernel.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Copy {
+    pub dst: u64,
+    pub src: u64,
+    pub bytes: u64,
+}
+
+/// Everything a launch needs, decided once.
+pub(super) struct Plan {
+    pub call: Call,
+    pub kernel: Kernel,
+    /// The working buffers' offsets (the caller's, or the scratch's when staged).
+    pub desc: CallDesc,
+    pub vec: bool,
+    pub grid: u32,
+    pub threads: u32,
+    /// Blocks per thread-block cluster (the fused cluster kernel), 1 otherwise.
+    pub cluster: u32,
+    /// The fused LL kernels: threads per block that push x (the LL all-reduce's spread).
+    pub push_threads: u32,
+    pub stage_in: Option<Copy>,
+    pub stage_out: Option<Copy>,
+    /// The output's multicast address (MULTIMEM only).
+    pub mc_out: u64,
+}
+
+/// Where a call's kernel reads and writes: the caller's buffers when the shared ones are in
+/// the heap, else the scratch (and the copies around the kernel), with the segments to share.
+struct Placement {
+    send: u64,
+    recv: u64,
+    stage_in: Option<Copy>,
+    stage_out: Option<Copy>,
+    segs: Vec<SegmentInfo>,
+}
+
+impl Communicator {
+    /// Checks a call, places its buffers, picks its kernel and grid, exchanges its segments and
+    /// compares its descriptor with the peers'. Collective (every rank calls it in the same
+    /// order). `None` for a call with nothing to do.
+    pub(super) fn prepare(&mut self, call: &Call) -> Result<Option<Plan>> {
+        if call.is_empty() {
+            return Ok(None);
+        }
+        let ext = call.check(self.rank, self.world)?;
+        // The all-reduce's kernel depends only on the message; the others' on where it lies.
+        let asked = match call.coll {
+            Coll::AllReduce(a) => {
+                let k = algo::all_reduce_kernel(a, ext.send, self.world, self.ll_slot, &self.auto)?;
+                self.note_auto_choice(a, k, ext.send);
+                if k == Kernel::Multimem {
+                    self.check_multimem(call)?;
+                }
+                Some(k)
+            }
+            _ => None,
+        };
+        let p = self.place(call, ext)?;
+        let base = self.windows.bases[self.rank];
+        let (send_off, recv_off) = (p.send - base, p.recv.wrapping_sub(base));
+        let mut push_threads = 0;
+        let mut fused: Option<FusedShape> = None;
+        let (kind, kernel, width) = match call.coll {
+            Coll::AllReduce(_) => (DescKind::AllReduce, asked.expect("chosen above"), 0),
+            Coll::Barrier => (DescKind::Barrier, Kernel::OneShot, 0),
+            Coll::AllGather => (DescKind::AllGather, Kernel::AllGather, 0),
+            Coll::ReduceScatter => (
+                DescKind::ReduceScatter,
+                algo::reduce_scatter_kernel(send_off, ext.slice, self.auto.ll_max),
+                0,
+            ),
+            Coll::AddRmsNorm(r) => {
+                let kernel = if self.host {
+                    Kernel::AddRmsNorm
+                } else {
+                    // The LL all-reduce's spread for a message of this size.
+                    push_threads = shape::ll_threads(call.count / 8, self.ll_grid);
+                    let s =
+                        self.fused_shape(r.tokens, r.hidden, push_threads, ext.send, call.dtype)?;
+                    fused = Some(s);
+                    s.kernel
+                };
+                (DescKind::AddRmsNorm, kernel, r.hidden)
+            }
+        };
+        let desc = CallDesc {
+            kind,
+            kernel,
+            send_off,
+            recv_off: if matches!(call.coll, Coll::AddRmsNorm(_)) {
+                RANK_LOCAL
+            } else {
+                recv_off
+            },
+            count: call.count,
+            dtype: call.dtype,
+            op: call.op,
+            width,
+        };
+        self.exchange(&p.segs, desc, self.check_symmetry)?;
+        let vec = algo::vectors(kernel, &[desc.send_off, recv_off], ext.slice);
+        let (grid, threads, cluster) = if self.host {
+            (0, 0, 1)
+        } else if let Some(s) = fused {
+            (s.grid, s.threads, s.cluster)
+        } else if kernel.is_ll() {
+            let (g, t) = shape::ll_shape(ext.slice.div_ceil(16), self.ll_grid);
+            (g, t, 1)
+        } else {
+            let items = if vec { ext.slice / 16 } else { call.count };
+            let (g, t) = shape::barrier_shape(kernel, items, self.world, vec, self.sms);
+            (g, t, 1)
+        };
+        let mc_out = if kernel == Kernel::Multimem {
+            // Past the gate: the output segment's multicast window (built collectively once).
+            let seg = *p.segs.last().expect("the output's segment");
+            self.multicast_window(seg)? + (desc.recv_off - seg.offset)
+        } else {
+            0
+        };
+        Ok(Some(Plan {
+            call: *call,
+            kernel,
+            desc,
+            vec,
+            grid,
+            threads,
+            cluster,
+            push_threads,
+            stage_in: p.stage_in,
+            stage_out: p.stage_out,
+            mc_out,
+        }))
+    }
+
+    /// The buffers the kernel uses. Only what peers touch must be in the heap: every rank's
+    /// input for all-reduce, reduce-scatter and the fused call, every rank's output for
+    /// all-reduce and all-gather. When one is not, the call runs on the scratch: all-reduce in
+    /// place there, reduce-scatter and all-gather with both halves apart, the fused call with x
+    /// alone (its other buffers are this rank's own), and copies in and out around the kernel.
+    fn place(&mut self, call: &Call, ext: Extents) -> Result<Placement> {
+        let in_place = |send, recv, segs| Placement {
+            send,
+            recv,
+            stage_in: None,
+            stage_out: None,
+            segs,
+        };
+        match call.coll {
+            // The barrier kernel is the one-shot kernel on nothing, "in place" (one barrier).
+            Coll::Barrier => {
+                let base = self.windows.bases[self.rank];
+                Ok(in_place(base, base, Vec::new()))
+            }
+            Coll::AddRmsNorm(_) => match self.locate(call.send, ext.send)? {
+                Some(seg) => Ok(in_place(call.send, 0, vec![seg])),
+                None => {
+                    let s = self.ensure_scratch(ext.send)?;
+                    let seg = self.locate(s, ext.send)?.expect("scratch is in the heap");
+                    Ok(Placement {
+                        send: s,
+                        recv: 0,
+                        stage_in: Some(Copy {
+                            dst: s,
+                            src: call.send,
+                            bytes: ext.send,
+                        }),
+                        stage_out: None,
+                        segs: vec![seg],
+                    })
+                }
+            },
+            _ => {
+                let a = self.locate(call.send, ext.send)?;
+                let b = self.locate(call.recv, ext.recv)?;
+                if let (Some(a), Some(b)) = (a, b) {
+                    // The segments the kernel touches, output last (multimem binds it).
+                    let segs = match call.coll {
+                        Coll::ReduceScatter => vec![a],
+                        Coll::AllGather => vec![b],
+                        _ if a == b => vec![a],
+                        _ => vec![a, b],
+                    };
+                    return Ok(in_place(call.send, call.recv, segs));
+                }
+                // All-reduce in place in the scratch; reduce-scatter and all-gather with both
+                // halves apart (the kernel then runs out of place).
+                let recv_at = match call.coll {
+                    Coll::AllReduce(_) => 0,
+                    _ => ext.send.next_multiple_of(256),
+                };
+                let len = (recv_at + ext.recv).max(ext.send);
+                let s = self.ensure_scratch(len)?;
+                let seg = self.locate(s, len)?.expect("scratch is in the heap");
+                Ok(Placement {
+                    send: s,
+                    recv: s + recv_at,
+                    stage_in: Some(Copy {
+                        dst: s,
+                        src: call.send,
+                        bytes: ext.send,
+                    }),
+                    stage_out: Some(Copy {
+                        dst: call.recv,
+                        src: s + recv_at,
+                        bytes: ext.recv,
+                    }),
+                    segs: vec![seg],
+                })
+            }
+        }
+    }
+
+    /// SYMMALLOC_DEBUG=INFO: AUTO's choice, once per message size.
+    fn note_auto_choice(&mut self, asked: algo::Algo, k: Kernel, bytes: u64) {
+        if asked == algo::Algo::Auto
+            && crate::debug::enabled(crate::debug::Level::Info)
+            && self.auto_seen.insert(bytes)
+        {
+            crate::info!(
+                "rank {}/{}: AUTO chose {} for {bytes} bytes",
+                self.rank,
+                self.world,
+                k.name()
+            );
+        }
+    }
+
+    /// MULTIMEM runs only past the multicast gate, on its own terms (mc_window.rs).
+    fn check_multimem(&self, call: &Call) -> Result<()> {
+        let supports = !self.host && cuda::driver()?.device(self.device)?.multicast;
+        cuda::multicast_gate::multicast_gate_from_env(supports)
+            .map_err(|why| Error::unsupported(format!("SYMM_ALGO_MULTIMEM refused: {why}")))?;
+        super::mc_window::check_call(call.send, call.recv, call.count, call.dtype, call.op)
+    }
+
+    /// The fused call's kernel and grid: the LL kernels on a grid every rank's GPU holds at
+    /// once (shape.rs) up to AUTO's LL threshold, the barrier kernel above it.
+    fn fused_shape(
+        &mut self,
+        tokens: u64,
+        hidden: u64,
+        push_threads: u32,
+        bytes: u64,
+        dtype: DType,
+    ) -> Result<FusedShape> {
+        let (ll_max, clusters) = (self.auto.ll_max, self.clusters);
+        let s = shape::fit_resident(
+            self.ll_grid.0,
+            |blocks| {
+                shape::fused_ll_shape(
+                    tokens,
+                    hidden,
+                    push_threads,
+                    bytes,
+                    ll_max,
+                    blocks,
+                    clusters,
+                )
+            },
+            |s| self.resident_blocks(s, dtype),
+        )?;
+        Ok(s.unwrap_or_else(|| shape::fused_barrier_shape(tokens, hidden)))
+    }
+
+    /// How many blocks of this shape's kernel every rank's GPU holds at once: blocks per SM
+    /// (asked of the driver once per kernel and block size; the same on every rank of one
+    /// architecture) times the fewest SMs of any rank. For clusters this leaves out how a GPU
+    /// groups its SMs (a cluster cannot span groups, and the grouping differs between chips of
+    /// one model, so it is no input every rank shares): the cluster kernel holds two blocks per
+    /// SM at its widest (512 threads), twice what the LL grid asks of 128 SMs.
+    fn resident_blocks(&mut self, s: &FusedShape, dtype: DType) -> Result<u64> {
+        let key = (s.kernel, dtype, s.threads);
+        let per_sm = match self.resident.get(&key) {
+            Some(&n) => n,
+            None => {
+                let f = self.kernel_fn(s.kernel, dtype, ReduceOp::Sum, true)?;
+                let n = cuda::module::blocks_per_sm(self.device, f, s.threads)?;
+                self.resident.insert(key, n);
+                n
+            }
+        };
+        Ok(per_sm as u64 * self.fewest_sms as u64)
+    }
+}

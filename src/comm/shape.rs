@@ -1,0 +1,436 @@
+//! Grids: how many blocks and threads (and, for the fused cluster kernel, blocks per cluster) a
+//! chosen kernel runs on. Every shape is a pure function of values equal on every rank (the
+//! call's shared words, the communicator's settings and the facts about every rank's GPU agreed
+//! at init), so block b of every rank meets block b of every other (docs/DESIGN.md, "Kernels
+//! and their grids").
+
+use super::algo::Kernel;
+use super::kernel_args::{MAX_BLOCKS, RMS_LL1_THREADS, RMS_LLC_THREADS, RMS_VECS, THREADS};
+use crate::error::{Error, Result};
+
+/// Threads per block for an LL call of `items` 16-byte items: enough to give every block a
+/// share (a power of two, at least 64), at most the grid's limit. A pure function of the
+/// message, so every rank maps items to the same threads.
+pub fn ll_threads(items: u64, (blocks, max_threads): (u32, u32)) -> u32 {
+    items
+        .div_ceil(blocks as u64)
+        .next_power_of_two()
+        .clamp(64, max_threads as u64) as u32
+}
+
+/// Grid and block of an LL call of `items` 16-byte items: ll_threads per block, and just the
+/// blocks that have items (an item per thread), at most the LL grid's; kernels/one_shot_ll.cu
+/// keeps the call counters in step whatever the grid. A pure function of the message and of the
+/// communicator's LL grid (equal on every rank).
+pub fn ll_shape(items: u64, ll_grid: (u32, u32)) -> (u32, u32) {
+    let threads = ll_threads(items, ll_grid);
+    let blocks = items
+        .div_ceil(threads as u64)
+        .clamp(1, ll_grid.0.max(1) as u64);
+    (blocks as u32, threads)
+}
+
+/// Grid and block of a barrier kernel moving `items` (16-byte vectors, or elements): one item
+/// per thread per round, `per_thread` items per round for the unrolled kernels; the two-shot
+/// and multimem kernels cover a rank's slice (items / world); the one-shot grid stays within a
+/// quarter of the SMs (at most 32 blocks: every block reads every rank). At least one block.
+pub fn barrier_shape(kernel: Kernel, items: u64, world: usize, vec: bool, sms: u32) -> (u32, u32) {
+    let sliced = matches!(kernel, Kernel::TwoShot | Kernel::Multimem);
+    let sg = matches!(kernel, Kernel::ReduceScatter | Kernel::AllGather);
+    let per_rank = if sliced {
+        items.div_ceil(world as u64)
+    } else {
+        items
+    };
+    let cap = if sliced || sg {
+        MAX_BLOCKS as u64
+    } else {
+        (sms as u64 / 4).clamp(1, 32)
+    };
+    let per_block = THREADS as u64
+        * match kernel {
+            Kernel::TwoShot if vec => super::kernel_args::TWO_SHOT_UNROLL,
+            Kernel::ReduceScatter | Kernel::AllGather if vec => super::kernel_args::SG_UNROLL,
+            _ => 1,
+        };
+    (per_rank.div_ceil(per_block).clamp(1, cap) as u32, THREADS)
+}
+
+/// The fused barrier kernel: a block per row (grid-stride over the tokens, at most the pad's
+/// blocks), with just enough threads for a row of up to RMS_VECS vectors per thread.
+pub fn fused_barrier_shape(tokens: u64, hidden: u64) -> FusedShape {
+    FusedShape {
+        kernel: Kernel::AddRmsNorm,
+        grid: tokens.min(MAX_BLOCKS as u64) as u32,
+        threads: (hidden / 8)
+            .div_ceil(RMS_VECS)
+            .next_power_of_two()
+            .clamp(64, THREADS as u64) as u32,
+        cluster: 1,
+    }
+}
+
+/// The LL kernel's shape on a grid every rank's GPU holds at once. An LL block waits for items
+/// that the peer's blocks push, whichever block pulls them: if part of the grid waited for an SM
+/// on both ranks, the resident blocks could wait for it until the timeout (docs/DESIGN.md, "Kernels and their grids"). `shape_for(blocks)` is the shape on an LL grid of `blocks` (fused_ll_shape), and
+/// `resident(shape)` how many blocks of its kernel fit at once; a shape that does not fit is
+/// asked again on that many blocks (rows then share blocks, or clusters shrink or give way to
+/// one block per row), until one fits. Equal inputs on every rank give the same shape.
+pub fn fit_resident(
+    ll_blocks: u32,
+    mut shape_for: impl FnMut(u32) -> Option<FusedShape>,
+    mut resident: impl FnMut(&FusedShape) -> Result<u64>,
+) -> Result<Option<FusedShape>> {
+    let mut blocks = ll_blocks.max(1);
+    loop {
+        let Some(shape) = shape_for(blocks) else {
+            return Ok(None);
+        };
+        let fits = resident(&shape)?;
+        if shape.grid as u64 <= fits {
+            return Ok(Some(shape));
+        }
+        if fits == 0 || blocks == 1 {
+            return Err(Error::internal(format!(
+                "the fused kernel {} with {} threads per block does not fit this GPU's SMs",
+                shape.kernel.name(),
+                shape.threads
+            )));
+        }
+        blocks = (fits as u32).min(blocks - 1);
+    }
+}
+
+/// How the fused call's LL kernel runs: which kernel, its grid, its block and, for the cluster
+/// kernel, the blocks per cluster (1 otherwise).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FusedShape {
+    pub kernel: Kernel,
+    pub grid: u32,
+    pub threads: u32,
+    pub cluster: u32,
+}
+
+/// The rows the cluster kernel takes: more than LLC_MIN_VECS vectors (hidden > 4096) and at most
+/// LLC_MAX_VECS (hidden 16384, clusters of 8, the portable maximum). Measured on one H200 with one
+/// rank (bench/RESULTS.md, "Fused all-reduce + RMSNorm"; the exchange through st.async): at 6144 (clusters of 3)
+/// 0.10-0.21 µs faster than one block per row, at 16384 (clusters of 8) 1.6 µs faster up to 16
+/// rows; at 8192 0.10-0.12 µs faster than the cluster barrier it replaced up to 16 rows and 0.05
+/// slower at 32; at 4096 (clusters of 2) 0.2-0.3 µs slower than one block per row.
+const LLC_MIN_VECS: u64 = 512;
+const LLC_MAX_VECS: u64 = 2048;
+/// Vectors per block of the cluster kernel while the LL grid has room for ceil(vecs / LLC_SPAN)
+/// blocks per row. Rows wider than the one-vector kernel's (hidden > 6144) take fewer, wider
+/// blocks (up to RMS_LLC_THREADS vectors) when it has not: at [33-64, 8192] and [32-42, 12288]
+/// 0.4-1.4 µs faster than one four-vector block per row, and at [17-32, 16384] 1.5-1.7; at 6144
+/// and below clusters of 2 were 0.1-0.4 µs slower than the one-vector kernel.
+const LLC_SPAN: u64 = 256;
+
+/// The LL kernel's shape when the fused call takes it (x within AUTO's LL threshold `ll_max`),
+/// or `None` for the barrier kernel.
+/// - Rows of more than LLC_MIN_VECS and at most LLC_MAX_VECS vectors (4096 < hidden <= 16384),
+///   when every rank's GPU has thread-block clusters (`clusters`) and every row gets a cluster
+///   of its own within the LL grid: `AddRmsNormLLC`, each row split over C blocks of a cluster
+///   (C = ceil(vecs / LLC_SPAN), or as many as the grid holds per row for rows wider than
+///   RMS_LL1_THREADS; at least 2 and at least ceil(vecs / RMS_LLC_THREADS)), a vector per
+///   thread, so no one SM moves the row.
+/// - Otherwise a vector of the row per thread (`AddRmsNormLL1`, up to RMS_LL1_THREADS threads, in
+///   whole warps), so no thread's polls wait behind another of its own; wider rows take four
+///   vectors per thread (`AddRmsNormLL`, THREADS threads).
+/// - Grid: enough blocks to push x with `push_threads` per block (the LL all-reduce's spread) and
+///   to give every row a block (a cluster), at most the communicator's LL grid `ll_blocks`
+///   (whole clusters); more would have nothing to do.
+///
+/// Every input is equal on every rank, so every rank picks the same kernel and grid.
+pub fn fused_ll_shape(
+    tokens: u64,
+    hidden: u64,
+    push_threads: u32,
+    bytes: u64,
+    ll_max: u64,
+    ll_blocks: u32,
+    clusters: bool,
+) -> Option<FusedShape> {
+    if bytes > ll_max || tokens == 0 {
+        return None;
+    }
+    let vecs = hidden / 8;
+    let ll_blocks = ll_blocks.max(1) as u64;
+    let push_blocks = (tokens * vecs).div_ceil(push_threads.max(1) as u64);
+    // Blocks per row: ceil(vecs / LLC_SPAN); for rows too wide for the one-vector kernel, fewer
+    // (wider blocks) when the LL grid has no room for that many per row.
+    let c_span = vecs.div_ceil(LLC_SPAN);
+    let c = if vecs > RMS_LL1_THREADS {
+        c_span.min(ll_blocks / tokens)
+    } else {
+        c_span
+    };
+    if clusters
+        && vecs > LLC_MIN_VECS
+        && vecs <= LLC_MAX_VECS
+        && c >= vecs.div_ceil(RMS_LLC_THREADS).max(2)
+        && tokens * c <= ll_blocks
+    {
+        let threads = vecs.div_ceil(c).next_multiple_of(32).max(64);
+        let grid = (tokens * c)
+            .max(push_blocks)
+            .next_multiple_of(c)
+            .min(ll_blocks - ll_blocks % c);
+        return Some(FusedShape {
+            kernel: Kernel::AddRmsNormLLC,
+            grid: grid as u32,
+            threads: threads as u32,
+            cluster: c as u32,
+        });
+    }
+    let (kernel, threads) = if vecs <= RMS_LL1_THREADS {
+        (Kernel::AddRmsNormLL1, vecs.next_multiple_of(32).max(64))
+    } else {
+        (Kernel::AddRmsNormLL, THREADS as u64)
+    };
+    let grid = tokens.max(push_blocks).clamp(1, ll_blocks);
+    Some(FusedShape {
+        kernel,
+        grid: grid as u32,
+        threads: threads as u32,
+        cluster: 1,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(kernel: Kernel, grid: u32, threads: u32, cluster: u32) -> Option<FusedShape> {
+        Some(FusedShape {
+            kernel,
+            grid,
+            threads,
+            cluster,
+        })
+    }
+
+    #[test]
+    fn ll_calls_run_on_the_blocks_that_have_items() {
+        assert_eq!(ll_shape(1, (128, 512)), (1, 64));
+        assert_eq!(ll_shape(512, (128, 512)), (8, 64), "8 KiB bf16");
+        assert_eq!(ll_shape(513, (128, 512)), (9, 64));
+        assert_eq!(ll_shape(16384, (128, 512)), (128, 128), "256 KiB");
+        assert_eq!(ll_shape(1 << 20, (128, 512)), (128, 512), "grid-stride");
+        assert_eq!(ll_shape(512, (4, 512)), (4, 128), "a smaller LL grid");
+        assert_eq!(
+            ll_shape(0, (128, 512)),
+            (1, 64),
+            "an empty call still bumps the counters"
+        );
+    }
+
+    #[test]
+    fn ll_threads_spread_a_message_over_every_block() {
+        assert_eq!(ll_threads(1, (128, 512)), 64, "at least two warps");
+        assert_eq!(ll_threads(512, (128, 512)), 64);
+        assert_eq!(ll_threads(16384, (128, 512)), 128);
+        assert_eq!(ll_threads(65536, (128, 512)), 512);
+        assert_eq!(ll_threads(1 << 20, (128, 512)), 512, "capped");
+        assert_eq!(ll_threads(65536, (128, 256)), 256);
+    }
+
+    #[test]
+    fn fused_call_takes_ll_within_the_threshold_on_a_fitted_grid() {
+        let ll_max = 4 << 20;
+        let f = |tokens, hidden, push, bytes, ll_max, blocks| {
+            fused_ll_shape(tokens, hidden, push, bytes, ll_max, blocks, false)
+        };
+        // [1, 4096] bf16: 512 vectors, one per thread; pushed 64 per block (the LL all-reduce's
+        // spread), so 8 blocks, of which block 0 pulls the row and block 7 checks the
+        // call descriptors.
+        assert_eq!(
+            f(1, 4096, 64, 8192, ll_max, 128),
+            shape(Kernel::AddRmsNormLL1, 8, 512, 1)
+        );
+        // hidden 6144: 768 vectors, a block of 768 threads (the widest with a vector per
+        // thread); 12 pushing blocks.
+        assert_eq!(
+            f(1, 6144, 64, 12288, ll_max, 128),
+            shape(Kernel::AddRmsNormLL1, 12, 768, 1)
+        );
+        // hidden 8192: two vectors per thread in the four-vector kernel's 512 threads.
+        assert_eq!(
+            f(1, 8192, 64, 16384, ll_max, 128),
+            shape(Kernel::AddRmsNormLL, 16, 512, 1)
+        );
+        // hidden 16384: four vectors per thread.
+        assert_eq!(
+            f(1, 16384, 64, 32768, ll_max, 128),
+            shape(Kernel::AddRmsNormLL, 32, 512, 1)
+        );
+        // 6 rows of 4096: the push takes 48 blocks of 64 (the LL all-reduce's spread).
+        assert_eq!(
+            f(6, 4096, 64, 6 * 8192, ll_max, 128),
+            shape(Kernel::AddRmsNormLL1, 48, 512, 1)
+        );
+        // 100 short rows (hidden 256): a block per row, more than the push needs (50).
+        assert_eq!(
+            f(100, 256, 64, 100 * 512, ll_max, 128),
+            shape(Kernel::AddRmsNormLL1, 100, 64, 1)
+        );
+        // More rows than the LL grid: every block of it, rows grid-stride.
+        assert_eq!(
+            f(512, 4096, 512, 512 * 8192, ll_max, 128),
+            shape(Kernel::AddRmsNormLL1, 128, 512, 1)
+        );
+        assert_eq!(
+            f(1, 8, 64, 16, ll_max, 128),
+            shape(Kernel::AddRmsNormLL1, 1, 64, 1),
+            "at least two warps, at least one block"
+        );
+        assert_eq!(
+            f(1, 4096, 64, 8192, ll_max, 4),
+            shape(Kernel::AddRmsNormLL1, 4, 512, 1),
+            "a smaller LL grid caps the blocks"
+        );
+        assert_eq!(
+            f(512, 4096, 512, ll_max, ll_max, 128).map(|s| s.kernel),
+            Some(Kernel::AddRmsNormLL1),
+            "the edge"
+        );
+        assert_eq!(f(513, 4096, 512, ll_max + 1, ll_max, 128), None);
+        assert_eq!(f(1, 4096, 64, 8192, 0, 128), None, "LL turned off");
+    }
+
+    #[test]
+    fn rows_wider_than_4096_split_over_a_cluster_where_every_gpu_has_clusters() {
+        let ll_max = 4 << 20;
+        let f = |tokens, hidden, push, blocks, clusters| {
+            let bytes = tokens * hidden * 2;
+            fused_ll_shape(tokens, hidden, push, bytes, ll_max, blocks, clusters)
+        };
+        // [1, 8192]: 4 blocks of 256 threads per row; the push wants 16 blocks.
+        assert_eq!(
+            f(1, 8192, 64, 128, true),
+            shape(Kernel::AddRmsNormLLC, 16, 256, 4)
+        );
+        // [32, 8192]: 128 blocks, a cluster for every row.
+        assert_eq!(
+            f(32, 8192, 256, 128, true),
+            shape(Kernel::AddRmsNormLLC, 128, 256, 4)
+        );
+        // [2, 6400]: 800 vectors over 4 blocks of 200 (224 threads).
+        assert_eq!(
+            f(2, 6400, 64, 128, true),
+            shape(Kernel::AddRmsNormLLC, 28, 224, 4)
+        );
+        // 33 rows of 4 blocks would outgrow the LL grid: 3 wider blocks per row (342 vectors),
+        // then 2 (512) up to 64 rows; 65 rows take one block per row.
+        assert_eq!(
+            f(33, 8192, 256, 128, true),
+            shape(Kernel::AddRmsNormLLC, 126, 352, 3)
+        );
+        assert_eq!(
+            f(64, 8192, 256, 128, true),
+            shape(Kernel::AddRmsNormLLC, 128, 512, 2)
+        );
+        assert_eq!(
+            f(65, 8192, 256, 128, true).map(|s| s.kernel),
+            Some(Kernel::AddRmsNormLL)
+        );
+        // [1, 6144]: clusters of 3; [1, 16384]: clusters of 8 (the push wants 32 blocks).
+        assert_eq!(
+            f(1, 6144, 64, 128, true),
+            shape(Kernel::AddRmsNormLLC, 12, 256, 3)
+        );
+        assert_eq!(
+            f(1, 16384, 64, 128, true),
+            shape(Kernel::AddRmsNormLLC, 32, 256, 8)
+        );
+        // [32, 6144]: 96 blocks; the grid stays a whole number of clusters under the LL grid.
+        assert_eq!(
+            f(32, 6144, 256, 128, true),
+            shape(Kernel::AddRmsNormLLC, 96, 256, 3)
+        );
+        assert_eq!(
+            f(42, 6144, 64, 128, true),
+            shape(Kernel::AddRmsNormLLC, 126, 256, 3)
+        );
+        // 4096 is faster one block per row, and so are rows the one-vector kernel takes when
+        // the grid has no room for their clusters of 3 ([43, 6144]).
+        assert_eq!(
+            f(1, 4096, 64, 128, true),
+            shape(Kernel::AddRmsNormLL1, 8, 512, 1)
+        );
+        assert_eq!(
+            f(43, 6144, 64, 128, true),
+            shape(Kernel::AddRmsNormLL1, 128, 768, 1)
+        );
+        // [17, 16384]: clusters of 7 (293 vectors each); at 33 rows a row would need blocks
+        // wider than the kernel's 512 threads.
+        assert_eq!(
+            f(17, 16384, 256, 128, true),
+            shape(Kernel::AddRmsNormLLC, 126, 320, 7)
+        );
+        assert_eq!(
+            f(33, 16384, 256, 128, true).map(|s| s.kernel),
+            Some(Kernel::AddRmsNormLL)
+        );
+        // A GPU without clusters somewhere in the job, or an LL grid smaller than the clusters.
+        assert_eq!(
+            f(1, 8192, 64, 128, false),
+            shape(Kernel::AddRmsNormLL, 16, 512, 1)
+        );
+        assert_eq!(
+            f(1, 8192, 64, 2, true),
+            shape(Kernel::AddRmsNormLLC, 2, 512, 2)
+        );
+        assert_eq!(
+            f(1, 8192, 64, 1, true),
+            shape(Kernel::AddRmsNormLL, 1, 512, 1)
+        );
+    }
+
+    #[test]
+    fn fused_grids_fit_what_every_gpu_holds_at_once() {
+        let ll_max = 4 << 20;
+        let shape_at = |tokens: u64, hidden: u64, push: u32| {
+            move |blocks: u32| {
+                fused_ll_shape(
+                    tokens,
+                    hidden,
+                    push,
+                    tokens * hidden * 2,
+                    ll_max,
+                    blocks,
+                    true,
+                )
+            }
+        };
+        let all = |_: &FusedShape| Ok(u64::MAX);
+        // Room for everything: the shape on the whole LL grid.
+        assert_eq!(
+            fit_resident(128, shape_at(128, 8192, 256), all).unwrap(),
+            shape(Kernel::AddRmsNormLL, 128, 512, 1)
+        );
+        // One four-vector block per SM and 108 SMs (an A100): 108 blocks, rows shared.
+        let a100 = |_: &FusedShape| Ok(108);
+        assert_eq!(
+            fit_resident(128, shape_at(128, 8192, 256), a100).unwrap(),
+            shape(Kernel::AddRmsNormLL, 108, 512, 1)
+        );
+        // [32, 8192] in clusters of 4 needs 128 blocks; with room for 100, clusters of 3 (99).
+        let hundred = |_: &FusedShape| Ok(100);
+        assert_eq!(
+            fit_resident(128, shape_at(32, 8192, 256), hundred).unwrap(),
+            shape(Kernel::AddRmsNormLLC, 99, 352, 3)
+        );
+        // A shape the kernel's own rule turns down stays turned down (above the LL threshold).
+        assert_eq!(
+            fit_resident(128, |_| None, |_: &FusedShape| Ok(0)).unwrap(),
+            None
+        );
+        // A kernel that fits no SM at all is an error that names it, not a loop.
+        let err = fit_resident(128, shape_at(1, 4096, 64), |_: &FusedShape| Ok(0)).unwrap_err();
+        assert!(
+            err.to_string().contains("does not fit"),
+            "unexpected error: {err}"
+        );
+    }
+}
