@@ -1,7 +1,8 @@
 // Multimem all-reduce (sm_90+): each rank reduces its slice with one multimem.ld_reduce from
 // the multicast address (the NVSwitch sums every rank's copy, fp32 accumulation) and stores the
 // result to every rank with one multimem.st. Needs a multicast object bound to the output
-// segment; it runs only under the multicast safety rule (see DESIGN.md and src/comm/multicast.rs).
+// segment; it runs only under the multicast safety rule (README, "Multicast
+// safety rule"; src/cuda/multicast_gate.rs).
 // In place only (the multicast object covers the output). Items are 16-byte vectors; the
 // count must be a multiple of 8 bf16/fp16 elements or 4 fp32 elements.
 #pragma once

@@ -164,7 +164,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   int parity = 0;
   // The rows from the host (f.tokens), not count / hidden: the compiler put that division (a
   // 64-bit call, or some 20 dependent instructions with a reciprocal when both fit in 32 bits)
-  // ahead of the first loads, 0.15-0.25 µs per call (bench/RESULTS.md, session 10).
+  // ahead of the first loads, 0.15-0.25 µs per call (bench/RESULTS.md, "Fused all-reduce + RMSNorm").
   for (uint64_t t = blockIdx.x; ok && t < f.tokens; t += gridDim.x, parity ^= 1) {
     float r[V][N];
     float ss = 0.f;
@@ -283,7 +283,7 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   }
   // Every block's mbarriers exist before any block sends: the barrier's wait comes after the push.
   // After the call counter, not before: ahead of it this setup delayed the counter's load (0.07-0.1
-  // µs on one H200, bench/RESULTS.md, session 10).
+  // µs on one H200, bench/RESULTS.md, "Fused all-reduce + RMSNorm").
   cluster_arrive_relaxed();
   const uint32_t buf = call % SYMM_LL_BUFFERS;
   const uint64_t start = globaltimer();

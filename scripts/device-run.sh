@@ -12,7 +12,7 @@
 #   ab: this build against .device/old (scripts/stage-device.sh --old), in alternating processes,
 #       ROUNDS (default 2) of bench/fused.py (HIDDEN, TOKENS) and allreduce_c (AUTO, 8 KiB-4 MiB);
 #       WORLD=N runs N ranks (1 on one GPU: the kernels' local work alone, a filter only).
-#   shared: the multi-rank GPU tests (t_gpu_comm, t_gpu_sg) at RANKS (default "2 4") ranks on the
+#   shared: the multi-rank GPU tests (t_gpu_comm, t_gpu_sg, t_bitwise) at RANKS (default "2 4") ranks on the
 #           machine's GPUs, several ranks per GPU (SYMMALLOC_SHARED_GPU=1): the protocol at N
 #           ranks on a one-GPU machine; correctness only (the ranks' kernels time-slice).
 # Safety: NVLink multicast stays off (scripts/device-env.sh).
@@ -70,6 +70,7 @@ elif [ "${1:-tests}" = shared ]; then
     export SYMMALLOC_SHARED_GPU=1 SYMM_TEST_RANKS=$n
     T=${T:-400} TAILN=14 run gpu_comm_$n $D/t_gpu_comm --include-ignored --test-threads=1 --nocapture ${FILTER:-}
     T=${T:-300} TAILN=5 run gpu_sg_$n $D/t_gpu_sg --include-ignored --test-threads=1 --nocapture ${FILTER:-}
+    T=${T:-300} TAILN=5 run bitwise_$n $D/t_bitwise gpu_ --include-ignored --test-threads=1 --nocapture
   done
 elif [ "${1:-tests}" = gpu ]; then
   run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture

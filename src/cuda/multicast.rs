@@ -1,6 +1,6 @@
 //! NVLink multicast objects (NVSwitch, sm_90+): the raw calls behind `SYMM_ALGO_MULTIMEM`.
 //!
-//! Safety rule (DESIGN.md): creating a multicast object on a shared host that forbids it can
+//! Safety rule (README, "Multicast safety rule"): creating a multicast object on a shared host that forbids it can
 //! take the host's GPUs out of service. So every function here that touches a multicast
 //! object first asks the gate (`multicast_gate::multicast_gate_from_env`) again, whatever its
 //! caller already checked: with `NCCL_NVLS_ENABLE=0`, `TORCH_SYMM_MEM_DISABLE_MULTICAST=1` or

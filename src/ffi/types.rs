@@ -1,7 +1,8 @@
 //! C ABI types. Enumerations that C passes *in* are plain `uint32_t` typedefs with named
 //! constants, so an out-of-range value is a checked error instead of undefined behaviour in
-//! Rust; the status enum only ever flows out. Names are fixed by DESIGN.md; values and fields
-//! are only ever appended.
+//! Rust; the status enum only ever flows out. Names are fixed by the project's contract (the C
+//! ABI the README describes); values and fields are only ever appended. The checked conversions
+//! from these C values to the library's own types live here too.
 #![allow(non_camel_case_types)]
 
 use crate::comm::algo::{Algo, DType, ReduceOp};

@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-/* The v1 layout, as a program compiled in session 1 declared it. */
+/* The v1 layout, as a program compiled against the first header declared it. */
 typedef struct {
   uint64_t allocated_bytes, reserved_bytes, peak_allocated_bytes, active_blocks, segments,
       physical_creates, cache_hits, cache_misses, peer_mappings, staged_collectives;
