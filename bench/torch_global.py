@@ -1,0 +1,197 @@
+"""Global mode's host cost: symmalloc as PyTorch's allocator (CUDAPluggableAllocator +
+change_current_allocator) against PyTorch's own caching allocator and against the floor of any
+pluggable allocator (bench/bump_alloc.c: a bump pointer, a free that does nothing), one GPU.
+
+    python3 bench/torch_global.py [--pairs 10] [--steps 120] [--bump PATH] [--out DIR]
+
+Every mode runs in fresh processes (the allocator is chosen before CUDA starts), in rounds that
+alternate the modes' order; a round is one process per mode. Rows:
+  empty+del N     torch.empty(N bytes) then del, us per pair (median of 7 x 5000)
+  mixed 64        64 live tensors of mixed sizes, then all freed, us per tensor
+  side stream     an allocation on a side stream, record_stream on the main one, then del
+  train step      (default and global only) a 6-layer transformer (bench/ddp_memory.py's, world 1 DDP over gloo), bf16
+                  autocast, batch 8, sequence 64..512, AdamW: step p50 (ms) and the driver's
+                  used-memory peak (GiB)
+The table prints every round's global - floor and global - default, then the medians, and the
+targets (issue "Global mode costs nothing on the host"): global - floor <= 0.2 us per pair in
+every round; train step median within 2% of default; memory <= 0.97x default.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+SIZES = [512, 64 << 10, 1 << 20, 64 << 20]
+MODES = ["default", "global", "floor"]
+
+
+def pairs_us(torch, nbytes, reps=7, n=5000):
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(n):
+            x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            del x
+        out.append((time.perf_counter() - t) / n * 1e6)
+    return statistics.median(out)
+
+
+def mixed_us(torch, reps=50):
+    sizes = [(512 << (i % 12)) + 4096 * (i % 5) for i in range(64)]
+    out = []
+    for _ in range(7):
+        t = time.perf_counter()
+        for _ in range(reps):
+            live = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in sizes]
+            del live
+        out.append((time.perf_counter() - t) / (reps * len(sizes)) * 1e6)
+    return statistics.median(out)
+
+
+def side_stream_us(torch, reps=500):
+    side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+    out = []
+    for _ in range(7):
+        t = time.perf_counter()
+        for _ in range(reps):
+            with torch.cuda.stream(side):
+                x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+            x.record_stream(main)
+            del x
+        out.append((time.perf_counter() - t) / reps * 1e6)
+    return statistics.median(out)
+
+
+def train(torch, steps, port):
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True, dropout=0.0)
+    model = nn.parallel.DistributedDataParallel(nn.TransformerEncoder(layer, 6).cuda())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    lengths = torch.randint(64, 513, (steps,), generator=torch.Generator().manual_seed(1)).tolist()
+    gen = torch.Generator(device="cuda").manual_seed(100)
+    total = torch.cuda.mem_get_info()[1]
+    times, used, losses = [], 0, []
+    for seq in lengths:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x = torch.randn(8, seq, 1024, device="cuda", generator=gen)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = (model(x).float() - x).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        used = max(used, total - torch.cuda.mem_get_info()[0])
+    dist.destroy_process_group()
+    return statistics.median(times[10:]), used / float(1 << 30), losses[-1]
+
+
+def child(mode, bump, steps, port, core):
+    if core >= 0:  # every process on the same core: placement differs between processes otherwise
+        os.sched_setaffinity(0, {core})
+    t_start = time.perf_counter()
+    import torch
+
+    if mode.startswith("global"):
+        if mode == "global-tc0":  # the per-thread caches off (SYMMALLOC_THREAD_CACHE=0)
+            os.environ["SYMMALLOC_THREAD_CACHE"] = "0"
+        import symmalloc
+
+        symmalloc.install_global()
+    elif mode == "floor":
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(bump, "bump_malloc", "bump_free")
+        torch.cuda.memory.change_current_allocator(alloc)
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    row = {"mode": mode}
+    phases = [("start", time.perf_counter() - t_start)]
+    for n in SIZES:
+        pairs_us(torch, n, reps=1, n=500)  # warm
+        row[f"empty+del {n}"] = pairs_us(torch, n, reps=5, n=3000)
+    row["mixed 64"] = mixed_us(torch)
+    row["side stream"] = side_stream_us(torch)
+    phases.append(("micro", time.perf_counter() - t_start))
+    if steps and mode != "floor":  # the floor hands memory out again once it wraps: no training
+        row["train step ms"], row["train used GiB"], row["loss"] = train(torch, steps, port)
+    phases.append(("train", time.perf_counter() - t_start))
+    row["phases s"] = " ".join(f"{k} {v:.1f}" for k, v in phases)
+    print("ROW " + json.dumps(row), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pairs", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--bump", default=os.path.join(os.environ.get("SYMMALLOC_LIBRARY_DIR", "."), "libbump_alloc.so"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    ap.add_argument("--child")
+    ap.add_argument("--modes", default=",".join(MODES), help="default,global,floor and optionally global-tc0")
+    ap.add_argument("--port", type=int, default=29800)
+    ap.add_argument("--core", type=int, default=2, help="the core every process runs on (-1: any)")
+    a = ap.parse_args()
+    for k, v in NO_MULTICAST.items():
+        os.environ[k] = v
+    os.environ.pop("SYMMALLOC_ENABLE_MULTICAST", None)
+    if a.child:
+        return child(a.child, a.bump, a.steps, a.port, a.core)
+    os.makedirs(a.out, exist_ok=True)
+    modes = a.modes.split(",")
+    rounds = []
+    for i in range(a.pairs):
+        order = modes[i % len(modes):] + modes[:i % len(modes)]
+        got = {}
+        for j, mode in enumerate(order):
+            p = subprocess.run([sys.executable, __file__, "--child", mode, "--bump", a.bump, "--steps", str(a.steps),
+                                "--port", str(a.port + len(modes) * i + j), "--core", str(a.core)],
+                               capture_output=True, text=True, timeout=600)
+            line = next((l for l in p.stdout.splitlines() if l.startswith("ROW ")), None)
+            if line is None:
+                sys.exit(f"round {i} {mode} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+            got[mode] = json.loads(line[4:])
+        rounds.append(got)
+        json.dump(rounds, open(os.path.join(a.out, "torch_global.json"), "w"))
+        print(f"round {i}: " + "  ".join(
+            f"{m} [{' '.join(f'{got[m][k]:.2f}' for k in got[m] if k not in ('mode', 'loss', 'phases s'))}] ({got[m]['phases s']})"
+            for m in modes), flush=True)
+    import torch
+
+    keys = [k for k in rounds[0]["default"] if k not in ("mode", "loss", "phases s") and not k.startswith("train")]
+    print(f"\nGlobal mode vs PyTorch's allocator vs the pluggable floor, {torch.cuda.get_device_name(0)}, torch "
+          f"{torch.__version__}, {a.pairs} rounds of fresh processes (p50 over rounds; per-round differences)")
+    print(f"{'row':>20} | {'default':>8} {'global':>8} {'floor':>8} | {'global-floor med / max':>23} | "
+          f"{'global-default med':>18} | every round's global-floor")
+    for k in keys:
+        col = {m: [r[m][k] for r in rounds] for m in modes}
+        gf = [g - f for g, f in zip(col["global"], col["floor"])]
+        gd = [g - d for g, d in zip(col["global"], col["default"])]
+        med = {m: statistics.median(v) for m, v in col.items()}
+        extra = "".join(f"  {m} {med[m]:.2f}" for m in modes if m not in MODES)
+        print(f"{k:>20} | {med['default']:8.2f} {med['global']:8.2f} {med['floor']:8.2f} | "
+              f"{statistics.median(gf):+10.2f} / {max(gf):+10.2f} | {statistics.median(gd):+18.2f} | "
+              + " ".join(f"{x:+.2f}" for x in gf) + extra)
+    if "train step ms" in rounds[0]["default"]:
+        st = {m: statistics.median(r[m]["train step ms"] for r in rounds) for m in ("default", "global")}
+        mem = {m: statistics.median(r[m]["train used GiB"] for r in rounds) for m in ("default", "global")}
+        diffs = " ".join(f"{r['global']['train step ms'] / r['default']['train step ms']:.3f}" for r in rounds)
+        print(f"train step ms: default {st['default']:.2f}, global {st['global']:.2f}; per round global / default: {diffs}")
+        print(f"train step: global / default = {st['global'] / st['default']:.3f} (target <= 1.02); "
+              f"memory global / default = {mem['global'] / mem['default']:.3f} (target <= 0.97)")
+    worst = max(r["global"][f"empty+del {n}"] - r["floor"][f"empty+del {n}"] for r in rounds for n in SIZES)
+    print(f"empty+del: the worst round's global - floor = {worst:+.2f} us (target <= 0.2 in every round)")
+
+
+if __name__ == "__main__":
+    main()
