@@ -1,8 +1,9 @@
 //! Environment variables, read in one place: every read of the process environment by the
-//! library goes through [`var`] here, and every `SYMMALLOC_*` setting is parsed here by one of
-//! four typed parsers ([`Vars::size`], [`Vars::duration_s`], [`Vars::boolean`],
-//! [`Vars::enumeration`]). The README's "Environment" table lists the same set, with each
-//! variable's default and accepted values (`tests/config_env.rs` checks both ways).
+//! library goes through [`var`] here (one exception below: the multicast gate's wrapper), and
+//! every `SYMMALLOC_*` setting but `SYMMALLOC_UNIQUE_ID` is parsed here, by one of four typed
+//! parsers ([`Vars::size`], [`Vars::duration_s`], [`Vars::boolean`], [`Vars::enumeration`]) or,
+//! for `SYMMALLOC_LL_GRID`, by [`parse_grid`]. The README's "Environment" table lists every
+//! variable with its default and accepted values (`tests/config_env.rs` checks both ways).
 //!
 //! Rules: unset or empty (blank) means the default; any other value that is not accepted is an
 //! `SYMM_ERR_INVALID_ARGUMENT` naming the variable, the value and what is accepted, returned by
