@@ -74,11 +74,12 @@ pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<JobEnv> {
 /// id, handed out by the launcher: a secret no other process can derive) when set; otherwise
 /// derived from the job key, which keeps other jobs out but not a process that can read the
 /// job's variables (the Python `from_env` passes a fresh id through torchrun's store instead).
+/// Empty (blank) counts as unset, as for every setting (config.rs).
 pub fn unique_id(get: &dyn Fn(&str) -> Option<String>, job_key: &str) -> Result<UniqueId> {
-    match get("SYMMALLOC_UNIQUE_ID") {
+    match get("SYMMALLOC_UNIQUE_ID").filter(|v| !v.trim().is_empty()) {
         Some(v) => UniqueId::from_hex(v.trim()).map_err(|e| {
             Error::invalid(format!(
-                "environment variable SYMMALLOC_UNIQUE_ID: {}",
+                "environment variable SYMMALLOC_UNIQUE_ID={v:?} is not accepted: {}",
                 e.message
             ))
         }),
@@ -152,12 +153,17 @@ mod tests {
             unique_id(&|_| None, "torchrun:h:29500").unwrap(),
             UniqueId::from_job_key("torchrun:h:29500")
         );
+        assert_eq!(
+            unique_id(&|_| Some(" ".into()), "torchrun:h:29500").unwrap(),
+            UniqueId::from_job_key("torchrun:h:29500"),
+            "blank is unset"
+        );
         for bad in ["zz", "00", &hex[..254]] {
             let e = unique_id(&|_| Some(bad.to_string()), "k").unwrap_err();
             assert!(
-                e.message
-                    .starts_with("environment variable SYMMALLOC_UNIQUE_ID:")
-                    && e.message.contains("256 hex digits"),
+                e.message.starts_with(&format!(
+                    "environment variable SYMMALLOC_UNIQUE_ID={bad:?} is not accepted:"
+                )) && e.message.contains("256 hex digits"),
                 "{}",
                 e.message
             );

@@ -1,8 +1,51 @@
-//! Environment variables, read in one place. Each accessor documents its variable; the README's
-//! table lists the same set. Values are read when first needed (per call for the cheap ones).
+//! Environment variables, read in one place: every read of the process environment by the
+//! library goes through [`var`] here (one exception below: the multicast gate's wrapper), and
+//! every `SYMMALLOC_*` setting but `SYMMALLOC_UNIQUE_ID` is parsed here, by one of four typed
+//! parsers ([`Vars::size`], [`Vars::duration_s`], [`Vars::boolean`], [`Vars::enumeration`]) or,
+//! for `SYMMALLOC_LL_GRID`, by [`parse_grid`]. The README's "Environment" table lists every
+//! variable with its default and accepted values (`tests/config_env.rs` checks both ways).
+//!
+//! Rules: unset or empty (blank) means the default; any other value that is not accepted is an
+//! `SYMM_ERR_INVALID_ARGUMENT` naming the variable, the value and what is accepted, returned by
+//! the call that reads it (`symm_comm_init` for the communicator settings, the first allocator
+//! call for the allocator's). Never a panic, never a silent default.
+//!
+//! Readers outside this file, and why:
+//! - `comm_env.rs` parses the launcher's variables (`LOCAL_RANK`, `OMPI_COMM_WORLD_*`, ...,
+//!   and `SYMMALLOC_UNIQUE_ID`) for `symm_comm_init_from_env`, as a pure function of a lookup;
+//!   the FFI passes it [`var`].
+//! - `debug.rs` reads `SYMMALLOC_DEBUG` through [`debug_level`]. An unknown level fails the
+//!   allocator's creation like any other setting (`heap::global`); were diagnostics asked for
+//!   before that, `debug.rs` prints one warning naming the value and leaves them off.
+//! - The multicast gate (`multicast_gate` over a lookup) reads the foreign disabling variables
+//!   (`NCCL_NVLS_ENABLE`, `TORCH_SYMM_MEM_DISABLE_MULTICAST`, `NVSHMEM_DISABLE_NVLS`) with their
+//!   own conventions: disabling always wins. Its opt-in is [`Vars::enable_multicast`]; until
+//!   the gate calls that, its `_from_env` wrapper still calls `std::env::var` itself.
+//! - `build.rs` reads the build-time variables (`NVCC`, `CUDA_HOME`, `SYMMALLOC_CUDA_ARCHS`).
+//! - The demo binary (`src/bin/symmalloc-demo.rs`, not the library) passes its children
+//!   `SYMMALLOC_DEMO_COUNT` and reads it back itself.
 
+use crate::debug::Level;
 use crate::error::{Error, Result};
 use std::time::Duration;
+
+/// The one read of the process environment. A value that is not UTF-8 comes back converted
+/// lossily, so that a parser names it instead of taking it for unset.
+pub fn var(name: &str) -> Option<String> {
+    std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
+}
+
+/// A variable lookup: [`var`] for the process, a map in tests.
+pub type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+/// The settings over a lookup. `Vars::process()` reads the process environment; tests pass a
+/// map, so they need no process-global state.
+#[derive(Clone, Copy)]
+pub struct Vars<'a> {
+    get: Lookup<'a>,
+}
+
+const PROCESS: Lookup<'static> = &var;
 
 /// Which memory backend the process uses (`SYMMALLOC_BACKEND=cuda|host`, default cuda).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -11,25 +54,181 @@ pub enum BackendKind {
     Host,
 }
 
-pub fn backend_kind() -> Result<BackendKind> {
-    match std::env::var("SYMMALLOC_BACKEND").as_deref() {
-        Err(_) | Ok("") | Ok("cuda") => Ok(BackendKind::Cuda),
-        Ok("host") => Ok(BackendKind::Host),
-        Ok(other) => Err(Error::invalid(format!(
-            "SYMMALLOC_BACKEND={other:?} is not a backend; expected \"cuda\" or \"host\""
-        ))),
-    }
-}
+/// The longest `SYMMALLOC_TIMEOUT_S` accepted (about 11.6 days): far beyond any wait worth
+/// having, and far below what `Duration` or a nanosecond count in a `u64` can hold.
+pub const MAX_TIMEOUT_S: f64 = 1e6;
+/// The shortest `SYMMALLOC_TIMEOUT_S` accepted (1 ms): shorter rounds towards zero.
+pub const MIN_TIMEOUT_S: f64 = 1e-3;
+/// `SYMMALLOC_TIMEOUT_S` when unset.
+pub const DEFAULT_TIMEOUT_S: f64 = 60.0;
 
-fn parse_u64(name: &str) -> Result<Option<u64>> {
-    match std::env::var(name) {
-        Err(_) => Ok(None),
-        Ok(v) if v.trim().is_empty() => Ok(None),
-        Ok(v) => parse_size(v.trim()).map(Some).ok_or_else(|| {
-            Error::invalid(format!(
-                "{name}={v:?} is not a size; expected a number with optional K/M/G/T suffix"
-            ))
-        }),
+const SIZE_ACCEPTED: &str =
+    "a byte count with an optional K/M/G/T suffix (binary units, e.g. 4096, 64K, 2M), below 2^64";
+const BOOL_ACCEPTED: &str = "one of 0, 1, true, false, on, off";
+
+impl<'a> Vars<'a> {
+    pub fn new(get: Lookup<'a>) -> Self {
+        Vars { get }
+    }
+
+    pub fn process() -> Vars<'static> {
+        Vars { get: PROCESS }
+    }
+
+    /// The raw value, `None` when unset or blank (both mean the default).
+    fn raw(&self, name: &str) -> Option<String> {
+        (self.get)(name).filter(|v| !v.trim().is_empty())
+    }
+
+    fn bad(name: &str, value: &str, accepted: &str) -> Error {
+        Error::invalid(format!(
+            "{name}={value:?} is not accepted; expected {accepted}"
+        ))
+    }
+
+    /// A size: `Ok(None)` when unset or blank.
+    pub fn size(&self, name: &str) -> Result<Option<u64>> {
+        let Some(v) = self.raw(name) else {
+            return Ok(None);
+        };
+        parse_size(v.trim())
+            .map(Some)
+            .ok_or_else(|| Self::bad(name, &v, SIZE_ACCEPTED))
+    }
+
+    /// A duration in seconds (decimal, e.g. `60` or `2.5`): finite, within `[min, max]`.
+    pub fn duration_s(&self, name: &str, default: f64, min: f64, max: f64) -> Result<Duration> {
+        let Some(v) = self.raw(name) else {
+            return Ok(Duration::from_secs_f64(default));
+        };
+        match v.trim().parse::<f64>() {
+            Ok(s) if s.is_finite() && (min..=max).contains(&s) => Ok(Duration::from_secs_f64(s)),
+            _ => Err(Self::bad(
+                name,
+                &v,
+                &format!("a number of seconds from {min} to {max} (e.g. 60 or 2.5)"),
+            )),
+        }
+    }
+
+    /// A boolean: exactly `0/1/true/false/on/off` (any case); unset or blank is `default`.
+    pub fn boolean(&self, name: &str, default: bool) -> Result<bool> {
+        let Some(v) = self.raw(name) else {
+            return Ok(default);
+        };
+        match v.trim().to_ascii_lowercase().as_str() {
+            "1" | "true" | "on" => Ok(true),
+            "0" | "false" | "off" => Ok(false),
+            _ => Err(Self::bad(name, &v, BOOL_ACCEPTED)),
+        }
+    }
+
+    /// One of `choices` (any case); unset or blank is `default`.
+    pub fn enumeration<T: Copy>(&self, name: &str, choices: &[(&str, T)], default: T) -> Result<T> {
+        let Some(v) = self.raw(name) else {
+            return Ok(default);
+        };
+        let t = v.trim();
+        if let Some((_, c)) = choices.iter().find(|(k, _)| k.eq_ignore_ascii_case(t)) {
+            return Ok(*c);
+        }
+        let names: Vec<&str> = choices.iter().map(|(k, _)| *k).collect();
+        Err(Self::bad(
+            name,
+            &v,
+            &format!("one of {} (any case)", names.join(", ")),
+        ))
+    }
+
+    /// `SYMMALLOC_BACKEND`: `cuda` (default) or `host`.
+    pub fn backend_kind(&self) -> Result<BackendKind> {
+        self.enumeration(
+            "SYMMALLOC_BACKEND",
+            &[("cuda", BackendKind::Cuda), ("host", BackendKind::Host)],
+            BackendKind::Cuda,
+        )
+    }
+
+    /// `SYMMALLOC_HEAP_SIZE`: virtual size of each device's heap; `None` = the backend's default.
+    pub fn heap_size(&self) -> Result<Option<u64>> {
+        self.size("SYMMALLOC_HEAP_SIZE")
+    }
+
+    /// `SYMMALLOC_TIMEOUT_S`: seconds, `MIN_TIMEOUT_S..=MAX_TIMEOUT_S`, default 60.
+    pub fn timeout(&self) -> Result<Duration> {
+        self.duration_s(
+            "SYMMALLOC_TIMEOUT_S",
+            DEFAULT_TIMEOUT_S,
+            MIN_TIMEOUT_S,
+            MAX_TIMEOUT_S,
+        )
+    }
+
+    /// `SYMMALLOC_CHECK_SYMMETRY`: a boolean, default off.
+    pub fn check_symmetry(&self) -> Result<bool> {
+        self.boolean("SYMMALLOC_CHECK_SYMMETRY", false)
+    }
+
+    /// `SYMMALLOC_THREAD_CACHE`: a boolean, default on.
+    pub fn thread_cache(&self) -> Result<bool> {
+        self.boolean("SYMMALLOC_THREAD_CACHE", true)
+    }
+
+    /// `SYMMALLOC_SHARED_GPU`: a boolean, default off.
+    pub fn shared_gpu(&self) -> Result<bool> {
+        self.boolean("SYMMALLOC_SHARED_GPU", false)
+    }
+
+    /// `SYMMALLOC_ENABLE_MULTICAST`: a boolean, default off. Only the opt-in: the multicast gate
+    /// also needs every disabling variable absent, no shared GPU, and device support.
+    pub fn enable_multicast(&self) -> Result<bool> {
+        self.boolean("SYMMALLOC_ENABLE_MULTICAST", false)
+    }
+
+    /// `SYMMALLOC_DEBUG`: `OFF`/`WARN` (both off), `INFO` or `TRACE`, any case; default off.
+    pub fn debug_level(&self) -> Result<Level> {
+        self.enumeration(
+            "SYMMALLOC_DEBUG",
+            &[
+                ("OFF", Level::Off),
+                ("WARN", Level::Off),
+                ("INFO", Level::Info),
+                ("TRACE", Level::Trace),
+            ],
+            Level::Off,
+        )
+    }
+
+    /// `SYMMALLOC_LL_BYTES`: a size, a positive multiple of 1K up to `MAX_LL_BYTES`.
+    pub fn ll_bytes(&self, world: usize) -> Result<u64> {
+        const NAME: &str = "SYMMALLOC_LL_BYTES";
+        let Some(v) = self.size(NAME)? else {
+            return Ok(default_ll_bytes(world));
+        };
+        if v == 0 || v % 1024 != 0 || v > MAX_LL_BYTES {
+            return Err(Self::bad(
+                NAME,
+                &self.raw(NAME).unwrap_or_default(),
+                &format!("a positive multiple of 1K up to {MAX_LL_BYTES} (256M)"),
+            ));
+        }
+        Ok(v)
+    }
+
+    /// `SYMMALLOC_LL_GRID`: `BLOCKSxTHREADS`, default `DEFAULT_LL_GRID`.
+    pub fn ll_grid(&self) -> Result<(u32, u32)> {
+        const NAME: &str = "SYMMALLOC_LL_GRID";
+        let Some(v) = self.raw(NAME) else {
+            return Ok(DEFAULT_LL_GRID);
+        };
+        parse_grid(&v).ok_or_else(|| {
+            Self::bad(
+                NAME,
+                &v,
+                "BLOCKSxTHREADS with 1..=128 blocks and 32..=512 threads, a multiple of 32 \
+                 (e.g. 64x256)",
+            )
+        })
     }
 }
 
@@ -45,49 +244,50 @@ pub fn parse_size(s: &str) -> Option<u64> {
     num.parse::<u64>().ok()?.checked_mul(mult)
 }
 
+/// Which memory backend the process uses (`SYMMALLOC_BACKEND`).
+pub fn backend_kind() -> Result<BackendKind> {
+    Vars::process().backend_kind()
+}
+
 /// `SYMMALLOC_HEAP_SIZE`: virtual size of each device's symmetric heap. `None` = backend default.
 pub fn heap_size() -> Result<Option<u64>> {
-    parse_u64("SYMMALLOC_HEAP_SIZE")
+    Vars::process().heap_size()
 }
 
 /// `SYMMALLOC_TIMEOUT_S`: every wait on a peer (bootstrap, exchange, kernel barrier) gives up
-/// after this many seconds. Default 60.
-pub fn timeout() -> Duration {
-    let secs = std::env::var("SYMMALLOC_TIMEOUT_S")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| *s > 0.0 && s.is_finite())
-        .unwrap_or(60.0);
-    Duration::from_secs_f64(secs)
+/// after this many seconds. Default 60; from `MIN_TIMEOUT_S` to `MAX_TIMEOUT_S`.
+pub fn timeout() -> Result<Duration> {
+    Vars::process().timeout()
 }
 
 /// `SYMMALLOC_CHECK_SYMMETRY=1`: every collective compares buffer offsets and count across ranks.
-pub fn check_symmetry() -> bool {
-    flag("SYMMALLOC_CHECK_SYMMETRY")
+pub fn check_symmetry() -> Result<bool> {
+    Vars::process().check_symmetry()
 }
 
 /// `SYMMALLOC_THREAD_CACHE=0` turns off the per-thread caches in front of the heap
 /// (heap/tcache.rs); on by default.
-pub fn thread_cache() -> bool {
-    !matches!(
-        std::env::var("SYMMALLOC_THREAD_CACHE").as_deref(),
-        Ok("0") | Ok("false") | Ok("no") | Ok("off")
-    )
+pub fn thread_cache() -> Result<bool> {
+    Vars::process().thread_cache()
 }
 
 /// `SYMMALLOC_SHARED_GPU=1`: several ranks (processes) may use one GPU. For testing the
 /// collectives' protocol at N ranks on a machine with fewer GPUs: without MPS the ranks' kernels
 /// time-slice, so each wait on a peer can last a scheduler time slice (milliseconds). Correct,
 /// never fast; multicast stays off. Must match on all ranks.
-pub fn shared_gpu() -> bool {
-    flag("SYMMALLOC_SHARED_GPU")
+pub fn shared_gpu() -> Result<bool> {
+    Vars::process().shared_gpu()
 }
 
-pub fn flag(name: &str) -> bool {
-    matches!(
-        std::env::var(name).as_deref(),
-        Ok("1") | Ok("true") | Ok("yes") | Ok("on")
-    )
+/// `SYMMALLOC_ENABLE_MULTICAST=1`: the opt-in for the multimem path (the multicast gate decides;
+/// see `Vars::enable_multicast`).
+pub fn enable_multicast() -> Result<bool> {
+    Vars::process().enable_multicast()
+}
+
+/// `SYMMALLOC_DEBUG`: the diagnostics level (debug.rs).
+pub fn debug_level() -> Result<Level> {
+    Vars::process().debug_level()
 }
 
 /// Default capacity of the one-shot LL kernel's slots (`SYMMALLOC_LL_BYTES`) by world size:
@@ -106,13 +306,7 @@ pub const MAX_LL_BYTES: u64 = 256 << 20;
 /// holds 2 x world x this much device memory for it (default `default_ll_bytes`). A multiple
 /// of 1 KiB, at most 256M; must match on all ranks.
 pub fn ll_bytes(world: usize) -> Result<u64> {
-    let v = parse_u64("SYMMALLOC_LL_BYTES")?.unwrap_or(default_ll_bytes(world));
-    if v == 0 || v % 1024 != 0 || v > MAX_LL_BYTES {
-        return Err(Error::invalid(format!(
-            "SYMMALLOC_LL_BYTES={v} is not a positive multiple of 1K up to {MAX_LL_BYTES}"
-        )));
-    }
-    Ok(v)
+    Vars::process().ll_bytes(world)
 }
 
 /// Default grid of the one-shot LL kernel: blocks x the most threads per block
@@ -126,15 +320,7 @@ pub const DEFAULT_LL_GRID: (u32, u32) = (128, 512);
 /// enough, at least 64, to spread its message over the blocks); at most 128 blocks of at most
 /// 512 threads, threads a multiple of 32; must match on all ranks.
 pub fn ll_grid() -> Result<(u32, u32)> {
-    let Ok(v) = std::env::var("SYMMALLOC_LL_GRID") else {
-        return Ok(DEFAULT_LL_GRID);
-    };
-    parse_grid(&v).ok_or_else(|| {
-        Error::invalid(format!(
-            "SYMMALLOC_LL_GRID={v:?}; expected BLOCKSxTHREADS with 1..=128 blocks and 32..=512 \
-             threads, a multiple of 32 (e.g. 64x256)"
-        ))
-    })
+    Vars::process().ll_grid()
 }
 
 /// "64x256" -> (64, 256), within the LL kernel's limits.
@@ -144,14 +330,57 @@ pub fn parse_grid(v: &str) -> Option<(u32, u32)> {
     ((1..=128).contains(&b) && (32..=512).contains(&t) && t % 32 == 0).then_some((b, t))
 }
 
-/// An AUTO threshold override (`SYMMALLOC_ONE_SHOT_MAX_BYTES`), a size like the others.
+/// An AUTO threshold override (`SYMMALLOC_LL_MAX_BYTES`, `SYMMALLOC_ONE_SHOT_MAX_BYTES`), a
+/// size like the others.
 pub fn auto_threshold(name: &str) -> Result<Option<u64>> {
-    parse_u64(name)
+    Vars::process().size(name)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Status;
+    use std::collections::HashMap;
+
+    /// Reads through `f` with `name` set to `value` and nothing else.
+    fn with<T>(name: &str, value: &str, f: impl Fn(Vars<'_>) -> Result<T>) -> Result<T> {
+        let m: HashMap<String, String> = [(name.to_string(), value.to_string())].into();
+        let get = |k: &str| m.get(k).cloned();
+        f(Vars::new(&get))
+    }
+
+    fn unset<T>(f: impl Fn(Vars<'_>) -> Result<T>) -> Result<T> {
+        f(Vars::new(&|_| None))
+    }
+
+    /// A refusal names the variable, the value (quoted) and what is accepted, as invalid input.
+    fn refused<T: std::fmt::Debug>(
+        name: &str,
+        value: &str,
+        accepted: &str,
+        f: impl Fn(Vars<'_>) -> Result<T>,
+    ) {
+        let e = with(name, value, f).unwrap_err();
+        assert_eq!(e.status, Status::ErrInvalidArgument, "{}", e.message);
+        let quoted = format!("{name}={value:?}");
+        assert!(
+            e.message.contains(&quoted) && e.message.contains(accepted),
+            "{name}={value:?}: {}",
+            e.message
+        );
+    }
+
+    /// Values no setting accepts.
+    const BAD: [&str; 7] = [
+        "abc",
+        "-1",
+        "99999999999999999999999",
+        "nan",
+        "NaN",
+        "inf",
+        "-inf",
+    ];
+
     #[test]
     fn sizes_parse_with_binary_suffixes() {
         assert_eq!(parse_size("512"), Some(512));
@@ -166,5 +395,141 @@ mod tests {
             assert_eq!(parse_grid(bad), None, "{bad}");
         }
         assert_eq!(parse_size("99999999999T"), None);
+    }
+
+    #[test]
+    fn sizes_refuse_everything_else() {
+        for name in [
+            "SYMMALLOC_HEAP_SIZE",
+            "SYMMALLOC_LL_MAX_BYTES",
+            "SYMMALLOC_ONE_SHOT_MAX_BYTES",
+        ] {
+            let read = |v: Vars<'_>| v.size(name);
+            assert_eq!(unset(read).unwrap(), None);
+            assert_eq!(with(name, "", read).unwrap(), None);
+            assert_eq!(with(name, "  ", read).unwrap(), None);
+            assert_eq!(with(name, "0", read).unwrap(), Some(0));
+            assert_eq!(with(name, " 16G ", read).unwrap(), Some(16 << 30));
+            assert_eq!(with(name, "4096", read).unwrap(), Some(4096));
+            for bad in BAD.iter().chain(&["1.5G", "16GB", "0x10", "20000000T"]) {
+                refused(name, bad, "K/M/G/T suffix", read);
+            }
+        }
+        // The accessors read these names.
+        refused("SYMMALLOC_HEAP_SIZE", "abc", "suffix", |v| v.heap_size());
+    }
+
+    #[test]
+    fn the_timeout_is_finite_positive_and_bounded() {
+        let name = "SYMMALLOC_TIMEOUT_S";
+        let read = |v: Vars<'_>| v.timeout();
+        assert_eq!(unset(read).unwrap(), Duration::from_secs(60));
+        assert_eq!(with(name, "", read).unwrap(), Duration::from_secs(60));
+        assert_eq!(with(name, "3", read).unwrap(), Duration::from_secs(3));
+        assert_eq!(
+            with(name, " 2.5 ", read).unwrap(),
+            Duration::from_millis(2500)
+        );
+        assert_eq!(
+            with(name, "1e6", read).unwrap(),
+            Duration::from_secs(1_000_000)
+        );
+        assert_eq!(with(name, "0.001", read).unwrap(), Duration::from_millis(1));
+        for bad in BAD.iter().chain(&[
+            "0", "-0", "0.0001", "1000001", "1e300", "infinity", "60s", "1,5",
+        ]) {
+            refused(name, bad, "seconds from 0.001 to 1000000", read);
+        }
+    }
+
+    #[test]
+    fn booleans_are_exactly_0_1_true_false_on_off() {
+        for (name, default) in [
+            ("SYMMALLOC_CHECK_SYMMETRY", false),
+            ("SYMMALLOC_THREAD_CACHE", true),
+            ("SYMMALLOC_SHARED_GPU", false),
+            ("SYMMALLOC_ENABLE_MULTICAST", false),
+        ] {
+            let read = |v: Vars<'_>| match name {
+                "SYMMALLOC_CHECK_SYMMETRY" => v.check_symmetry(),
+                "SYMMALLOC_THREAD_CACHE" => v.thread_cache(),
+                "SYMMALLOC_SHARED_GPU" => v.shared_gpu(),
+                _ => v.enable_multicast(),
+            };
+            assert_eq!(unset(read).unwrap(), default, "{name}");
+            assert_eq!(with(name, "", read).unwrap(), default, "{name}");
+            for on in ["1", "true", "on", "TRUE", "On", " 1 "] {
+                assert!(with(name, on, read).unwrap(), "{name}={on}");
+            }
+            for off in ["0", "false", "off", "False", "OFF", "0\n"] {
+                assert!(!with(name, off, read).unwrap(), "{name}={off}");
+            }
+            for bad in BAD.iter().chain(&["yes", "no", "2", "01", "enable", "1.0"]) {
+                refused(name, bad, "0, 1, true, false, on, off", read);
+            }
+        }
+    }
+
+    #[test]
+    fn enumerations_name_their_choices() {
+        let name = "SYMMALLOC_BACKEND";
+        let read = |v: Vars<'_>| v.backend_kind();
+        assert_eq!(unset(read).unwrap(), BackendKind::Cuda);
+        assert_eq!(with(name, "", read).unwrap(), BackendKind::Cuda);
+        assert_eq!(with(name, "cuda", read).unwrap(), BackendKind::Cuda);
+        assert_eq!(with(name, "host", read).unwrap(), BackendKind::Host);
+        assert_eq!(with(name, " HOST ", read).unwrap(), BackendKind::Host);
+        for bad in BAD.iter().chain(&["gpu", "0"]) {
+            refused(name, bad, "one of cuda, host", read);
+        }
+
+        let name = "SYMMALLOC_DEBUG";
+        let read = |v: Vars<'_>| v.debug_level();
+        assert_eq!(unset(read).unwrap(), Level::Off);
+        assert_eq!(with(name, "", read).unwrap(), Level::Off);
+        assert_eq!(with(name, "warn", read).unwrap(), Level::Off);
+        assert_eq!(with(name, "OFF", read).unwrap(), Level::Off);
+        assert_eq!(with(name, "Info", read).unwrap(), Level::Info);
+        assert_eq!(with(name, " TRACE ", read).unwrap(), Level::Trace);
+        for bad in BAD.iter().chain(&["LOUD", "1", "DEBUG"]) {
+            refused(name, bad, "one of OFF, WARN, INFO, TRACE", read);
+        }
+    }
+
+    #[test]
+    fn the_ll_settings_refuse_what_the_kernel_cannot_take() {
+        let name = "SYMMALLOC_LL_BYTES";
+        let read = |v: Vars<'_>| v.ll_bytes(2);
+        assert_eq!(unset(read).unwrap(), 4 << 20);
+        assert_eq!(with(name, "", read).unwrap(), 4 << 20);
+        assert_eq!(unset(|v| v.ll_bytes(8)).unwrap(), 256 << 10);
+        assert_eq!(with(name, "64K", read).unwrap(), 64 << 10);
+        assert_eq!(with(name, "256M", read).unwrap(), 256 << 20);
+        for bad in BAD {
+            refused(name, bad, "K/M/G/T suffix", read);
+        }
+        for bad in ["0", "1000", "512M", "1T"] {
+            refused(name, bad, "a positive multiple of 1K up to", read);
+        }
+
+        let name = "SYMMALLOC_LL_GRID";
+        let read = |v: Vars<'_>| v.ll_grid();
+        assert_eq!(unset(read).unwrap(), DEFAULT_LL_GRID);
+        assert_eq!(with(name, "", read).unwrap(), DEFAULT_LL_GRID);
+        assert_eq!(with(name, "64x256", read).unwrap(), (64, 256));
+        for bad in BAD.iter().chain(&["64", "0x256", "-1x32", "64x1024"]) {
+            refused(name, bad, "BLOCKSxTHREADS", read);
+        }
+    }
+
+    #[test]
+    fn a_value_that_is_not_utf8_is_named_not_taken_for_unset() {
+        let get = |_: &str| Some(String::from_utf8_lossy(b"\xff1").into_owned());
+        let e = Vars::new(&get).thread_cache().unwrap_err();
+        assert!(
+            e.message.contains("SYMMALLOC_THREAD_CACHE=\"\u{fffd}1\""),
+            "{}",
+            e.message
+        );
     }
 }

@@ -6,8 +6,11 @@
 //!
 //! Invariants: off by default, and free when off: the `info!`/`trace!` macros test the level (one
 //! relaxed atomic load once the variable has been read) before formatting anything. The
-//! variable is read once per process; an unknown value prints one warning naming it and leaves
-//! diagnostics off.
+//! variable is read once per process, through `config::debug_level` (the levels: `OFF` and
+//! `WARN` are off, `INFO`, `TRACE`, any case). An unknown value fails the allocator's creation
+//! (`heap::global`, so the first allocator call or `symm_comm_init`) with
+//! `SYMM_ERR_INVALID_ARGUMENT` naming it; should diagnostics be asked for before that, one
+//! warning names it and they stay off.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -21,21 +24,6 @@ pub enum Level {
 const UNREAD: u8 = u8::MAX;
 static LEVEL: AtomicU8 = AtomicU8::new(UNREAD);
 
-/// The level a `SYMMALLOC_DEBUG` value asks for (case-insensitive; `WARN` and `OFF` are off, as
-/// symmalloc reports every error through its return values).
-pub fn parse(value: Option<&str>) -> std::result::Result<Level, String> {
-    match value.map(|v| v.trim().to_ascii_uppercase()).as_deref() {
-        None | Some("") | Some("OFF") | Some("WARN") => Ok(Level::Off),
-        Some("INFO") => Ok(Level::Info),
-        Some("TRACE") => Ok(Level::Trace),
-        Some(_) => Err(format!(
-            "SYMMALLOC_DEBUG={:?} is not a level; expected OFF, WARN, INFO or TRACE \
-             (diagnostics stay off)",
-            value.unwrap_or_default()
-        )),
-    }
-}
-
 /// Whether messages of `level` are printed.
 #[inline]
 pub fn enabled(level: Level) -> bool {
@@ -46,9 +34,15 @@ pub fn enabled(level: Level) -> bool {
 
 #[cold]
 fn read_env() -> u8 {
-    let value = std::env::var("SYMMALLOC_DEBUG").ok();
-    let level = parse(value.as_deref()).unwrap_or_else(|why| {
-        eprintln!("symmalloc:{} WARN {why}", std::process::id());
+    // config.rs parses the value; an unknown one also fails the allocator's creation
+    // (heap::global), so this warning only shows where diagnostics are asked for first.
+    let value = crate::config::var("SYMMALLOC_DEBUG");
+    let level = crate::config::debug_level().unwrap_or_else(|why| {
+        eprintln!(
+            "symmalloc:{} WARN {} (diagnostics stay off)",
+            std::process::id(),
+            why.message
+        );
         Level::Off
     });
     // Only the first reader announces the version (the variable is read once per process).
@@ -97,21 +91,4 @@ macro_rules! trace {
             $crate::debug::emit($crate::debug::Level::Trace, format_args!($($arg)*));
         }
     };
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn levels_parse_case_insensitively_and_unknown_ones_are_named() {
-        assert_eq!(parse(None), Ok(Level::Off));
-        assert_eq!(parse(Some("")), Ok(Level::Off));
-        assert_eq!(parse(Some("warn")), Ok(Level::Off));
-        assert_eq!(parse(Some("Info")), Ok(Level::Info));
-        assert_eq!(parse(Some(" TRACE ")), Ok(Level::Trace));
-        let e = parse(Some("LOUD")).unwrap_err();
-        assert!(e.contains("\"LOUD\"") && e.contains("INFO or TRACE"), "{e}");
-        assert!(Level::Trace > Level::Info && Level::Info > Level::Off);
-    }
 }

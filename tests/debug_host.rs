@@ -1,6 +1,6 @@
 //! SYMMALLOC_DEBUG on the host backend, two processes: INFO names the version, the heap, the
 //! communicator, AUTO's choice per new size (once) and the segment exchanges; TRACE adds every
-//! call; off prints nothing; an unknown level is named once and leaves diagnostics off.
+//! call; off prints nothing; an unknown level fails the first call, named.
 
 mod common;
 use common::*;
@@ -9,6 +9,22 @@ use symmalloc::ffi::types::*;
 use symmalloc::ffi::*;
 
 fn calls_rank(c: Child) {
+    if c.arg == "refused" {
+        // An unknown level fails the first call (the allocator's creation), named.
+        let (st, comm) = try_init(&c);
+        assert_eq!(st, symm_status_t::SYMM_ERR_INVALID_ARGUMENT, "{}", err());
+        assert!(comm.is_null());
+        let e = err();
+        assert!(
+            e.contains(
+                "SYMMALLOC_DEBUG=\"LOUD\" is not accepted; expected one of OFF, WARN, INFO, TRACE"
+            ),
+            "{e}"
+        );
+        assert!(symm_malloc(64, c.rank, null_mut()).is_null());
+        assert!(err().contains("SYMMALLOC_DEBUG=\"LOUD\""), "{}", err());
+        return;
+    }
     let comm = init(&c);
     for (n, algo) in [
         (1000usize, SYMM_ALGO_AUTO),
@@ -104,8 +120,11 @@ fn diagnostics_follow_symmalloc_debug() {
     for lines in diagnostics("") {
         assert!(lines.is_empty(), "off by default: {lines:?}");
     }
-    for lines in diagnostics("LOUD") {
-        assert_eq!(lines.len(), 1, "{lines:?}");
-        assert!(lines[0].contains("WARN SYMMALLOC_DEBUG=\"LOUD\" is not a level"));
-    }
+    let outs = run_ranks(
+        "diagnostics_follow_symmalloc_debug",
+        2,
+        &[HOST, ("SYMMALLOC_DEBUG", "LOUD")],
+        "refused",
+    );
+    assert_all_ok(&outs);
 }

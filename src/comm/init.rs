@@ -84,12 +84,12 @@ impl Communicator {
         alloc: &'static Allocator,
         host: bool,
     ) -> Result<Box<Communicator>> {
-        let timeout = config::timeout();
+        let timeout = config::timeout()?;
         let ll_slot = config::ll_bytes(world)?;
         let ll_grid = config::ll_grid()?;
         let auto = algo::AutoThresholds::from_env(world, ll_slot)?;
-        let check_symmetry = config::check_symmetry();
-        let shared_gpu = config::shared_gpu();
+        let check_symmetry = config::check_symmetry()?;
+        let shared_gpu = config::shared_gpu()?;
         let sms = if host {
             1
         } else {

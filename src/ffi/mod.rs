@@ -273,7 +273,7 @@ pub extern "C" fn symm_comm_init_from_env(comm: *mut *mut symm_comm_t) -> symm_s
         }
         // SAFETY: comm is non-NULL.
         unsafe { comm.write(std::ptr::null_mut()) };
-        let get = |k: &str| std::env::var(k).ok();
+        let get = crate::config::var;
         let env = crate::comm_env::from_env(&get)?;
         let uid = crate::comm_env::unique_id(&get, &env.job_key)?;
         register(

@@ -77,6 +77,7 @@ static GLOBAL: OnceLock<std::result::Result<Allocator, Error>> = OnceLock::new()
 pub fn global() -> Result<&'static Allocator> {
     GLOBAL
         .get_or_init(|| {
+            config::debug_level()?; // an unknown SYMMALLOC_DEBUG fails here, named
             let backend: Box<dyn Backend> = match config::backend_kind()? {
                 BackendKind::Cuda => Box::new(cuda_backend::CudaBackend::new()?),
                 BackendKind::Host => Box::new(host_backend::HostBackend),
@@ -95,7 +96,7 @@ impl Allocator {
             heaps: (0..n).map(|_| OnceLock::new()).collect(),
             init_lock: Mutex::new(()),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            thread_caches: config::thread_cache(),
+            thread_caches: config::thread_cache()?,
             caches: Mutex::new(Default::default()),
             releasing: (0..n).map(|_| AtomicBool::new(false)).collect(),
         })

@@ -160,7 +160,7 @@ pub fn gpu_world(test: &str) -> i32 {
 /// A GPU test's loop count: `full`, or a tenth of it (at least 10) when ranks share a GPU
 /// (`SYMMALLOC_SHARED_GPU`: each call then waits for the other ranks' time slices).
 pub fn reps(full: u64) -> u64 {
-    if symmalloc::config::shared_gpu() {
+    if symmalloc::config::shared_gpu().unwrap() {
         (full / 10).max(10)
     } else {
         full
