@@ -1,5 +1,5 @@
 //! Environment variables, read in one place: every read of the process environment by the
-//! library goes through [`var`] here (one exception below: the multicast gate's wrapper), and
+//! library goes through [`var`] here, and
 //! every `SYMMALLOC_*` setting but `SYMMALLOC_UNIQUE_ID` is parsed here, by one of four typed
 //! parsers ([`Vars::size`], [`Vars::duration_s`], [`Vars::boolean`], [`Vars::enumeration`]) or,
 //! for `SYMMALLOC_LL_GRID`, by [`parse_grid`]. The README's "Environment" table lists every
@@ -17,10 +17,11 @@
 //! - `debug.rs` reads `SYMMALLOC_DEBUG` through [`debug_level`]. An unknown level fails the
 //!   allocator's creation like any other setting (`heap::global`); were diagnostics asked for
 //!   before that, `debug.rs` prints one warning naming the value and leaves them off.
-//! - The multicast gate (`multicast_gate` over a lookup) reads the foreign disabling variables
-//!   (`NCCL_NVLS_ENABLE`, `TORCH_SYMM_MEM_DISABLE_MULTICAST`, `NVSHMEM_DISABLE_NVLS`) with their
-//!   own conventions: disabling always wins. Its opt-in is [`Vars::enable_multicast`]; until
-//!   the gate calls that, its `_from_env` wrapper still calls `std::env::var` itself.
+//! - The multicast gate (`cuda/multicast_gate.rs`, over a lookup; [`var`] in the process)
+//!   reads the foreign disabling variables (`NCCL_NVLS_ENABLE`,
+//!   `TORCH_SYMM_MEM_DISABLE_MULTICAST`, `NVSHMEM_DISABLE_NVLS`) with their own conventions:
+//!   disabling always wins. It checks its opt-in with [`Vars::enable_multicast`] (garbage is
+//!   refused by name) and turns multicast on only for exactly `1`.
 //! - `build.rs` reads the build-time variables (`NVCC`, `CUDA_HOME`, `SYMMALLOC_CUDA_ARCHS`).
 //! - The demo binary (`src/bin/symmalloc-demo.rs`, not the library) passes its children
 //!   `SYMMALLOC_DEMO_COUNT` and reads it back itself.

@@ -306,7 +306,7 @@ fn the_readme_table_lists_every_variable_with_its_default_and_accepted_values() 
 }
 
 /// Every `SYMMALLOC_*` setting the library itself reads is read in config.rs (comm_env.rs reads
-/// the launcher's, and the multicast gate its own: config.rs's header names them).
+/// the launcher's through config::var: config.rs's header says so).
 #[test]
 fn settings_are_read_in_config_rs() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -328,8 +328,8 @@ fn settings_are_read_in_config_rs() {
             "{name} is not read in config.rs"
         );
     }
-    // No other file of the library reads the process environment itself, except the multicast
-    // gate's wrapper (named in config.rs's header) and the demo binary.
+    // No other file of the library reads the process environment itself, except the demo
+    // binary (named in config.rs's header).
     let mut offenders = Vec::new();
     let mut stack = vec![root.join("src")];
     while let Some(dir) = stack.pop() {
@@ -340,10 +340,7 @@ fn settings_are_read_in_config_rs() {
                 continue;
             }
             let rel = p.strip_prefix(root).unwrap().to_string_lossy().into_owned();
-            if rel == "src/config.rs"
-                || rel.starts_with("src/bin/")
-                || rel.ends_with("multicast.rs")
-            {
+            if rel == "src/config.rs" || rel.starts_with("src/bin/") {
                 continue;
             }
             let text = std::fs::read_to_string(&p).unwrap();

@@ -24,10 +24,13 @@ pub fn multicast_gate(
             ));
         }
     }
-    if env("SYMMALLOC_SHARED_GPU").is_some_and(|x| matches!(x.trim(), "1" | "true" | "yes" | "on"))
-    {
+    let vars = crate::config::Vars::new(env);
+    // A value that is not a boolean counts as sharing: it keeps multicast off.
+    if vars.shared_gpu().unwrap_or(true) {
         return Err("multicast is off while ranks share a GPU (SYMMALLOC_SHARED_GPU)".into());
     }
+    // Only the opt-in `1` turns it on; any other value keeps it off, and garbage is named.
+    vars.enable_multicast().map_err(|e| e.message)?;
     if !is("SYMMALLOC_ENABLE_MULTICAST", "1") {
         return Err(
             "multicast is off by default; set SYMMALLOC_ENABLE_MULTICAST=1 to opt in \
@@ -45,7 +48,7 @@ pub fn multicast_gate(
 
 /// The gate over the real process environment.
 pub fn multicast_gate_from_env(device_supports: bool) -> Result<(), String> {
-    multicast_gate(&|k| std::env::var(k).ok(), device_supports)
+    multicast_gate(&crate::config::var, device_supports)
 }
 
 #[cfg(test)]
@@ -99,10 +102,31 @@ mod tests {
         .is_ok());
     }
 
+    #[test]
+    fn only_the_opt_in_one_enables_and_garbage_is_named() {
+        for v in ["0", "false", "off", "true", "on"] {
+            assert!(
+                gate(&[("SYMMALLOC_ENABLE_MULTICAST", v)], true).is_err(),
+                "{v}"
+            );
+        }
+        let e = gate(&[("SYMMALLOC_ENABLE_MULTICAST", "maybe")], true).unwrap_err();
+        assert!(e.contains("SYMMALLOC_ENABLE_MULTICAST=\"maybe\""), "{e}");
+        let e = gate(
+            &[
+                ("SYMMALLOC_ENABLE_MULTICAST", "1"),
+                ("SYMMALLOC_SHARED_GPU", "garbage"),
+            ],
+            true,
+        )
+        .unwrap_err();
+        assert!(e.contains("share a GPU"), "{e}");
+    }
+
     /// The lent GPU machines set all three disabling variables; on them the gate must refuse.
     #[test]
     fn refuses_on_this_machine_when_disabled() {
-        if std::env::var("NCCL_NVLS_ENABLE").as_deref() == Ok("0") {
+        if crate::config::var("NCCL_NVLS_ENABLE").as_deref() == Some("0") {
             assert!(multicast_gate_from_env(true).is_err());
         }
     }
