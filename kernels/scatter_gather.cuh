@@ -11,8 +11,11 @@
 // call); the closing barrier's release publishes the stores before any rank returns. An input
 // at output + r * count (in place) is copied onto itself, and nobody else writes there.
 //
-// Items are 16-byte vectors when every pointer and slice is 16-byte aligned (the launch
-// decides), single elements otherwise. Small reduce-scatters take the LL kernel below instead.
+// Items are 16-byte vectors when every buffer peers share is 16-byte aligned and the slice is
+// whole vectors (the plan decides, from values equal on every rank: every rank's input for
+// reduce-scatter, every rank's output for all-gather), single elements otherwise. The buffer
+// only this rank touches (reduce-scatter's output, all-gather's input) may still be unaligned:
+// it is then written or read element by element, so ranks never pick different kernels. Small reduce-scatters take the LL kernel below instead.
 #pragma once
 #include "common.cuh"
 #include "ll.cuh"
@@ -25,6 +28,7 @@ __device__ __forceinline__ void reduce_scatter_body(const SymmArgs& a) {
   if (!barrier_open(a, e, ok)) return;  // aborted: touch no peer memory
   const uint64_t items = a.count / P::N;  // this rank's slice
   const uint64_t begin = items * a.rank;
+  const bool own_aligned = (a.out[a.rank] & 15) == 0;  // rank-local: not part of VEC
   const uint64_t end = begin + items;
   constexpr int U = VEC ? SYMM_SG_UNROLL : 1;
   const uint64_t span = (uint64_t)gridDim.x * blockDim.x * U;
@@ -36,7 +40,14 @@ __device__ __forceinline__ void reduce_scatter_body(const SymmArgs& a) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const uint64_t i = i0 + (uint64_t)u * blockDim.x;
-        if (i < end) ((typename P::Storage*)a.out[a.rank])[i - begin] = pack<T, VEC>(acc[u]);
+        if (i >= end) continue;
+        if (!VEC || own_aligned) {
+          ((typename P::Storage*)a.out[a.rank])[i - begin] = pack<T, VEC>(acc[u]);
+        } else {  // this rank's output only is not 16-byte aligned: element by element
+          T* o = (T*)a.out[a.rank] + (i - begin) * P::N;
+#pragma unroll
+          for (int k = 0; k < P::N; ++k) o[k] = from_f32<T>(acc[u][k]);
+        }
       }
     }
   }
@@ -51,6 +62,7 @@ __device__ __forceinline__ void all_gather_body(const SymmArgs& a) {
   if (!barrier_open(a, e, ok)) return;  // aborted: touch no peer memory
   const uint64_t items = a.count / Pack<T, VEC>::N;
   const uint64_t at = items * a.rank;
+  const bool own_aligned = (a.in[a.rank] & 15) == 0;  // rank-local: not part of VEC
   constexpr int U = VEC ? SYMM_SG_UNROLL : 1;
   if (ok) {
     for (uint64_t i0 = (uint64_t)blockIdx.x * blockDim.x * U + threadIdx.x; i0 < items;
@@ -59,7 +71,14 @@ __device__ __forceinline__ void all_gather_body(const SymmArgs& a) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {  // U loads in flight before the stores
         const uint64_t i = i0 + (uint64_t)u * blockDim.x;
-        if (i < items) v[u] = ((const S*)a.in[a.rank])[i];
+        if (i >= items) continue;
+        if (!VEC || own_aligned) {
+          v[u] = ((const S*)a.in[a.rank])[i];
+        } else {  // this rank's input only is not 16-byte aligned: element by element
+          T* e = (T*)&v[u];
+#pragma unroll
+          for (int k = 0; k < Pack<T, VEC>::N; ++k) e[k] = ((const T*)a.in[a.rank])[i * Pack<T, VEC>::N + k];
+        }
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {

@@ -4,12 +4,18 @@
 //!
 //! Each rank reduces the same elements (fresh random data, never zeros) with every all-reduce
 //! algorithm (AUTO, one-shot, two-shot, one-shot LL), alone and at an offset inside a call four
-//! times larger, in place and out of place, and checks that every result has the same bits;
-//! the fused all-reduce + residual + RMSNorm computes the same row alone, inside 8 rows and
-//! inside 64 rows (its LL, cluster and barrier kernels on a GPU), and checks the row's `out`
-//! and `residual` bits agree. Each rank prints a hash of its bits; the parent checks every
-//! rank printed the same. The host backend runs on CI at 2 and 3 ranks; the GPU test
-//! (`--include-ignored`) on every GPU, or at `SYMM_TEST_RANKS=N` ranks sharing them.
+//! times larger, in place and out of place, and checks that every result has the same bits.
+//! The fused all-reduce + residual + RMSNorm computes the same row alone, inside 8 rows and
+//! inside 64 rows; every rank must get the same bits for all three (hashed). Whether the row's
+//! bits are also the same across the three calls depends on the kernel each call takes: the
+//! host backend sums a row in one order whatever the call (asserted, on CI); on a GPU the LL,
+//! cluster and barrier kernels split a row's sum of squares differently (blocks, clusters of
+//! 2-8), so a row may differ in its last bits between calls that take different kernels
+//! (measured: fp16 [64, 8192] against [1, 8192] at 2 ranks, clusters of 2 against 4). The GPU
+//! test reports those rows and does not assert them (docs/DESIGN.md, "Determinism", states
+//! the limit). Each rank prints a hash of its bits; the parent checks every rank printed the
+//! same. The host backend runs on CI at 2 and 3 ranks; the GPU test (`--include-ignored`) on
+//! every GPU, or at `SYMM_TEST_RANKS=N` ranks sharing them.
 
 mod common;
 use common::*;
@@ -142,6 +148,10 @@ fn fused_row(
     bits
 }
 
+fn differing(a: &[u8], b: &[u8]) -> usize {
+    a.iter().zip(b).filter(|(x, y)| x != y).count()
+}
+
 fn bitwise_rank(c: Child) {
     let comm = init(&c);
     let seed: u64 = c.arg.parse().unwrap();
@@ -178,12 +188,18 @@ fn bitwise_rank(c: Child) {
             let one = fused_row(&c, comm, seed, 1, 0, hidden, dtype);
             for (tokens, row) in [(8, 5), (64, 37)] {
                 let got = fused_row(&c, comm, seed, tokens, row, hidden, dtype);
-                assert!(
-                    got == one,
-                    "rank {}: fused dtype {dtype} hidden {hidden}: row {row} of {tokens} differs \
-                     from the row alone",
-                    c.rank
-                );
+                if got != one {
+                    let what = format!(
+                        "rank {}: fused dtype {dtype} hidden {hidden}: row {row} of {tokens} \
+                         differs from the row alone",
+                        c.rank
+                    );
+                    // The host backend sums a row in one order whatever the call; GPU kernels
+                    // of different shapes do not (the module header).
+                    assert!(!on_host(), "{what}");
+                    println!("{what} ({} of {} bytes)", differing(&got, &one), got.len());
+                }
+                all.extend(got);
             }
             all.extend(one);
         }

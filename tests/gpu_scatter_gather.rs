@@ -17,6 +17,7 @@ enum Layout {
     Apart,
     Same,
     Staged,
+    OwnOdd,
 }
 
 /// Rank r's slice of the collective's result, as every rank computes it from the seeds.
@@ -55,6 +56,11 @@ fn run_case(
         (Layout::Same, false) => (heap, heap + slot),
         (Layout::Same, true) => (heap + slot, heap),
         (Layout::Staged, _) => (outside, other),
+        // The buffer only this rank touches one element off 16-byte alignment on odd ranks:
+        // ranks must still pick one kernel (the shared buffer decides), or they would wait for
+        // each other until the timeout.
+        (Layout::OwnOdd, false) => (heap, other + (rank % 2 * es) as u64),
+        (Layout::OwnOdd, true) => (other + (rank % 2 * es) as u64, heap),
     };
     let (send_n, recv_n) = if gather {
         (n, world * n)
@@ -110,7 +116,7 @@ fn sweep_rank(c: Child) {
     for &n in &[1usize, 7, 8, 9, 1031, 4096, 65_537, (1 << 20) + 3, 1 << 20] {
         for dtype in [SYMM_BF16, SYMM_FP16, SYMM_FP32] {
             for op in [SYMM_SUM, SYMM_MAX, SYMM_MIN, GATHER] {
-                for layout in [Layout::Apart, Layout::Same, Layout::Staged] {
+                for layout in [Layout::Apart, Layout::Same, Layout::Staged, Layout::OwnOdd] {
                     if n > 65_537 && (layout != Layout::Apart || (op != SYMM_SUM && op != GATHER)) {
                         continue; // the large counts: the two main shapes, not every variant
                     }

@@ -119,7 +119,14 @@ impl Communicator {
             width,
         };
         self.exchange(&p.segs, desc, self.check_symmetry)?;
-        let vec = algo::vectors(kernel, &[desc.send_off, recv_off], ext.slice);
+        // Only offsets every rank shares decide (a rank-local one would let ranks pick
+        // different kernels): reduce-scatter's input, all-gather's output, both otherwise.
+        let shared: &[u64] = match call.coll {
+            Coll::ReduceScatter => &[desc.send_off],
+            Coll::AllGather => &[desc.recv_off],
+            _ => &[desc.send_off, recv_off],
+        };
+        let vec = algo::vectors(kernel, shared, ext.slice);
         let (grid, threads, cluster) = if self.host {
             (0, 0, 1)
         } else if let Some(s) = fused {
