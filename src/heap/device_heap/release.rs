@@ -2,8 +2,15 @@
 //! returned to the backend (`empty_cache`), and pools released (now for their free segments,
 //! at the last free for the others).
 //!
+//! What `empty_cache` gives back: every free segment of the default pool, of the internal pool
+//! and of pools being released (their peers unmap theirs through the release log). A live user
+//! pool keeps its free segments, as in PyTorch: a captured graph replays into its pool's free
+//! blocks, and a MemPool keeps what it holds until `release_pool`.
+//!
 //! Invariants kept: a segment with live or parked blocks is never released; a pool being
-//! released has no parked blocks, and `releasing_pools` counts the pools being released.
+//! released has no parked blocks, and `releasing_pools` counts the pools being released; the
+//! device is never waited for from a capturing stream (the wait would break the capture; the
+//! segment stays cached instead).
 
 use super::placement::segment_size;
 use super::*;
@@ -58,7 +65,16 @@ impl DeviceHeap {
     /// may still be in use by work queued on their streams; `cuMemUnmap` and `cuMemRelease` do
     /// not wait for it). While a capture makes that wait impossible, the segment stays cached
     /// and goes at a later `empty_cache`.
-    pub(super) fn release_segment(&mut self, backend: &dyn Backend, seg: u64) -> Result<()> {
+    pub(super) fn release_segment(
+        &mut self,
+        backend: &dyn Backend,
+        seg: u64,
+        stream: Stream,
+    ) -> Result<()> {
+        // Never from a capturing stream: cuCtxSynchronize there invalidates the capture.
+        if backend.is_capturing(self.device, stream).unwrap_or(true) {
+            return Ok(());
+        }
         if self.wait_for_device(backend) {
             self.release_now(backend, seg)?;
         }
@@ -116,7 +132,13 @@ impl DeviceHeap {
         let idle: Vec<u64> = self
             .segments
             .iter()
-            .filter(|(_, s)| s.live == 0 && pool.is_none_or(|p| s.pool == p))
+            .filter(|(_, s)| {
+                s.live == 0
+                    && match pool {
+                        Some(p) => s.pool == p,
+                        None => self.is_cache_pool(s.pool),
+                    }
+            })
             .map(|(&o, _)| o)
             .collect();
         if !idle.is_empty() && self.wait_for_device(backend) {
@@ -175,9 +197,26 @@ impl DeviceHeap {
         Ok(())
     }
 
-    /// Returns every segment without live blocks to the backend.
+    /// Whether `pool`'s free segments are the cache's to give back (the module header): the
+    /// default and internal pools and pools being released, not live user pools.
+    pub(super) fn is_cache_pool(&self, pool: PoolId) -> bool {
+        pool == DEFAULT_POOL
+            || pool == INTERNAL_POOL
+            || self.pools.get(&pool).is_some_and(|p| p.releasing)
+    }
+
+    /// Returns every free segment of the default and internal pools and of pools being
+    /// released to the backend (live user pools keep theirs: the module header says why).
     pub fn empty_cache(&mut self, backend: &dyn Backend) -> Result<()> {
-        self.drain_parked(None, |_| true);
+        let cached: Vec<PoolId> = self
+            .pools
+            .keys()
+            .copied()
+            .filter(|&p| self.is_cache_pool(p))
+            .collect();
+        for p in cached {
+            self.drain_parked(Some(p), |_| true);
+        }
         self.release_free_segments(backend, None)
     }
 
