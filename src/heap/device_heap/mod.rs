@@ -382,7 +382,7 @@ impl DeviceHeap {
         let merged = self.merge_neighbours(off);
         self.list_free(merged);
         if seg_live == 0 && self.pools.get(&pool).is_some_and(|p| p.releasing) {
-            self.release_segment(backend, seg, stream)?;
+            self.release_segment(backend, seg)?;
         }
         Ok(())
     }

@@ -65,24 +65,42 @@ impl DeviceHeap {
     /// may still be in use by work queued on their streams; `cuMemUnmap` and `cuMemRelease` do
     /// not wait for it). While a capture makes that wait impossible, the segment stays cached
     /// and goes at a later `empty_cache`.
-    pub(super) fn release_segment(
-        &mut self,
-        backend: &dyn Backend,
-        seg: u64,
-        stream: Stream,
-    ) -> Result<()> {
-        // Never from a capturing stream: cuCtxSynchronize there invalidates the capture.
-        if backend.is_capturing(self.device, stream).unwrap_or(true) {
-            return Ok(());
-        }
+    pub(super) fn release_segment(&mut self, backend: &dyn Backend, seg: u64) -> Result<()> {
         if self.wait_for_device(backend) {
             self.release_now(backend, seg)?;
         }
         Ok(())
     }
 
-    /// Waits for all work queued on the device; false (and segments stay) while it cannot.
+    /// Whether a stream that uses this heap's memory is being captured (or cannot be asked).
+    /// Every stream a block waits on or was last used by is asked once: a capture that has
+    /// allocated or freed anything here is seen (one that has not touched the heap yet is not).
+    /// Read only where the heap is about to wait for the device, never on the fast paths.
+    fn capture_underway(&self, backend: &dyn Backend) -> bool {
+        let mut streams: Vec<Stream> = Vec::new();
+        for b in self.blocks.values() {
+            for &s in &b.streams {
+                if !streams.contains(&s) {
+                    streams.push(s);
+                }
+            }
+        }
+        streams
+            .into_iter()
+            .any(|s| backend.is_capturing(self.device, s).unwrap_or(true))
+    }
+
+    /// Waits for all work queued on the device; false (and segments stay) while it cannot, or
+    /// while a stream that uses the heap is being captured (cuCtxSynchronize during a capture
+    /// in CUDA's global mode invalidates that capture).
     fn wait_for_device(&self, backend: &dyn Backend) -> bool {
+        if self.capture_underway(backend) {
+            crate::info!(
+                "device {}: segments kept: a stream is being captured",
+                self.device
+            );
+            return false;
+        }
         match backend.synchronize(self.device) {
             Ok(()) => true,
             Err(e) => {
