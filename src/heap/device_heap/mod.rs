@@ -18,10 +18,23 @@
 //!   and segments;
 //! - a pool being released has no parked blocks; `releasing_pools` counts the pools being
 //!   released;
+//! - every segment's pool is listed in `pools`, and `Pool::segments` counts its segments; a
+//!   segment changes pool only whole and free (no live or parked block), from a donor (the
+//!   default pool or a pool being released) to another pool other than the internal one
+//!   (placement.rs, `adopt_segment`); the internal pool and live user pools never give one;
+//! - `empty_cache` gives back the free segments of the default and internal pools and of pools
+//!   being released; a live user pool keeps its own (a captured graph replays into its pool's
+//!   free blocks), as PyTorch's `empty_cache` does;
 //! - segments and the range allocator's free ranges partition the heap.
 //!
 //! Determinism: a placement decision reads only the call sequence (sizes, pools, which calls
-//! used the same stream, capture state), never the clock or the progress of the GPU.
+//! used the same stream, capture state), never the clock or the progress of the GPU; so does
+//! the choice of a donor's segment (best fit by size, then offset).
+//!
+//! Capture: a block or donor segment used by another stream than a capturing one is never
+//! given to it (ordering would join an eager stream into the capture); memory goes back to the
+//! backend only after waiting for the device, which is never tried on a capturing stream (the
+//! segment then stays cached until a later `empty_cache`).
 //!
 //! The layer's jobs, a file each: this file holds the structures, the allocation and free
 //! paths and stream reuse (`record_stream`, the parked fast path's accounting); `placement.rs`
@@ -41,7 +54,7 @@ mod validate;
 
 use super::backend::{Backend, Phys, Stream};
 use super::parked::Parked;
-use super::pools::PoolId;
+use super::pools::{PoolId, DEFAULT_POOL, INTERNAL_POOL};
 use super::ranges::Ranges;
 use super::release_log::ReleaseLog;
 use super::stats::Stats;
@@ -140,6 +153,8 @@ pub struct DeviceHeap {
     release_log: ReleaseLog,
     /// Live blocks lent to thread caches: offset -> cache id (tracked.rs).
     tracked: std::collections::HashMap<u64, u64>,
+    /// Whole free segments moved from a donor pool to another pool (placement.rs).
+    adopted_segments: u64,
     pub stats: Stats,
 }
 
@@ -173,6 +188,7 @@ impl DeviceHeap {
             next_generation: 1,
             release_log: ReleaseLog::new()?,
             tracked: std::collections::HashMap::new(),
+            adopted_segments: 0,
             stats: Stats {
                 heap_bytes: size,
                 ..Stats::default()
@@ -188,6 +204,11 @@ impl DeviceHeap {
     }
     pub fn contains(&self, ptr: u64) -> bool {
         ptr >= self.base && ptr < self.base + self.size()
+    }
+
+    /// How many whole free segments pools have taken from donor pools so far.
+    pub fn adopted_segments(&self) -> u64 {
+        self.adopted_segments
     }
 
     /// Whether a pool of this heap is being released (its blocks then go back whole).
@@ -262,11 +283,18 @@ impl DeviceHeap {
                 off
             }
             None if !grow => return Ok(None),
-            None => {
-                self.stats.cache_misses += 1;
-                self.trim_before_growing(backend, pool, class, rounded, stream)?;
-                self.new_segment(backend, pool, class, rounded, size)?
-            }
+            None => match self.adopt_segment(backend, pool, class, rounded, stream)? {
+                // A donor's cached segment: no new physical memory.
+                Some(off) => {
+                    self.stats.cache_hits += 1;
+                    off
+                }
+                None => {
+                    self.stats.cache_misses += 1;
+                    self.trim_before_growing(backend, pool, class, rounded, stream)?;
+                    self.new_segment(backend, pool, class, rounded, size)?
+                }
+            },
         };
         self.take(backend, off, rounded, size, stream)?;
         Ok(Some(self.base + off))

@@ -2,8 +2,15 @@
 //! returned to the backend (`empty_cache`), and pools released (now for their free segments,
 //! at the last free for the others).
 //!
+//! What `empty_cache` gives back: every free segment of the default pool, of the internal pool
+//! and of pools being released (their peers unmap theirs through the release log). A live user
+//! pool keeps its free segments, as in PyTorch: a captured graph replays into its pool's free
+//! blocks, and a MemPool keeps what it holds until `release_pool`.
+//!
 //! Invariants kept: a segment with live or parked blocks is never released; a pool being
-//! released has no parked blocks, and `releasing_pools` counts the pools being released.
+//! released has no parked blocks, and `releasing_pools` counts the pools being released; the
+//! device is never waited for from a capturing stream (the wait would break the capture; the
+//! segment stays cached instead).
 
 use super::placement::segment_size;
 use super::*;
@@ -65,8 +72,35 @@ impl DeviceHeap {
         Ok(())
     }
 
-    /// Waits for all work queued on the device; false (and segments stay) while it cannot.
+    /// Whether a stream that uses this heap's memory is being captured (or cannot be asked).
+    /// Every stream a block waits on or was last used by is asked once: a capture that has
+    /// allocated or freed anything here is seen (one that has not touched the heap yet is not).
+    /// Read only where the heap is about to wait for the device, never on the fast paths.
+    fn capture_underway(&self, backend: &dyn Backend) -> bool {
+        let mut streams: Vec<Stream> = Vec::new();
+        for b in self.blocks.values() {
+            for &s in &b.streams {
+                if !streams.contains(&s) {
+                    streams.push(s);
+                }
+            }
+        }
+        streams
+            .into_iter()
+            .any(|s| backend.is_capturing(self.device, s).unwrap_or(true))
+    }
+
+    /// Waits for all work queued on the device; false (and segments stay) while it cannot, or
+    /// while a stream that uses the heap is being captured (cuCtxSynchronize during a capture
+    /// in CUDA's global mode invalidates that capture).
     fn wait_for_device(&self, backend: &dyn Backend) -> bool {
+        if self.capture_underway(backend) {
+            crate::info!(
+                "device {}: segments kept: a stream is being captured",
+                self.device
+            );
+            return false;
+        }
         match backend.synchronize(self.device) {
             Ok(()) => true,
             Err(e) => {
@@ -116,7 +150,13 @@ impl DeviceHeap {
         let idle: Vec<u64> = self
             .segments
             .iter()
-            .filter(|(_, s)| s.live == 0 && pool.is_none_or(|p| s.pool == p))
+            .filter(|(_, s)| {
+                s.live == 0
+                    && match pool {
+                        Some(p) => s.pool == p,
+                        None => self.is_cache_pool(s.pool),
+                    }
+            })
             .map(|(&o, _)| o)
             .collect();
         if !idle.is_empty() && self.wait_for_device(backend) {
@@ -175,9 +215,26 @@ impl DeviceHeap {
         Ok(())
     }
 
-    /// Returns every segment without live blocks to the backend.
+    /// Whether `pool`'s free segments are the cache's to give back (the module header): the
+    /// default and internal pools and pools being released, not live user pools.
+    pub(super) fn is_cache_pool(&self, pool: PoolId) -> bool {
+        pool == DEFAULT_POOL
+            || pool == INTERNAL_POOL
+            || self.pools.get(&pool).is_some_and(|p| p.releasing)
+    }
+
+    /// Returns every free segment of the default and internal pools and of pools being
+    /// released to the backend (live user pools keep theirs: the module header says why).
     pub fn empty_cache(&mut self, backend: &dyn Backend) -> Result<()> {
-        self.drain_parked(None, |_| true);
+        let cached: Vec<PoolId> = self
+            .pools
+            .keys()
+            .copied()
+            .filter(|&p| self.is_cache_pool(p))
+            .collect();
+        for p in cached {
+            self.drain_parked(Some(p), |_| true);
+        }
         self.release_free_segments(backend, None)
     }
 

@@ -23,6 +23,7 @@ impl DeviceHeap {
             ..Stats::default()
         };
         let mut free_count: BTreeMap<PoolId, usize> = BTreeMap::new();
+        let mut seg_count: BTreeMap<PoolId, u64> = BTreeMap::new();
         let mut parked_seen = 0;
         for (&soff, s) in &self.segments {
             if !self.ranges.is_free(soff, s.size) {
@@ -30,6 +31,13 @@ impl DeviceHeap {
                 st.reserved_bytes += s.size;
             } else {
                 return Err(format!("segment {soff:#x} lies in a free address range"));
+            }
+            *seg_count.entry(s.pool).or_default() += 1;
+            if !self.pools.contains_key(&s.pool) {
+                return Err(format!(
+                    "segment {soff:#x} belongs to pool {:?}, which is not listed",
+                    s.pool
+                ));
             }
             let mut at = soff;
             let mut live = 0;
@@ -127,6 +135,13 @@ impl DeviceHeap {
             ));
         }
         for (id, p) in &self.pools {
+            let segs = seg_count.get(id).copied().unwrap_or(0);
+            if p.segments != segs {
+                return Err(format!(
+                    "pool {id:?} counts {} segments, has {segs}",
+                    p.segments
+                ));
+            }
             let n = free_count.get(id).copied().unwrap_or(0);
             if p.free_any.len() != n || p.free_by_stream.len() != n {
                 return Err(format!(
