@@ -16,7 +16,7 @@ def test_paths_exist_and_sit_together():
 
 def test_missing_library_dir_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("SYMMALLOC_LIBRARY_DIR", str(tmp_path))
-    monkeypatch.setattr(symmalloc, "_candidates", lambda: iter([str(tmp_path)]))
+    monkeypatch.setattr(symmalloc._lib, "_candidates", lambda: iter([str(tmp_path)]))
     with pytest.raises(symmalloc.SymmallocError) as e:
         symmalloc.library_path()
     assert "libsymmalloc.so not found" in str(e.value) and "SYMMALLOC_LIBRARY_DIR" in str(e.value)
