@@ -91,7 +91,7 @@ def _check_rms_norm(x, residual, weight, out=None, eps: float = 1e-6) -> None:
 
 
 def _check_op(op: str) -> int:
-    code = _OPS.get(op) if isinstance(op, str) else None
+    code = _OPS.get("sum" if op is None else op) if isinstance(op, (str, type(None))) else None
     if code is None:
         raise _invalid(f"op {op!r} unknown; ops {list(_OPS)}")
     return code
@@ -208,7 +208,8 @@ class Communicator:
         if op == "sum" and algo == "auto":  # the defaults: no lookups
             op_code = algo_code = 0
         else:
-            op_code, algo_code = _OPS.get(op), _ALGOS.get(algo)
+            # None is the default, as in the compiled caller.
+            op_code, algo_code = _OPS.get("sum" if op is None else op), _ALGOS.get("auto" if algo is None else algo)
             if op_code is None or algo_code is None:
                 raise _invalid(f"op {op!r} / algo {algo!r} unknown; ops {list(_OPS)}, algos {list(_ALGOS)}")
         if not tensor.is_contiguous():
