@@ -103,19 +103,39 @@ wheel: toolchain
 	PATH=$(WHEEL_TOOLS)/bin:$$PATH auditwheel repair --only-plat -w .whl .whl/raw/symmalloc-*.whl 2>&1 | tail -1
 	rm -rf .whl/raw python/build
 
-# The wheel in a fresh virtual environment outside the repository, with no SYMMALLOC_ variable
-# set: it must find its own libraries, and the Python tests pass on both backends.
-test-wheel: wheel
+# The wheel in fresh virtual environments outside the repository, with no SYMMALLOC_ variable
+# set: it must find its own libraries, and the Python tests pass on both backends; once in a venv
+# without torch (the package must work there) and once with torch (python/tests/
+# torch-requirements.txt, pinned, no numpy): the custom ops, torch.compile, from_env,
+# from_process_group and the misuse suite. torch (about 1 minute and 4.6 GB from PyPI) is
+# installed once into $(TORCH_VENV) and reused; each run's venv reads it through a .pth file, so
+# the cache itself never changes.
+TORCH_VENV ?= $(CURDIR)/.toolchain/torch-venv-2.11.0
+WHEEL_TESTS := test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py
+$(TORCH_VENV)/.installed: python/tests/torch-requirements.txt
+	rm -rf $(TORCH_VENV) && $(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/pip install --quiet --disable-pip-version-check -r $<
+	touch $@
+
+test-wheel: wheel $(TORCH_VENV)/.installed
 	@set -e; d=$$(mktemp -d); trap 'rm -rf '"$$d" EXIT; \
+	site() { "$$1" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }; \
 	$(PYTHON) -m venv $$d/venv; \
 	$$d/venv/bin/pip install --quiet --disable-pip-version-check .whl/symmalloc-*manylinux*.whl pytest==8.3.3; \
-	cp python/tests/test_no_gpu.py python/tests/test_host_collectives.py python/tests/test_torch_native.py $$d/; \
+	$(PYTHON) -m venv $$d/tvenv; \
+	site $(TORCH_VENV)/bin/python > $$(site $$d/tvenv/bin/python)/torch-cache.pth; \
+	$$d/tvenv/bin/pip install --quiet --disable-pip-version-check --no-deps .whl/symmalloc-*manylinux*.whl; \
+	(cd python/tests && cp $(WHEEL_TESTS) torch_compile_check.py from_env_check.py $$d/); \
 	cd $$d; unset $$(env | sed -n 's/^\(SYMMALLOC_[A-Z_]*\)=.*/\1/p'); \
-	venv/bin/python -c "import symmalloc, os; p = symmalloc.library_path(); assert p.startswith('$$d/venv/'), p; \
-	  assert symmalloc._fast_all_reduce() is not None, 'the wheel lacks symmalloc._fastcall'; \
-	  print('test-wheel: symmalloc', symmalloc.__version__, 'loads', os.path.relpath(p, '$$d'))"; \
-	venv/bin/python -m pytest -q -p no:cacheprovider .; \
-	SYMMALLOC_BACKEND=host venv/bin/python -m pytest -q -p no:cacheprovider .
+	for v in venv tvenv; do \
+	  $$v/bin/python -c "import symmalloc, os; p = symmalloc.library_path(); assert p.startswith('$$d/$$v/'), p; \
+	    assert os.path.basename(p) == 'libsymmalloc.so' and os.path.basename(symmalloc.pluggable_path()) == 'libsymmalloc_pluggable.so', p; \
+	    assert symmalloc._fast_all_reduce() is not None, 'the wheel lacks symmalloc._fastcall'; \
+	    print('test-wheel: symmalloc', symmalloc.__version__, 'loads', os.path.relpath(p, '$$d'))"; \
+	  $$v/bin/python -m pytest -q -rs -p no:cacheprovider $(WHEEL_TESTS); \
+	  SYMMALLOC_BACKEND=host $$v/bin/python -m pytest -q -rs -p no:cacheprovider $(WHEEL_TESTS); \
+	done; \
+	! tvenv/bin/python -c "import numpy" 2>/dev/null || { echo "numpy in the torch venv: from_process_group must be tested without it"; exit 1; }
 
 header:
 	SYMMALLOC_BLESS=1 $(CARGO) test -p symmalloc --test header

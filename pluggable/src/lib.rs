@@ -2,8 +2,8 @@
 //! `CUDAPluggableAllocator(path, "malloc", "free")`.
 //!
 //! It exports exactly `malloc`, `free`, `begin_pool`, `end_pool` and `release_pool`, each
-//! forwarding to the `symm_*` function of the same role in `libsymmalloc.so` (in a wheel:
-//! `libsymmalloc.abi3.so`), which it loads from its own directory (so a process has one allocator state however it loaded the
+//! forwarding to the `symm_*` function of the same role in `libsymmalloc.so`, which it loads
+//! from its own directory (so a process has one allocator state however it loaded the
 //! library). Load it only with `dlopen(RTLD_LOCAL)`: never link or LD_PRELOAD it, or these
 //! names take over the process heap. Its own Rust code still binds to libc's malloc because
 //! the library is linked without -Bsymbolic and `malloc` is resolved through the global scope.
@@ -42,17 +42,13 @@ fn own_dir() -> Result<String, String> {
     }
 }
 
-/// The library's file names, in the order tried: as `make build`/`make install` lay it out,
-/// then as the wheel does (setuptools-rust names a binding-less cdylib `<name>.abi3.so`).
-const LIBRARY_NAMES: [&str; 2] = ["libsymmalloc.so", "libsymmalloc.abi3.so"];
+/// The library's file name beside the shim: `make build`, `make install` and the wheel
+/// (python/setup.py names its libraries so) all lay it out under this name.
+const LIBRARY_NAME: &str = "libsymmalloc.so";
 
 fn load() -> Result<Api, String> {
     let dir = own_dir()?;
-    let path = LIBRARY_NAMES
-        .iter()
-        .map(|n| format!("{dir}/{n}"))
-        .find(|p| std::path::Path::new(p).exists())
-        .unwrap_or_else(|| format!("{dir}/{}", LIBRARY_NAMES[0]));
+    let path = format!("{dir}/{LIBRARY_NAME}");
     let cpath = CString::new(path.clone()).map_err(|_| "library path has a NUL".to_string())?;
     // SAFETY: dlopen with a NUL-terminated path; the handle is kept for the process's life.
     let h = unsafe { libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };

@@ -7,8 +7,9 @@
  *   eager(...) -> caller: what Communicator.all_reduce(tensor, op="sum", algo="auto", out=None)
  *     does, in C: the tensor's dtype, contiguity, pointer, size, device and current stream are
  *     read through torch.Tensor's own method descriptors (no bound-method objects, no bytecode),
- *     then the library is called. Anything but an exact torch.Tensor with a supported dtype and
- *     known op/algo names, or a closed communicator, goes to the Python fallback, which raises
+ *     then the library is called. Anything but an exact torch.Tensor with a supported dtype, on
+ *     the communicator's device, and known op/algo names, or a closed communicator, goes to the
+ *     Python fallback, which raises
  *     the same errors as before; so the fast path never decides an error itself.
  *
  * Both hold the GIL across the call, as a PyTorch op does: symm_all_reduce_algo only enqueues
@@ -91,6 +92,7 @@ typedef struct {
   uint32_t dtype_codes[3];
   PyObject *ops, *algos; /* name -> code dicts */
   PyObject *raw_stream;  /* device -> current stream address */
+  long device;           /* the get_device() every tensor must have (-1: CPU, the host backend) */
   PyObject *is_contiguous, *data_ptr, *numel, *get_device; /* method descriptors of torch.Tensor */
 } eager_state;
 
@@ -234,9 +236,20 @@ static PyObject *eager_call(PyObject *capsule, PyObject *const *args, Py_ssize_t
     recv = PyLong_AsVoidPtr(q);
     Py_DECREF(q);
   }
+  if (out != NULL) { /* the input's device too (dst's is read below) */
+    PyObject *td = call1(st->get_device, t);
+    if (td == NULL) return NULL;
+    long tdev = PyLong_AsLong(td);
+    Py_DECREF(td);
+    if (tdev != st->device) goto slow;
+  }
   PyObject *d = call1(st->get_device, dst);
   if (d == NULL) return NULL;
   long dev = PyLong_AsLong(d);
+  if (dev != st->device) {
+    Py_DECREF(d);
+    goto slow;
+  }
   void *stream = NULL;
   if (dev >= 0) {
     PyObject *s = PyObject_CallFunctionObjArgs(st->raw_stream, d, NULL);
@@ -266,12 +279,13 @@ static PyMethodDef eager_def = {
     "All-reduce of a contiguous CUDA tensor on the current stream, in place or into out\n"
     "(Communicator.all_reduce, with its checks and its errors; compiled: see symmalloc/_fastcall.c)."};
 
-/* eager(handle, comm, fallback, check, tensor_type, dtypes, ops, algos, raw_stream) -> caller.
- * dtypes: ((dtype, code), ...) for exactly three dtypes. */
+/* eager(handle, comm, fallback, check, tensor_type, dtypes, ops, algos, raw_stream, device)
+ * -> caller. dtypes: ((dtype, code), ...) for exactly three dtypes; device: the get_device()
+ * of the tensors it takes (the communicator's GPU, or -1 for CPU tensors on the host backend). */
 static PyObject *eager(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   (void)self;
-  if (nargs != 9) {
-    PyErr_Format(PyExc_TypeError, "eager takes 9 arguments, got %zd", nargs);
+  if (nargs != 10) {
+    PyErr_Format(PyExc_TypeError, "eager takes 10 arguments, got %zd", nargs);
     return NULL;
   }
   if (g_all_reduce == NULL) {
@@ -315,6 +329,8 @@ static PyObject *eager(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
   Py_INCREF(st->algos);
   st->raw_stream = args[8];
   Py_INCREF(st->raw_stream);
+  st->device = PyLong_AsLong(args[9]);
+  if (st->device == -1 && PyErr_Occurred()) goto fail;
   const char *methods[4] = {"is_contiguous", "data_ptr", "numel", "get_device"};
   PyObject **slots[4] = {&st->is_contiguous, &st->data_ptr, &st->numel, &st->get_device};
   for (int i = 0; i < 4; i++)
@@ -344,7 +360,7 @@ static PyMethodDef methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))all_reduce, METH_FASTCALL,
      "all_reduce(comm, algo, send, recv, count, dtype, op, stream) -> status"},
     {"eager", (PyCFunction)(void (*)(void))eager, METH_FASTCALL,
-     "eager(handle, comm, fallback, check, tensor_type, dtypes, ops, algos, raw_stream) -> caller"},
+     "eager(handle, comm, fallback, check, tensor_type, dtypes, ops, algos, raw_stream, device) -> caller"},
     {"invalidate", invalidate, METH_O, "invalidate(caller): every later call takes the fallback."},
     {NULL, NULL, 0, NULL},
 };

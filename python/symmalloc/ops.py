@@ -18,6 +18,10 @@ communicator is named by its ``handle`` (an int); the wrappers below take the ob
 | ``all_gather`` | ``(Tensor x, int comm) -> Tensor`` | dim 0 multiplied by the world size |
 | ``all_reduce_add_rms_norm`` | ``(Tensor x, Tensor(a!) residual, Tensor weight, float eps, int comm) -> Tensor`` | ``out``; ``residual`` updated |
 
+Every op refuses what the ``Communicator`` method refuses (docs/python-errors.md), and its fake
+implementation refuses the same names, dtypes and shapes, so torch.compile reports them while
+tracing.
+
 Inputs that are not in symmalloc's heap (a compiled graph allocates from PyTorch's own pools)
 are staged through the communicator's scratch buffer, inside the same call; allocate the inputs
 from ``symmalloc.mem_pool()`` for the zero-copy path.
@@ -27,7 +31,8 @@ from typing import Union
 
 import torch
 
-from . import Communicator, SymmallocError, communicator
+from ._lib import _ALGOS, SymmallocError
+from .comm import Communicator, _check_op, _check_rms_norm, _dtype_code, communicator
 
 __all__ = ["all_reduce", "all_reduce_", "reduce_scatter", "all_gather", "all_reduce_add_rms_norm"]
 
@@ -36,6 +41,15 @@ Comm = Union[Communicator, int]
 
 def _handle(comm: Comm) -> int:
     return comm.handle if isinstance(comm, Communicator) else int(comm)
+
+
+def _check_names(what: str, x: torch.Tensor, op: str, algo: str = "auto") -> None:
+    """What the fakes can check without running: the dtype and the op and algorithm names."""
+    if _dtype_code(x.dtype) is None:
+        raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"{what}: dtype {x.dtype} is not bfloat16, float16 or float32")
+    _check_op(op)
+    if algo not in _ALGOS:
+        raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", f"{what}: algo {algo!r} unknown; algos {list(_ALGOS)}")
 
 
 def _rows(x: torch.Tensor, world: int, what: str) -> int:
@@ -54,6 +68,8 @@ def _all_reduce(x: torch.Tensor, comm: int, op: str, algo: str) -> torch.Tensor:
 
 @_all_reduce.register_fake
 def _(x, comm, op, algo):
+    communicator(comm)
+    _check_names("all_reduce", x, op, algo)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -66,6 +82,8 @@ def _all_reduce_(x: torch.Tensor, comm: int, op: str, algo: str) -> None:
 
 @_all_reduce_.register_fake
 def _(x, comm, op, algo):
+    communicator(comm)
+    _check_names("all_reduce_", x, op, algo)
     return None
 
 
@@ -81,6 +99,7 @@ def _reduce_scatter(x: torch.Tensor, comm: int, op: str) -> torch.Tensor:
 @_reduce_scatter.register_fake
 def _(x, comm, op):
     world = communicator(comm).world_size
+    _check_names("reduce_scatter", x, op)
     return x.new_empty((_rows(x, world, "reduce_scatter"),) + tuple(x.shape[1:]))
 
 
@@ -96,18 +115,24 @@ def _all_gather(x: torch.Tensor, comm: int) -> torch.Tensor:
 @_all_gather.register_fake
 def _(x, comm):
     world = communicator(comm).world_size
+    _check_names("all_gather", x, "sum")
     return x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:])) if x.dim() else x.new_empty(world)
 
 
 @torch.library.custom_op("symmalloc::all_reduce_add_rms_norm", mutates_args=("residual",))
 def _all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, comm: int) -> torch.Tensor:
+    c = communicator(comm)
+    _check_rms_norm(tuple(x.shape), tuple(residual.shape), tuple(weight.shape), None, eps)
     if not residual.is_contiguous():
         raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "all_reduce_add_rms_norm: residual must be contiguous (it is updated in place)")
-    return communicator(comm).all_reduce_add_rms_norm(x.contiguous(), residual, weight.contiguous(), eps=eps)
+    return c.all_reduce_add_rms_norm(x.contiguous(), residual, weight.contiguous(), eps=eps)
 
 
 @_all_reduce_add_rms_norm.register_fake
 def _(x, residual, weight, eps, comm):
+    communicator(comm)
+    _check_rms_norm(tuple(x.shape), tuple(residual.shape), tuple(weight.shape), None, eps)
+    _check_names("all_reduce_add_rms_norm", x, "sum")
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 

@@ -16,7 +16,7 @@ def test_paths_exist_and_sit_together():
 
 def test_missing_library_dir_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("SYMMALLOC_LIBRARY_DIR", str(tmp_path))
-    monkeypatch.setattr(symmalloc, "_candidates", lambda: iter([str(tmp_path)]))
+    monkeypatch.setattr(symmalloc._lib, "_candidates", lambda: iter([str(tmp_path)]))
     with pytest.raises(symmalloc.SymmallocError) as e:
         symmalloc.library_path()
     assert "libsymmalloc.so not found" in str(e.value) and "SYMMALLOC_LIBRARY_DIR" in str(e.value)
@@ -117,3 +117,40 @@ def test_fast_path_when_built_reports_errors_like_ctypes():
         fast(0, 0, 0)
     with pytest.raises(OverflowError):
         fast(0, 1 << 40, 0, 0, 1, 0, 0, 0)
+
+
+def test_install_global_wraps_empty_cache_original_first():
+    """install_global's torch.cuda.empty_cache wrapper, on a stand-in for torch.cuda: the
+    original runs, then symm_empty_cache; torch.cuda.empty_cache and
+    torch.cuda.memory.empty_cache are the same wrapper; a second install wraps nothing."""
+    import types
+
+    from symmalloc.memory import _wrap_empty_cache
+
+    calls = []
+    cuda = types.SimpleNamespace(memory=types.SimpleNamespace(empty_cache=lambda: calls.append("torch")))
+    cuda.empty_cache = cuda.memory.empty_cache
+    assert _wrap_empty_cache(cuda, lambda: calls.append("symm"))
+    cuda.empty_cache()
+    cuda.memory.empty_cache()
+    assert calls == ["torch", "symm", "torch", "symm"]
+    assert not _wrap_empty_cache(cuda, lambda: calls.append("again"))
+    cuda.empty_cache()
+    assert calls[-2:] == ["torch", "symm"] and "again" not in calls
+
+
+def test_empty_cache_wrapper_on_torch_reaches_the_library():
+    """With torch (no GPU needed): the wrapper installed on the real torch.cuda, calling the
+    library's symm_empty_cache, is what torch.cuda.graph's torch.cuda.empty_cache() finds."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed here")
+    from symmalloc.memory import _wrap_empty_cache
+
+    saved = (torch.cuda.empty_cache, torch.cuda.memory.empty_cache)
+    calls = []
+    lib = symmalloc._library()
+    try:
+        assert _wrap_empty_cache(torch.cuda, lambda: (calls.append(1), lib.symm_empty_cache()))
+        torch.cuda.empty_cache()
+        assert calls == [1] and torch.cuda.memory.empty_cache is torch.cuda.empty_cache
+    finally:
+        torch.cuda.empty_cache, torch.cuda.memory.empty_cache = saved

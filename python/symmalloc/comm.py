@@ -1,0 +1,412 @@
+"""The communicator: ``Communicator`` (one per process and GPU), the handle registry the custom
+ops use, and the argument checks shared with their fake implementations (``symmalloc.ops``).
+
+What the library cannot see is checked here, before it is called: dtype names, op and
+algorithm names, contiguity, devices, shapes (the library sees element counts only, so a
+shape it would reinterpret is refused here), eps, and a closed communicator. Pointers,
+sizes, alignment and the ranks' agreement are the library's (docs/python-errors.md)."""
+
+import ctypes
+import itertools
+import math
+import os
+import weakref
+from typing import Dict, Optional, Sequence, Tuple
+
+from . import _fast
+from ._lib import _ALGOS, _DTYPES, _OPS, SymmallocError, _check, _invalid, _library, get_unique_id
+
+__all__ = ["Communicator", "communicator"]
+
+_VOIDP, _SIZE = ctypes.c_void_p, ctypes.c_size_t
+_TORCH_DTYPE_CODES: Dict[object, int] = {}
+_COMMS: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+_FROM_ENV_CALLS = itertools.count()
+
+
+def communicator(handle: int) -> "Communicator":
+    """The live communicator behind ``Communicator.handle`` (the int the custom ops take)."""
+    comm = _COMMS.get(handle)
+    if comm is None:
+        raise _invalid(f"communicator handle {handle} is not a live Communicator of this process (closed and collected, or never made)")
+    if not comm._comm.value:
+        raise _invalid(f"communicator handle {handle} is not a live Communicator: {comm._closed_message()}")
+    return comm
+
+
+def _dtype_code(dtype) -> Optional[int]:
+    """The symm_dtype_t of a torch dtype (None when unsupported), cached per dtype object."""
+    code = _TORCH_DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPES.get(str(dtype).replace("torch.", ""))
+        if code is not None:
+            _TORCH_DTYPE_CODES[dtype] = code
+    return code
+
+
+def _device_name(dev: int) -> str:
+    return "cpu" if dev < 0 else f"cuda:{dev}"
+
+
+def _shape(t) -> Tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _fmt(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+# Shape rules, on shapes only so that the custom ops' fake implementations apply the same ones.
+
+def _gathered_shapes(small: Sequence[int], world: int):
+    """The shapes a world-size gather of ``small`` may have: concatenated along dim 0
+    ((world * s0,) + rest), or stacked ((world,) + small); a 0-d ``small`` gives (world,)."""
+    small = tuple(small)
+    if not small:
+        return [(world,)]
+    return [(world * small[0],) + small[1:], (world,) + small]
+
+
+def _check_gather(what: str, small, big, world: int) -> None:
+    """``big`` is ``small`` gathered from every rank, along dim 0: shapes, not only sizes."""
+    if tuple(big) not in _gathered_shapes(small, world):
+        want = " or ".join(_fmt(s) for s in _gathered_shapes(small, world))
+        raise _invalid(
+            f"{what}: the gathered tensor has shape {_fmt(big)} and the per-rank one {_fmt(small)}; "
+            f"expected {want} (world size {world}: ranks are concatenated along dim 0)")
+
+
+def _check_rms_norm(x, residual, weight, out=None, eps: float = 1e-6) -> None:
+    """The fused call's shapes (``x`` and ``residual`` [..., hidden], ``weight`` [hidden], as
+    torch.nn.functional.rms_norm with normalized_shape = weight.shape) and eps."""
+    if len(weight) != 1 or len(x) == 0 or x[-1] != weight[0] or tuple(residual) != tuple(x) or weight[0] == 0:
+        raise _invalid(
+            f"all_reduce_add_rms_norm: x {_fmt(x)}, residual {_fmt(residual)}, weight {_fmt(weight)}; "
+            "expected x and residual of one shape [..., hidden] and weight [hidden] (hidden > 0)")
+    if out is not None and tuple(out) != tuple(x):
+        raise _invalid(f"all_reduce_add_rms_norm: out {_fmt(out)}; expected x's shape {_fmt(x)}")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        raise _invalid(f"all_reduce_add_rms_norm: eps {eps!r} is not a finite number >= 0")
+
+
+def _check_op(op: str) -> int:
+    code = _OPS.get("sum" if op is None else op) if isinstance(op, (str, type(None))) else None
+    if code is None:
+        raise _invalid(f"op {op!r} unknown; ops {list(_OPS)}")
+    return code
+
+
+def _eager_fallback(handle: int, *args, **kwargs) -> None:
+    """What the compiled eager caller hands back: ``Communicator.all_reduce`` in Python."""
+    return Communicator.all_reduce(communicator(handle), *args, **kwargs)
+
+
+class Communicator:
+    """One per (process, GPU). ``Communicator(rank, world_size, unique_id)`` or ``from_env()``."""
+
+    _closed_by: Optional[str] = None
+    _handle = 0
+
+    def __init__(self, rank: int, world_size: int, unique_id: bytes, device: Optional[int] = None):
+        if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != 128:
+            raise _invalid("unique_id must be the 128 bytes of get_unique_id()")
+        self.rank, self.world_size = rank, world_size
+        self.device = rank if device is None else device
+        self._comm = ctypes.c_void_p()
+        _check(_library().symm_comm_init(ctypes.byref(self._comm), world_size, rank, self.device, bytes(unique_id)))
+        self._bind()
+
+    @classmethod
+    def from_env(cls, timeout_s: float = 300.0) -> "Communicator":
+        """From launcher variables: torchrun (LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, ...) or
+        mpirun (OMPI_COMM_WORLD_LOCAL_RANK, ...).
+
+        Under torchrun with torch installed, local rank 0 makes a fresh unique id (random key and
+        secret) and hands it to the other local ranks through the launcher's TCP store, then
+        deletes it from the store once every rank has joined: no other process can derive it.
+        Otherwise (mpirun, or torchrun without torch) ``symm_comm_init_from_env`` derives the id
+        from the job's variables, which keeps other jobs out but not a process that can read
+        them; set ``SYMMALLOC_UNIQUE_ID`` (the hex of ``get_unique_id()``) to give it a secret."""
+        env = os.environ
+        store = None
+        if "LOCAL_RANK" in env and "MASTER_ADDR" in env and "MASTER_PORT" in env and "SYMMALLOC_UNIQUE_ID" not in env:
+            store = _launcher_store(timeout_s)
+        if store is None:
+            self = cls.__new__(cls)
+            self._comm = ctypes.c_void_p()
+            _check(_library().symm_comm_init_from_env(ctypes.byref(self._comm)))
+            self.rank = int(env.get("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
+            self.world_size = int(env.get("LOCAL_WORLD_SIZE", env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")))
+            self.device = self.rank
+            self._bind()
+            return self
+        rank, world = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE")
+        # One key per node (GROUP_RANK) and per from_env call of this process (every rank calls
+        # from_env in the same order, as with any collective).
+        key = f"symmalloc/unique_id/{env.get('GROUP_RANK', '0')}/{next(_FROM_ENV_CALLS)}"
+        if rank == 0:
+            uid = get_unique_id()
+            store.set(key, uid)
+        else:
+            uid = bytes(store.get(key))
+        self = cls(rank, world, uid)
+        if rank == 0:  # every rank has joined: the id has done its job
+            try:
+                store.delete_key(key)
+            except Exception:  # an old store without delete_key: the id stays, as before
+                pass
+        return self
+
+    @classmethod
+    def from_process_group(cls, pg=None, device: Optional[int] = None) -> "Communicator":
+        """From an initialized ``torch.distributed`` group (default: the world group) whose ranks
+        are the GPUs of one node: group rank 0 makes a fresh unique id (random secret) and
+        broadcasts it over the group as a 128-byte uint8 tensor (a CUDA tensor on an NCCL group,
+        a CPU one otherwise; no numpy needed). ``device`` defaults to the current CUDA device (to
+        the group rank when CUDA is absent, as on the host backend)."""
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise _invalid("from_process_group needs an initialized torch.distributed process group (call init_process_group first)")
+        group = pg if pg is not None else dist.group.WORLD
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if rank < 0:
+            raise _invalid("this process is not a member of the given process group")
+        backend = str(dist.get_backend(group)).lower()
+        # A group with a CPU backend (gloo, or "cpu:gloo,cuda:nccl") takes a CPU tensor; NCCL
+        # alone takes only CUDA tensors.
+        on_cuda = "nccl" in backend and "gloo" not in backend and "cpu" not in backend
+        box_device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        if rank == 0:
+            box = torch.frombuffer(bytearray(get_unique_id()), dtype=torch.uint8).to(box_device)
+        else:
+            box = torch.zeros(128, dtype=torch.uint8, device=box_device)
+        dist.broadcast(box, src=dist.get_global_rank(group, 0), group=group)
+        uid = bytes(box.cpu().tolist())
+        if device is None:
+            device = torch.cuda.current_device() if torch.cuda.is_available() else rank
+        return cls(rank, world, uid, device=device)
+
+    def all_reduce(self, tensor, op: str = "sum", algo: str = "auto", out=None) -> None:
+        """All-reduce of a contiguous CUDA tensor on the current stream: in place, or into
+        ``out`` (same dtype and element count, contiguous).
+
+        The eager path is kept lean (it is most of an eager call's cost). Where the compiled
+        ``_fastcall`` module is present (the wheel has it) and torch is imported, each
+        communicator's ``all_reduce`` is that module's caller, which does what this method does
+        in C and hands anything unusual back here (see ``_compile_eager``). This method calls the
+        library through the compiled module's int-level entry, else through ctypes; only what
+        the library cannot see is checked here (dtype, op, algorithm names, contiguity, device,
+        ``out``'s size); pointers, sizes and symmetry are checked by it."""
+        code = _TORCH_DTYPE_CODES.get(tensor.dtype)
+        if code is None:
+            code = _dtype_code(tensor.dtype)
+            if code is None:
+                raise _invalid(f"dtype {tensor.dtype} is not bfloat16, float16 or float32")
+        if op == "sum" and algo == "auto":  # the defaults: no lookups
+            op_code = algo_code = 0
+        else:
+            # None is the default, as in the compiled caller.
+            op_code, algo_code = _OPS.get("sum" if op is None else op), _ALGOS.get("auto" if algo is None else algo)
+            if op_code is None or algo_code is None:
+                raise _invalid(f"op {op!r} / algo {algo!r} unknown; ops {list(_OPS)}, algos {list(_ALGOS)}")
+        if not tensor.is_contiguous():
+            raise _invalid("tensor must be contiguous")
+        send = tensor.data_ptr()
+        if out is None:
+            recv, dst = send, tensor
+        else:
+            if out.dtype != tensor.dtype or out.numel() != tensor.numel() or not out.is_contiguous():
+                raise _invalid("out must be contiguous with the tensor's dtype and size")
+            recv, dst = out.data_ptr(), out
+        dev = dst.get_device()
+        if dev != self._tensor_device or (out is not None and tensor.get_device() != dev):
+            self._check_devices(tensor, out)
+        fast = self._fast
+        if fast is not None:
+            status = fast(self._handle, algo_code, send, recv, tensor.numel(), code, op_code,
+                          self._stream(dev) if dev >= 0 else 0)
+            if status:
+                self._raise(status)
+            return
+        # _all_reduce has no argtypes (their per-argument converters cost more than wrapping the
+        # three 64-bit values by hand); the small codes pass as C ints, which is what they are.
+        ptr = _VOIDP(send)
+        status = self._all_reduce(self._comm, algo_code, ptr, ptr if recv == send else _VOIDP(recv),
+                                  _SIZE(tensor.numel()), code, op_code, _VOIDP(self._stream(dev) if dev >= 0 else 0))
+        if status:
+            self._raise(status)
+
+    def _raise(self, status: int) -> None:
+        """A failed call's error; a closed communicator's says so (the library sees NULL)."""
+        if not self._handle:
+            raise _invalid(self._closed_message())
+        _check(status)
+
+    def _closed_message(self) -> str:
+        return (f"this Communicator (rank {getattr(self, 'rank', '?')} of {getattr(self, 'world_size', '?')}) "
+                f"was closed by {self._closed_by or 'close()'} (or garbage collected); make a new one")
+
+    def _live(self):
+        """The symm_comm_t, or the closed communicator's error."""
+        if not self._handle:
+            raise _invalid(self._closed_message())
+        return self._comm
+
+    def _check_devices(self, *tensors) -> None:
+        """Every tensor on this communicator's device (CPU tensors on the host backend, where
+        the heap is host memory; the GPU ``device`` otherwise)."""
+        for t in tensors:
+            if t is not None and t.get_device() != self._tensor_device:
+                raise _invalid(
+                    f"a tensor is on {_device_name(t.get_device())}; this communicator's tensors are on "
+                    f"{_device_name(self._tensor_device)}"
+                    + (" (the host backend: CPU tensors)" if self._tensor_device < 0 else ""))
+
+    def _same_dtype(self, what: str, *tensors) -> int:
+        code = _dtype_code(tensors[0].dtype)
+        if code is None or any(t.dtype != tensors[0].dtype for t in tensors):
+            raise _invalid(f"{what}: dtypes {', '.join(str(t.dtype) for t in tensors)}: expected one of bfloat16, float16, float32 for all")
+        if not all(t.is_contiguous() for t in tensors):
+            raise _invalid(f"{what}: every tensor must be contiguous")
+        self._check_devices(*tensors)
+        return code
+
+    def _stream_of(self, t) -> int:
+        dev = t.get_device()
+        return self._stream(dev) if dev >= 0 else 0
+
+    def reduce_scatter(self, out, inp, op: str = "sum") -> None:
+        """Rank r's ``out`` gets elements [r * n, (r + 1) * n) of the reduction of every rank's
+        ``inp`` (n = out.numel(), inp.numel() = world_size * n), on the current stream. Shapes:
+        ``inp`` is ``out`` concatenated along dim 0 ([world * d0, ...]) or stacked ([world, ...])."""
+        comm = self._live()
+        code = self._same_dtype("reduce_scatter", out, inp)
+        _check_gather("reduce_scatter", _shape(out), _shape(inp), self.world_size)
+        op_code = _check_op(op)
+        _check(_library().symm_reduce_scatter(comm, inp.data_ptr(), out.data_ptr(), out.numel(), code, op_code,
+                                               self._stream_of(out)))
+
+    def all_gather(self, out, inp) -> None:
+        """Every rank's ``inp`` lands at r * inp.numel() of ``out`` (world_size * inp.numel()
+        elements), on the current stream. Shapes: ``out`` is ``inp`` concatenated along dim 0
+        ([world * d0, ...]) or stacked ([world, ...])."""
+        comm = self._live()
+        code = self._same_dtype("all_gather", out, inp)
+        _check_gather("all_gather", _shape(inp), _shape(out), self.world_size)
+        _check(_library().symm_all_gather(comm, inp.data_ptr(), out.data_ptr(), inp.numel(), code,
+                                           self._stream_of(out)))
+
+    def all_reduce_add_rms_norm(self, x, residual, weight, eps: float = 1e-6, out=None):
+        """``residual += allreduce(x)``, then returns ``out = rms_norm(residual) * weight``
+        (fp32 inside). x and residual are [..., hidden] (one shape) bf16/fp16, weight [hidden],
+        as ``torch.nn.functional.rms_norm(residual, weight.shape, weight, eps)``; eps finite and
+        >= 0; ``out`` (x's shape) is allocated when not given. On the current stream."""
+        comm = self._live()
+        _check_rms_norm(_shape(x), _shape(residual), _shape(weight), None if out is None else _shape(out), eps)
+        code = self._same_dtype("all_reduce_add_rms_norm", x, residual, weight, *(() if out is None else (out,)))
+        if out is None:
+            out = x.new_empty(x.shape)
+        hidden = weight.numel()
+        _check(_library().symm_all_reduce_add_rms_norm(
+            comm, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            x.numel() // hidden, hidden, eps, code, self._stream_of(out)))
+        return out
+
+    def _bind(self) -> None:
+        """What every call needs, looked up once: the entry point and the stream getter; and the
+        ``handle`` by which the custom ops (``symmalloc.ops``) name this communicator."""
+        self.handle = next(_HANDLES)
+        _COMMS[self.handle] = self
+        self._handle = self._comm.value or 0  # the symm_comm_t address, for the compiled caller
+        # The get_device() of the tensors it takes: on the host backend the heap is host memory
+        # and tensors are CPU tensors (-1); otherwise this communicator's GPU.
+        self._tensor_device = -1 if os.environ.get("SYMMALLOC_BACKEND") == "host" else self.device
+        self._all_reduce = _library()["symm_all_reduce_algo"]  # a function object of its own
+        self._all_reduce.restype = ctypes.c_int
+        self._fast = _fast._fast_all_reduce()
+        try:
+            self._stream = _fast._stream_getter()
+        except ImportError:  # no torch (the host backend): only CPU tensors, stream 0
+            self._stream = lambda dev: 0
+            return
+        import torch
+
+        self._compile_eager(torch.Tensor, {getattr(torch, name): code for name, code in _DTYPES.items()}, self._stream)
+
+    def _compile_eager(self, tensor_type, dtypes, stream) -> bool:
+        """Puts the eager all-reduce in C (``_fastcall.eager``) in front of the method: an
+        instance attribute that shadows ``Communicator.all_reduce``, so ``comm.all_reduce(x)``
+        runs no Python frame. It takes exact ``tensor_type`` instances of the three ``dtypes``
+        (dtype object -> code) on this communicator's device with known op/algo names; anything
+        else (a subclass, an unknown name, a mismatched ``out``, another device, a closed
+        communicator) goes to the method, which raises as always. close() invalidates it. False
+        when the compiled module is absent."""
+        mod = _fast._fastcall_module()
+        if self._fast is None or not self._handle or mod is None or not hasattr(mod, "eager"):
+            return False
+        self.all_reduce = mod.eager(self.handle, self._handle, _eager_fallback, _check, tensor_type,
+                                    tuple(dtypes.items()), dict(_OPS), dict(_ALGOS), stream, self._tensor_device)
+        return True
+
+    def barrier(self) -> None:
+        """All ranks meet, ordered on the current stream."""
+        comm = self._live()
+        stream = 0
+        if self._tensor_device >= 0:
+            try:
+                stream = _fast._current_stream_handle(self.device)
+            except (ImportError, RuntimeError):  # no torch or no CUDA
+                stream = 0
+        _check(_library().symm_barrier(comm, stream))
+
+    def close(self) -> None:
+        """Destroys the communicator (every rank should close its own). Later calls raise
+        "this Communicator was closed by close()"; closing twice does nothing. The way back
+        from an error that leaves a communicator unusable: close it and make a new one."""
+        self._close("close()")
+
+    def _close(self, by: str) -> None:
+        if getattr(self, "_comm", None) and self._comm.value:
+            self._handle = 0
+            self._closed_by = by
+            caller = self.__dict__.pop("all_reduce", None)
+            if caller is not None:
+                _fast._fastcall_module().invalidate(caller)  # a caller someone kept now takes the fallback
+            _check(_library().symm_comm_destroy(self._comm))
+            self._comm = ctypes.c_void_p()
+
+    def __del__(self):
+        try:
+            self._close("garbage collection")
+        except Exception:
+            pass
+
+
+def _env_int(name: str) -> int:
+    v = os.environ.get(name)
+    try:
+        return int(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise _invalid(f"environment variable {name}={v!r}: expected an integer") from None
+
+
+def _launcher_store(timeout_s: float):
+    """torchrun's store (the agent's, at MASTER_ADDR:MASTER_PORT), or None without torch."""
+    try:
+        import datetime
+
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not dist.is_available():
+        return None
+    if dist.is_initialized():
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    port = _env_int("MASTER_PORT")
+    return dist.TCPStore(os.environ["MASTER_ADDR"], port, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
