@@ -72,12 +72,14 @@ def install_global() -> None:
     """Make symmalloc PyTorch's CUDA allocator. Must run before CUDA allocates anything, and
     before ``torch.cuda.set_device`` (which sets up PyTorch's own allocator).
 
-    PyTorch 2.11's ``CUDAPluggableAllocator`` exposes only malloc/free to Python, and its
-    C++ ``emptyCache`` calls a reset hook that Python cannot set; so ``torch.cuda.empty_cache``
-    (``torch.cuda.memory.empty_cache``, which ``torch.cuda.graph`` calls before capture) is
-    wrapped here: the original runs, then ``symm_empty_cache()`` returns symmalloc's cached
-    segments without live blocks. Pool and record-stream hooks are set where the build exposes
-    their setters."""
+    PyTorch 2.11's ``CUDAPluggableAllocator`` exposes hook setters to Python (seen on torch
+    2.11.0+cu130: ``set_begin_allocate_to_pool``, ``set_end_allocate_to_pool_fn``,
+    ``set_release_pool``, ``set_record_stream_fn``, ``set_reset_fn``, ...); each one present is
+    set to its ``symm_*`` function, ``set_reset_fn`` (what the allocator's ``emptyCache`` calls)
+    to ``symm_empty_cache``. ``torch.cuda.empty_cache`` (``torch.cuda.memory.empty_cache``,
+    which ``torch.cuda.graph`` calls before capture) is also wrapped, for builds whose
+    ``emptyCache`` does not call the hook: the original runs, then ``symm_empty_cache()``
+    returns symmalloc's cached segments without live blocks (a second call finds nothing)."""
     import torch
 
     if torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
@@ -90,6 +92,7 @@ def install_global() -> None:
         ("set_end_allocate_to_pool_fn", "symm_end_pool"),
         ("set_release_pool", "symm_release_pool"),
         ("set_record_stream_fn", "symm_record_stream"),
+        ("set_reset_fn", "symm_empty_cache"),
     ]:
         if hasattr(raw, setter):  # only some PyTorch builds expose these to Python
             getattr(raw, setter)(ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value)
