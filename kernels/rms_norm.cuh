@@ -149,7 +149,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   // The first pushed vector does not depend on the call: in flight before the counter and
   // abort-word loads, so the two latencies overlap (as in the LL all-reduce). The row's own
   // loads are not hoisted as well: at 2 ranks that delayed the counter load behind them and
-  // cost 0.1-0.3 us (bench/NOTES.md); they are issued before the polls instead.
+  // cost 0.1-0.3 us (bench/history, session 7); they are issued before the polls instead.
   const uint64_t p0 = (uint64_t)blockIdx.x * tp + threadIdx.x;
   uint4 pv = make_uint4(0, 0, 0, 0);
   if (threadIdx.x < tp && p0 < items) pv = x[p0];
@@ -164,7 +164,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   int parity = 0;
   // The rows from the host (f.tokens), not count / hidden: the compiler put that division (a
   // 64-bit call, or some 20 dependent instructions with a reciprocal when both fit in 32 bits)
-  // ahead of the first loads, 0.15-0.25 µs per call (bench/RESULTS.md, "Fused all-reduce + RMSNorm").
+  // ahead of the first loads, 0.15-0.25 µs per call (bench/NOTES.md, "The fused all-reduce + RMSNorm kernels").
   for (uint64_t t = blockIdx.x; ok && t < f.tokens; t += gridDim.x, parity ^= 1) {
     float r[V][N];
     float ss = 0.f;
@@ -244,7 +244,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
 // block then adds the C sums in block order, so every block (and rank) gets the same bits, and
 // every block stops at the same row if a wait failed anywhere in the cluster.
 // Warp 0 sends and waits; the other warps wait at a block barrier behind it (with every warp
-// spinning on the mbarrier the call was 0.03-0.09 µs slower on one H200; bench/RESULTS.md).
+// spinning on the mbarrier the call was 0.03-0.09 µs slower on one H200; bench/NOTES.md).
 // The inbox is double-buffered by the row's parity. Block s sends into inbox[p] of block b for
 // row t + 2 only after its wait on row t + 1 completed, which needed b's send of row t + 1,
 // which b issues after the barrier that follows its reads of inbox[p] for row t. part[] needs
@@ -283,7 +283,7 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   }
   // Every block's mbarriers exist before any block sends: the barrier's wait comes after the push.
   // After the call counter, not before: ahead of it this setup delayed the counter's load (0.07-0.1
-  // µs on one H200, bench/RESULTS.md, "Fused all-reduce + RMSNorm").
+  // µs on one H200, bench/NOTES.md, "The fused all-reduce + RMSNorm kernels").
   cluster_arrive_relaxed();
   const uint32_t buf = call % SYMM_LL_BUFFERS;
   const uint64_t start = globaltimer();

@@ -113,10 +113,11 @@ pub struct FusedShape {
 
 /// The rows the cluster kernel takes: more than LLC_MIN_VECS vectors (hidden > 4096) and at most
 /// LLC_MAX_VECS (hidden 16384, clusters of 8, the portable maximum). Measured on one H200 with one
-/// rank (bench/RESULTS.md, "Fused all-reduce + RMSNorm"; the exchange through st.async): at 6144 (clusters of 3)
-/// 0.10-0.21 µs faster than one block per row, at 16384 (clusters of 8) 1.6 µs faster up to 16
-/// rows; at 8192 0.10-0.12 µs faster than the cluster barrier it replaced up to 16 rows and 0.05
-/// slower at 32; at 4096 (clusters of 2) 0.2-0.3 µs slower than one block per row.
+/// rank (bench/NOTES.md, "The fused all-reduce + RMSNorm kernels"; the exchange through
+/// st.async): at 6144 (clusters of 3) 0.10-0.21 µs faster than one block per row, at 16384
+/// (clusters of 8) 1.6 µs faster up to 16 rows; at 8192 0.10-0.12 µs faster than the cluster
+/// barrier it replaced up to 16 rows and 0.05 slower at 32; at 4096 (clusters of 2) 0.2-0.3 µs
+/// slower than one block per row.
 const LLC_MIN_VECS: u64 = 512;
 const LLC_MAX_VECS: u64 = 2048;
 /// Vectors per block of the cluster kernel while the LL grid has room for ceil(vecs / LLC_SPAN)
