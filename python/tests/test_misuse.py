@@ -239,7 +239,7 @@ def _disagree(torch, comm, rank, world, ck, mode):
     for where in ("staged", "heap"):
         for what in ("count", "dtype", "op", "call"):
             if where == "heap" and what == "call":
-                continue  # after the cases before it, rank 0 crashed in the next call: reported, not covered here
+                continue  # rank 1 leaves the sequence here and closes; rank 0 then gets SYMM_ERR_PEER (it segfaulted before retire.rs checked for it): not a disagreement case
             if where == "heap":
                 heap.fill_(float(rank + 1))
                 t = heap[:64 + (rank if what == "count" else 0)]

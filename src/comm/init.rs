@@ -219,6 +219,7 @@ impl Communicator {
             mesh,
             windows,
             internal,
+            internal_seg: 0,
             ll_slot,
             ll_grid,
             auto,
@@ -259,6 +260,7 @@ impl Communicator {
         let seg = comm
             .locate(internal, internal_len)?
             .expect("internal block is in the heap");
+        comm.internal_seg = seg.offset;
         comm.exchange(&[seg], desc, true)?;
         comm.mesh.barrier("init")?;
         crate::info!(

@@ -62,6 +62,9 @@ pub struct Communicator {
     /// Signal pad, epochs, abort word and LL buffers: `internal_bytes(world, ll_slot)` bytes
     /// (kernel_args.rs has the layout).
     internal: u64,
+    /// The offset of the segment that holds `internal` (the same on every rank): a peer that
+    /// releases it has destroyed its communicator (retire.rs).
+    internal_seg: u64,
     /// Bytes per sender slot of the LL buffers (`SYMMALLOC_LL_BYTES`, equal on all ranks).
     ll_slot: u64,
     /// The LL kernel's (blocks, threads), fixed for the communicator's life.

@@ -9,11 +9,13 @@
 //! kernel runs) or fail the exchange. On CUDA the device is synchronized first, so no kernel
 //! of an earlier call still reads what is unmapped; during a stream capture nothing is retired
 //! (a synchronization there would break the capture) and the records wait for a later call.
-//! Reading the logs when nothing changed costs one load per peer.
+//! Reading the logs when nothing changed costs one load per peer. A peer that released the
+//! segment of its internal block (pads, LL buffers) destroyed its communicator: this one is
+//! then broken (a sticky SYMM_ERR_PEER naming the peer), so no later call touches that window.
 
 use super::Communicator;
 use crate::cuda;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::heap::release_log::ReleaseView;
 
 /// Each peer's release log (None for this rank) and how many of its records were handled.
@@ -42,6 +44,7 @@ impl Communicator {
             cuda::mem::sync_device(self.device)?;
         }
         let mut records = Vec::new();
+        let mut broken = None;
         for peer in 0..self.world {
             let Some(view) = &self.releases.views[peer] else {
                 continue;
@@ -49,6 +52,19 @@ impl Communicator {
             records.clear();
             self.releases.seen[peer] = view.read_since(self.releases.seen[peer], &mut records);
             for &(offset, generation) in &records {
+                if offset == self.internal_seg {
+                    // The peer gave back its signal pads and LL buffers: it destroyed its
+                    // communicator. Nothing may touch its window any more (a collective would
+                    // read unmapped memory): the communicator is broken from now on.
+                    let e = Error::peer(format!(
+                        "rank {peer} destroyed its communicator (its signal pads and LL buffers \
+                         were released); rank {} cannot run collectives with it any more: \
+                         destroy this communicator",
+                        self.rank
+                    ));
+                    self.sticky = Some(e.clone());
+                    broken = Some(e);
+                }
                 if self
                     .windows
                     .unmap_released(self.alloc, peer, offset, generation)
@@ -61,6 +77,6 @@ impl Communicator {
                 }
             }
         }
-        Ok(())
+        broken.map_or(Ok(()), Err)
     }
 }
