@@ -90,9 +90,9 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
   barrier_close(a, e, ok);
 }
 
-// Small messages (x up to the LL threshold): the LL protocol of one_shot_ll.cu instead of the two
+// Small messages (x up to the LL threshold): the LL protocol of ll.cuh instead of the two
 // barriers, so the fused call costs about what the LL all-reduce costs. The grid is fitted to the
-// call (rms_norm.rs): enough blocks to push x with the LL all-reduce's spread (push_threads per
+// call (src/comm/shape.rs, `fused_ll_shape`): enough blocks to push x with the LL all-reduce's spread (push_threads per
 // block; one SM's stores to a peer are the bottleneck otherwise) and to give each row a block, at
 // most the communicator's LL grid; ll_end keeps every call counter in step whatever the grid.
 // Each block pushes its grid-stride share of x into every peer's slot and takes part in the
@@ -149,7 +149,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   // The first pushed vector does not depend on the call: in flight before the counter and
   // abort-word loads, so the two latencies overlap (as in the LL all-reduce). The row's own
   // loads are not hoisted as well: at 2 ranks that delayed the counter load behind them and
-  // cost 0.1-0.3 us (bench/history, session 7); they are issued before the polls instead.
+  // cost 0.1-0.3 us (bench/NOTES.md, "The fused all-reduce + RMSNorm kernels"); they are issued before the polls instead.
   const uint64_t p0 = (uint64_t)blockIdx.x * tp + threadIdx.x;
   uint4 pv = make_uint4(0, 0, 0, 0);
   if (threadIdx.x < tp && p0 < items) pv = x[p0];
@@ -236,7 +236,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
 
 
 // Wide rows on Hopper: a row split over a cluster of C blocks (C = 2-8, a launch attribute;
-// rms_norm.rs picks it), so no single SM moves a whole row of x, residual, weight, out and slot
+// src/comm/shape.rs picks it), so no single SM moves a whole row of x, residual, weight, out and slot
 // resets. Block q of a cluster takes vectors [q * span, (q + 1) * span) of the cluster's rows,
 // one per thread (span = ceil(vecs / C) <= SYMM_RMS_LLC_THREADS). The sum of squares: the
 // block's sum (a shuffle tree per warp, then warp 0 over the warps' sums) goes with the AND of
@@ -244,7 +244,8 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
 // block then adds the C sums in block order, so every block (and rank) gets the same bits, and
 // every block stops at the same row if a wait failed anywhere in the cluster.
 // Warp 0 sends and waits; the other warps wait at a block barrier behind it (with every warp
-// spinning on the mbarrier the call was 0.03-0.09 µs slower on one H200; bench/NOTES.md).
+// spinning on the mbarrier the call was 0.03-0.09 µs slower on one H200; bench/NOTES.md, "The fused all-reduce +
+// RMSNorm kernels").
 // The inbox is double-buffered by the row's parity. Block s sends into inbox[p] of block b for
 // row t + 2 only after its wait on row t + 1 completed, which needed b's send of row t + 1,
 // which b issues after the barrier that follows its reads of inbox[p] for row t. part[] needs
@@ -371,6 +372,6 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   }
   if (live) ll_end(a, call);
 #else
-  __trap();  // rms_norm.rs launches the cluster kernels on sm_90 and later only
+  __trap();  // src/comm/shape.rs picks the cluster kernels on sm_90 and later only
 #endif
 }

@@ -311,7 +311,7 @@ pub fn ll_bytes(world: usize) -> Result<u64> {
 }
 
 /// Default grid of the one-shot LL kernel: blocks x the most threads per block
-/// (`SYMMALLOC_LL_GRID`). Measured on 2x H200 (bench/RESULTS.md): one SM's stores to a peer
+/// (`SYMMALLOC_LL_GRID`). Measured on 2x H200 (bench/NOTES.md, "The LL kernels"): one SM's stores to a peer
 /// are the limit, so a message is spread over every block (128x512: 6.2 us at 1 MiB and
 /// 16.6 at 4 MiB graphed; 32x512: 8.4 at 1 MiB).
 pub const DEFAULT_LL_GRID: (u32, u32) = (128, 512);

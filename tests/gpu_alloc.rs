@@ -1,5 +1,5 @@
 //! Allocator and kernel tests on a real GPU (CUDA backend). Without a GPU each test prints
-//! "SKIPPED ...: no GPU" and returns; they run on the device machine (see bench/RESULTS.md).
+//! "SKIPPED ...: no GPU" and returns; they run on the device machine (bench/RESULTS.md, "GPU test suite").
 
 mod common;
 use common::*;

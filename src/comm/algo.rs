@@ -127,7 +127,8 @@ impl Algo {
 }
 
 /// Default largest message (bytes) AUTO sends one-shot, by world size. Measured on 2x H200
-/// (bench/RESULTS.md): two-shot matched one-shot at 8 KiB (6.9 us graphed) and beat it from
+/// (bench/RESULTS.md, "All-reduce through the C ABI"; docs/DESIGN.md, "AUTO thresholds"):
+/// two-shot matched one-shot at 8 KiB (6.7-7.0 us graphed) and beat it from
 /// 32 KiB up, so one-shot keeps only the smallest messages. Wider worlds read (world-1)
 /// copies in one-shot, so the crossover drops further (not measured: no wider machine lent).
 pub fn default_one_shot_max(world: usize) -> u64 {
@@ -139,9 +140,9 @@ pub fn default_one_shot_max(world: usize) -> u64 {
 }
 
 /// Default largest message (bytes) AUTO sends with the barrier-free one-shot LL kernel.
-/// Measured on 2x H200 (bench/RESULTS.md): LL beat two-shot at every size up to 4 MiB (6.2
-/// against 9.8 us graphed at 1 MiB, 16.6 against 18.4 at 4 MiB) and lost from 16 MiB (61
-/// against 55). A rank pushes (world - 1) copies of its message, so wider worlds switch to
+/// Measured on 2x H200 (bench/NOTES.md, "The LL kernels"): LL beat two-shot at every size up
+/// to 4 MiB (6.2 against 9.7 us graphed at 1 MiB, 16.6 against 18.4 at 4 MiB) and lost from
+/// 16 MiB (61 against 55). A rank pushes (world - 1) copies of its message, so wider worlds switch to
 /// two-shot earlier (reasoned, not measured: no wider machine was lent).
 pub fn default_ll_max(world: usize) -> u64 {
     match world {

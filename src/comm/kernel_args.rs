@@ -10,14 +10,14 @@ pub const MAX_BLOCKS: usize = 128;
 pub const THREADS: u32 = 512;
 /// Vectors per thread per round in the two-shot kernel (16-byte path only).
 pub const TWO_SHOT_UNROLL: u64 = 4;
-/// The same for reduce-scatter and all-gather (kernels/scatter_gather.cu).
+/// The same for reduce-scatter and all-gather (kernels/scatter_gather.cuh).
 pub const SG_UNROLL: u64 = 4;
 /// One signal slot: `u32 flag, u32 pad, u64 desc`.
 pub const SLOT_BYTES: u64 = 16;
 /// Signal pad: `[MAX_BLOCKS][MAX_RANKS]` slots.
 pub const PAD_BYTES: u64 = (MAX_BLOCKS * MAX_RANKS) as u64 * SLOT_BYTES;
 /// The communicator's internal block: pad, local barrier epochs, control words (the abort
-/// word), then the one-shot LL region (kernels/one_shot_ll.cu): per-block call counters,
+/// word), then the LL region (kernels/ll.cuh; docs/DESIGN.md, "Internal buffer layout"): per-block call counters,
 /// call-descriptor words, data slots. Everything before `LL_DATA_OFFSET` starts at 0.
 pub const COUNTERS_OFFSET: u64 = PAD_BYTES;
 /// The abort word (`u32`, device memory of this rank): 0, or the first fatal error's

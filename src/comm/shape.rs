@@ -19,7 +19,7 @@ pub fn ll_threads(items: u64, (blocks, max_threads): (u32, u32)) -> u32 {
 }
 
 /// Grid and block of an LL call of `items` 16-byte items: ll_threads per block, and just the
-/// blocks that have items (an item per thread), at most the LL grid's; kernels/one_shot_ll.cu
+/// blocks that have items (an item per thread), at most the LL grid's; `ll_end` (kernels/ll.cuh)
 /// keeps the call counters in step whatever the grid. A pure function of the message and of the
 /// communicator's LL grid (equal on every rank).
 pub fn ll_shape(items: u64, ll_grid: (u32, u32)) -> (u32, u32) {
