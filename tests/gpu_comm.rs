@@ -467,6 +467,12 @@ fn asymmetric_rank(c: Child) {
             null_mut(),
         )
     };
+    // Memory outside the communicator's own buffers must come through the fatal report intact.
+    let sentinel = symm_malloc(4096, c.device, null_mut());
+    let pattern: Vec<u8> = (0..4096u32)
+        .map(|i| (i * 7 + c.rank as u32) as u8)
+        .collect();
+    util::htod(c.device, sentinel as u64, &pattern).unwrap();
     let st = ll(buf);
     mem::sync_device(c.device).unwrap();
     let st2 = ll(q);
@@ -478,10 +484,47 @@ fn asymmetric_rank(c: Child) {
     assert_eq!(ll(q), symm_status_t::SYMM_ERR_NOT_SYMMETRIC);
     assert!(err().contains("unusable"), "{}", err());
     mem::sync_device(c.device).unwrap();
+    let mut back = vec![0u8; 4096];
+    util::dtoh(c.device, &mut back, sentinel as u64).unwrap();
+    assert!(
+        back == pattern,
+        "rank {}: the fatal report lost user data",
+        c.rank
+    );
     if !extra.is_null() {
         symm_free(extra, 3 << 20, 0, null_mut());
     }
     symm_free(p, 8 << 20, c.device, null_mut());
+    destroy(comm);
+    // The way back: close it and make a new one (another id: the key's first byte flipped on
+    // every rank alike), which runs collectives again.
+    let mut id = c.id;
+    id[8] ^= 0x5a;
+    let again = Child {
+        rank: c.rank,
+        world: c.world,
+        device: c.device,
+        id,
+        arg: String::new(),
+    };
+    let comm = init(&again);
+    let ones: Vec<u8> = (0..16).flat_map(|_| 1f32.to_le_bytes()).collect();
+    util::htod(c.device, q as u64, &ones).unwrap();
+    let st = symm_all_reduce(comm, q, q, 16, SYMM_FP32, SYMM_SUM, null_mut());
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_SUCCESS,
+        "a new communicator: {}",
+        err()
+    );
+    mem::sync_device(c.device).unwrap();
+    let mut out = vec![0u8; 64];
+    util::dtoh(c.device, &mut out, q as u64).unwrap();
+    let want: Vec<u8> = (0..16)
+        .flat_map(|_| (c.world as f32).to_le_bytes())
+        .collect();
+    assert_eq!(out, want, "rank {}: the new communicator's sum", c.rank);
+    symm_free(sentinel, 4096, c.device, null_mut());
     destroy(comm);
     println!("rank {}: asymmetry reported on every rank", c.rank);
 }
