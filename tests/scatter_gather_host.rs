@@ -160,7 +160,7 @@ fn errors_rank(c: Child) {
     // SAFETY: 4 bytes into a live 64 KiB block.
     let shifted = unsafe { (p as *mut u8).add(4) } as *mut std::ffi::c_void;
     let st = symm_reduce_scatter(comm, p, shifted, 16, SYMM_FP32, SYMM_SUM, null_mut());
-    assert_eq!(st, symm_status_t::SYMM_ERR_INVALID_ARGUMENT);
+    assert_eq!(st, symm_status_t::SYMM_ERR_INVALID_ARGUMENT, "{}", err());
     assert!(err().contains("overlap; in place means recv = send + rank * recv_count"));
     let st = symm_all_gather(comm, shifted, p, 16, SYMM_FP32, null_mut());
     assert_eq!(st, symm_status_t::SYMM_ERR_INVALID_ARGUMENT);

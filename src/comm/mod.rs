@@ -163,12 +163,17 @@ impl Communicator {
     }
 
     /// One collective call through the pipeline: report earlier errors, plan, launch.
+    /// A call with nothing to do returns at once (earlier errors wait for the next call that
+    /// does something); a call's own arguments are checked next (they need no peer, so a bad one
+    /// is reported as such whatever the peers did since); then earlier errors, then the plan.
     fn collective(&mut self, call: Call) -> Result<()> {
-        self.begin_call(call.stream)?;
-        match self.prepare(&call)? {
-            Some(plan) => self.launch(&plan),
-            None => Ok(()),
+        if call.is_empty() {
+            return Ok(());
         }
+        let ext = call.check(self.rank, self.world)?;
+        self.begin_call(call.stream)?;
+        let plan = self.prepare(&call, ext)?;
+        self.launch(&plan)
     }
 
     /// All-reduce of `count` elements, in place when `send == recv`.

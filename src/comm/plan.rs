@@ -56,14 +56,10 @@ struct Placement {
 }
 
 impl Communicator {
-    /// Checks a call, places its buffers, picks its kernel and grid, exchanges its segments and
-    /// compares its descriptor with the peers'. Collective (every rank calls it in the same
-    /// order). `None` for a call with nothing to do.
-    pub(super) fn prepare(&mut self, call: &Call) -> Result<Option<Plan>> {
-        if call.is_empty() {
-            return Ok(None);
-        }
-        let ext = call.check(self.rank, self.world)?;
+    /// Places a checked call's buffers (`ext`: `Call::check`), picks its kernel and grid,
+    /// exchanges its segments and compares its descriptor with the peers'. Collective (every
+    /// rank calls it in the same order).
+    pub(super) fn prepare(&mut self, call: &Call, ext: Extents) -> Result<Plan> {
         // The all-reduce's kernel depends only on the message; the others' on where it lies.
         let asked = match call.coll {
             Coll::AllReduce(a) => {
@@ -146,7 +142,7 @@ impl Communicator {
         } else {
             0
         };
-        Ok(Some(Plan {
+        Ok(Plan {
             call: *call,
             kernel,
             desc,
@@ -158,7 +154,7 @@ impl Communicator {
             stage_in: p.stage_in,
             stage_out: p.stage_out,
             mc_out,
-        }))
+        })
     }
 
     /// The buffers the kernel uses. Only what peers touch must be in the heap: every rank's
