@@ -32,8 +32,8 @@ pub fn writer_addr(pad: u64, slot: u32) -> u64 {
 pub enum SignalVia {
     /// A one-thread kernel: `symm_signal_send` (writer word, `fence.sc.sys`, release store).
     Kernel,
-    /// One `cuStreamBatchMemOp` of two writes (the writer word, then the value behind a memory
-    /// barrier): no kernel, no SM.
+    /// Two stream memory operations (`cuStreamWriteValue32` of the writer word, then
+    /// `cuStreamWriteValue64` of the value behind a memory barrier): no kernel, no SM.
     StreamWrite,
 }
 
@@ -48,7 +48,7 @@ pub enum WaitVia {
 }
 
 /// What `symm_signal` uses on CUDA, chosen by measurement (bench/NOTES.md, "Signals and waits").
-pub const DEFAULT_SIGNAL: SignalVia = SignalVia::StreamWrite;
+pub const DEFAULT_SIGNAL: SignalVia = SignalVia::Kernel;
 
 /// The argument of the p2p kernels (kernels/p2p.cu `P2pArgs`).
 #[repr(C)]

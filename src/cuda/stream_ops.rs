@@ -1,4 +1,4 @@
-//! Stream memory operations (`cuStreamWriteValue*`, `cuStreamWaitValue*`, `cuStreamBatchMemOp`):
+//! Stream memory operations (`cuStreamWriteValue*`, `cuStreamWaitValue*`):
 //! writes and waits that the GPU's front end executes in stream order, with no kernel and no
 //! SM. Capturable (they become memory-operation nodes of a graph). Used by the p2p signals
 //! (comm/p2p.rs); the wait is unbounded, so the library itself only uses it in benchmarks.
@@ -7,36 +7,11 @@ use super::driver::{check, CtxGuard};
 use crate::error::Result;
 use cudarc::driver::sys;
 
-fn write_op(addr: u64, value: u64, wide: bool, barrier: bool) -> sys::CUstreamBatchMemOpParams {
-    // SAFETY: an all-zero CUstreamBatchMemOpParams is a valid value of the plain-data union;
-    // the write-value member is filled below.
-    let mut p: sys::CUstreamBatchMemOpParams = unsafe { std::mem::zeroed() };
-    let w = sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st {
-        operation: if wide {
-            sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64
-        } else {
-            sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_32
-        },
-        address: addr,
-        __bindgen_anon_1:
-            sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 {
-                value64: value,
-            },
-        flags: if barrier {
-            sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32
-        } else {
-            sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER as u32
-        },
-        alias: 0,
-    };
-    p.writeValue = w;
-    p
-}
-
 /// After the stream's earlier work: stores `word` (u32) at `word_addr`, then `value` (u64) at
 /// `value_addr`, the second behind a memory barrier (the driver's "similar to
 /// __threadfence_system(), scoped to the stream"), so whoever sees `value` also sees the
-/// stream's earlier writes. One batch, no kernel.
+/// stream's earlier writes. Two stream memory operations, no kernel. (One cuStreamBatchMemOp of
+/// the same two writes was refused with CUDA_ERROR_INVALID_VALUE on an H100, driver 580.159.)
 pub fn write_u32_then_u64(
     device: i32,
     stream: u64,
@@ -46,16 +21,20 @@ pub fn write_u32_then_u64(
     value: u64,
 ) -> Result<()> {
     let _ctx = CtxGuard::new(device)?;
-    let mut ops = [
-        write_op(word_addr, word as u64, false, false),
-        write_op(value_addr, value, true, true),
-    ];
-    // SAFETY: ops holds two initialized write-value operations on device-accessible addresses
-    // (the caller's checked signal pad words); the stream is the caller's.
+    // SAFETY: word_addr is a device-accessible 4-byte word (the caller's checked signal pad);
+    // the stream is the caller's.
     check(
-        unsafe { sys::cuStreamBatchMemOp_v2(stream as sys::CUstream, 2, ops.as_mut_ptr(), 0) },
-        "cuStreamBatchMemOp",
-    )
+        unsafe {
+            sys::cuStreamWriteValue32_v2(
+                stream as sys::CUstream,
+                word_addr,
+                word,
+                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER as u32,
+            )
+        },
+        "cuStreamWriteValue32",
+    )?;
+    write_u64(device, stream, value_addr, value)
 }
 
 /// After the stream's earlier work: stores `value` at `addr` behind a memory barrier.
