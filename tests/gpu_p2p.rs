@@ -78,7 +78,10 @@ fn check_and_ack(c: &Child, comm: *mut symm_comm_t, g: &Ring, seed: u64, ack: u6
             "rank {me}: element {i} from rank {prev}, seed {seed}"
         );
     }
-    util::htod(c.device, g.slice(prev), &vec![0xffu8; g.n * 4]).unwrap();
+    // Stream-ordered (the stream does not wait for the legacy stream, and a pageable copy may
+    // land after cuMemcpyHtoD returns); the buffer lives until the stream syncs below.
+    let poison = vec![0xffu8; g.n * 4];
+    util::htod_async(c.device, g.slice(prev), &poison, g.stream).unwrap();
     let s = g.stream as *mut CUstream_st;
     ok(
         symm_signal(comm, prev as i32, 64 + me as u32, ack, s),
@@ -123,7 +126,8 @@ fn ring(c: &Child) {
         let own = d.heap_bases[c.rank as usize];
         assert_eq!(q as u64, d.heap_bases[r as usize] + (buf - own));
     }
-    let seed = seed();
+    // One seed for every rank (each rank checks another's data): the parent's.
+    let seed: u64 = c.arg.parse().expect("the parent passes the seed");
     let rounds = reps(50);
     for round in 1..=rounds {
         let data = f32s(
@@ -131,7 +135,7 @@ fn ring(c: &Child) {
                 .map(|i| input(seed + round, c.rank, i))
                 .collect::<Vec<_>>(),
         );
-        util::htod(c.device, src, &data).unwrap();
+        util::htod_async(c.device, src, &data, stream).unwrap();
         enqueue_round(c, comm, &g, round);
         check_and_ack(c, comm, &g, seed + round, round);
     }
@@ -143,7 +147,7 @@ fn ring(c: &Child) {
                 .map(|i| input(seed + 1000 + k, c.rank, i))
                 .collect::<Vec<_>>(),
         );
-        util::htod(c.device, src, &data).unwrap();
+        util::htod_async(c.device, src, &data, stream).unwrap();
         util::capture_begin(c.device, stream).unwrap();
         enqueue_round(c, comm, &g, rounds + k);
         let graph = util::capture_end(c.device, stream).unwrap();
@@ -168,7 +172,8 @@ fn gpu_p2p_ring_eager_and_graphed() {
         return ring(&c);
     }
     let world = gpu_world("gpu_p2p_ring_eager_and_graphed");
-    assert_all_ok(&run_ranks("gpu_p2p_ring_eager_and_graphed", world, &[], ""));
+    let s = seed().to_string();
+    assert_all_ok(&run_ranks("gpu_p2p_ring_eager_and_graphed", world, &[], &s));
 }
 
 #[test]
@@ -201,7 +206,7 @@ fn gpu_p2p_one_rank_ring_and_a_wait_nobody_answers() {
         "gpu_p2p_one_rank_ring_and_a_wait_nobody_answers",
         1,
         &[("SYMMALLOC_TIMEOUT_S", "1")],
-        "",
+        &seed().to_string(),
     ));
 }
 
