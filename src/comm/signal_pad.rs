@@ -47,7 +47,8 @@ pub enum WaitVia {
     StreamWait,
 }
 
-/// What `symm_signal` uses on CUDA, chosen by measurement (bench/NOTES.md, "Signals and waits").
+/// What `symm_signal` uses on CUDA: a kernel. The driver refused the stream writes into the pads
+/// on an H100 (CUDA_ERROR_INVALID_VALUE; bench/NOTES.md, "Signals and waits").
 pub const DEFAULT_SIGNAL: SignalVia = SignalVia::Kernel;
 
 /// The argument of the p2p kernels (kernels/p2p.cu `P2pArgs`).
