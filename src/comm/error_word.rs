@@ -1,8 +1,10 @@
 //! The kernels' error words, as the host sees them: two `u32` in pinned host memory mapped into
 //! the device (kernels/common.cuh, `report_to_host`). Word 0 holds a recoverable error of one
 //! call (cleared once reported); word 1 the fatal error (never cleared: the communicator is then
-//! unusable). Kernels only ever write these words, once per error; the host reads them at the
-//! start of every call, so an error surfaces at the next call without a synchronization.
+//! unusable). A p2p signal wait that times out (include/symmalloc_device.cuh) first records its
+//! slot and values in words 2..8, then its fatal word. Kernels only ever write these words, once
+//! per error; the host reads them at the start of every call, so an error surfaces at the next
+//! call without a synchronization.
 //!
 //! On the host backend collectives return their errors directly and nothing writes the words.
 
