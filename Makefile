@@ -50,9 +50,13 @@ test-python: build target/release/_fastcall.abi3.so
 	cd python && SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release $(PYTHON) -m pytest -q tests
 	cd python && SYMMALLOC_BACKEND=host SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release $(PYTHON) -m pytest -q tests
 
+# With the toolchain's nvcc the harness also builds examples/cpp/p2p_allreduce.cu (its libraries
+# are in lib/, where nvcc's profile does not look).
+CUDA_EXAMPLE := $(if $(wildcard $(NVCC)),-DCMAKE_CUDA_COMPILER=$(NVCC) -DCMAKE_CUDA_FLAGS=-L$(CURDIR)/.toolchain/nvidia/cu13/lib)
+
 test-c: build
 	$(CMAKE) -S tests/c -B build/c -DSYMMALLOC_LIB_DIR=$(CURDIR)/target/release \
-	  -DCUDA_INCLUDE_DIR=$(CUDA_INCLUDE) >/dev/null
+	  -DCUDA_INCLUDE_DIR=$(CUDA_INCLUDE) $(CUDA_EXAMPLE) >/dev/null
 	$(CMAKE) --build build/c -j 2
 	$(CTEST) --test-dir build/c --output-on-failure
 
@@ -67,13 +71,14 @@ install: build
 	strip --strip-debug $(PREFIX)/lib/libsymmalloc.so.$(VERSION) $(PREFIX)/lib/libsymmalloc_pluggable.so
 	ln -sf libsymmalloc.so.$(VERSION) $(PREFIX)/lib/libsymmalloc.so.$(SOVERSION)
 	ln -sf libsymmalloc.so.$(SOVERSION) $(PREFIX)/lib/libsymmalloc.so
-	install -m 644 include/symmalloc.h $(PREFIX)/include/
+	install -m 644 include/symmalloc.h include/symmalloc_device.cuh $(PREFIX)/include/
 	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' cmake/symmalloc.pc.in > $(PREFIX)/lib/pkgconfig/symmalloc.pc
 	sed -e 's|@VERSION@|$(VERSION)|' -e 's|@SOVERSION@|$(SOVERSION)|' cmake/symmalloc-config.cmake.in > $(PREFIX)/lib/cmake/symmalloc/symmalloc-config.cmake
 	sed -e 's|@VERSION@|$(VERSION)|' cmake/symmalloc-config-version.cmake.in > $(PREFIX)/lib/cmake/symmalloc/symmalloc-config-version.cmake
 
 # `make install` into build/prefix, then a consumer project finds it with
-# find_package(symmalloc VERSION), links it by SONAME and runs; a newer version is refused.
+# find_package(symmalloc VERSION), links it by SONAME and runs; a newer version is refused. The
+# device helpers' header is found through the CMake package and through pkg-config.
 test-install:
 	rm -rf build/prefix build/consumer build/consumer-newer
 	$(MAKE) --no-print-directory install PREFIX=$(CURDIR)/build/prefix >/dev/null
@@ -84,6 +89,12 @@ test-install:
 	readelf -d build/prefix/lib/libsymmalloc.so.$(VERSION) | grep -q 'SONAME.*\[libsymmalloc.so.$(SOVERSION)\]'
 	! readelf -S build/prefix/lib/libsymmalloc.so.$(VERSION) | grep -q debug_info
 	SYMMALLOC_BACKEND=host build/consumer/consumer
+	SYMMALLOC_BACKEND=host build/consumer/consumer_device
+	PKG_CONFIG_PATH=$(CURDIR)/build/prefix/lib/pkgconfig $(CXX) -std=c++17 -Wall -Wextra -Werror \
+	  $$(PKG_CONFIG_PATH=$(CURDIR)/build/prefix/lib/pkgconfig pkg-config --cflags symmalloc) \
+	  tests/install/consumer_device.cpp -o build/consumer/consumer_device_pc \
+	  $$(PKG_CONFIG_PATH=$(CURDIR)/build/prefix/lib/pkgconfig pkg-config --libs symmalloc)
+	SYMMALLOC_BACKEND=host LD_LIBRARY_PATH=$(CURDIR)/build/prefix/lib build/consumer/consumer_device_pc
 	! $(CMAKE) -S tests/install -B build/consumer-newer -DCMAKE_PREFIX_PATH=$(CURDIR)/build/prefix \
 	  -DWANT_VERSION=$(VMAJOR).$(shell echo $$(($(VMINOR) + 1))) >/dev/null 2>&1
 	@echo "test-install: find_package($(VMAJOR).$(VMINOR)) links libsymmalloc.so.$(SOVERSION) and runs; $(VMAJOR).$$(($(VMINOR) + 1)) is refused"
@@ -111,7 +122,7 @@ wheel: toolchain
 # installed once into $(TORCH_VENV) and reused; each run's venv reads it through a .pth file, so
 # the cache itself never changes.
 TORCH_VENV ?= $(CURDIR)/.toolchain/torch-venv-2.11.0
-WHEEL_TESTS := test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py
+WHEEL_TESTS := test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py test_p2p_host.py
 $(TORCH_VENV)/.installed: python/tests/torch-requirements.txt
 	rm -rf $(TORCH_VENV) && $(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/pip install --quiet --disable-pip-version-check -r $<

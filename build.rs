@@ -16,6 +16,8 @@ fn main() {
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     let kernels = root.join("kernels");
     println!("cargo:rerun-if-changed=kernels");
+    // kernels/p2p.cu uses the public device helpers (and symmalloc.h, their types).
+    println!("cargo:rerun-if-changed=include");
     for var in ["NVCC", "CUDA_HOME", "SYMMALLOC_CUDA_ARCHS", "PATH"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -60,7 +62,9 @@ fn main() {
         .arg("-std=c++17")
         .arg("--expt-relaxed-constexpr")
         .arg("-I")
-        .arg(&kernels);
+        .arg(&kernels)
+        .arg("-I")
+        .arg(root.join("include"));
     for (i, a) in archs.iter().enumerate() {
         assert!(
             a.chars().all(|c| c.is_ascii_alphanumeric()),

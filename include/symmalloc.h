@@ -23,7 +23,7 @@ struct CUstream_st;
  */
 #define SYMMALLOC_VERSION_MAJOR 0
 
-#define SYMMALLOC_VERSION_MINOR 1
+#define SYMMALLOC_VERSION_MINOR 2
 
 #define SYMMALLOC_VERSION_PATCH 0
 
@@ -37,6 +37,64 @@ struct CUstream_st;
  * `symm_memory_stats_sized` serves, and exactly what `symm_memory_stats` writes.
  */
 #define SYMM_MEMORY_STATS_V1_SIZE 80
+
+/**
+ * Ranks of a communicator, at most (the length of the per-rank arrays below).
+ */
+#define SYMM_MAX_RANKS 8
+
+/**
+ * Signal slots per rank and communicator, numbered 0..SYMM_SIGNAL_SLOTS-1.
+ */
+#define SYMM_SIGNAL_SLOTS 4096
+
+/**
+ * Byte offset, in a signal pad, of the writer words (after the `uint64_t` values).
+ */
+#define SYMM_SIGNAL_WRITERS_OFFSET ((uint64_t)SYMM_SIGNAL_SLOTS * 8)
+
+/**
+ * Bytes of one rank's signal pad.
+ */
+#define SYMM_SIGNAL_PAD_BYTES (SYMM_SIGNAL_WRITERS_OFFSET + ((uint64_t)SYMM_SIGNAL_SLOTS * 4))
+
+/**
+ * The layout `symm_comm_device` writes (`symm_device_comm_t.version`).
+ */
+#define SYMM_DEVICE_COMM_VERSION 1
+
+/**
+ * Bytes of the first `symm_device_comm_t`: the least `symm_comm_device` serves.
+ */
+#define SYMM_DEVICE_COMM_V1_SIZE 176
+
+/**
+ * The code of a signal wait's timeout in the abort word and the fatal error word:
+ * `(SYMM_DEVICE_ERR_SIGNAL_TIMEOUT << 16) | writer`, writer the slot's writer word (the rank
+ * that last raised it, plus one; 0 when none did).
+ */
+#define SYMM_DEVICE_ERR_SIGNAL_TIMEOUT 5
+
+/**
+ * `error_word` is `uint32_t[16]` of host-mapped memory, only ever written by device code:
+ * index of the fatal error word.
+ */
+#define SYMM_DEVICE_ERR_FATAL 1
+
+/**
+ * Index of the timed-out wait's slot, written before the fatal word.
+ */
+#define SYMM_DEVICE_ERR_SLOT 2
+
+/**
+ * Index of the awaited value (two words, low first), written before the fatal word.
+ */
+#define SYMM_DEVICE_ERR_AWAITED 4
+
+/**
+ * Index of the last value seen in the slot (two words, low first), written before the fatal word.
+ */
+#define SYMM_DEVICE_ERR_SEEN 6
 
 /**
  * Result of every status-returning function.
@@ -139,6 +197,59 @@ typedef uint32_t symm_op_t;
  * All-reduce algorithm.
  */
 typedef uint32_t symm_algo_t;
+
+/**
+ * A communicator as device code sees it (`symm_comm_device` fills it; the helpers of
+ * include/symmalloc_device.cuh take it). Every address is in this process's address space and
+ * stays valid until the communicator is destroyed; a peer's address is valid only for memory
+ * every rank passed to `symm_rendezvous` and has not released since.
+ */
+typedef struct {
+  /**
+   * Bytes of this struct the library wrote (the `size` the caller passed).
+   */
+  uint64_t struct_size;
+  /**
+   * `SYMM_DEVICE_COMM_VERSION` of the library that wrote it.
+   */
+  uint32_t version;
+  /**
+   * Ranks of the communicator.
+   */
+  int32_t world;
+  /**
+   * This process's rank.
+   */
+  int32_t rank;
+  /**
+   * `SYMM_SIGNAL_SLOTS`.
+   */
+  uint32_t signal_slots;
+  /**
+   * `SYMMALLOC_TIMEOUT_S` in nanoseconds (of `%globaltimer`): how long a signal wait spins.
+   */
+  uint64_t timeout_ns;
+  /**
+   * Where rank r's heap appears in this process (r = rank: the heap itself); entries past
+   * `world` are 0.
+   */
+  uint64_t heap_bases[SYMM_MAX_RANKS];
+  /**
+   * Rank r's signal pad in this process (`uint64_t[SYMM_SIGNAL_SLOTS]` values, then the
+   * writer words); entries past `world` are 0.
+   */
+  uint64_t signal_pads[SYMM_MAX_RANKS];
+  /**
+   * This rank's abort word (`uint32_t`, device memory): 0, or the communicator's first fatal
+   * error. Device waits poll it; once set, every wait of the communicator returns at once.
+   */
+  uint64_t abort_word;
+  /**
+   * The communicator's error words (`uint32_t[16]`, host-mapped; 0 on the host backend):
+   * device code only writes them, once per error (SYMM_DEVICE_ERR_* name the words).
+   */
+  uint64_t error_word;
+} symm_device_comm_t;
 
 #define SYMM_BF16 0
 
@@ -318,6 +429,62 @@ symm_status_t symm_all_reduce_add_rms_norm(symm_comm_t *comm, const void *x, voi
  * Every rank waits for every other; stream-ordered.
  */
 symm_status_t symm_barrier(symm_comm_t *comm, struct CUstream_st *stream);
+
+/**
+ * Collective: every rank passes the same offset (in its symmetric heap) and size. Maps every
+ * peer's segments under [ptr, ptr + bytes), which must lie in live `symm_malloc` blocks, and
+ * checks that every rank passed the same range: SYMM_ERR_NOT_SYMMETRIC on every rank
+ * otherwise (a rank whose own arguments are bad gets SYMM_ERR_INVALID_ARGUMENT naming them,
+ * the others SYMM_ERR_NOT_SYMMETRIC). Idempotent. Waits at most SYMMALLOC_TIMEOUT_S.
+ */
+symm_status_t symm_rendezvous(symm_comm_t *comm, const void *ptr, size_t bytes);
+
+/**
+ * Local, after `symm_rendezvous`: writes to `*out` the address, in this process, of `ptr`'s
+ * offset in rank `peer`'s heap (`ptr` itself for this rank). Refused (and `*out` set to NULL)
+ * for a pointer outside the heap, one no rendezvoused range holds, a peer out of range, and a
+ * segment released (`symm_empty_cache`, `symm_release_pool`) by this rank or the peer since
+ * the rendezvous: never a dangling mapping.
+ */
+symm_status_t symm_peer_ptr(symm_comm_t *comm, const void *ptr, int peer, void **out);
+
+/**
+ * Stream-ordered: after the stream's earlier work, copies `bytes` from `src` (any memory the
+ * device can read) into rank `peer`'s buffer at the offset of `dst`, with the copy engine (no
+ * kernel). [dst, dst + bytes) must lie inside one range every rank rendezvoused (refused
+ * otherwise: it would leave the peer's mapped segments). Capturable. Not ordered against
+ * other streams' work (collectives included): a `symm_signal` after it on the same stream
+ * tells the peer the data is there. `bytes` 0 does nothing.
+ */
+symm_status_t symm_put(symm_comm_t *comm, int peer, void *dst, const void *src, size_t bytes, struct CUstream_st *stream);
+
+/**
+ * Stream-ordered: after the stream's earlier work (puts included), stores `value` into slot
+ * `slot` (0 to SYMM_SIGNAL_SLOTS - 1) of rank `peer`'s signal pad, with a memory barrier
+ * before it, so a peer that sees the value sees the stream's earlier writes. Values are
+ * stored, not added: raise a slot with increasing values (monotonic counters, no reset).
+ * Capturable (a captured signal stores the same value at every replay).
+ */
+symm_status_t symm_signal(symm_comm_t *comm, int peer, uint32_t slot, uint64_t value, struct CUstream_st *stream);
+
+/**
+ * Stream-ordered: holds the stream until this rank's slot `slot` is >= `value` (unsigned);
+ * work after it on the stream sees what the signalling rank wrote before its signal. Bounded:
+ * past SYMMALLOC_TIMEOUT_S the stream goes on, and the next call on the communicator returns
+ * SYMM_ERR_TIMEOUT naming the slot, the values and the rank that raised the slot last (the
+ * communicator is then unusable). A one-thread kernel on CUDA; on the host backend the call
+ * itself waits and reports. Capturable.
+ */
+symm_status_t symm_wait(symm_comm_t *comm, uint32_t slot, uint64_t value, struct CUstream_st *stream);
+
+/**
+ * Fills the first `size` bytes of `*out` (pass `sizeof(symm_device_comm_t)`) with the
+ * communicator as device code sees it: world, rank, every rank's heap base and signal pad in
+ * this process, the abort and error words, the timeout (include/symmalloc_device.cuh takes
+ * it). Nothing past `size` is written; a size that is not whole 8-byte fields, is below
+ * SYMM_DEVICE_COMM_V1_SIZE or is larger than this library's struct is refused.
+ */
+symm_status_t symm_comm_device(symm_comm_t *comm, symm_device_comm_t *out, size_t size);
 
 #ifdef __cplusplus
 }  // extern "C"

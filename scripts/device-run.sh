@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a lent GPU machine, from
 # prebuilt artifacts in .device/ (see the README's "GPU runs" section). Logs go to $OUT.
-#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab
+#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab | p2p
 #   fused: bench/fused.py (all-reduce + residual add + RMSNorm, fused vs unfused vs NCCL, and a
 #          16-layer decoder step).
 #   native: the PyTorch-native checks (torch.compile over the custom ops at 2 ranks; the wheel
@@ -64,6 +64,19 @@ elif [ "${1:-tests}" = ab ]; then
 elif [ "${1:-tests}" = fused ]; then
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   T=560 TAILN=${TAILN:-60} run fused python3 bench/fused.py --out "$OUT"
+elif [ "${1:-tests}" = p2p ]; then
+  # Symmetric memory you program yourself (issue 26): the signal/wait/put benchmark at 1 rank and
+  # at 2 ranks sharing the GPU; the GPU tests at 1 rank and at RANKS (default "2 4 8") sharing it;
+  # the CUDA example over the device helpers; the Python/Triton check at TRITON_RANKS.
+  step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  T=${T_BENCH:-90} TAILN=16 run p2p_bench_1 env SYMM_BENCH_WORLD=1 $D/p2p_bench
+  T=${T_BENCH:-150} TAILN=16 run p2p_bench_2 env SYMM_BENCH_WORLD=2 SYMMALLOC_SHARED_GPU=1 $D/p2p_bench
+  T=90 TAILN=4 run gpu_p2p_1 $D/t_gpu_p2p gpu_p2p_one_rank --include-ignored --test-threads=1 --nocapture
+  for n in ${RANKS:-2 4 8}; do
+    T=150 TAILN=5 run gpu_p2p_$n env SYMMALLOC_SHARED_GPU=1 SYMM_TEST_RANKS=$n $D/t_gpu_p2p gpu_p2p_ring gpu_p2p_a_wait --include-ignored --test-threads=1 --nocapture
+  done
+  [ -x $D/p2p_allreduce ] && for n in ${EXAMPLE_RANKS:-2 4}; do T=90 TAILN=5 run p2p_example_$n env SYMMALLOC_SHARED_GPU=1 LD_LIBRARY_PATH=$D $D/p2p_allreduce $n; done
+  T=${T_TRITON:-300} TAILN=8 run triton_p2p python3 python/tests/triton_p2p_check.py --world ${TRITON_RANKS:-2 4 8}
 elif [ "${1:-tests}" = shared ]; then
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   for n in ${RANKS:-2 4}; do

@@ -25,23 +25,30 @@ if [ "${1:-}" = --old ]; then
   ls -la .device/old
   exit 0
 fi
-mapfile -t tests < <(cargo test --release -p symmalloc --lib --test gpu_alloc --test gpu_comm --test gpu_scatter_gather --test bitwise --no-run 2>&1 |
+mapfile -t tests < <(cargo test --release -p symmalloc --lib --test gpu_alloc --test gpu_comm --test gpu_scatter_gather --test bitwise --test gpu_p2p --no-run 2>&1 |
   grep -oE "\(target/release/deps/[^)]+\)" | tr -d '()')
 # Everything but an A/B's other build (--old) is replaced.
 mkdir -p .device && find .device -mindepth 1 -maxdepth 1 ! -name old -exec rm -rf {} +
 cp target/release/libsymmalloc.so target/release/libsymmalloc_pluggable.so target/release/symmalloc-demo \
-  target/release/examples/alloc_bench target/release/examples/allreduce_c .device/
+  target/release/examples/alloc_bench target/release/examples/allreduce_c target/release/examples/p2p_bench .device/
 for t in "${tests[@]}"; do
   case "$t" in
     *gpu_alloc-*) cp "$t" .device/t_gpu_alloc ;;
     *gpu_comm-*) cp "$t" .device/t_gpu_comm ;;
     *gpu_scatter_gather-*) cp "$t" .device/t_gpu_sg ;;
     *bitwise-*) cp "$t" .device/t_bitwise ;;
+    *gpu_p2p-*) cp "$t" .device/t_gpu_p2p ;;
     *symmalloc-*) cp "$t" .device/t_unit ;;
   esac
 done
 cp "$(ls -t target/release/build/symmalloc-*/out/symmalloc_kernels.fatbin | head -1)" .device/
-strip .device/t_* .device/alloc_bench .device/allreduce_c .device/symmalloc-demo
+# The C harness's CUDA example (examples/cpp/p2p_allreduce.cu), built here with the toolchain's
+# nvcc when there is one (the device run also builds it with the machine's).
+if [ -x .toolchain/nvidia/cu13/bin/nvcc ]; then
+  .toolchain/nvidia/cu13/bin/nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 -Iinclude \
+    examples/cpp/p2p_allreduce.cu -o .device/p2p_allreduce -L.toolchain/nvidia/cu13/lib -Ltarget/release -lsymmalloc
+fi
+strip .device/t_* .device/alloc_bench .device/allreduce_c .device/p2p_bench .device/symmalloc-demo
 strip --strip-debug .device/*.so  # keeps the dynamic symbols; the tree travels under 64 MiB
 link_soname .device
 # The manylinux wheel (make wheel), for the install-and-run check on the device.

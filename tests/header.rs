@@ -10,6 +10,7 @@ fn generate() -> String {
     let bindings = cbindgen::Builder::new()
         .with_src(root.join("src/ffi/mod.rs"))
         .with_src(root.join("src/ffi/types.rs"))
+        .with_src(root.join("src/comm/device_comm.rs"))
         .with_src(root.join("src/heap/stats.rs"))
         .with_config(config)
         .generate()
@@ -65,6 +66,15 @@ fn header_names_the_contract() {
         "symm_all_gather",
         "symm_all_reduce_add_rms_norm",
         "symm_barrier",
+        "symm_rendezvous",
+        "symm_peer_ptr",
+        "symm_put",
+        "symm_signal",
+        "symm_wait",
+        "symm_comm_device",
+        "symm_device_comm_t",
+        "SYMM_SIGNAL_SLOTS",
+        "SYMM_DEVICE_COMM_V1_SIZE",
         "SYMM_ERR_INTERNAL",
         "SYMM_BF16",
         "SYMM_ALGO_MULTIMEM",

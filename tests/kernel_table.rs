@@ -3,6 +3,7 @@
 
 use std::collections::BTreeSet;
 use symmalloc::comm::kernels::all_kernel_names;
+use symmalloc::comm::p2p::{P2P_SIGNAL_KERNEL, P2P_WAIT_KERNEL};
 use symmalloc::cuda::util::SELFTEST_SAXPY;
 
 fn sources() -> String {
@@ -69,21 +70,25 @@ fn every_table_name_is_instantiated_and_vice_versa() {
                 .find("(SymmArgs")
                 .or_else(|| l.find("(SaxpyArgs"))
                 .or_else(|| l.find("(RmsArgs"))
+                .or_else(|| l.find("(P2pArgs"))
                 .expect("kernel signature");
             instantiated.insert(l[..at].split_whitespace().last().unwrap().to_string());
         }
     }
     let mut table: BTreeSet<String> = all_kernel_names().into_iter().collect();
     table.insert(SELFTEST_SAXPY.to_string());
+    table.insert(P2P_WAIT_KERNEL.to_string());
+    table.insert(P2P_SIGNAL_KERNEL.to_string());
     assert_eq!(
         table, instantiated,
         "kernel table and kernels/*.cu disagree"
     );
     // one-shot, LL, two-shot, multimem, reduce-scatter (barrier, LL), all-gather, fused RMSNorm (barrier,
-    // LL with four vectors per thread, with one, and over a cluster), self-test
+    // LL with four vectors per thread, with one, and over a cluster), self-test, p2p wait and
+    // signal
     assert_eq!(
         table.len(),
-        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 1
+        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 1 + 2
     );
     // Names the profiles and earlier results use stay as they were.
     for name in [
@@ -179,4 +184,50 @@ fn rms_argument_struct_matches_the_cuda_source() {
         ],
         "kernels/rms_norm.cuh RmsArgs changed: update src/comm/kernel_args.rs in step"
     );
+}
+
+#[test]
+fn p2p_argument_struct_matches_the_cuda_source() {
+    let src = sources();
+    assert_eq!(
+        struct_fields(&src, "P2pArgs"),
+        [
+            "symm_device_comm_t d",
+            "uint64_t value",
+            "uint32_t slot",
+            "int32_t peer",
+        ],
+        "kernels/p2p.cu P2pArgs changed: update src/comm/signal_pad.rs in step"
+    );
+}
+
+/// The device helpers follow the same rule as the kernels: device code only ever *stores* to
+/// the host-mapped error words (through the `e` pointer of `symm_report_signal_timeout`, after
+/// winning the abort word), and the spin loop reads only its slot, the clock and the abort word.
+#[test]
+fn the_device_header_only_stores_to_the_host_mapped_error_words() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("include/symmalloc_device.cuh");
+    let src = std::fs::read_to_string(path).unwrap();
+    let code: Vec<&str> = src
+        .lines()
+        .map(|l| l.split("//").next().unwrap().trim())
+        .filter(|l| !l.starts_with('*') && !l.starts_with("/*"))
+        .collect();
+    let uses: Vec<&&str> = code.iter().filter(|l| l.contains("error_word")).collect();
+    assert_eq!(
+        uses,
+        [
+            &"if (atomicCAS((unsigned int *)(uintptr_t)d.abort_word, 0u, w) != 0u || d.error_word == 0) return;",
+            &"volatile uint32_t *e = (volatile uint32_t *)(uintptr_t)d.error_word;",
+        ],
+        "the device header touches the host-mapped error words other than by the timeout report"
+    );
+    // `e` is only ever the target of a store.
+    for l in code.iter().filter(|l| l.contains("e[")) {
+        assert!(
+            l.starts_with("e[") && l.contains("] = "),
+            "a load of the host-mapped error words: {l}"
+        );
+    }
 }

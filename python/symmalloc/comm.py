@@ -362,6 +362,53 @@ class Communicator:
                 stream = 0
         _check(_library().symm_barrier(comm, stream))
 
+    # Symmetric memory you program yourself (symmalloc/p2p.py; README, "Programming symmetric
+    # memory"). Stream-ordered calls take the current stream of this communicator's device.
+
+    def rendezvous(self, tensor):
+        """Collective: every rank passes a contiguous tensor at the same heap offset and size.
+        Returns a ``p2p.SymmetricHandle`` (``peer_tensor(r)``, ``buffer_ptrs``,
+        ``signal_pad_ptrs``)."""
+        from . import p2p
+
+        return p2p.rendezvous(self, tensor)
+
+    def put(self, src, peer: int, dst) -> None:
+        """Copies ``src`` into rank ``peer``'s ``dst`` (a rendezvoused tensor of the same byte
+        size) with the copy engine, on the current stream."""
+        from . import p2p
+
+        p2p.put(self, src, peer, dst)
+
+    def signal(self, peer: int, slot: int, value: int) -> None:
+        """After the current stream's earlier work (puts included), raises rank ``peer``'s
+        signal slot ``slot`` to ``value``."""
+        from . import p2p
+
+        p2p.signal(self, peer, slot, value)
+
+    def wait(self, slot: int, value: int) -> None:
+        """Holds the current stream until this rank's slot ``slot`` is >= ``value`` (bounded by
+        SYMMALLOC_TIMEOUT_S; a timeout is reported by the next call)."""
+        from . import p2p
+
+        p2p.wait(self, slot, value)
+
+    def device_comm(self):
+        """``symm_comm_device``: a ``p2p.DeviceComm`` (ctypes) for kernels that take it."""
+        from . import p2p
+
+        return p2p.device_comm(self)
+
+    def _current_stream(self) -> int:
+        """The current stream of this communicator's device (0 on the host backend)."""
+        if self._tensor_device < 0:
+            return 0
+        try:
+            return _fast._current_stream_handle(self.device)
+        except (ImportError, RuntimeError):  # no torch or no CUDA
+            return 0
+
     def close(self) -> None:
         """Destroys the communicator (every rank should close its own). Later calls raise
         "this Communicator was closed by close()"; closing twice does nothing. The way back

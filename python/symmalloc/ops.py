@@ -17,6 +17,9 @@ communicator is named by its ``handle`` (an int); the wrappers below take the ob
 | ``reduce_scatter`` | ``(Tensor x, int comm, str op) -> Tensor`` | dim 0 divided by the world size |
 | ``all_gather`` | ``(Tensor x, int comm) -> Tensor`` | dim 0 multiplied by the world size |
 | ``all_reduce_add_rms_norm`` | ``(Tensor x, Tensor(a!) residual, Tensor weight, float eps, int comm) -> Tensor`` | ``out``; ``residual`` updated |
+| ``put_`` | ``(Tensor src, Tensor(a!) dst, int peer, int comm) -> ()`` | ``src`` into rank ``peer``'s ``dst`` |
+| ``signal_`` | ``(Tensor(a!) buf, int peer, int slot, int value, int comm) -> ()`` | rank ``peer``'s slot raised after the puts into ``buf`` |
+| ``wait_`` | ``(Tensor(a!) buf, int slot, int value, int comm) -> ()`` | the current stream held until this rank's slot >= ``value`` |
 
 Every op refuses what the ``Communicator`` method refuses (docs/python-errors.md), and its fake
 implementation refuses the same names, dtypes and shapes, so torch.compile reports them while
@@ -34,7 +37,7 @@ import torch
 from ._lib import _ALGOS, SymmallocError
 from .comm import Communicator, _check_op, _check_rms_norm, _dtype_code, communicator
 
-__all__ = ["all_reduce", "all_reduce_", "reduce_scatter", "all_gather", "all_reduce_add_rms_norm"]
+__all__ = ["all_reduce", "all_reduce_", "reduce_scatter", "all_gather", "all_reduce_add_rms_norm", "put_", "signal_", "wait_"]
 
 Comm = Union[Communicator, int]
 
@@ -160,3 +163,57 @@ def all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, comm: Comm, eps: float = 1e-6) -> torch.Tensor:
     """``residual += all_reduce(x)``; returns ``rms_norm(residual) * weight``."""
     return torch.ops.symmalloc.all_reduce_add_rms_norm(x, residual, weight, eps, _handle(comm))
+
+
+# Symmetric memory you program yourself (symmalloc/p2p.py). The tensor each op declares mutated
+# is what it guards, so torch.compile keeps them in program order: put_ writes rank peer's dst,
+# signal_ follows the puts into buf, wait_ precedes the reads of buf (where the peers' data lands).
+
+@torch.library.custom_op("symmalloc::put_", mutates_args=("dst",))
+def _put_(src: torch.Tensor, dst: torch.Tensor, peer: int, comm: int) -> None:
+    communicator(comm).put(src, peer, dst)
+
+
+@_put_.register_fake
+def _(src, dst, peer, comm):
+    communicator(comm)
+    if src.numel() * src.element_size() != dst.numel() * dst.element_size():
+        raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "put_: src and dst must have the same byte size")
+    return None
+
+
+@torch.library.custom_op("symmalloc::signal_", mutates_args=("buf",))
+def _signal_(buf: torch.Tensor, peer: int, slot: int, value: int, comm: int) -> None:
+    communicator(comm).signal(peer, slot, value)
+
+
+@_signal_.register_fake
+def _(buf, peer, slot, value, comm):
+    communicator(comm)
+    return None
+
+
+@torch.library.custom_op("symmalloc::wait_", mutates_args=("buf",))
+def _wait_(buf: torch.Tensor, slot: int, value: int, comm: int) -> None:
+    communicator(comm).wait(slot, value)
+
+
+@_wait_.register_fake
+def _(buf, slot, value, comm):
+    communicator(comm)
+    return None
+
+
+def put_(src: torch.Tensor, dst: torch.Tensor, peer: int, comm: Comm) -> None:
+    """``src`` into rank ``peer``'s ``dst`` (rendezvoused), copy engine, current stream."""
+    torch.ops.symmalloc.put_(src, dst, peer, _handle(comm))
+
+
+def signal_(buf: torch.Tensor, peer: int, slot: int, value: int, comm: Comm) -> None:
+    """Raises rank ``peer``'s slot to ``value`` after the puts into ``buf``."""
+    torch.ops.symmalloc.signal_(buf, peer, slot, value, _handle(comm))
+
+
+def wait_(buf: torch.Tensor, slot: int, value: int, comm: Comm) -> None:
+    """Holds the current stream until this rank's slot >= ``value``; ``buf`` is read after it."""
+    torch.ops.symmalloc.wait_(buf, slot, value, _handle(comm))

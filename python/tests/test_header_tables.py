@@ -52,3 +52,20 @@ def test_stats_fields_in_order(header):
     fields = re.findall(r"uint64_t (\w+);", body)
     assert symmalloc._STATS == fields
     assert len(re.findall(r";", body)) == len(fields), "a field that is not uint64_t"
+
+
+def test_device_comm_struct_and_signal_constants(header):
+    """symmalloc.p2p.DeviceComm against symm_device_comm_t, and its constants."""
+    import ctypes
+
+    from symmalloc import p2p
+
+    defs = _defines(header, "SYMM_")
+    assert p2p.SIGNAL_SLOTS == defs["SIGNAL_SLOTS"] and p2p.MAX_RANKS == defs["MAX_RANKS"]
+    assert ctypes.sizeof(p2p.DeviceComm) == defs["DEVICE_COMM_V1_SIZE"]
+    body = re.search(r"typedef struct \{([^{}]*?)\} symm_device_comm_t;", header, re.S).group(1)
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    fields = re.findall(r"(u?int\d+_t) (\w+)(\[SYMM_MAX_RANKS\])?;", body)
+    ctypes_of = {"uint64_t": ctypes.c_uint64, "uint32_t": ctypes.c_uint32, "int32_t": ctypes.c_int32}
+    want = [(name, ctypes_of[t] * p2p.MAX_RANKS if arr else ctypes_of[t]) for t, name, arr in fields]
+    assert [(n, t) for n, t in p2p.DeviceComm._fields_] == want

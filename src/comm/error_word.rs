@@ -1,12 +1,17 @@
 //! The kernels' error words, as the host sees them: two `u32` in pinned host memory mapped into
 //! the device (kernels/common.cuh, `report_to_host`). Word 0 holds a recoverable error of one
 //! call (cleared once reported); word 1 the fatal error (never cleared: the communicator is then
-//! unusable). Kernels only ever write these words, once per error; the host reads them at the
-//! start of every call, so an error surfaces at the next call without a synchronization.
+//! unusable). A p2p signal wait that times out (include/symmalloc_device.cuh) first records its
+//! slot and values in words 2..8, then its fatal word. Kernels only ever write these words, once
+//! per error; the host reads them at the start of every call, so an error surfaces at the next
+//! call without a synchronization.
 //!
 //! On the host backend collectives return their errors directly and nothing writes the words.
 
-use super::kernel_args::{ERR_ASYMMETRIC, ERR_LL_ASYMMETRIC, ERR_NO_MULTIMEM, ERR_TIMEOUT};
+use super::kernel_args::{
+    ERR_ASYMMETRIC, ERR_LL_ASYMMETRIC, ERR_NO_MULTIMEM, ERR_SIGNAL_TIMEOUT, ERR_TIMEOUT,
+};
+use super::signal_pad;
 use crate::cuda;
 use crate::error::{Error, Result};
 use std::time::Duration;
@@ -56,10 +61,26 @@ impl ErrorWords {
         }
     }
 
+    /// Words 2..8: what a timed-out signal wait recorded before its fatal word (device_comm.rs,
+    /// `SYMM_DEVICE_ERR_*`).
+    fn record(&self) -> [u32; 6] {
+        let mut r = [0u32; 6];
+        if let ErrorWords::Device(w) = self {
+            for (i, v) in r.iter_mut().enumerate() {
+                // SAFETY: as read(): words 2..8 of the 16 words of the pinned allocation.
+                *v = unsafe { std::ptr::read_volatile(w.host.add(2 + i)) };
+            }
+        }
+        r
+    }
+
     /// The error a kernel reported since the last call, if any. A recoverable one is cleared
     /// here (reported once); a fatal one is returned with `fatal` set so the caller keeps it.
     pub fn take(&self, rank: usize, timeout: Duration) -> Option<Reported> {
         let (recoverable, fatal) = self.read();
+        if fatal >> 16 == ERR_SIGNAL_TIMEOUT {
+            return Some(decode_signal_timeout(fatal, self.record(), rank, timeout));
+        }
         if fatal != 0 {
             return Some(decode(fatal, rank, timeout));
         }
@@ -77,6 +98,20 @@ pub struct Reported {
     pub error: Error,
     /// The communicator is unusable from now on (every later call reports this error).
     pub fatal: bool,
+}
+
+/// A signal wait's timeout (include/symmalloc_device.cuh, `symm_signal_wait`): the fatal word
+/// `(code << 16) | writer` and the record written before it (slot, awaited and seen values).
+pub fn decode_signal_timeout(word: u32, rec: [u32; 6], rank: usize, timeout: Duration) -> Reported {
+    let (slot, awaited, seen) = (
+        rec[0],
+        rec[2] as u64 | (rec[3] as u64) << 32,
+        rec[4] as u64 | (rec[5] as u64) << 32,
+    );
+    Reported {
+        error: signal_pad::timeout_error(rank, slot, awaited, seen, word & 0xffff, timeout),
+        fatal: true,
+    }
 }
 
 /// Turns a word `(code << 16) | (peer + 1)` written by a kernel of `rank` into an error.
@@ -148,6 +183,19 @@ mod tests {
         let l = decode(ERR_LL_ASYMMETRIC << 16 | 1, 1, T);
         assert!(l.fatal);
         assert!(l.error.message.contains("unusable"));
+    }
+
+    #[test]
+    fn a_signal_wait_timeout_names_slot_values_and_writer() {
+        let r = decode_signal_timeout(ERR_SIGNAL_TIMEOUT << 16 | 2, [9, 0, 7, 1, 6, 0], 0, T);
+        assert!(r.fatal);
+        assert_eq!(r.error.status, Status::ErrTimeout);
+        let m = &r.error.message;
+        assert!(
+            m.contains("signal slot 9 stayed at 6, below the awaited 4294967303"),
+            "{m}"
+        );
+        assert!(m.contains("rank 1 raised it last"), "{m}");
     }
 
     #[test]

@@ -20,6 +20,8 @@ pub(super) enum DescKind {
     ReduceScatter,
     AllGather,
     AddRmsNorm,
+    /// `symm_rendezvous` (comm/p2p.rs): send offset = the range's offset, count = its bytes.
+    Rendezvous,
 }
 
 /// Everything ranks must agree on for one collective call, typed.
@@ -178,7 +180,7 @@ impl Communicator {
                 lines.join("; ")
             )));
         }
-        for (r, (_, fds)) in all.into_iter().enumerate() {
+        for (r, (theirs, fds)) in all.into_iter().enumerate() {
             if r == self.rank {
                 continue;
             }
@@ -189,8 +191,13 @@ impl Communicator {
                     need.len()
                 )));
             }
-            for (s, fd) in need.iter().zip(fds) {
-                self.windows.import(self.alloc, r, *s, fd)?;
+            for (k, (s, fd)) in need.iter().zip(fds).enumerate() {
+                // The mapping carries the peer's generation of the segment (its release log
+                // names that one; generations may differ between ranks after OOM retries).
+                let at = (DESC_WORDS + 1 + 3 * k + 2) * 8;
+                let generation = u64::from_le_bytes(theirs[at..at + 8].try_into().unwrap());
+                let seg = SegmentInfo { generation, ..*s };
+                self.windows.import(self.alloc, r, seg, fd)?;
             }
         }
         for s in &need {

@@ -4,9 +4,11 @@
 
 use super::algo;
 use super::algo::{DType, Kernel, ReduceOp};
+use super::device_comm::SYMM_SIGNAL_PAD_BYTES;
 use super::error_word::ErrorWords;
 use super::exchange::{CallDesc, DescKind};
 use super::kernel_args::*;
+use super::p2p::P2p;
 use super::retire::PeerReleases;
 use super::streams::StreamOrder;
 use super::windows::PeerWindows;
@@ -210,6 +212,20 @@ impl Communicator {
             cuda::mem::memset_sync(device, internal, 0, LL_DATA_OFFSET)?;
             cuda::mem::memset_sync(device, internal + LL_DATA_OFFSET, LL_EMPTY_BYTE, data_len)?;
         }
+        // The p2p signal pads (p2p.rs), zeroed before any peer can see them.
+        let pad = match alloc.malloc_in(SYMM_SIGNAL_PAD_BYTES, device, 0, INTERNAL_POOL) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = alloc.free(internal, internal_len, device, 0);
+                return Err(e);
+            }
+        };
+        if host {
+            // SAFETY: pad is a live block of SYMM_SIGNAL_PAD_BYTES bytes of mapped host memory.
+            unsafe { std::ptr::write_bytes(pad as *mut u8, 0, SYMM_SIGNAL_PAD_BYTES as usize) };
+        } else {
+            cuda::mem::memset_sync(device, pad, 0, SYMM_SIGNAL_PAD_BYTES)?;
+        }
         let mut comm = Box::new(Communicator {
             rank,
             world,
@@ -239,6 +255,7 @@ impl Communicator {
             resident: HashMap::new(),
             auto_seen: Default::default(),
             mc: HashMap::new(),
+            p2p: P2p::new(pad),
         });
         let own_base = comm.windows.bases[rank];
         comm.pads = comm
@@ -261,7 +278,17 @@ impl Communicator {
             .locate(internal, internal_len)?
             .expect("internal block is in the heap");
         comm.internal_seg = seg.offset;
-        comm.exchange(&[seg], desc, true)?;
+        let pad_seg = comm
+            .locate(pad, SYMM_SIGNAL_PAD_BYTES)?
+            .expect("signal pad is in the heap");
+        comm.p2p.pad_seg = pad_seg.offset;
+        comm.p2p.pads = comm
+            .windows
+            .bases
+            .iter()
+            .map(|b| b + (pad - own_base))
+            .collect();
+        comm.exchange(&[seg, pad_seg], desc, true)?;
         comm.mesh.barrier("init")?;
         crate::info!(
             "rank {rank}/{world}: communicator on device {device} (ranks' devices {devices:?}, \

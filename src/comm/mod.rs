@@ -11,7 +11,9 @@
 //! descriptors), `retire` (unmapping segments peers released), `streams` (order across
 //! streams), `error_word` (what kernels report), `kernels` (the kernel-id table and the
 //! generated kernel sources), `kernel_args` (what the host shares with the kernels),
-//! `mc_window` (multicast windows), `windows` (peer windows).
+//! `mc_window` (multicast windows), `windows` (peer windows), `p2p` (rendezvous, peer
+//! pointers, put/signal/wait), `signal_pad` (the p2p signal pads) and `device_comm` (what device
+//! code sees of a communicator).
 //!
 //! Invariants: every rank has the same collective settings (LL slot and grid, AUTO thresholds,
 //! symmetry checking: read once at init and compared there); every rank calls collectives in
@@ -24,6 +26,7 @@
 pub mod algo;
 pub mod call;
 pub mod convert;
+pub mod device_comm;
 mod error_word;
 mod exchange;
 pub mod host_reduce;
@@ -32,9 +35,11 @@ pub mod kernel_args;
 pub mod kernels;
 mod launch;
 pub mod mc_window;
+pub mod p2p;
 mod plan;
 mod retire;
 pub mod shape;
+pub mod signal_pad;
 pub mod streams;
 pub mod windows;
 
@@ -100,6 +105,8 @@ pub struct Communicator {
     /// Kernels already looked up in the device's module, so a call does no name formatting,
     /// module lock or hash of a string.
     kernels: HashMap<(Kernel, DType, ReduceOp, bool), cuda::module::Function>,
+    /// Rendezvoused ranges, signal pads and p2p kernels (p2p.rs).
+    p2p: p2p::P2p,
 }
 
 impl Communicator {
@@ -304,6 +311,12 @@ impl Communicator {
         let _ = self.alloc.free(
             self.internal,
             internal_bytes(self.world, self.ll_slot),
+            self.device,
+            0,
+        );
+        let _ = self.alloc.free(
+            self.p2p.pad,
+            device_comm::SYMM_SIGNAL_PAD_BYTES,
             self.device,
             0,
         );

@@ -52,8 +52,9 @@ impl Communicator {
             records.clear();
             self.releases.seen[peer] = view.read_since(self.releases.seen[peer], &mut records);
             for &(offset, generation) in &records {
-                if offset == self.internal_seg {
-                    // The peer gave back its signal pads and LL buffers: it destroyed its
+                if offset == self.internal_seg || offset == self.p2p.pad_seg {
+                    // The peer gave back its signal pads and LL buffers (or its p2p signal
+                    // pad): it destroyed its
                     // communicator. Nothing may touch its window any more (a collective would
                     // read unmapped memory): the communicator is broken from now on.
                     let e = Error::peer(format!(

@@ -99,6 +99,11 @@ impl PeerWindows {
         here
     }
 
+    /// The generation of `peer`'s segment at `offset` as mapped here, if it is mapped.
+    pub fn mapped_generation(&self, peer: usize, offset: u64) -> Option<u64> {
+        self.mapped[peer].get(&offset).map(|m| m.generation)
+    }
+
     /// Maps `peer`'s segment `seg` (memory passed as `fd`) into the peer's window.
     pub fn import(
         &mut self,

@@ -10,6 +10,7 @@ pub mod mem;
 pub mod module;
 pub mod multicast;
 pub mod multicast_gate;
+pub mod stream_ops;
 pub mod util;
 
 pub use vmm::granularity;

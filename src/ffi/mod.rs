@@ -7,6 +7,7 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 pub mod guard;
+pub mod p2p;
 pub mod types;
 
 use crate::comm::Communicator;
@@ -124,7 +125,7 @@ pub extern "C" fn symm_empty_cache() {
 /// The library's version (semantic versioning; the crate's). The header carries the version
 /// it was generated from; `symm_version()` says which library was loaded.
 pub const SYMMALLOC_VERSION_MAJOR: i32 = 0;
-pub const SYMMALLOC_VERSION_MINOR: i32 = 1;
+pub const SYMMALLOC_VERSION_MINOR: i32 = 2;
 pub const SYMMALLOC_VERSION_PATCH: i32 = 0;
 /// `MAJOR * 10000 + MINOR * 100 + PATCH`, as `symm_version()` returns it.
 pub const SYMMALLOC_VERSION_CODE: i32 =

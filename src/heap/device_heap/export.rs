@@ -29,6 +29,16 @@ impl DeviceHeap {
         ))
     }
 
+    /// The segment that starts at `offset`, if the heap holds one now (a p2p rendezvous checks
+    /// that what it mapped is still the same generation).
+    pub fn segment_info(&self, offset: u64) -> Option<SegmentInfo> {
+        self.segments.get(&offset).map(|s| SegmentInfo {
+            offset,
+            size: s.size,
+            generation: s.generation,
+        })
+    }
+
     /// The CUDA allocation handle of the segment at `offset` (for binding it to a multicast
     /// object); an error on the host backend.
     pub fn segment_cuda_handle(&self, offset: u64) -> Result<u64> {

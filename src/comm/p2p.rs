@@ -1,0 +1,453 @@
+//! Symmetric memory the user programs: `rendezvous` (collective: maps every peer's segments
+//! under a range and checks that every rank passed the same one), `peer_ptr` (local), and the
+//! stream-ordered `put` (copy engine), `signal` and `wait` over the communicator's signal pads
+//! (signal_pad.rs), plus `device_view` for device code (device_comm.rs). docs/DESIGN.md,
+//! "Programming symmetric memory", states the ordering semantics.
+//!
+//! Owned by the communicator (nothing here is per device or per process): the rendezvous table,
+//! the signal pads, the p2p kernels looked up for this communicator.
+//!
+//! Invariants:
+//! - a peer address is handed out (peer_ptr, put) only for a range inside one rendezvoused
+//!   range whose segments are still, on this rank, the generation that was rendezvoused, and,
+//!   for another rank, mapped here and not released by that rank (its release log is read
+//!   first, so a released segment is refused even where retire.rs cannot unmap it yet, during a
+//!   capture): never a dangling mapping;
+//! - a rank whose arguments are bad still takes part in the rendezvous exchange (as "invalid"),
+//!   so every rank fails together (NOT_SYMMETRIC on the others) instead of waiting for it;
+//! - p2p calls are not ordered against the communicator's collectives on other streams (they
+//!   share no state with the collective kernels): only stream order holds.
+
+use super::algo::{DType, Kernel, ReduceOp};
+use super::device_comm::*;
+use super::exchange::{CallDesc, DescKind};
+use super::kernel_args::ABORT_OFFSET;
+use super::signal_pad::{self, P2pArgs, SignalVia, WaitVia};
+use super::Communicator;
+use crate::cuda;
+use crate::error::{Error, Result, Status};
+use crate::heap::device_heap::SegmentInfo;
+use std::collections::BTreeMap;
+
+/// The p2p kernels' names (kernels/p2p.cu).
+pub const P2P_WAIT_KERNEL: &str = "symm_p2p_wait";
+pub const P2P_SIGNAL_KERNEL: &str = "symm_p2p_signal";
+
+/// A range every rank passed to `symm_rendezvous`: [start, end) in this rank's heap, and the
+/// segments under it as they were then.
+struct Range {
+    end: u64,
+    segs: Vec<SegmentInfo>,
+}
+
+/// The communicator's p2p state.
+pub(super) struct P2p {
+    /// This rank's signal pad (`SYMM_SIGNAL_PAD_BYTES` of the internal pool, zeroed at init).
+    pub pad: u64,
+    /// The offset of the pad's segment: a peer that releases it destroyed its communicator.
+    pub pad_seg: u64,
+    /// Every rank's pad in this address space.
+    pub pads: Vec<u64>,
+    /// Rendezvoused ranges by start address.
+    table: BTreeMap<u64, Range>,
+    /// The wait and signal kernels, looked up on first use.
+    kernels: Option<(cuda::module::Function, cuda::module::Function)>,
+}
+
+impl P2p {
+    pub fn new(pad: u64) -> P2p {
+        P2p {
+            pad,
+            pad_seg: 0,
+            pads: Vec::new(),
+            table: BTreeMap::new(),
+            kernels: None,
+        }
+    }
+}
+
+/// A range's bytes as an exclusive end, or an error naming the call and the values.
+fn end_of(what: &str, ptr: u64, bytes: u64) -> Result<u64> {
+    ptr.checked_add(bytes).ok_or_else(|| {
+        Error::invalid(format!(
+            "{what}: {ptr:#x} + {bytes} bytes overflows the address space"
+        ))
+    })
+}
+
+impl Communicator {
+    fn check_peer(&self, what: &str, peer: i64) -> Result<usize> {
+        usize::try_from(peer)
+            .ok()
+            .filter(|&p| p < self.world)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "{what}: peer {peer} is out of range; expected 0..{} (world size {})",
+                    self.world, self.world
+                ))
+            })
+    }
+
+    fn check_slot(what: &str, slot: u32) -> Result<()> {
+        if slot >= SYMM_SIGNAL_SLOTS {
+            return Err(Error::invalid(format!(
+                "{what}: slot {slot} is past the signal pad; expected 0..{SYMM_SIGNAL_SLOTS} \
+                 (SYMM_SIGNAL_SLOTS slots per rank)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The segments under [ptr, ptr + bytes), every byte of which must lie in a live block of
+    /// this rank's heap.
+    fn live_segments(&self, ptr: u64, bytes: u64) -> Result<Vec<SegmentInfo>> {
+        if bytes == 0 {
+            return Err(Error::invalid(format!(
+                "symm_rendezvous: bytes is 0 at {ptr:#x}; expected a range of at least one byte"
+            )));
+        }
+        let end = end_of("symm_rendezvous", ptr, bytes)?;
+        let heap = self.alloc.heap(self.device)?;
+        if !heap.contains(ptr) || end > heap.base() + heap.size() {
+            return Err(Error::invalid(format!(
+                "symm_rendezvous: range {ptr:#x} + {bytes} bytes is not inside the symmetric heap \
+                 of device {} ([{:#x}, {:#x})); expected memory from symm_malloc",
+                self.device,
+                heap.base(),
+                heap.base() + heap.size()
+            )));
+        }
+        let mut segs: Vec<SegmentInfo> = Vec::new();
+        let mut p = ptr;
+        while p < end {
+            let (seg, bstart, bsize) = heap.segment_of(p).map_err(|_| {
+                Error::invalid(format!(
+                    "symm_rendezvous: range {ptr:#x} + {bytes} bytes: address {p:#x} is not \
+                     inside a live symm_malloc block; expected every byte allocated"
+                ))
+            })?;
+            if !segs.contains(&seg) {
+                segs.push(seg);
+            }
+            p = bstart + bsize;
+        }
+        Ok(segs)
+    }
+
+    /// `symm_rendezvous`: collective. Every rank passes the same offset and size; maps every
+    /// peer's segments under the range and records it. Idempotent.
+    pub fn rendezvous(&mut self, ptr: u64, bytes: u64) -> Result<()> {
+        self.begin_call(0)?;
+        let heap_base = self.windows.bases[self.rank];
+        let local = self.live_segments(ptr, bytes);
+        let (off, count) = match &local {
+            Ok(_) => (ptr - heap_base, bytes),
+            // Takes part as "invalid": the peers then fail the comparison with this rank.
+            Err(_) => (u64::MAX, u64::MAX),
+        };
+        let desc = CallDesc {
+            kind: DescKind::Rendezvous,
+            kernel: Kernel::OneShot,
+            send_off: off,
+            recv_off: off,
+            count,
+            dtype: DType::Fp32,
+            op: ReduceOp::Sum,
+            width: 0,
+        };
+        let segs = local.as_ref().map(|s| s.as_slice()).unwrap_or(&[]);
+        let shared = self.exchange(segs, desc, true);
+        let segs = local?;
+        shared.map_err(|e| {
+            if e.status == Status::ErrNotSymmetric {
+                e.context(format!(
+                    "symm_rendezvous: rank {} passed offset {off:#x} and {bytes} bytes; every rank \
+                     must pass the same offset and size (a rank whose descriptor shows offset \
+                     0xffffffffffffffff passed an invalid range)",
+                    self.rank
+                ))
+            } else {
+                e.context("symm_rendezvous")
+            }
+        })?;
+        // Ranges whose segments went back since are dropped, so the table stays small.
+        let heap = self.alloc.heap(self.device)?;
+        self.p2p.table.retain(|_, r| {
+            r.segs
+                .iter()
+                .all(|s| heap.segment_info(s.offset) == Some(*s))
+        });
+        drop(heap);
+        let end = ptr + bytes;
+        match self.p2p.table.get_mut(&ptr) {
+            Some(r) if r.end >= end => r.segs = segs,
+            _ => {
+                self.p2p.table.insert(ptr, Range { end, segs });
+            }
+        }
+        crate::info!(
+            "rank {}/{}: rendezvous of {bytes} bytes at offset {off:#x}",
+            self.rank,
+            self.world
+        );
+        Ok(())
+    }
+
+    /// Whether `peer` has released (its release log says so) the generation of its segment at
+    /// `offset` that this rank maps, including records retire.rs has not handled yet.
+    fn released_by(&self, peer: usize, offset: u64) -> bool {
+        let Some(generation) = self.windows.mapped_generation(peer, offset) else {
+            return true;
+        };
+        let Some(view) = &self.releases.views[peer] else {
+            return false;
+        };
+        let mut records = Vec::new();
+        view.read_since(self.releases.seen[peer], &mut records);
+        records.contains(&(offset, generation))
+    }
+
+    /// `peer`'s address of [ptr, ptr + bytes), a range of this rank's heap inside one
+    /// rendezvoused range (see the module's invariants).
+    fn peer_range(&self, what: &str, ptr: u64, bytes: u64, peer: usize) -> Result<u64> {
+        let end = end_of(what, ptr, bytes.max(1))?;
+        let (heap_base, heap_end, valid) = {
+            let heap = self.alloc.heap(self.device)?;
+            let (base, size) = (heap.base(), heap.size());
+            if !heap.contains(ptr) {
+                return Err(Error::invalid(format!(
+                    "{what}: pointer {ptr:#x} is outside the symmetric heap of device {} \
+                     ([{base:#x}, {:#x})); expected memory from symm_malloc passed to \
+                     symm_rendezvous",
+                    self.device,
+                    base + size
+                )));
+            }
+            let covering = self
+                .p2p
+                .table
+                .range(..=ptr)
+                .rev()
+                .find(|(_, r)| r.end >= end);
+            let Some((&start, r)) = covering else {
+                let within = self
+                    .p2p
+                    .table
+                    .range(..=ptr)
+                    .rev()
+                    .find(|(_, r)| r.end > ptr);
+                return Err(Error::invalid(match within {
+                    Some((&s, r)) => format!(
+                        "{what}: range {ptr:#x} + {bytes} bytes leaves the rendezvoused range \
+                         [{s:#x}, {:#x}) (and the peers' mapped segments); expected it inside",
+                        r.end
+                    ),
+                    None => format!(
+                        "{what}: {ptr:#x} is in the heap but not in a range rendezvoused on this \
+                         communicator; call symm_rendezvous on it (every rank) first"
+                    ),
+                }));
+            };
+            let stale = r
+                .segs
+                .iter()
+                .find(|s| heap.segment_info(s.offset) != Some(**s));
+            if let Some(s) = stale {
+                return Err(Error::invalid(format!(
+                    "{what}: the range rendezvoused at {start:#x} lost its segment at heap offset \
+                     {:#x} (released by empty_cache or release_pool since); its peer pointers are \
+                     refused: allocate and rendezvous again",
+                    s.offset
+                )));
+            }
+            (base, base + size, r.segs.clone())
+        };
+        debug_assert!(end <= heap_end);
+        if peer != self.rank {
+            for s in valid
+                .iter()
+                .filter(|s| heap_base + s.offset < end && ptr < heap_base + s.offset + s.size)
+            {
+                if self.released_by(peer, s.offset) {
+                    return Err(Error::peer(format!(
+                        "{what}: rank {peer} released its segment at heap offset {:#x} (under \
+                         {ptr:#x}) after the rendezvous; its peer pointers are refused",
+                        s.offset
+                    )));
+                }
+            }
+        }
+        Ok(self.windows.bases[peer] + (ptr - heap_base))
+    }
+
+    /// `symm_peer_ptr`: local; the address, in this process, of `ptr`'s offset in `peer`'s heap.
+    pub fn peer_ptr(&self, ptr: u64, peer: i64) -> Result<u64> {
+        let peer = self.check_peer("symm_peer_ptr", peer)?;
+        if let Some(e) = &self.sticky {
+            return Err(e.clone());
+        }
+        self.peer_range("symm_peer_ptr", ptr, 1, peer)
+    }
+
+    /// `symm_put`: after the stream's earlier work, copies `bytes` from `src` into `peer`'s
+    /// buffer at `dst`'s offset (copy engine; on the host backend, now).
+    pub fn put(&mut self, peer: i64, dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
+        let peer = self.check_peer("symm_put", peer)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        if src == 0 {
+            return Err(Error::invalid("symm_put: src is NULL"));
+        }
+        end_of("symm_put (src)", src, bytes)?;
+        self.begin_call(stream)?;
+        let to = self.peer_range("symm_put", dst, bytes, peer)?;
+        if self.host {
+            // SAFETY: `to` spans `bytes` bytes of a mapped, rendezvoused range (checked above);
+            // src is the caller's buffer of `bytes` bytes; they may overlap (a put to self), so
+            // copy as memmove does.
+            unsafe { std::ptr::copy(src as *const u8, to as *mut u8, bytes as usize) };
+            Ok(())
+        } else {
+            cuda::mem::copy_async(self.device, to, src, bytes, stream)
+        }
+    }
+
+    fn p2p_args(&self, slot: u32, value: u64, peer: usize) -> P2pArgs {
+        P2pArgs {
+            d: self.device_view(),
+            value,
+            slot,
+            peer: peer as i32,
+        }
+    }
+
+    fn p2p_kernels(&mut self) -> Result<(cuda::module::Function, cuda::module::Function)> {
+        if let Some(k) = self.p2p.kernels {
+            return Ok(k);
+        }
+        let k = (
+            cuda::module::function(self.device, P2P_WAIT_KERNEL)?,
+            cuda::module::function(self.device, P2P_SIGNAL_KERNEL)?,
+        );
+        self.p2p.kernels = Some(k);
+        Ok(k)
+    }
+
+    /// The peer's pad, unless the peer destroyed its communicator (released the pad).
+    fn peer_pad(&self, what: &str, peer: usize) -> Result<u64> {
+        if peer != self.rank && self.released_by(peer, self.p2p.pad_seg) {
+            return Err(Error::peer(format!(
+                "{what}: rank {peer} destroyed its communicator (its signal pad was released)"
+            )));
+        }
+        Ok(self.p2p.pads[peer])
+    }
+
+    /// `symm_signal`: after the stream's earlier work (puts included), stores `value` into
+    /// `peer`'s slot `slot`.
+    pub fn signal(&mut self, peer: i64, slot: u32, value: u64, stream: u64) -> Result<()> {
+        self.signal_via(signal_pad::DEFAULT_SIGNAL, peer, slot, value, stream)
+    }
+
+    /// `signal` by a chosen mechanism (the benchmark compares them).
+    pub fn signal_via(
+        &mut self,
+        via: SignalVia,
+        peer: i64,
+        slot: u32,
+        value: u64,
+        stream: u64,
+    ) -> Result<()> {
+        let peer = self.check_peer("symm_signal", peer)?;
+        Self::check_slot("symm_signal", slot)?;
+        self.begin_call(stream)?;
+        let pad = self.peer_pad("symm_signal", peer)?;
+        if self.host {
+            signal_pad::host_signal(pad, slot, self.rank, value);
+            return Ok(());
+        }
+        match via {
+            SignalVia::StreamWrite => cuda::stream_ops::write_u32_then_u64(
+                self.device,
+                stream,
+                signal_pad::writer_addr(pad, slot),
+                self.rank as u32 + 1,
+                signal_pad::value_addr(pad, slot),
+                value,
+            ),
+            SignalVia::Kernel => {
+                let (_, f) = self.p2p_kernels()?;
+                let args = self.p2p_args(slot, value, peer);
+                cuda::module::launch(self.device, f, 1, 32, stream, &args)
+            }
+        }
+    }
+
+    /// `symm_wait`: holds the stream until this rank's slot `slot` is >= `value`. Bounded: past
+    /// the timeout the stream goes on and the next call reports a timeout naming the slot and
+    /// the rank that raised it last (on the host backend, this call does).
+    pub fn wait(&mut self, slot: u32, value: u64, stream: u64) -> Result<()> {
+        self.wait_via(WaitVia::Kernel, slot, value, stream)
+    }
+
+    /// `wait` by a chosen mechanism; `StreamWait` is unbounded (benchmark only).
+    pub fn wait_via(&mut self, via: WaitVia, slot: u32, value: u64, stream: u64) -> Result<()> {
+        Self::check_slot("symm_wait", slot)?;
+        self.begin_call(stream)?;
+        if self.host {
+            return match signal_pad::host_wait(self.p2p.pad, slot, value, self.timeout) {
+                Ok(()) => Ok(()),
+                Err((seen, writer)) => {
+                    let e = signal_pad::timeout_error(
+                        self.rank,
+                        slot,
+                        value,
+                        seen,
+                        writer,
+                        self.timeout,
+                    );
+                    self.sticky = Some(e.clone());
+                    Err(e)
+                }
+            };
+        }
+        match via {
+            WaitVia::Kernel => {
+                let (f, _) = self.p2p_kernels()?;
+                let args = self.p2p_args(slot, value, self.rank);
+                cuda::module::launch(self.device, f, 1, 32, stream, &args)
+            }
+            WaitVia::StreamWait => cuda::stream_ops::wait_geq_u64(
+                self.device,
+                stream,
+                signal_pad::value_addr(self.p2p.pad, slot),
+                value,
+            ),
+        }
+    }
+
+    /// `symm_comm_device`: the communicator as device code sees it (`struct_size` left for the
+    /// caller's layer to set).
+    pub fn device_view(&self) -> DeviceComm {
+        let mut d = DeviceComm {
+            struct_size: std::mem::size_of::<DeviceComm>() as u64,
+            version: SYMM_DEVICE_COMM_VERSION,
+            world: self.world as i32,
+            rank: self.rank as i32,
+            signal_slots: SYMM_SIGNAL_SLOTS,
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            abort_word: self.internal + ABORT_OFFSET,
+            error_word: self.errors.device_ptr(),
+            ..DeviceComm::default()
+        };
+        d.heap_bases[..self.world].copy_from_slice(&self.windows.bases);
+        d.signal_pads[..self.world].copy_from_slice(&self.p2p.pads);
+        d
+    }
+
+    /// Rendezvoused ranges held (for tests).
+    pub fn rendezvoused_ranges(&self) -> usize {
+        self.p2p.table.len()
+    }
+}
