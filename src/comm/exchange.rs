@@ -178,7 +178,8 @@ impl Communicator {
                 lines.join("; ")
             )));
         }
-        for (r, (_, fds)) in all.into_iter().enumerate() {
+        let (all_msgs, all_fds): (Vec<Vec<u8>>, Vec<_>) = all.into_iter().unzip();
+        for (r, fds) in all_fds.into_iter().enumerate() {
             if r == self.rank {
                 continue;
             }
@@ -189,8 +190,15 @@ impl Communicator {
                     need.len()
                 )));
             }
-            for (s, fd) in need.iter().zip(fds) {
-                self.windows.import(self.alloc, r, *s, fd)?;
+            // The peer's own generation of each segment (generations may differ between
+            // ranks): what its release log will name.
+            for (k, (s, fd)) in need.iter().zip(fds).enumerate() {
+                let at = (DESC_WORDS + 1 + 3 * k + 2) * 8;
+                let theirs = SegmentInfo {
+                    generation: u64::from_le_bytes(all_msgs[r][at..at + 8].try_into().unwrap()),
+                    ..*s
+                };
+                self.windows.import(self.alloc, r, theirs, fd)?;
             }
         }
         for s in &need {

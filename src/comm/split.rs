@@ -1,0 +1,236 @@
+//! `symm_comm_split`: children of a communicator, as in `ncclCommSplit`. Collective over the
+//! parent; three rounds over the parent's mesh and one over each child's:
+//!
+//! 1. every parent rank sends (color, key, why it refuses): a color below -1, a broken parent,
+//!    the device's limit of communicators. Any refusal fails the split on every rank, naming
+//!    the ranks and why; the parent's mesh is then still in step (each rank sent and received
+//!    one message per peer), so the parent stays usable.
+//! 2. ranks of one color form a child, ordered by key, then parent rank; within it, each rank
+//!    makes a socket pair for every later rank and sends it one end over the parent's
+//!    connection (no listening socket, no new authentication: the parent's are). The child
+//!    takes its parent's peer heaps for its ranks (peers.rs: no memory the parent mapped is
+//!    imported again) and its record of shared segments, then `build` (init.rs) agrees on its
+//!    settings and arena and exchanges its internal block.
+//! 3. every parent rank says whether its child was made; if any was not, every rank destroys
+//!    its new child and fails naming the ranks: a split makes all its children or none.
+//!
+//! A child is independent of its parent from then on: its own mesh, arena, internal block and
+//! error words; the peer heaps are reference-counted, so destroying the parent first leaves the
+//! child working.
+
+use super::init::{Settings, Setup};
+use super::registry;
+use super::Communicator;
+use crate::error::{Error, Result, Status};
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+
+/// `SYMM_SPLIT_NOCOLOR`: takes part in the split, gets no child.
+pub const NOCOLOR: i32 = -1;
+
+const TAG: &[u8; 8] = b"SYMMSPL1";
+
+fn put(v: &mut Vec<u8>, w: u64) {
+    v.extend_from_slice(&w.to_le_bytes());
+}
+
+fn word(b: &[u8], i: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(
+        b.get(i * 8..i * 8 + 8)?.try_into().ok()?,
+    ))
+}
+
+/// A message of one word, then text.
+fn with_text(w: u64, text: &str) -> Vec<u8> {
+    let mut v = Vec::new();
+    put(&mut v, w);
+    v.extend_from_slice(text.as_bytes());
+    v
+}
+
+fn text_of(m: &[u8], from: usize) -> String {
+    String::from_utf8_lossy(m.get(from..).unwrap_or(&[])).into_owned()
+}
+
+impl Communicator {
+    /// Splits this communicator (module header); `None` for `NOCOLOR`.
+    pub fn split(&mut self, color: i32, key: i32) -> Result<Option<Box<Communicator>>> {
+        let what = "symm_comm_split";
+        // Round 1: colors, keys and refusals.
+        let mut claim = None;
+        let refusal = if color < NOCOLOR {
+            format!(
+                "color {color} is not accepted; expected a color >= 0 or SYMM_SPLIT_NOCOLOR (-1)"
+            )
+        } else if let Some(e) = &self.sticky {
+            format!(
+                "its communicator is broken ({}: {})",
+                e.status.name(),
+                e.message
+            )
+        } else if color >= 0 {
+            match registry::claim(self.device) {
+                Ok(c) => {
+                    claim = Some(c);
+                    String::new()
+                }
+                Err(why) => why,
+            }
+        } else {
+            String::new()
+        };
+        let mut msg = Vec::new();
+        put(&mut msg, color as i64 as u64);
+        put(&mut msg, key as i64 as u64);
+        msg.extend_from_slice(refusal.as_bytes());
+        let all = self
+            .mesh
+            .all_gather(&msg, &[], "split")
+            .map_err(|e| self.name_ranks(e))?;
+        let mut refusals = Vec::new();
+        let mut colors = Vec::with_capacity(self.world);
+        for (r, (m, _)) in all.iter().enumerate() {
+            let (Some(c), Some(k)) = (word(m, 0), word(m, 1)) else {
+                return Err(Error::peer(format!(
+                    "rank {r} sent a malformed split message"
+                )));
+            };
+            colors.push((c as i64, k as i64 as i32));
+            let t = text_of(m, 16);
+            if !t.is_empty() {
+                refusals.push(format!("rank {r}: {t}"));
+            }
+        }
+        if !refusals.is_empty() {
+            return Err(Error::invalid(format!(
+                "{what} refused on every rank of the parent (which stays usable): {}",
+                refusals.join("; ")
+            )));
+        }
+        let child = if color == NOCOLOR {
+            Ok(None)
+        } else {
+            let mut members: Vec<usize> = (0..self.world)
+                .filter(|&r| colors[r].0 == color as i64)
+                .collect();
+            members.sort_by_key(|&r| (colors[r].1, r));
+            let claim = claim.take().expect("a colored rank holds a claim");
+            self.make_child(&members, claim).map(Some)
+        };
+        // Round 3: all children or none.
+        let text = match &child {
+            Ok(_) => String::new(),
+            Err(e) => format!("{}: {}", e.status.name(), e.message),
+        };
+        let verdicts = self.mesh.all_gather(
+            &with_text(child.is_ok() as u64, &text),
+            &[],
+            "split verdict",
+        );
+        let failed: Vec<String> = match &verdicts {
+            Ok(all) => all
+                .iter()
+                .enumerate()
+                .filter(|(_, (m, _))| word(m, 0) != Some(1))
+                .map(|(r, (m, _))| format!("rank {r}: {}", text_of(m, 8)))
+                .collect(),
+            Err(e) => vec![e.message.clone()],
+        };
+        if failed.is_empty() {
+            return child;
+        }
+        if let Ok(Some(c)) = child {
+            let _ = c.destroy();
+        }
+        let status = match &verdicts {
+            Err(e) => e.status,
+            Ok(_) => Status::ErrPeer,
+        };
+        Err(self.name_ranks(Error::new(
+            status,
+            format!(
+                "{what}: a child could not be made, so no rank keeps one ({})",
+                failed.join("; ")
+            ),
+        )))
+    }
+
+    /// Round 2 for this rank's child over parent ranks `members` (in child order).
+    fn make_child(&self, members: &[usize], claim: registry::Claim) -> Result<Box<Communicator>> {
+        let world = members.len();
+        let rank = members
+            .iter()
+            .position(|&m| m == self.rank)
+            .expect("a rank is in its own color's child");
+        let mut conns: Vec<Option<UnixStream>> = (0..world).map(|_| None).collect();
+        for (j, &peer) in members.iter().enumerate().skip(rank + 1) {
+            let (mine, theirs) = UnixStream::pair()
+                .map_err(|e| Error::internal(format!("socketpair for the split: {e}")))?;
+            let fd = OwnedFd::from(theirs);
+            let mut hello = TAG.to_vec();
+            put(&mut hello, rank as u64);
+            put(&mut hello, j as u64);
+            self.mesh
+                .send_to(peer, &hello, &[std::os::fd::AsFd::as_fd(&fd)], "split")?;
+            conns[j] = Some(mine);
+        }
+        for (j, &peer) in members.iter().enumerate().take(rank) {
+            let (m, mut fds) = self.mesh.recv_from(peer, "split")?;
+            let ok = m.len() == 24
+                && &m[..8] == TAG
+                && word(&m[8..], 0) == Some(j as u64)
+                && word(&m[8..], 1) == Some(rank as u64)
+                && fds.len() == 1;
+            if !ok {
+                return Err(Error::peer(format!(
+                    "rank {peer} sent a malformed split connection"
+                )));
+            }
+            conns[j] = Some(UnixStream::from(fds.remove(0)));
+        }
+        let mesh = crate::ipc::Mesh::from_connections(rank, world, conns, self.timeout);
+        let settings = Settings::read(world, self.alloc, self.device)
+            .map_err(|e| format!("{}: {}", e.status.name(), e.message));
+        let pids: Vec<u32> = members.iter().map(|&m| self.members[m].pid).collect();
+        Communicator::build(Setup {
+            rank,
+            world,
+            device: self.device,
+            alloc: self.alloc,
+            host: self.host,
+            mesh,
+            settings,
+            claim: Ok(claim),
+            members: members.iter().map(|&m| self.members[m]).collect(),
+            windows: self.windows.subset(members),
+            seen: members.iter().map(|&m| self.releases.seen[m]).collect(),
+            sms: self.sms,
+            clusters: self.clusters,
+            fewest_sms: self.fewest_sms,
+            lineage: Some(format!(
+                "its ranks 0..{world} are ranks {members:?} of the communicator it was split \
+                 from, pids {pids:?}"
+            )),
+        })
+    }
+
+    /// Names the processes behind rank numbers in a child's peer and timeout errors.
+    pub(super) fn name_ranks(&self, mut e: Error) -> Error {
+        if matches!(e.status, Status::ErrPeer | Status::ErrTimeout) {
+            match &self.lineage {
+                Some(l) => {
+                    e.message = format!(
+                        "{} (in a communicator of {} ranks split from another: {l})",
+                        e.message, self.world
+                    )
+                }
+                None => {
+                    let pids: Vec<u32> = self.members.iter().map(|m| m.pid).collect();
+                    e.message =
+                        format!("{} (ranks 0..{} are pids {pids:?})", e.message, self.world);
+                }
+            }
+        }
+        e
+    }
+}
