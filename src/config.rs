@@ -271,6 +271,25 @@ pub fn comm_arena_size() -> Result<Option<u64>> {
     Vars::process().comm_arena_size()
 }
 
+/// The raw values of the variables a communicator's settings come from (those `symm_comm_init`
+/// compares between ranks), for `symm_comm_split` to compare: equal text gives equal settings
+/// for any world size.
+pub fn comm_settings_text() -> String {
+    [
+        "SYMMALLOC_LL_BYTES",
+        "SYMMALLOC_LL_GRID",
+        "SYMMALLOC_LL_MAX_BYTES",
+        "SYMMALLOC_ONE_SHOT_MAX_BYTES",
+        "SYMMALLOC_CHECK_SYMMETRY",
+        "SYMMALLOC_SHARED_GPU",
+        "SYMMALLOC_COMM_ARENA_SIZE",
+    ]
+    .iter()
+    .map(|n| format!("{n}={:?}", var(n).unwrap_or_default().trim()))
+    .collect::<Vec<_>>()
+    .join(" ")
+}
+
 /// The default arena: 1/64 of the heap, at least 256M (a communicator's LL buffers take up to
 /// 20M), at most a quarter of the heap.
 pub fn default_comm_arena_bytes(heap: u64) -> u64 {

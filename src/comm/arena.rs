@@ -63,21 +63,36 @@ pub fn common_offset(lists: &[Vec<(u64, u64)>], len: u64, gran: u64) -> Option<u
     })
 }
 
-/// Agrees with every rank of `mesh` on an arena of `len` bytes and claims it here; returns the
-/// arena's id. `refusal` is this rank's reason not to take part (sent, then every rank fails
-/// naming it); `settings` must be equal on every rank (`describe` names them in the error).
-pub(super) fn agree(
+/// Every rank's free address ranges, as the agreement needs them.
+pub(super) struct Terms {
+    pub gran: u64,
+    pub lists: Vec<Vec<(u64, u64)>>,
+}
+
+fn encode_ranges(msg: &mut Vec<u8>, ranges: &[(u64, u64)]) {
+    for &(o, l) in ranges {
+        put(msg, o);
+        put(msg, l);
+    }
+}
+
+fn decode_ranges(w: &[u64]) -> Vec<(u64, u64)> {
+    w.chunks_exact(2).map(|p| (p[0], p[1])).collect()
+}
+
+/// The first round of `symm_comm_init`'s agreement: every rank's refusal (the reason it does
+/// not take part), settings (equal on every rank; `describe` names them) and free ranges. Any
+/// refusal or mismatch fails every rank alike, naming the ranks.
+pub(super) fn terms(
     mesh: &Mesh,
     alloc: &Allocator,
     device: i32,
-    len: u64,
     refusal: Option<&str>,
     settings: &[u64],
     describe: impl Fn(&[u64]) -> String,
-) -> Result<u64> {
+) -> Result<Terms> {
     let (rank, world) = (mesh.rank, mesh.world);
     let gran = alloc.heap(device)?.granularity();
-    // One message: the refusal (text), the settings and granularity, the free ranges.
     let mut msg = Vec::new();
     let text = refusal.unwrap_or("").as_bytes();
     put(&mut msg, text.len() as u64);
@@ -87,32 +102,27 @@ pub(super) fn agree(
         put(&mut msg, w);
     }
     put(&mut msg, gran);
-    let mut ranges = alloc.heap(device)?.free_ranges();
-    for &(o, l) in &ranges {
-        put(&mut msg, o);
-        put(&mut msg, l);
-    }
+    encode_ranges(&mut msg, &alloc.heap(device)?.free_ranges());
     let all = mesh.all_gather(&msg, &[], "communicator agreement")?;
     let mut refusals = Vec::new();
     let mut lists = Vec::with_capacity(world);
     for (r, (m, _)) in all.iter().enumerate() {
+        let malformed = || Error::peer(format!("rank {r} sent a malformed agreement"));
         let n = m.get(..8).map_or(usize::MAX, |b| {
             u64::from_le_bytes(b.try_into().unwrap()) as usize
         });
-        let (Some(t), Some(rest)) = (
-            m.get(8..8usize.saturating_add(n)),
-            m.get(8usize.saturating_add(n).next_multiple_of(8)..),
-        ) else {
-            return Err(Error::peer(format!("rank {r} sent a malformed agreement")));
+        let end = 8usize.saturating_add(n);
+        let (Some(t), Some(rest)) = (m.get(8..end), m.get(end.next_multiple_of(8)..)) else {
+            return Err(malformed());
         };
         if n > 0 {
             refusals.push(format!("rank {r}: {}", String::from_utf8_lossy(t)));
         }
         let w = words(rest);
         if w.len() <= settings.len() || (w.len() - settings.len() - 1) % 2 != 0 {
-            return Err(Error::peer(format!("rank {r} sent a malformed agreement")));
+            return Err(malformed());
         }
-        if refusals.is_empty() && w[..settings.len()] != *settings {
+        if w[..settings.len()] != *settings && refusals.is_empty() && refusal.is_none() {
             return Err(Error::invalid(format!(
                 "rank {r} has {}, rank {rank} has {}; set them alike on every rank",
                 describe(&w[..settings.len()]),
@@ -126,12 +136,7 @@ pub(super) fn agree(
                 w[settings.len()]
             )));
         }
-        lists.push(
-            w[settings.len() + 1..]
-                .chunks_exact(2)
-                .map(|p| (p[0], p[1]))
-                .collect::<Vec<_>>(),
-        );
+        lists.push(decode_ranges(&w[settings.len() + 1..]));
     }
     if !refusals.is_empty() {
         return Err(Error::invalid(format!(
@@ -139,23 +144,58 @@ pub(super) fn agree(
             refusals.join("; ")
         )));
     }
+    Ok(Terms { gran, lists })
+}
+
+/// Claims, on every rank of `mesh`, an arena of `len` bytes at the highest offset free in every
+/// rank's ranges (`terms`), and returns its id here. A `refusal` (this rank's reason not to
+/// take part, sent with its claim) fails every rank alike. Where a rank could not claim the
+/// offset (another thread took part of it meanwhile), every rank gives its claim back and the
+/// round repeats over fresh ranges.
+pub(super) fn claim(
+    mesh: &Mesh,
+    alloc: &Allocator,
+    device: i32,
+    len: u64,
+    mut terms: Terms,
+    refusal: Option<&str>,
+) -> Result<u64> {
+    let (rank, world) = (mesh.rank, mesh.world);
     for attempt in 0..ATTEMPTS {
         if attempt > 0 {
-            // Another round with fresh ranges.
-            ranges = alloc.heap(device)?.free_ranges();
             let mut msg = Vec::new();
-            for &(o, l) in &ranges {
-                put(&mut msg, o);
-                put(&mut msg, l);
-            }
+            encode_ranges(&mut msg, &alloc.heap(device)?.free_ranges());
             let all = mesh.all_gather(&msg, &[], "arena agreement")?;
-            lists = all
-                .iter()
-                .map(|(m, _)| words(m).chunks_exact(2).map(|p| (p[0], p[1])).collect())
-                .collect();
+            terms.lists = all.iter().map(|(m, _)| decode_ranges(&words(m))).collect();
         }
-        let Some(off) = common_offset(&lists, len, gran) else {
-            let free: Vec<String> = lists
+        let off = common_offset(&terms.lists, len, terms.gran);
+        let id = match (off, refusal) {
+            (Some(off), None) => alloc.heap(device)?.claim_arena(off, len),
+            _ => None,
+        };
+        let mut msg = vec![id.is_some() as u8];
+        msg.extend_from_slice(refusal.unwrap_or("").as_bytes());
+        let all = mesh.all_gather(&msg, &[], "arena claim")?;
+        let refusals: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, (m, _))| m.len() > 1)
+            .map(|(r, (m, _))| format!("rank {r}: {}", String::from_utf8_lossy(&m[1..])))
+            .collect();
+        if !refusals.is_empty() || off.is_none() {
+            if let Some(id) = id {
+                alloc.release_arena(device, id)?;
+            }
+        }
+        if !refusals.is_empty() {
+            return Err(Error::invalid(format!(
+                "the communicator of {world} ranks cannot be created: {}",
+                refusals.join("; ")
+            )));
+        }
+        let Some(off) = off else {
+            let free: Vec<String> = terms
+                .lists
                 .iter()
                 .enumerate()
                 .map(|(r, l)| {
@@ -170,8 +210,6 @@ pub(super) fn agree(
                 free.join(", ")
             )));
         };
-        let id = alloc.heap(device)?.claim_arena(off, len);
-        let all = mesh.all_gather(&[id.is_some() as u8], &[], "arena claim")?;
         if all.iter().all(|(m, _)| m.first() == Some(&1)) {
             crate::info!(
                 "rank {rank}/{world}: communicator arena of {len} bytes at heap offset {off:#x} \

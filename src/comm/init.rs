@@ -118,6 +118,8 @@ pub(super) struct Setup {
     pub fewest_sms: u32,
     /// For errors of a child: which parent ranks its ranks are.
     pub lineage: Option<String>,
+    /// The ranks' free address ranges, when a split gathered them already.
+    pub terms: Option<super::arena::Terms>,
 }
 
 impl Communicator {
@@ -277,6 +279,7 @@ impl Communicator {
             clusters,
             fewest_sms,
             lineage: None,
+            terms: None,
         })
     }
 
@@ -299,6 +302,7 @@ impl Communicator {
             clusters,
             fewest_sms,
             lineage,
+            terms,
         } = setup;
         let mut refusal = match (&claim, &settings) {
             (Err(why), _) | (_, Err(why)) => Some(why.clone()),
@@ -309,15 +313,22 @@ impl Communicator {
         }
         let words = settings.as_ref().map_or([0; 7], |s| s.words());
         let arena_len = settings.as_ref().map_or(0, |s| s.arena_len);
-        let arena = super::arena::agree(
-            &mesh,
-            alloc,
-            device,
-            arena_len,
-            refusal.as_deref(),
-            &words,
-            describe_settings,
-        )?;
+        // A split gathered the terms in its first round (and its refusals); `init` here.
+        let (terms, late_refusal) = match terms {
+            Some(t) => (t, refusal.as_deref()),
+            None => (
+                super::arena::terms(
+                    &mesh,
+                    alloc,
+                    device,
+                    refusal.as_deref(),
+                    &words,
+                    describe_settings,
+                )?,
+                None,
+            ),
+        };
+        let arena = super::arena::claim(&mesh, alloc, device, arena_len, terms, late_refusal)?;
         let (Ok(claim), Ok(settings)) = (claim, settings) else {
             // The agreement refused every rank already.
             return Err(Error::internal(
@@ -405,19 +416,14 @@ impl Communicator {
         let internal = self.own_malloc(internal_len)?;
         self.internal = internal;
         // Pad, epochs, LL counters and descriptor words start at 0; LL data words empty.
-        let data_len = internal_len - LL_DATA_OFFSET;
         if self.host {
+            // The host backend's collectives (host_reduce.rs) use the pad alone, never the LL
+            // buffers: those are left untouched (no page of them is ever faulted in).
             // SAFETY: internal is a live block of internal_len bytes of mapped host memory.
-            unsafe {
-                std::ptr::write_bytes(internal as *mut u8, 0, LL_DATA_OFFSET as usize);
-                std::ptr::write_bytes(
-                    (internal + LL_DATA_OFFSET) as *mut u8,
-                    LL_EMPTY_BYTE,
-                    data_len as usize,
-                );
-            }
+            unsafe { std::ptr::write_bytes(internal as *mut u8, 0, LL_DATA_OFFSET as usize) };
         } else {
             cuda::mem::memset_sync(device, internal, 0, LL_DATA_OFFSET)?;
+            let data_len = internal_len - LL_DATA_OFFSET;
             cuda::mem::memset_sync(device, internal + LL_DATA_OFFSET, LL_EMPTY_BYTE, data_len)?;
         }
         let own_base = self.windows.bases[rank];

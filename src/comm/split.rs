@@ -18,9 +18,11 @@
 //! error words; the peer heaps are reference-counted, so destroying the parent first leaves the
 //! child working.
 
+use super::arena::Terms;
 use super::init::{Settings, Setup};
 use super::registry;
 use super::Communicator;
+use crate::config;
 use crate::error::{Error, Result, Status};
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
@@ -34,22 +36,30 @@ fn put(v: &mut Vec<u8>, w: u64) {
     v.extend_from_slice(&w.to_le_bytes());
 }
 
+/// A length, then the text, padded to 8 bytes.
+fn put_text(v: &mut Vec<u8>, t: &str) {
+    put(v, t.len() as u64);
+    v.extend_from_slice(t.as_bytes());
+    v.resize(v.len().next_multiple_of(8), 0);
+}
+
+fn next(m: &[u8], at: &mut usize) -> Option<u64> {
+    let w = u64::from_le_bytes(m.get(*at..*at + 8)?.try_into().ok()?);
+    *at += 8;
+    Some(w)
+}
+
+fn next_text(m: &[u8], at: &mut usize) -> Option<String> {
+    let n = usize::try_from(next(m, at)?).ok()?;
+    let t = String::from_utf8_lossy(m.get(*at..at.checked_add(n)?)?).into_owned();
+    *at = (*at + n).next_multiple_of(8);
+    Some(t)
+}
+
 fn word(b: &[u8], i: usize) -> Option<u64> {
     Some(u64::from_le_bytes(
         b.get(i * 8..i * 8 + 8)?.try_into().ok()?,
     ))
-}
-
-/// A message of one word, then text.
-fn with_text(w: u64, text: &str) -> Vec<u8> {
-    let mut v = Vec::new();
-    put(&mut v, w);
-    v.extend_from_slice(text.as_bytes());
-    v
-}
-
-fn text_of(m: &[u8], from: usize) -> String {
-    String::from_utf8_lossy(m.get(from..).unwrap_or(&[])).into_owned()
 }
 
 impl Communicator {
@@ -79,27 +89,56 @@ impl Communicator {
         } else {
             String::new()
         };
+        let gran = self.alloc.heap(self.device)?.granularity();
+        let settings = config::comm_settings_text();
         let mut msg = Vec::new();
         put(&mut msg, color as i64 as u64);
         put(&mut msg, key as i64 as u64);
-        msg.extend_from_slice(refusal.as_bytes());
+        put(&mut msg, gran);
+        put_text(&mut msg, &settings);
+        put_text(&mut msg, &refusal);
+        for (o, l) in self.alloc.heap(self.device)?.free_ranges() {
+            put(&mut msg, o);
+            put(&mut msg, l);
+        }
         let all = self
             .mesh
             .all_gather(&msg, &[], "split")
             .map_err(|e| self.name_ranks(e))?;
         let mut refusals = Vec::new();
         let mut colors = Vec::with_capacity(self.world);
+        let mut lists = Vec::with_capacity(self.world);
         for (r, (m, _)) in all.iter().enumerate() {
-            let (Some(c), Some(k)) = (word(m, 0), word(m, 1)) else {
+            let mut at = 0;
+            let parsed = (|| {
+                let (c, k, g) = (next(m, &mut at)?, next(m, &mut at)?, next(m, &mut at)?);
+                let (s, t) = (next_text(m, &mut at)?, next_text(m, &mut at)?);
+                let w: Vec<u64> = m[at..]
+                    .chunks_exact(8)
+                    .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
+                Some((c, k, g, s, t, w))
+            })();
+            let Some((c, k, g, s, t, w)) = parsed else {
                 return Err(Error::peer(format!(
                     "rank {r} sent a malformed split message"
                 )));
             };
             colors.push((c as i64, k as i64 as i32));
-            let t = text_of(m, 16);
             if !t.is_empty() {
                 refusals.push(format!("rank {r}: {t}"));
+            } else if s != settings {
+                refusals.push(format!(
+                    "rank {r}: its settings differ (rank {r}: {s}; rank {}: {settings}); set \
+                     them alike on every rank",
+                    self.rank
+                ));
+            } else if g != gran {
+                refusals.push(format!(
+                    "rank {r}: a heap granularity of {g} bytes, not {gran}"
+                ));
             }
+            lists.push(w.chunks_exact(2).map(|p| (p[0], p[1])).collect::<Vec<_>>());
         }
         if !refusals.is_empty() {
             return Err(Error::invalid(format!(
@@ -107,61 +146,82 @@ impl Communicator {
                 refusals.join("; ")
             )));
         }
-        let child = if color == NOCOLOR {
-            Ok(None)
-        } else {
-            let mut members: Vec<usize> = (0..self.world)
-                .filter(|&r| colors[r].0 == color as i64)
-                .collect();
-            members.sort_by_key(|&r| (colors[r].1, r));
-            let claim = claim.take().expect("a colored rank holds a claim");
-            self.make_child(&members, claim).map(Some)
-        };
-        // Round 3: all children or none.
-        let text = match &child {
-            Ok(_) => String::new(),
-            Err(e) => format!("{}: {}", e.status.name(), e.message),
-        };
-        let verdicts = self.mesh.all_gather(
-            &with_text(child.is_ok() as u64, &text),
-            &[],
-            "split verdict",
-        );
-        let failed: Vec<String> = match &verdicts {
-            Ok(all) => all
-                .iter()
-                .enumerate()
-                .filter(|(_, (m, _))| word(m, 0) != Some(1))
-                .map(|(r, (m, _))| format!("rank {r}: {}", text_of(m, 8)))
-                .collect(),
-            Err(e) => vec![e.message.clone()],
-        };
-        if failed.is_empty() {
-            return child;
+        if color == NOCOLOR {
+            return Ok(None);
         }
-        if let Ok(Some(c)) = child {
-            let _ = c.destroy();
-        }
-        let status = match &verdicts {
-            Err(e) => e.status,
-            Ok(_) => Status::ErrPeer,
+        let mut members: Vec<usize> = (0..self.world)
+            .filter(|&r| colors[r].0 == color as i64)
+            .collect();
+        members.sort_by_key(|&r| (colors[r].1, r));
+        let claim = claim.take().expect("a colored rank holds a claim");
+        let terms = Terms {
+            gran,
+            lists: members.iter().map(|&m| lists[m].clone()).collect(),
         };
-        Err(self.name_ranks(Error::new(
-            status,
-            format!(
-                "{what}: a child could not be made, so no rank keeps one ({})",
-                failed.join("; ")
-            ),
-        )))
+        self.make_child(&members, claim, terms)
+            .map(Some)
+            .map_err(|e| self.name_ranks(e.context(what)))
     }
 
     /// Round 2 for this rank's child over parent ranks `members` (in child order).
-    fn make_child(&self, members: &[usize], claim: registry::Claim) -> Result<Box<Communicator>> {
+    fn make_child(
+        &mut self,
+        members: &[usize],
+        claim: registry::Claim,
+        terms: Terms,
+    ) -> Result<Box<Communicator>> {
         let world = members.len();
         let rank = members
             .iter()
             .position(|&m| m == self.rank)
             .expect("a rank is in its own color's child");
+        let conns = match self.child_connections(members, rank) {
+            Ok(c) => c,
+            Err(e) => {
+                // Messages of this split may be left on the parent's connections: it is out of
+                // step from now on.
+                self.sticky.get_or_insert_with(|| {
+                    Error::peer(format!(
+                        "a split failed while its ranks connected ({}): this communicator \
+                         cannot be used any more; destroy it",
+                        e.message
+                    ))
+                });
+                return Err(e);
+            }
+        };
+        let mesh = crate::ipc::Mesh::from_connections(rank, world, conns, self.timeout);
+        let settings = Settings::read(world, self.alloc, self.device)
+            .map_err(|e| format!("{}: {}", e.status.name(), e.message));
+        let pids: Vec<u32> = members.iter().map(|&m| self.members[m].pid).collect();
+        Communicator::build(Setup {
+            rank,
+            world,
+            device: self.device,
+            alloc: self.alloc,
+            host: self.host,
+            mesh,
+            settings,
+            claim: Ok(claim),
+            members: members.iter().map(|&m| self.members[m]).collect(),
+            windows: self.windows.subset(members),
+            seen: members.iter().map(|&m| self.releases.seen[m]).collect(),
+            sms: self.sms,
+            clusters: self.clusters,
+            fewest_sms: self.fewest_sms,
+            lineage: Some(format!(
+                "its ranks 0..{world} are ranks {members:?} of the communicator it was split \
+                 from, pids {pids:?}"
+            )),
+            terms: Some(terms),
+        })
+    }
+
+    /// A connection to every other rank of the child (`members`, parent ranks in child order;
+    /// this rank is `rank` there): a socket pair per pair of ranks, made by the lower one,
+    /// which sends one end over the parent's connection.
+    fn child_connections(&self, members: &[usize], rank: usize) -> Result<Vec<Option<UnixStream>>> {
+        let world = members.len();
         let mut conns: Vec<Option<UnixStream>> = (0..world).map(|_| None).collect();
         for (j, &peer) in members.iter().enumerate().skip(rank + 1) {
             let (mine, theirs) = UnixStream::pair()
@@ -188,30 +248,7 @@ impl Communicator {
             }
             conns[j] = Some(UnixStream::from(fds.remove(0)));
         }
-        let mesh = crate::ipc::Mesh::from_connections(rank, world, conns, self.timeout);
-        let settings = Settings::read(world, self.alloc, self.device)
-            .map_err(|e| format!("{}: {}", e.status.name(), e.message));
-        let pids: Vec<u32> = members.iter().map(|&m| self.members[m].pid).collect();
-        Communicator::build(Setup {
-            rank,
-            world,
-            device: self.device,
-            alloc: self.alloc,
-            host: self.host,
-            mesh,
-            settings,
-            claim: Ok(claim),
-            members: members.iter().map(|&m| self.members[m]).collect(),
-            windows: self.windows.subset(members),
-            seen: members.iter().map(|&m| self.releases.seen[m]).collect(),
-            sms: self.sms,
-            clusters: self.clusters,
-            fewest_sms: self.fewest_sms,
-            lineage: Some(format!(
-                "its ranks 0..{world} are ranks {members:?} of the communicator it was split \
-                 from, pids {pids:?}"
-            )),
-        })
+        Ok(conns)
     }
 
     /// Names the processes behind rank numbers in a child's peer and timeout errors.
