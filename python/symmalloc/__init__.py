@@ -19,7 +19,7 @@ eager caller and the stream getter), ``comm`` (``Communicator``) and ``memory`` 
 pools, global mode). What each misuse gets back: docs/python-errors.md.
 """
 
-__version__ = "0.1.0"  # kept equal to Cargo.toml's version by tests/test_no_gpu.py
+__version__ = "0.2.0"  # kept equal to Cargo.toml's version by tests/test_no_gpu.py
 
 from ._fast import _current_stream_handle, _fast_all_reduce, _stream_getter  # noqa: E402,F401
 from ._lib import (  # noqa: E402,F401

@@ -1,22 +1,25 @@
 //! `symm_comm_split`: children of a communicator, as in `ncclCommSplit`. Collective over the
-//! parent; three rounds over the parent's mesh and one over each child's:
+//! parent; one round over the parent's mesh, then rounds within each child:
 //!
-//! 1. every parent rank sends (color, key, why it refuses): a color below -1, a broken parent,
-//!    the device's limit of communicators. Any refusal fails the split on every rank, naming
-//!    the ranks and why; the parent's mesh is then still in step (each rank sent and received
-//!    one message per peer), so the parent stays usable.
-//! 2. ranks of one color form a child, ordered by key, then parent rank; within it, each rank
-//!    makes a socket pair for every later rank and sends it one end over the parent's
-//!    connection (no listening socket, no new authentication: the parent's are). The child
-//!    takes its parent's peer heaps for its ranks (peers.rs: no memory the parent mapped is
-//!    imported again) and its record of shared segments, then `build` (init.rs) agrees on its
-//!    settings and arena and exchanges its internal block.
-//! 3. every parent rank says whether its child was made; if any was not, every rank destroys
-//!    its new child and fails naming the ranks: a split makes all its children or none.
+//! 1. every parent rank sends its color, key, why it refuses (a color below -1, a broken
+//!    parent, the device's limit of communicators: registry.rs), the text of its communicator
+//!    settings and its heap's free address ranges. Any refusal, or settings that differ, fails
+//!    the split on every rank, naming the ranks; the parent's mesh is then still in step (each
+//!    rank sent and received one message per peer), so the parent stays usable. NOCOLOR ranks
+//!    are done.
+//! 2. ranks of one color form a child, ordered by key, then parent rank. Each makes a socket
+//!    pair for every later rank of its child and sends it one end over the parent's connection
+//!    (no listening socket, no new authentication: the parent's are).
+//! 3. the child takes its parent's peer heaps for its ranks (peers.rs: no memory the parent
+//!    mapped is imported again) and its record of shared segments, and `build` (init.rs)
+//!    claims its arena at the highest offset free on all its ranks (from the ranges of round
+//!    1), then allocates and exchanges its internal block over the child's mesh.
 //!
-//! A child is independent of its parent from then on: its own mesh, arena, internal block and
-//! error words; the peer heaps are reference-counted, so destroying the parent first leaves the
-//! child working.
+//! A failure in step 3 (a rank that died, memory) fails that child's ranks, naming the rank; a
+//! failure in step 2 may leave messages on the parent's connections, so it breaks the parent
+//! (a sticky error: destroy it). A child is independent of its parent from then on: its own
+//! mesh, arena, internal block and error words; the peer heaps are reference-counted, so
+//! destroying the parent first leaves the child working.
 
 use super::arena::Terms;
 use super::init::{Settings, Setup};

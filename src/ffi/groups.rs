@@ -15,9 +15,13 @@ use std::ffi::{c_int, c_void};
 /// `color` of a rank that takes part in `symm_comm_split` but wants no child.
 pub const SYMM_SPLIT_NOCOLOR: i32 = -1;
 /// The most live communicators per process and device; one more fails on every rank alike.
-pub const SYMM_MAX_COMMS_PER_DEVICE: i32 = registry::MAX_COMMS_PER_DEVICE as i32;
+pub const SYMM_MAX_COMMS_PER_DEVICE: i32 = 16;
 /// MemPool slots per process (`symm_comm_mem_pool_slot`).
-pub const SYMM_COMM_POOL_SLOTS: i32 = registry::POOL_SLOTS as i32;
+pub const SYMM_COMM_POOL_SLOTS: i32 = 64;
+const _: () = assert!(
+    SYMM_MAX_COMMS_PER_DEVICE as usize == registry::MAX_COMMS_PER_DEVICE
+        && SYMM_COMM_POOL_SLOTS as usize == registry::POOL_SLOTS
+);
 
 /// What `symm_comm_info` reports about a communicator. May grow at the end: pass its size.
 #[repr(C)]
@@ -40,7 +44,8 @@ pub struct symm_comm_info_t {
 /// device at `SYMM_MAX_COMMS_PER_DEVICE` fails the split on every rank with an error naming the
 /// rank, and the parent stays usable. The child maps no memory the parent mapped (it shares the
 /// parent's peer mappings), has its own buffers, arena and error state, and keeps working after
-/// the parent is destroyed. All children are made or none.
+/// the parent is destroyed. A failure while one child is made (a rank that died, memory) fails
+/// the ranks of that child, naming the rank.
 #[no_mangle]
 pub extern "C" fn symm_comm_split(
     parent: *mut symm_comm_t,

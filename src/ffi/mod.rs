@@ -126,7 +126,7 @@ pub extern "C" fn symm_empty_cache() {
 /// The library's version (semantic versioning; the crate's). The header carries the version
 /// it was generated from; `symm_version()` says which library was loaded.
 pub const SYMMALLOC_VERSION_MAJOR: i32 = 0;
-pub const SYMMALLOC_VERSION_MINOR: i32 = 1;
+pub const SYMMALLOC_VERSION_MINOR: i32 = 2;
 pub const SYMMALLOC_VERSION_PATCH: i32 = 0;
 /// `MAJOR * 10000 + MINOR * 100 + PATCH`, as `symm_version()` returns it.
 pub const SYMMALLOC_VERSION_CODE: i32 =
