@@ -313,6 +313,16 @@ fn gpu_split_and_init_cost() {
                 .unwrap_or("?")
         );
     }
+    // Under SYMMALLOC_DEBUG=INFO: where rank 0's creations spent their time.
+    let e = String::from_utf8_lossy(&outs[0].stderr);
+    for l in e.lines().filter(|l| l.contains("arena claimed in")).take(8) {
+        let kind = if l.contains("split from") {
+            "split"
+        } else {
+            "init"
+        };
+        println!("rank 0 {kind}: {}", l.rsplit("; ").next().unwrap_or(""));
+    }
 }
 
 /// Median microseconds per all-reduce of `n` bf16 on `comm` over `iters` calls, 5 runs.

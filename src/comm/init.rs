@@ -328,7 +328,9 @@ impl Communicator {
                 None,
             ),
         };
+        let started = std::time::Instant::now();
         let arena = super::arena::claim(&mesh, alloc, device, arena_len, terms, late_refusal)?;
+        let claimed = started.elapsed();
         let (Ok(claim), Ok(settings)) = (claim, settings) else {
             // The agreement refused every rank already.
             return Err(Error::internal(
@@ -378,18 +380,24 @@ impl Communicator {
             members,
             lineage,
         });
-        comm.finish_init(&settings)
+        comm.finish_init(&settings, started, claimed)
     }
 
     /// The internal block, the first exchange, the last meeting; on failure, everything made
     /// so far goes back.
-    fn finish_init(mut self: Box<Self>, settings: &Settings) -> Result<Box<Communicator>> {
+    fn finish_init(
+        mut self: Box<Self>,
+        settings: &Settings,
+        started: std::time::Instant,
+        claimed: std::time::Duration,
+    ) -> Result<Box<Communicator>> {
         match self.make_internal() {
-            Ok(()) => {
+            Ok(made) => {
                 let devices: Vec<i32> = self.members.iter().map(|m| m.device).collect();
                 crate::info!(
                     "rank {}/{}: communicator on device {} (ranks' devices {devices:?}, {} \
-                     backend); arena {}{}; {}; timeout {:.1} s",
+                     backend); arena {}{}; {}; timeout {:.1} s; arena claimed in {} us, internal \
+                     block made in {} us, exchanged in {} us",
                     self.rank,
                     self.world,
                     self.device,
@@ -399,7 +407,10 @@ impl Communicator {
                         .as_deref()
                         .map_or(String::new(), |l| format!("; {l}")),
                     describe_settings(&settings.words()),
-                    settings.timeout.as_secs_f64()
+                    settings.timeout.as_secs_f64(),
+                    claimed.as_micros(),
+                    made.as_micros(),
+                    (started.elapsed() - claimed - made).as_micros()
                 );
                 Ok(self)
             }
@@ -410,7 +421,9 @@ impl Communicator {
         }
     }
 
-    fn make_internal(&mut self) -> Result<()> {
+    /// Makes and exchanges the internal block; how long making it took.
+    fn make_internal(&mut self) -> Result<std::time::Duration> {
+        let started = std::time::Instant::now();
         let (rank, device) = (self.rank, self.device);
         let internal_len = internal_bytes(self.world, self.ll_slot);
         let internal = self.own_malloc(internal_len)?;
@@ -422,9 +435,15 @@ impl Communicator {
             // SAFETY: internal is a live block of internal_len bytes of mapped host memory.
             unsafe { std::ptr::write_bytes(internal as *mut u8, 0, LL_DATA_OFFSET as usize) };
         } else {
-            cuda::mem::memset_sync(device, internal, 0, LL_DATA_OFFSET)?;
             let data_len = internal_len - LL_DATA_OFFSET;
-            cuda::mem::memset_sync(device, internal + LL_DATA_OFFSET, LL_EMPTY_BYTE, data_len)?;
+            cuda::mem::memset2_sync(
+                device,
+                internal,
+                LL_DATA_OFFSET,
+                internal + LL_DATA_OFFSET,
+                LL_EMPTY_BYTE,
+                data_len,
+            )?;
         }
         let own_base = self.windows.bases[rank];
         self.pads = self
@@ -447,6 +466,7 @@ impl Communicator {
             .locate(internal, internal_len)?
             .expect("internal block is in the heap");
         self.internal_seg = seg.offset;
+        let made = started.elapsed();
         self.exchange(&[seg], desc, true)?;
         // The peers' generations of their internal blocks' segments: their release names the
         // peer's destroy (retire.rs).
@@ -459,6 +479,6 @@ impl Communicator {
         if self.lineage.is_none() {
             self.mesh.barrier("init")?;
         }
-        Ok(())
+        Ok(made)
     }
 }
