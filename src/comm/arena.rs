@@ -8,9 +8,11 @@
 //! the rank. Otherwise every rank computes the same offset (the highest one free on every rank,
 //! so arenas stay away from device-level allocations, which start at the bottom) and claims
 //! it; if another thread of some rank took part of that range meanwhile, every rank gives its
-//! claim back and the round repeats with fresh ranges (a bounded number of times).
+//! claim back and the round repeats with fresh ranges (a bounded number of times). `terms` is
+//! that first round for `symm_comm_init`; a split gathers the same in its parent's round
+//! (split.rs) and starts at `claim`, whose message then carries a refusal of the child's ranks.
 //!
-//! Invariant: an arena exists on a rank only if every rank of the communicator claimed it at
+//! Invariant: a communicator keeps its arena only where every one of its ranks claimed it at
 //! the same offset and length.
 
 use super::Communicator;
