@@ -39,6 +39,21 @@ struct CUstream_st;
 #define SYMM_MEMORY_STATS_V1_SIZE 80
 
 /**
+ * `color` of a rank that takes part in `symm_comm_split` but wants no child.
+ */
+#define SYMM_SPLIT_NOCOLOR -1
+
+/**
+ * The most live communicators per process and device; one more fails on every rank alike.
+ */
+#define SYMM_MAX_COMMS_PER_DEVICE 16
+
+/**
+ * MemPool slots per process (`symm_comm_mem_pool_slot`).
+ */
+#define SYMM_COMM_POOL_SLOTS 64
+
+/**
  * Ranks of a communicator, at most (the length of the per-rank arrays below).
  */
 #define SYMM_MAX_RANKS 8
@@ -113,7 +128,7 @@ typedef enum {
 } symm_status_t;
 
 /**
- * A communicator: one per (process, device) of a single-node job.
+ * A communicator over ranks of a single-node job; several may live on one device.
  */
 typedef struct symm_comm_t symm_comm_t;
 
@@ -197,6 +212,27 @@ typedef uint32_t symm_op_t;
  * All-reduce algorithm.
  */
 typedef uint32_t symm_algo_t;
+
+/**
+ * What `symm_comm_info` reports about a communicator. May grow at the end: pass its size.
+ */
+typedef struct {
+  /**
+   * This rank in the communicator, and how many ranks it has.
+   */
+  int32_t rank;
+  int32_t world_size;
+  int32_t device;
+  /**
+   * Live communicators of this process on `device`, this one included.
+   */
+  int32_t comms_on_device;
+  /**
+   * The communicator's arena: its heap offset (equal on every rank) and length.
+   */
+  uint64_t arena_offset;
+  uint64_t arena_bytes;
+} symm_comm_info_t;
 
 /**
  * A communicator as device code sees it (`symm_comm_device` fills it; the helpers of
@@ -429,6 +465,51 @@ symm_status_t symm_all_reduce_add_rms_norm(symm_comm_t *comm, const void *x, voi
  * Every rank waits for every other; stream-ordered.
  */
 symm_status_t symm_barrier(symm_comm_t *comm, struct CUstream_st *stream);
+
+/**
+ * Splits `parent`: ranks that pass the same `color` (>= 0) form one child, ordered by `key`,
+ * then by parent rank; `SYMM_SPLIT_NOCOLOR` takes part and gets `*child = NULL`. Collective:
+ * every rank of the parent calls it. A color below -1 on any rank, a broken parent, or a
+ * device at `SYMM_MAX_COMMS_PER_DEVICE` fails the split on every rank with an error naming the
+ * rank, and the parent stays usable. The child maps no memory the parent mapped (it shares the
+ * parent's peer mappings), has its own buffers, arena and error state, and keeps working after
+ * the parent is destroyed. A failure while one child is made (a rank that died, memory) fails
+ * the ranks of that child, naming the rank.
+ */
+symm_status_t symm_comm_split(symm_comm_t *parent, int color, int key, symm_comm_t **child);
+
+/**
+ * `size` bytes from `comm`'s own arena of the device heap: the same offset on every rank of
+ * `comm` whatever else the device holds (other communicators, other threads, device-level
+ * pools), given that the ranks of `comm` make the same sequence of these calls. NULL for size
+ * 0 (not an error) and on failure. Stream-ordered reuse as `symm_malloc`.
+ */
+void *symm_comm_malloc(symm_comm_t *comm, size_t size, struct CUstream_st *stream);
+
+/**
+ * Frees a block of `symm_comm_malloc` of the same communicator; `size` as allocated. NULL does
+ * nothing. A block of another communicator or of `symm_malloc` is refused, nothing freed.
+ */
+void symm_comm_free(symm_comm_t *comm, void *ptr, size_t size, struct CUstream_st *stream);
+
+/**
+ * Fills the first `size` bytes of `*out` (pass `sizeof(symm_comm_info_t)`; at least the three
+ * first fields, 12 bytes) with what `comm` is. Nothing past `size` is written.
+ */
+symm_status_t symm_comm_info(symm_comm_t *comm, symm_comm_info_t *out, size_t size);
+
+/**
+ * A MemPool slot bound to `comm`'s arena (the same slot again while it is bound): torch's
+ * `CUDAPluggableAllocator(libsymmalloc.so, "symm_comm_pool_malloc_<slot>", "symm_free")`
+ * then allocates from the arena. After `comm` is destroyed the slot's function fails (the
+ * pool can only free); `symm_mem_pool_slot_release` frees the slot once the MemPool is gone.
+ */
+symm_status_t symm_comm_mem_pool_slot(symm_comm_t *comm, int *slot);
+
+/**
+ * Frees MemPool slot `slot` (call it when the MemPool that used it is gone).
+ */
+symm_status_t symm_mem_pool_slot_release(int slot);
 
 /**
  * Collective: every rank passes the same offset (in its symmetric heap) and size. Maps every

@@ -12,6 +12,8 @@
 #   ab: this build against .device/old (scripts/stage-device.sh --old), in alternating processes,
 #       ROUNDS (default 2) of bench/fused.py (HIDDEN, TOKENS) and allreduce_c (AUTO, 8 KiB-4 MiB);
 #       WORLD=N runs N ranks (1 on one GPU: the kernels' local work alone, a filter only).
+#   groups: tests/gpu_groups.rs at RANKS (default 4) ranks sharing the GPUs, and the child
+#           against a standalone communicator; TORCH=1 adds python/tests/torch_groups_gpu_check.py.
 #   shared: the multi-rank GPU tests (t_gpu_comm, t_gpu_sg, t_bitwise) at RANKS (default "2 4") ranks on the
 #           machine's GPUs, several ranks per GPU (SYMMALLOC_SHARED_GPU=1): the protocol at N
 #           ranks on a one-GPU machine; correctness only (the ranks' kernels time-slice).
@@ -85,6 +87,19 @@ elif [ "${1:-tests}" = shared ]; then
     T=${T:-300} TAILN=5 run gpu_sg_$n $D/t_gpu_sg --include-ignored --test-threads=1 --nocapture ${FILTER:-}
     T=${T:-300} TAILN=5 run bitwise_$n $D/t_bitwise gpu_ --include-ignored --test-threads=1 --nocapture
   done
+elif [ "${1:-tests}" = groups ]; then
+  # Several communicators per GPU (tests/gpu_groups.rs): a TP and an EP communicator on two
+  # streams at once, split vs fresh init, at RANKS (default 4) ranks sharing the GPUs; a child's
+  # all-reduce against a standalone communicator (one rank per GPU); with TORCH=1 also
+  # python/tests/torch_groups_gpu_check.py (MemPools, a compiled graph over two communicators).
+  step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  export SYMMALLOC_SHARED_GPU=1 SYMM_TEST_RANKS=${RANKS:-4}
+  T=${T:-200} TAILN=8 run gpu_groups_streams $D/t_gpu_groups gpu_tp_and_ep --include-ignored --test-threads=1 --nocapture
+  T=${T:-200} TAILN=14 run gpu_groups_cost env SYMMALLOC_DEBUG=INFO $D/t_gpu_groups gpu_split_and_init --include-ignored --test-threads=1 --nocapture
+  T=${T:-200} TAILN=6 run gpu_groups_child $D/t_gpu_groups gpu_child_all_reduce --include-ignored --test-threads=1 --nocapture
+  if [ -n "${TORCH:-}" ]; then
+    T=${T:-300} TAILN=6 run groups_torch python3 python/tests/torch_groups_gpu_check.py
+  fi
 elif [ "${1:-tests}" = gpu ]; then
   run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture
   T=400 TAILN=12 run gpu_comm $D/t_gpu_comm --include-ignored --test-threads=1 --nocapture

@@ -155,6 +155,15 @@ impl<'a> Vars<'a> {
         self.size("SYMMALLOC_HEAP_SIZE")
     }
 
+    /// `SYMMALLOC_COMM_ARENA_SIZE`: a positive size; `None` when unset.
+    pub fn comm_arena_size(&self) -> Result<Option<u64>> {
+        const NAME: &str = "SYMMALLOC_COMM_ARENA_SIZE";
+        match self.size(NAME)? {
+            Some(0) => Err(Self::bad(NAME, "0", "a positive size")),
+            v => Ok(v),
+        }
+    }
+
     /// `SYMMALLOC_TIMEOUT_S`: seconds, `MIN_TIMEOUT_S..=MAX_TIMEOUT_S`, default 60.
     pub fn timeout(&self) -> Result<Duration> {
         self.duration_s(
@@ -253,6 +262,38 @@ pub fn backend_kind() -> Result<BackendKind> {
 /// `SYMMALLOC_HEAP_SIZE`: virtual size of each device's symmetric heap. `None` = backend default.
 pub fn heap_size() -> Result<Option<u64>> {
     Vars::process().heap_size()
+}
+
+/// `SYMMALLOC_COMM_ARENA_SIZE`: address space of each communicator's arena (its own buffers
+/// and `symm_comm_malloc` memory), rounded up to the granularity; must match on all ranks.
+/// Default `default_comm_arena_bytes` of the heap.
+pub fn comm_arena_size() -> Result<Option<u64>> {
+    Vars::process().comm_arena_size()
+}
+
+/// The raw values of the variables a communicator's settings come from (those `symm_comm_init`
+/// compares between ranks), for `symm_comm_split` to compare: equal text gives equal settings
+/// for any world size.
+pub fn comm_settings_text() -> String {
+    [
+        "SYMMALLOC_LL_BYTES",
+        "SYMMALLOC_LL_GRID",
+        "SYMMALLOC_LL_MAX_BYTES",
+        "SYMMALLOC_ONE_SHOT_MAX_BYTES",
+        "SYMMALLOC_CHECK_SYMMETRY",
+        "SYMMALLOC_SHARED_GPU",
+        "SYMMALLOC_COMM_ARENA_SIZE",
+    ]
+    .iter()
+    .map(|n| format!("{n}={:?}", var(n).unwrap_or_default().trim()))
+    .collect::<Vec<_>>()
+    .join(" ")
+}
+
+/// The default arena: 1/64 of the heap, at least 256M (a communicator's LL buffers take up to
+/// 20M), at most a quarter of the heap.
+pub fn default_comm_arena_bytes(heap: u64) -> u64 {
+    (heap / 64).max(256 << 20).min(heap / 4)
 }
 
 /// `SYMMALLOC_TIMEOUT_S`: every wait on a peer (bootstrap, exchange, kernel barrier) gives up

@@ -176,7 +176,8 @@ fn comm_bad_input() {
     );
     assert!(err().contains("magic"), "{}", err());
     assert!(comm.is_null());
-    // A real single-rank communicator: init twice on one device, bad collective args, destroy twice.
+    // A real single-rank communicator: a second one on the same device (several live
+    // communicators per device), bad collective args, destroy twice.
     assert_eq!(
         symm_comm_init(&mut comm, 1, 0, 4, &id),
         symm_status_t::SYMM_SUCCESS,
@@ -188,9 +189,11 @@ fn comm_bad_input() {
     let mut again: *mut symm_comm_t = null_mut();
     assert_eq!(
         symm_comm_init(&mut again, 1, 0, 4, &id2),
-        symm_status_t::SYMM_ERR_INVALID_ARGUMENT
+        symm_status_t::SYMM_SUCCESS,
+        "{}",
+        err()
     );
-    assert!(err().contains("already has a communicator"), "{}", err());
+    assert_eq!(symm_comm_destroy(again), symm_status_t::SYMM_SUCCESS);
     let buf = symm_malloc(4096, 4, null_mut());
     assert_eq!(
         symm_all_reduce(comm, buf, buf, 16, 7, SYMM_SUM, null_mut()),

@@ -1,5 +1,6 @@
-"""The communicator: ``Communicator`` (one per process and GPU), the handle registry the custom
-ops use, and the argument checks shared with their fake implementations (``symmalloc.ops``).
+"""The communicator: ``Communicator`` (several per process and GPU: ``split`` and ``mem_pool``
+live in groups.py), the handle registry the custom ops use, and the argument checks shared
+with their fake implementations (``symmalloc.ops``).
 
 What the library cannot see is checked here, before it is called: dtype names, op and
 algorithm names, contiguity, devices, shapes (the library sees element counts only, so a
@@ -103,7 +104,9 @@ def _eager_fallback(handle: int, *args, **kwargs) -> None:
 
 
 class Communicator:
-    """One per (process, GPU). ``Communicator(rank, world_size, unique_id)`` or ``from_env()``."""
+    """A group of ranks on one node; several may live on one GPU (``split``,
+    ``from_process_group`` on several groups). ``Communicator(rank, world_size, unique_id)`` or
+    ``from_env()``."""
 
     _closed_by: Optional[str] = None
     _handle = 0
@@ -164,7 +167,8 @@ class Communicator:
         are the GPUs of one node: group rank 0 makes a fresh unique id (random secret) and
         broadcasts it over the group as a 128-byte uint8 tensor (a CUDA tensor on an NCCL group,
         a CPU one otherwise; no numpy needed). ``device`` defaults to the current CUDA device (to
-        the group rank when CUDA is absent, as on the host backend)."""
+        the local rank, else the global rank, when CUDA is absent, as on the host backend). Any
+        node-local group works (e.g. those of ``dist.new_subgroups()``), and several at once."""
         import torch
         import torch.distributed as dist
 
@@ -186,7 +190,11 @@ class Communicator:
         dist.broadcast(box, src=dist.get_global_rank(group, 0), group=group)
         uid = bytes(box.cpu().tolist())
         if device is None:
-            device = torch.cuda.current_device() if torch.cuda.is_available() else rank
+            # Without CUDA (the host backend), the process's own device: its local rank, else its
+            # global rank (a subgroup's rank would put the process on another device than its
+            # other groups, which the library refuses).
+            device = torch.cuda.current_device() if torch.cuda.is_available() else int(
+                os.environ.get("LOCAL_RANK", dist.get_rank()))
         return cls(rank, world, uid, device=device)
 
     def all_reduce(self, tensor, op: str = "sum", algo: str = "auto", out=None) -> None:
@@ -408,6 +416,26 @@ class Communicator:
             return _fast._current_stream_handle(self.device)
         except (ImportError, RuntimeError):  # no torch or no CUDA
             return 0
+
+    def split(self, color: Optional[int], key: Optional[int] = None) -> Optional["Communicator"]:
+        """A child communicator (``symm_comm_split``): ranks that pass the same ``color`` (>= 0)
+        form one, ordered by ``key`` (default: this rank), then by rank; ``None`` (or
+        ``symmalloc.groups.SPLIT_NOCOLOR``) takes part and gets ``None``. Collective: every rank
+        calls it. A color below -1 on any rank raises on every rank, naming it, and this
+        communicator stays usable. The child shares this one's peer mappings, has its own
+        buffers and arena, and keeps working after this one is closed."""
+        from . import groups
+
+        return groups.split(self, color, key)
+
+    def mem_pool(self):
+        """A ``torch.cuda.MemPool`` over this communicator's arena (``symm_comm_malloc``): what
+        is allocated in it sits at the same offset on every rank of this communicator, whatever
+        other groups or threads allocate on the GPU, given the same sequence of allocations on
+        its ranks. ``with torch.cuda.use_mem_pool(comm.mem_pool()): ...``. One per communicator."""
+        from . import groups
+
+        return groups.mem_pool(self)
 
     def close(self) -> None:
         """Destroys the communicator (every rank should close its own). Later calls raise

@@ -180,7 +180,8 @@ impl Communicator {
                 lines.join("; ")
             )));
         }
-        for (r, (theirs, fds)) in all.into_iter().enumerate() {
+        let (all_msgs, all_fds): (Vec<Vec<u8>>, Vec<_>) = all.into_iter().unzip();
+        for (r, fds) in all_fds.into_iter().enumerate() {
             if r == self.rank {
                 continue;
             }
@@ -191,13 +192,15 @@ impl Communicator {
                     need.len()
                 )));
             }
+            // The peer's own generation of each segment (generations may differ between
+            // ranks): what its release log will name.
             for (k, (s, fd)) in need.iter().zip(fds).enumerate() {
-                // The mapping carries the peer's generation of the segment (its release log
-                // names that one; generations may differ between ranks after OOM retries).
                 let at = (DESC_WORDS + 1 + 3 * k + 2) * 8;
-                let generation = u64::from_le_bytes(theirs[at..at + 8].try_into().unwrap());
-                let seg = SegmentInfo { generation, ..*s };
-                self.windows.import(self.alloc, r, seg, fd)?;
+                let theirs = SegmentInfo {
+                    generation: u64::from_le_bytes(all_msgs[r][at..at + 8].try_into().unwrap()),
+                    ..*s
+                };
+                self.windows.import(self.alloc, r, theirs, fd)?;
             }
         }
         for s in &need {

@@ -1,6 +1,12 @@
-//! Communicator creation: the bootstrap mesh, the agreement on devices, heap sizes, backend and
-//! collective settings, the peer windows and the internal block, and the first segment
-//! exchange (the internal block's). Also the process-wide claim of one communicator per device.
+//! Communicator creation, for `symm_comm_init` (here: the bootstrap mesh, the agreement on
+//! devices, heap sizes, backend and collective settings, the peer heaps) and for
+//! `symm_comm_split` (split.rs builds the same `Setup` from its parent); then, for both,
+//! `build`: the registry claim's verdict and the arena (arena.rs), the peer windows, the
+//! internal block in the arena, and the first segment exchange (the internal block's).
+//!
+//! Several communicators may live on one device (registry.rs has the limit): each owns its
+//! arena, internal block (pads, epochs, LL buffers), error words, scratch and mesh; they share
+//! only the peer heaps (peers.rs).
 
 use super::algo;
 use super::algo::{DType, Kernel, ReduceOp};
@@ -9,6 +15,8 @@ use super::error_word::ErrorWords;
 use super::exchange::{CallDesc, DescKind};
 use super::kernel_args::*;
 use super::p2p::P2p;
+use super::peers::{self, PeerHeap, PeerIdent};
+use super::registry::{self, Claim};
 use super::retire::PeerReleases;
 use super::streams::StreamOrder;
 use super::windows::PeerWindows;
@@ -16,34 +24,104 @@ use super::Communicator;
 use crate::config;
 use crate::cuda;
 use crate::error::{Error, Result};
-use crate::heap::release_log::ReleaseView;
-use crate::heap::{self, pools::INTERNAL_POOL, Allocator};
+use crate::heap::{self, Allocator};
 use crate::ipc::{Mesh, UniqueId};
 use std::collections::HashMap;
 use std::os::fd::AsFd;
-use std::sync::Mutex;
-
-/// Devices with a live communicator in this process.
-static DEVICES_IN_USE: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+use std::sync::Arc;
+use std::time::Duration;
 
 /// The init message's collective settings, as the variables that set them.
-fn describe_settings(w: &[u64]) -> String {
+pub(super) fn describe_settings(w: &[u64]) -> String {
+    if w.len() < 7 {
+        return format!("settings {w:?}");
+    }
     format!(
         "SYMMALLOC_LL_BYTES={} SYMMALLOC_LL_GRID={}x{} SYMMALLOC_LL_MAX_BYTES={} \
-         SYMMALLOC_ONE_SHOT_MAX_BYTES={} SYMMALLOC_CHECK_SYMMETRY={} SYMMALLOC_SHARED_GPU={}",
+         SYMMALLOC_ONE_SHOT_MAX_BYTES={} SYMMALLOC_CHECK_SYMMETRY={} SYMMALLOC_SHARED_GPU={} \
+         SYMMALLOC_COMM_ARENA_SIZE={}",
         w[0],
         w[1] >> 32,
         w[1] & 0xffff_ffff,
         w[2],
         w[3],
         w[4],
-        w[5]
+        w[5],
+        w[6]
     )
 }
 
-pub(super) fn release_device(device: i32) {
-    let mut d = DEVICES_IN_USE.lock().unwrap_or_else(|p| p.into_inner());
-    d.retain(|&x| x != device);
+/// Everything that shapes a collective, read from the environment for a world size.
+#[derive(Clone, Copy)]
+pub(super) struct Settings {
+    pub ll_slot: u64,
+    pub ll_grid: (u32, u32),
+    pub auto: algo::AutoThresholds,
+    pub check_symmetry: bool,
+    pub shared_gpu: bool,
+    pub arena_len: u64,
+    pub timeout: Duration,
+}
+
+impl Settings {
+    pub fn read(world: usize, alloc: &Allocator, device: i32) -> Result<Settings> {
+        let ll_slot = config::ll_bytes(world)?;
+        let (heap_size, gran) = {
+            let h = alloc.heap(device)?;
+            (h.size(), h.granularity())
+        };
+        let arena = config::comm_arena_size()?
+            .unwrap_or_else(|| config::default_comm_arena_bytes(heap_size));
+        Ok(Settings {
+            ll_slot,
+            ll_grid: config::ll_grid()?,
+            auto: algo::AutoThresholds::from_env(world, ll_slot)?,
+            check_symmetry: config::check_symmetry()?,
+            shared_gpu: config::shared_gpu()?,
+            arena_len: arena.checked_next_multiple_of(gran).unwrap_or(u64::MAX),
+            timeout: config::timeout()?,
+        })
+    }
+
+    /// What every rank must have alike (`describe_settings` names them).
+    pub fn words(&self) -> [u64; 7] {
+        [
+            self.ll_slot,
+            (self.ll_grid.0 as u64) << 32 | self.ll_grid.1 as u64,
+            self.auto.ll_max,
+            self.auto.one_shot_max,
+            self.check_symmetry as u64,
+            self.shared_gpu as u64,
+            self.arena_len,
+        ]
+    }
+}
+
+/// What `build` needs to make a communicator, from `init` or from a split.
+pub(super) struct Setup {
+    pub rank: usize,
+    pub world: usize,
+    pub device: i32,
+    pub alloc: &'static Allocator,
+    pub host: bool,
+    pub mesh: Mesh,
+    /// The settings, or why this rank could not read them (sent as its refusal).
+    pub settings: std::result::Result<Settings, String>,
+    /// The registry place, or why there is none (sent as this rank's refusal).
+    pub claim: std::result::Result<Claim, String>,
+    /// Every rank's identity.
+    pub members: Vec<PeerIdent>,
+    /// The windows: fresh over the peer heaps, or a parent's subset (split.rs).
+    pub windows: PeerWindows,
+    /// Records of the peers' release logs already handled (a child starts at its parent's).
+    pub seen: Vec<u64>,
+    pub sms: u32,
+    pub clusters: bool,
+    pub fewest_sms: u32,
+    /// For errors of a child: which parent ranks its ranks are.
+    pub lineage: Option<String>,
+    /// The ranks' free address ranges, when a split gathered them already.
+    pub terms: Option<super::arena::Terms>,
 }
 
 impl Communicator {
@@ -61,37 +139,19 @@ impl Communicator {
         let alloc = heap::global()?;
         alloc.check_device(device)?;
         let host = alloc.backend().name() == "host";
-        {
-            let mut d = DEVICES_IN_USE.lock().unwrap_or_else(|p| p.into_inner());
-            if d.contains(&device) {
-                return Err(Error::invalid(format!(
-                    "device {device} already has a communicator in this process; destroy it \
-                     first (one communicator per process and device)"
-                )));
-            }
-            d.push(device);
-        }
-        let r = Self::init_claimed(world as usize, rank as usize, device, id, alloc, host);
-        if r.is_err() {
-            release_device(device);
-        }
-        r
+        let setup = Self::bootstrap(world as usize, rank as usize, device, id, alloc, host)?;
+        Self::build(setup)
     }
 
-    fn init_claimed(
+    fn bootstrap(
         world: usize,
         rank: usize,
         device: i32,
         id: &UniqueId,
         alloc: &'static Allocator,
         host: bool,
-    ) -> Result<Box<Communicator>> {
-        let timeout = config::timeout()?;
-        let ll_slot = config::ll_bytes(world)?;
-        let ll_grid = config::ll_grid()?;
-        let auto = algo::AutoThresholds::from_env(world, ll_slot)?;
-        let check_symmetry = config::check_symmetry()?;
-        let shared_gpu = config::shared_gpu()?;
+    ) -> Result<Setup> {
+        let settings = Settings::read(world, alloc, device)?;
         let sms = if host {
             1
         } else {
@@ -99,21 +159,19 @@ impl Communicator {
         };
         // Make sure the heap exists before any peer exchange.
         let heap_size = alloc.heap(device)?.size();
-        let mesh = Mesh::connect(id, rank, world, timeout)?;
+        // The limit is checked here and refused at the agreement (build), by every rank alike.
+        let claim = registry::claim(device);
+        let me = PeerIdent::me(device)?;
+        let mesh = Mesh::connect(id, rank, world, settings.timeout)?;
 
-        // Agree on devices, heap sizes, backend and every setting that shapes a collective.
-        let settings = [
-            ll_slot,
-            (ll_grid.0 as u64) << 32 | ll_grid.1 as u64,
-            auto.ll_max,
-            auto.one_shot_max,
-            check_symmetry as u64,
-            shared_gpu as u64,
-        ];
+        // Agree on devices, heap sizes, backend and every setting that shapes a collective;
+        // learn who every rank is.
+        let words = settings.words();
         let mut hello = Vec::new();
         for w in [device as u64, heap_size, host as u64]
             .iter()
-            .chain(&settings)
+            .chain(&words)
+            .chain(&me.words())
         {
             hello.extend_from_slice(&w.to_le_bytes());
         }
@@ -122,7 +180,9 @@ impl Communicator {
         let all = mesh.all_gather(&hello, &[log_fd.as_fd()], "init")?;
         drop(log_fd);
         let word = |b: &[u8], i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
+        let n = words.len();
         let mut devices = Vec::new();
+        let mut members = Vec::new();
         for (r, (msg, _)) in all.iter().enumerate() {
             if msg.len() != hello.len() {
                 return Err(Error::peer(format!(
@@ -130,12 +190,12 @@ impl Communicator {
                 )));
             }
             let (d, hs, h) = (word(msg, 0) as i32, word(msg, 1), word(msg, 2) != 0);
-            let theirs: Vec<u64> = (0..settings.len()).map(|i| word(msg, 3 + i)).collect();
-            if theirs != settings {
+            let theirs: Vec<u64> = (0..n).map(|i| word(msg, 3 + i)).collect();
+            if theirs != words {
                 return Err(Error::invalid(format!(
                     "rank {r} has {}, rank {rank} has {}; set them alike on every rank",
                     describe_settings(&theirs),
-                    describe_settings(&settings)
+                    describe_settings(&words)
                 )));
             }
             if h != host {
@@ -152,14 +212,24 @@ impl Communicator {
                 )));
             }
             if let Some(prev) = devices.iter().position(|&x| x == d) {
-                if !shared_gpu {
+                if !settings.shared_gpu {
                     return Err(Error::invalid(format!(
                         "ranks {prev} and {r} both use device {d}; expected one device per rank \
                          (SYMMALLOC_SHARED_GPU=1 lets ranks share a GPU, for testing only)"
                     )));
                 }
             }
+            let ident =
+                PeerIdent::from_words(&(3 + n..6 + n).map(|i| word(msg, i)).collect::<Vec<_>>());
+            if let Some(prev) = members.iter().position(|m: &PeerIdent| *m == ident) {
+                return Err(Error::invalid(format!(
+                    "ranks {prev} and {r} are one process (pid {}) on one device ({d}): a \
+                     process is one rank of a communicator per device",
+                    ident.pid
+                )));
+            }
             devices.push(d);
+            members.push(ident);
         }
         let mut clusters = !host;
         let mut fewest_sms = sms;
@@ -178,55 +248,107 @@ impl Communicator {
             }
         }
 
-        let mut releases = PeerReleases::default();
+        // The peers' heaps: those a live communicator of this process maps already, else new
+        // windows over their release logs.
+        let mut heaps: Vec<Option<Arc<PeerHeap>>> = Vec::with_capacity(world);
         for (r, (_, fds)) in all.iter().enumerate() {
-            let view = if r == rank {
-                None
-            } else {
-                let fd = fds
-                    .first()
-                    .ok_or_else(|| Error::peer(format!("rank {r} sent no release log at init")))?;
-                Some(ReleaseView::open(fd.as_fd())?)
-            };
-            // Earlier records name segments this communicator never mapped.
-            releases.seen.push(view.as_ref().map_or(0, |v| v.count()));
-            releases.views.push(view);
-        }
-        let windows = PeerWindows::new(alloc, device, rank, world)?;
-        let errors = ErrorWords::new(host, device)?;
-        let internal_len = internal_bytes(world, ll_slot);
-        let internal = alloc.malloc_in(internal_len, device, 0, INTERNAL_POOL)?;
-        // Pad, epochs, LL counters and descriptor words start at 0; LL data words empty.
-        let data_len = internal_len - LL_DATA_OFFSET;
-        if host {
-            // SAFETY: internal is a live block of internal_len bytes of mapped host memory.
-            unsafe {
-                std::ptr::write_bytes(internal as *mut u8, 0, LL_DATA_OFFSET as usize);
-                std::ptr::write_bytes(
-                    (internal + LL_DATA_OFFSET) as *mut u8,
-                    LL_EMPTY_BYTE,
-                    data_len as usize,
-                );
+            if r == rank {
+                heaps.push(None);
+                continue;
             }
-        } else {
-            cuda::mem::memset_sync(device, internal, 0, LL_DATA_OFFSET)?;
-            cuda::mem::memset_sync(device, internal + LL_DATA_OFFSET, LL_EMPTY_BYTE, data_len)?;
+            let fd = fds
+                .first()
+                .ok_or_else(|| Error::peer(format!("rank {r} sent no release log at init")))?;
+            let p = peers::open(alloc, device, members[r], heap_size, fd.as_fd())
+                .map_err(|e| e.context(format!("reserving the window of rank {r}")))?;
+            heaps.push(Some(p));
         }
-        // The p2p signal pads (p2p.rs), zeroed before any peer can see them.
-        let pad = match alloc.malloc_in(SYMM_SIGNAL_PAD_BYTES, device, 0, INTERNAL_POOL) {
-            Ok(p) => p,
+        let seen = PeerReleases::starting_now(&heaps).seen;
+        let own_base = alloc.heap(device)?.base();
+        Ok(Setup {
+            rank,
+            world,
+            device,
+            alloc,
+            host,
+            mesh,
+            settings: Ok(settings),
+            claim,
+            members,
+            windows: PeerWindows::new(rank, own_base, heaps),
+            seen,
+            sms,
+            clusters,
+            fewest_sms,
+            lineage: None,
+            terms: None,
+        })
+    }
+
+    /// Makes the communicator from a `Setup` (collective over `setup.mesh`): agreement and
+    /// arena, internal block, first exchange. Every rank fails alike where one refuses.
+    pub(super) fn build(setup: Setup) -> Result<Box<Communicator>> {
+        let Setup {
+            rank,
+            world,
+            device,
+            alloc,
+            host,
+            mesh,
+            settings,
+            claim,
+            members,
+            windows,
+            seen,
+            sms,
+            clusters,
+            fewest_sms,
+            lineage,
+            terms,
+        } = setup;
+        let mut refusal = match (&claim, &settings) {
+            (Err(why), _) | (_, Err(why)) => Some(why.clone()),
+            _ => None,
+        };
+        if let (Ok(c), None) = (&claim, &refusal) {
+            refusal = registry::check_members(c, device, &members);
+        }
+        let words = settings.as_ref().map_or([0; 7], |s| s.words());
+        let arena_len = settings.as_ref().map_or(0, |s| s.arena_len);
+        // A split gathered the terms in its first round (and its refusals); `init` here.
+        let (terms, late_refusal) = match terms {
+            Some(t) => (t, refusal.as_deref()),
+            None => (
+                super::arena::terms(
+                    &mesh,
+                    alloc,
+                    device,
+                    refusal.as_deref(),
+                    &words,
+                    describe_settings,
+                )?,
+                None,
+            ),
+        };
+        let started = std::time::Instant::now();
+        let arena = super::arena::claim(&mesh, alloc, device, arena_len, terms, late_refusal)?;
+        let claimed = started.elapsed();
+        let (Ok(claim), Ok(settings)) = (claim, settings) else {
+            // The agreement refused every rank already.
+            return Err(Error::internal(
+                "a refused communicator passed the agreement",
+            ));
+        };
+        let errors = match ErrorWords::new(host, device) {
+            Ok(e) => e,
             Err(e) => {
-                let _ = alloc.free(internal, internal_len, device, 0);
+                let _ = alloc.release_arena(device, arena);
                 return Err(e);
             }
         };
-        if host {
-            // SAFETY: pad is a live block of SYMM_SIGNAL_PAD_BYTES bytes of mapped host memory.
-            unsafe { std::ptr::write_bytes(pad as *mut u8, 0, SYMM_SIGNAL_PAD_BYTES as usize) };
-        } else {
-            cuda::mem::memset_sync(device, pad, 0, SYMM_SIGNAL_PAD_BYTES)?;
-        }
-        let mut comm = Box::new(Communicator {
+        let mut releases = PeerReleases::starting_now(&windows.peers);
+        releases.seen = seen;
+        let comm = Box::new(Communicator {
             rank,
             world,
             device,
@@ -234,17 +356,17 @@ impl Communicator {
             host,
             mesh,
             windows,
-            internal,
+            internal: 0,
             internal_seg: 0,
-            ll_slot,
-            ll_grid,
-            auto,
-            check_symmetry,
+            ll_slot: settings.ll_slot,
+            ll_grid: settings.ll_grid,
+            auto: settings.auto,
+            check_symmetry: settings.check_symmetry,
             errors,
             streams: StreamOrder::default(),
             host_epoch: 0,
             scratch: None,
-            timeout,
+            timeout: settings.timeout,
             sticky: None,
             sms,
             clusters,
@@ -255,10 +377,79 @@ impl Communicator {
             resident: HashMap::new(),
             auto_seen: Default::default(),
             mc: HashMap::new(),
-            p2p: P2p::new(pad),
+            p2p: P2p::new(0),
+            arena,
+            claim,
+            members,
+            lineage,
         });
-        let own_base = comm.windows.bases[rank];
-        comm.pads = comm
+        comm.finish_init(&settings, started, claimed)
+    }
+
+    /// The internal block, the first exchange, the last meeting; on failure, everything made
+    /// so far goes back.
+    fn finish_init(
+        mut self: Box<Self>,
+        settings: &Settings,
+        started: std::time::Instant,
+        claimed: std::time::Duration,
+    ) -> Result<Box<Communicator>> {
+        match self.make_internal() {
+            Ok(made) => {
+                let devices: Vec<i32> = self.members.iter().map(|m| m.device).collect();
+                crate::info!(
+                    "rank {}/{}: communicator on device {} (ranks' devices {devices:?}, {} \
+                     backend); arena {}{}; {}; timeout {:.1} s; arena claimed in {} us, internal \
+                     block made in {} us, exchanged in {} us",
+                    self.rank,
+                    self.world,
+                    self.device,
+                    if self.host { "host" } else { "cuda" },
+                    self.arena,
+                    self.lineage
+                        .as_deref()
+                        .map_or(String::new(), |l| format!("; {l}")),
+                    describe_settings(&settings.words()),
+                    settings.timeout.as_secs_f64(),
+                    claimed.as_micros(),
+                    made.as_micros(),
+                    (started.elapsed() - claimed - made).as_micros()
+                );
+                Ok(self)
+            }
+            Err(e) => {
+                let _ = self.destroy();
+                Err(e)
+            }
+        }
+    }
+
+    /// Makes and exchanges the internal block; how long making it took.
+    fn make_internal(&mut self) -> Result<std::time::Duration> {
+        let started = std::time::Instant::now();
+        let (rank, device) = (self.rank, self.device);
+        let internal_len = internal_bytes(self.world, self.ll_slot);
+        let internal = self.own_malloc(internal_len)?;
+        self.internal = internal;
+        // Pad, epochs, LL counters and descriptor words start at 0; LL data words empty.
+        if self.host {
+            // The host backend's collectives (host_reduce.rs) use the pad alone, never the LL
+            // buffers: those are left untouched (no page of them is ever faulted in).
+            // SAFETY: internal is a live block of internal_len bytes of mapped host memory.
+            unsafe { std::ptr::write_bytes(internal as *mut u8, 0, LL_DATA_OFFSET as usize) };
+        } else {
+            let data_len = internal_len - LL_DATA_OFFSET;
+            cuda::mem::memset2_sync(
+                device,
+                internal,
+                LL_DATA_OFFSET,
+                internal + LL_DATA_OFFSET,
+                LL_EMPTY_BYTE,
+                data_len,
+            )?;
+        }
+        let own_base = self.windows.bases[rank];
+        self.pads = self
             .windows
             .bases
             .iter()
@@ -274,29 +465,48 @@ impl Communicator {
             op: ReduceOp::Sum,
             width: 0,
         };
-        let seg = comm
+        let seg = self
             .locate(internal, internal_len)?
             .expect("internal block is in the heap");
-        comm.internal_seg = seg.offset;
-        let pad_seg = comm
+        self.internal_seg = seg.offset;
+        // The p2p signal pads (p2p.rs), from the arena too, zeroed before any peer can see
+        // them (the exchange below is the first time a peer maps them).
+        let pad = self.own_malloc(SYMM_SIGNAL_PAD_BYTES)?;
+        self.p2p.pad = pad;
+        if self.host {
+            // SAFETY: pad is a live block of SYMM_SIGNAL_PAD_BYTES bytes of mapped host memory.
+            unsafe { std::ptr::write_bytes(pad as *mut u8, 0, SYMM_SIGNAL_PAD_BYTES as usize) };
+        } else {
+            cuda::mem::memset_sync(device, pad, 0, SYMM_SIGNAL_PAD_BYTES)?;
+        }
+        let pad_seg = self
             .locate(pad, SYMM_SIGNAL_PAD_BYTES)?
             .expect("signal pad is in the heap");
-        comm.p2p.pad_seg = pad_seg.offset;
-        comm.p2p.pads = comm
+        self.p2p.pad_seg = pad_seg.offset;
+        self.p2p.pads = self
             .windows
             .bases
             .iter()
             .map(|b| b + (pad - own_base))
             .collect();
-        comm.exchange(&[seg, pad_seg], desc, true)?;
-        comm.mesh.barrier("init")?;
-        crate::info!(
-            "rank {rank}/{world}: communicator on device {device} (ranks' devices {devices:?}, \
-             {} backend); {}; timeout {:.1} s",
-            if host { "host" } else { "cuda" },
-            describe_settings(&settings),
-            timeout.as_secs_f64()
-        );
-        Ok(comm)
+        let made = started.elapsed();
+        if pad_seg.offset == seg.offset {
+            self.exchange(&[seg], desc, true)?;
+        } else {
+            self.exchange(&[seg, pad_seg], desc, true)?;
+        }
+        // The peers' generations of their internal blocks' segments: their release names the
+        // peer's destroy (retire.rs).
+        for (r, p) in self.windows.peers.iter().enumerate() {
+            if let Some(p) = p {
+                self.releases.internal_gens[r] = p.generation_at(seg.offset).unwrap_or(0);
+                self.releases.pad_gens[r] = p.generation_at(pad_seg.offset).unwrap_or(0);
+            }
+        }
+        // A split's last round (split.rs) is the children's meeting; a fresh one meets here.
+        if self.lineage.is_none() {
+            self.mesh.barrier("init")?;
+        }
+        Ok(made)
     }
 }

@@ -1,13 +1,17 @@
-//! The communicator: one per (process, device) of a single-node job. Owns the bootstrap mesh,
-//! the peer windows, the signal pad (a symmetric internal block), the kernels' error words and
-//! the staging scratch; runs the collectives.
+//! The communicator: any number per (process, device) of a single-node job, up to
+//! `registry::MAX_COMMS_PER_DEVICE`. Owns the bootstrap mesh, its arena of the device heap
+//! (arena.rs), the signal pad (a symmetric internal block, in the arena), the kernels' error
+//! words and the staging scratch; shares the peer heaps with the process's other communicators
+//! (peers.rs); runs the collectives. `split` (split.rs) makes children over a parent's ranks.
 //!
 //! Every collective goes through one pipeline (docs/DESIGN.md, "The collective pipeline"): a
 //! front end below builds a `Call` (call.rs: what was asked, checked), `prepare` turns it into a
 //! `Plan` (plan.rs: buffers, staging, kernel and grid from algo.rs and shape.rs, the segment
 //! exchange), and `launch` enqueues it (launch.rs; host_reduce.rs on the host backend).
 //!
-//! Other files: `init` (bootstrap and agreement), `exchange` (lazy segment exchange, call
+//! Other files: `init` (bootstrap and agreement), `arena` (the arena's agreement,
+//! `symm_comm_malloc`), `peers` (peer heaps shared by communicators), `registry` (live
+//! communicators per device, MemPool slots), `split` (children), `exchange` (lazy segment exchange, call
 //! descriptors), `retire` (unmapping segments peers released), `streams` (order across
 //! streams), `error_word` (what kernels report), `kernels` (the kernel-id table and the
 //! generated kernel sources), `kernel_args` (what the host shares with the kernels),
@@ -24,6 +28,7 @@
 //! the communicator is then broken and must be destroyed).
 
 pub mod algo;
+mod arena;
 pub mod call;
 pub mod convert;
 pub mod device_comm;
@@ -36,16 +41,19 @@ pub mod kernels;
 mod launch;
 pub mod mc_window;
 pub mod p2p;
+pub mod peers;
 mod plan;
+pub mod registry;
 mod retire;
 pub mod shape;
 pub mod signal_pad;
+mod split;
 pub mod streams;
 pub mod windows;
 
 use crate::cuda;
 use crate::error::{Error, Result};
-use crate::heap::{pools::INTERNAL_POOL, Allocator};
+use crate::heap::Allocator;
 use crate::ipc::Mesh;
 use algo::{Algo, DType, Kernel, ReduceOp};
 use call::{Call, Coll, Rms};
@@ -107,6 +115,15 @@ pub struct Communicator {
     kernels: HashMap<(Kernel, DType, ReduceOp, bool), cuda::module::Function>,
     /// Rendezvoused ranges, signal pads and p2p kernels (p2p.rs).
     p2p: p2p::P2p,
+    /// This communicator's arena of the device heap (arena.rs): its own buffers and
+    /// `symm_comm_malloc` memory, at the same offsets on every rank.
+    arena: u64,
+    /// Its place among the process's live communicators (registry.rs).
+    claim: registry::Claim,
+    /// Every rank's process and device.
+    members: Vec<peers::PeerIdent>,
+    /// A child's ranks as its parent's, for errors that name a rank (split.rs).
+    lineage: Option<String>,
 }
 
 impl Communicator {
@@ -143,7 +160,7 @@ impl Communicator {
             self.scratch = None;
         }
         let size = bytes.next_power_of_two().max(1 << 20);
-        let p = self.alloc.malloc_in(size, self.device, 0, INTERNAL_POOL)?;
+        let p = self.own_malloc(size)?;
         self.scratch = Some((p, size));
         Ok(p)
     }
@@ -178,9 +195,10 @@ impl Communicator {
             return Ok(());
         }
         let ext = call.check(self.rank, self.world)?;
-        self.begin_call(call.stream)?;
-        let plan = self.prepare(&call, ext)?;
-        self.launch(&plan)
+        self.begin_call(call.stream)
+            .and_then(|()| self.prepare(&call, ext))
+            .and_then(|plan| self.launch(&plan))
+            .map_err(|e| self.name_ranks(e))
     }
 
     /// All-reduce of `count` elements, in place when `send == recv`.
@@ -308,20 +326,25 @@ impl Communicator {
         if let Some((p, size)) = self.scratch.take() {
             let _ = self.alloc.free(p, size, self.device, 0);
         }
-        let _ = self.alloc.free(
-            self.internal,
-            internal_bytes(self.world, self.ll_slot),
-            self.device,
-            0,
-        );
-        let _ = self.alloc.free(
-            self.p2p.pad,
-            device_comm::SYMM_SIGNAL_PAD_BYTES,
-            self.device,
-            0,
-        );
-        let _ = self.alloc.release_pool(self.device, INTERNAL_POOL);
-        init::release_device(self.device);
+        if self.internal != 0 {
+            let _ = self.alloc.free(
+                self.internal,
+                internal_bytes(self.world, self.ll_slot),
+                self.device,
+                0,
+            );
+        }
+        if self.p2p.pad != 0 {
+            let _ = self.alloc.free(
+                self.p2p.pad,
+                device_comm::SYMM_SIGNAL_PAD_BYTES,
+                self.device,
+                0,
+            );
+        }
+        // Its free segments go now (the peers see the internal block's and stop using this
+        // communicator); `symm_comm_malloc` blocks still live keep theirs until freed.
+        let _ = self.alloc.release_arena(self.device, self.arena);
         Ok(())
     }
 

@@ -199,11 +199,11 @@ impl Communicator {
         let Some(generation) = self.windows.mapped_generation(peer, offset) else {
             return true;
         };
-        let Some(view) = &self.releases.views[peer] else {
+        let Some(heap) = &self.windows.peers[peer] else {
             return false;
         };
         let mut records = Vec::new();
-        view.read_since(self.releases.seen[peer], &mut records);
+        heap.log.read_since(self.releases.seen[peer], &mut records);
         records.contains(&(offset, generation))
     }
 

@@ -16,24 +16,43 @@
 use super::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result};
-use crate::heap::release_log::ReleaseView;
 
-/// Each peer's release log (None for this rank) and how many of its records were handled.
+/// How many of each peer's release-log records this communicator handled (the logs are the
+/// shared peer heaps', peers.rs), and the peer's generation of the segment that holds this
+/// communicator's internal block there (its release means the peer destroyed this
+/// communicator; an older record of the same offset does not).
 #[derive(Default)]
 pub(super) struct PeerReleases {
-    pub views: Vec<Option<ReleaseView>>,
     pub seen: Vec<u64>,
+    pub internal_gens: Vec<u64>,
+    /// The same for the segment that holds its p2p signal pad (p2p.rs).
+    pub pad_gens: Vec<u64>,
+}
+
+impl PeerReleases {
+    /// Starts at every peer's current record count (earlier records name segments this
+    /// communicator never mapped).
+    pub fn starting_now(peers: &[Option<std::sync::Arc<super::peers::PeerHeap>>]) -> Self {
+        PeerReleases {
+            seen: peers
+                .iter()
+                .map(|p| p.as_ref().map_or(0, |p| p.log.count()))
+                .collect(),
+            internal_gens: vec![0; peers.len()],
+            pad_gens: vec![0; peers.len()],
+        }
+    }
 }
 
 impl Communicator {
     /// Unmaps the peer segments released since the last call (see the module comment).
     pub(super) fn retire_released(&mut self, stream: u64) -> Result<()> {
         let pending = self
-            .releases
-            .views
+            .windows
+            .peers
             .iter()
             .zip(&self.releases.seen)
-            .any(|(v, &seen)| v.as_ref().is_some_and(|v| v.count() != seen));
+            .any(|(p, &seen)| p.as_ref().is_some_and(|p| p.log.count() != seen));
         if !pending {
             return Ok(());
         }
@@ -46,13 +65,15 @@ impl Communicator {
         let mut records = Vec::new();
         let mut broken = None;
         for peer in 0..self.world {
-            let Some(view) = &self.releases.views[peer] else {
+            let Some(heap) = self.windows.peers[peer].clone() else {
                 continue;
             };
             records.clear();
-            self.releases.seen[peer] = view.read_since(self.releases.seen[peer], &mut records);
+            self.releases.seen[peer] = heap.log.read_since(self.releases.seen[peer], &mut records);
             for &(offset, generation) in &records {
-                if offset == self.internal_seg || offset == self.p2p.pad_seg {
+                if (offset == self.internal_seg && generation == self.releases.internal_gens[peer])
+                    || (offset == self.p2p.pad_seg && generation == self.releases.pad_gens[peer])
+                {
                     // The peer gave back its signal pads and LL buffers (or its p2p signal
                     // pad): it destroyed its
                     // communicator. Nothing may touch its window any more (a collective would

@@ -6,6 +6,7 @@
 // carries a SAFETY note. Marking them `unsafe fn` would change nothing for C callers.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
+pub mod groups;
 pub mod guard;
 pub mod p2p;
 pub mod types;
@@ -20,7 +21,7 @@ use std::ffi::{c_char, c_int, c_void};
 use std::sync::{LazyLock, Mutex, MutexGuard};
 use types::*;
 
-/// A communicator: one per (process, device) of a single-node job.
+/// A communicator over ranks of a single-node job; several may live on one device.
 #[allow(non_camel_case_types)]
 pub struct symm_comm_t {
     inner: Option<Box<Communicator>>,
@@ -96,10 +97,11 @@ pub extern "C" fn symm_end_pool(device: c_int, pool_first: u64, pool_second: u64
 pub extern "C" fn symm_release_pool(device: c_int, pool_first: u64, pool_second: u64) {
     guard_void("symm_release_pool", || {
         let id = pools::PoolId(pool_first, pool_second);
-        if id == pools::INTERNAL_POOL {
-            return Err(Error::invalid(
-                "pool (2^64-1, 2^64-1) is symmalloc's own; not releasable",
-            ));
+        if pools::is_reserved(id) {
+            return Err(Error::invalid(format!(
+                "pool ({pool_first}, {pool_second}) is symmalloc's own (first word 2^64-1 or \
+                 2^64-2); not releasable"
+            )));
         }
         heap::global()?.release_pool(device, id)
     })

@@ -278,6 +278,16 @@ impl Allocator {
     }
 
     pub fn malloc_in(&self, size: u64, device: i32, stream: Stream, pool: PoolId) -> Result<u64> {
+        if pools::arena_of(pool).is_some() {
+            // A communicator arena's blocks never pass through the thread caches: a cache's
+            // drains follow other pools' traffic, which differs between ranks
+            // (device_heap/arena.rs).
+            let mut heap = self.heap(device)?;
+            let r = heap.malloc(self.backend.as_ref(), size, stream, pool);
+            self.releasing[device as usize].store(heap.releasing_any(), Ordering::Relaxed);
+            heap.debug_validate();
+            return r;
+        }
         let Some(rounded) = size
             .div_ceil(device_heap::ROUND)
             .max(1)
@@ -389,6 +399,15 @@ impl Allocator {
         let r = self
             .drain_caches(&mut heap, device, |k| k.0 == pool)
             .and_then(|()| heap.release_pool(self.backend.as_ref(), pool));
+        self.releasing[device as usize].store(heap.releasing_any(), Ordering::Relaxed);
+        heap.debug_validate();
+        r
+    }
+
+    /// Gives communicator arena `id` of `device` back (device_heap/arena.rs, `release_arena`).
+    pub fn release_arena(&self, device: i32, id: u64) -> Result<()> {
+        let mut heap = self.heap(device)?;
+        let r = heap.release_arena(self.backend.as_ref(), id);
         self.releasing[device as usize].store(heap.releasing_any(), Ordering::Relaxed);
         heap.debug_validate();
         r

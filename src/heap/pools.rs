@@ -23,16 +23,38 @@ pub struct PoolId(pub u64, pub u64);
 
 pub const DEFAULT_POOL: PoolId = PoolId(0, 0);
 /// The communicator's own buffers (signal pads, staging scratch): never mixed with user blocks.
+/// (Communicators now keep theirs in their arena; the id stays reserved.)
 pub const INTERNAL_POOL: PoolId = PoolId(u64::MAX, u64::MAX);
+
+/// First word of the pools of communicator arenas (device_heap/arena.rs): `(ARENA_TAG, 2 * id)`
+/// holds what `symm_comm_malloc` hands out, `(ARENA_TAG, 2 * id + 1)` the communicator's own
+/// buffers. Reserved: no caller may open or release such a pool by id.
+pub const ARENA_TAG: u64 = u64::MAX - 1;
+
+/// The pool of arena `id`: its users' (`internal` false) or the communicator's own.
+pub fn arena_pool(id: u64, internal: bool) -> PoolId {
+    PoolId(ARENA_TAG, id << 1 | internal as u64)
+}
+
+/// The arena a pool belongs to, if it is an arena's pool.
+pub fn arena_of(pool: PoolId) -> Option<u64> {
+    (pool.0 == ARENA_TAG).then_some(pool.1 >> 1)
+}
+
+/// Whether `pool` is an id symmalloc reserves for itself (the internal pool, arenas' pools).
+pub fn is_reserved(pool: PoolId) -> bool {
+    pool == INTERNAL_POOL || arena_of(pool).is_some()
+}
 
 thread_local! {
     static STACK: RefCell<Vec<(i32, PoolId)>> = const { RefCell::new(Vec::new()) };
 }
 
 pub fn begin(device: i32, pool: PoolId) -> Result<()> {
-    if pool == INTERNAL_POOL {
+    if is_reserved(pool) {
         return Err(Error::invalid(format!(
-            "pool id ({}, {}) is reserved for symmalloc's own buffers",
+            "pool id ({}, {}) is reserved for symmalloc's own buffers (pools whose first word is \
+             2^64-1 or 2^64-2)",
             pool.0, pool.1
         )));
     }
@@ -102,5 +124,8 @@ mod tests {
         assert!(end(1, b).is_err());
         assert_eq!(current(0), DEFAULT_POOL);
         assert!(begin(0, INTERNAL_POOL).is_err());
+        assert!(begin(0, arena_pool(3, false)).is_err());
+        assert_eq!(arena_of(arena_pool(3, true)), Some(3));
+        assert_eq!(arena_of(a), None);
     }
 }

@@ -49,6 +49,31 @@ impl Ranges {
         self.free.insert(off, len);
     }
 
+    /// Takes exactly `[off, off + len)` (aligned) if it is free; false otherwise.
+    pub fn take_at(&mut self, off: u64, len: u64) -> bool {
+        if len == 0 || off % self.align != 0 || len % self.align != 0 || !self.is_free(off, len) {
+            return false;
+        }
+        let (&p, &plen) = self
+            .free
+            .range(..=off)
+            .next_back()
+            .expect("is_free found it");
+        self.free.remove(&p);
+        if p < off {
+            self.free.insert(p, off - p);
+        }
+        if off + len < p + plen {
+            self.free.insert(off + len, p + plen - off - len);
+        }
+        true
+    }
+
+    /// The free ranges, (offset, length) in address order.
+    pub fn free_list(&self) -> Vec<(u64, u64)> {
+        self.free.iter().map(|(&o, &l)| (o, l)).collect()
+    }
+
     pub fn free_bytes(&self) -> u64 {
         self.free.values().sum()
     }
@@ -109,5 +134,20 @@ mod tests {
         r.validate().unwrap();
         assert_eq!(r.free_bytes(), 10 << 20);
         assert_eq!(r.alloc(10 << 20), Some(0));
+    }
+
+    #[test]
+    fn take_at_an_exact_range() {
+        let mut r = Ranges::new(10 << 20, 2 << 20);
+        assert!(r.take_at(4 << 20, 4 << 20));
+        assert_eq!(r.free_list(), vec![(0, 4 << 20), (8 << 20, 2 << 20)]);
+        assert!(!r.take_at(6 << 20, 2 << 20), "taken already");
+        assert!(!r.take_at(1 << 20, 2 << 20), "misaligned");
+        assert!(!r.take_at(8 << 20, 4 << 20), "runs past the end");
+        assert!(r.take_at(0, 2 << 20));
+        r.validate().unwrap();
+        r.free(4 << 20, 4 << 20);
+        r.free(0, 2 << 20);
+        assert_eq!(r.free_list(), vec![(0, 10 << 20)]);
     }
 }

@@ -77,6 +77,9 @@ impl Drop for Page {
 
 // SAFETY: the page is shared memory accessed only through atomics; the pointer is owned.
 unsafe impl Send for Page {}
+// SAFETY: as Send: `&Page` only hands out `&AtomicU64` words of a mapping that lives as long as
+// the page, so sharing it between threads (a peer's view, shared by communicators) is sound.
+unsafe impl Sync for Page {}
 
 /// The owner's side: records released segments.
 pub struct ReleaseLog {

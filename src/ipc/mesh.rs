@@ -215,6 +215,39 @@ impl Mesh {
         Ok(out)
     }
 
+    /// A mesh over connections made elsewhere (a split's socket pairs, sent over its parent's
+    /// mesh): `conns[r]` talks to rank r (None for `rank` itself).
+    pub fn from_connections(
+        rank: usize,
+        world: usize,
+        conns: Vec<Option<UnixStream>>,
+        timeout: Duration,
+    ) -> Mesh {
+        debug_assert!(conns.len() == world && conns[rank].is_none());
+        Mesh {
+            rank,
+            world,
+            conns,
+            timeout,
+        }
+    }
+
+    /// Sends one message (and `fds`) to `peer` alone.
+    pub fn send_to(
+        &self,
+        peer: usize,
+        payload: &[u8],
+        fds: &[BorrowedFd<'_>],
+        what: &str,
+    ) -> Result<()> {
+        send_frame(self.conn(peer), payload, fds).map_err(|e| io_err(peer, what, e))
+    }
+
+    /// Receives one message from `peer` alone (waits at most the mesh's timeout).
+    pub fn recv_from(&self, peer: usize, what: &str) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
+        recv_frame(self.conn(peer), self.deadline()).map_err(|e| io_err(peer, what, e))
+    }
+
     pub fn barrier(&self, what: &str) -> Result<()> {
         self.all_gather(&[], &[], what).map(drop)
     }

@@ -46,6 +46,7 @@
 //! heap's `ReleaseLog` (shared memory its peers read, to unmap their mappings of it). Statistics are the `Stats` of `stats.rs`,
 //! kept here as blocks change state.
 
+mod arena;
 mod export;
 mod placement;
 mod release;
@@ -155,6 +156,9 @@ pub struct DeviceHeap {
     tracked: std::collections::HashMap<u64, u64>,
     /// Whole free segments moved from a donor pool to another pool (placement.rs).
     adopted_segments: u64,
+    /// Communicator arenas by id (arena.rs).
+    arenas: BTreeMap<u64, arena::Arena>,
+    next_arena: u64,
     pub stats: Stats,
 }
 
@@ -189,6 +193,8 @@ impl DeviceHeap {
             release_log: ReleaseLog::new()?,
             tracked: std::collections::HashMap::new(),
             adopted_segments: 0,
+            arenas: BTreeMap::new(),
+            next_arena: 1,
             stats: Stats {
                 heap_bytes: size,
                 ..Stats::default()
@@ -260,6 +266,7 @@ impl DeviceHeap {
                 self.size()
             )));
         }
+        self.check_arena_pool(pool)?;
         let rounded = round_request(size);
         if let Some(off) = self.parked.pop(&(pool, stream, rounded)) {
             self.unpark_live(off, size);

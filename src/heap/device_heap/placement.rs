@@ -26,6 +26,7 @@
 //! whole and free, and `Pool::segments` counts each pool's segments.
 
 use super::*;
+use crate::heap::pools;
 
 pub(super) fn segment_size(class: Class, rounded: u64, gran: u64) -> u64 {
     let s = match class {
@@ -101,8 +102,8 @@ impl DeviceHeap {
     /// Whether `donor`'s whole free segments may move to `taker` (the module header's donors).
     pub(super) fn is_donor(&self, donor: PoolId, taker: PoolId) -> bool {
         donor != taker
-            && donor != INTERNAL_POOL
-            && taker != INTERNAL_POOL
+            && !pools::is_reserved(donor)
+            && !pools::is_reserved(taker)
             && (donor == DEFAULT_POOL || self.pools.get(&donor).is_some_and(|p| p.releasing))
     }
 
@@ -246,25 +247,24 @@ impl DeviceHeap {
         class: Class,
         len: u64,
     ) -> Result<u64> {
-        let off = self.ranges.alloc(len).ok_or_else(|| {
-            Error::oom(format!(
-                "heap address space of device {} exhausted: no free range of {len} bytes \
-                 ({} of {} bytes unused; raise SYMMALLOC_HEAP_SIZE)",
-                self.device,
-                self.ranges.free_bytes(),
-                self.size()
-            ))
-        })?;
+        let off = match self.range_alloc(pool, len) {
+            Ok(off) => off,
+            // An arena out of address space first gives back its own free segments.
+            Err(e) if self.release_arena_free_segments(backend, pool)? => {
+                self.range_alloc(pool, len).map_err(|_| e)?
+            }
+            Err(e) => return Err(e),
+        };
         let phys = match backend.create(self.device, len) {
             Ok(p) => p,
             Err(e) => {
-                self.ranges.free(off, len);
+                self.range_free(pool, off, len);
                 return Err(e);
             }
         };
         if let Err(e) = backend.map(self.device, self.base + off, len, &phys) {
             let _ = backend.release(phys);
-            self.ranges.free(off, len);
+            self.range_free(pool, off, len);
             return Err(e);
         }
         let generation = self.next_generation;

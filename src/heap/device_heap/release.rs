@@ -130,7 +130,7 @@ impl DeviceHeap {
         // Peers that mapped it unmap theirs at their communicator's next call (comm/retire.rs).
         self.release_log.record(seg, s.generation);
         backend.release(s.phys)?;
-        self.ranges.free(seg, len);
+        self.range_free(pool, seg, len);
         let p = self.pools.get_mut(&pool).expect("pool");
         p.segments -= 1;
         if p.segments == 0 && p.releasing {
@@ -190,6 +190,7 @@ impl DeviceHeap {
         // Never while a pool is open (PyTorch opens one around each graph capture) or this
         // stream is capturing: waiting for the device there would break the capture.
         if class != Class::Large
+            || crate::heap::pools::arena_of(pool).is_some()
             || !wanted(self)
             || super::super::pools::any_open()
             || backend.is_capturing(self.device, stream)?

@@ -26,7 +26,7 @@ impl DeviceHeap {
         let mut seg_count: BTreeMap<PoolId, u64> = BTreeMap::new();
         let mut parked_seen = 0;
         for (&soff, s) in &self.segments {
-            if !self.ranges.is_free(soff, s.size) {
+            if !self.range_is_free(s.pool, soff, s.size) {
                 st.segments += 1;
                 st.reserved_bytes += s.size;
             } else {
@@ -157,7 +157,8 @@ impl DeviceHeap {
                 ));
             }
         }
-        if self.ranges.free_bytes() + st.reserved_bytes != self.size() {
+        self.validate_arenas()?;
+        if self.ranges.free_bytes() + self.arena_free_bytes() + st.reserved_bytes != self.size() {
             return Err("segments and free ranges do not partition the heap".into());
         }
         let s = &self.stats;
