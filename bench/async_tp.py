@@ -15,9 +15,10 @@ One process per rank (started here), one rank per GPU (default: every GPU). bf16
     nccl        torch.matmul, then dist.reduce_scatter_tensor
     matmul      torch.matmul alone
 Every variant is first checked against the NCCL one on fresh random data (symmalloc: equal up to
-bf16 rounding). Timing: eager, warm (5 calls), then `iters` calls each between CUDA events, all
-ranks started together by a barrier: p50 / p99 / max per call, TFLOP/s at p50 (2·M·K·N/W flops
-per rank). A variant that cannot run here (torch's ops need their symmetric-memory backend)
+bf16 rounding). Timing: each variant captured in a CUDA graph of one call (eager where capture
+fails; the "run as" column says which), warm, then `iters` replays of each between CUDA events,
+interleaved across variants (clock and power drift hit all alike), all ranks started together
+by a barrier: p50 / p99 / max per call, TFLOP/s at p50 (2·M·K·N/W flops per rank). A variant that cannot run here (torch's ops need their symmetric-memory backend)
 prints why instead of a figure. At world 1 the table times the pipeline's local work (barrier,
 signal bookkeeping, matmul) against matmul alone, a filter only: the verdict needs 2+ GPUs.
 Correctness with several ranks sharing one GPU: python/tests/async_tp_check.py.
@@ -44,19 +45,48 @@ import symmalloc.async_tp as atp  # noqa: E402
 DEFAULT_SHAPES = "1024,4096,4096;4096,4096,4096;4096,8192,8192;8192,8192,8192;16384,8192,8192;8192,16384,16384"
 
 
-def timed(fn, iters):
-    for _ in range(5):
-        fn()
+def graphed(fn):
+    """fn captured in a CUDA graph after 3 warm calls (a side stream, as torch.cuda.graph wants);
+    the eager fn where capture fails (the reason is kept)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g.replay, "graph"
+    except Exception as e:  # noqa: BLE001
+        torch.cuda.synchronize()
+        return fn, f"eager ({type(e).__name__})"
+
+
+def timed_round_robin(fns, iters):
+    """Each of fns timed `iters` times with events, interleaved (one call of each in turn, so
+    clock and power drift hit every variant alike), all ranks started by a barrier:
+    {name: (p50, p99, max)} in µs."""
+    times = {n: [] for n in fns}
+    for f in fns.values():
+        f()
     torch.cuda.synchronize()
     dist.barrier()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
+    for _ in range(iters):
+        for n, f in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            f()
+            b.record()
+            times[n].append((a, b))
     torch.cuda.synchronize()
-    t = sorted(a.elapsed_time(b) * 1e3 for a, b in ev)  # µs
-    return t[len(t) // 2], t[min(len(t) - 1, int(len(t) * 0.99))], t[-1]
+    out = {}
+    for n, evs in times.items():
+        t = sorted(a.elapsed_time(b) * 1e3 for a, b in evs)
+        out[n] = (t[len(t) // 2], t[min(len(t) - 1, int(len(t) * 0.99))], t[-1])
+    return out
 
 
 def rank_main(rank, world, port, args, q):
@@ -127,11 +157,13 @@ def rank_main(rank, world, port, args, q):
 
 
 def measure(kind, shape, flops, variants, reference, torch_ops, iters):
+    """Checks every variant against the NCCL one, captures each in a graph, and times them
+    round-robin."""
     ref = reference().clone()
-    out = []
+    rows, runnable = {}, {}
     for name in ("symmalloc", "torch", "nccl", "matmul"):
         if name not in variants:
-            out.append(dict(kind=kind, shape=shape, variant=name, error=str(torch_ops)[:120]))
+            rows[name] = dict(kind=kind, shape=shape, variant=name, error=str(torch_ops)[:120])
             continue
         fn = variants[name]
         try:
@@ -141,18 +173,21 @@ def measure(kind, shape, flops, variants, reference, torch_ops, iters):
                 err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
                 if err > 1e-2:
                     raise AssertionError(f"relative error {err:.3g} against NCCL then matmul")
-            p50, p99, mx = timed(fn, iters)
-            out.append(dict(kind=kind, shape=shape, variant=name, p50=p50, p99=p99, max=mx, tflops=flops / p50 / 1e6))
+            runnable[name], how = graphed(fn)
+            rows[name] = dict(kind=kind, shape=shape, variant=name, how=how)
         except Exception as e:  # noqa: BLE001
-            out.append(dict(kind=kind, shape=shape, variant=name, error=f"{type(e).__name__}: {e}"[:160]))
-    return out
+            torch.cuda.synchronize()
+            rows[name] = dict(kind=kind, shape=shape, variant=name, error=f"{type(e).__name__}: {e}"[:160])
+    for name, (p50, p99, mx) in timed_round_robin(runnable, iters).items():
+        rows[name].update(p50=p50, p99=p99, max=mx, tflops=flops / p50 / 1e6)
+    return [rows[n] for n in ("symmalloc", "torch", "nccl", "matmul")]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=torch.cuda.device_count())
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
@@ -174,13 +209,13 @@ def main():
     for p in procs:
         p.join(60)
     print(f"{torch.cuda.get_device_name(0)}, world {args.world}, bf16, rank 0's times (µs per call), TFLOP/s per rank at p50")
-    print(f"| op | M,K,N | variant | p50 µs | p99 µs | max µs | TFLOP/s |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("| op | M,K,N | variant | run as | p50 µs | p99 µs | max µs | TFLOP/s |")
+    print("|---|---|---|---|---:|---:|---:|---:|")
     for r in got[0]:
         if "error" in r:
-            print(f"| {r['kind']} | {','.join(map(str, r['shape']))} | {r['variant']} | n/a: {r['error']} | | | |")
+            print(f"| {r['kind']} | {','.join(map(str, r['shape']))} | {r['variant']} | n/a: {r['error']} | | | | |")
         else:
-            print(f"| {r['kind']} | {','.join(map(str, r['shape']))} | {r['variant']} | {r['p50']:.1f} | {r['p99']:.1f} | {r['max']:.1f} | {r['tflops']:.0f} |")
+            print(f"| {r['kind']} | {','.join(map(str, r['shape']))} | {r['variant']} | {r['how']} | {r['p50']:.1f} | {r['p99']:.1f} | {r['max']:.1f} | {r['tflops']:.0f} |")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "async_tp.json"), "w") as f:
