@@ -543,8 +543,11 @@ symm_status_t symm_put(symm_comm_t *comm, int peer, void *dst, const void *src, 
  * Stream-ordered: after the stream's earlier work (puts included), stores `value` into slot
  * `slot` (0 to SYMM_SIGNAL_SLOTS - 1) of rank `peer`'s signal pad, with a memory barrier
  * before it, so a peer that sees the value sees the stream's earlier writes. Values are
- * stored, not added: raise a slot with increasing values (monotonic counters, no reset).
- * Capturable (a captured signal stores the same value at every replay).
+ * stored, not added: raise a slot with increasing values (monotonic counters, no reset), or
+ * raise it to 1 and have its owner store 0 after its wait (a reset: what a captured graph
+ * needs, since a captured signal stores the same value at every replay). A rank's stores into
+ * its own slots leave the slot's writer mark, so a timeout names the last other rank that
+ * raised it. Capturable.
  */
 symm_status_t symm_signal(symm_comm_t *comm, int peer, uint32_t slot, uint64_t value, struct CUstream_st *stream);
 
@@ -552,7 +555,7 @@ symm_status_t symm_signal(symm_comm_t *comm, int peer, uint32_t slot, uint64_t v
  * Stream-ordered: holds the stream until this rank's slot `slot` is >= `value` (unsigned);
  * work after it on the stream sees what the signalling rank wrote before its signal. Bounded:
  * past SYMMALLOC_TIMEOUT_S the stream goes on, and the next call on the communicator returns
- * SYMM_ERR_TIMEOUT naming the slot, the values and the rank that raised the slot last (the
+ * SYMM_ERR_TIMEOUT naming the slot, the values and the last other rank that raised it (the
  * communicator is then unusable). A one-thread kernel on CUDA; on the host backend the call
  * itself waits and reports. Capturable.
  */

@@ -12,7 +12,10 @@
  *  - symm_signal_send stores `v` into slot `slot` of rank `peer`'s signal pad with release
  *    semantics at system scope (after a fence.sc.sys), so a thread that sees `v` with an acquire
  *    also sees every write this thread made before the call (puts into the peer included).
- *    Values are stored, not added: raise a slot by storing a larger value (monotonic counters).
+ *    Values are stored, not added: raise a slot by storing a larger value (monotonic counters),
+ *    or raise it to 1 and have its owner store 0 after the wait (a reset). The writer word
+ *    records the last other rank that raised the slot: a rank's stores into its own slots
+ *    leave it.
  *  - symm_signal_wait spins, with acquire loads at system scope, until this rank's slot is
  *    >= v (unsigned 64-bit). It reads nothing but that slot, the clock register and, every
  *    SYMM_SPIN_POLL spins, the communicator's abort word (device memory): never host memory.
@@ -78,7 +81,9 @@ __device__ __forceinline__ void symm_st_release_sys(uint64_t *p, uint64_t v) {
 /* Raises rank `peer`'s slot `slot` to `v` (see the top of this file). */
 __device__ __forceinline__ void symm_signal_send(const symm_device_comm_t &d, int peer, uint32_t slot,
                                                  uint64_t v) {
-  *(volatile uint32_t *)symm_signal_writer(d, peer, slot) = (uint32_t)d.rank + 1u;
+  /* A rank's store into its own slot (a reset, typically) leaves the writer word: a timeout
+     keeps naming the last other rank that raised the slot, the one the waiter expects. */
+  if (peer != d.rank) *(volatile uint32_t *)symm_signal_writer(d, peer, slot) = (uint32_t)d.rank + 1u;
   __threadfence_system();
   symm_st_release_sys(symm_signal_slot(d, peer, slot), v);
 }

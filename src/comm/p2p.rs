@@ -364,7 +364,7 @@ impl Communicator {
         self.begin_call(stream)?;
         let pad = self.peer_pad("symm_signal", peer)?;
         if self.host {
-            signal_pad::host_signal(pad, slot, self.rank, value);
+            signal_pad::host_signal(pad, slot, self.rank, peer == self.rank, value);
             return Ok(());
         }
         match via {

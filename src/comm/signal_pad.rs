@@ -74,9 +74,12 @@ fn writer_word(addr: u64) -> &'static AtomicU32 {
     unsafe { &*(addr as *const AtomicU32) }
 }
 
-/// The host backend's signal: `sender`'s mark into the writer word, then `value` (release).
-pub fn host_signal(peer_pad: u64, slot: u32, sender: usize, value: u64) {
-    writer_word(writer_addr(peer_pad, slot)).store(sender as u32 + 1, Ordering::Relaxed);
+/// The host backend's signal: `sender`'s mark into the writer word (unless `sender` signals
+/// its own pad: a reset keeps naming the last other writer), then `value` (release).
+pub fn host_signal(peer_pad: u64, slot: u32, sender: usize, own: bool, value: u64) {
+    if !own {
+        writer_word(writer_addr(peer_pad, slot)).store(sender as u32 + 1, Ordering::Relaxed);
+    }
     value_word(value_addr(peer_pad, slot)).store(value, Ordering::Release);
 }
 
@@ -154,9 +157,13 @@ mod tests {
         let t = Duration::from_millis(30);
         assert_eq!(host_wait(p, 7, 0, t), Ok(()));
         assert_eq!(host_wait(p, 7, 1, t), Err((0, 0)));
-        host_signal(p, 7, 2, 5);
+        host_signal(p, 7, 2, false, 5);
         assert_eq!(host_wait(p, 7, 5, t), Ok(()));
         assert_eq!(host_wait(p, 7, 6, t), Err((5, 3)));
+        // The owner's reset keeps the writer: a timeout still names rank 2.
+        host_signal(p, 7, 0, true, 0);
+        assert_eq!(host_wait(p, 7, 1, t), Err((0, 3)));
+        host_signal(p, 7, 2, false, 5);
         let e = timeout_error(0, 7, 6, 5, 3, t);
         assert!(
             e.message
