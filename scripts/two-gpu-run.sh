@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The 2-GPU run (issue 29: this wave's 2-rank verdicts), batched for a lent nvidia-h200-x2.
+# Multicast stays off (scripts/device-env.sh, sourced by device-run.sh).
+#
+# Here, before the first call (no GPU needed):
+#   bash scripts/two-gpu-run.sh prepare   stages this checkout into .device/ and the A/B's other
+#                                         build (848a182, the last main measured at 2 ranks) into
+#                                         .device/old, through a temporary worktree
+# On the device (each part fits one call of at most 10 minutes; logs under $OUT):
+#   bash scripts/two-gpu-run.sh tail      1. device-run.sh tail: 10 fresh processes, every
+#                                            algorithm, in and out of place, 8 KiB-64 MiB, torch
+#                                            and NCCL in the same processes, and (2.) the eager
+#                                            Python-vs-C table
+#   bash scripts/two-gpu-run.sh ab        1. this build against 848a182 in alternating processes
+#   bash scripts/two-gpu-run.sh fused     3. bench/fused.py: bf16 fused, FP8 static and per-token,
+#                                            unfused, NCCL; hidden 4096/6144/8192, tokens 1-2048;
+#                                            the 16-layer decoder step
+#   bash scripts/two-gpu-run.sh atp       4. bench/async_tp.py --world 2 (TFLOP/s against torch's
+#                                            fused ops, NCCL then matmul, matmul alone)
+#   bash scripts/two-gpu-run.sh triton    5. bench/triton_one_shot.py --world 2 (the Triton example
+#                                            against the library's one-shot, 8 KiB-1 MiB)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+  prepare)
+    set -e
+    bash scripts/stage-device.sh
+    wt=$(mktemp -d)/old
+    git worktree add -q --detach "$wt" 848a182
+    ln -s "$PWD/.toolchain" "$wt/.toolchain"
+    (cd "$wt" && bash scripts/stage-device.sh --old)
+    rm -rf .device/old && cp -r "$wt/.device/old" .device/old
+    git worktree remove --force "$wt"
+    du -sh .device ;;
+  tail) RUNS=${RUNS:-10} bash scripts/device-run.sh tail ;;
+  ab) ROUNDS=${ROUNDS:-4} bash scripts/device-run.sh ab ;;
+  fused) bash scripts/device-run.sh fused ;;
+  atp)
+    . scripts/device-env.sh
+    export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1
+    timeout 580 python3 bench/async_tp.py --world 2 --out "$OUT" 2>&1 | tee "$OUT/async_tp.log" ;;
+  triton)
+    . scripts/device-env.sh
+    export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1
+    timeout 580 python3 bench/triton_one_shot.py --world 2 2>&1 | tee "$OUT/triton_one_shot.log" ;;
+  *) sed -n 2,25p "$0"; exit 2 ;;
+esac
