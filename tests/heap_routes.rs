@@ -85,10 +85,6 @@ fn backward_temporaries_stay_in_the_graphs_pool() {
     begin_capture(a, pool, cap);
     let graph = captured_step(a, cap, &[24 * MIB, 3 * MIB, 512 << 10, 4096]);
     pools::end(0, pool).unwrap();
-    for &(p, n) in &graph {
-        let (info, _, _) = a.segment_of(0, p).unwrap();
-        assert!(info.size >= n);
-    }
     // "Replay": the graph writes its memory. Then eager work of the same sizes on another
     // stream, and empty_cache, must leave it alone.
     for &(p, n) in &graph {
