@@ -6,7 +6,8 @@ pluggable allocator (bench/bump_alloc.c: a bump pointer, a free that does nothin
 
 Every mode runs in fresh processes (the allocator is chosen before CUDA starts), in rounds that
 alternate the modes' order; a round is one process per mode. Rows:
-  empty+del N     torch.empty(N bytes) then del, us per pair (median of 7 x 5000)
+  empty+del N     torch.empty(N bytes) then del, us per pair (median of 5 x 3000)
+  p99 N           the p99 of 5000 such pairs timed one by one
   mixed 64        64 live tensors of mixed sizes, then all freed, us per tensor
   side stream     an allocation on a side stream, record_stream on the main one, then del
   train step      (default and global only) a 6-layer transformer (bench/ddp_memory.py's, world 1 DDP over gloo), bf16
@@ -40,6 +41,20 @@ def pairs_us(torch, nbytes, reps=7, n=5000):
             del x
         out.append((time.perf_counter() - t) / n * 1e6)
     return statistics.median(out)
+
+
+def pair_p99_us(torch, nbytes, n=5000):
+    """p99 of single torch.empty + del pairs, each timed alone (perf_counter_ns; its own cost,
+    about 0.05 us, is in every sample)."""
+    clock = time.perf_counter_ns
+    out = []
+    for _ in range(n):
+        t = clock()
+        x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        del x
+        out.append(clock() - t)
+    out.sort()
+    return out[int(len(out) * 0.99)] / 1e3
 
 
 def mixed_us(torch, reps=50):
@@ -99,13 +114,15 @@ def train(torch, steps, port):
     return statistics.median(times[10:]), used / float(1 << 30), losses[-1]
 
 
-def child(mode, bump, steps, port, core):
+def child(mode, bump, steps, port, core, old_lib=None):
     if core >= 0:  # every process on the same core: placement differs between processes otherwise
         os.sched_setaffinity(0, {core})
     t_start = time.perf_counter()
     import torch
 
     if mode.startswith("global"):
+        if mode == "global-old":  # another build's libraries (--old-lib), for an A/B
+            os.environ["SYMMALLOC_LIBRARY_DIR"] = old_lib
         if mode == "global-tc0":  # the per-thread caches off (SYMMALLOC_THREAD_CACHE=0)
             os.environ["SYMMALLOC_THREAD_CACHE"] = "0"
         import symmalloc
@@ -121,6 +138,7 @@ def child(mode, bump, steps, port, core):
     for n in SIZES:
         pairs_us(torch, n, reps=1, n=500)  # warm
         row[f"empty+del {n}"] = pairs_us(torch, n, reps=5, n=3000)
+        row[f"p99 {n}"] = pair_p99_us(torch, n)
     row["mixed 64"] = mixed_us(torch)
     row["side stream"] = side_stream_us(torch)
     phases.append(("micro", time.perf_counter() - t_start))
@@ -138,7 +156,9 @@ def main():
     ap.add_argument("--bump", default=os.path.join(os.environ.get("SYMMALLOC_LIBRARY_DIR", "."), "libbump_alloc.so"))
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     ap.add_argument("--child")
-    ap.add_argument("--modes", default=",".join(MODES), help="default,global,floor and optionally global-tc0")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="default,global,floor and optionally global-tc0, global-old (needs --old-lib)")
+    ap.add_argument("--old-lib", default=None, help="the libraries of another build, for mode global-old")
     ap.add_argument("--port", type=int, default=29800)
     ap.add_argument("--core", type=int, default=2, help="the core every process runs on (-1: any)")
     a = ap.parse_args()
@@ -146,7 +166,7 @@ def main():
         os.environ[k] = v
     os.environ.pop("SYMMALLOC_ENABLE_MULTICAST", None)
     if a.child:
-        return child(a.child, a.bump, a.steps, a.port, a.core)
+        return child(a.child, a.bump, a.steps, a.port, a.core, a.old_lib)
     os.makedirs(a.out, exist_ok=True)
     modes = a.modes.split(",")
     rounds = []
@@ -155,7 +175,8 @@ def main():
         got = {}
         for j, mode in enumerate(order):
             p = subprocess.run([sys.executable, __file__, "--child", mode, "--bump", a.bump, "--steps", str(a.steps),
-                                "--port", str(a.port + len(modes) * i + j), "--core", str(a.core)],
+                                "--port", str(a.port + len(modes) * i + j), "--core", str(a.core)]
+                               + (["--old-lib", a.old_lib] if a.old_lib else []),
                                capture_output=True, text=True, timeout=600)
             line = next((l for l in p.stdout.splitlines() if l.startswith("ROW ")), None)
             if line is None:
@@ -189,6 +210,11 @@ def main():
         print(f"train step ms: default {st['default']:.2f}, global {st['global']:.2f}; per round global / default: {diffs}")
         print(f"train step: global / default = {st['global'] / st['default']:.3f} (target <= 1.02); "
               f"memory global / default = {mem['global'] / mem['default']:.3f} (target <= 0.97)")
+    for m in modes:
+        if m not in MODES:
+            d = [r[m][k] - r["floor"][k] for r in rounds for k in keys if k.startswith("empty+del")]
+            print(f"{m} - floor over every empty+del row and round: median {statistics.median(d):+.2f}, "
+                  f"max {max(d):+.2f} us")
     worst = max(r["global"][f"empty+del {n}"] - r["floor"][f"empty+del {n}"] for r in rounds for n in SIZES)
     print(f"empty+del: the worst round's global - floor = {worst:+.2f} us (target <= 0.2 in every round)")
 

@@ -287,6 +287,18 @@ typedef struct {
   uint64_t error_word;
 } symm_device_comm_t;
 
+/**
+ * A pool's filter (`symm_begin_pool_filtered`): nonzero when an allocation on `stream` belongs
+ * to the pool. Called from any thread that allocates on the pool's device while the pool is
+ * open; it must not call symmalloc.
+ */
+typedef int (*symm_pool_filter_fn)(void *ctx, struct CUstream_st *stream);
+
+/**
+ * Frees a filter's `ctx` once its pool's route has ended (or was refused).
+ */
+typedef void (*symm_pool_filter_drop_fn)(void *ctx);
+
 #define SYMM_BF16 0
 
 #define SYMM_FP16 1
@@ -330,34 +342,6 @@ void *symm_malloc(size_t size, int device, struct CUstream_st *stream);
  * intact and are reported through `symm_last_error()`.
  */
 void symm_free(void *ptr, size_t size, int device, struct CUstream_st *stream);
-
-/**
- * Routes the calling thread's allocations on `device` to pool (first, second) until the
- * matching `symm_end_pool`. Pools nest. ABI-compatible with PyTorch's begin-allocate-to-pool
- * hook (its trailing filter argument is ignored).
- */
-void symm_begin_pool(int device, uint64_t pool_first, uint64_t pool_second);
-
-/**
- * Ends the innermost pool opened on this thread for `device`; it must be (first, second).
- */
-void symm_end_pool(int device, uint64_t pool_first, uint64_t pool_second);
-
-/**
- * Returns the pool's physical memory: free segments now, the others when their last block
- * is freed.
- */
-void symm_release_pool(int device, uint64_t pool_first, uint64_t pool_second);
-
-/**
- * The next reuse of `ptr`'s block also waits for the work submitted to `stream` so far.
- */
-void symm_record_stream(void *ptr, struct CUstream_st *stream);
-
-/**
- * Returns every cached segment without live blocks, on every device.
- */
-void symm_empty_cache(void);
 
 /**
  * The loaded library's version, `SYMMALLOC_VERSION_CODE` of the header it was built with.
@@ -569,6 +553,96 @@ symm_status_t symm_wait(symm_comm_t *comm, uint32_t slot, uint64_t value, struct
  * SYMM_DEVICE_COMM_V1_SIZE or is larger than this library's struct is refused.
  */
 symm_status_t symm_comm_device(symm_comm_t *comm, symm_device_comm_t *out, size_t size);
+
+/**
+ * Routes the calling thread's allocations on `device` to pool (first, second) until the
+ * matching `symm_end_pool`. Pools nest. Each begin takes a use of the pool that
+ * `symm_release_pool` gives back. ABI-compatible with PyTorch's begin-allocate-to-pool hook,
+ * but it ignores that hook's filter: PyTorch's graph capture needs
+ * `symm_begin_pool_filtered` (through the shim's `begin_allocate_to_pool`).
+ */
+void symm_begin_pool(int device, uint64_t pool_first, uint64_t pool_second);
+
+/**
+ * Routes every allocation on `device` whose stream `filter(ctx, stream)` accepts, from any
+ * thread, to pool (first, second) until `symm_end_pool(device, first, second)`. This is
+ * PyTorch's begin-allocate-to-pool contract: a graph capture's filter accepts the capturing
+ * stream, on whichever thread allocates (the autograd engine allocates the backward from its
+ * own thread). The pool takes a use, as with `symm_begin_pool`. `ctx` belongs to symmalloc
+ * from this call on: `drop(ctx)` (if not NULL) runs once the route ends, or before this call
+ * returns when it fails. A NULL filter is refused (SYMM_ERR_INVALID_ARGUMENT).
+ */
+symm_status_t symm_begin_pool_filtered(int device, uint64_t pool_first, uint64_t pool_second, symm_pool_filter_fn filter, void *ctx, symm_pool_filter_drop_fn drop);
+
+/**
+ * Ends the pool route for `device` that the calling thread opened last, which must be
+ * (first, second); a thread that opened none for `device` ends the newest route to
+ * (first, second) from any thread.
+ */
+void symm_end_pool(int device, uint64_t pool_first, uint64_t pool_second);
+
+/**
+ * Gives back one use of the pool (each `symm_begin_pool` takes one; PyTorch releases a
+ * graph's pool when the graph is deleted, once per graph sharing it). At the last use, or for
+ * a pool never begun, its physical memory goes: free segments now, the others when their last
+ * block is freed.
+ */
+void symm_release_pool(int device, uint64_t pool_first, uint64_t pool_second);
+
+/**
+ * The next reuse of `ptr`'s block also waits for the work submitted to `stream` so far.
+ */
+void symm_record_stream(void *ptr, struct CUstream_st *stream);
+
+/**
+ * Returns every cached segment without live blocks, on every device.
+ */
+void symm_empty_cache(void);
+
+/**
+ * Routes the calling thread's allocations on `device` to pool (first, second) until the
+ * matching `symm_end_pool`. Pools nest. Each begin takes a use of the pool that
+ * `symm_release_pool` gives back. ABI-compatible with PyTorch's begin-allocate-to-pool hook,
+ * but it ignores that hook's filter: PyTorch's graph capture needs
+ * `symm_begin_pool_filtered` (through the shim's `begin_allocate_to_pool`).
+ */
+void symm_begin_pool(int device, uint64_t pool_first, uint64_t pool_second);
+
+/**
+ * Routes every allocation on `device` whose stream `filter(ctx, stream)` accepts, from any
+ * thread, to pool (first, second) until `symm_end_pool(device, first, second)`. This is
+ * PyTorch's begin-allocate-to-pool contract: a graph capture's filter accepts the capturing
+ * stream, on whichever thread allocates (the autograd engine allocates the backward from its
+ * own thread). The pool takes a use, as with `symm_begin_pool`. `ctx` belongs to symmalloc
+ * from this call on: `drop(ctx)` (if not NULL) runs once the route ends, or before this call
+ * returns when it fails. A NULL filter is refused (SYMM_ERR_INVALID_ARGUMENT).
+ */
+symm_status_t symm_begin_pool_filtered(int device, uint64_t pool_first, uint64_t pool_second, symm_pool_filter_fn filter, void *ctx, symm_pool_filter_drop_fn drop);
+
+/**
+ * Ends the pool route for `device` that the calling thread opened last, which must be
+ * (first, second); a thread that opened none for `device` ends the newest route to
+ * (first, second) from any thread.
+ */
+void symm_end_pool(int device, uint64_t pool_first, uint64_t pool_second);
+
+/**
+ * Gives back one use of the pool (each `symm_begin_pool` takes one; PyTorch releases a
+ * graph's pool when the graph is deleted, once per graph sharing it). At the last use, or for
+ * a pool never begun, its physical memory goes: free segments now, the others when their last
+ * block is freed.
+ */
+void symm_release_pool(int device, uint64_t pool_first, uint64_t pool_second);
+
+/**
+ * The next reuse of `ptr`'s block also waits for the work submitted to `stream` so far.
+ */
+void symm_record_stream(void *ptr, struct CUstream_st *stream);
+
+/**
+ * Returns every cached segment without live blocks, on every device.
+ */
+void symm_empty_cache(void);
 
 #ifdef __cplusplus
 }  // extern "C"

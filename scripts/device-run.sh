@@ -14,6 +14,7 @@
 #       WORLD=N runs N ranks (1 on one GPU: the kernels' local work alone, a filter only).
 #   groups: tests/gpu_groups.rs at RANKS (default 4) ranks sharing the GPUs, and the child
 #           against a standalone communicator; TORCH=1 adds python/tests/torch_groups_gpu_check.py.
+#   global: global mode on one GPU (PARTS="checks memory host alloc"; see the branch below).
 #   shared: the multi-rank GPU tests (t_gpu_comm, t_gpu_sg, t_bitwise) at RANKS (default "2 4") ranks on the
 #           machine's GPUs, several ranks per GPU (SYMMALLOC_SHARED_GPU=1): the protocol at N
 #           ranks on a one-GPU machine; correctness only (the ranks' kernels time-slice).
@@ -79,6 +80,23 @@ elif [ "${1:-tests}" = p2p ]; then
   done
   [ -x $D/p2p_allreduce ] && for n in ${EXAMPLE_RANKS:-2 4}; do T=90 TAILN=5 run p2p_example_$n env SYMMALLOC_SHARED_GPU=1 LD_LIBRARY_PATH=$D $D/p2p_allreduce $n; done
   T=${T_TRITON:-300} TAILN=8 run triton_p2p python3 python/tests/triton_p2p_check.py --world ${TRITON_RANKS:-2 4 8}
+elif [ "${1:-tests}" = global ]; then
+  # Global mode on one GPU (issues #35, #32), PARTS of: checks (python/tests/global_capture_check.py
+  # for PyTorch's allocator and symmalloc), memory (bench/global_memory.py, RUNS pairs), host
+  # (bench/torch_global.py, PAIRS rounds, STEPS training steps, MODES; with .device/old present
+  # the mode global-old runs that build), alloc (t_gpu_alloc).
+  step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  for part in ${PARTS:-checks memory}; do
+    case $part in
+      checks) for a in torch symmalloc; do T=150 TAILN=12 run checks_$a python3 python/tests/global_capture_check.py $a; done ;;
+      memory) T=${T_MEMORY:-400} TAILN=16 run global_memory python3 bench/global_memory.py --runs "${RUNS:-2}" \
+                --replays "${REPLAYS:-100}" --out "$OUT/global_memory.json" ;;
+      host) old=(); [ -f "$D/old/libsymmalloc.so" ] && old=(--old-lib "$D/old")
+            T=${T_HOST:-400} TAILN=24 run torch_global python3 bench/torch_global.py --pairs "${PAIRS:-6}" --steps "${STEPS:-0}" \
+              --modes "${MODES:-default,global,floor${old:+,global-old}}" "${old[@]}" --out "$OUT" ;;
+      alloc) T=200 TAILN=6 run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture ;;
+    esac
+  done
 elif [ "${1:-tests}" = shared ]; then
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   for n in ${RANKS:-2 4}; do

@@ -48,7 +48,14 @@ fn shim_exports_exactly_the_bare_names() {
     let syms = defined_dynamic(&d.join("libsymmalloc_pluggable.so"));
     assert_eq!(
         syms,
-        ["begin_pool", "end_pool", "free", "malloc", "release_pool"]
+        [
+            "begin_allocate_to_pool",
+            "begin_pool",
+            "end_pool",
+            "free",
+            "malloc",
+            "release_pool"
+        ]
     );
 }
 

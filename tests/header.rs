@@ -9,6 +9,7 @@ fn generate() -> String {
     // Only the FFI layer and the stats struct it exports: nothing internal leaks into the header.
     let bindings = cbindgen::Builder::new()
         .with_src(root.join("src/ffi/mod.rs"))
+        .with_src(root.join("src/ffi/pool_calls.rs"))
         .with_src(root.join("src/ffi/types.rs"))
         .with_src(root.join("src/comm/device_comm.rs"))
         .with_src(root.join("src/heap/stats.rs"))
@@ -45,6 +46,8 @@ fn header_names_the_contract() {
         "symm_malloc",
         "symm_free",
         "symm_begin_pool",
+        "symm_begin_pool_filtered",
+        "symm_pool_filter_fn",
         "symm_end_pool",
         "symm_release_pool",
         "symm_record_stream",

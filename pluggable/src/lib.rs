@@ -1,26 +1,37 @@
 //! libsymmalloc_pluggable.so: the bare-name shim for dlopen-style loaders such as PyTorch's
 //! `CUDAPluggableAllocator(path, "malloc", "free")`.
 //!
-//! It exports exactly `malloc`, `free`, `begin_pool`, `end_pool` and `release_pool`, each
-//! forwarding to the `symm_*` function of the same role in `libsymmalloc.so`, which it loads
-//! from its own directory (so a process has one allocator state however it loaded the
-//! library). Load it only with `dlopen(RTLD_LOCAL)`: never link or LD_PRELOAD it, or these
+//! It exports exactly `malloc`, `free`, `begin_pool`, `begin_allocate_to_pool`, `end_pool` and
+//! `release_pool`, each forwarding to the `symm_*` function of the same role in
+//! `libsymmalloc.so`, which it loads from its own directory (so a process has one allocator
+//! state however it loaded the library). `begin_allocate_to_pool` is PyTorch's
+//! begin-allocate-to-pool hook with its filter (std_function.rs), for
+//! `symm_begin_pool_filtered`. A failed `malloc` says why on stderr: PyTorch does not check a
+//! pluggable allocator's result, and would otherwise run kernels on a NULL pointer. Load it only with `dlopen(RTLD_LOCAL)`: never link or LD_PRELOAD it, or these
 //! names take over the process heap. Its own Rust code still binds to libc's malloc because
 //! the library is linked without -Bsymbolic and `malloc` is resolved through the global scope.
 
-use std::ffi::{c_int, c_void, CStr, CString};
+mod std_function;
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::OnceLock;
 
 type MallocFn = unsafe extern "C" fn(usize, c_int, *mut c_void) -> *mut c_void;
 type FreeFn = unsafe extern "C" fn(*mut c_void, usize, c_int, *mut c_void);
 type PoolFn = unsafe extern "C" fn(c_int, u64, u64);
+type FilterFn = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
+type DropFn = unsafe extern "C" fn(*mut c_void);
+type FilteredPoolFn =
+    unsafe extern "C" fn(c_int, u64, u64, Option<FilterFn>, *mut c_void, Option<DropFn>) -> c_int;
 
 struct Api {
     malloc: MallocFn,
     free: FreeFn,
     begin_pool: PoolFn,
+    begin_pool_filtered: FilteredPoolFn,
     end_pool: PoolFn,
     release_pool: PoolFn,
+    last_error: unsafe extern "C" fn() -> *const c_char,
 }
 
 static API: OnceLock<Result<Api, String>> = OnceLock::new();
@@ -81,8 +92,14 @@ fn load() -> Result<Api, String> {
             malloc: std::mem::transmute::<*mut c_void, MallocFn>(sym(c"symm_malloc")?),
             free: std::mem::transmute::<*mut c_void, FreeFn>(sym(c"symm_free")?),
             begin_pool: std::mem::transmute::<*mut c_void, PoolFn>(sym(c"symm_begin_pool")?),
+            begin_pool_filtered: std::mem::transmute::<*mut c_void, FilteredPoolFn>(sym(
+                c"symm_begin_pool_filtered",
+            )?),
             end_pool: std::mem::transmute::<*mut c_void, PoolFn>(sym(c"symm_end_pool")?),
             release_pool: std::mem::transmute::<*mut c_void, PoolFn>(sym(c"symm_release_pool")?),
+            last_error: std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> *const c_char>(
+                sym(c"symm_last_error")?,
+            ),
         })
     }
 }
@@ -105,11 +122,21 @@ fn api() -> Option<&'static Api> {
 /// Called by a dlopen loader with PyTorch's allocator signature.
 #[no_mangle]
 pub unsafe extern "C" fn malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    match api() {
-        // SAFETY: forwarding the caller's arguments unchanged.
-        Some(a) => unsafe { (a.malloc)(size, device, stream) },
-        None => std::ptr::null_mut(),
+    let Some(a) = api() else {
+        return std::ptr::null_mut();
+    };
+    // SAFETY: forwarding the caller's arguments unchanged.
+    let p = unsafe { (a.malloc)(size, device, stream) };
+    if p.is_null() && size > 0 {
+        // SAFETY: symm_last_error returns the thread's NUL-terminated message.
+        let why = unsafe { CStr::from_ptr((a.last_error)()) };
+        eprintln!(
+            "symmalloc_pluggable: malloc({size} bytes, device {device}) failed: {}; PyTorch \
+             does not check a pluggable allocator's result and goes on with a NULL pointer",
+            why.to_string_lossy()
+        );
     }
+    p
 }
 
 /// `symm_free` under PyTorch's expected name.
@@ -133,6 +160,57 @@ pub unsafe extern "C" fn begin_pool(device: c_int, first: u64, second: u64) {
     if let Some(a) = api() {
         // SAFETY: forwarding.
         unsafe { (a.begin_pool)(device, first, second) }
+    }
+}
+
+/// PyTorch's begin-allocate-to-pool hook, `void(int, MempoolId_t, std::function<bool(cudaStream_t)>)`
+/// (`CUDAPluggableAllocator::set_begin_allocate_to_pool`): the pool id arrives as two integers
+/// and the filter, a C++ object passed by value, as a pointer to it. The filter is moved out
+/// (std_function.rs) and handed to `symm_begin_pool_filtered`, which asks it for every
+/// allocation while the pool is open, from any thread. A filter that is not a libstdc++
+/// `std::function` (checked as far as can be) falls back to `symm_begin_pool` (the calling
+/// thread's allocations), said once on stderr.
+///
+/// # Safety
+/// `filter` points to a live `std::function<bool(cudaStream_t)>` that the callee may move from
+/// (PyTorch's by-value parameter), or is NULL.
+#[no_mangle]
+pub unsafe extern "C" fn begin_allocate_to_pool(
+    device: c_int,
+    first: u64,
+    second: u64,
+    filter: *mut c_void,
+) {
+    let Some(a) = api() else { return };
+    // SAFETY: the caller's contract above.
+    match unsafe { std_function::Filter::take(filter) } {
+        Ok(f) => {
+            let ctx = Box::into_raw(Box::new(f)) as *mut c_void;
+            // SAFETY: ctx is a boxed Filter, which call_filter and drop_filter expect; its
+            // ownership passes to the library (dropped through drop_filter).
+            unsafe {
+                (a.begin_pool_filtered)(
+                    device,
+                    first,
+                    second,
+                    Some(std_function::call_filter),
+                    ctx,
+                    Some(std_function::drop_filter),
+                )
+            };
+        }
+        Err(why) => {
+            static SAID: OnceLock<()> = OnceLock::new();
+            SAID.get_or_init(|| {
+                eprintln!(
+                    "symmalloc_pluggable: begin_allocate_to_pool: {why}; routing the calling \
+                     thread's allocations to the pool instead (a graph's backward then \
+                     allocates outside it)"
+                )
+            });
+            // SAFETY: forwarding.
+            unsafe { (a.begin_pool)(device, first, second) }
+        }
     }
 }
 

@@ -76,7 +76,11 @@ def install_global() -> None:
     2.11.0+cu130: ``set_begin_allocate_to_pool``, ``set_end_allocate_to_pool_fn``,
     ``set_release_pool``, ``set_record_stream_fn``, ``set_reset_fn``, ...); each one present is
     set to its ``symm_*`` function, ``set_reset_fn`` (what the allocator's ``emptyCache`` calls)
-    to ``symm_empty_cache``. ``torch.cuda.empty_cache`` (``torch.cuda.memory.empty_cache``,
+    to ``symm_empty_cache``, and the begin hook to the shim's ``begin_allocate_to_pool``, which
+    keeps PyTorch's filter (a graph capture's allocations are those on the capturing stream,
+    from any thread, the autograd engine's included). Each capture takes a use of its pool and
+    each graph deleted gives one back: a pool shared by several graphs keeps its memory until
+    the last is deleted. ``torch.cuda.empty_cache`` (``torch.cuda.memory.empty_cache``,
     which ``torch.cuda.graph`` calls before capture) is also wrapped, for builds whose
     ``emptyCache`` does not call the hook: the original runs, then ``symm_empty_cache()``
     returns symmalloc's cached segments without live blocks (a second call finds nothing)."""
@@ -87,15 +91,19 @@ def install_global() -> None:
     alloc = _pluggable()
     raw = alloc.allocator()
     lib = _library()
-    for setter, fn in [
-        ("set_begin_allocate_to_pool", "symm_begin_pool"),
-        ("set_end_allocate_to_pool_fn", "symm_end_pool"),
-        ("set_release_pool", "symm_release_pool"),
-        ("set_record_stream_fn", "symm_record_stream"),
-        ("set_reset_fn", "symm_empty_cache"),
+    # The begin hook is the shim's: PyTorch passes it a C++ std::function filter (a capture's
+    # accepts the capturing stream, from any thread: the backward allocates on the autograd
+    # thread), which the shim hands to symm_begin_pool_filtered.
+    shim = ctypes.CDLL(pluggable_path())  # the handle CUDAPluggableAllocator opened
+    for setter, owner, fn in [
+        ("set_begin_allocate_to_pool", shim, "begin_allocate_to_pool"),
+        ("set_end_allocate_to_pool_fn", lib, "symm_end_pool"),
+        ("set_release_pool", lib, "symm_release_pool"),
+        ("set_record_stream_fn", lib, "symm_record_stream"),
+        ("set_reset_fn", lib, "symm_empty_cache"),
     ]:
         if hasattr(raw, setter):  # only some PyTorch builds expose these to Python
-            getattr(raw, setter)(ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value)
+            getattr(raw, setter)(ctypes.cast(getattr(owner, fn), ctypes.c_void_p).value)
     try:
         torch.cuda.memory.change_current_allocator(alloc)
     except RuntimeError as e:  # torch's allocator is already set up (set_device, a tensor, ...)

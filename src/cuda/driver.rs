@@ -217,26 +217,41 @@ impl Driver {
     }
 }
 
-/// Pushes a device's primary context for the guard's lifetime.
-pub struct CtxGuard(());
+/// Makes a device's primary context current for the guard's lifetime: pushed (and popped at
+/// the end) only when another context, or none, is current. PyTorch's threads already have the
+/// primary context current, so the allocator's driver calls there (capture queries, stream
+/// ordering, growth) cost no push and pop: the side-stream `record_stream` path made ten driver
+/// calls per allocation with them, six without (bench/NOTES.md, "The allocator").
+pub struct CtxGuard {
+    pushed: bool,
+}
 
 impl CtxGuard {
     pub fn new(device: i32) -> Result<CtxGuard> {
         let ctx = driver()?.device(device)?.context()?;
+        let mut cur: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; reads the calling thread's current context.
+        if unsafe { sys::cuCtxGetCurrent(&mut cur) } == sys::CUresult::CUDA_SUCCESS
+            && cur == ctx as sys::CUcontext
+        {
+            return Ok(CtxGuard { pushed: false });
+        }
         // SAFETY: ctx is the retained primary context of this device.
         check(
             unsafe { sys::cuCtxPushCurrent_v2(ctx as sys::CUcontext) },
             "cuCtxPushCurrent",
         )?;
-        Ok(CtxGuard(()))
+        Ok(CtxGuard { pushed: true })
     }
 }
 
 impl Drop for CtxGuard {
     fn drop(&mut self) {
-        let mut old: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: pops the context pushed in new(); the out-pointer is valid.
-        unsafe { sys::cuCtxPopCurrent_v2(&mut old) };
+        if self.pushed {
+            let mut old: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: pops the context pushed in new(); the out-pointer is valid.
+            unsafe { sys::cuCtxPopCurrent_v2(&mut old) };
+        }
     }
 }
 

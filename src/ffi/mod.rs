@@ -9,13 +9,15 @@
 pub mod groups;
 pub mod guard;
 pub mod p2p;
+pub mod pool_calls;
 pub mod types;
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result, Status};
-use crate::heap::{self, pools, stats::Stats};
+use crate::heap::{self, stats::Stats};
 use crate::ipc::{unique_id::ID_BYTES, UniqueId};
 use guard::{guard_ptr, guard_status, guard_void};
+pub use pool_calls::*;
 use std::collections::HashSet;
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::{LazyLock, Mutex, MutexGuard};
@@ -69,59 +71,6 @@ pub extern "C" fn symm_free(
         }
         heap::global()?.free(ptr as u64, size as u64, device, stream_of(stream))
     })
-}
-
-/// Routes the calling thread's allocations on `device` to pool (first, second) until the
-/// matching `symm_end_pool`. Pools nest. ABI-compatible with PyTorch's begin-allocate-to-pool
-/// hook (its trailing filter argument is ignored).
-#[no_mangle]
-pub extern "C" fn symm_begin_pool(device: c_int, pool_first: u64, pool_second: u64) {
-    guard_void("symm_begin_pool", || {
-        heap::global()?.check_device(device)?;
-        pools::begin(device, pools::PoolId(pool_first, pool_second))
-    })
-}
-
-/// Ends the innermost pool opened on this thread for `device`; it must be (first, second).
-#[no_mangle]
-pub extern "C" fn symm_end_pool(device: c_int, pool_first: u64, pool_second: u64) {
-    guard_void("symm_end_pool", || {
-        heap::global()?.check_device(device)?;
-        pools::end(device, pools::PoolId(pool_first, pool_second))
-    })
-}
-
-/// Returns the pool's physical memory: free segments now, the others when their last block
-/// is freed.
-#[no_mangle]
-pub extern "C" fn symm_release_pool(device: c_int, pool_first: u64, pool_second: u64) {
-    guard_void("symm_release_pool", || {
-        let id = pools::PoolId(pool_first, pool_second);
-        if pools::is_reserved(id) {
-            return Err(Error::invalid(format!(
-                "pool ({pool_first}, {pool_second}) is symmalloc's own (first word 2^64-1 or \
-                 2^64-2); not releasable"
-            )));
-        }
-        heap::global()?.release_pool(device, id)
-    })
-}
-
-/// The next reuse of `ptr`'s block also waits for the work submitted to `stream` so far.
-#[no_mangle]
-pub extern "C" fn symm_record_stream(ptr: *mut c_void, stream: *mut CUstream_st) {
-    guard_void("symm_record_stream", || {
-        if ptr.is_null() {
-            return Err(Error::invalid("symm_record_stream: ptr is NULL"));
-        }
-        heap::global()?.record_stream(ptr as u64, stream_of(stream))
-    })
-}
-
-/// Returns every cached segment without live blocks, on every device.
-#[no_mangle]
-pub extern "C" fn symm_empty_cache() {
-    guard_void("symm_empty_cache", || heap::global()?.empty_cache())
 }
 
 /// The library's version (semantic versioning; the crate's). The header carries the version

@@ -274,7 +274,7 @@ impl Allocator {
 
     /// Allocates into the calling thread's current pool for `device`.
     pub fn malloc(&self, size: u64, device: i32, stream: Stream) -> Result<u64> {
-        self.malloc_in(size, device, stream, pools::current(device))
+        self.malloc_in(size, device, stream, pools::current(device, stream))
     }
 
     pub fn malloc_in(&self, size: u64, device: i32, stream: Stream, pool: PoolId) -> Result<u64> {
@@ -394,8 +394,32 @@ impl Allocator {
         Ok(())
     }
 
+    /// Opens a route to `pool` on `device` (pools.rs): the calling thread's allocations, or with
+    /// `filter` those of any thread whose stream it accepts. Each route takes a use of the pool
+    /// that `release_pool` gives back (PyTorch begins a pool at every capture into it and
+    /// releases it once per graph deleted).
+    pub fn begin_pool(
+        &self,
+        device: i32,
+        pool: PoolId,
+        filter: Option<pools::Filter>,
+    ) -> Result<()> {
+        let mut heap = self.heap(device)?;
+        match filter {
+            None => pools::begin(device, pool)?,
+            Some(f) => pools::begin_filtered(device, pool, f)?,
+        }
+        heap.hold_pool(pool);
+        Ok(())
+    }
+
+    /// Gives back one use of `pool` (`begin_pool`); at the last (or for a pool never begun) its
+    /// memory goes: free segments now, the others at their last free.
     pub fn release_pool(&self, device: i32, pool: PoolId) -> Result<()> {
         let mut heap = self.heap(device)?;
+        if !heap.unhold_pool(pool) {
+            return Ok(()); // other graphs still replay into it
+        }
         let r = self
             .drain_caches(&mut heap, device, |k| k.0 == pool)
             .and_then(|()| heap.release_pool(self.backend.as_ref(), pool));

@@ -16,8 +16,8 @@
 //! - `segment.live` counts the segment's live and parked blocks (so a segment with parked
 //!   blocks is never released before they are drained); stats equal the sums over live blocks
 //!   and segments;
-//! - a pool being released has no parked blocks; `releasing_pools` counts the pools being
-//!   released;
+//! - a pool being released has no parked blocks and no uses left (a pool is released at its
+//!   last use's `release_pool`); `releasing_pools` counts the pools being released;
 //! - every segment's pool is listed in `pools`, and `Pool::segments` counts its segments; a
 //!   segment changes pool only whole and free (no live or parked block), from a donor (the
 //!   default pool or a pool being released) to another pool other than the internal one
@@ -129,6 +129,8 @@ struct Pool {
     free_by_stream: BTreeSet<(Class, Stream, u64, u64)>,
     segments: u64,
     releasing: bool,
+    /// Routes begun to the pool and not yet released (`hold_pool`, `unhold_pool`).
+    uses: u64,
 }
 
 /// What peers need to know about the segment that holds an address.

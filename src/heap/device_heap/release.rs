@@ -239,12 +239,35 @@ impl DeviceHeap {
         self.release_free_segments(backend, None)
     }
 
-    /// Marks `pool` released: its free segments go now, the others when their last block is
-    /// freed. Allocating into the pool again revives it.
-    pub fn release_pool(&mut self, backend: &dyn Backend, pool: PoolId) -> Result<()> {
-        if !self.pools.contains_key(&pool) {
-            return Ok(());
+    /// A route to `pool` was begun: one more use, and a pool being released lives again.
+    pub fn hold_pool(&mut self, pool: PoolId) {
+        self.pools.entry(pool).or_default().uses += 1;
+        self.set_releasing(pool, false);
+    }
+
+    /// Gives back one use of `pool`; true when none is left (or the pool was never begun), so
+    /// that the caller releases it.
+    pub fn unhold_pool(&mut self, pool: PoolId) -> bool {
+        match self.pools.get_mut(&pool) {
+            Some(p) if p.uses > 1 => {
+                p.uses -= 1;
+                false
+            }
+            Some(p) => {
+                p.uses = 0;
+                true
+            }
+            None => true,
         }
+    }
+
+    /// Marks `pool` released, whatever uses it had: its free segments go now, the others when
+    /// their last block is freed. Allocating into the pool again revives it.
+    pub fn release_pool(&mut self, backend: &dyn Backend, pool: PoolId) -> Result<()> {
+        let Some(p) = self.pools.get_mut(&pool) else {
+            return Ok(());
+        };
+        p.uses = 0;
         self.drain_parked(Some(pool), |_| true);
         self.set_releasing(pool, true);
         self.release_free_segments(backend, Some(pool))?;

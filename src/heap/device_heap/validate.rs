@@ -135,6 +135,12 @@ impl DeviceHeap {
             ));
         }
         for (id, p) in &self.pools {
+            if p.releasing && p.uses > 0 {
+                return Err(format!(
+                    "pool {id:?} is being released with {} uses",
+                    p.uses
+                ));
+            }
             let segs = seg_count.get(id).copied().unwrap_or(0);
             if p.segments != segs {
                 return Err(format!(
