@@ -1,10 +1,11 @@
 //! The host backend's collectives: the same semantics as the kernels (fixed rank order, fp32
 //! accumulation, one-shot and two-shot data movement, reduce-scatter and all-gather, barriers
 //! through the shared signal pad with acquire/release and a timeout), run by the CPU over the
-//! peer windows. Slot 0 of the pad is used (the host has one "block").
+//! peer windows; the fused call's row arithmetic is host_norm.rs's. Slot 0 of the pad is used (the host has one "block").
 
 use super::algo::{DType, Kernel, ReduceOp};
 use super::convert::*;
+use super::host_norm;
 use super::kernel_args::slot;
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -144,13 +145,12 @@ pub fn run(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
             let f = c.rms.expect("the fused call carries its buffers");
             let mut row = vec![0f32; f.hidden];
             for t in 0..c.count / f.hidden {
-                let mut ss = 0f32;
                 for (j, v) in row.iter_mut().enumerate() {
                     let i = t * f.hidden + j;
                     *v = reduce(c, i) + load(c.dtype, f.residual, i);
                     store(c.dtype, f.residual, i, *v);
-                    ss += *v * *v;
                 }
+                let ss = host_norm::row_squares(&row);
                 let inv = 1.0 / (ss / f.hidden as f32 + f.eps).sqrt();
                 for (j, v) in row.iter().enumerate() {
                     let w = load(c.dtype, f.weight, j);

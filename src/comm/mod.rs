@@ -26,6 +26,7 @@ pub mod call;
 pub mod convert;
 mod error_word;
 mod exchange;
+pub mod host_norm;
 pub mod host_reduce;
 mod init;
 pub mod kernel_args;
