@@ -9,11 +9,14 @@
 // rank's x ready; the closing barrier keeps a caller from overwriting x while a peer still reads
 // it. 16-byte vectors: hidden is a multiple of 8
 // and every pointer is 16-byte aligned (the launch checks). Messages up to the LL threshold take
-// the barrier-free LL kernel instead (rms_ll_body, below); both reduce in the same order.
+// the barrier-free LL kernel instead (rms_ll_body, below); both reduce in the same order. Every
+// body takes the output's format Q: QUANT_NONE (out is T) or an FP8 mode of quant.cuh (out is
+// e4m3 bytes, plus the scales).
 #pragma once
 #include "cluster.cuh"
 #include "common.cuh"
 #include "ll.cuh"
+#include "quant.cuh"
 
 // SYMM_RMS_VECS (symm_constants.cuh): vectors per thread per row, so a block of SYMM_THREADS
 // covers hidden <= 512 * 4 * 8 = 16384.
@@ -27,6 +30,7 @@ struct RmsArgs {
   uint64_t tokens;     // count / hidden (the host's: no division in the kernels)
   float eps;
   uint32_t push_threads;  // LL kernel: threads per block that push x (the LL all-reduce's spread)
+  uint64_t scale;      // FP8 output (quant.cuh): the static scale, or where the scales go; else 0
 };
 
 // The canonical order of a row's sum of squares (docs/DESIGN.md, "Determinism"): every fused
@@ -98,13 +102,56 @@ __device__ __forceinline__ float block_squares_and(const float (&ss)[V], uint32_
   return row_tree(part[parity], (int)((vecs + 31) / 32));
 }
 
-template <typename T>
+// The FP8 outputs of row t for a thread holding vectors j_k = threadIdx.x + k * blockDim.x
+// (k < V; those >= vecs absent) with values r[k] (the new residual) and weights wgt[k]: y = r *
+// inv * w in place, then the scale of quant.cuh's mode Q and the e4m3 bytes. Every thread of the
+// block calls it (the scales take every lane, and a barrier for the per-token one).
+template <typename T, int V, int Q>
+__device__ __forceinline__ void rows_out_fp8(const RmsArgs& f, uint64_t t, uint64_t vecs, float (&r)[V][8],
+                                             const uint4 (&wgt)[V], float inv, float sinv, int parity) {
+  float qinv[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    qinv[k] = sinv;
+    if (threadIdx.x + (uint64_t)k * blockDim.x >= vecs) continue;
+    const T* w = (const T*)&wgt[k];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) r[k][q] = r[k][q] * inv * to_f32(w[q]);
+  }
+  if constexpr (Q == QUANT_PER_TOKEN) {
+    float m = 0.f;
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      if (threadIdx.x + (uint64_t)k * blockDim.x < vecs) m = fmaxf(m, vec_amax(r[k]));
+    const float sc = amax_scale(block_max(m, parity));
+    if (threadIdx.x == 0) ((float*)f.scale)[t] = sc;
+#pragma unroll
+    for (int k = 0; k < V; ++k) qinv[k] = 1.f / sc;
+  }
+  if constexpr (Q == QUANT_PER_GROUP) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+      const float sc = amax_scale(half_warp_max(j < vecs ? vec_amax(r[k]) : 0.f));
+      if (j < vecs && j % 16 == 0) ((float*)f.scale)[t * (vecs / 16) + j / 16] = sc;
+      qinv[k] = 1.f / sc;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+    if (j < vecs) store_out<T, Q>(f.out, t * vecs + j, r[k], qinv[k]);
+  }
+}
+
+template <typename T, int Q = QUANT_NONE>
 __device__ __forceinline__ void rms_body(const RmsArgs& f) {
   using P = Pack<T, true>;
   constexpr int N = P::N;
   const SymmArgs& a = f.s;
   uint32_t e;
   bool ok;
+  const float sinv = Q == QUANT_STATIC ? static_inv(*(const float*)f.scale) : 0.f;
   if (!barrier_open(a, e, ok)) return;  // aborted: touch no peer memory
   const uint64_t vecs = f.hidden / N;
   int parity = 0;
@@ -127,16 +174,26 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
     }
     bool all;
     const float inv = rsqrtf(block_squares_and(ss, (uint32_t)vecs, parity, true, all) / (float)f.hidden + f.eps);
+    if constexpr (Q != QUANT_NONE) {
+      uint4 wgt[SYMM_RMS_VECS];
 #pragma unroll
-    for (int k = 0; k < SYMM_RMS_VECS; ++k) {
-      const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
-      if (j >= vecs) continue;
-      const uint4 wv = ((const uint4*)f.weight)[j];
-      const T* w = (const T*)&wv;
-      float o[N];
+      for (int k = 0; k < SYMM_RMS_VECS; ++k) {
+        const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+        if (j < vecs) wgt[k] = ((const uint4*)f.weight)[j];
+      }
+      rows_out_fp8<T, SYMM_RMS_VECS, Q>(f, t, vecs, r, wgt, inv, sinv, parity);
+    } else {
 #pragma unroll
-      for (int q = 0; q < N; ++q) o[q] = r[k][q] * inv * to_f32(w[q]);
-      ((uint4*)f.out)[t * vecs + j] = pack<T, true>(o);
+      for (int k = 0; k < SYMM_RMS_VECS; ++k) {
+        const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+        if (j >= vecs) continue;
+        const uint4 wv = ((const uint4*)f.weight)[j];
+        const T* w = (const T*)&wv;
+        float o[N];
+#pragma unroll
+        for (int q = 0; q < N; ++q) o[q] = r[k][q] * inv * to_f32(w[q]);
+        ((uint4*)f.out)[t * vecs + j] = pack<T, true>(o);
+      }
     }
   }
   barrier_close(a, e, ok);
@@ -172,7 +229,7 @@ __device__ __forceinline__ void rms_ll_push(const SymmArgs& a, uint64_t tp, uint
   }
 }
 
-template <typename T, int V>
+template <typename T, int V, int Q = QUANT_NONE>
 __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   constexpr int N = 16 / sizeof(T);
   const SymmArgs& a = f.s;
@@ -187,6 +244,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   const uint64_t p0 = (uint64_t)blockIdx.x * tp + threadIdx.x;
   uint4 pv = make_uint4(0, 0, 0, 0);
   if (threadIdx.x < tp && p0 < items) pv = x[p0];
+  const float sinv = Q == QUANT_STATIC ? static_inv(*(const float*)f.scale) : 0.f;
 
   uint32_t call;
   if (!ll_begin(a, call)) return;  // aborted: push nothing into the peers' buffers
@@ -252,16 +310,24 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
     }
     const float inv = rsqrtf(block_squares_and(ss, (uint32_t)vecs, parity, mine, ok) / (float)f.hidden + f.eps);
     if (!ok) break;
+    if constexpr (Q != QUANT_NONE) {
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
-      if (j >= vecs) continue;
-      ((uint4*)f.residual)[t * vecs + j] = pack<T, true>(r[k]);
-      const T* w = (const T*)&wgt[k];
-      float o[N];
+      for (int k = 0; k < V; ++k)
+        if (threadIdx.x + (uint64_t)k * blockDim.x < vecs)
+          ((uint4*)f.residual)[t * vecs + threadIdx.x + (uint64_t)k * blockDim.x] = pack<T, true>(r[k]);
+      rows_out_fp8<T, V, Q>(f, t, vecs, r, wgt, inv, sinv, parity);
+    } else {
 #pragma unroll
-      for (int q = 0; q < N; ++q) o[q] = r[k][q] * inv * to_f32(w[q]);
-      ((uint4*)f.out)[t * vecs + j] = pack<T, true>(o);
+      for (int k = 0; k < V; ++k) {
+        const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+        if (j >= vecs) continue;
+        ((uint4*)f.residual)[t * vecs + j] = pack<T, true>(r[k]);
+        const T* w = (const T*)&wgt[k];
+        float o[N];
+#pragma unroll
+        for (int q = 0; q < N; ++q) o[q] = r[k][q] * inv * to_f32(w[q]);
+        ((uint4*)f.out)[t * vecs + j] = pack<T, true>(o);
+      }
     }
   }
   ll_end(a, call);
@@ -291,7 +357,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
 // descriptor check skips the pushes and waits but not the exchanges. Push, descriptor check,
 // call counters: as rms_ll_body.
 
-template <typename T>
+template <typename T, int Q = QUANT_NONE>
 __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int N = 16 / sizeof(T);
@@ -300,7 +366,11 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   __shared__ float part[SYMM_RMS_LLC_THREADS / 32];
   __shared__ uint32_t part_ok[SYMM_RMS_LLC_THREADS / 32];
   __shared__ __align__(8) uint32_t inbox[2][SYMM_MAX_CLUSTER][2];  // (sum's bits, AND of waits)
-  __shared__ __align__(8) uint64_t mbar[2];
+  // Per-token FP8 scales: a second exchange per row, of each block's amax (bits, unused), on
+  // mbar[2 + parity]; the same double buffering and chain as inbox.
+  constexpr int NBAR = Q == QUANT_PER_TOKEN ? 4 : 2;
+  __shared__ __align__(8) uint32_t amax_in[Q == QUANT_PER_TOKEN ? 2 : 1][SYMM_MAX_CLUSTER][2];
+  __shared__ __align__(8) uint64_t mbar[NBAR];
 
   const uint64_t items = a.count / N;
   const uint64_t vecs = f.hidden / N;
@@ -309,12 +379,13 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   const uint64_t p0 = (uint64_t)blockIdx.x * tp + threadIdx.x;
   uint4 pv = make_uint4(0, 0, 0, 0);
   if (threadIdx.x < tp && p0 < items) pv = x[p0];
+  const float sinv = Q == QUANT_STATIC ? static_inv(*(const float*)f.scale) : 0.f;
 
   uint32_t call;
   const bool live = ll_begin(a, call);  // block-uniform
   if (threadIdx.x == 0) {
-    mbar_init(&mbar[0], 1);
-    mbar_init(&mbar[1], 1);
+#pragma unroll
+    for (int b = 0; b < NBAR; ++b) mbar_init(&mbar[b], 1);
     fence_mbarrier_init();
   }
   // Every block's mbarriers exist before any block sends: the barrier's wait comes after the push.
@@ -392,7 +463,41 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
         0xffffffffu, chunk_tree(lane < (int)C ? __uint_as_float(inbox[parity][b][0]) : 0.f, SYMM_MAX_CLUSTER), 0);
     if (!__all_sync(0xffffffffu, inbox[parity][b][1] != 0)) break;  // the same in every block
     const float inv = rsqrtf(sum / (float)f.hidden + f.eps);
-    if (has) {
+    if constexpr (Q != QUANT_NONE) {
+      float y[N];
+#pragma unroll
+      for (int k = 0; k < N; ++k) y[k] = 0.f;
+      if (has) {
+        ((uint4*)f.residual)[at] = pack<T, true>(r);
+        const T* w = (const T*)&wgt;
+#pragma unroll
+        for (int k = 0; k < N; ++k) y[k] = r[k] * inv * to_f32(w[k]);
+      }
+      float qinv = sinv;
+      if constexpr (Q == QUANT_PER_GROUP) {
+        const float sc = amax_scale(half_warp_max(has ? vec_amax(y) : 0.f));
+        if (has && j % 16 == 0) ((float*)f.scale)[t * (vecs / 16) + j / 16] = sc;
+        qinv = 1.f / sc;
+      }
+      if constexpr (Q == QUANT_PER_TOKEN) {
+        // part[] is free: warp 0 read it before the barrier above.
+        const float m = warp_max(has ? vec_amax(y) : 0.f);
+        if (lane == 0) part[warp] = m;
+        __syncthreads();
+        if (warp == 0) {  // the block's amax to every block of the cluster
+          const float bm = warp_max(lane < W ? part[lane] : 0.f);
+          if (lane == 0) mbar_expect_arrive(&mbar[2 + parity], C * 8);
+          if (lane < (int)C) st_async_v2(amax_in[parity][q], __float_as_uint(bm), 0u, &mbar[2 + parity], lane);
+          mbar_wait(&mbar[2 + parity], (phases >> (2 + parity)) & 1);
+        }
+        phases ^= 1u << (2 + parity);
+        __syncthreads();
+        const float sc = amax_scale(warp_max(lane < (int)C ? __uint_as_float(amax_in[parity][lane][0]) : 0.f));
+        if (q == 0 && threadIdx.x == 0) ((float*)f.scale)[t] = sc;
+        qinv = 1.f / sc;
+      }
+      if (has) store_out<T, Q>(f.out, at, y, qinv);
+    } else if (has) {
       ((uint4*)f.residual)[at] = pack<T, true>(r);
       const T* w = (const T*)&wgt;
       float o[N];

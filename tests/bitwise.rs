@@ -12,6 +12,8 @@
 //! cluster or row count (kernels/rms_norm.cuh). The GPU test runs three times, with the default
 //! LL threshold, 64 KiB and 0 (so the same rows go through the LL, one-vector, cluster and
 //! barrier kernels), and the fused rows' hash must be the same in every run and on every rank.
+//! The FP8 outputs of the fused call (static, per-token and per-group scales) are held to the
+//! same: their bytes, the residual and the scales a row gets do not depend on the call.
 //! Each rank prints a hash of all its bits; the parent checks every rank printed the
 //! same. The host backend runs on CI at 2 and 3 ranks; the GPU test (`--include-ignored`) on
 //! every GPU, or at `SYMM_TEST_RANKS=N` ranks sharing them.
@@ -20,6 +22,7 @@ mod common;
 use common::*;
 use std::ptr::null_mut;
 use symmalloc::cuda::util;
+use symmalloc::ffi::quant::symm_all_reduce_add_rms_norm_quant;
 use symmalloc::ffi::types::*;
 use symmalloc::ffi::*;
 
@@ -100,11 +103,13 @@ fn reduce(
     bits
 }
 
-/// The fused call's rows for one dtype and `hidden`: every rank uploads `max` rows of its x, and
-/// the same residual and weight on every rank; a call over the first `tokens` rows (each count
-/// of `counts`) and a call over one row `r` alone (each of `alone`, at that row's offset) must
-/// give every row the bits it has in the call over all `max` rows, `out` and the new residual
-/// alike. Returns those bits (out, then residual).
+/// The fused call's rows for one dtype and `hidden`, with a bf16/fp16 output (`quant` None) or
+/// an FP8 one (`symm_all_reduce_add_rms_norm_quant` in that mode; a static scale of 0.01): every
+/// rank uploads `max` rows of its x, and the same residual and weight on every rank; a call over
+/// the first `tokens` rows (each count of `counts`) and a call over one row `r` alone (each of
+/// `alone`, at that row's offset) must give every row the bits it has in the call over all
+/// `max` rows: `out`, the new residual and the row's scales alike. Returns those bits.
+#[allow(clippy::too_many_arguments)]
 fn fused_rows(
     c: &Child,
     comm: *mut symm_comm_t,
@@ -113,61 +118,95 @@ fn fused_rows(
     hidden: usize,
     counts: &[usize],
     alone: &[usize],
+    quant: Option<symm_quant_t>,
 ) -> Vec<u8> {
     let max = *counts.iter().max().unwrap();
     let row = hidden * esize(dtype);
     let bytes = max * row;
-    let [x, res, out, w] =
-        [bytes, bytes, bytes, row].map(|b| symm_malloc(b, c.device, null_mut()) as u64);
-    assert!([x, res, out, w].iter().all(|&p| p != 0), "{}", err());
+    // Per row: output bytes, and scale bytes written (none for a bf16 output or a static scale).
+    let out_row = if quant.is_some() { hidden } else { row };
+    let scale_row = match quant {
+        Some(SYMM_QUANT_FP8_PER_TOKEN) => 4,
+        Some(SYMM_QUANT_FP8_PER_GROUP_128) => hidden / 128 * 4,
+        _ => 0,
+    };
+    let [x, res, out, w, scale] = [bytes, bytes, max * out_row, row, max * scale_row + 16]
+        .map(|b| symm_malloc(b, c.device, null_mut()) as u64);
+    assert!([x, res, out, w, scale].iter().all(|&p| p != 0), "{}", err());
     let seed = seed ^ (hidden as u64) << 20;
     put(c, x, &data(seed, c.rank, max * hidden, dtype));
     let rv = data(seed ^ 8, 100, max * hidden, dtype);
     put(c, w, &data(seed ^ 2, 200, hidden, dtype));
-    // Rows t0 .. t0 + tokens as their own call (residual fresh, out poisoned): their out and
-    // new residual bits.
+    // Rows t0 .. t0 + tokens as their own call (residual fresh, out and scales poisoned): their
+    // out, new residual and scale bits.
     let call = |t0: usize, tokens: usize| {
-        let at = (t0 * row) as u64;
-        let n = tokens * row;
+        let (at, n) = ((t0 * row) as u64, tokens * row);
+        let (oat, on) = ((t0 * out_row) as u64, tokens * out_row);
+        let (sat, sn) = ((t0 * scale_row) as u64, tokens * scale_row);
         put(c, res + at, &rv[t0 * row..t0 * row + n]);
-        put(c, out + at, &vec![0xFF; n]);
-        ok(
-            symm_all_reduce_add_rms_norm(
+        put(c, out + oat, &vec![0xFF; on]);
+        let what = format!(
+            "fused rows {t0}..{} of [{max}, {hidden}] dtype {dtype} quant {quant:?}",
+            t0 + tokens
+        );
+        let st = match quant {
+            None => symm_all_reduce_add_rms_norm(
                 comm,
                 (x + at) as _,
                 (res + at) as _,
                 w as _,
-                (out + at) as _,
+                (out + oat) as _,
                 tokens,
                 hidden,
                 1e-6,
                 dtype,
                 null_mut(),
             ),
-            &format!(
-                "fused rows {t0}..{} of [{max}, {hidden}] dtype {dtype}",
-                t0 + tokens
-            ),
-        );
-        (get(c, out + at, n), get(c, res + at, n))
+            Some(q) => {
+                if q == SYMM_QUANT_FP8_STATIC {
+                    put(c, scale, &0.01f32.to_le_bytes());
+                } else {
+                    put(c, scale + sat, &vec![0xFF; sn]);
+                }
+                symm_all_reduce_add_rms_norm_quant(
+                    comm,
+                    (x + at) as _,
+                    (res + at) as _,
+                    w as _,
+                    (out + oat) as _,
+                    (scale + if q == SYMM_QUANT_FP8_STATIC { 0 } else { sat }) as _,
+                    tokens,
+                    hidden,
+                    1e-6,
+                    dtype,
+                    q,
+                    null_mut(),
+                )
+            }
+        };
+        ok(st, &what);
+        [
+            get(c, out + oat, on),
+            get(c, res + at, n),
+            get(c, scale + sat, sn),
+        ]
     };
-    let (all_out, all_res) = call(0, max);
-    let same = |t0: usize, tokens: usize, (o, r): (Vec<u8>, Vec<u8>)| {
-        let span = t0 * row..(t0 + tokens) * row;
-        for (what, got, want) in [
-            ("out", &o, &all_out[span.clone()]),
-            ("residual", &r, &all_res[span]),
-        ] {
-            if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+    let all = call(0, max);
+    let same = |t0: usize, tokens: usize, got: [Vec<u8>; 3]| {
+        let sizes = [out_row, row, scale_row];
+        for (k, what) in ["out", "residual", "scale"].iter().enumerate() {
+            let per = sizes[k];
+            let want = &all[k][t0 * per..(t0 + tokens) * per];
+            if let Some(i) = (0..got[k].len()).find(|&i| got[k][i] != want[i]) {
                 panic!(
-                    "rank {}: fused dtype {dtype} hidden {hidden}: row {} of a call over rows \
-                     {t0}..{} has other {what} bits than in the call over {max} rows \
-                     ({} of {} bytes differ)",
+                    "rank {}: fused dtype {dtype} hidden {hidden} quant {quant:?}: row {} of a \
+                     call over rows {t0}..{} has other {what} bits than in the call over {max} \
+                     rows ({} of {} bytes differ)",
                     c.rank,
-                    t0 + i / row,
+                    t0 + i / per,
                     t0 + tokens,
-                    differing(got, want),
-                    got.len()
+                    differing(&got[k], want),
+                    want.len()
                 );
             }
         }
@@ -178,10 +217,16 @@ fn fused_rows(
     for &r in alone {
         same(r, 1, call(r, 1));
     }
-    for (p, b) in [(x, bytes), (res, bytes), (out, bytes), (w, row)] {
+    for (p, b) in [
+        (x, bytes),
+        (res, bytes),
+        (out, max * out_row),
+        (w, row),
+        (scale, max * scale_row + 16),
+    ] {
         symm_free(p as _, b, c.device, null_mut());
     }
-    [all_out, all_res].concat()
+    all.concat()
 }
 
 fn differing(a: &[u8], b: &[u8]) -> usize {
@@ -233,18 +278,39 @@ fn bitwise_rank(c: Child) {
         )
     };
     let mut fused = Vec::new();
+    let max = *counts.iter().max().unwrap();
+    let alone = [0, 1, 37, max / 2 + 1, max - 1];
     for dtype in [SYMM_BF16, SYMM_FP16] {
         for &hidden in hiddens {
-            let max = *counts.iter().max().unwrap();
             fused.extend(fused_rows(
-                &c,
-                comm,
-                seed,
-                dtype,
-                hidden,
-                counts,
-                &[0, 1, 37, max / 2 + 1, max - 1],
+                &c, comm, seed, dtype, hidden, counts, &alone, None,
             ));
+        }
+        // The FP8 outputs (kernels/quant.cuh): the same rows, every mode, at widths that are
+        // multiples of 128 (on GPUs three of them: one vector per thread, clusters of 3, and
+        // clusters of 8 or four vectors per thread).
+        let fp8_widths: &[usize] = if on_host() {
+            &[1024, 8192]
+        } else {
+            &[1024, 6144, 16384]
+        };
+        for &hidden in fp8_widths {
+            for q in [
+                SYMM_QUANT_FP8_STATIC,
+                SYMM_QUANT_FP8_PER_TOKEN,
+                SYMM_QUANT_FP8_PER_GROUP_128,
+            ] {
+                fused.extend(fused_rows(
+                    &c,
+                    comm,
+                    seed,
+                    dtype,
+                    hidden,
+                    counts,
+                    &alone,
+                    Some(q),
+                ));
+            }
         }
     }
     all.extend(&fused);

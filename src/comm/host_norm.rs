@@ -4,7 +4,53 @@
 //! the host either.
 //!
 //! Invariant: `row_squares` adds exactly the operations the kernels add, in the same order
-//! (the reciprocal square root then differs: the kernels use the GPU's `rsqrtf`).
+//! (the reciprocal square root then differs: the kernels use the GPU's `rsqrtf`); `quantize_row`
+//! is kernels/quant.cuh's arithmetic (scales, reciprocal, e4m3 rounding and saturation).
+
+use super::algo::Quant;
+use super::call::QUANT_GROUP;
+use super::convert::{f32_to_e4m3, E4M3_MAX};
+
+/// A dynamic scale: max(amax / 448, FLT_MIN).
+fn amax_scale(amax: f32) -> f32 {
+    (amax / E4M3_MAX).max(f32::MIN_POSITIVE)
+}
+
+/// max |y| with NaN ignored (as `fmaxf`).
+fn amax(y: &[f32]) -> f32 {
+    y.iter().fold(0f32, |m, v| m.max(v.abs()))
+}
+
+/// One row's FP8 output from its fp32 values `y`: the e4m3 bytes and the scales the mode writes
+/// (none for a static scale `s`, one per row, or one per 128 elements). `q = e4m3(y * (1 / s))`;
+/// a static scale that is not finite and > 0 makes every byte NaN.
+pub fn quantize_row(mode: Quant, y: &[f32], s: f32) -> (Vec<u8>, Vec<f32>) {
+    let conv = |ys: &[f32], inv: f32| ys.iter().map(|v| f32_to_e4m3(v * inv)).collect::<Vec<u8>>();
+    match mode {
+        Quant::Static => {
+            let inv = if s > 0.0 && s.is_finite() {
+                1.0 / s
+            } else {
+                f32::NAN
+            };
+            (conv(y, inv), Vec::new())
+        }
+        Quant::PerToken => {
+            let sc = amax_scale(amax(y));
+            (conv(y, 1.0 / sc), vec![sc])
+        }
+        Quant::PerGroup128 => {
+            let mut out = Vec::with_capacity(y.len());
+            let mut scales = Vec::new();
+            for g in y.chunks(QUANT_GROUP as usize) {
+                let sc = amax_scale(amax(g));
+                out.extend(conv(g, 1.0 / sc));
+                scales.push(sc);
+            }
+            (out, scales)
+        }
+    }
+}
 
 /// Elements per 16-byte vector of a 16-bit type (the fused call takes bf16 and fp16).
 const VEC: usize = 8;

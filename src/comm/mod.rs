@@ -88,8 +88,9 @@ pub struct Communicator {
     /// (shape.rs, `fit_resident`). Equal on every rank, as `clusters`.
     fewest_sms: u32,
     /// Blocks per SM of a fused LL kernel at a block size, by (algo, dtype, threads): the
-    /// driver's occupancy answer, asked once (plan.rs, `resident_blocks`).
-    resident: HashMap<(Kernel, DType, u32), u32>,
+    /// driver's occupancy answer, asked once (plan.rs, `resident_blocks`); by output format too
+    /// (an FP8 instance may hold more registers).
+    resident: HashMap<(Kernel, DType, u32, Option<algo::Quant>), u32>,
     /// The peers' release logs: their segments given back, to unmap here (retire.rs).
     releases: retire::PeerReleases,
     /// Each rank's signal pad in this process's address space (fixed after init).
@@ -101,6 +102,8 @@ pub struct Communicator {
     /// Kernels already looked up in the device's module, so a call does no name formatting,
     /// module lock or hash of a string.
     kernels: HashMap<(Kernel, DType, ReduceOp, bool), cuda::module::Function>,
+    /// The fused kernels' FP8-output instances already looked up (as `kernels`).
+    quant_kernels: HashMap<(Kernel, DType, algo::Quant), cuda::module::Function>,
 }
 
 impl Communicator {

@@ -7,6 +7,7 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 pub mod guard;
+pub mod quant;
 pub mod types;
 
 use crate::comm::Communicator;
@@ -460,6 +461,7 @@ pub extern "C" fn symm_all_reduce_add_rms_norm(
             tokens: tokens as u64,
             hidden: hidden as u64,
             eps,
+            quant: None,
         };
         with_comm(comm, |c| {
             c.all_reduce_add_rms_norm(x as u64, rms, dtype, stream_of(stream))
