@@ -25,7 +25,7 @@ if [ "${1:-}" = --old ]; then
   ls -la .device/old
   exit 0
 fi
-mapfile -t tests < <(cargo test --release -p symmalloc --lib --test gpu_alloc --test gpu_comm --test gpu_scatter_gather --test bitwise --no-run 2>&1 |
+mapfile -t tests < <(cargo test --release -p symmalloc --lib --test gpu_alloc --test gpu_comm --test gpu_scatter_gather --test bitwise --test fused_quant --no-run 2>&1 |
   grep -oE "\(target/release/deps/[^)]+\)" | tr -d '()')
 # Everything but an A/B's other build (--old) is replaced.
 mkdir -p .device && find .device -mindepth 1 -maxdepth 1 ! -name old -exec rm -rf {} +
@@ -37,6 +37,7 @@ for t in "${tests[@]}"; do
     *gpu_comm-*) cp "$t" .device/t_gpu_comm ;;
     *gpu_scatter_gather-*) cp "$t" .device/t_gpu_sg ;;
     *bitwise-*) cp "$t" .device/t_bitwise ;;
+    *fused_quant-*) cp "$t" .device/t_fused_quant ;;
     *symmalloc-*) cp "$t" .device/t_unit ;;
   esac
 done

@@ -536,22 +536,27 @@ fn graph_replays(c: &Child, comm: *mut symm_comm_t, seed: u64) {
     put(c, x.p, &d.x);
     put(c, w.p, &d.w);
     put(c, scale.p, &1f32.to_le_bytes());
+    let call = || {
+        let st = symm_all_reduce_add_rms_norm_quant(
+            comm,
+            x.p as _,
+            res.p as _,
+            w.p as _,
+            out.p as _,
+            scale.p as _,
+            tokens,
+            hidden,
+            EPS,
+            dtype,
+            SYMM_QUANT_FP8_STATIC,
+            stream as _,
+        );
+        assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
+    };
+    call(); // eager first: the segments are exchanged outside the capture
+    util::stream_sync(c.device, stream).unwrap();
     util::capture_begin(c.device, stream).unwrap();
-    let st = symm_all_reduce_add_rms_norm_quant(
-        comm,
-        x.p as _,
-        res.p as _,
-        w.p as _,
-        out.p as _,
-        scale.p as _,
-        tokens,
-        hidden,
-        EPS,
-        dtype,
-        SYMM_QUANT_FP8_STATIC,
-        stream as _,
-    );
-    assert_eq!(st, symm_status_t::SYMM_SUCCESS, "{}", err());
+    call();
     let graph = util::capture_end(c.device, stream).unwrap();
     let amax = d.y.iter().fold(0f64, |m, v| m.max(v.abs()));
     for (k, f) in [1.0f64, 0.5, 2.0, 0.25, 1.0].iter().enumerate() {
