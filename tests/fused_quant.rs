@@ -14,6 +14,7 @@
 //! - the unfused path as a second reference: the bf16/fp16 fused call on the same inputs, its
 //!   output quantized with the same scale, one e4m3 step at most; its residual bit for bit;
 //! - every rank's bytes are the same (each rank prints a hash, the parent compares).
+//!
 //! A static scale that is not finite and > 0 gives an all-NaN output (and the residual
 //! update). The bad inputs the issue lists are refused, each naming the argument, and the
 //! communicator stays usable. On GPUs also: a captured graph replayed with a static scale that
