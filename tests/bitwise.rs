@@ -41,6 +41,9 @@ fn put(c: &Child, dst: u64, bytes: &[u8]) {
 
 fn get(c: &Child, src: u64, len: usize) -> Vec<u8> {
     let mut out = vec![0u8; len];
+    if len == 0 {
+        return out;
+    }
     if on_host() {
         // SAFETY: src is a live host-backend block of at least len bytes.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, out.as_mut_ptr(), len) };
