@@ -2,7 +2,7 @@
 same work unfused (symmalloc all-reduce, then torch add + rms_norm) and against NCCL all-reduce +
 the same torch ops; and a tensor-parallel decoder step built each way.
 
-    python3 bench/fused.py [--out DIR] [--hidden 4096,6144,8192] [--tokens 1,6,8,32,128,138,512,2048]
+    python3 bench/fused.py [--out DIR] [--hidden 4096,6144,8192] [--tokens 1,6,8,32,128,138,512,2048] [--fp8]
 
 One process per GPU (started here). bf16, eps 1e-6. Every variant is first checked on fresh random
 data against torch.nn.functional.rms_norm of the float32 sum (outputs poisoned first). Timing: a
@@ -15,6 +15,11 @@ The decoder step: 16 layers, hidden 4096, each an attention-output block (a [h, 
 in all-reduce + residual add + RMSNorm: 32 collectives per step, the whole step one CUDA graph,
 replayed 100 times: p50 / p99 / max per step. The matmul outputs that feed the collectives live in
 symmalloc's pool (zero copy) for every variant.
+
+--fp8 adds the FP8 e4m3 outputs (symm_all_reduce_add_rms_norm_quant, static and per-token
+scales) against the bf16 fused call followed by a torch.compile'd quant of its output (the same
+static scale; per-token: amax / 448 per row, then the cast), each checked first (every byte
+within one e4m3 step of the compiled quant of the bf16 output).
 Multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 """
 import argparse
@@ -65,6 +70,10 @@ def timed(fn, calls, replays):
 
 
 def worker(rank, world, port, a, out_path):
+    # One compiled quant per shape (static shapes): room for every shape of a run.
+    for knob in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 1024)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.cuda.set_device(rank)
@@ -101,6 +110,25 @@ def worker(rank, world, port, a, out_path):
             def ar_alone():
                 comm.all_reduce(x, out=y)
 
+            if a.fp8:
+                q = torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device="cuda")
+                s_static = torch.full((1,), 0.05, device="cuda")
+                s_tok = torch.empty(tokens, 1, device="cuda")
+
+                def fp8_static():
+                    comm.all_reduce_add_rms_norm_fp8(x, residual, weight, scale=s_static, eps=EPS, out=q)
+
+                def fp8_token():
+                    comm.all_reduce_add_rms_norm_fp8(x, residual, weight, eps=EPS, out=q, scale_out=s_tok)
+
+                def then_static():
+                    fused()
+                    QUANT_STATIC(out, s_static)
+
+                def then_token():
+                    fused()
+                    QUANT_TOKEN(out)
+
             # Correctness: fresh data, outputs poisoned, against float32 torch.
             for name, fn in (("fused", fused), ("unfused", unfused), ("nccl", nccl)):
                 x.copy_(torch.randn(tokens, hidden, generator=gen, device="cuda"))
@@ -119,13 +147,20 @@ def worker(rank, world, port, a, out_path):
             x.copy_(torch.randn(tokens, hidden, generator=gen, device="cuda") * 1e-3)  # keeps residual finite
             residual.copy_(torch.randn(tokens, hidden, generator=shared, device="cuda"))
             row = {"tokens": tokens, "hidden": hidden}
-            for name, fn in (("fused", fused), ("unfused", unfused), ("nccl", nccl), ("all_reduce", ar_alone)):
+            variants = [("fused", fused), ("unfused", unfused), ("nccl", nccl), ("all_reduce", ar_alone)]
+            if a.fp8:
+                check_fp8(fused, fp8_static, fp8_token, out, q, s_static, s_tok, residual, f"[{tokens}, {hidden}]")
+                variants += [("fp8_static", fp8_static), ("fp8_token", fp8_token),
+                             ("fused_quant_static", then_static), ("fused_quant_token", then_token)]
+            for name, fn in variants:
                 row[name] = timed(fn, CALLS, REPLAYS)
             rows.append(row)
             if rank == 0:
                 print(f"[{tokens:>4}, {hidden}] " + "  ".join(f"{k} {v['p50']:.2f}/{v['p99']:.2f}" for k, v in row.items()
                                                             if isinstance(v, dict)), flush=True)
             del x, y, residual, out, nx
+            if a.fp8:
+                del q, s_static, s_tok
     steps = decoder_steps(comm, pool, world, rank, a) if a.step_tokens else []
     if rank == 0:
         with open(out_path, "w") as f:
@@ -133,6 +168,41 @@ def worker(rank, world, port, a, out_path):
                        "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}, f)
     comm.close()
     dist.destroy_process_group()
+
+
+def _quant_static(o, s):
+    return (o.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def _quant_token(o):
+    s = (o.float().abs().amax(-1, keepdim=True) / 448).clamp_min(torch.finfo(torch.float32).tiny)
+    return (o.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn), s
+
+
+QUANT_STATIC = torch.compile(_quant_static)
+QUANT_TOKEN = torch.compile(_quant_token)
+
+
+def check_fp8(fused, fp8_static, fp8_token, out, q, s_static, s_tok, residual, what):
+    """Each FP8 call's bytes within one e4m3 step of the compiled quant of the bf16 call's output
+    on the same residual; the per-token scales within 1% of the compiled quant's."""
+    def ordinal(t):
+        b = t.view(torch.uint8).to(torch.int32)
+        return torch.where(b >= 128, -(b & 0x7F), b & 0x7F)
+
+    r0 = residual.clone()
+    fused()
+    want_static, (want_tok, want_s) = QUANT_STATIC(out, s_static), QUANT_TOKEN(out)
+    for name, fn, want in (("static", fp8_static, want_static), ("per-token", fp8_token, want_tok)):
+        residual.copy_(r0)
+        q.view(torch.uint8).fill_(0x7F)  # NaN until written
+        fn()
+        torch.cuda.synchronize()
+        d = (ordinal(q) - ordinal(want)).abs().max().item()
+        assert d <= 1, f"fp8 {name} {what}: {d} e4m3 steps from the compiled quant of the bf16 output"
+    e = ((s_tok - want_s).abs() / want_s).max().item()
+    assert e < 1e-2, f"fp8 per-token {what}: scales off by {e}"
+    residual.copy_(r0)
 
 
 def decoder_steps(comm, pool, world, rank, a):
@@ -203,6 +273,21 @@ def table(path):
     for r in d["rows"]:
         print(f"[{r['tokens']:>4}, {r['hidden']:>5}] | {f3(r['fused'])} | {f3(r['unfused'])} | {f3(r['nccl'])} | "
               f"{f3(r['all_reduce'])} | {r['unfused']['p50'] / r['fused']['p50']:12.2f}x | {r['fused']['p50'] - r['all_reduce']['p50']:+9.2f}")
+    if any("fp8_static" in r for r in d["rows"]):
+        print(f"\nFP8 e4m3 output, {d['world']}x {d['device']}; us per call p50 / p99: the fused call with an FP8 output "
+              "(static scale; per-token scales) against the bf16 fused call, and the bf16 fused call followed by a "
+              "torch.compile'd quant")
+        print(f"{'shape':>13} | {'bf16 fused':>13} | {'fp8 static':>13} | {'fp8 per-token':>13} | "
+              f"{'bf16 + quant s':>14} | {'bf16 + quant t':>14} | static - bf16 | token - bf16 | speedup s / t")
+        f2 = lambda v: f"{v['p50']:6.2f} {v['p99']:6.2f}"  # noqa: E731
+        for r in d["rows"]:
+            if "fp8_static" not in r:
+                continue
+            b = r["fused"]["p50"]
+            print(f"[{r['tokens']:>4}, {r['hidden']:>5}] | {f2(r['fused'])} | {f2(r['fp8_static'])} | {f2(r['fp8_token'])} | "
+                  f"{f2(r['fused_quant_static'])} | {f2(r['fused_quant_token'])} | {r['fp8_static']['p50'] - b:+13.2f} | "
+                  f"{r['fp8_token']['p50'] - b:+12.2f} | {r['fused_quant_static']['p50'] / r['fp8_static']['p50']:5.2f}x / "
+                  f"{r['fused_quant_token']['p50'] / r['fp8_token']['p50']:.2f}x")
     if d["steps"]:
         print(f"\ndecoder step (16 layers, hidden 4096, 32 collectives, one graph), {STEP_REPLAYS} replays; us per step p50 / p99 / max")
         print(f"{'tokens':>6} | {'fused':>22} | {'symm unfused':>22} | {'NCCL unfused':>22} | unfused/fused | NCCL/fused")
@@ -219,6 +304,8 @@ def main():
     ap.add_argument("--tokens", default="1,6,8,32,128,138,512,2048")
     ap.add_argument("--step-tokens", default="1,8,64")
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="also time the FP8 outputs (static, per-token) against the bf16 "
+                    "fused call followed by a torch.compile'd quant")
     ap.add_argument("--world", type=int, default=0,
                     help="ranks (default: every GPU, at most 8, at least 2); --world 1 times the "
                     "kernels' local work alone on one GPU (no NVLink traffic)")

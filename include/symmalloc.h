@@ -299,6 +299,11 @@ typedef int (*symm_pool_filter_fn)(void *ctx, struct CUstream_st *stream);
  */
 typedef void (*symm_pool_filter_drop_fn)(void *ctx);
 
+/**
+ * The FP8 (e4m3) output of `symm_all_reduce_add_rms_norm_quant`: where its scale comes from.
+ */
+typedef uint32_t symm_quant_t;
+
 #define SYMM_BF16 0
 
 #define SYMM_FP16 1
@@ -324,6 +329,25 @@ typedef void (*symm_pool_filter_drop_fn)(void *ctx);
  * `SYMMALLOC_LL_BYTES` (default 4 MiB for 2 ranks, 1 MiB for 3-4, 256 KiB for 5-8).
  */
 #define SYMM_ALGO_ONE_SHOT_LL 4
+
+/**
+ * One fp32 scale `s`, read from device memory by the kernel (a captured graph reads it at every
+ * replay): `out_q = e4m3(y / s)`. An `s` that is not finite and > 0 makes every byte NaN.
+ */
+#define SYMM_QUANT_FP8_STATIC 0
+
+/**
+ * A scale per row, written to `scale[tokens]`: `s_t = max(amax_t / 448, FLT_MIN)`.
+ */
+#define SYMM_QUANT_FP8_PER_TOKEN 1
+
+/**
+ * A scale per 128 consecutive elements of a row (`hidden % 128 == 0`), the same formula over
+ * the group, written row-major: `scale[t * (hidden / 128) + g]` for elements
+ * `[g * 128, (g + 1) * 128)` of row t (a `[tokens, hidden / 128]` fp32 array; DeepGEMM-style
+ * GEMMs that take the scales column-major want its transpose).
+ */
+#define SYMM_QUANT_FP8_PER_GROUP_128 2
 
 #ifdef __cplusplus
 extern "C" {
@@ -598,6 +622,19 @@ void symm_record_stream(void *ptr, struct CUstream_st *stream);
  * Returns every cached segment without live blocks, on every device.
  */
 void symm_empty_cache(void);
+
+/**
+ * All-reduce + residual add + RMSNorm with an FP8 e4m3 output, for FP8 GEMMs: as
+ * `symm_all_reduce_add_rms_norm` (`residual` updated alike), but the output is
+ * `out_q[t, h] = e4m3(y[t, h] / s)` (one byte per element, round to nearest even, saturated to
+ * +-448, NaN stays NaN) from the kernel's fp32 `y = r * rsqrt(mean(r^2) + eps) * weight`, with
+ * `s` as `quant` says (SYMM_QUANT_FP8_STATIC: `scale[0]`, read; PER_TOKEN: `scale[t]`, written;
+ * PER_GROUP_128: `scale[t * hidden / 128 + g]`, written, `hidden % 128 == 0`). bf16 or fp16
+ * inputs; `out_q` 8-byte and `scale` 4-byte aligned; no two buffers may overlap. Every rank gets
+ * the same bits, and a row's bits do not depend on the call's row count. Stream-ordered and
+ * capturable (a static scale is read at every replay).
+ */
+symm_status_t symm_all_reduce_add_rms_norm_quant(symm_comm_t *comm, const void *x, void *residual, const void *weight, void *out_q, float *scale, size_t tokens, size_t hidden, float eps, symm_dtype_t dtype, symm_quant_t quant, struct CUstream_st *stream);
 
 /**
  * Routes the calling thread's allocations on `device` to pool (first, second) until the

@@ -116,3 +116,39 @@ extern "C" __global__ void __launch_bounds__(SYMM_RMS_LL1_THREADS) symm_all_redu
 
 extern "C" __global__ void __launch_bounds__(SYMM_RMS_LLC_THREADS) symm_all_reduce_add_rms_norm_llc_bf16(RmsArgs a) { rms_llc_body<__nv_bfloat16>(a); }
 extern "C" __global__ void __launch_bounds__(SYMM_RMS_LLC_THREADS) symm_all_reduce_add_rms_norm_llc_fp16(RmsArgs a) { rms_llc_body<__half>(a); }
+
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_fp8_static_bf16(RmsArgs a) { rms_body<__nv_bfloat16, QUANT_STATIC>(a); }
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_fp8_static_fp16(RmsArgs a) { rms_body<__half, QUANT_STATIC>(a); }
+
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_fp8_token_bf16(RmsArgs a) { rms_body<__nv_bfloat16, QUANT_PER_TOKEN>(a); }
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_fp8_token_fp16(RmsArgs a) { rms_body<__half, QUANT_PER_TOKEN>(a); }
+
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_fp8_group_bf16(RmsArgs a) { rms_body<__nv_bfloat16, QUANT_PER_GROUP>(a); }
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_fp8_group_fp16(RmsArgs a) { rms_body<__half, QUANT_PER_GROUP>(a); }
+
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_ll_fp8_static_bf16(RmsArgs a) { rms_ll_body<__nv_bfloat16, SYMM_RMS_VECS, QUANT_STATIC>(a); }
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_ll_fp8_static_fp16(RmsArgs a) { rms_ll_body<__half, SYMM_RMS_VECS, QUANT_STATIC>(a); }
+
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_ll_fp8_token_bf16(RmsArgs a) { rms_ll_body<__nv_bfloat16, SYMM_RMS_VECS, QUANT_PER_TOKEN>(a); }
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_ll_fp8_token_fp16(RmsArgs a) { rms_ll_body<__half, SYMM_RMS_VECS, QUANT_PER_TOKEN>(a); }
+
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_ll_fp8_group_bf16(RmsArgs a) { rms_ll_body<__nv_bfloat16, SYMM_RMS_VECS, QUANT_PER_GROUP>(a); }
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_all_reduce_add_rms_norm_ll_fp8_group_fp16(RmsArgs a) { rms_ll_body<__half, SYMM_RMS_VECS, QUANT_PER_GROUP>(a); }
+
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LL1_THREADS) symm_all_reduce_add_rms_norm_ll1_fp8_static_bf16(RmsArgs a) { rms_ll_body<__nv_bfloat16, 1, QUANT_STATIC>(a); }
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LL1_THREADS) symm_all_reduce_add_rms_norm_ll1_fp8_static_fp16(RmsArgs a) { rms_ll_body<__half, 1, QUANT_STATIC>(a); }
+
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LL1_THREADS) symm_all_reduce_add_rms_norm_ll1_fp8_token_bf16(RmsArgs a) { rms_ll_body<__nv_bfloat16, 1, QUANT_PER_TOKEN>(a); }
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LL1_THREADS) symm_all_reduce_add_rms_norm_ll1_fp8_token_fp16(RmsArgs a) { rms_ll_body<__half, 1, QUANT_PER_TOKEN>(a); }
+
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LL1_THREADS) symm_all_reduce_add_rms_norm_ll1_fp8_group_bf16(RmsArgs a) { rms_ll_body<__nv_bfloat16, 1, QUANT_PER_GROUP>(a); }
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LL1_THREADS) symm_all_reduce_add_rms_norm_ll1_fp8_group_fp16(RmsArgs a) { rms_ll_body<__half, 1, QUANT_PER_GROUP>(a); }
+
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LLC_THREADS) symm_all_reduce_add_rms_norm_llc_fp8_static_bf16(RmsArgs a) { rms_llc_body<__nv_bfloat16, QUANT_STATIC>(a); }
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LLC_THREADS) symm_all_reduce_add_rms_norm_llc_fp8_static_fp16(RmsArgs a) { rms_llc_body<__half, QUANT_STATIC>(a); }
+
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LLC_THREADS) symm_all_reduce_add_rms_norm_llc_fp8_token_bf16(RmsArgs a) { rms_llc_body<__nv_bfloat16, QUANT_PER_TOKEN>(a); }
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LLC_THREADS) symm_all_reduce_add_rms_norm_llc_fp8_token_fp16(RmsArgs a) { rms_llc_body<__half, QUANT_PER_TOKEN>(a); }
+
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LLC_THREADS) symm_all_reduce_add_rms_norm_llc_fp8_group_bf16(RmsArgs a) { rms_llc_body<__nv_bfloat16, QUANT_PER_GROUP>(a); }
+extern "C" __global__ void __launch_bounds__(SYMM_RMS_LLC_THREADS) symm_all_reduce_add_rms_norm_llc_fp8_group_fp16(RmsArgs a) { rms_llc_body<__half, QUANT_PER_GROUP>(a); }

@@ -3,16 +3,20 @@
 //   residual <- r (rounded to T);  out <- r * rsqrt(mean(r^2) + eps) * weight (rounded to T)
 // x, residual and out are [tokens, hidden]; weight is [hidden]. Only x is read by peers
 // (one-shot: every rank reads every rank's row, so every rank computes the same bits); residual,
-// out and weight are this rank's own. A block takes whole rows (a grid-stride loop over tokens):
-// the sum of squares is a block reduction in a fixed tree order, so the result does not depend
-// on timing. The first barrier makes every rank's x ready; the closing barrier keeps a caller
-// from overwriting x while a peer still reads it. 16-byte vectors: hidden is a multiple of 8
+// out and weight are this rank's own. A block takes whole rows (a grid-stride loop over tokens);
+// the sum of squares is added in the canonical order below, which every fused kernel (whatever
+// its block, vectors per thread or cluster) reproduces exactly. The first barrier makes every
+// rank's x ready; the closing barrier keeps a caller from overwriting x while a peer still reads
+// it. 16-byte vectors: hidden is a multiple of 8
 // and every pointer is 16-byte aligned (the launch checks). Messages up to the LL threshold take
-// the barrier-free LL kernel instead (rms_ll_body, below); both reduce in the same order.
+// the barrier-free LL kernel instead (rms_ll_body, below); both reduce in the same order. Every
+// body takes the output's format Q: QUANT_NONE (out is T) or an FP8 mode of quant.cuh (out is
+// e4m3 bytes, plus the scales).
 #pragma once
 #include "cluster.cuh"
 #include "common.cuh"
 #include "ll.cuh"
+#include "quant.cuh"
 
 // SYMM_RMS_VECS (symm_constants.cuh): vectors per thread per row, so a block of SYMM_THREADS
 // covers hidden <= 512 * 4 * 8 = 16384.
@@ -26,41 +30,137 @@ struct RmsArgs {
   uint64_t tokens;     // count / hidden (the host's: no division in the kernels)
   float eps;
   uint32_t push_threads;  // LL kernel: threads per block that push x (the LL all-reduce's spread)
+  uint64_t scale;      // FP8 output (quant.cuh): the static scale, or where the scales go; else 0
 };
 
-// Sum over the block in a fixed order (shuffle tree per warp, then warp 0 over the warps).
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float part[SYMM_THREADS / 32];
-  __shared__ float total;
+// The canonical order of a row's sum of squares (docs/DESIGN.md, "Determinism"): every fused
+// kernel and the host backend (host_reduce.rs) add a row's squares in this one order, so a row's
+// bits do not depend on the kernel, block, cluster or number of rows the call takes:
+//   1. each 16-byte vector v (N elements): s_v = fma(r_{N-1}, r_{N-1}, ... fma(r_1, r_1, r_0 * r_0)),
+//      in element order (vec_squares);
+//   2. each chunk of 32 consecutive vectors (vectors past the row count 0): the pairwise tree in
+//      natural order, ((s_0 + s_1) + (s_2 + s_3)) + ..., a warp butterfly with xor 1, 2, 4, 8, 16
+//      over lanes holding vectors 32c .. 32c + 31 (chunk_tree; IEEE addition commutes, so every
+//      lane ends with the same bits);
+//   3. the chunk sums: the pairwise tree in natural order over the chunks padded with zeros to
+//      any power of two (row_tree). Squares are never -0, and x + 0 = x, so the padding does not
+//      change the bits: a tree over 64 slots and one over 8 give the same sum, and a block that
+//      owns an aligned power-of-two run of chunks may add its run first (the cluster kernel).
+// A row has at most 2048 vectors (hidden 16384): at most 64 chunks.
+#define SYMM_RMS_MAX_CHUNKS 64
+
+template <int N>
+__device__ __forceinline__ float vec_squares(const float (&r)[N]) {
+  float s = r[0] * r[0];
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) part[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    float w = lane < (int)(blockDim.x / 32) ? part[lane] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) w += __shfl_xor_sync(0xffffffffu, w, o);
-    if (lane == 0) total = w;
-  }
-  __syncthreads();
-  return total;
+  for (int q = 1; q < N; ++q) s = __fmaf_rn(r[q], r[q], s);
+  return s;
 }
 
-template <typename T>
+// The pairwise tree over the first `lanes` lanes' values (a power of two, at most 32), in lane
+// order, in lanes 0 .. lanes - 1; lanes >= `lanes` hold the trees of their own groups (a caller
+// that needs the sum in every lane broadcasts lane 0's).
+__device__ __forceinline__ float chunk_tree(float v, int lanes = 32) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1)
+    if (o < lanes) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Step 3 by one warp: the pairwise tree over chunk sums c[0 .. n) (n <= 64), every lane gets it.
+__device__ __forceinline__ float row_tree(const float* c, int n) {
+  const int lane = threadIdx.x % 32;
+  float v;
+  if (n > 32) {  // the first level pairs (2l, 2l + 1)
+    const float lo = 2 * lane < n ? c[2 * lane] : 0.f, hi = 2 * lane + 1 < n ? c[2 * lane + 1] : 0.f;
+    v = lo + hi;
+  } else {  // the tree over 32 slots: the one over 64 with a zero upper half
+    v = lane < n ? c[lane] : 0.f;
+  }
+  return chunk_tree(v);
+}
+
+// A row's sum of squares over the block, in the canonical order, for a block whose thread t
+// holds vectors t + k * blockDim.x (k < V), ss[k] their vec_squares (0 past the row): so warp w's
+// lanes hold chunk k * W + w for each k (W warps). One barrier, which also ANDs `mine` over the
+// block into `all`; every warp adds the chunk sums itself (each gets the same bits). part[] is
+// double-buffered by the row's parity, so a warp that is a row ahead never overwrites sums a
+// slower warp still reads (the row in between has a barrier every warp must pass).
+template <int V>
+__device__ __forceinline__ float block_squares_and(const float (&ss)[V], uint32_t vecs, int parity,
+                                                   bool mine, bool& all) {
+  __shared__ float part[2][SYMM_RMS_MAX_CHUNKS];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, W = blockDim.x / 32;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int c = k * W + warp;
+    if ((uint32_t)c * 32 >= vecs) continue;  // warp-uniform: a chunk past the row
+    const float v = chunk_tree(ss[k]);
+    if (lane == 0) part[parity][c] = v;
+  }
+  all = __syncthreads_and(mine) != 0;
+  return row_tree(part[parity], (int)((vecs + 31) / 32));
+}
+
+// The FP8 outputs of row t for a thread holding vectors j_k = threadIdx.x + k * blockDim.x
+// (k < V; those >= vecs absent) with values r[k] (the new residual) and weights wgt[k]: y = r *
+// inv * w in place, then the scale of quant.cuh's mode Q and the e4m3 bytes. Every thread of the
+// block calls it (the scales take every lane, and a barrier for the per-token one).
+template <typename T, int V, int Q>
+__device__ __forceinline__ void rows_out_fp8(const RmsArgs& f, uint64_t t, uint64_t vecs, float (&r)[V][8],
+                                             const uint4 (&wgt)[V], float inv, float sinv, int parity) {
+  float qinv[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    qinv[k] = sinv;
+    if (threadIdx.x + (uint64_t)k * blockDim.x >= vecs) continue;
+    const T* w = (const T*)&wgt[k];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) r[k][q] = r[k][q] * inv * to_f32(w[q]);
+  }
+  if constexpr (Q == QUANT_PER_TOKEN) {
+    float m = 0.f;
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      if (threadIdx.x + (uint64_t)k * blockDim.x < vecs) m = fmaxf(m, vec_amax(r[k]));
+    const float sc = amax_scale(block_max(m, parity));
+    if (threadIdx.x == 0) ((float*)f.scale)[t] = sc;
+#pragma unroll
+    for (int k = 0; k < V; ++k) qinv[k] = 1.f / sc;
+  }
+  if constexpr (Q == QUANT_PER_GROUP) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+      const float sc = amax_scale(half_warp_max(j < vecs ? vec_amax(r[k]) : 0.f));
+      if (j < vecs && j % 16 == 0) ((float*)f.scale)[t * (vecs / 16) + j / 16] = sc;
+      qinv[k] = 1.f / sc;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+    if (j < vecs) store_out<T, Q>(f.out, t * vecs + j, r[k], qinv[k]);
+  }
+}
+
+template <typename T, int Q = QUANT_NONE>
 __device__ __forceinline__ void rms_body(const RmsArgs& f) {
   using P = Pack<T, true>;
   constexpr int N = P::N;
   const SymmArgs& a = f.s;
   uint32_t e;
   bool ok;
+  const float sinv = Q == QUANT_STATIC ? static_inv(*(const float*)f.scale) : 0.f;
   if (!barrier_open(a, e, ok)) return;  // aborted: touch no peer memory
   const uint64_t vecs = f.hidden / N;
-  for (uint64_t t = blockIdx.x; ok && t < f.tokens; t += gridDim.x) {
+  int parity = 0;
+  for (uint64_t t = blockIdx.x; ok && t < f.tokens; t += gridDim.x, parity ^= 1) {
     float r[SYMM_RMS_VECS][N];
-    float ss = 0.f;
+    float ss[SYMM_RMS_VECS];
 #pragma unroll
     for (int k = 0; k < SYMM_RMS_VECS; ++k) {
+      ss[k] = 0.f;
       const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
       if (j >= vecs) continue;
       const uint64_t item = t * vecs + j;
@@ -68,23 +168,32 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
       const uint4 res = ((const uint4*)f.residual)[item];
       const T* re = (const T*)&res;
 #pragma unroll
-      for (int q = 0; q < N; ++q) {
-        r[k][q] += to_f32(re[q]);
-        ss += r[k][q] * r[k][q];
-      }
+      for (int q = 0; q < N; ++q) r[k][q] += to_f32(re[q]);
+      ss[k] = vec_squares(r[k]);
       ((uint4*)f.residual)[item] = pack<T, true>(r[k]);
     }
-    const float inv = rsqrtf(block_sum(ss) / (float)f.hidden + f.eps);
+    bool all;
+    const float inv = rsqrtf(block_squares_and(ss, (uint32_t)vecs, parity, true, all) / (float)f.hidden + f.eps);
+    if constexpr (Q != QUANT_NONE) {
+      uint4 wgt[SYMM_RMS_VECS];
 #pragma unroll
-    for (int k = 0; k < SYMM_RMS_VECS; ++k) {
-      const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
-      if (j >= vecs) continue;
-      const uint4 wv = ((const uint4*)f.weight)[j];
-      const T* w = (const T*)&wv;
-      float o[N];
+      for (int k = 0; k < SYMM_RMS_VECS; ++k) {
+        const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+        if (j < vecs) wgt[k] = ((const uint4*)f.weight)[j];
+      }
+      rows_out_fp8<T, SYMM_RMS_VECS, Q>(f, t, vecs, r, wgt, inv, sinv, parity);
+    } else {
 #pragma unroll
-      for (int q = 0; q < N; ++q) o[q] = r[k][q] * inv * to_f32(w[q]);
-      ((uint4*)f.out)[t * vecs + j] = pack<T, true>(o);
+      for (int k = 0; k < SYMM_RMS_VECS; ++k) {
+        const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+        if (j >= vecs) continue;
+        const uint4 wv = ((const uint4*)f.weight)[j];
+        const T* w = (const T*)&wv;
+        float o[N];
+#pragma unroll
+        for (int q = 0; q < N; ++q) o[q] = r[k][q] * inv * to_f32(w[q]);
+        ((uint4*)f.out)[t * vecs + j] = pack<T, true>(o);
+      }
     }
   }
   barrier_close(a, e, ok);
@@ -105,24 +214,6 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
 // once per call. A failed wait (timeout, abort) stops the waits of that thread; the block still
 // meets at every barrier and writes nothing for the row.
 
-// The sum of v over the block, in the fixed order of block_sum (a shuffle tree per warp, then a
-// shuffle tree over the warps' sums), with one barrier instead of two, which also ANDs `mine`
-// over the block into `all`: every warp reduces the warps' sums itself (each gets the same bits).
-// part[] is double-buffered by the row's parity, so a warp that is a row ahead never overwrites
-// sums a slower warp still reads (the row in between has a barrier every warp must pass).
-__device__ __forceinline__ float block_sum_and(float v, int parity, bool mine, bool& all) {
-  __shared__ float part[2][32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) part[parity][warp] = v;
-  all = __syncthreads_and(mine) != 0;
-  float w = lane < (int)(blockDim.x / 32) ? part[parity][lane] : 0.f;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) w += __shfl_xor_sync(0xffffffffu, w, o);
-  return w;
-}
-
 // This block's grid-stride share of x, tp threads per block, into every peer's slot (the LL
 // all-reduce's spread). pv is item p0, loaded before the call counter.
 template <typename T>
@@ -138,7 +229,7 @@ __device__ __forceinline__ void rms_ll_push(const SymmArgs& a, uint64_t tp, uint
   }
 }
 
-template <typename T, int V>
+template <typename T, int V, int Q = QUANT_NONE>
 __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   constexpr int N = 16 / sizeof(T);
   const SymmArgs& a = f.s;
@@ -153,6 +244,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   const uint64_t p0 = (uint64_t)blockIdx.x * tp + threadIdx.x;
   uint4 pv = make_uint4(0, 0, 0, 0);
   if (threadIdx.x < tp && p0 < items) pv = x[p0];
+  const float sinv = Q == QUANT_STATIC ? static_inv(*(const float*)f.scale) : 0.f;
 
   uint32_t call;
   if (!ll_begin(a, call)) return;  // aborted: push nothing into the peers' buffers
@@ -167,7 +259,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   // ahead of the first loads, 0.15-0.25 µs per call (bench/NOTES.md, "The fused all-reduce + RMSNorm kernels").
   for (uint64_t t = blockIdx.x; ok && t < f.tokens; t += gridDim.x, parity ^= 1) {
     float r[V][N];
-    float ss = 0.f;
+    float ss[V];
     bool mine = true;  // this thread's waits all succeeded
     uint4 own[V], res[V], wgt[V];
 #pragma unroll
@@ -208,27 +300,34 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
     }
 #pragma unroll
     for (int k = 0; k < V; ++k) {
+      ss[k] = 0.f;
       const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
       if (j >= vecs) continue;
       const T* re = (const T*)&res[k];
 #pragma unroll
-      for (int q = 0; q < N; ++q) {
-        r[k][q] += to_f32(re[q]);
-        ss += r[k][q] * r[k][q];
-      }
+      for (int q = 0; q < N; ++q) r[k][q] += to_f32(re[q]);
+      ss[k] = vec_squares(r[k]);
     }
-    const float inv = rsqrtf(block_sum_and(ss, parity, mine, ok) / (float)f.hidden + f.eps);
+    const float inv = rsqrtf(block_squares_and(ss, (uint32_t)vecs, parity, mine, ok) / (float)f.hidden + f.eps);
     if (!ok) break;
+    if constexpr (Q != QUANT_NONE) {
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
-      if (j >= vecs) continue;
-      ((uint4*)f.residual)[t * vecs + j] = pack<T, true>(r[k]);
-      const T* w = (const T*)&wgt[k];
-      float o[N];
+      for (int k = 0; k < V; ++k)
+        if (threadIdx.x + (uint64_t)k * blockDim.x < vecs)
+          ((uint4*)f.residual)[t * vecs + threadIdx.x + (uint64_t)k * blockDim.x] = pack<T, true>(r[k]);
+      rows_out_fp8<T, V, Q>(f, t, vecs, r, wgt, inv, sinv, parity);
+    } else {
 #pragma unroll
-      for (int q = 0; q < N; ++q) o[q] = r[k][q] * inv * to_f32(w[q]);
-      ((uint4*)f.out)[t * vecs + j] = pack<T, true>(o);
+      for (int k = 0; k < V; ++k) {
+        const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
+        if (j >= vecs) continue;
+        ((uint4*)f.residual)[t * vecs + j] = pack<T, true>(r[k]);
+        const T* w = (const T*)&wgt[k];
+        float o[N];
+#pragma unroll
+        for (int q = 0; q < N; ++q) o[q] = r[k][q] * inv * to_f32(w[q]);
+        ((uint4*)f.out)[t * vecs + j] = pack<T, true>(o);
+      }
     }
   }
   ll_end(a, call);
@@ -237,12 +336,14 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
 
 // Wide rows on Hopper: a row split over a cluster of C blocks (C = 2-8, a launch attribute;
 // src/comm/shape.rs picks it), so no single SM moves a whole row of x, residual, weight, out and slot
-// resets. Block q of a cluster takes vectors [q * span, (q + 1) * span) of the cluster's rows,
-// one per thread (span = ceil(vecs / C) <= SYMM_RMS_LLC_THREADS). The sum of squares: the
-// block's sum (a shuffle tree per warp, then warp 0 over the warps' sums) goes with the AND of
-// the block's waits to every block of the cluster (cluster.cuh's fence-free exchange); each
-// block then adds the C sums in block order, so every block (and rank) gets the same bits, and
-// every block stops at the same row if a wait failed anywhere in the cluster.
+// resets. Block q of a cluster takes vectors [q * B, (q + 1) * B) of the cluster's rows, one per
+// thread (B = blockDim.x, a power of two, C * B >= vecs, B <= SYMM_RMS_LLC_THREADS). The sum of
+// squares, in the canonical order: each warp's chunk tree, then warp 0 adds the block's W = B / 32
+// chunks (an aligned power-of-two run: a subtree of the canonical tree) and sends that with the
+// AND of the block's waits to every block of the cluster (cluster.cuh's fence-free exchange);
+// each block then adds the C runs in the tree's top levels, so every block (and rank, and kernel)
+// gets the same bits, and every block stops at the same row if a wait failed anywhere in the
+// cluster.
 // Warp 0 sends and waits; the other warps wait at a block barrier behind it (with every warp
 // spinning on the mbarrier the call was 0.03-0.09 µs slower on one H200; bench/NOTES.md, "The fused all-reduce +
 // RMSNorm kernels").
@@ -256,7 +357,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
 // descriptor check skips the pushes and waits but not the exchanges. Push, descriptor check,
 // call counters: as rms_ll_body.
 
-template <typename T>
+template <typename T, int Q = QUANT_NONE>
 __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int N = 16 / sizeof(T);
@@ -265,7 +366,11 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   __shared__ float part[SYMM_RMS_LLC_THREADS / 32];
   __shared__ uint32_t part_ok[SYMM_RMS_LLC_THREADS / 32];
   __shared__ __align__(8) uint32_t inbox[2][SYMM_MAX_CLUSTER][2];  // (sum's bits, AND of waits)
-  __shared__ __align__(8) uint64_t mbar[2];
+  // Per-token FP8 scales: a second exchange per row, of each block's amax (bits, unused), on
+  // mbar[2 + parity]; the same double buffering and chain as inbox.
+  constexpr int NBAR = Q == QUANT_PER_TOKEN ? 4 : 2;
+  __shared__ __align__(8) uint32_t amax_in[Q == QUANT_PER_TOKEN ? 2 : 1][SYMM_MAX_CLUSTER][2];
+  __shared__ __align__(8) uint64_t mbar[NBAR];
 
   const uint64_t items = a.count / N;
   const uint64_t vecs = f.hidden / N;
@@ -274,12 +379,13 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   const uint64_t p0 = (uint64_t)blockIdx.x * tp + threadIdx.x;
   uint4 pv = make_uint4(0, 0, 0, 0);
   if (threadIdx.x < tp && p0 < items) pv = x[p0];
+  const float sinv = Q == QUANT_STATIC ? static_inv(*(const float*)f.scale) : 0.f;
 
   uint32_t call;
   const bool live = ll_begin(a, call);  // block-uniform
   if (threadIdx.x == 0) {
-    mbar_init(&mbar[0], 1);
-    mbar_init(&mbar[1], 1);
+#pragma unroll
+    for (int b = 0; b < NBAR; ++b) mbar_init(&mbar[b], 1);
     fence_mbarrier_init();
   }
   // Every block's mbarriers exist before any block sends: the barrier's wait comes after the push.
@@ -292,16 +398,17 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   const bool ok = live && ll_check_desc(a, buf, start);
   cluster_wait();
 
-  const uint32_t span = ((uint32_t)vecs + C - 1) / C;  // vecs <= 2048 here: 32-bit division
-  const uint64_t j = q * span + threadIdx.x;
-  const bool has = threadIdx.x < span && j < vecs;
+  // Block q takes vectors [q * blockDim.x, (q + 1) * blockDim.x): blockDim.x is a power of two
+  // (shape.rs), so the block's W chunks are an aligned run of the canonical tree.
+  const uint64_t j = (uint64_t)q * blockDim.x + threadIdx.x;
+  const bool has = j < vecs;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, W = blockDim.x / 32;
   int parity = 0;
   uint32_t phases = 0;  // bit p: the parity of mbar[p]'s phase the next wait on it waits for
   for (uint64_t t = cluster_id(); t < f.tokens; t += cluster_count(), parity ^= 1) {
     const uint64_t at = t * vecs + j;
     float r[N];
-    float ss = 0.f;
+    float ss = 0.f;  // vec_squares of this thread's vector (0 past the row)
     bool mine = ok;  // this thread's waits all succeeded
     uint4 own = make_uint4(0, 0, 0, 0), res = own, wgt = own;
     if (has) {  // in flight during the polls
@@ -329,23 +436,18 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
     if (has) {
       const T* re = (const T*)&res;
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        r[k] += to_f32(re[k]);
-        ss += r[k] * r[k];
-      }
+      for (int k = 0; k < N; ++k) r[k] += to_f32(re[k]);
+      ss = vec_squares(r);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    ss = chunk_tree(ss);  // this warp's chunk
     const bool wok = __all_sync(0xffffffffu, mine);
     if (lane == 0) {
       part[warp] = ss;
       part_ok[warp] = wok;
     }
     __syncthreads();
-    if (warp == 0) {  // the block's sum and AND, then lane b sends them to block b
-      float w = lane < W ? part[lane] : 0.f;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) w += __shfl_xor_sync(0xffffffffu, w, o);
+    if (warp == 0) {  // the block's run of chunks and AND, then lane b sends them to block b
+      const float w = __shfl_sync(0xffffffffu, chunk_tree(lane < W ? part[lane] : 0.f, W), 0);
       const uint32_t k = __all_sync(0xffffffffu, lane >= W || part_ok[lane] != 0);
       if (lane == 0) mbar_expect_arrive(&mbar[parity], C * 8);
       if (lane < (int)C) st_async_v2(inbox[parity][q], __float_as_uint(w), k, &mbar[parity], lane);
@@ -353,15 +455,49 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
     }
     phases ^= 1u << parity;
     __syncthreads();  // warp 0 saw the cluster's sums arrive (the others do not spin beside it)
-    float sum = 0.f;
-    uint32_t all = 1;
-    for (uint32_t b = 0; b < C; ++b) {  // block order: every block gets the same bits
-      sum += __uint_as_float(inbox[parity][b][0]);
-      all &= inbox[parity][b][1];
-    }
-    if (all == 0) break;  // the same in every block of the cluster
+    // The blocks' runs: the canonical tree's top levels over C <= 8 nodes, zero-padded to 8, in
+    // lanes 0-7 (every warp of every block adds the same values in the same order), then lane
+    // 0's sum to the whole warp.
+    const uint32_t b = lane < (int)C ? lane : 0;
+    const float sum = __shfl_sync(
+        0xffffffffu, chunk_tree(lane < (int)C ? __uint_as_float(inbox[parity][b][0]) : 0.f, SYMM_MAX_CLUSTER), 0);
+    if (!__all_sync(0xffffffffu, inbox[parity][b][1] != 0)) break;  // the same in every block
     const float inv = rsqrtf(sum / (float)f.hidden + f.eps);
-    if (has) {
+    if constexpr (Q != QUANT_NONE) {
+      float y[N];
+#pragma unroll
+      for (int k = 0; k < N; ++k) y[k] = 0.f;
+      if (has) {
+        ((uint4*)f.residual)[at] = pack<T, true>(r);
+        const T* w = (const T*)&wgt;
+#pragma unroll
+        for (int k = 0; k < N; ++k) y[k] = r[k] * inv * to_f32(w[k]);
+      }
+      float qinv = sinv;
+      if constexpr (Q == QUANT_PER_GROUP) {
+        const float sc = amax_scale(half_warp_max(has ? vec_amax(y) : 0.f));
+        if (has && j % 16 == 0) ((float*)f.scale)[t * (vecs / 16) + j / 16] = sc;
+        qinv = 1.f / sc;
+      }
+      if constexpr (Q == QUANT_PER_TOKEN) {
+        // part[] is free: warp 0 read it before the barrier above.
+        const float m = warp_max(has ? vec_amax(y) : 0.f);
+        if (lane == 0) part[warp] = m;
+        __syncthreads();
+        if (warp == 0) {  // the block's amax to every block of the cluster
+          const float bm = warp_max(lane < W ? part[lane] : 0.f);
+          if (lane == 0) mbar_expect_arrive(&mbar[2 + parity], C * 8);
+          if (lane < (int)C) st_async_v2(amax_in[parity][q], __float_as_uint(bm), 0u, &mbar[2 + parity], lane);
+          mbar_wait(&mbar[2 + parity], (phases >> (2 + parity)) & 1);
+        }
+        phases ^= 1u << (2 + parity);
+        __syncthreads();
+        const float sc = amax_scale(warp_max(lane < (int)C ? __uint_as_float(amax_in[parity][lane][0]) : 0.f));
+        if (q == 0 && threadIdx.x == 0) ((float*)f.scale)[t] = sc;
+        qinv = 1.f / sc;
+      }
+      if (has) store_out<T, Q>(f.out, at, y, qinv);
+    } else if (has) {
       ((uint4*)f.residual)[at] = pack<T, true>(r);
       const T* w = (const T*)&wgt;
       float o[N];

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a lent GPU machine, from
 # prebuilt artifacts in .device/ (see the README's "GPU runs" section). Logs go to $OUT.
-#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab | p2p
+#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab | p2p | fp8 | groups | global
 #   fused: bench/fused.py (all-reduce + residual add + RMSNorm, fused vs unfused vs NCCL, and a
 #          16-layer decoder step).
 #   native: the PyTorch-native checks (torch.compile over the custom ops at 2 ranks; the wheel
@@ -15,6 +15,10 @@
 #   groups: tests/gpu_groups.rs at RANKS (default 4) ranks sharing the GPUs, and the child
 #           against a standalone communicator; TORCH=1 adds python/tests/torch_groups_gpu_check.py.
 #   global: global mode on one GPU (PARTS="checks memory host alloc"; see the branch below).
+#   fp8: the FP8 output of the fused call (issue 31): t_fused_quant at RANKS (default "2 4 8")
+#        ranks sharing the GPUs, t_bitwise at 2, python/tests/fp8_check.py at 2 (torchrun; gloo
+#        reference, torch.compile reduce-overhead), then bench/fused.py --world 1 --fp8
+#        (HIDDEN, TOKENS; SKIP_BENCH=1 leaves it out).
 #   shared: the multi-rank GPU tests (t_gpu_comm, t_gpu_sg, t_bitwise) at RANKS (default "2 4") ranks on the
 #           machine's GPUs, several ranks per GPU (SYMMALLOC_SHARED_GPU=1): the protocol at N
 #           ranks on a one-GPU machine; correctness only (the ranks' kernels time-slice).
@@ -97,6 +101,15 @@ elif [ "${1:-tests}" = global ]; then
       alloc) T=200 TAILN=6 run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture ;;
     esac
   done
+elif [ "${1:-tests}" = fp8 ]; then
+  step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  for n in ${RANKS:-2 4 8}; do
+    SYMMALLOC_SHARED_GPU=1 SYMM_TEST_RANKS=$n T=${T:-200} TAILN=6 run fused_quant_$n $D/t_fused_quant gpu_ --include-ignored --test-threads=1 --nocapture
+  done
+  SYMMALLOC_SHARED_GPU=1 SYMM_TEST_RANKS=2 T=300 TAILN=4 run bitwise_2 $D/t_bitwise gpu_ --include-ignored --test-threads=1 --nocapture
+  SYMMALLOC_SHARED_GPU=1 T=400 TAILN=6 run fp8_check python3 -m torch.distributed.run --nproc_per_node=2 --master_port=29535 python/tests/fp8_check.py
+  [ -n "${SKIP_BENCH:-}" ] || T=560 TAILN=40 run fused_fp8 python3 bench/fused.py --world 1 --fp8 --hidden "${HIDDEN:-4096,6144,8192}" \
+    --tokens "${TOKENS:-1,4,16,64,128,512}" --step-tokens "" --out "$OUT"
 elif [ "${1:-tests}" = shared ]; then
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   for n in ${RANKS:-2 4}; do

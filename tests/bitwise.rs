@@ -5,15 +5,16 @@
 //! Each rank reduces the same elements (fresh random data, never zeros) with every all-reduce
 //! algorithm (AUTO, one-shot, two-shot, one-shot LL), alone and at an offset inside a call four
 //! times larger, in place and out of place, and checks that every result has the same bits.
-//! The fused all-reduce + residual + RMSNorm computes the same row alone, inside 8 rows and
-//! inside 64 rows; every rank must get the same bits for all three (hashed). Whether the row's
-//! bits are also the same across the three calls depends on the kernel each call takes: the
-//! host backend sums a row in one order whatever the call (asserted, on CI); on a GPU the LL,
-//! cluster and barrier kernels split a row's sum of squares differently (blocks, clusters of
-//! 2-8), so a row may differ in its last bits between calls that take different kernels
-//! (measured: fp16 [64, 8192] against [1, 8192] at 2 ranks, clusters of 2 against 4). The GPU
-//! test reports those rows and does not assert them (docs/DESIGN.md, "Determinism", states
-//! the limit). Each rank prints a hash of its bits; the parent checks every rank printed the
+//! The fused all-reduce + residual + RMSNorm (bf16 and fp16, hidden 1024-16384, including
+//! widths whose vector count is not a multiple of 32) runs over the first 1, 3, 8, ... 2048 rows
+//! of one set of rows and over single rows alone, and every row must have the same bits in every
+//! call: the kernels add a row's sum of squares in one canonical order whatever their block,
+//! cluster or row count (kernels/rms_norm.cuh). The GPU test runs three times, with the default
+//! LL threshold, 64 KiB and 0 (so the same rows go through the LL, one-vector, cluster and
+//! barrier kernels), and the fused rows' hash must be the same in every run and on every rank.
+//! The FP8 outputs of the fused call (static, per-token and per-group scales) are held to the
+//! same: their bytes, the residual and the scales a row gets do not depend on the call.
+//! Each rank prints a hash of all its bits; the parent checks every rank printed the
 //! same. The host backend runs on CI at 2 and 3 ranks; the GPU test (`--include-ignored`) on
 //! every GPU, or at `SYMM_TEST_RANKS=N` ranks sharing them.
 
@@ -21,6 +22,7 @@ mod common;
 use common::*;
 use std::ptr::null_mut;
 use symmalloc::cuda::util;
+use symmalloc::ffi::quant::symm_all_reduce_add_rms_norm_quant;
 use symmalloc::ffi::types::*;
 use symmalloc::ffi::*;
 
@@ -39,6 +41,9 @@ fn put(c: &Child, dst: u64, bytes: &[u8]) {
 
 fn get(c: &Child, src: u64, len: usize) -> Vec<u8> {
     let mut out = vec![0u8; len];
+    if len == 0 {
+        return out;
+    }
     if on_host() {
         // SAFETY: src is a live host-backend block of at least len bytes.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, out.as_mut_ptr(), len) };
@@ -101,51 +106,130 @@ fn reduce(
     bits
 }
 
-/// Row `row` (of `hidden`) of the fused call over `tokens` rows, where that row's x, residual
-/// and the weight are the same whatever `tokens` is: its `out` and new `residual` bits.
-fn fused_row(
+/// The fused call's rows for one dtype and `hidden`, with a bf16/fp16 output (`quant` None) or
+/// an FP8 one (`symm_all_reduce_add_rms_norm_quant` in that mode; a static scale of 0.01): every
+/// rank uploads `max` rows of its x, and the same residual and weight on every rank; a call over
+/// the first `tokens` rows (each count of `counts`) and a call over one row `r` alone (each of
+/// `alone`, at that row's offset) must give every row the bits it has in the call over all
+/// `max` rows: `out`, the new residual and the row's scales alike. Returns those bits.
+#[allow(clippy::too_many_arguments)]
+fn fused_rows(
     c: &Child,
     comm: *mut symm_comm_t,
     seed: u64,
-    tokens: usize,
-    row: usize,
-    hidden: usize,
     dtype: u32,
+    hidden: usize,
+    counts: &[usize],
+    alone: &[usize],
+    quant: Option<symm_quant_t>,
 ) -> Vec<u8> {
-    let (n, es) = (tokens * hidden, esize(dtype));
-    let bytes = n * es;
-    let [x, res, out, w] =
-        [bytes, bytes, bytes, hidden * es].map(|b| symm_malloc(b, c.device, null_mut()) as u64);
-    let mut xv = data(seed ^ 7, c.rank, n, dtype);
-    let mut rv = data(seed ^ 8, 100, n, dtype);
-    let r = row * hidden * es..(row + 1) * hidden * es;
-    xv[r.clone()].copy_from_slice(&data(seed, c.rank, hidden, dtype));
-    rv[r.clone()].copy_from_slice(&data(seed ^ 1, 100, hidden, dtype));
-    put(c, x, &xv);
-    put(c, res, &rv);
+    let max = *counts.iter().max().unwrap();
+    let row = hidden * esize(dtype);
+    let bytes = max * row;
+    // Per row: output bytes, and scale bytes written (none for a bf16 output or a static scale).
+    let out_row = if quant.is_some() { hidden } else { row };
+    let scale_row = match quant {
+        Some(SYMM_QUANT_FP8_PER_TOKEN) => 4,
+        Some(SYMM_QUANT_FP8_PER_GROUP_128) => hidden / 128 * 4,
+        _ => 0,
+    };
+    let [x, res, out, w, scale] = [bytes, bytes, max * out_row, row, max * scale_row + 16]
+        .map(|b| symm_malloc(b, c.device, null_mut()) as u64);
+    assert!([x, res, out, w, scale].iter().all(|&p| p != 0), "{}", err());
+    let seed = seed ^ (hidden as u64) << 20;
+    put(c, x, &data(seed, c.rank, max * hidden, dtype));
+    let rv = data(seed ^ 8, 100, max * hidden, dtype);
     put(c, w, &data(seed ^ 2, 200, hidden, dtype));
-    put(c, out, &vec![0xFF; bytes]);
-    ok(
-        symm_all_reduce_add_rms_norm(
-            comm,
-            x as _,
-            res as _,
-            w as _,
-            out as _,
-            tokens,
-            hidden,
-            1e-6,
-            dtype,
-            null_mut(),
-        ),
-        &format!("fused [{tokens}, {hidden}] dtype {dtype}"),
-    );
-    let mut bits = get(c, out + r.start as u64, hidden * es);
-    bits.extend(get(c, res + r.start as u64, hidden * es));
-    for (p, b) in [(x, bytes), (res, bytes), (out, bytes), (w, hidden * es)] {
+    // Rows t0 .. t0 + tokens as their own call (residual fresh, out and scales poisoned): their
+    // out, new residual and scale bits.
+    let call = |t0: usize, tokens: usize| {
+        let (at, n) = ((t0 * row) as u64, tokens * row);
+        let (oat, on) = ((t0 * out_row) as u64, tokens * out_row);
+        let (sat, sn) = ((t0 * scale_row) as u64, tokens * scale_row);
+        put(c, res + at, &rv[t0 * row..t0 * row + n]);
+        put(c, out + oat, &vec![0xFF; on]);
+        let what = format!(
+            "fused rows {t0}..{} of [{max}, {hidden}] dtype {dtype} quant {quant:?}",
+            t0 + tokens
+        );
+        let st = match quant {
+            None => symm_all_reduce_add_rms_norm(
+                comm,
+                (x + at) as _,
+                (res + at) as _,
+                w as _,
+                (out + oat) as _,
+                tokens,
+                hidden,
+                1e-6,
+                dtype,
+                null_mut(),
+            ),
+            Some(q) => {
+                if q == SYMM_QUANT_FP8_STATIC {
+                    put(c, scale, &0.01f32.to_le_bytes());
+                } else {
+                    put(c, scale + sat, &vec![0xFF; sn]);
+                }
+                symm_all_reduce_add_rms_norm_quant(
+                    comm,
+                    (x + at) as _,
+                    (res + at) as _,
+                    w as _,
+                    (out + oat) as _,
+                    (scale + if q == SYMM_QUANT_FP8_STATIC { 0 } else { sat }) as _,
+                    tokens,
+                    hidden,
+                    1e-6,
+                    dtype,
+                    q,
+                    null_mut(),
+                )
+            }
+        };
+        ok(st, &what);
+        [
+            get(c, out + oat, on),
+            get(c, res + at, n),
+            get(c, scale + sat, sn),
+        ]
+    };
+    let all = call(0, max);
+    let same = |t0: usize, tokens: usize, got: [Vec<u8>; 3]| {
+        let sizes = [out_row, row, scale_row];
+        for (k, what) in ["out", "residual", "scale"].iter().enumerate() {
+            let per = sizes[k];
+            let want = &all[k][t0 * per..(t0 + tokens) * per];
+            if let Some(i) = (0..got[k].len()).find(|&i| got[k][i] != want[i]) {
+                panic!(
+                    "rank {}: fused dtype {dtype} hidden {hidden} quant {quant:?}: row {} of a \
+                     call over rows {t0}..{} has other {what} bits than in the call over {max} \
+                     rows ({} of {} bytes differ)",
+                    c.rank,
+                    t0 + i / per,
+                    t0 + tokens,
+                    differing(&got[k], want),
+                    want.len()
+                );
+            }
+        }
+    };
+    for &t in counts.iter().filter(|&&t| t != max) {
+        same(0, t, call(0, t));
+    }
+    for &r in alone {
+        same(r, 1, call(r, 1));
+    }
+    for (p, b) in [
+        (x, bytes),
+        (res, bytes),
+        (out, max * out_row),
+        (w, row),
+        (scale, max * scale_row + 16),
+    ] {
         symm_free(p as _, b, c.device, null_mut());
     }
-    bits
+    all.concat()
 }
 
 fn differing(a: &[u8], b: &[u8]) -> usize {
@@ -180,39 +264,90 @@ fn bitwise_rank(c: Child) {
         }
         all.extend(alone);
     }
+    // The fused call: widths from 1024 to 16384 with vector counts that are not multiples of
+    // 32 (2056, 5000, 7176, 16376); row counts from 1 to 2048 (a tenth of the work on the host
+    // backend, which sums a row the same way whatever the call). Counts up to 64 take the LL
+    // kernels (one vector or four per thread, clusters of 2-8 on sm_90), larger ones the
+    // barrier kernel, and the parent runs the whole test again with the LL threshold lowered
+    // (64 KiB) and at 0 (every call on the barrier kernel).
+    let (hiddens, counts): (&[usize], &[usize]) = if on_host() {
+        (&[1024, 2056, 8192, 16376], &[1, 3, 64, 130])
+    } else {
+        (
+            &[
+                1024, 2056, 4096, 5000, 6144, 7176, 8192, 12288, 16376, 16384,
+            ],
+            &[1, 3, 8, 33, 64, 129, 300, 2048],
+        )
+    };
+    let mut fused = Vec::new();
+    let max = *counts.iter().max().unwrap();
+    let alone = [0, 1, 37, max / 2 + 1, max - 1];
     for dtype in [SYMM_BF16, SYMM_FP16] {
-        // 4096: one block per row; 8192: clusters on sm_90; 1 row, 8 and 64 rows; 64 rows of
-        // 8192 stay within the LL threshold at 2 ranks, and a lowered threshold (the test's
-        // environment) sends the wider calls to the barrier kernel.
-        for hidden in [4096, 8192] {
-            let one = fused_row(&c, comm, seed, 1, 0, hidden, dtype);
-            for (tokens, row) in [(8, 5), (64, 37)] {
-                let got = fused_row(&c, comm, seed, tokens, row, hidden, dtype);
-                if got != one {
-                    let what = format!(
-                        "rank {}: fused dtype {dtype} hidden {hidden}: row {row} of {tokens} \
-                         differs from the row alone",
-                        c.rank
-                    );
-                    // The host backend sums a row in one order whatever the call; GPU kernels
-                    // of different shapes do not (the module header).
-                    assert!(!on_host(), "{what}");
-                    println!("{what} ({} of {} bytes)", differing(&got, &one), got.len());
-                }
-                all.extend(got);
+        for &hidden in hiddens {
+            fused.extend(fused_rows(
+                &c, comm, seed, dtype, hidden, counts, &alone, None,
+            ));
+        }
+        // The FP8 outputs (kernels/quant.cuh): the same rows, every mode, at widths that are
+        // multiples of 128 (on GPUs three of them: one vector per thread, clusters of 3, and
+        // clusters of 8 or four vectors per thread).
+        let fp8_widths: &[usize] = if on_host() {
+            &[1024, 8192]
+        } else {
+            &[1024, 6144, 16384]
+        };
+        for &hidden in fp8_widths {
+            for q in [
+                SYMM_QUANT_FP8_STATIC,
+                SYMM_QUANT_FP8_PER_TOKEN,
+                SYMM_QUANT_FP8_PER_GROUP_128,
+            ] {
+                fused.extend(fused_rows(
+                    &c,
+                    comm,
+                    seed,
+                    dtype,
+                    hidden,
+                    counts,
+                    &alone,
+                    Some(q),
+                ));
             }
-            all.extend(one);
         }
     }
+    all.extend(&fused);
+    println!("rank {}: fused hash {:016x}", c.rank, fnv(&fused));
     println!("rank {}: outputs hash {:016x}", c.rank, fnv(&all));
     destroy(comm);
 }
 
-fn run(test: &str, world: i32, env: &[(&str, &str)]) {
-    let seed = seed();
+/// Every rank's line `rank R: fused hash H` of every run: one H (the fused rows' bits do not
+/// depend on the kernel the thresholds of a run send them to).
+fn assert_same_fused_hash(runs: &[Vec<std::process::Output>]) {
+    let hashes: Vec<String> = runs
+        .iter()
+        .flatten()
+        .map(|o| {
+            let out = String::from_utf8_lossy(&o.stdout);
+            let l = out
+                .lines()
+                .find(|l| l.contains("fused hash"))
+                .expect("a rank printed no fused hash");
+            l.split("fused hash ").nth(1).unwrap().to_string()
+        })
+        .collect();
+    assert!(
+        hashes.iter().all(|h| *h == hashes[0]),
+        "the fused rows' bits differ between runs or ranks: {hashes:?}"
+    );
+}
+
+fn run(test: &str, world: i32, env: &[(&str, &str)], seed: u64) -> Vec<std::process::Output> {
     let outs = run_ranks(test, world, env, &seed.to_string());
     assert_all_ok(&outs);
     assert_same_output_hash(&outs);
+    outs
 }
 
 #[test]
@@ -220,12 +355,21 @@ fn host_results_are_bitwise_identical_across_ranks_algorithms_and_sizes() {
     if let Some(c) = child() {
         return bitwise_rank(c);
     }
-    for world in [2, 3] {
-        run(
-            "host_results_are_bitwise_identical_across_ranks_algorithms_and_sizes",
-            world,
-            &[HOST],
-        );
+    let seed = seed();
+    let runs: Vec<_> = [2, 3]
+        .iter()
+        .map(|&world| {
+            run(
+                "host_results_are_bitwise_identical_across_ranks_algorithms_and_sizes",
+                world,
+                &[HOST],
+                seed,
+            )
+        })
+        .collect();
+    // Only within a world: another world adds other addends.
+    for r in &runs {
+        assert_same_fused_hash(std::slice::from_ref(r));
     }
 }
 
@@ -237,8 +381,19 @@ fn gpu_results_are_bitwise_identical_across_ranks_algorithms_and_sizes() {
     }
     let name = "gpu_results_are_bitwise_identical_across_ranks_algorithms_and_sizes";
     let world = gpu_world(name);
-    // Default thresholds: every fused call here takes an LL kernel; 64 KiB sends the wider
-    // ones to the barrier kernel.
-    run(name, world, &[]);
-    run(name, world, &[("SYMMALLOC_LL_MAX_BYTES", "64K")]);
+    // Default thresholds: the fused calls up to 64 rows take an LL kernel; 64 KiB sends the
+    // wider ones to the barrier kernel, 0 every one. Same seed: same rows, same bits.
+    let seed = seed();
+    let runs: Vec<_> = ["", "64K", "0"]
+        .iter()
+        .map(|&ll| {
+            let env: &[(&str, &str)] = if ll.is_empty() {
+                &[]
+            } else {
+                &[("SYMMALLOC_LL_MAX_BYTES", ll)]
+            };
+            run(name, world, env, seed)
+        })
+        .collect();
+    assert_same_fused_hash(&runs);
 }

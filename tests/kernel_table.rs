@@ -84,11 +84,11 @@ fn every_table_name_is_instantiated_and_vice_versa() {
         "kernel table and kernels/*.cu disagree"
     );
     // one-shot, LL, two-shot, multimem, reduce-scatter (barrier, LL), all-gather, fused RMSNorm (barrier,
-    // LL with four vectors per thread, with one, and over a cluster), self-test, p2p wait and
-    // signal
+    // LL with four vectors per thread, with one, and over a cluster), their FP8 outputs (4 kernels
+    // x 3 modes x 2 types), self-test, p2p wait and signal
     assert_eq!(
         table.len(),
-        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 1 + 2
+        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2
     );
     // Names the profiles and earlier results use stay as they were.
     for name in [
@@ -100,6 +100,8 @@ fn every_table_name_is_instantiated_and_vice_versa() {
         "symm_all_reduce_add_rms_norm_bf16",
         "symm_all_reduce_add_rms_norm_ll1_fp16",
         "symm_all_reduce_add_rms_norm_llc_bf16",
+        "symm_all_reduce_add_rms_norm_llc_fp8_token_bf16",
+        "symm_all_reduce_add_rms_norm_fp8_group_fp16",
     ] {
         assert!(table.contains(name), "{name}");
     }
@@ -181,6 +183,7 @@ fn rms_argument_struct_matches_the_cuda_source() {
             "uint64_t tokens",
             "float eps",
             "uint32_t push_threads",
+            "uint64_t scale",
         ],
         "kernels/rms_norm.cuh RmsArgs changed: update src/comm/kernel_args.rs in step"
     );

@@ -23,7 +23,7 @@ __version__ = "0.2.0"  # kept equal to Cargo.toml's version by tests/test_no_gpu
 
 from ._fast import _current_stream_handle, _fast_all_reduce, _stream_getter  # noqa: E402,F401
 from ._lib import (  # noqa: E402,F401
-    _ALGOS, _DTYPES, _OPS, _STATS, STATUS, SymmallocError, _candidates, _check, _find, _library,
+    _ALGOS, _DTYPES, _OPS, _QUANTS, _STATS, STATUS, SymmallocError, _candidates, _check, _find, _library,
     get_unique_id, library_path,
 )
 from .comm import Communicator, _eager_fallback, communicator  # noqa: E402,F401

@@ -19,6 +19,8 @@ _DTYPES = {"bfloat16": 0, "float16": 1, "float32": 2}
 _OPS = {"sum": 0, "max": 1, "min": 2}
 # algorithm name -> SYMM_ALGO_<NAME upper-cased>.
 _ALGOS = {"auto": 0, "one_shot": 1, "two_shot": 2, "multimem": 3, "one_shot_ll": 4}
+# FP8 output mode -> SYMM_QUANT_FP8_<NAME upper-cased>.
+_QUANTS = {"static": 0, "per_token": 1, "per_group_128": 2}
 # symm_memory_stats_t's fields, in order (all uint64_t).
 _STATS = [
     "allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "active_blocks", "segments",
@@ -109,6 +111,11 @@ def _library():
         lib.symm_all_reduce_add_rms_norm.argtypes = [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_size_t, ctypes.c_size_t, ctypes.c_float, ctypes.c_uint32, ctypes.c_void_p,
+        ]
+        lib.symm_all_reduce_add_rms_norm_quant.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_float, ctypes.c_uint32,
+            ctypes.c_uint32, ctypes.c_void_p,
         ]
         lib.symm_all_gather.argtypes = [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,

@@ -15,7 +15,7 @@ import weakref
 from typing import Dict, Optional, Sequence, Tuple
 
 from . import _fast
-from ._lib import _ALGOS, _DTYPES, _OPS, SymmallocError, _check, _invalid, _library, get_unique_id
+from ._lib import _ALGOS, _DTYPES, _OPS, _QUANTS, SymmallocError, _check, _invalid, _library, get_unique_id
 
 __all__ = ["Communicator", "communicator"]
 
@@ -89,6 +89,26 @@ def _check_rms_norm(x, residual, weight, out=None, eps: float = 1e-6) -> None:
         raise _invalid(f"all_reduce_add_rms_norm: out {_fmt(out)}; expected x's shape {_fmt(x)}")
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
         raise _invalid(f"all_reduce_add_rms_norm: eps {eps!r} is not a finite number >= 0")
+
+
+def _fp8_mode(what: str, x, scale, group_size) -> Tuple[int, Tuple[int, ...]]:
+    """The FP8 output's symm_quant_t and the shape of its scales, from the arguments' shapes:
+    a given ``scale`` (one float32 element) is static; else ``group_size`` None is a scale per
+    row (shape [..., 1]) and 128 a scale per 128 elements of a row ([..., hidden / 128])."""
+    x = tuple(x)
+    if scale is not None:
+        if group_size is not None:
+            raise _invalid(f"{what}: group_size {group_size!r} with a static scale; a static scale is one value")
+        if tuple(scale) not in ((), (1,)):
+            raise _invalid(f"{what}: scale has shape {_fmt(scale)}; expected one float32 element ([] or [1])")
+        return _QUANTS["static"], tuple(scale)
+    if group_size is None:
+        return _QUANTS["per_token"], x[:-1] + (1,)
+    if group_size != 128:
+        raise _invalid(f"{what}: group_size {group_size!r}; expected None (a scale per row) or 128")
+    if x[-1] % 128:
+        raise _invalid(f"{what}: hidden {x[-1]} is not a multiple of 128 (group_size 128)")
+    return _QUANTS["per_group_128"], x[:-1] + (x[-1] // 128,)
 
 
 def _check_op(op: str) -> int:
@@ -322,6 +342,44 @@ class Communicator:
             comm, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
             x.numel() // hidden, hidden, eps, code, self._stream_of(out)))
         return out
+
+    def all_reduce_add_rms_norm_fp8(self, x, residual, weight, scale=None, eps: float = 1e-6,
+                                    group_size: Optional[int] = None, out=None, scale_out=None):
+        """``residual += allreduce(x)``, then the RMSNorm output quantized to FP8 e4m3 in the
+        same kernel: returns ``(out, scale)`` with ``out = e4m3(rms_norm(residual) * weight /
+        s)`` (torch.float8_e4m3fn, x's shape; round to nearest even, saturated to +-448, NaN
+        stays NaN) from the fp32 value, no bf16 round trip. ``scale`` given (a float32 tensor of
+        one element, on the device; read by the kernel, so a captured graph sees each replay's
+        value): static, returned as is. Otherwise the scales are computed and returned, float32:
+        ``group_size=None`` one per row ([..., 1], ``max(amax / 448, FLT_MIN)``), 128 one per 128
+        elements of a row ([..., hidden / 128], row-major). x, residual bf16/fp16 [..., hidden],
+        weight [hidden]; ``out`` / ``scale_out`` are allocated when not given. On the current
+        stream (docs: README, "Quantized output")."""
+        import torch
+
+        comm = self._live()
+        what = "all_reduce_add_rms_norm_fp8"
+        _check_rms_norm(_shape(x), _shape(residual), _shape(weight), None, eps)
+        code = self._same_dtype(what, x, residual, weight)
+        mode, sshape = _fp8_mode(what, _shape(x), None if scale is None else _shape(scale), group_size)
+        if out is None:
+            out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        elif out.dtype != torch.float8_e4m3fn or tuple(out.shape) != tuple(x.shape) or not out.is_contiguous():
+            raise _invalid(f"{what}: out is {out.dtype} {_fmt(out.shape)}; expected a contiguous float8_e4m3fn tensor of x's shape {_fmt(x.shape)}")
+        if scale is None:
+            if scale_out is None:
+                scale_out = torch.empty(sshape, dtype=torch.float32, device=x.device)
+            elif scale_out.dtype != torch.float32 or tuple(scale_out.shape) != sshape or not scale_out.is_contiguous():
+                raise _invalid(f"{what}: scale_out is {scale_out.dtype} {_fmt(scale_out.shape)}; expected contiguous float32 {_fmt(sshape)}")
+            scale = scale_out
+        elif scale.dtype != torch.float32:
+            raise _invalid(f"{what}: scale is {scale.dtype}; expected float32")
+        self._check_devices(out, scale)
+        hidden = weight.numel()
+        _check(_library().symm_all_reduce_add_rms_norm_quant(
+            comm, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), scale.data_ptr(),
+            x.numel() // hidden, hidden, eps, code, mode, self._stream_of(out)))
+        return out, scale
 
     def _bind(self) -> None:
         """What every call needs, looked up once: the entry point and the stream getter; and the

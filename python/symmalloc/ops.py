@@ -20,6 +20,17 @@ communicator is named by its ``handle`` (an int); the wrappers below take the ob
 | ``put_`` | ``(Tensor src, Tensor(a!) dst, int peer, int comm) -> ()`` | ``src`` into rank ``peer``'s ``dst`` |
 | ``signal_`` | ``(Tensor(a!) buf, int peer, int slot, int value, int comm) -> ()`` | rank ``peer``'s slot raised after the puts into ``buf`` |
 | ``wait_`` | ``(Tensor(a!) buf, int slot, int value, int comm) -> ()`` | the current stream held until this rank's slot >= ``value`` |
+| ``all_reduce_add_rms_norm_fp8`` | ``(Tensor x, Tensor(a!) residual, Tensor weight, Tensor? scale, float eps, int group_size, int comm) -> (Tensor, Tensor)`` | ``(out_fp8, scale)``; ``residual`` updated |
+| ``all_reduce_add_rms_norm_functional`` | ``(Tensor x, Tensor residual, Tensor weight, float eps, int comm) -> (Tensor, Tensor)`` | ``(out, residual_out)``; no input mutated |
+| ``all_reduce_add_rms_norm_fp8_functional`` | ``(Tensor x, Tensor residual, Tensor weight, Tensor? scale, float eps, int group_size, int comm) -> (Tensor, Tensor, Tensor)`` | ``(out_fp8, scale, residual_out)``; no input mutated |
+
+The fp8 ops' ``scale``: a float32 tensor of one element is the static scale (the returned
+``scale`` is then a copy of it: an op's output may not alias an input); ``None`` computes the
+scales, one per row (``group_size`` 0, shape [..., 1]) or one per 128 elements of a row
+(``group_size`` 128, shape [..., hidden / 128]). The functional forms mutate nothing: a compiled
+function that takes the residual as an argument and passes it to them keeps its CUDA graph
+under ``mode="reduce-overhead"`` (a mutated graph input makes torch skip CUDA graphs). They copy
+the residual into ``residual_out`` and update that copy (one extra copy kernel).
 
 Every op refuses what the ``Communicator`` method refuses (docs/python-errors.md), and its fake
 implementation refuses the same names, dtypes and shapes, so torch.compile reports them while
@@ -30,14 +41,16 @@ are staged through the communicator's scratch buffer, inside the same call; allo
 from ``symmalloc.mem_pool()`` for the zero-copy path.
 """
 
-from typing import Union
+from typing import Optional, Tuple, Union
 
 import torch
 
 from ._lib import _ALGOS, SymmallocError
-from .comm import Communicator, _check_op, _check_rms_norm, _dtype_code, communicator
+from .comm import Communicator, _check_op, _check_rms_norm, _dtype_code, _fp8_mode, communicator
 
-__all__ = ["all_reduce", "all_reduce_", "reduce_scatter", "all_gather", "all_reduce_add_rms_norm", "put_", "signal_", "wait_"]
+__all__ = ["all_reduce", "all_reduce_", "reduce_scatter", "all_gather", "all_reduce_add_rms_norm",
+           "all_reduce_add_rms_norm_fp8", "all_reduce_add_rms_norm_functional",
+           "all_reduce_add_rms_norm_fp8_functional", "put_", "signal_", "wait_"]
 
 Comm = Union[Communicator, int]
 
@@ -139,6 +152,76 @@ def _(x, residual, weight, eps, comm):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _group(group_size: int) -> Optional[int]:
+    return None if group_size == 0 else group_size
+
+
+def _fp8_fake(what, x, residual, weight, scale, eps, group_size, comm):
+    """What the fp8 fakes check and return: (out, scale) of the right shapes and dtypes."""
+    communicator(comm)
+    _check_rms_norm(tuple(x.shape), tuple(residual.shape), tuple(weight.shape), None, eps)
+    _check_names(what, x, "sum")
+    _, sshape = _fp8_mode(what, tuple(x.shape), None if scale is None else tuple(scale.shape), _group(group_size))
+    return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+            torch.empty(sshape, dtype=torch.float32, device=x.device))
+
+
+def _fp8_call(c, what, x, residual, weight, scale, eps, group_size):
+    out, s = c.all_reduce_add_rms_norm_fp8(x.contiguous(), residual, weight.contiguous(), scale=scale, eps=eps,
+                                           group_size=_group(group_size))
+    return out, (s.clone() if scale is not None else s)  # an output may not alias an input
+
+
+@torch.library.custom_op("symmalloc::all_reduce_add_rms_norm_fp8", mutates_args=("residual",))
+def _all_reduce_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                 scale: Optional[torch.Tensor], eps: float, group_size: int,
+                                 comm: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    c = communicator(comm)
+    if not residual.is_contiguous():
+        raise SymmallocError("SYMM_ERR_INVALID_ARGUMENT", "all_reduce_add_rms_norm_fp8: residual must be contiguous (it is updated in place)")
+    return _fp8_call(c, "all_reduce_add_rms_norm_fp8", x, residual, weight, scale, eps, group_size)
+
+
+@_all_reduce_add_rms_norm_fp8.register_fake
+def _(x, residual, weight, scale, eps, group_size, comm):
+    return _fp8_fake("all_reduce_add_rms_norm_fp8", x, residual, weight, scale, eps, group_size, comm)
+
+
+@torch.library.custom_op("symmalloc::all_reduce_add_rms_norm_functional", mutates_args=())
+def _all_reduce_add_rms_norm_functional(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                        comm: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    c = communicator(comm)
+    _check_rms_norm(tuple(x.shape), tuple(residual.shape), tuple(weight.shape), None, eps)
+    res = residual.contiguous().clone()
+    return c.all_reduce_add_rms_norm(x.contiguous(), res, weight.contiguous(), eps=eps), res
+
+
+@_all_reduce_add_rms_norm_functional.register_fake
+def _(x, residual, weight, eps, comm):
+    communicator(comm)
+    _check_rms_norm(tuple(x.shape), tuple(residual.shape), tuple(weight.shape), None, eps)
+    _check_names("all_reduce_add_rms_norm_functional", x, "sum")
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(residual, memory_format=torch.contiguous_format))
+
+
+@torch.library.custom_op("symmalloc::all_reduce_add_rms_norm_fp8_functional", mutates_args=())
+def _all_reduce_add_rms_norm_fp8_functional(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                            scale: Optional[torch.Tensor], eps: float, group_size: int,
+                                            comm: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    c = communicator(comm)
+    _check_rms_norm(tuple(x.shape), tuple(residual.shape), tuple(weight.shape), None, eps)
+    res = residual.contiguous().clone()
+    out, s = _fp8_call(c, "all_reduce_add_rms_norm_fp8_functional", x, res, weight, scale, eps, group_size)
+    return out, s, res
+
+
+@_all_reduce_add_rms_norm_fp8_functional.register_fake
+def _(x, residual, weight, scale, eps, group_size, comm):
+    out, s = _fp8_fake("all_reduce_add_rms_norm_fp8_functional", x, residual, weight, scale, eps, group_size, comm)
+    return out, s, torch.empty_like(residual, memory_format=torch.contiguous_format)
+
+
 def all_reduce(x: torch.Tensor, comm: Comm, op: str = "sum", algo: str = "auto") -> torch.Tensor:
     """The reduction of every rank's ``x``, as a new tensor (``torch.ops.symmalloc.all_reduce``)."""
     return torch.ops.symmalloc.all_reduce(x, _handle(comm), op, algo)
@@ -217,3 +300,26 @@ def signal_(buf: torch.Tensor, peer: int, slot: int, value: int, comm: Comm) -> 
 def wait_(buf: torch.Tensor, slot: int, value: int, comm: Comm) -> None:
     """Holds the current stream until this rank's slot >= ``value``; ``buf`` is read after it."""
     torch.ops.symmalloc.wait_(buf, slot, value, _handle(comm))
+
+
+def all_reduce_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, comm: Comm,
+                                scale: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                                group_size: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``residual += all_reduce(x)``; returns ``(e4m3(rms_norm(residual) * weight / s), s)``
+    (``Communicator.all_reduce_add_rms_norm_fp8``; a static ``scale`` comes back as a copy)."""
+    return torch.ops.symmalloc.all_reduce_add_rms_norm_fp8(x, residual, weight, scale, eps, group_size or 0, _handle(comm))
+
+
+def all_reduce_add_rms_norm_functional(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, comm: Comm,
+                                       eps: float = 1e-6) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(r) * weight, r)`` with ``r = residual + all_reduce(x)``; mutates no input."""
+    return torch.ops.symmalloc.all_reduce_add_rms_norm_functional(x, residual, weight, eps, _handle(comm))
+
+
+def all_reduce_add_rms_norm_fp8_functional(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, comm: Comm,
+                                           scale: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                                           group_size: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out_fp8, scale, r)`` as ``all_reduce_add_rms_norm_fp8``, with ``r`` the new residual;
+    mutates no input."""
+    return torch.ops.symmalloc.all_reduce_add_rms_norm_fp8_functional(x, residual, weight, scale, eps, group_size or 0,
+                                                                      _handle(comm))

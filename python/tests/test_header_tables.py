@@ -1,4 +1,4 @@
-"""The package's tables of the C ABI (symmalloc._lib: STATUS, _DTYPES, _OPS, _ALGOS, _STATS)
+"""The package's tables of the C ABI (symmalloc._lib: STATUS, _DTYPES, _OPS, _ALGOS, _QUANTS, _STATS)
 against include/symmalloc.h of the checkout. The wheel's test venv has no header (only the
 package is installed there): the test skips with that reason; the checkout's run (make
 test-python) is the one that guards the tables."""
@@ -44,6 +44,9 @@ def test_dtypes_ops_and_algorithms(header):
     assert {"SUM", "MAX", "MIN"} <= set(dtypes)
     algos = _defines(header, "SYMM_ALGO_")
     assert symmalloc._ALGOS == {k.lower(): v for k, v in algos.items()}
+    quants = _defines(header, "SYMM_QUANT_FP8_")
+    assert symmalloc._QUANTS == {k.lower(): v for k, v in quants.items()}
+    assert len(quants) == 3
 
 
 def test_stats_fields_in_order(header):

@@ -1,6 +1,6 @@
 """PyTorch-native paths through torchrun: torch.compile over the custom ops
-(torch_compile_check.py), from_env's secret through torchrun's store (from_env_check.py) and
-several groups (groups_check.py).
+(torch_compile_check.py), the FP8 fused output against torch (fp8_check.py), from_env's secret through
+torchrun's store (from_env_check.py) and several groups (groups_check.py).
 On CI-like machines they run on CPU tensors over the host backend (SYMMALLOC_BACKEND=host);
 on a machine with 2 GPUs the compile check runs on them. Both skip, with the reason, without
 torch."""
@@ -30,6 +30,13 @@ def test_compile_keeps_the_block_whole():
         pytest.skip("needs 2 GPUs, or SYMMALLOC_BACKEND=host")
     out = _torchrun("torch_compile_check.py", 29541)
     assert out.count("0 graph breaks") == 2, out
+
+
+def test_fp8_output_matches_torch_and_compiles_into_cuda_graphs():
+    if not HOST and not (torch.cuda.is_available() and torch.cuda.device_count() >= 2):
+        pytest.skip("needs 2 GPUs, or SYMMALLOC_BACKEND=host")
+    out = _torchrun("fp8_check.py", 29543)
+    assert out.count("fp8 ok") == 2 and out.count("0 cudagraph skips") == 2, out
 
 
 def test_from_env_secret_comes_through_the_store():

@@ -36,6 +36,40 @@ pub enum Algo {
     OneShotLL,
 }
 
+/// The FP8 (e4m3) output of the fused call (`symm_quant_t`; ffi/types.rs converts), as
+/// kernels/quant.cuh defines it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Quant {
+    /// One fp32 scale, read from device memory by the kernel.
+    Static,
+    /// A scale per row, written: max(amax / 448, FLT_MIN).
+    PerToken,
+    /// A scale per 128 elements of a row, written row-major `[tokens, hidden / 128]`.
+    PerGroup128,
+}
+
+impl Quant {
+    /// The C ABI value (`SYMM_QUANT_FP8_*`).
+    pub fn code(self) -> u32 {
+        self as u32
+    }
+    /// The suffix of its kernel instances (kernels.rs).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Quant::Static => "static",
+            Quant::PerToken => "token",
+            Quant::PerGroup128 => "group",
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Quant::Static => "SYMM_QUANT_FP8_STATIC",
+            Quant::PerToken => "SYMM_QUANT_FP8_PER_TOKEN",
+            Quant::PerGroup128 => "SYMM_QUANT_FP8_PER_GROUP_128",
+        }
+    }
+}
+
 /// What a call runs: one kernel family of kernels/ (src/comm/kernels.rs names its instances).
 /// Internal: callers name an `Algo` or a collective, `algo.rs` picks the kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

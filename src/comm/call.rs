@@ -7,7 +7,7 @@
 //! extents are in bytes (`Extents`), computed once here with overflow checks; nothing after this
 //! converts again.
 
-use super::algo::{Algo, DType, ReduceOp};
+use super::algo::{Algo, DType, Quant, ReduceOp};
 use super::kernel_args::RMS_MAX_HIDDEN;
 use crate::error::{Error, Result};
 
@@ -27,10 +27,45 @@ pub enum Coll {
 pub struct Rms {
     pub residual: u64,
     pub weight: u64,
+    /// The output: the input's type, or e4m3 bytes when `quant` is set.
     pub out: u64,
     pub tokens: u64,
     pub hidden: u64,
     pub eps: f32,
+    /// The FP8 output's mode and scale buffer (kernels/quant.cuh); None for a bf16/fp16 output.
+    pub quant: Option<QuantOut>,
+}
+
+/// An FP8 output: its mode, and the fp32 scale buffer (read for STATIC; written, `scales()`
+/// floats, otherwise).
+#[derive(Clone, Copy, Debug)]
+pub struct QuantOut {
+    pub mode: Quant,
+    pub scale: u64,
+}
+
+/// Elements of an FP8 scale group (`Quant::PerGroup128`).
+pub const QUANT_GROUP: u64 = 128;
+
+impl Rms {
+    /// The name of the call, for messages.
+    pub fn name(&self) -> &'static str {
+        if self.quant.is_some() {
+            "all_reduce_add_rms_norm_quant"
+        } else {
+            "all_reduce_add_rms_norm"
+        }
+    }
+
+    /// Scales of an FP8 output: 1 (static), one per row, or one per group of 128 of a row.
+    pub fn scales(&self) -> u64 {
+        match self.quant.map(|q| q.mode) {
+            None => 0,
+            Some(Quant::Static) => 1,
+            Some(Quant::PerToken) => self.tokens,
+            Some(Quant::PerGroup128) => self.tokens.saturating_mul(self.hidden / QUANT_GROUP),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -60,7 +95,7 @@ impl Call {
             Coll::AllReduce(_) => "all_reduce",
             Coll::ReduceScatter => "reduce_scatter",
             Coll::AllGather => "all_gather",
-            Coll::AddRmsNorm(_) => "all_reduce_add_rms_norm",
+            Coll::AddRmsNorm(r) => r.name(),
             Coll::Barrier => "barrier",
         }
     }
@@ -113,18 +148,28 @@ impl Call {
             }
             Coll::AddRmsNorm(r) => {
                 check_rms(self.send, &r, self.dtype)?;
-                let b = byte_size(byte_size(r.tokens, r.hidden, 1)?, es, 1)?;
-                let own = [
+                let elems = byte_size(r.tokens, r.hidden, 1)?;
+                let b = byte_size(elems, es, 1)?;
+                // An FP8 output is a byte per element, plus its scales.
+                let (out_name, out_bytes) = match r.quant {
+                    Some(_) => ("out_q", elems),
+                    None => ("out", b),
+                };
+                let mut own = vec![
                     (r.residual, b, "residual"),
-                    (r.out, b, "out"),
+                    (r.out, out_bytes, out_name),
                     (r.weight, r.hidden * es, "weight"),
                 ];
+                if let Some(q) = r.quant {
+                    own.push((q.scale, byte_size(r.scales(), 4, 1)?, "scale"));
+                }
+                let what = r.name();
                 for (i, &(p, n, name)) in own.iter().enumerate() {
                     for &(q, m, other) in own[..i].iter().chain([(self.send, b, "x")].iter()) {
                         if p < q + m && q < p + n {
                             return Err(Error::invalid(format!(
-                                "all_reduce_add_rms_norm: {name} ({p:#x}, {n} bytes) overlaps \
-                                 {other} ({q:#x}, {m} bytes); expected separate buffers"
+                                "{what}: {name} ({p:#x}, {n} bytes) overlaps {other} ({q:#x}, \
+                                 {m} bytes); expected separate buffers"
                             )));
                         }
                     }
@@ -200,35 +245,49 @@ fn check_overlap(c: &Call, e: Extents, slot_at: u64) -> Result<()> {
 
 /// What the fused kernels need of the shape, types and pointers, each named when it is wrong.
 fn check_rms(x: u64, r: &Rms, dtype: DType) -> Result<()> {
+    let what = r.name();
     if dtype == DType::Fp32 {
-        return Err(Error::unsupported(
-            "all_reduce_add_rms_norm takes bf16 or fp16 (fp32 accumulation inside); fp32 is not \
-             supported",
-        ));
+        return Err(Error::unsupported(format!(
+            "{what} takes bf16 or fp16 (fp32 accumulation inside); fp32 is not supported"
+        )));
     }
     if r.hidden == 0 || r.hidden % 8 != 0 || r.hidden > RMS_MAX_HIDDEN {
         return Err(Error::invalid(format!(
-            "all_reduce_add_rms_norm: hidden {} is not supported; expected a multiple of 8 from 8 \
-             to {RMS_MAX_HIDDEN}",
+            "{what}: hidden {} is not supported; expected a multiple of 8 from 8 to \
+             {RMS_MAX_HIDDEN}",
             r.hidden
         )));
     }
     if !(r.eps.is_finite() && r.eps >= 0.0) {
         return Err(Error::invalid(format!(
-            "all_reduce_add_rms_norm: eps {} is not a finite non-negative number",
+            "{what}: eps {} is not a finite non-negative number",
             r.eps
         )));
     }
-    for (p, name) in [
-        (x, "x"),
-        (r.residual, "residual"),
-        (r.weight, "weight"),
-        (r.out, "out"),
-    ] {
-        if p == 0 || p % 16 != 0 {
+    let mut ptrs = vec![
+        (x, "x", 16),
+        (r.residual, "residual", 16),
+        (r.weight, "weight", 16),
+    ];
+    match r.quant {
+        None => ptrs.push((r.out, "out", 16)),
+        Some(q) => {
+            // The kernels store 8 e4m3 bytes per vector, and read or write fp32 scales.
+            ptrs.push((r.out, "out_q", 8));
+            ptrs.push((q.scale, "scale", 4));
+            if q.mode == Quant::PerGroup128 && r.hidden % QUANT_GROUP != 0 {
+                return Err(Error::invalid(format!(
+                    "{what}: hidden {} is not a multiple of {QUANT_GROUP}; \
+                     SYMM_QUANT_FP8_PER_GROUP_128 takes a scale per {QUANT_GROUP} elements of a row",
+                    r.hidden
+                )));
+            }
+        }
+    }
+    for (p, name, align) in ptrs {
+        if p == 0 || p % align != 0 {
             return Err(Error::invalid(format!(
-                "all_reduce_add_rms_norm: {name} {p:#x} must be a non-NULL, 16-byte aligned \
-                 pointer"
+                "{what}: {name} {p:#x} must be a non-NULL, {align}-byte aligned pointer"
             )));
         }
     }

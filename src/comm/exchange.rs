@@ -36,7 +36,8 @@ pub(super) struct CallDesc {
     pub count: u64,
     pub dtype: DType,
     pub op: ReduceOp,
-    /// The fused call's row width (hidden); 0 otherwise.
+    /// The fused call's row width (hidden) and, from bit 32, its output format (plan.rs); 0
+    /// otherwise.
     pub width: u64,
 }
 

@@ -1,10 +1,11 @@
 //! The host backend's collectives: the same semantics as the kernels (fixed rank order, fp32
 //! accumulation, one-shot and two-shot data movement, reduce-scatter and all-gather, barriers
 //! through the shared signal pad with acquire/release and a timeout), run by the CPU over the
-//! peer windows. Slot 0 of the pad is used (the host has one "block").
+//! peer windows; the fused call's row arithmetic is host_norm.rs's. Slot 0 of the pad is used (the host has one "block").
 
-use super::algo::{DType, Kernel, ReduceOp};
+use super::algo::{DType, Kernel, Quant, ReduceOp};
 use super::convert::*;
+use super::host_norm;
 use super::kernel_args::slot;
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -35,6 +36,8 @@ pub struct HostRms {
     pub out: u64,
     pub hidden: usize,
     pub eps: f32,
+    /// FP8 output (`out` holds e4m3 bytes): its mode and the fp32 scale buffer.
+    pub quant: Option<(Quant, u64)>,
 }
 
 fn flag(addr: u64) -> &'static AtomicU32 {
@@ -144,17 +147,39 @@ pub fn run(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
             let f = c.rms.expect("the fused call carries its buffers");
             let mut row = vec![0f32; f.hidden];
             for t in 0..c.count / f.hidden {
-                let mut ss = 0f32;
                 for (j, v) in row.iter_mut().enumerate() {
                     let i = t * f.hidden + j;
                     *v = reduce(c, i) + load(c.dtype, f.residual, i);
                     store(c.dtype, f.residual, i, *v);
-                    ss += *v * *v;
                 }
+                let ss = host_norm::row_squares(&row);
                 let inv = 1.0 / (ss / f.hidden as f32 + f.eps).sqrt();
-                for (j, v) in row.iter().enumerate() {
-                    let w = load(c.dtype, f.weight, j);
-                    store(c.dtype, f.out, t * f.hidden + j, v * inv * w);
+                let Some((mode, scale)) = f.quant else {
+                    for (j, v) in row.iter().enumerate() {
+                        let w = load(c.dtype, f.weight, j);
+                        store(c.dtype, f.out, t * f.hidden + j, v * inv * w);
+                    }
+                    continue;
+                };
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = *v * inv * load(c.dtype, f.weight, j);
+                }
+                // SAFETY: scale is a checked, 4-byte aligned host buffer of the call's scales
+                // (call.rs); the static one is read, the others written at this row's place.
+                unsafe {
+                    let s = match mode {
+                        Quant::Static => std::ptr::read_volatile(scale as *const f32),
+                        _ => 0.0,
+                    };
+                    let (q, scales) = host_norm::quantize_row(mode, &row, s);
+                    let out = (f.out as *mut u8).add(t * f.hidden);
+                    for (j, b) in q.into_iter().enumerate() {
+                        std::ptr::write_volatile(out.add(j), b);
+                    }
+                    let at = (scale as *mut f32).add(t * scales.len());
+                    for (g, v) in scales.into_iter().enumerate() {
+                        std::ptr::write_volatile(at.add(g), v);
+                    }
                 }
             }
         }

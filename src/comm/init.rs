@@ -373,6 +373,7 @@ impl Communicator {
             releases,
             pads: Vec::new(),
             kernels: HashMap::new(),
+            quant_kernels: HashMap::new(),
             fewest_sms,
             resident: HashMap::new(),
             auto_seen: Default::default(),

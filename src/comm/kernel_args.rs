@@ -113,9 +113,12 @@ pub struct RmsArgs {
     pub eps: f32,
     /// LL kernel: threads per block that push x (the LL all-reduce's spread of the message).
     pub push_threads: u32,
+    /// FP8 output (kernels/quant.cuh): the static scale's address, or where the per-token or
+    /// per-group scales go; 0 for a bf16/fp16 output.
+    pub scale: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<RmsArgs>() == 256 + 48);
+const _: () = assert!(std::mem::size_of::<RmsArgs>() == 256 + 56);
 
 /// A constant kernels/symm_constants.cuh defines: `#define NAME VALUE[SUFFIX]`.
 pub struct SharedConstant {

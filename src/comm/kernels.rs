@@ -5,7 +5,7 @@
 //! table generates (`make kernels` rewrites them), so names, instances and constants cannot
 //! drift apart (NCCL keeps its kernel ids in step with names the same way).
 
-use super::algo::{DType, Kernel, ReduceOp};
+use super::algo::{DType, Kernel, Quant, ReduceOp};
 use super::kernel_args::SHARED_CONSTANTS;
 
 /// How a family's body template is instantiated.
@@ -182,7 +182,116 @@ pub const FAMILIES: &[Family] = &[
         vecs: &[],
         tparams: TParams::Type,
     },
+    // The FP8 outputs (kernels/quant.cuh): each fused kernel once per symm_quant_t mode.
+    fp8(
+        Kernel::AddRmsNorm,
+        "all_reduce_add_rms_norm_fp8_static",
+        "rms_body",
+        "SYMM_THREADS",
+        "QUANT_STATIC",
+    ),
+    fp8(
+        Kernel::AddRmsNorm,
+        "all_reduce_add_rms_norm_fp8_token",
+        "rms_body",
+        "SYMM_THREADS",
+        "QUANT_PER_TOKEN",
+    ),
+    fp8(
+        Kernel::AddRmsNorm,
+        "all_reduce_add_rms_norm_fp8_group",
+        "rms_body",
+        "SYMM_THREADS",
+        "QUANT_PER_GROUP",
+    ),
+    fp8(
+        Kernel::AddRmsNormLL,
+        "all_reduce_add_rms_norm_ll_fp8_static",
+        "rms_ll_body",
+        "SYMM_THREADS",
+        "SYMM_RMS_VECS, QUANT_STATIC",
+    ),
+    fp8(
+        Kernel::AddRmsNormLL,
+        "all_reduce_add_rms_norm_ll_fp8_token",
+        "rms_ll_body",
+        "SYMM_THREADS",
+        "SYMM_RMS_VECS, QUANT_PER_TOKEN",
+    ),
+    fp8(
+        Kernel::AddRmsNormLL,
+        "all_reduce_add_rms_norm_ll_fp8_group",
+        "rms_ll_body",
+        "SYMM_THREADS",
+        "SYMM_RMS_VECS, QUANT_PER_GROUP",
+    ),
+    fp8(
+        Kernel::AddRmsNormLL1,
+        "all_reduce_add_rms_norm_ll1_fp8_static",
+        "rms_ll_body",
+        "SYMM_RMS_LL1_THREADS",
+        "1, QUANT_STATIC",
+    ),
+    fp8(
+        Kernel::AddRmsNormLL1,
+        "all_reduce_add_rms_norm_ll1_fp8_token",
+        "rms_ll_body",
+        "SYMM_RMS_LL1_THREADS",
+        "1, QUANT_PER_TOKEN",
+    ),
+    fp8(
+        Kernel::AddRmsNormLL1,
+        "all_reduce_add_rms_norm_ll1_fp8_group",
+        "rms_ll_body",
+        "SYMM_RMS_LL1_THREADS",
+        "1, QUANT_PER_GROUP",
+    ),
+    fp8(
+        Kernel::AddRmsNormLLC,
+        "all_reduce_add_rms_norm_llc_fp8_static",
+        "rms_llc_body",
+        "SYMM_RMS_LLC_THREADS",
+        "QUANT_STATIC",
+    ),
+    fp8(
+        Kernel::AddRmsNormLLC,
+        "all_reduce_add_rms_norm_llc_fp8_token",
+        "rms_llc_body",
+        "SYMM_RMS_LLC_THREADS",
+        "QUANT_PER_TOKEN",
+    ),
+    fp8(
+        Kernel::AddRmsNormLLC,
+        "all_reduce_add_rms_norm_llc_fp8_group",
+        "rms_llc_body",
+        "SYMM_RMS_LLC_THREADS",
+        "QUANT_PER_GROUP",
+    ),
 ];
+
+/// A fused kernel's FP8 instance family: bf16 and fp16 inputs, `mode` (the template's
+/// QUANT_* argument, after `extra`) its output. Its name is the bf16-output family's plus
+/// `_fp8_<static|token|group>` (`quant_kernel_name` finds it by that).
+const fn fp8(
+    kernel: Kernel,
+    name: &'static str,
+    body: &'static str,
+    bounds: &'static str,
+    targs: &'static str,
+) -> Family {
+    Family {
+        kernel,
+        name,
+        header: "rms_norm.cuh",
+        body,
+        args: "RmsArgs",
+        bounds,
+        dtypes: HALF_TYPES,
+        ops: &[],
+        vecs: &[],
+        tparams: TParams::TypeAnd(targs),
+    }
+}
 
 fn c_type(d: DType) -> &'static str {
     match d {
@@ -201,6 +310,11 @@ fn c_op(o: ReduceOp) -> &'static str {
 }
 
 impl Family {
+    /// An FP8-output family (`fp8`).
+    fn is_fp8(&self) -> bool {
+        self.name.contains("_fp8_")
+    }
+
     /// Whether the family has an instance for (type, op, width).
     fn has(&self, dtype: DType, op: ReduceOp, vec: bool) -> bool {
         self.dtypes.contains(&dtype)
@@ -259,9 +373,25 @@ impl Family {
 /// Name of the kernel of `kernel` for (type, op, width), None where the family has no such
 /// instance.
 pub fn kernel_name(kernel: Kernel, dtype: DType, op: ReduceOp, vec: bool) -> Option<String> {
-    let f = FAMILIES.iter().find(|f| f.kernel == kernel)?;
+    let f = FAMILIES
+        .iter()
+        .find(|f| f.kernel == kernel && !f.is_fp8())?;
     f.has(dtype, op, vec)
         .then(|| f.instance_name(dtype, op, vec))
+}
+
+/// Name of the FP8-output instance of the fused kernel `kernel` for `dtype` in `quant` mode,
+/// None where there is none.
+pub fn quant_kernel_name(kernel: Kernel, dtype: DType, quant: Quant) -> Option<String> {
+    let base = FAMILIES
+        .iter()
+        .find(|f| f.kernel == kernel && !f.is_fp8())?;
+    let name = format!("{}_fp8_{}", base.name, quant.suffix());
+    let f = FAMILIES
+        .iter()
+        .find(|f| f.kernel == kernel && f.name == name)?;
+    f.has(dtype, ReduceOp::Sum, true)
+        .then(|| f.instance_name(dtype, ReduceOp::Sum, true))
 }
 
 /// Every collective kernel name the library may ask the module for.

@@ -6,7 +6,7 @@
 //! Invariants: a plan's kernel and grid are the same on every rank (plan.rs), so block b meets
 //! block b; kernels of one communicator are ordered (streams.rs), whatever streams carry them.
 
-use super::algo::{DType, Kernel, ReduceOp};
+use super::algo::{DType, Kernel, Quant, ReduceOp};
 use super::call::Coll;
 use super::exchange::{CallDesc, RANK_LOCAL};
 use super::host_reduce::{self, HostCall, HostRms};
@@ -49,6 +49,7 @@ impl Communicator {
                 out: r.out,
                 hidden: r.hidden as usize,
                 eps: r.eps,
+                quant: r.quant.map(|q| (q.mode, q.scale)),
             }),
             _ => None,
         };
@@ -79,12 +80,13 @@ impl Communicator {
     /// The kernel, with `SymmArgs` (or the fused call's `RmsArgs`) on the plan's grid.
     fn run_kernel(&mut self, plan: &Plan) -> Result<()> {
         let (dtype, stream) = (plan.call.dtype, plan.call.stream);
-        let f = self.kernel_fn(plan.kernel, dtype, plan.call.op, plan.vec)?;
         let mut s = self.symm_args(&plan.desc, plan.mc_out);
         s.in_place = (plan.desc.send_off == plan.desc.recv_off) as i32;
         let Coll::AddRmsNorm(r) = plan.call.coll else {
+            let f = self.kernel_fn(plan.kernel, dtype, plan.call.op, plan.vec)?;
             return cuda::module::launch(self.device, f, plan.grid, plan.threads, stream, &s);
         };
+        let f = self.fused_kernel_fn(plan.kernel, dtype, r.quant.map(|q| q.mode))?;
         let args = RmsArgs {
             s,
             residual: r.residual,
@@ -94,6 +96,7 @@ impl Communicator {
             tokens: r.tokens,
             eps: r.eps,
             push_threads: plan.push_threads,
+            scale: r.quant.map_or(0, |q| q.scale),
         };
         if plan.cluster > 1 {
             return cuda::module::launch_cluster(
@@ -165,6 +168,33 @@ impl Communicator {
         })?;
         let f = cuda::module::function(self.device, &name)?;
         self.kernels.insert((kernel, dtype, op, vec), f);
+        Ok(f)
+    }
+
+    /// A fused kernel: its bf16/fp16-output instance (`kernel_fn`), or its FP8 instance of
+    /// `quant`'s mode, looked up in the module once.
+    pub(super) fn fused_kernel_fn(
+        &mut self,
+        kernel: Kernel,
+        dtype: DType,
+        quant: Option<Quant>,
+    ) -> Result<cuda::module::Function> {
+        let Some(q) = quant else {
+            return self.kernel_fn(kernel, dtype, ReduceOp::Sum, true);
+        };
+        if let Some(&f) = self.quant_kernels.get(&(kernel, dtype, q)) {
+            return Ok(f);
+        }
+        let name = kernels::quant_kernel_name(kernel, dtype, q).ok_or_else(|| {
+            Error::unsupported(format!(
+                "no {} kernel with {} output for {}",
+                kernel.name(),
+                q.name(),
+                dtype.name()
+            ))
+        })?;
+        let f = cuda::module::function(self.device, &name)?;
+        self.quant_kernels.insert((kernel, dtype, q), f);
         Ok(f)
     }
 

@@ -34,6 +34,7 @@ pub mod convert;
 pub mod device_comm;
 mod error_word;
 mod exchange;
+pub mod host_norm;
 pub mod host_reduce;
 mod init;
 pub mod kernel_args;
@@ -100,8 +101,9 @@ pub struct Communicator {
     /// (shape.rs, `fit_resident`). Equal on every rank, as `clusters`.
     fewest_sms: u32,
     /// Blocks per SM of a fused LL kernel at a block size, by (algo, dtype, threads): the
-    /// driver's occupancy answer, asked once (plan.rs, `resident_blocks`).
-    resident: HashMap<(Kernel, DType, u32), u32>,
+    /// driver's occupancy answer, asked once (plan.rs, `resident_blocks`); by output format too
+    /// (an FP8 instance may hold more registers).
+    resident: HashMap<(Kernel, DType, u32, Option<algo::Quant>), u32>,
     /// The peers' release logs: their segments given back, to unmap here (retire.rs).
     releases: retire::PeerReleases,
     /// Each rank's signal pad in this process's address space (fixed after init).
@@ -124,6 +126,8 @@ pub struct Communicator {
     members: Vec<peers::PeerIdent>,
     /// A child's ranks as its parent's, for errors that name a rank (split.rs).
     lineage: Option<String>,
+    /// The fused kernels' FP8-output instances already looked up (as `kernels`).
+    quant_kernels: HashMap<(Kernel, DType, algo::Quant), cuda::module::Function>,
 }
 
 impl Communicator {

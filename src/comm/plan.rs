@@ -9,7 +9,7 @@
 //! kernel touches are exchanged with the peers (and compared) before the plan exists; nothing
 //! is enqueued on the stream here, so a call that fails in `prepare` leaves no work behind.
 
-use super::algo::{self, DType, Kernel, ReduceOp};
+use super::algo::{self, DType, Kernel, Quant};
 use super::call::{Call, Coll, Extents};
 use super::exchange::{CallDesc, DescKind, RANK_LOCAL};
 use super::shape::{self, FusedShape};
@@ -92,12 +92,21 @@ impl Communicator {
                 } else {
                     // The LL all-reduce's spread for a message of this size.
                     push_threads = shape::ll_threads(call.count / 8, self.ll_grid);
-                    let s =
-                        self.fused_shape(r.tokens, r.hidden, push_threads, ext.send, call.dtype)?;
+                    let q = r.quant.map(|q| q.mode);
+                    let s = self.fused_shape(
+                        r.tokens,
+                        r.hidden,
+                        push_threads,
+                        ext.send,
+                        (call.dtype, q),
+                    )?;
                     fused = Some(s);
                     s.kernel
                 };
-                (DescKind::AddRmsNorm, kernel, r.hidden)
+                // The output format is part of what ranks agree on (bits 32 and up: 0 for
+                // bf16/fp16, 1 + symm_quant_t for FP8).
+                let format = r.quant.map_or(0, |q| 1 + q.mode.code() as u64);
+                (DescKind::AddRmsNorm, kernel, r.hidden | format << 32)
             }
         };
         let desc = CallDesc {
@@ -266,7 +275,7 @@ impl Communicator {
         hidden: u64,
         push_threads: u32,
         bytes: u64,
-        dtype: DType,
+        (dtype, quant): (DType, Option<Quant>),
     ) -> Result<FusedShape> {
         let (ll_max, clusters) = (self.auto.ll_max, self.clusters);
         let s = shape::fit_resident(
@@ -282,7 +291,7 @@ impl Communicator {
                     clusters,
                 )
             },
-            |s| self.resident_blocks(s, dtype),
+            |s| self.resident_blocks(s, dtype, quant),
         )?;
         Ok(s.unwrap_or_else(|| shape::fused_barrier_shape(tokens, hidden)))
     }
@@ -293,12 +302,17 @@ impl Communicator {
     /// groups its SMs (a cluster cannot span groups, and the grouping differs between chips of
     /// one model, so it is no input every rank shares): the cluster kernel holds two blocks per
     /// SM at its widest (512 threads), twice what the LL grid asks of 128 SMs.
-    fn resident_blocks(&mut self, s: &FusedShape, dtype: DType) -> Result<u64> {
-        let key = (s.kernel, dtype, s.threads);
+    fn resident_blocks(
+        &mut self,
+        s: &FusedShape,
+        dtype: DType,
+        quant: Option<Quant>,
+    ) -> Result<u64> {
+        let key = (s.kernel, dtype, s.threads, quant);
         let per_sm = match self.resident.get(&key) {
             Some(&n) => n,
             None => {
-                let f = self.kernel_fn(s.kernel, dtype, ReduceOp::Sum, true)?;
+                let f = self.fused_kernel_fn(s.kernel, dtype, quant)?;
                 let n = cuda::module::blocks_per_sm(self.device, f, s.threads)?;
                 self.resident.insert(key, n);
                 n

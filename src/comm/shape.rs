@@ -134,7 +134,7 @@ const LLC_SPAN: u64 = 256;
 ///   of its own within the LL grid: `AddRmsNormLLC`, each row split over C blocks of a cluster
 ///   (C = ceil(vecs / LLC_SPAN), or as many as the grid holds per row for rows wider than
 ///   RMS_LL1_THREADS; at least 2 and at least ceil(vecs / RMS_LLC_THREADS)), a vector per
-///   thread, so no one SM moves the row.
+///   thread (a power of two of them per block), so no one SM moves the row.
 /// - Otherwise a vector of the row per thread (`AddRmsNormLL1`, up to RMS_LL1_THREADS threads, in
 ///   whole warps), so no thread's polls wait behind another of its own; wider rows take four
 ///   vectors per thread (`AddRmsNormLL`, THREADS threads).
@@ -172,7 +172,9 @@ pub fn fused_ll_shape(
         && c >= vecs.div_ceil(RMS_LLC_THREADS).max(2)
         && tokens * c <= ll_blocks
     {
-        let threads = vecs.div_ceil(c).next_multiple_of(32).max(64);
+        // A power of two: each block's chunks of 32 vectors are an aligned run of the sum of
+        // squares' canonical tree (kernels/rms_norm.cuh), which it may add first.
+        let threads = vecs.div_ceil(c).next_power_of_two().max(64);
         let grid = (tokens * c)
             .max(push_blocks)
             .next_multiple_of(c)
@@ -316,16 +318,16 @@ mod tests {
             f(32, 8192, 256, 128, true),
             shape(Kernel::AddRmsNormLLC, 128, 256, 4)
         );
-        // [2, 6400]: 800 vectors over 4 blocks of 200 (224 threads).
+        // [2, 6400]: 800 vectors over 4 blocks of 200 (256 threads: a power of two).
         assert_eq!(
             f(2, 6400, 64, 128, true),
-            shape(Kernel::AddRmsNormLLC, 28, 224, 4)
+            shape(Kernel::AddRmsNormLLC, 28, 256, 4)
         );
         // 33 rows of 4 blocks would outgrow the LL grid: 3 wider blocks per row (342 vectors),
         // then 2 (512) up to 64 rows; 65 rows take one block per row.
         assert_eq!(
             f(33, 8192, 256, 128, true),
-            shape(Kernel::AddRmsNormLLC, 126, 352, 3)
+            shape(Kernel::AddRmsNormLLC, 126, 512, 3)
         );
         assert_eq!(
             f(64, 8192, 256, 128, true),
@@ -363,11 +365,11 @@ mod tests {
             f(43, 6144, 64, 128, true),
             shape(Kernel::AddRmsNormLL1, 128, 768, 1)
         );
-        // [17, 16384]: clusters of 7 (293 vectors each); at 33 rows a row would need blocks
-        // wider than the kernel's 512 threads.
+        // [17, 16384]: clusters of 7 (293 vectors each, 512 threads); at 33 rows a row would
+        // need blocks wider than the kernel's 512 threads.
         assert_eq!(
             f(17, 16384, 256, 128, true),
-            shape(Kernel::AddRmsNormLLC, 126, 320, 7)
+            shape(Kernel::AddRmsNormLLC, 126, 512, 7)
         );
         assert_eq!(
             f(33, 16384, 256, 128, true).map(|s| s.kernel),
@@ -386,6 +388,35 @@ mod tests {
             f(1, 8192, 64, 1, true),
             shape(Kernel::AddRmsNormLL, 1, 512, 1)
         );
+    }
+
+    #[test]
+    fn cluster_blocks_are_a_power_of_two_of_threads_that_cover_the_row() {
+        // The cluster kernel adds a block's chunks of the sum of squares as one aligned run of
+        // the canonical tree (kernels/rms_norm.cuh): that needs a power of two of threads per
+        // block, every vector of the row in some block, at most RMS_LLC_THREADS threads.
+        for hidden in (4104..=16384).step_by(8) {
+            for tokens in [1, 2, 5, 17, 33, 64] {
+                for blocks in [2, 16, 100, 128] {
+                    let bytes = tokens * hidden * 2;
+                    let Some(s) = fused_ll_shape(tokens, hidden, 256, bytes, 1 << 30, blocks, true)
+                    else {
+                        continue;
+                    };
+                    if s.kernel != Kernel::AddRmsNormLLC {
+                        continue;
+                    }
+                    let what = format!("[{tokens}, {hidden}] on {blocks} blocks: {s:?}");
+                    assert!(s.threads.is_power_of_two(), "{what}");
+                    assert!((s.threads * s.cluster) as u64 >= hidden / 8, "{what}");
+                    assert!(s.threads as u64 <= RMS_LLC_THREADS, "{what}");
+                    assert!(
+                        s.cluster as u64 <= super::super::kernel_args::MAX_CLUSTER,
+                        "{what}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
@@ -420,7 +451,7 @@ mod tests {
         let hundred = |_: &FusedShape| Ok(100);
         assert_eq!(
             fit_resident(128, shape_at(32, 8192, 256), hundred).unwrap(),
-            shape(Kernel::AddRmsNormLLC, 99, 352, 3)
+            shape(Kernel::AddRmsNormLLC, 99, 512, 3)
         );
         // A shape the kernel's own rule turns down stays turned down (above the LL threshold).
         assert_eq!(

@@ -10,6 +10,7 @@ pub mod groups;
 pub mod guard;
 pub mod p2p;
 pub mod pool_calls;
+pub mod quant;
 pub mod types;
 
 use crate::comm::Communicator;
@@ -412,6 +413,7 @@ pub extern "C" fn symm_all_reduce_add_rms_norm(
             tokens: tokens as u64,
             hidden: hidden as u64,
             eps,
+            quant: None,
         };
         with_comm(comm, |c| {
             c.all_reduce_add_rms_norm(x as u64, rms, dtype, stream_of(stream))

@@ -5,7 +5,7 @@
 //! from these C values to the library's own types live here too.
 #![allow(non_camel_case_types)]
 
-use crate::comm::algo::{Algo, DType, ReduceOp};
+use crate::comm::algo::{Algo, DType, Quant, ReduceOp};
 use crate::error::{Error, Result};
 use std::ffi::c_char;
 
@@ -46,6 +46,19 @@ pub const SYMM_ALGO_MULTIMEM: symm_algo_t = 3;
 /// One-shot without barriers (flags carried in the data), for messages up to
 /// `SYMMALLOC_LL_BYTES` (default 4 MiB for 2 ranks, 1 MiB for 3-4, 256 KiB for 5-8).
 pub const SYMM_ALGO_ONE_SHOT_LL: symm_algo_t = 4;
+
+/// The FP8 (e4m3) output of `symm_all_reduce_add_rms_norm_quant`: where its scale comes from.
+pub type symm_quant_t = u32;
+/// One fp32 scale `s`, read from device memory by the kernel (a captured graph reads it at every
+/// replay): `out_q = e4m3(y / s)`. An `s` that is not finite and > 0 makes every byte NaN.
+pub const SYMM_QUANT_FP8_STATIC: symm_quant_t = 0;
+/// A scale per row, written to `scale[tokens]`: `s_t = max(amax_t / 448, FLT_MIN)`.
+pub const SYMM_QUANT_FP8_PER_TOKEN: symm_quant_t = 1;
+/// A scale per 128 consecutive elements of a row (`hidden % 128 == 0`), the same formula over
+/// the group, written row-major: `scale[t * (hidden / 128) + g]` for elements
+/// `[g * 128, (g + 1) * 128)` of row t (a `[tokens, hidden / 128]` fp32 array; DeepGEMM-style
+/// GEMMs that take the scales column-major want its transpose).
+pub const SYMM_QUANT_FP8_PER_GROUP_128: symm_quant_t = 2;
 
 /// Opaque bytes that identify one job; send them to every rank by any means.
 #[repr(C)]
@@ -99,6 +112,19 @@ pub fn algo(v: symm_algo_t) -> Result<Algo> {
     }
 }
 
+/// A `symm_quant_t` from C, checked.
+pub fn quant(v: symm_quant_t) -> Result<Quant> {
+    match v {
+        SYMM_QUANT_FP8_STATIC => Ok(Quant::Static),
+        SYMM_QUANT_FP8_PER_TOKEN => Ok(Quant::PerToken),
+        SYMM_QUANT_FP8_PER_GROUP_128 => Ok(Quant::PerGroup128),
+        _ => Err(Error::invalid(format!(
+            "quant {v} is not a symm_quant_t; expected SYMM_QUANT_FP8_STATIC (0), \
+             SYMM_QUANT_FP8_PER_TOKEN (1) or SYMM_QUANT_FP8_PER_GROUP_128 (2)"
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,5 +135,7 @@ mod tests {
         assert!(dtype(7).unwrap_err().message.contains("dtype 7"));
         assert!(op(3).unwrap_err().message.contains("op 3"));
         assert!(algo(9).unwrap_err().message.contains("algo 9"));
+        assert_eq!(quant(2).unwrap(), Quant::PerGroup128);
+        assert!(quant(3).unwrap_err().message.contains("quant 3"));
     }
 }
