@@ -171,6 +171,17 @@ class HierCommunicator:
         elif self.nodes > 1:
             globals_ = [dist.get_global_rank(group, rs[self.local_rank]) for rs in members]
             self.cross = dist.new_group(globals_, backend=inter_backend, use_local_synchronization=True)
+        if self.cross is not None:
+            # NCCL makes its communicator at a group's first call, which must not be inside a
+            # CUDA-graph capture: make it now (and meet the group's problems here, not later).
+            import torch
+
+            probe = torch.zeros(1, device="cpu" if host else f"cuda:{device}")
+            try:
+                self._net("the inter-node group's first call", dist.all_reduce, probe)
+            except SymmallocError:
+                self.close()
+                raise
         self.handle = next(_HANDLES)
         _COMMS[self.handle] = self
         self._comm = ctypes.c_void_p(1)
