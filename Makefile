@@ -122,7 +122,7 @@ wheel: toolchain
 # installed once into $(TORCH_VENV) and reused; each run's venv reads it through a .pth file, so
 # the cache itself never changes.
 TORCH_VENV ?= $(CURDIR)/.toolchain/torch-venv-2.11.0
-WHEEL_TESTS := test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py test_p2p_host.py test_host_groups.py test_async_tp_host.py
+WHEEL_TESTS := test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py test_p2p_host.py test_host_groups.py test_async_tp_host.py test_hier.py test_hier_model.py
 $(TORCH_VENV)/.installed: python/tests/torch-requirements.txt
 	rm -rf $(TORCH_VENV) && $(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/pip install --quiet --disable-pip-version-check -r $<
@@ -136,7 +136,7 @@ test-wheel: wheel $(TORCH_VENV)/.installed
 	$(PYTHON) -m venv $$d/tvenv; \
 	site $(TORCH_VENV)/bin/python > $$(site $$d/tvenv/bin/python)/torch-cache.pth; \
 	$$d/tvenv/bin/pip install --quiet --disable-pip-version-check --no-deps .whl/symmalloc-*manylinux*.whl; \
-	(cd python/tests && cp $(WHEEL_TESTS) torch_compile_check.py from_env_check.py groups_check.py fp8_check.py $$d/); \
+	(cd python/tests && cp $(WHEEL_TESTS) torch_compile_check.py from_env_check.py groups_check.py fp8_check.py hier_check.py $$d/); \
 	cd $$d; unset $$(env | sed -n 's/^\(SYMMALLOC_[A-Z_]*\)=.*/\1/p'); \
 	for v in venv tvenv; do \
 	  $$v/bin/python -c "import symmalloc, os; p = symmalloc.library_path(); assert p.startswith('$$d/$$v/'), p; \

@@ -400,7 +400,8 @@ const char *symm_last_error(void);
 const char *symm_status_string(symm_status_t status);
 
 /**
- * Makes a new random job id; send its bytes to every rank.
+ * Makes a new random job id; send its bytes to every rank. The id records this host (boot id
+ * and network namespace, or SYMMALLOC_HOST_ID): make it on the host whose ranks will use it.
  */
 symm_status_t symm_get_unique_id(symm_unique_id_t *out);
 
@@ -409,7 +410,9 @@ symm_status_t symm_get_unique_id(symm_unique_id_t *out);
  * rank calls it with the same id. Waits at most SYMMALLOC_TIMEOUT_S for the peers. Reads the
  * communicator settings (SYMMALLOC_LL_*, SYMMALLOC_ONE_SHOT_MAX_BYTES,
  * SYMMALLOC_CHECK_SYMMETRY) and fails with SYMM_ERR_INVALID_ARGUMENT unless every rank has
- * the same.
+ * the same. A communicator joins the ranks of one host: a rank on another host than the id's
+ * fails at once with SYMM_ERR_INVALID_ARGUMENT naming both hosts, and the bootstrap handshake
+ * refuses a peer on another host the same way on both sides.
  */
 symm_status_t symm_comm_init(symm_comm_t **comm, int world_size, int rank, int device, const symm_unique_id_t *id);
 

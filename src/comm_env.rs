@@ -2,6 +2,7 @@
 //! `symm_comm_init_from_env`. A pure function of a variable lookup, so tests need no real env.
 
 use crate::error::{Error, Result};
+use crate::ipc::host::Host;
 use crate::ipc::UniqueId;
 
 #[derive(Debug, PartialEq, Eq)]
@@ -74,8 +75,13 @@ pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<JobEnv> {
 /// id, handed out by the launcher: a secret no other process can derive) when set; otherwise
 /// derived from the job key, which keeps other jobs out but not a process that can read the
 /// job's variables (the Python `from_env` passes a fresh id through torchrun's store instead).
-/// Empty (blank) counts as unset, as for every setting (config.rs).
-pub fn unique_id(get: &dyn Fn(&str) -> Option<String>, job_key: &str) -> Result<UniqueId> {
+/// Empty (blank) counts as unset, as for every setting (config.rs). A derived id is per host
+/// (`host`, this rank's): the launchers' local ranks and sizes count the ranks of one host.
+pub fn unique_id(
+    get: &dyn Fn(&str) -> Option<String>,
+    job_key: &str,
+    host: &Host,
+) -> Result<UniqueId> {
     match get("SYMMALLOC_UNIQUE_ID").filter(|v| !v.trim().is_empty()) {
         Some(v) => UniqueId::from_hex(v.trim()).map_err(|e| {
             Error::invalid(format!(
@@ -83,7 +89,7 @@ pub fn unique_id(get: &dyn Fn(&str) -> Option<String>, job_key: &str) -> Result<
                 e.message
             ))
         }),
-        None => Ok(UniqueId::from_job_key(job_key)),
+        None => Ok(UniqueId::from_job_key(job_key, host)),
     }
 }
 
@@ -143,23 +149,24 @@ mod tests {
 
     #[test]
     fn an_explicit_unique_id_wins_over_the_derived_one() {
+        let h = Host::from_override("node-a");
         let fresh = UniqueId::generate().unwrap();
         let hex = crate::ipc::unique_id::hex(&fresh.to_bytes());
         let get = |k: &str| (k == "SYMMALLOC_UNIQUE_ID").then(|| hex.clone());
-        let id = unique_id(&get, "torchrun:h:29500").unwrap();
+        let id = unique_id(&get, "torchrun:h:29500", &h).unwrap();
         assert_eq!(id, fresh);
-        assert_ne!(id, UniqueId::from_job_key("torchrun:h:29500"));
+        assert_ne!(id, UniqueId::from_job_key("torchrun:h:29500", &h));
         assert_eq!(
-            unique_id(&|_| None, "torchrun:h:29500").unwrap(),
-            UniqueId::from_job_key("torchrun:h:29500")
+            unique_id(&|_| None, "torchrun:h:29500", &h).unwrap(),
+            UniqueId::from_job_key("torchrun:h:29500", &h)
         );
         assert_eq!(
-            unique_id(&|_| Some(" ".into()), "torchrun:h:29500").unwrap(),
-            UniqueId::from_job_key("torchrun:h:29500"),
+            unique_id(&|_| Some(" ".into()), "torchrun:h:29500", &h).unwrap(),
+            UniqueId::from_job_key("torchrun:h:29500", &h),
             "blank is unset"
         );
         for bad in ["zz", "00", &hex[..254]] {
-            let e = unique_id(&|_| Some(bad.to_string()), "k").unwrap_err();
+            let e = unique_id(&|_| Some(bad.to_string()), "k", &h).unwrap_err();
             assert!(
                 e.message.starts_with(&format!(
                     "environment variable SYMMALLOC_UNIQUE_ID={bad:?} is not accepted:"

@@ -2,7 +2,8 @@
 //! library goes through [`var`] here, and
 //! every `SYMMALLOC_*` setting but `SYMMALLOC_UNIQUE_ID` is parsed here, by one of four typed
 //! parsers ([`Vars::size`], [`Vars::duration_s`], [`Vars::boolean`], [`Vars::enumeration`]) or,
-//! for `SYMMALLOC_LL_GRID`, by [`parse_grid`]. The README's "Environment" table lists every
+//! for `SYMMALLOC_LL_GRID`, by [`parse_grid`] and, for `SYMMALLOC_HOST_ID`, by
+//! [`Vars::host_id`]. The README's "Environment" table lists every
 //! variable with its default and accepted values (`tests/config_env.rs` checks both ways).
 //!
 //! Rules: unset or empty (blank) means the default; any other value that is not accepted is an
@@ -209,6 +210,29 @@ impl<'a> Vars<'a> {
         )
     }
 
+    /// `SYMMALLOC_HOST_ID`: this process's host identity, in place of the one the library
+    /// reads (boot id and network namespace; `ipc/host.rs`). 1 to `MAX_HOST_ID` printable ASCII
+    /// characters without spaces; `None` when unset or blank. For tests that simulate several
+    /// hosts on one machine, and containers whose ranks cannot share sockets although the
+    /// kernel says they may; must name one host alike on every rank of that host.
+    pub fn host_id(&self) -> Result<Option<String>> {
+        const NAME: &str = "SYMMALLOC_HOST_ID";
+        let Some(v) = self.raw(NAME) else {
+            return Ok(None);
+        };
+        let t = v.trim();
+        if t.len() > MAX_HOST_ID || !t.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(Self::bad(
+                NAME,
+                &v,
+                &format!(
+                    "1 to {MAX_HOST_ID} printable ASCII characters without spaces (e.g. node-a)"
+                ),
+            ));
+        }
+        Ok(Some(t.to_string()))
+    }
+
     /// `SYMMALLOC_LL_BYTES`: a size, a positive multiple of 1K up to `MAX_LL_BYTES`.
     pub fn ll_bytes(&self, world: usize) -> Result<u64> {
         const NAME: &str = "SYMMALLOC_LL_BYTES";
@@ -330,6 +354,16 @@ pub fn enable_multicast() -> Result<bool> {
 /// `SYMMALLOC_DEBUG`: the diagnostics level (debug.rs).
 pub fn debug_level() -> Result<Level> {
     Vars::process().debug_level()
+}
+
+/// The longest `SYMMALLOC_HOST_ID` accepted (it travels in the unique id, which has 55 bytes
+/// for a host name).
+pub const MAX_HOST_ID: usize = 55;
+
+/// `SYMMALLOC_HOST_ID`: a host identity that replaces the one read from the kernel (see
+/// `Vars::host_id`); `None` when unset.
+pub fn host_id() -> Result<Option<String>> {
+    Vars::process().host_id()
 }
 
 /// Default capacity of the one-shot LL kernel's slots (`SYMMALLOC_LL_BYTES`) by world size:
@@ -561,6 +595,31 @@ mod tests {
         assert_eq!(with(name, "64x256", read).unwrap(), (64, 256));
         for bad in BAD.iter().chain(&["64", "0x256", "-1x32", "64x1024"]) {
             refused(name, bad, "BLOCKSxTHREADS", read);
+        }
+    }
+
+    #[test]
+    fn the_host_id_is_a_short_printable_word() {
+        let name = "SYMMALLOC_HOST_ID";
+        let read = |v: Vars<'_>| v.host_id();
+        assert_eq!(unset(read).unwrap(), None);
+        assert_eq!(with(name, "", read).unwrap(), None);
+        assert_eq!(with(name, "  ", read).unwrap(), None);
+        assert_eq!(
+            with(name, "node-a", read).unwrap().as_deref(),
+            Some("node-a")
+        );
+        assert_eq!(with(name, " n1 ", read).unwrap().as_deref(), Some("n1"));
+        let longest = "x".repeat(MAX_HOST_ID);
+        assert_eq!(with(name, &longest, read).unwrap(), Some(longest.clone()));
+        for bad in [
+            "node a",
+            "tab\there",
+            "caf\u{e9}",
+            "nul\0",
+            &"x".repeat(MAX_HOST_ID + 1),
+        ] {
+            refused(name, bad, "printable ASCII characters without spaces", read);
         }
     }
 

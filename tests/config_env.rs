@@ -27,7 +27,9 @@ enum Entry {
 
 /// Every runtime variable the library reads, and the call that reads it.
 /// `SYMMALLOC_ENABLE_MULTICAST` is left out on purpose (never set in a test that could run on a
-/// GPU machine; config.rs's unit tests cover its reader over a fake lookup).
+/// GPU machine; config.rs's unit tests cover its reader over a fake lookup), and so is
+/// `SYMMALLOC_HOST_ID`, which takes any short word (`abc` is a host name): config.rs's unit
+/// tests cover its refusals, tests/hosts.rs its effect through `symm_comm_init`.
 const VARIABLES: &[(&str, Entry)] = &[
     ("SYMMALLOC_BACKEND", Entry::Malloc),
     ("SYMMALLOC_HEAP_SIZE", Entry::Malloc),

@@ -15,8 +15,9 @@ MemPool mode (recommended)::
     comm.all_reduce(x)                                 # in place, on the current stream
 
 The modules: ``_lib`` (loading the library, status codes, errors), ``_fast`` (the compiled
-eager caller and the stream getter), ``comm`` (``Communicator``) and ``memory`` (statistics,
-pools, global mode). What each misuse gets back: docs/python-errors.md.
+eager caller and the stream getter), ``comm`` (``Communicator``), ``memory`` (statistics,
+pools, global mode) and ``hier`` (``HierCommunicator``: more than one node, with the cost model
+of ``hier_cost`` and the host exchange of ``_hosts``). What each misuse gets back: docs/python-errors.md.
 """
 
 __version__ = "0.2.0"  # kept equal to Cargo.toml's version by tests/test_no_gpu.py
@@ -28,6 +29,7 @@ from ._lib import (  # noqa: E402,F401
 )
 from .comm import Communicator, _eager_fallback, communicator  # noqa: E402,F401
 from .memory import install_global, mem_pool, memory_stats, pluggable_path  # noqa: E402
+from .hier import HierCommunicator, HierCost, from_process_group  # noqa: E402
 
 __all__ = [
     "SymmallocError",
@@ -39,4 +41,7 @@ __all__ = [
     "install_global",
     "memory_stats",
     "communicator",
+    "HierCommunicator",
+    "HierCost",
+    "from_process_group",
 ]

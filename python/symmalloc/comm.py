@@ -184,37 +184,17 @@ class Communicator:
     @classmethod
     def from_process_group(cls, pg=None, device: Optional[int] = None) -> "Communicator":
         """From an initialized ``torch.distributed`` group (default: the world group) whose ranks
-        are the GPUs of one node: group rank 0 makes a fresh unique id (random secret) and
-        broadcasts it over the group as a 128-byte uint8 tensor (a CUDA tensor on an NCCL group,
-        a CPU one otherwise; no numpy needed). ``device`` defaults to the current CUDA device (to
-        the local rank, else the global rank, when CUDA is absent, as on the host backend). Any
-        node-local group works (e.g. those of ``dist.new_subgroups()``), and several at once."""
-        import torch
-        import torch.distributed as dist
+        are the GPUs of one host. Every rank posts its host, device and a fresh unique id
+        (random key and secret) to the group's store (``symmalloc._hosts``), and the ranks use
+        group rank 0's id. A group that spans hosts, or a rank that cannot use its device, is
+        refused on every rank at once, naming the ranks and hosts (a group over several hosts:
+        ``symmalloc.HierCommunicator``, or ``symmalloc.from_process_group``, which picks). No
+        numpy needed. ``device`` defaults to the current CUDA device (to the local rank, else the
+        global rank, on the host backend). Several node-local groups at once work (e.g. those of
+        ``dist.new_subgroups()``)."""
+        from .hier import node_local_id
 
-        if not dist.is_available() or not dist.is_initialized():
-            raise _invalid("from_process_group needs an initialized torch.distributed process group (call init_process_group first)")
-        group = pg if pg is not None else dist.group.WORLD
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        if rank < 0:
-            raise _invalid("this process is not a member of the given process group")
-        backend = str(dist.get_backend(group)).lower()
-        # A group with a CPU backend (gloo, or "cpu:gloo,cuda:nccl") takes a CPU tensor; NCCL
-        # alone takes only CUDA tensors.
-        on_cuda = "nccl" in backend and "gloo" not in backend and "cpu" not in backend
-        box_device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
-        if rank == 0:
-            box = torch.frombuffer(bytearray(get_unique_id()), dtype=torch.uint8).to(box_device)
-        else:
-            box = torch.zeros(128, dtype=torch.uint8, device=box_device)
-        dist.broadcast(box, src=dist.get_global_rank(group, 0), group=group)
-        uid = bytes(box.cpu().tolist())
-        if device is None:
-            # Without CUDA (the host backend), the process's own device: its local rank, else its
-            # global rank (a subgroup's rank would put the process on another device than its
-            # other groups, which the library refuses).
-            device = torch.cuda.current_device() if torch.cuda.is_available() else int(
-                os.environ.get("LOCAL_RANK", dist.get_rank()))
+        rank, world, uid, device = node_local_id(pg, device)
         return cls(rank, world, uid, device=device)
 
     def all_reduce(self, tensor, op: str = "sum", algo: str = "auto", out=None) -> None:

@@ -4,7 +4,8 @@ A ``Communicator`` method is a ctypes call, which Dynamo cannot trace: inside a 
 function it is a graph break. These ops are registered with ``torch.library.custom_op``, with
 fake (meta) implementations and their mutations declared, so ``torch.compile(fullgraph=True)``
 keeps a tensor-parallel block whole, also under ``mode="reduce-overhead"`` (CUDA graphs). A
-communicator is named by its ``handle`` (an int); the wrappers below take the object::
+communicator is named by its ``handle`` (an int); the wrappers below take the object (a
+``Communicator`` or, across nodes, a ``HierCommunicator``: the ops are the same)::
 
     import symmalloc, symmalloc.ops as sops
     comm = symmalloc.Communicator.from_process_group()
@@ -56,7 +57,9 @@ Comm = Union[Communicator, int]
 
 
 def _handle(comm: Comm) -> int:
-    return comm.handle if isinstance(comm, Communicator) else int(comm)
+    # A Communicator or a HierCommunicator (symmalloc.hier): both have a handle.
+    h = getattr(comm, "handle", None)
+    return int(comm) if h is None else h
 
 
 def _check_names(what: str, x: torch.Tensor, op: str, algo: str = "auto") -> None:

@@ -24,7 +24,7 @@ def test_missing_library_dir_is_a_clear_error(monkeypatch, tmp_path):
 
 def test_unique_id_is_128_random_bytes():
     a, b = symmalloc.get_unique_id(), symmalloc.get_unique_id()
-    assert len(a) == 128 and a != b and a.startswith(b"SYMMID01")
+    assert len(a) == 128 and a != b and a.startswith(b"SYMMID02")
 
 
 def test_bad_unique_id_rejected():

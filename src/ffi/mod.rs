@@ -155,7 +155,8 @@ pub extern "C" fn symm_status_string(status: symm_status_t) -> *const c_char {
         .as_ptr()
 }
 
-/// Makes a new random job id; send its bytes to every rank.
+/// Makes a new random job id; send its bytes to every rank. The id records this host (boot id
+/// and network namespace, or SYMMALLOC_HOST_ID): make it on the host whose ranks will use it.
 #[no_mangle]
 pub extern "C" fn symm_get_unique_id(out: *mut symm_unique_id_t) -> symm_status_t {
     guard_status("symm_get_unique_id", || {
@@ -187,7 +188,9 @@ fn register(comm: Box<Communicator>, out: *mut *mut symm_comm_t) -> Result<()> {
 /// rank calls it with the same id. Waits at most SYMMALLOC_TIMEOUT_S for the peers. Reads the
 /// communicator settings (SYMMALLOC_LL_*, SYMMALLOC_ONE_SHOT_MAX_BYTES,
 /// SYMMALLOC_CHECK_SYMMETRY) and fails with SYMM_ERR_INVALID_ARGUMENT unless every rank has
-/// the same.
+/// the same. A communicator joins the ranks of one host: a rank on another host than the id's
+/// fails at once with SYMM_ERR_INVALID_ARGUMENT naming both hosts, and the bootstrap handshake
+/// refuses a peer on another host the same way on both sides.
 #[no_mangle]
 pub extern "C" fn symm_comm_init(
     comm: *mut *mut symm_comm_t,
@@ -228,7 +231,8 @@ pub extern "C" fn symm_comm_init_from_env(comm: *mut *mut symm_comm_t) -> symm_s
         unsafe { comm.write(std::ptr::null_mut()) };
         let get = crate::config::var;
         let env = crate::comm_env::from_env(&get)?;
-        let uid = crate::comm_env::unique_id(&get, &env.job_key)?;
+        let host = crate::ipc::host::Host::current()?;
+        let uid = crate::comm_env::unique_id(&get, &env.job_key, &host)?;
         register(
             Communicator::init(env.world, env.rank, env.device, &uid)?,
             comm,

@@ -1,6 +1,13 @@
 //! The full mesh of authenticated connections between the ranks of one job, and the few
 //! collective operations the communicator needs over it (all-gather with fds, barrier).
+//!
+//! Hosts: before anything else a rank refuses an id made on another host (`check_host`), and
+//! the handshake carries each side's host (`HostStamp`): a peer on another host (one reached
+//! through an id without a host, or with `SYMMALLOC_HOST_ID` set otherwise) fails both sides at
+//! once, naming the two ranks and hosts. Hello: magic, rank, world, secret, then the host stamp
+//! (the secret is checked first, so strangers learn nothing); reply: magic, world, host stamp.
 
+use super::host::{Host, HostStamp};
 use super::socket::{peer_cred, recv_frame, send_frame, wait_readable};
 use super::unique_id::{secrets_equal, UniqueId};
 use crate::error::{Error, Result};
@@ -36,6 +43,18 @@ fn io_err(rank: usize, what: &str, e: io::Error) -> Error {
     }
 }
 
+/// Two ranks of one communicator on two hosts.
+fn other_host(me: usize, mine: &Host, peer: usize, theirs: &HostStamp) -> Error {
+    Error::invalid(format!(
+        "rank {peer} runs on host {} and rank {me} on host {} [{}]: a communicator joins the \
+         ranks of one host (one boot and network namespace); give each host its own unique id \
+         (Python: symmalloc.HierCommunicator; README, \"Across nodes\")",
+        theirs.describe(),
+        mine.detail,
+        super::unique_id::hex(&mine.stamp.digest[..4])
+    ))
+}
+
 fn refuse(me: usize, s: &UnixStream, why: &str) {
     REFUSED.fetch_add(1, Ordering::Relaxed);
     let who = peer_cred(s).map_or("unknown".into(), |c| format!("pid {} uid {}", c.pid, c.uid));
@@ -46,6 +65,17 @@ impl Mesh {
     /// Builds the mesh; returns once every rank is connected and authenticated.
     pub fn connect(id: &UniqueId, rank: usize, world: usize, timeout: Duration) -> Result<Mesh> {
         let deadline = Instant::now() + timeout;
+        let host = Host::current()?;
+        id.check_host(&host, rank)?;
+        let stamp = host.stamp.to_bytes();
+        // What a rank that waits in vain for its peers is told about hosts.
+        let hint = match &id.host {
+            Some(h) => format!(
+                "; a rank on another host than {} refuses this id at once",
+                h.describe()
+            ),
+            None => String::new(),
+        };
         let my_uid = unsafe { libc::getuid() }; // SAFETY: getuid cannot fail.
         let name = id.socket_name(rank);
         let addr = SocketAddr::from_abstract_name(name.as_bytes())
@@ -78,7 +108,7 @@ impl Mesh {
                     }
                     Err(e) => {
                         return Err(Error::timeout(format!(
-                            "rank {peer} did not come up within {:.0} s (last error: {e})",
+                            "rank {peer} did not come up within {:.0} s (last error: {e}){hint}",
                             timeout.as_secs_f64()
                         )))
                     }
@@ -95,10 +125,15 @@ impl Mesh {
             hello.extend_from_slice(&(rank as u32).to_le_bytes());
             hello.extend_from_slice(&(world as u32).to_le_bytes());
             hello.extend_from_slice(&id.secret);
+            hello.extend_from_slice(&stamp);
             send_frame(&s, &hello, &[]).map_err(|e| io_err(peer, "hello", e))?;
             let (ack, _) = recv_frame(&s, deadline).map_err(|e| io_err(peer, "hello reply", e))?;
-            if ack.len() != 12 || &ack[..8] != ACK {
-                return Err(Error::peer(format!("rank {peer} sent a malformed reply")));
+            let their_host = (ack.len() > 12 && &ack[..8] == ACK)
+                .then(|| HostStamp::from_bytes(&ack[12..]))
+                .flatten()
+                .ok_or_else(|| Error::peer(format!("rank {peer} sent a malformed reply")))?;
+            if their_host.digest != host.stamp.digest {
+                return Err(other_host(rank, &host, peer, &their_host));
             }
             let their_world = u32::from_le_bytes(ack[8..12].try_into().unwrap()) as usize;
             if their_world != world {
@@ -118,7 +153,7 @@ impl Mesh {
                     .collect();
                 return Err(if e.kind() == io::ErrorKind::TimedOut {
                     Error::timeout(format!(
-                        "{} did not connect to rank {rank} within {:.0} s",
+                        "{} did not connect to rank {rank} within {:.0} s{hint}",
                         missing.join(", "),
                         timeout.as_secs_f64()
                     ))
@@ -148,7 +183,7 @@ impl Mesh {
                     continue;
                 }
             };
-            if hello.len() != 8 + 8 + 32 || &hello[..8] != HELLO {
+            if hello.len() < 8 + 8 + 32 || &hello[..8] != HELLO {
                 refuse(rank, &s, "malformed hello");
                 continue;
             }
@@ -156,11 +191,19 @@ impl Mesh {
                 refuse(rank, &s, "wrong secret");
                 continue;
             }
+            let Some(their_host) = HostStamp::from_bytes(&hello[48..]) else {
+                refuse(rank, &s, "malformed hello (no host: an older symmalloc?)");
+                continue;
+            };
             let peer = u32::from_le_bytes(hello[8..12].try_into().unwrap()) as usize;
             let their_world = u32::from_le_bytes(hello[12..16].try_into().unwrap()) as usize;
             let mut ack = ACK.to_vec();
             ack.extend_from_slice(&(world as u32).to_le_bytes());
+            ack.extend_from_slice(&stamp);
             let _ = send_frame(&s, &ack, &[]);
+            if their_host.digest != host.stamp.digest {
+                return Err(other_host(rank, &host, peer, &their_host));
+            }
             if their_world != world {
                 return Err(Error::invalid(format!(
                     "world_size mismatch: rank {rank} was given {world}, rank {peer} {their_world}"
