@@ -212,7 +212,8 @@ fn from_env_child() {
     }
     let local: i32 = std::env::var("LOCAL_RANK").unwrap().parse().unwrap();
     let world: i32 = std::env::var("LOCAL_WORLD_SIZE").unwrap().parse().unwrap();
-    let p = symm_malloc(64, 0, null_mut());
+    // On the communicator's device (from_env: the local rank's), like any collective's buffer.
+    let p = symm_malloc(64, local, null_mut());
     // SAFETY: 64 bytes of host memory.
     unsafe { (p as *mut f32).write((local + 1) as f32) };
     let st = symm_all_reduce(comm, p, p, 1, SYMM_FP32, SYMM_SUM, null_mut());
@@ -224,7 +225,7 @@ fn from_env_child() {
         st as i32,
         err()
     );
-    symm_free(p, 64, 0, null_mut());
+    symm_free(p, 64, local, null_mut());
     destroy(comm);
 }
 
