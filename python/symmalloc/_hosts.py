@@ -48,17 +48,15 @@ def host_backend() -> bool:
 
 def device_problem(device: Optional[int], group_rank: int):
     """(device, None) when this rank can use its device, else (device, the reason). On the host
-    backend there is no device to check and the device defaults to the local rank, else the
-    global rank."""
+    backend there is no device to check and the device defaults to the global rank."""
     if host_backend():
-        # The process's own device: its local rank, else its global rank (a subgroup's rank would
-        # put the process on another device than its other groups, which the library refuses).
+        # The process's own device: its global rank, the same for every group of the process
+        # (a subgroup's rank would put the process on another device than its other groups,
+        # which the library refuses) and distinct between the processes of a host.
         if device is None:
-            import os
-
             import torch.distributed as dist
 
-            device = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+            device = dist.get_rank()
         return int(device), None
     import torch
 

@@ -189,8 +189,8 @@ class Communicator:
         group rank 0's id. A group that spans hosts, or a rank that cannot use its device, is
         refused on every rank at once, naming the ranks and hosts (a group over several hosts:
         ``symmalloc.HierCommunicator``, or ``symmalloc.from_process_group``, which picks). No
-        numpy needed. ``device`` defaults to the current CUDA device (to the local rank, else the
-        global rank, on the host backend). Several node-local groups at once work (e.g. those of
+        numpy needed. ``device`` defaults to the current CUDA device (to the global rank on the
+        host backend). Several node-local groups at once work (e.g. those of
         ``dist.new_subgroups()``)."""
         from .hier import node_local_id
 
