@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a lent GPU machine, from
 # prebuilt artifacts in .device/ (see the README's "GPU runs" section). Logs go to $OUT.
-#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab | p2p | fp8 | groups | global
+#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab | p2p | fp8 | groups | global | atp | hier
 #   fused: bench/fused.py (all-reduce + residual add + RMSNorm, fused vs unfused vs NCCL, and a
 #          16-layer decoder step).
 #   native: the PyTorch-native checks (torch.compile over the custom ops at 2 ranks; the wheel
@@ -19,6 +19,11 @@
 #        ranks sharing the GPUs, t_bitwise at 2, python/tests/fp8_check.py at 2 (torchrun; gloo
 #        reference, torch.compile reduce-overhead), then bench/fused.py --world 1 --fp8
 #        (HIDDEN, TOKENS; SKIP_BENCH=1 leaves it out).
+#   atp: async TP (issue 27): python/tests/async_tp_check.py at RANKS (default "2 4 8") ranks
+#        sharing the GPUs and its dying-rank case at 3, then bench/async_tp.py --world 1
+#        (SKIP_BENCH=1 leaves it out).
+#   hier: the hierarchical communicator's GPU tests (pytest python/tests/test_hier.py -k gpu:
+#         2 simulated hosts x 2 ranks sharing one GPU; the NCCL one needs 2 GPUs and says so).
 #   shared: the multi-rank GPU tests (t_gpu_comm, t_gpu_sg, t_bitwise) at RANKS (default "2 4") ranks on the
 #           machine's GPUs, several ranks per GPU (SYMMALLOC_SHARED_GPU=1): the protocol at N
 #           ranks on a one-GPU machine; correctness only (the ranks' kernels time-slice).
@@ -110,6 +115,13 @@ elif [ "${1:-tests}" = fp8 ]; then
   SYMMALLOC_SHARED_GPU=1 T=400 TAILN=6 run fp8_check python3 -m torch.distributed.run --nproc_per_node=2 --master_port=29535 python/tests/fp8_check.py
   [ -n "${SKIP_BENCH:-}" ] || T=560 TAILN=40 run fused_fp8 python3 bench/fused.py --world 1 --fp8 --hidden "${HIDDEN:-4096,6144,8192}" \
     --tokens "${TOKENS:-1,4,16,64,128,512}" --step-tokens "" --out "$OUT"
+elif [ "${1:-tests}" = atp ]; then
+  step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  T=${T_CHECK:-400} TAILN=6 run atp_check python3 python/tests/async_tp_check.py --world ${RANKS:-2 4 8} --dying 3
+  [ -n "${SKIP_BENCH:-}" ] || T=${T_BENCH:-400} TAILN=24 run atp_bench python3 bench/async_tp.py --world 1 --out "$OUT"
+elif [ "${1:-tests}" = hier ]; then
+  step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  T=${T:-400} TAILN=8 run hier_gpu python3 -m pytest -q -rs python/tests/test_hier.py -k gpu
 elif [ "${1:-tests}" = shared ]; then
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   for n in ${RANKS:-2 4}; do

@@ -8,8 +8,11 @@ copied into the static inputs, each replay checked; then, at 2 ranks, a function
 its inputs as arguments compiled with ``torch.compile(fullgraph=True, mode="reduce-overhead")``
 (0 graph breaks, 0 cudagraph skips, same result as eager). Every rank's results are compared
 bitwise with rank 0's where they must agree (the gathered ``a``).
+``--dying N``: N ranks, the last one exits after the pipeline's first step (its barrier); the
+others' next ``all_gather_matmul`` must release their streams and report, naming that rank,
+within the timeout (SYMMALLOC_TIMEOUT_S=3).
 
-    python python/tests/async_tp_check.py --world 2 4 8
+    python python/tests/async_tp_check.py --world 2 4 8 --dying 3
 """
 import argparse
 import os
@@ -141,8 +144,69 @@ def run(world):
     print(line, flush=True)
 
 
+def dying_main(rank, world, uid, q):
+    import time
+
+    try:
+        dev = rank % torch.cuda.device_count()
+        torch.cuda.set_device(dev)
+        comm = symmalloc.Communicator(rank, world, uid, device=dev)
+        x = data(1, rank, (64, 128), torch.bfloat16).cuda()
+        b = data(2, 100, (128, 64), torch.bfloat16).cuda()
+        atp.all_gather_matmul(x, b, comm)  # the workspace is set up, every rank alive
+        torch.cuda.synchronize()
+        if rank == world - 1:
+            # The pipeline's first step, then death before any put or signal.
+            atp._barrier(comm)
+            torch.cuda.synchronize()
+            os._exit(0)
+        t0 = time.monotonic()
+        err = None
+        try:
+            atp.all_gather_matmul(x, b, comm)
+            torch.cuda.synchronize()  # the stream must come back: the waits give up
+            comm.barrier()  # reports what the waits found
+        except symmalloc.SymmallocError as e:
+            err = str(e)
+        took = time.monotonic() - t0
+        q.put((rank, (err, took), None))
+        q.close()
+        q.join_thread()  # the report is written before the exit below
+        os._exit(0)  # the communicator cannot be closed collectively any more
+    except Exception:
+        q.put((rank, None, traceback.format_exc()))
+
+
+def run_dying(world):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    uid = symmalloc.get_unique_id()
+    os.environ["SYMMALLOC_TIMEOUT_S"] = "3"
+    if world > torch.cuda.device_count():
+        os.environ["SYMMALLOC_SHARED_GPU"] = "1"
+    procs = [ctx.Process(target=dying_main, args=(r, world, uid, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    lines = []
+    for _ in range(world - 1):
+        rank, report, failure = q.get(timeout=120)
+        assert failure is None, f"rank {rank}: {failure}"
+        err, took = report
+        assert err is not None and f"rank {world - 1}" in err, f"rank {rank}: {err}"
+        assert took < 30, f"rank {rank} took {took:.1f} s to report the dead rank"
+        lines.append(f"rank {rank} in {took:.1f} s: {err[:160]}")
+    for p in procs:
+        p.join(30)
+    print(f"world {world}, rank {world - 1} dead mid-pipeline, every other rank named it:", flush=True)
+    print("\n".join("  " + s for s in sorted(lines)), flush=True)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--world", type=int, nargs="+", default=[2])
-    for w in ap.parse_args().world:
+    ap.add_argument("--world", type=int, nargs="*", default=[2])
+    ap.add_argument("--dying", type=int, default=0, help="ranks of the dying-rank check (0: not run)")
+    args = ap.parse_args()
+    for w in args.world:
         run(w)
+    if args.dying:
+        run_dying(args.dying)
