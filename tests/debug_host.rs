@@ -109,7 +109,18 @@ fn diagnostics_follow_symmalloc_debug() {
         assert_eq!(count(lines, " TRACE "), 0, "{text}");
     }
     for lines in diagnostics("trace") {
-        assert_eq!(count(&lines, " TRACE "), 4, "{}", lines.join("\n"));
+        // One line per collective call (4), and the heap's: every malloc, free and segment.
+        assert_eq!(count(&lines, " TRACE rank "), 4, "{}", lines.join("\n"));
+        assert!(
+            count(&lines, " TRACE malloc 4000 at ") == 1,
+            "{}",
+            lines.join("\n")
+        );
+        assert!(
+            count(&lines, ": new segment of ") >= 1,
+            "{}",
+            lines.join("\n")
+        );
         assert_eq!(
             count(&lines, "all_reduce two_shot 1000 x fp32 sum"),
             1,

@@ -51,6 +51,20 @@ pub const INTERNAL_POOL: PoolId = PoolId(u64::MAX, u64::MAX);
 /// buffers. Reserved: no caller may open or release such a pool by id.
 pub const ARENA_TAG: u64 = u64::MAX - 1;
 
+/// How diagnostics name a pool: `default`, `internal`, `arena N` / `arena N internal`, or
+/// PyTorch's pair.
+impl std::fmt::Display for PoolId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (*self, arena_of(*self)) {
+            (DEFAULT_POOL, _) => write!(f, "default"),
+            (INTERNAL_POOL, _) => write!(f, "internal"),
+            (p, Some(id)) if p.1 & 1 == 1 => write!(f, "arena {id} internal"),
+            (_, Some(id)) => write!(f, "arena {id}"),
+            (PoolId(a, b), None) => write!(f, "({a}, {b})"),
+        }
+    }
+}
+
 /// The pool of arena `id`: its users' (`internal` false) or the communicator's own.
 pub fn arena_pool(id: u64, internal: bool) -> PoolId {
     PoolId(ARENA_TAG, id << 1 | internal as u64)

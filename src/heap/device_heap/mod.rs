@@ -3,7 +3,8 @@
 //! requesting stream's blocks first), stream-ordered reuse and statistics.
 //!
 //! A block is live (handed out), free (listed for best fit, split and merged) or parked (freed
-//! whole onto the fast path of `parked.rs`, for the next request of its size on its stream).
+//! whole onto the fast path of `parked.rs`, for the next request of its size on its stream;
+//! never a large block of a pool other than the default one: `keeps_whole`).
 //!
 //! Invariants (checked by `validate`):
 //! - the blocks of a segment tile it exactly, in address order, and carry its pool; no two
@@ -12,7 +13,8 @@
 //!   merging);
 //! - every free block is in its pool's `free_any` and `free_by_stream` sets, under its first
 //!   stream, and nothing else is; every parked block waits on exactly one stream and is in the
-//!   parked LIFO of (pool, that stream, its last rounded request), and nothing else is;
+//!   parked LIFO of (pool, that stream, its last rounded request), and nothing else is; its
+//!   pool and size pass `keeps_whole`;
 //! - `segment.live` counts the segment's live and parked blocks (so a segment with parked
 //!   blocks is never released before they are drained); stats equal the sums over live blocks
 //!   and segments;
@@ -168,6 +170,19 @@ pub fn round_request(size: u64) -> u64 {
     size.div_ceil(ROUND).max(1) * ROUND
 }
 
+/// Whether a freed block of `rounded` bytes of `pool` may be kept whole for the next request of
+/// its size (parked here, or kept by a thread cache) rather than merged with its free neighbours
+/// at once. Not for large blocks of a pool other than the default one (a graph capture's, a
+/// MemPool's): reusing the block of the same size leaves its free neighbours apart, where
+/// merging lets a larger request fit, and such a pool keeps its footprint for the life of its
+/// graphs. Merged at once and placed by best fit, as PyTorch's allocator places them, the first
+/// capture of `bench/global_memory.py`'s ten shared-pool graphs made the same 27,162 MiB of
+/// segments as PyTorch's allocator; kept whole, 27,582 (its request trace replayed on the host
+/// backend, `alloc_bench --replay`; bench/NOTES.md, "The allocator").
+pub fn keeps_whole(pool: PoolId, rounded: u64) -> bool {
+    pool == DEFAULT_POOL || class_of(rounded) == Class::Small
+}
+
 pub fn class_of(rounded: u64) -> Class {
     if rounded <= SMALL_MAX {
         Class::Small
@@ -271,6 +286,10 @@ impl DeviceHeap {
         self.check_arena_pool(pool)?;
         let rounded = round_request(size);
         if let Some(off) = self.parked.pop(&(pool, stream, rounded)) {
+            crate::trace!(
+                "malloc {size} at {off:#x} pool {} stream {stream:#x} (parked)",
+                pool
+            );
             self.unpark_live(off, size);
             return Ok(Some(self.base + off));
         }
@@ -306,6 +325,7 @@ impl DeviceHeap {
             },
         };
         self.take(backend, off, rounded, size, stream)?;
+        crate::trace!("malloc {size} at {off:#x} pool {} stream {stream:#x}", pool);
         Ok(Some(self.base + off))
     }
 
@@ -357,6 +377,7 @@ impl DeviceHeap {
     ) -> Result<()> {
         let (off, requested) = self.live_block(ptr, "symm_free")?;
         self.refuse_tracked(off, "symm_free")?;
+        crate::trace!("free {size} at {off:#x} stream {stream:#x}");
         if requested != size {
             return Err(Error::invalid(format!(
                 "symm_free({ptr:#x}, size={size}): the block was allocated with size \
@@ -370,7 +391,10 @@ impl DeviceHeap {
         self.stats.active_blocks -= 1;
         let pool_releasing =
             self.releasing_pools > 0 && self.pools.get(&block.pool).is_some_and(|p| p.releasing);
-        if !pool_releasing && block.streams.iter().all(|&s| s == stream) {
+        if !pool_releasing
+            && block.streams.iter().all(|&s| s == stream)
+            && keeps_whole(block.pool, round_request(requested))
+        {
             // Fast path: only this stream used the block, so its next user on this stream
             // needs no ordering. Keep it whole for the next request of the same size.
             block.state = State::Parked;

@@ -156,6 +156,13 @@ impl DeviceHeap {
                 }
             }
             if ok {
+                crate::trace!(
+                    "device {}: pool {} takes the free segment of {size} bytes at {seg:#x} \
+                     of pool {} for {rounded} bytes",
+                    self.device,
+                    pool,
+                    self.segments[&seg].pool
+                );
                 self.move_segment(seg, pool);
                 return Ok(Some(seg));
             }
@@ -297,6 +304,13 @@ impl DeviceHeap {
         self.stats.physical_creates += 1;
         self.stats.segments += 1;
         self.stats.reserved_bytes += len;
+        crate::trace!(
+            "device {}: new segment of {len} bytes at {off:#x} for pool {}, {class:?}; \
+             reserved {}",
+            self.device,
+            pool,
+            self.stats.reserved_bytes
+        );
         Ok(off)
     }
 

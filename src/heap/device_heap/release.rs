@@ -139,6 +139,13 @@ impl DeviceHeap {
         self.stats.segments -= 1;
         self.stats.reserved_bytes -= len;
         self.stats.physical_releases += 1;
+        crate::trace!(
+            "device {}: released the segment of {len} bytes at {seg:#x} of pool {}; \
+             reserved {}",
+            self.device,
+            pool,
+            self.stats.reserved_bytes
+        );
         Ok(())
     }
 
@@ -236,7 +243,9 @@ impl DeviceHeap {
         for p in cached {
             self.drain_parked(Some(p), |_| true);
         }
-        self.release_free_segments(backend, None)
+        self.release_free_segments(backend, None)?;
+        crate::trace!("empty_cache: {}", self.pools_summary());
+        Ok(())
     }
 
     /// A route to `pool` was begun: one more use, and a pool being released lives again.
@@ -274,6 +283,7 @@ impl DeviceHeap {
         if self.pools.get(&pool).is_some_and(|p| p.segments == 0) {
             self.remove_pool(pool);
         }
+        crate::trace!("release_pool {}: {}", pool, self.pools_summary());
         Ok(())
     }
 }

@@ -58,6 +58,12 @@ impl DeviceHeap {
                         prev_free = None;
                     }
                     State::Parked => {
+                        if s.class == Class::Large && s.pool != DEFAULT_POOL {
+                            return Err(format!(
+                                "parked block at {boff:#x} is large and of pool {:?} (keeps_whole)",
+                                s.pool
+                            ));
+                        }
                         live += 1;
                         parked_seen += 1;
                         prev_free = None;
@@ -184,5 +190,60 @@ impl DeviceHeap {
             return Err(format!("stats {s:?} disagree with the blocks ({st:?})"));
         }
         Ok(())
+    }
+}
+
+impl DeviceHeap {
+    /// One line per pool for `SYMMALLOC_DEBUG=TRACE` (where memory sits, for diagnosing what a
+    /// workload keeps): segments, reserved bytes, bytes in live blocks (thread caches' count as
+    /// live), in parked blocks, in free blocks, and the largest free block, all in MiB.
+    pub(super) fn pools_summary(&self) -> String {
+        #[derive(Default)]
+        struct Sum {
+            segments: u64,
+            reserved: u64,
+            live: u64,
+            parked: u64,
+            free: u64,
+            largest_free: u64,
+        }
+        let mut by_pool: BTreeMap<PoolId, Sum> = BTreeMap::new();
+        for s in self.segments.values() {
+            let e = by_pool.entry(s.pool).or_default();
+            e.segments += 1;
+            e.reserved += s.size;
+        }
+        for b in self.blocks.values() {
+            let e = by_pool.entry(b.pool).or_default();
+            match b.state {
+                State::Live(_) => e.live += b.size,
+                State::Parked => e.parked += b.size,
+                State::Free => {
+                    e.free += b.size;
+                    e.largest_free = e.largest_free.max(b.size);
+                }
+            }
+        }
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        let mut out = format!(
+            "device {}: reserved {:.1} MiB, allocated {:.1} MiB;",
+            self.device,
+            mib(self.stats.reserved_bytes),
+            mib(self.stats.allocated_bytes)
+        );
+        for (p, s) in by_pool {
+            out.push_str(&format!(
+                " pool {}: {} segments, {:.1} reserved, {:.1} live, {:.1} parked, {:.1} free \
+                 (largest {:.1});",
+                p,
+                s.segments,
+                mib(s.reserved),
+                mib(s.live),
+                mib(s.parked),
+                mib(s.free),
+                mib(s.largest_free)
+            ));
+        }
+        out
     }
 }

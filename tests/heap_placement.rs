@@ -1,0 +1,75 @@
+//! Where a pool's large blocks go once freed (device_heap/mod.rs, `keeps_whole`): in a pool
+//! other than the default one they merge with their free neighbours at once and the next
+//! request takes the best fit, neither parked in the heap nor kept by the thread cache for the
+//! next request of the same size. The sequence below is the one that cost the first capture of
+//! `bench/global_memory.py`'s ten shared-pool graphs 420 MiB: reusing a freed block of the same
+//! size where it sat left its free neighbour apart, and a larger request then needed a new
+//! segment. The default pool keeps its blocks whole (the eager fast path).
+
+use symmalloc::heap::host_backend::HostBackend;
+use symmalloc::heap::pools::{PoolId, DEFAULT_POOL};
+use symmalloc::heap::Allocator;
+
+const MIB: u64 = 1 << 20;
+
+fn host() -> Allocator {
+    Allocator::new(Box::new(HostBackend)).unwrap()
+}
+
+/// The (offset, size) of the segment holding `ptr`.
+fn segment(a: &Allocator, ptr: u64) -> (u64, u64) {
+    let (info, _, _) = a.segment_of(0, ptr).unwrap();
+    (info.offset, info.size)
+}
+
+/// Segment S1 of 124 MiB holds a 98 MiB block P and 26 MiB free; S2 holds E, exactly 98 MiB.
+/// E and then P are freed; then 98 MiB and 122.5 MiB are asked for. Returns where the 98 went,
+/// whether the heap grew for the 122.5, and S1's and S2's offsets.
+fn scenario(a: &Allocator, pool: PoolId) -> (u64, bool, u64, u64) {
+    let (d, s) = (0, 0x11);
+    let big = a.malloc_in(124 * MIB, d, s, pool).unwrap();
+    let s1 = segment(a, big).0;
+    a.free(big, 124 * MIB, d, s).unwrap();
+    let p = a.malloc_in(98 * MIB, d, s, pool).unwrap();
+    assert_eq!(segment(a, p), (s1, 124 * MIB), "P is carved from S1");
+    let e = a.malloc_in(98 * MIB, d, s, pool).unwrap();
+    let s2 = segment(a, e).0;
+    assert_ne!(s1, s2);
+    a.free(e, 98 * MIB, d, s).unwrap();
+    a.free(p, 98 * MIB, d, s).unwrap();
+    let creates = a.stats(d).unwrap().physical_creates;
+    let again = a.malloc_in(98 * MIB, d, s, pool).unwrap();
+    let larger = 122 * MIB + MIB / 2;
+    let q = a.malloc_in(larger, d, s, pool).unwrap();
+    let grew = a.stats(d).unwrap().physical_creates > creates;
+    a.validate(d).unwrap();
+    let at = segment(a, again).0;
+    a.free(q, larger, d, s).unwrap();
+    a.free(again, 98 * MIB, d, s).unwrap();
+    (at, grew, s1, s2)
+}
+
+#[test]
+fn a_pools_large_blocks_merge_at_once_and_go_by_best_fit() {
+    let a = host();
+    let (again, grew, _s1, s2) = scenario(&a, PoolId(1, 3));
+    assert_eq!(
+        again, s2,
+        "the 98 MiB request takes the exact free segment S2"
+    );
+    assert!(!grew, "the 122.5 MiB request fits in S1, merged whole");
+    a.release_pool(0, PoolId(1, 3)).unwrap();
+    a.validate(0).unwrap();
+}
+
+#[test]
+fn the_default_pool_keeps_its_large_blocks_whole() {
+    let a = host();
+    let (again, grew, s1, _s2) = scenario(&a, DEFAULT_POOL);
+    // The last freed block of the size (P, in S1) comes back whole: the eager fast path.
+    assert_eq!(again, s1, "the 98 MiB request reuses P where it sat");
+    assert!(
+        grew,
+        "S1 then holds only 26 MiB free: the 122.5 MiB request needs a segment"
+    );
+}
