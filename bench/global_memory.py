@@ -75,8 +75,28 @@ def resnet50(nn):
     return nn.Sequential(*layers)
 
 
+def torch_pools():
+    """PyTorch's allocator, per pool: segments, reserved, allocated MiB (--probe)."""
+    import torch
+
+    pools = {}
+    for seg in torch.cuda.memory_snapshot():
+        p = pools.setdefault(str(tuple(seg.get("segment_pool_id", (0, 0)))), [0, 0.0, 0.0])
+        p[0] += 1
+        p[1] += seg["total_size"] / MIB
+        p[2] += seg["allocated_size"] / MIB
+    return {k: f"{n} segments, {r:.1f} reserved, {a:.1f} allocated" for k, (n, r, a) in sorted(pools.items())}
+
+
 def child(alloc, args):
     import torch
+
+    def probe(what):
+        # --probe: where the memory sits at this point (symmalloc's per-pool lines come from
+        # SYMMALLOC_DEBUG=TRACE at every empty_cache, on stderr).
+        if args.probe:
+            extra = torch_pools() if alloc == "torch" else {}
+            print(f"PROBE {what}: used {used():.0f} MiB {json.dumps(extra)}", file=sys.stderr, flush=True)
 
     info = {"alloc": alloc}
     if alloc == "symmalloc":
@@ -156,6 +176,7 @@ def child(alloc, args):
     info["eager_footprint"] = eager_peak - base_used
     info["eager_reserved"] = reserved()
 
+    probe("after eager")
     # 2. The same step captured after the eager steps.
     before = used()
     sx, sy = batch(args.batch)
@@ -172,6 +193,7 @@ def child(alloc, args):
         sloss = step(sx, sy)
     torch.cuda.synchronize()
     info["capture_added"] = used() - before
+    probe("after capture")
     times = []
     for _ in range(args.replays):
         torch.cuda.synchronize()
@@ -203,9 +225,19 @@ def child(alloc, args):
         torch.cuda.current_stream().wait_stream(side)
         opt.zero_grad(set_to_none=True)
         gr = torch.cuda.CUDAGraph()
+        record = args.record and alloc == "torch" and b == 512
+        if record:  # --record: PyTorch's own trace of the first shared-pool capture
+            torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=4_000_000)
         with torch.cuda.graph(gr, pool=pool):
             losses.append(step(gx, gy))
+        if record:
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(None)
+            with open(args.record, "w") as f:
+                for e in snap["device_traces"][0]:
+                    f.write(f"{e['action']} {e.get('size', 0)} {e.get('addr', 0):#x} {e.get('stream', 0):#x}\n")
         graphs.append((gr, gx, gy))
+        probe(f"after graph of batch {n}")
     torch.cuda.synchronize()
     info["ten_graphs_used"] = used()
     info["ten_graphs_change"] = info["ten_graphs_used"] - after_delete
@@ -214,6 +246,10 @@ def child(alloc, args):
     torch.cuda.synchronize()
     info["ten_graphs_losses_finite"] = all(bool(torch.isfinite(v).item()) for v in losses)
     info["end_reserved"] = reserved()
+    if args.probe:
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        probe("at the end, after empty_cache")
     return info
 
 
@@ -226,6 +262,11 @@ def main():
     ap.add_argument("--scale", type=float, default=1.0, help="scales the ten graphs' batches (512..1)")
     ap.add_argument("--out", default=None, help="write every run's figures here as JSON")
     ap.add_argument("--child", choices=["torch", "symmalloc"], help=argparse.SUPPRESS)
+    ap.add_argument("--record", default=None, help="with --child torch: write PyTorch's allocator trace of the "
+                    "first shared-pool capture (batch 512) to this file")
+    ap.add_argument("--probe", action="store_true",
+                    help="with --child: print where memory sits at each phase on stderr (PyTorch: "
+                         "per pool from memory_snapshot; symmalloc: run with SYMMALLOC_DEBUG=TRACE)")
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args)), flush=True)
