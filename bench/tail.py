@@ -68,8 +68,9 @@ def ll_capacity(world):
 def legacy_all_reduce(comm, tensor, op="sum", algo="auto", out=None):
     """The package's all_reduce as it was before session 4 (for the eager before/after)."""
     import symmalloc as s
+    from symmalloc.comm import _dtype_code
 
-    code = s._dtype_code(tensor.dtype)
+    code = _dtype_code(tensor.dtype)
     op_code, algo_code = s._OPS.get(op), s._ALGOS.get(algo)
     if code is None or op_code is None or algo_code is None or not tensor.is_contiguous():
         raise ValueError("bad call")
