@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a lent GPU machine, from
 # prebuilt artifacts in .device/ (see the README's "GPU runs" section). Logs go to $OUT.
-#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab | p2p | fp8 | groups | global | atp | hier
+#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab | p2p | fp8 | groups | global | atp | hier | x2
+#   x2: the 2-GPU runs of issue 29 (PARTS; see the branch), each part within what is left of BUDGET s.
 #   fused: bench/fused.py (all-reduce + residual add + RMSNorm, fused vs unfused vs NCCL, and a
 #          16-layer decoder step).
 #   native: the PyTorch-native checks (torch.compile over the custom ops at 2 ranks; the wheel
@@ -119,6 +120,28 @@ elif [ "${1:-tests}" = atp ]; then
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   T=${T_CHECK:-400} TAILN=6 run atp_check python3 python/tests/async_tp_check.py --world ${RANKS:-2 4 8} --dying 3
   [ -n "${SKIP_BENCH:-}" ] || T=${T_BENCH:-400} TAILN=24 run atp_bench python3 bench/async_tp.py --world 1 --out "$OUT"
+elif [ "${1:-tests}" = x2 ]; then
+  # The 2-GPU verdicts of issue 29, PARTS of: tail (bench/tail.py, RUNS fresh processes, with the
+  # eager Python-vs-C table), fused (bench/fused.py --fp8 at every GPU: HIDDEN, TOKENS,
+  # STEP_TOKENS), atp (bench/async_tp.py), triton (bench/triton_one_shot.py), hier (test_hier's
+  # GPU tests, the NCCL one included), global (bench/global_memory.py on GPU 0, RUNS_GLOBAL
+  # pairs). Every part gets at most what is left of BUDGET seconds (default 570), so a call
+  # never outruns the device's 600 s limit and the parts that ran come back.
+  step machine; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nvidia-smi topo -m | head -4
+  end=$(( $(date +%s) + ${BUDGET:-570} ))
+  left() { local l=$(( end - $(date +%s) )); [ "$l" -gt "$1" ] && l=$1; echo $(( l > 5 ? l : 5 )); }
+  for part in ${PARTS:-fused atp triton hier}; do
+    case $part in
+      tail) T=$(left 560) TAILN=${TAILN:-70} run tail python3 bench/tail.py --runs "${RUNS:-10}" --out "$OUT" --c-bench "$D/allreduce_c" ;;
+      fused) T=$(left 400) TAILN=70 run fused python3 bench/fused.py --fp8 --hidden "${HIDDEN:-4096,6144,8192}" \
+               --tokens "${TOKENS:-1,8,32,128,512,2048}" --step-tokens "${STEP_TOKENS:-1,8,64}" --out "$OUT" ;;
+      atp) T=$(left 200) TAILN=30 run atp_bench python3 bench/async_tp.py --out "$OUT" ;;
+      triton) T=$(left 120) TAILN=12 run triton_one_shot python3 bench/triton_one_shot.py ;;
+      hier) T=$(left 120) TAILN=8 run hier_gpu python3 -m pytest -q -rs python/tests/test_hier.py -k gpu ;;
+      global) CUDA_VISIBLE_DEVICES=0 T=$(left 300) TAILN=16 run global_memory python3 bench/global_memory.py \
+                --runs "${RUNS_GLOBAL:-1}" --replays "${REPLAYS:-100}" --out "$OUT/global_memory.json" ;;
+    esac
+  done
 elif [ "${1:-tests}" = hier ]; then
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   T=${T:-400} TAILN=8 run hier_gpu python3 -m pytest -q -rs python/tests/test_hier.py -k gpu
