@@ -24,7 +24,8 @@ matmul_reduce_scatter (a ``[M, K]`` on every rank, b_shard ``[K, n]``)
      staging buffer, then C (after that matmul) puts it into p's workspace block r and raises
      p's slot ``RS_SLOT0 + r``; the local rows' product goes straight into block r.
   3. S: the owner adds the blocks up in fp32, in rank order, each as soon as it has arrived
-     (``wait``, then the slot reset), and casts once: the bits do not depend on timing.
+     (``wait``, then the slot reset), and rounds once: the bits do not depend on timing. The
+     last add writes the result (at 2 ranks it is the only pass over the blocks).
   4. S waits for C.
 
 A slot is raised to 1 and reset by its owner after the wait; the barrier of the next call
@@ -246,15 +247,27 @@ def _matmul_reduce_scatter(a, b_shard, comm: Communicator, scatter_dim: int):
             comm.put(stage[p], p, blocks[r])
             comm.signal(p, RS_SLOT0 + r, 1)
     torch.matmul(split[r], b_shard, out=blocks[r])
+    # The sum in rank order, in fp32, rounded once: blocks[0] + blocks[1] + ... The last add
+    # writes the result (fp32 math, one rounding to a's dtype) and, at 2 ranks, is the only pass:
+    # torch.add of two bf16 blocks adds them in fp32 and rounds once, the same bits as
+    # blocks[0].float().add_(blocks[1]).to(bf16) in a third of the memory traffic.
+    out = a.new_empty(block)  # the block's shape is a's with dim d divided by W
     acc = None
     for p in range(W):  # in rank order, as the blocks arrive: the bits do not depend on timing
         if p != r:
             comm.wait(RS_SLOT0 + p, 1)
             comm.signal(r, RS_SLOT0 + p, 0)
-        acc = blocks[p].float() if acc is None else acc.add_(blocks[p])
+        if W == 1:
+            out.copy_(blocks[0])
+        elif p == W - 1:
+            torch.add(blocks[0] if acc is None else acc, blocks[p], out=out)
+        elif p == 1:
+            acc = blocks[0].float().add_(blocks[1])
+        elif p > 1:
+            acc.add_(blocks[p])
     if side is not None:
         main.wait_stream(side)
-    return acc.to(a.dtype)  # the block's shape is a's with dim d divided by W
+    return out
 
 
 # Custom ops (torch.compile) and the public calls -------------------------------------------------

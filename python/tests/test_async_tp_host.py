@@ -64,6 +64,13 @@ def _rank(rank, world, uid, q):
                 want = sum(a_parts[p].double() @ b_shards[p].double() for p in range(world))
                 assert z.shape == (3, N) and z.dtype == dtype
                 _close(z, want[3 * rank:3 * rank + 3], f"matmul_reduce_scatter {dtype} call {it}")
+                # The exact bits: each rank's block in the dtype (its matmul's rounding), added in
+                # fp32 in rank order, rounded once (whatever order the blocks arrived in).
+                parts = [torch.matmul(a_parts[p][3 * rank:3 * rank + 3], b_shards[p]) for p in range(world)]
+                exact = parts[0].float()
+                for part in parts[1:]:
+                    exact += part.float()
+                assert torch.equal(z, exact.to(dtype)), f"matmul_reduce_scatter {dtype} call {it}: not the rank-order fp32 sum"
         # A 3-d input gathered along dim 1 (sequence parallel), and scattered back along dim 1.
         shards = [_data(7, p, (2, 3, 64), torch.bfloat16) for p in range(world)]
         b = _data(8, 100, (64, 16), torch.bfloat16)
