@@ -123,7 +123,8 @@ elif [ "${1:-tests}" = atp ]; then
 elif [ "${1:-tests}" = x2 ]; then
   # The 2-GPU verdicts of issue 29, PARTS of: tail (bench/tail.py, RUNS fresh processes, with the
   # eager Python-vs-C table), fused (bench/fused.py --fp8 at every GPU: HIDDEN, TOKENS,
-  # STEP_TOKENS), atp (bench/async_tp.py), triton (bench/triton_one_shot.py), hier (test_hier's
+  # STEP_TOKENS), atpcheck (python/tests/async_tp_check.py at RANKS, default "2 4", and its
+  # dying rank), atp (bench/async_tp.py), triton (bench/triton_one_shot.py), hier (test_hier's
   # GPU tests, the NCCL one included), global (bench/global_memory.py on GPU 0, RUNS_GLOBAL
   # pairs). Every part gets at most what is left of BUDGET seconds (default 570), so a call
   # never outruns the device's 600 s limit and the parts that ran come back.
@@ -135,6 +136,7 @@ elif [ "${1:-tests}" = x2 ]; then
       tail) T=$(left 560) TAILN=${TAILN:-70} run tail python3 bench/tail.py --runs "${RUNS:-10}" --out "$OUT" --c-bench "$D/allreduce_c" ;;
       fused) T=$(left 400) TAILN=70 run fused python3 bench/fused.py --fp8 --hidden "${HIDDEN:-4096,6144,8192}" \
                --tokens "${TOKENS:-1,8,32,128,512,2048}" --step-tokens "${STEP_TOKENS:-1,8,64}" --out "$OUT" ;;
+      atpcheck) T=$(left 200) TAILN=8 run atp_check python3 python/tests/async_tp_check.py --world ${RANKS:-2 4} --dying 3 ;;
       atp) T=$(left 200) TAILN=30 run atp_bench python3 bench/async_tp.py --out "$OUT" ;;
       triton) T=$(left 120) TAILN=12 run triton_one_shot python3 bench/triton_one_shot.py ;;
       hier) T=$(left 120) TAILN=8 run hier_gpu python3 -m pytest -q -rs python/tests/test_hier.py -k gpu ;;
