@@ -14,7 +14,8 @@ ranks' CUDA device; gloo between "hosts" unless ``HIER_INTER=nccl``). Modes:
 - ``device``: a rank without its GPU is named on every rank;
 - ``leave``: the last rank leaves after setup; every other rank's next call fails, naming ranks.
 
-Prints ``OK <mode> ...`` on success; exits non-zero with the failures otherwise."""
+Prints ``OK <mode> ...`` on success; exits non-zero with the failures otherwise. With
+``HIER_PROGRESS=1`` also a line per step, with the seconds since the start."""
 import datetime
 import os
 import sys
@@ -35,6 +36,15 @@ FAILURES = []
 
 def fail(msg):
     FAILURES.append(f"rank {dist.get_rank()}: {msg}")
+
+
+_T0 = time.monotonic()
+
+
+def progress(what):
+    """With HIER_PROGRESS=1, one line per step (where a case that runs past its time stopped)."""
+    if os.environ.get("HIER_PROGRESS") == "1":
+        print(f"[{time.monotonic() - _T0:7.1f} s] {what}", flush=True)
 
 
 def data(seed, rank, shape, dtype, dev):
@@ -87,6 +97,7 @@ def collectives(comm, dev, world, rank, full):
     for path in paths:
         comm.path = path
         for dtype in dtypes:
+            progress(f"collectives: path {path}, {dtype}")
             ops = ("sum", "max", "min") if full and dtype == torch.float32 else ("sum",)
             for op in ops:
                 for n in (1, 2 * world + 1, 1000):
@@ -184,6 +195,7 @@ def custom_ops(comm, dev, world, rank, graphs):
     torch._dynamo.utils.counters.clear()
     for mode, fn in modes:
         for step in range(4):
+            progress(f"custom ops: {mode}, step {step}")
             xs = [data(100 + step, r, (tokens, hidden), dtype, dev) for r in range(world)]
             res0 = data(200 + step, 0, (tokens, hidden), dtype, dev)
             got = [t.clone() for t in fn(xs[rank].clone(), res0)]
@@ -234,7 +246,9 @@ def main():
         if not isinstance(comm, symmalloc.HierCommunicator):
             fail(f"from_process_group over {hosts} gave {type(comm).__name__}")
         full = os.environ.get("HIER_FULL", "1") == "1"
+        progress(f"{comm!r}")
         cases = collectives(comm, dev, world, rank, full)
+        progress(f"collectives: {cases} cases done; custom ops")
         ops = custom_ops(comm, dev, world, rank, graphs=dev != "cpu" and inter == "nccl") if full else []
         comm.barrier()
         detail = f"{comm!r}: {cases} cases" + (f", custom ops {', '.join(ops)}, 0 graph breaks" if ops else "")
