@@ -14,6 +14,9 @@ use std::time::Instant;
 use symmalloc::cuda::{self, CtxGuard};
 use symmalloc::heap::{self, pools};
 
+// The replays of PyTorch allocator traces (`--replay`, `--replay-capture`).
+mod replay;
+
 const SIZES: [u64; 6] = [512, 4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20];
 
 fn pct(v: &mut [f64], p: f64) -> f64 {
@@ -124,7 +127,11 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     if let Some(i) = args.iter().position(|a| a == "--replay") {
         let file = args.get(i + 1).expect("--replay FILE");
-        return replay_torch_trace(heap::global().unwrap(), file);
+        return replay::shared_pool(heap::global().unwrap(), file);
+    }
+    if let Some(i) = args.iter().position(|a| a == "--replay-capture") {
+        let file = args.get(i + 1).expect("--replay-capture FILE");
+        return replay::capture(file);
     }
     if std::env::args().any(|a| a == "--trace-only") {
         // The trace replay alone, on whichever backend SYMMALLOC_BACKEND names (host works
@@ -355,65 +362,4 @@ fn trace_replay(a: &heap::Allocator) {
     for (p, sz) in live {
         a.free(p, sz, dev, s).unwrap();
     }
-}
-
-/// `--replay FILE`: a PyTorch allocator trace (lines `action size addr stream`, as
-/// `bench/global_memory.py --record` writes them for the first shared-pool capture) replayed
-/// into one pool of this heap on one stream, on whichever backend SYMMALLOC_BACKEND names
-/// (placement is the backend's business only through sizes): the memory PyTorch's allocator
-/// created for the same requests against what this heap creates.
-fn replay_torch_trace(a: &heap::Allocator, file: &str) {
-    let text = std::fs::read_to_string(file).expect("the trace file");
-    let pool = pools::PoolId(1, 7);
-    let (dev, s) = (0, 1u64);
-    let mut live: HashMap<u64, (u64, u64)> = HashMap::new();
-    let (mut torch_created, mut torch_now, mut torch_peak) = (0u64, 0u64, 0u64);
-    let (mut requests, mut peak_res, mut peak_alloc) = (0u64, 0u64, 0u64);
-    let base = a.stats(dev).map(|st| st.reserved_bytes).unwrap_or(0);
-    a.begin_pool(dev, pool, None).expect("begin_pool");
-    for line in text.lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        let (Some(&act), Some(size), Some(addr)) = (
-            f.first(),
-            f.get(1).and_then(|x| x.parse::<u64>().ok()),
-            f.get(2)
-                .and_then(|x| u64::from_str_radix(x.trim_start_matches("0x"), 16).ok()),
-        ) else {
-            continue;
-        };
-        match act {
-            "segment_alloc" => {
-                torch_created += size;
-                torch_now += size;
-                torch_peak = torch_peak.max(torch_now);
-            }
-            "segment_free" => torch_now = torch_now.saturating_sub(size),
-            "alloc" => {
-                let p = a.malloc_in(size, dev, s, pool).expect("malloc");
-                live.insert(addr, (p, size));
-                requests += 1;
-                let st = a.stats(dev).unwrap();
-                peak_res = peak_res.max(st.reserved_bytes - base);
-                peak_alloc = peak_alloc.max(st.allocated_bytes);
-            }
-            "free_completed" => {
-                if let Some((p, sz)) = live.remove(&addr) {
-                    a.free(p, sz, dev, s).expect("free");
-                }
-            }
-            _ => {}
-        }
-    }
-    let st = a.stats(dev).unwrap();
-    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-    println!(
-        "replayed {requests} requests of {file}: PyTorch's allocator created {:.0} MiB of segments; \
-         this heap created {:.0} MiB in the pool (peak reserved {:.0} MiB, peak allocated {:.0} \
-         MiB, {} segments)",
-        mib(torch_created),
-        mib(st.reserved_bytes - base),
-        mib(peak_res),
-        mib(peak_alloc),
-        st.segments
-    );
 }

@@ -23,6 +23,11 @@ Targets (printed as verdicts): capture adds <= PyTorch's figure + 5% of the eage
 3%, the run-to-run noise seen on one H100). Each child also reports whether PyTorch exposed the
 pool hooks (set_begin_allocate_to_pool: without them captures allocate into symmalloc's
 default pool) and whether torch.cuda.empty_cache reached symmalloc by itself.
+
+Diagnosis (one child, PyTorch's allocator): `--child torch --record FILE` writes PyTorch's trace
+of the ten graphs' first capture, `--child torch --record-capture FILE` the trace of the whole
+process up to the end of phase 2's capture with the phases marked; `alloc_bench --replay FILE`
+and `--replay-capture FILE` (bench/replay.rs) replay them into symmalloc's heap on host memory.
 """
 import argparse
 import json
@@ -109,6 +114,15 @@ def child(alloc, args):
         except Exception as e:  # noqa: BLE001 (reported, not fatal)
             info["pool_hooks"] = f"unknown ({e})"
     torch.cuda.set_device(0)
+    marks = []  # --record-capture: (phase, index of the trace's next entry)
+    recording = args.record_capture and alloc == "torch"
+    if recording:  # PyTorch's trace of the whole process up to the end of the first capture
+        torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=4_000_000)
+
+    def mark(name):
+        if recording:
+            marks.append((name, len(torch.cuda.memory._snapshot()["device_traces"][0])))
+
     base_used = used()
     if alloc == "symmalloc":
         # Does torch.cuda.empty_cache reach symm_empty_cache? If not (a package without the
@@ -162,6 +176,7 @@ def child(alloc, args):
         return loss
 
     # 1. Eager steps.
+    mark("eager")
     eager_peak = 0.0
     for _ in range(args.eager_steps):
         x, y = batch(args.batch)
@@ -178,6 +193,7 @@ def child(alloc, args):
 
     probe("after eager")
     # 2. The same step captured after the eager steps.
+    mark("after_eager")
     before = used()
     sx, sy = batch(args.batch)
     side = torch.cuda.Stream()
@@ -189,10 +205,23 @@ def child(alloc, args):
     torch.cuda.current_stream().wait_stream(side)
     opt.zero_grad(set_to_none=True)
     g = torch.cuda.CUDAGraph()
+    mark("capture")
     with torch.cuda.graph(g):
         sloss = step(sx, sy)
     torch.cuda.synchronize()
     info["capture_added"] = used() - before
+    if recording:
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        torch.cuda.memory._record_memory_history(None)
+        at = {}
+        for n, i in marks:
+            at.setdefault(i, []).append(n)
+        with open(args.record_capture, "w") as f:
+            for i, e in enumerate(trace):
+                for n in at.get(i, []):
+                    f.write(f"mark {n}\n")
+                f.write(f"{e['action']} {e.get('size', 0)} {e.get('addr', 0):#x} {e.get('stream', 0):#x}\n")
+            f.write("mark capture_end\n")
     probe("after capture")
     times = []
     for _ in range(args.replays):
@@ -264,6 +293,9 @@ def main():
     ap.add_argument("--child", choices=["torch", "symmalloc"], help=argparse.SUPPRESS)
     ap.add_argument("--record", default=None, help="with --child torch: write PyTorch's allocator trace of the "
                     "first shared-pool capture (batch 512) to this file")
+    ap.add_argument("--record-capture", default=None,
+                    help="with --child torch: write PyTorch's allocator trace from the start to the end of the "
+                         "capture after eager, with the phases marked, to this file (alloc_bench --replay-capture)")
     ap.add_argument("--probe", action="store_true",
                     help="with --child: print where memory sits at each phase on stderr (PyTorch: "
                          "per pool from memory_snapshot; symmalloc: run with SYMMALLOC_DEBUG=TRACE)")

@@ -1,0 +1,304 @@
+//! Replays of PyTorch allocator traces into symmalloc's heap, on host memory (no GPU):
+//! PyTorch's own request sequence (`torch.cuda.memory._record_memory_history`, written by
+//! `bench/global_memory.py` as lines `action size addr stream`, plus `mark NAME` lines at its
+//! phase boundaries), this heap's placement, and the memory each side created. Placement
+//! depends only on sizes, streams, pools and which streams are capturing, so host memory
+//! answers for the GPU's (bench/NOTES.md, "The allocator").
+//!
+//! `shared_pool` (`alloc_bench --replay FILE`): every request into one pool on one stream (the
+//! trace of the ten shared-pool graphs' first capture, `global_memory.py --record`).
+//! `capture` (`alloc_bench --replay-capture FILE`): a whole process, its streams kept, the
+//! default pool before the `capture` mark and a capture pool on the capturing stream after it
+//! (`global_memory.py --record-capture`: the eager steps, then the same step captured),
+//! `empty_cache` where `torch.cuda.graph` calls it, and the capturing stream marked as such,
+//! so the heap obeys CUDA's capture rules as it does on the GPU.
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
+use symmalloc::error::{Error, Result, Status};
+use symmalloc::heap::backend::{Backend, Phys, Stream};
+use symmalloc::heap::host_backend::HostBackend;
+use symmalloc::heap::{self, pools};
+
+const MIB: f64 = (1u64 << 20) as f64;
+
+/// One line of a trace: an allocator event, or a phase mark.
+enum Line {
+    Event {
+        action: String,
+        size: u64,
+        addr: u64,
+        stream: u64,
+    },
+    Mark(String),
+}
+
+fn parse(text: &str) -> Vec<Line> {
+    text.lines()
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            match f.as_slice() {
+                ["mark", name] => Some(Line::Mark(name.to_string())),
+                [action, size, addr, rest @ ..] => Some(Line::Event {
+                    action: action.to_string(),
+                    size: size.parse().ok()?,
+                    addr: u64::from_str_radix(addr.trim_start_matches("0x"), 16).ok()?,
+                    stream: rest
+                        .first()
+                        .and_then(|s| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok())
+                        .unwrap_or(0),
+                }),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// `--replay FILE`: every request of the trace into one pool of `a` on one stream: the memory
+/// PyTorch's allocator created for the same requests against what this heap creates.
+pub fn shared_pool(a: &heap::Allocator, file: &str) {
+    let text = std::fs::read_to_string(file).expect("the trace file");
+    let pool = pools::PoolId(1, 7);
+    let (dev, s) = (0, 1u64);
+    let mut live: HashMap<u64, (u64, u64)> = HashMap::new();
+    let (mut torch_created, mut torch_now, mut torch_peak) = (0u64, 0u64, 0u64);
+    let (mut requests, mut peak_res, mut peak_alloc) = (0u64, 0u64, 0u64);
+    let base = a.stats(dev).map(|st| st.reserved_bytes).unwrap_or(0);
+    a.begin_pool(dev, pool, None).expect("begin_pool");
+    for line in parse(&text) {
+        let Line::Event {
+            action, size, addr, ..
+        } = line
+        else {
+            continue;
+        };
+        match action.as_str() {
+            "segment_alloc" => {
+                torch_created += size;
+                torch_now += size;
+                torch_peak = torch_peak.max(torch_now);
+            }
+            "segment_free" => torch_now = torch_now.saturating_sub(size),
+            "alloc" => {
+                let p = a.malloc_in(size, dev, s, pool).expect("malloc");
+                live.insert(addr, (p, size));
+                requests += 1;
+                let st = a.stats(dev).unwrap();
+                peak_res = peak_res.max(st.reserved_bytes - base);
+                peak_alloc = peak_alloc.max(st.allocated_bytes);
+            }
+            "free_completed" => {
+                if let Some((p, sz)) = live.remove(&addr) {
+                    a.free(p, sz, dev, s).expect("free");
+                }
+            }
+            _ => {}
+        }
+    }
+    let st = a.stats(dev).unwrap();
+    println!(
+        "replayed {requests} requests of {file}: PyTorch's allocator created {:.0} MiB of segments; \
+         this heap created {:.0} MiB in the pool (peak reserved {:.0} MiB, peak allocated {:.0} \
+         MiB, {} segments)",
+        torch_created as f64 / MIB,
+        (st.reserved_bytes - base) as f64 / MIB,
+        peak_res as f64 / MIB,
+        peak_alloc as f64 / MIB,
+        st.segments
+    );
+}
+
+/// What the replay steers and reads of its backend: the streams capturing now, and the calls
+/// that would have broken a capture on CUDA.
+#[derive(Default)]
+struct State {
+    streams: Mutex<HashSet<Stream>>,
+    broken: Mutex<Vec<String>>,
+}
+
+/// Host memory with CUDA's capture rules: `is_capturing` answers for the streams the replay
+/// marks, and what would break a capture on CUDA (ordering a capturing stream, synchronizing
+/// while one captures) is counted and, for the synchronize, refused as the driver does.
+struct Capturing {
+    host: HostBackend,
+    state: Arc<State>,
+}
+
+impl Backend for Capturing {
+    fn name(&self) -> &'static str {
+        "host-capture-replay"
+    }
+    fn device_count(&self) -> Result<i32> {
+        self.host.device_count()
+    }
+    fn granularity(&self, device: i32) -> Result<u64> {
+        self.host.granularity(device)
+    }
+    fn default_heap_size(&self, device: i32) -> Result<u64> {
+        self.host.default_heap_size(device)
+    }
+    fn reserve(&self, device: i32, size: u64) -> Result<u64> {
+        self.host.reserve(device, size)
+    }
+    fn unreserve(&self, device: i32, base: u64, size: u64) -> Result<()> {
+        self.host.unreserve(device, base, size)
+    }
+    fn create(&self, device: i32, size: u64) -> Result<Phys> {
+        self.host.create(device, size)
+    }
+    fn map(&self, device: i32, addr: u64, size: u64, phys: &Phys) -> Result<()> {
+        self.host.map(device, addr, size, phys)
+    }
+    fn unmap(&self, device: i32, addr: u64, size: u64) -> Result<()> {
+        self.host.unmap(device, addr, size)
+    }
+    fn release(&self, phys: Phys) -> Result<()> {
+        self.host.release(phys)
+    }
+    fn export(&self, device: i32, phys: &Phys) -> Result<OwnedFd> {
+        self.host.export(device, phys)
+    }
+    fn import(&self, device: i32, fd: OwnedFd) -> Result<Phys> {
+        self.host.import(device, fd)
+    }
+    fn free_bytes(&self, device: i32) -> Option<u64> {
+        self.host.free_bytes(device)
+    }
+    fn order(&self, _device: i32, waiter: Stream, on: Stream) -> Result<()> {
+        let s = self.state.streams.lock().unwrap();
+        if s.contains(&waiter) || s.contains(&on) {
+            self.state
+                .broken
+                .lock()
+                .unwrap()
+                .push(format!("order({waiter:#x} after {on:#x})"));
+        }
+        Ok(())
+    }
+    fn is_capturing(&self, _device: i32, stream: Stream) -> Result<bool> {
+        Ok(self.state.streams.lock().unwrap().contains(&stream))
+    }
+    fn synchronize(&self, _device: i32) -> Result<()> {
+        if self.state.streams.lock().unwrap().is_empty() {
+            return Ok(());
+        }
+        self.state.broken.lock().unwrap().push("synchronize".into());
+        Err(Error::new(
+            Status::ErrCuda,
+            "cuCtxSynchronize: operation not permitted when stream is capturing",
+        ))
+    }
+}
+
+/// `--replay-capture FILE`: the trace of a whole process (module header), phase by phase: what
+/// PyTorch's allocator held in segments at each mark and at the end against this heap's
+/// reserved bytes, and the capture's growth on each side (global_memory.py's "capture after
+/// eager: device memory added" counts the same thing on the device).
+pub fn capture(file: &str) {
+    let text = std::fs::read_to_string(file).expect("the trace file");
+    let state = Arc::new(State::default());
+    let a = heap::Allocator::new(Box::new(Capturing {
+        host: HostBackend,
+        state: state.clone(),
+    }))
+    .expect("a host heap");
+    let dev = 0;
+    let pool = pools::PoolId(1, 9);
+    // PyTorch's stream 0 is the legacy default stream; the heap's streams are opaque ids.
+    let sid = |s: u64| s + 1;
+    let mut live: HashMap<u64, (u64, u64, Stream)> = HashMap::new();
+    let (mut torch_now, mut requests) = (0u64, 0u64);
+    let mut capture: Option<Option<Stream>> = None; // inside the capture: its stream, once seen
+    let mut rows: Vec<(String, u64, u64)> = Vec::new();
+    let row = |rows: &mut Vec<(String, u64, u64)>, name: &str, torch: u64, a: &heap::Allocator| {
+        rows.push((
+            name.to_string(),
+            torch,
+            a.stats(dev).unwrap().reserved_bytes,
+        ));
+    };
+    for line in parse(&text) {
+        match line {
+            Line::Mark(name) => {
+                row(&mut rows, &name, torch_now, &a);
+                match name.as_str() {
+                    // torch.cuda.graph empties the cache before it captures (global mode
+                    // reaches symmalloc's empty_cache through the pool hooks).
+                    "capture" => {
+                        a.empty_cache().expect("empty_cache");
+                        row(&mut rows, "capture, after empty_cache", torch_now, &a);
+                        capture = Some(None);
+                    }
+                    "capture_end" => {
+                        capture = None;
+                        state.streams.lock().unwrap().clear();
+                    }
+                    _ => {}
+                }
+            }
+            Line::Event {
+                action,
+                size,
+                addr,
+                stream,
+            } => match action.as_str() {
+                "segment_alloc" => torch_now += size,
+                "segment_free" => torch_now = torch_now.saturating_sub(size),
+                "alloc" => {
+                    let s = sid(stream);
+                    // The capture's stream: the first to allocate after the mark (the
+                    // backward, on autograd's thread, allocates on the same stream).
+                    if let Some(None) = capture {
+                        capture = Some(Some(s));
+                        state.streams.lock().unwrap().insert(s);
+                    }
+                    let into = if capture == Some(Some(s)) {
+                        pool
+                    } else {
+                        pools::DEFAULT_POOL
+                    };
+                    let p = a.malloc_in(size, dev, s, into).expect("malloc");
+                    live.insert(addr, (p, size, s));
+                    requests += 1;
+                }
+                "free_completed" => {
+                    if let Some((p, sz, s)) = live.remove(&addr) {
+                        a.free(p, sz, dev, s).expect("free");
+                    }
+                }
+                _ => {}
+            },
+        }
+    }
+    row(&mut rows, "end", torch_now, &a);
+    println!("replayed {requests} requests of {file}; MiB held in segments at each mark:");
+    println!("{:>28} | {:>9} | {:>9}", "mark", "PyTorch", "symmalloc");
+    for (name, t, s) in &rows {
+        println!(
+            "{name:>28} | {:>9.0} | {:>9.0}",
+            *t as f64 / MIB,
+            *s as f64 / MIB
+        );
+    }
+    let at = |n: &str| rows.iter().find(|r| r.0 == n);
+    // global_memory.py's "capture after eager: device memory added": from before the side
+    // stream's warm-up steps to the end of the capture.
+    if let (Some(b), Some(e)) = (at("after_eager"), at("capture_end")) {
+        println!(
+            "capture after eager (capture_end - after_eager): PyTorch {:+.0} MiB, symmalloc {:+.0} MiB",
+            (e.1 as f64 - b.1 as f64) / MIB,
+            (e.2 as f64 - b.2 as f64) / MIB
+        );
+    }
+    let broken = state.broken.lock().unwrap();
+    if !broken.is_empty() {
+        println!(
+            "calls that would have broken the capture on CUDA: {}",
+            broken.join(", ")
+        );
+    }
+    if let Err(e) = a.validate(dev) {
+        println!("heap validation failed: {e}");
+    }
+}
