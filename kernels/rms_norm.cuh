@@ -104,11 +104,13 @@ __device__ __forceinline__ float block_squares_and(const float (&ss)[V], uint32_
 
 // The FP8 outputs of row t for a thread holding vectors j_k = threadIdx.x + k * blockDim.x
 // (k < V; those >= vecs absent) with values r[k] (the new residual) and weights wgt[k]: y = r *
-// inv * w in place, then the scale of quant.cuh's mode Q and the e4m3 bytes. Every thread of the
-// block calls it (the scales take every lane, and a barrier for the per-token one).
+// inv * w in place, then the scale of quant.cuh's mode Q and the e4m3 bytes; sraw is the static
+// scale as read (QUANT_STATIC), inverted here. Every thread of the block calls it (the scales
+// take every lane, and a barrier for the per-token one).
 template <typename T, int V, int Q>
 __device__ __forceinline__ void rows_out_fp8(const RmsArgs& f, uint64_t t, uint64_t vecs, float (&r)[V][8],
-                                             const uint4 (&wgt)[V], float inv, float sinv, int parity) {
+                                             const uint4 (&wgt)[V], float inv, float sraw, int parity) {
+  const float sinv = Q == QUANT_STATIC ? static_inv(sraw) : 0.f;
   float qinv[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) {
@@ -151,7 +153,9 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
   const SymmArgs& a = f.s;
   uint32_t e;
   bool ok;
-  const float sinv = Q == QUANT_STATIC ? static_inv(*(const float*)f.scale) : 0.f;
+  // The static scale's load in flight from the start; its inverse at first use (a compare and
+  // a division that waited for the load here stalled the call counter's load behind it).
+  const float sraw = Q == QUANT_STATIC ? *(const float*)f.scale : 0.f;
   if (!barrier_open(a, e, ok)) return;  // aborted: touch no peer memory
   const uint64_t vecs = f.hidden / N;
   int parity = 0;
@@ -181,7 +185,7 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
         const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
         if (j < vecs) wgt[k] = ((const uint4*)f.weight)[j];
       }
-      rows_out_fp8<T, SYMM_RMS_VECS, Q>(f, t, vecs, r, wgt, inv, sinv, parity);
+      rows_out_fp8<T, SYMM_RMS_VECS, Q>(f, t, vecs, r, wgt, inv, sraw, parity);
     } else {
 #pragma unroll
       for (int k = 0; k < SYMM_RMS_VECS; ++k) {
@@ -244,7 +248,9 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   const uint64_t p0 = (uint64_t)blockIdx.x * tp + threadIdx.x;
   uint4 pv = make_uint4(0, 0, 0, 0);
   if (threadIdx.x < tp && p0 < items) pv = x[p0];
-  const float sinv = Q == QUANT_STATIC ? static_inv(*(const float*)f.scale) : 0.f;
+  // The static scale's load in flight from the start; its inverse at first use (a compare and
+  // a division that waited for the load here stalled the call counter's load behind it).
+  const float sraw = Q == QUANT_STATIC ? *(const float*)f.scale : 0.f;
 
   uint32_t call;
   if (!ll_begin(a, call)) return;  // aborted: push nothing into the peers' buffers
@@ -315,7 +321,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
       for (int k = 0; k < V; ++k)
         if (threadIdx.x + (uint64_t)k * blockDim.x < vecs)
           ((uint4*)f.residual)[t * vecs + threadIdx.x + (uint64_t)k * blockDim.x] = pack<T, true>(r[k]);
-      rows_out_fp8<T, V, Q>(f, t, vecs, r, wgt, inv, sinv, parity);
+      rows_out_fp8<T, V, Q>(f, t, vecs, r, wgt, inv, sraw, parity);
     } else {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
@@ -379,7 +385,9 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   const uint64_t p0 = (uint64_t)blockIdx.x * tp + threadIdx.x;
   uint4 pv = make_uint4(0, 0, 0, 0);
   if (threadIdx.x < tp && p0 < items) pv = x[p0];
-  const float sinv = Q == QUANT_STATIC ? static_inv(*(const float*)f.scale) : 0.f;
+  // The static scale's load in flight from the start; its inverse at first use (a compare and
+  // a division that waited for the load here stalled the call counter's load behind it).
+  const float sraw = Q == QUANT_STATIC ? *(const float*)f.scale : 0.f;
 
   uint32_t call;
   const bool live = ll_begin(a, call);  // block-uniform
@@ -473,7 +481,7 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
 #pragma unroll
         for (int k = 0; k < N; ++k) y[k] = r[k] * inv * to_f32(w[k]);
       }
-      float qinv = sinv;
+      float qinv = Q == QUANT_STATIC ? static_inv(sraw) : 0.f;
       if constexpr (Q == QUANT_PER_GROUP) {
         const float sc = amax_scale(half_warp_max(has ? vec_amax(y) : 0.f));
         if (has && j % 16 == 0) ((float*)f.scale)[t * (vecs / 16) + j / 16] = sc;
