@@ -18,6 +18,10 @@ and counts stalled rows: a row whose p50 in a run is more than 1.5x that row's b
 all runs. Targets (issue 13), every symmalloc row of every run: p99 <= 1.1x p50, max <= p50 +
 50 us, no stalled row.
 
+With --ab-lib DIR, every run is a pair of fresh jobs, this build's and DIR's libraries (with
+DIR/python's package when there is one: `scripts/stage-device.sh --old` puts it there), in
+alternating order, and each build gets its table.
+
 With --c-bench, the eager section compares one eager call from Python (this package's
 Communicator.all_reduce, and the wrapper as it was before session 4, kept below as
 `legacy_all_reduce`) with the same call from C (bench/allreduce_c.rs), AUTO in place, 8 KiB to
@@ -41,7 +45,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+# The package: this checkout's, or SYMM_BENCH_PYTHON's (--ab-lib: the other build's own package,
+# whose calls match its library).
+sys.path.insert(0, os.environ.get("SYMM_BENCH_PYTHON") or os.path.join(HERE, "..", "python"))
 
 SIZES = [8 << 10, 64 << 10, 256 << 10, 768 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 EAGER_SIZES = [8 << 10, 64 << 10, 256 << 10, 1 << 20]
@@ -444,6 +450,8 @@ def main():
     ap.add_argument("--mode", default="graphs", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=29541)
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--ab-lib", help="a folder with another build's libraries: each run is then a pair of fresh "
+                    "jobs, this build's and that one's, in alternating order, and each build gets its own table")
     a = ap.parse_args()
     for k, v in NO_MULTICAST.items():
         os.environ[k] = v  # multicast stays off, in this process and every child
@@ -452,6 +460,8 @@ def main():
         return one_run(a.one_run, a.port, a.mode)
     os.makedirs(a.out, exist_ok=True)
     paths = [os.path.join(a.out, f"tail_run{i}.json") for i in range(a.runs)]
+    # --ab-lib: the other build's runs, alternating with this build's (the A/B issue 29 asks for).
+    other = [os.path.join(a.out, f"tail_ab_run{i}.json") for i in range(a.runs)] if a.ab_lib else []
     pairs_path = os.path.join(a.out, "tail_eager_pairs.json")
     pairs = []
     if not a.table_only:
@@ -460,10 +470,18 @@ def main():
             with open(pairs_path, "w") as f:
                 json.dump(pairs, f)
         for i, p in enumerate(paths):
-            t0 = time.time()
-            cmd = [sys.executable, os.path.abspath(__file__), "--one-run", p, "--port", str(a.port + i)]
-            r = subprocess.run(cmd, env=os.environ, timeout=600)
-            print(f"run {i}: rc {r.returncode}, {time.time() - t0:.0f} s", flush=True)
+            jobs = [(p, os.environ, "this build")]
+            if a.ab_lib:
+                env = dict(os.environ, SYMMALLOC_LIBRARY_DIR=os.path.abspath(a.ab_lib))
+                if os.path.isdir(os.path.join(a.ab_lib, "python", "symmalloc")):  # its own package
+                    env["SYMM_BENCH_PYTHON"] = os.path.abspath(os.path.join(a.ab_lib, "python"))
+                jobs.append((other[i], env, a.ab_lib))
+                jobs = jobs if i % 2 == 0 else jobs[::-1]
+            for k, (path, env, what) in enumerate(jobs):
+                t0 = time.time()
+                cmd = [sys.executable, os.path.abspath(__file__), "--one-run", path, "--port", str(a.port + 2 * i + k)]
+                r = subprocess.run(cmd, env=env, timeout=600)
+                print(f"run {i} ({what}): rc {r.returncode}, {time.time() - t0:.0f} s", flush=True)
     elif os.path.exists(pairs_path):
         pairs = json.load(open(pairs_path))
         for p in pairs:  # JSON keys are strings
@@ -473,6 +491,12 @@ def main():
     if not runs and not pairs:
         sys.exit("no run finished")
     report(runs, pairs)
+    ab = [json.load(open(p)) for p in other if os.path.exists(p)]
+    if a.ab_lib:
+        print(f"\n--- the other build ({a.ab_lib}), its runs alternating with the ones above ---")
+        if not ab:
+            sys.exit("no run of the other build finished")
+        report(ab, [])
 
 
 if __name__ == "__main__":

@@ -122,7 +122,8 @@ elif [ "${1:-tests}" = atp ]; then
   [ -n "${SKIP_BENCH:-}" ] || T=${T_BENCH:-400} TAILN=24 run atp_bench python3 bench/async_tp.py --world 1 --out "$OUT"
 elif [ "${1:-tests}" = x2 ]; then
   # The 2-GPU verdicts of issue 29, PARTS of: tail (bench/tail.py, RUNS fresh processes, with the
-  # eager Python-vs-C table), fused (bench/fused.py --fp8 at every GPU: HIDDEN, TOKENS,
+  # eager Python-vs-C table), tailab (tail.py --ab-lib .device/old: RUNS, default 5, pairs of
+  # fresh jobs of this build and the old one, alternating), fused (bench/fused.py --fp8 at every GPU: HIDDEN, TOKENS,
   # STEP_TOKENS), atpcheck (python/tests/async_tp_check.py at RANKS, default "2 4", and its
   # dying rank), atp (bench/async_tp.py), triton (bench/triton_one_shot.py), hier (test_hier's
   # GPU tests, the NCCL one included), global (bench/global_memory.py on GPU 0, RUNS_GLOBAL
@@ -134,12 +135,14 @@ elif [ "${1:-tests}" = x2 ]; then
   for part in ${PARTS:-fused atp triton hier}; do
     case $part in
       tail) T=$(left 560) TAILN=${TAILN:-70} run tail python3 bench/tail.py --runs "${RUNS:-10}" --out "$OUT" --c-bench "$D/allreduce_c" ;;
+      tailab) [ -f "$D/old/libsymmalloc.so" ] || { echo "tailab: no .device/old (scripts/stage-device.sh --old on the other build)"; continue; }
+              T=$(left 560) TAILN=${TAILN:-120} run tail_ab python3 bench/tail.py --runs "${RUNS:-5}" --out "$OUT/ab" --ab-lib "$D/old" ;;
       fused) T=$(left 400) TAILN=70 run fused python3 bench/fused.py --fp8 --hidden "${HIDDEN:-4096,6144,8192}" \
                --tokens "${TOKENS:-1,8,32,128,512,2048}" --step-tokens "${STEP_TOKENS:-1,8,64}" --out "$OUT" ;;
       atpcheck) T=$(left 200) TAILN=8 run atp_check python3 python/tests/async_tp_check.py --world ${RANKS:-2 4} --dying 3 ;;
       atp) T=$(left 200) TAILN=30 run atp_bench python3 bench/async_tp.py --out "$OUT" ;;
       triton) T=$(left 120) TAILN=12 run triton_one_shot python3 bench/triton_one_shot.py ;;
-      hier) T=$(left 120) TAILN=8 run hier_gpu python3 -m pytest -q -rs python/tests/test_hier.py -k gpu ;;
+      hier) t=$(left 300); HIER_GPU_TIMEOUT=$(( t > 60 ? t - 30 : t )) T=$t TAILN=40 run hier_gpu python3 -m pytest -q -rs python/tests/test_hier.py -k gpu ;;
       global) CUDA_VISIBLE_DEVICES=0 T=$(left 300) TAILN=16 run global_memory python3 bench/global_memory.py \
                 --runs "${RUNS_GLOBAL:-1}" --replays "${REPLAYS:-100}" --out "$OUT/global_memory.json" ;;
     esac

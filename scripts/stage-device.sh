@@ -19,6 +19,9 @@ link_soname() {
 if [ "${1:-}" = --old ]; then
   rm -rf .device/old && mkdir -p .device/old
   cp target/release/libsymmalloc.so target/release/libsymmalloc_pluggable.so target/release/examples/allreduce_c .device/old/
+  # Its own Python package (tail.py --ab-lib runs it with its library: the calls must match).
+  mkdir -p .device/old/python && cp -r python/symmalloc .device/old/python/ && rm -rf .device/old/python/symmalloc/lib
+  find .device/old/python -name __pycache__ -prune -exec rm -rf {} +
   make --no-print-directory target/release/_fastcall.abi3.so >/dev/null && cp target/release/_fastcall.abi3.so .device/old/
   strip .device/old/allreduce_c && strip --strip-debug .device/old/*.so
   link_soname .device/old
