@@ -74,7 +74,11 @@ def ll_capacity(world):
 def legacy_all_reduce(comm, tensor, op="sum", algo="auto", out=None):
     """The package's all_reduce as it was before session 4 (for the eager before/after)."""
     import symmalloc as s
-    from symmalloc.comm import _dtype_code
+
+    try:
+        from symmalloc.comm import _dtype_code
+    except ImportError:  # a package from before the reference refactor (--ab-lib)
+        _dtype_code = s._dtype_code
 
     code = _dtype_code(tensor.dtype)
     op_code, algo_code = s._OPS.get(op), s._ALGOS.get(algo)
