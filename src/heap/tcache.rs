@@ -102,9 +102,10 @@ pub type Key = (PoolId, Stream, u64);
 /// Most blocks a thread keeps per device.
 pub const KEEP_BLOCKS: usize = 64;
 /// Most blocks a thread keeps when the block is another pool's than the default one (a graph
-/// capture's, a MemPool's). 16, as before KEEP_BLOCKS grew: the ResNet-50 capture of
-/// bench/global_memory.py added 670 MiB with 16, 724 keeping no pool block, 872 with the thread
-/// caches off (one H100; bench/RESULTS.md, "Global mode's memory").
+/// capture's, a MemPool's), small ones only (`keeps_whole`). 16, as before KEEP_BLOCKS grew: the
+/// ResNet-50 capture of bench/global_memory.py added 670 MiB with 16, 724 keeping no pool block,
+/// 872 with the thread caches off (one H100), and 672 with 16 small ones (51a1bf2, one H200;
+/// bench/RESULTS.md, "Global mode's memory").
 pub const KEEP_POOL_BLOCKS: usize = 16;
 /// Most bytes a thread keeps per device.
 pub const KEEP_BYTES: u64 = 256 << 20;
@@ -453,6 +454,25 @@ mod tests {
         // The default pool's blocks still fit, up to KEEP_BLOCKS in all.
         c.lend(0x100_0000, (DEFAULT_POOL, 7, 512), 512, 512);
         assert_eq!(c.keep(0x100_0000, 512, 7, true), Keep::Kept);
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn another_pools_large_blocks_are_not_kept() {
+        let mut c = ThreadCache::new(1, 0);
+        let big = 4 << 20;
+        c.lend(0x1000, (PoolId(3, 1), 7, big), big, big);
+        assert_ne!(
+            c.keep(0x1000, big, 7, true),
+            Keep::Kept,
+            "a capture pool's 4 MiB block"
+        );
+        c.lend(0x2000_0000, (DEFAULT_POOL, 7, big), big, big);
+        assert_eq!(
+            c.keep(0x2000_0000, big, 7, true),
+            Keep::Kept,
+            "the default pool's"
+        );
         c.validate().unwrap();
     }
 }
