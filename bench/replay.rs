@@ -13,13 +13,14 @@
 //! `empty_cache` where `torch.cuda.graph` calls it, and the capturing stream marked as such,
 //! so the heap obeys CUDA's capture rules as it does on the GPU.
 
-use std::collections::{HashMap, HashSet};
-use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex};
-use symmalloc::error::{Error, Result, Status};
-use symmalloc::heap::backend::{Backend, Phys, Stream};
-use symmalloc::heap::host_backend::HostBackend;
+use std::collections::HashMap;
+use symmalloc::heap::backend::Stream;
 use symmalloc::heap::{self, pools};
+
+// The host backend with CUDA's capture rules, the one tests/heap_pools.rs uses.
+#[path = "../tests/support/capture_backend.rs"]
+mod capture_backend;
+use capture_backend::capture_backend;
 
 const MIB: f64 = (1u64 << 20) as f64;
 
@@ -109,100 +110,13 @@ pub fn shared_pool(a: &heap::Allocator, file: &str) {
     );
 }
 
-/// What the replay steers and reads of its backend: the streams capturing now, and the calls
-/// that would have broken a capture on CUDA.
-#[derive(Default)]
-struct State {
-    streams: Mutex<HashSet<Stream>>,
-    broken: Mutex<Vec<String>>,
-}
-
-/// Host memory with CUDA's capture rules: `is_capturing` answers for the streams the replay
-/// marks, and what would break a capture on CUDA (ordering a capturing stream, synchronizing
-/// while one captures) is counted and, for the synchronize, refused as the driver does.
-struct Capturing {
-    host: HostBackend,
-    state: Arc<State>,
-}
-
-impl Backend for Capturing {
-    fn name(&self) -> &'static str {
-        "host-capture-replay"
-    }
-    fn device_count(&self) -> Result<i32> {
-        self.host.device_count()
-    }
-    fn granularity(&self, device: i32) -> Result<u64> {
-        self.host.granularity(device)
-    }
-    fn default_heap_size(&self, device: i32) -> Result<u64> {
-        self.host.default_heap_size(device)
-    }
-    fn reserve(&self, device: i32, size: u64) -> Result<u64> {
-        self.host.reserve(device, size)
-    }
-    fn unreserve(&self, device: i32, base: u64, size: u64) -> Result<()> {
-        self.host.unreserve(device, base, size)
-    }
-    fn create(&self, device: i32, size: u64) -> Result<Phys> {
-        self.host.create(device, size)
-    }
-    fn map(&self, device: i32, addr: u64, size: u64, phys: &Phys) -> Result<()> {
-        self.host.map(device, addr, size, phys)
-    }
-    fn unmap(&self, device: i32, addr: u64, size: u64) -> Result<()> {
-        self.host.unmap(device, addr, size)
-    }
-    fn release(&self, phys: Phys) -> Result<()> {
-        self.host.release(phys)
-    }
-    fn export(&self, device: i32, phys: &Phys) -> Result<OwnedFd> {
-        self.host.export(device, phys)
-    }
-    fn import(&self, device: i32, fd: OwnedFd) -> Result<Phys> {
-        self.host.import(device, fd)
-    }
-    fn free_bytes(&self, device: i32) -> Option<u64> {
-        self.host.free_bytes(device)
-    }
-    fn order(&self, _device: i32, waiter: Stream, on: Stream) -> Result<()> {
-        let s = self.state.streams.lock().unwrap();
-        if s.contains(&waiter) || s.contains(&on) {
-            self.state
-                .broken
-                .lock()
-                .unwrap()
-                .push(format!("order({waiter:#x} after {on:#x})"));
-        }
-        Ok(())
-    }
-    fn is_capturing(&self, _device: i32, stream: Stream) -> Result<bool> {
-        Ok(self.state.streams.lock().unwrap().contains(&stream))
-    }
-    fn synchronize(&self, _device: i32) -> Result<()> {
-        if self.state.streams.lock().unwrap().is_empty() {
-            return Ok(());
-        }
-        self.state.broken.lock().unwrap().push("synchronize".into());
-        Err(Error::new(
-            Status::ErrCuda,
-            "cuCtxSynchronize: operation not permitted when stream is capturing",
-        ))
-    }
-}
-
 /// `--replay-capture FILE`: the trace of a whole process (module header), phase by phase: what
 /// PyTorch's allocator held in segments at each mark and at the end against this heap's
 /// reserved bytes, and the capture's growth on each side (global_memory.py's "capture after
 /// eager: device memory added" counts the same thing on the device).
 pub fn capture(file: &str) {
     let text = std::fs::read_to_string(file).expect("the trace file");
-    let state = Arc::new(State::default());
-    let a = heap::Allocator::new(Box::new(Capturing {
-        host: HostBackend,
-        state: state.clone(),
-    }))
-    .expect("a host heap");
+    let (a, seen) = capture_backend();
     let dev = 0;
     let pool = pools::PoolId(1, 9);
     // PyTorch's stream 0 is the legacy default stream; the heap's streams are opaque ids.
@@ -232,7 +146,7 @@ pub fn capture(file: &str) {
                     }
                     "capture_end" => {
                         capture = None;
-                        state.streams.lock().unwrap().clear();
+                        seen.lock().unwrap().capturing.clear();
                     }
                     _ => {}
                 }
@@ -251,7 +165,7 @@ pub fn capture(file: &str) {
                     // backward, on autograd's thread, allocates on the same stream).
                     if let Some(None) = capture {
                         capture = Some(Some(s));
-                        state.streams.lock().unwrap().insert(s);
+                        seen.lock().unwrap().capturing.insert(s);
                     }
                     let into = if capture == Some(Some(s)) {
                         pool
@@ -291,7 +205,7 @@ pub fn capture(file: &str) {
             (e.2 as f64 - b.2 as f64) / MIB
         );
     }
-    let broken = state.broken.lock().unwrap();
+    let broken = &seen.lock().unwrap().broken;
     if !broken.is_empty() {
         println!(
             "calls that would have broken the capture on CUDA: {}",
