@@ -93,6 +93,33 @@ def torch_pools():
     return {k: f"{n} segments, {r:.1f} reserved, {a:.1f} allocated" for k, (n, r, a) in sorted(pools.items())}
 
 
+def start_trace():
+    """PyTorch's allocator trace from now on (--record, --record-capture)."""
+    import torch
+
+    torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=4_000_000)
+
+
+def write_trace(path, marks=()):
+    """Stops the trace and writes it as alloc_bench's replays read it (bench/replay.rs): a line
+    `action size addr stream` per event, `mark NAME` before the event a mark's index names, and
+    `mark capture_end` last when there are marks."""
+    import torch
+
+    trace = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(None)
+    at = {}
+    for n, i in marks:
+        at.setdefault(i, []).append(n)
+    with open(path, "w") as f:
+        for i, e in enumerate(trace):
+            for n in at.get(i, []):
+                f.write(f"mark {n}\n")
+            f.write(f"{e['action']} {e.get('size', 0)} {e.get('addr', 0):#x} {e.get('stream', 0):#x}\n")
+        if marks:
+            f.write("mark capture_end\n")
+
+
 def child(alloc, args):
     import torch
 
@@ -117,7 +144,7 @@ def child(alloc, args):
     marks = []  # --record-capture: (phase, index of the trace's next entry)
     recording = args.record_capture and alloc == "torch"
     if recording:  # PyTorch's trace of the whole process up to the end of the first capture
-        torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=4_000_000)
+        start_trace()
 
     def mark(name):
         if recording:
@@ -211,17 +238,7 @@ def child(alloc, args):
     torch.cuda.synchronize()
     info["capture_added"] = used() - before
     if recording:
-        trace = torch.cuda.memory._snapshot()["device_traces"][0]
-        torch.cuda.memory._record_memory_history(None)
-        at = {}
-        for n, i in marks:
-            at.setdefault(i, []).append(n)
-        with open(args.record_capture, "w") as f:
-            for i, e in enumerate(trace):
-                for n in at.get(i, []):
-                    f.write(f"mark {n}\n")
-                f.write(f"{e['action']} {e.get('size', 0)} {e.get('addr', 0):#x} {e.get('stream', 0):#x}\n")
-            f.write("mark capture_end\n")
+        write_trace(args.record_capture, marks)
     probe("after capture")
     times = []
     for _ in range(args.replays):
@@ -256,15 +273,11 @@ def child(alloc, args):
         gr = torch.cuda.CUDAGraph()
         record = args.record and alloc == "torch" and b == 512
         if record:  # --record: PyTorch's own trace of the first shared-pool capture
-            torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=4_000_000)
+            start_trace()
         with torch.cuda.graph(gr, pool=pool):
             losses.append(step(gx, gy))
         if record:
-            snap = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(None)
-            with open(args.record, "w") as f:
-                for e in snap["device_traces"][0]:
-                    f.write(f"{e['action']} {e.get('size', 0)} {e.get('addr', 0):#x} {e.get('stream', 0):#x}\n")
+            write_trace(args.record)
         graphs.append((gr, gx, gy))
         probe(f"after graph of batch {n}")
     torch.cuda.synchronize()
