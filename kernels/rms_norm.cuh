@@ -85,11 +85,14 @@ __device__ __forceinline__ float row_tree(const float* c, int n) {
 // lanes hold chunk k * W + w for each k (W warps). One barrier, which also ANDs `mine` over the
 // block into `all`; every warp adds the chunk sums itself (each gets the same bits). part[] is
 // double-buffered by the row's parity, so a warp that is a row ahead never overwrites sums a
-// slower warp still reads (the row in between has a barrier every warp must pass).
-template <int V>
+// slower warp still reads (the row in between has a barrier every warp must pass). With MAX, the
+// same barrier also takes the block-wide max of m (each thread's, >= 0 and never NaN) into m:
+// the per-token FP8 scale's amax rides on the sum's barrier (rows_out_fp8).
+template <int V, bool MAX = false>
 __device__ __forceinline__ float block_squares_and(const float (&ss)[V], uint32_t vecs, int parity,
-                                                   bool mine, bool& all) {
+                                                   bool mine, bool& all, float& m) {
   __shared__ float part[2][SYMM_RMS_MAX_CHUNKS];
+  __shared__ float pmax[MAX ? 2 : 1][32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, W = blockDim.x / 32;
 #pragma unroll
   for (int k = 0; k < V; ++k) {
@@ -98,18 +101,49 @@ __device__ __forceinline__ float block_squares_and(const float (&ss)[V], uint32_
     const float v = chunk_tree(ss[k]);
     if (lane == 0) part[parity][c] = v;
   }
+  if constexpr (MAX) {
+    const float wm = warp_max(m);
+    if (lane == 0) pmax[parity][warp] = wm;
+  }
   all = __syncthreads_and(mine) != 0;
+  if constexpr (MAX) m = warp_max(lane < W ? pmax[parity][lane] : 0.f);
   return row_tree(part[parity], (int)((vecs + 31) / 32));
 }
 
+template <int V>
+__device__ __forceinline__ float block_squares_and(const float (&ss)[V], uint32_t vecs, int parity,
+                                                   bool mine, bool& all) {
+  float unused = 0.f;
+  return block_squares_and<V, false>(ss, vecs, parity, mine, all, unused);
+}
+
+// Per-token FP8 (quant.cuh): the max of |r * w| over this thread's vectors (vectors >= vecs
+// absent), before the row's barrier. rows_out_fp8 forms the same products again after it (the
+// same bits: one rounded multiply) rather than keeping them: 8 more registers per vector spilled
+// the V = 4 LL kernel.
+template <typename T, int V>
+__device__ __forceinline__ float rows_weighted_max(uint64_t vecs, const float (&r)[V][8], const uint4 (&wgt)[V]) {
+  float m = 0.f;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    if (threadIdx.x + (uint64_t)k * blockDim.x >= vecs) continue;
+    const T* w = (const T*)&wgt[k];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) m = fmaxf(m, fabsf(r[k][q] * to_f32(w[q])));
+  }
+  return m;
+}
+
 // The FP8 outputs of row t for a thread holding vectors j_k = threadIdx.x + k * blockDim.x
-// (k < V; those >= vecs absent) with values r[k] (the new residual) and weights wgt[k]: y = r *
-// inv * w in place, then the scale of quant.cuh's mode Q and the e4m3 bytes; sraw is the static
-// scale as read (QUANT_STATIC), inverted here. Every thread of the block calls it (the scales
-// take every lane, and a barrier for the per-token one).
+// (k < V; those >= vecs absent) with values r[k] and weights wgt[k]: y in place, then the scale
+// of quant.cuh's mode Q and the e4m3 bytes; sraw is the static scale as read (QUANT_STATIC),
+// inverted here; r is the new residual. Static and per-group: y = (r * inv) * w. Per-token:
+// y = (r * w) * inv, and m is the row's max |r * w| (rows_weighted_max, then block_squares_and's
+// MAX), so amax = max(m * inv, 0) needs no second reduction (quant.cuh). Every thread of the
+// block calls it (the per-group scales take every lane).
 template <typename T, int V, int Q>
 __device__ __forceinline__ void rows_out_fp8(const RmsArgs& f, uint64_t t, uint64_t vecs, float (&r)[V][8],
-                                             const uint4 (&wgt)[V], float inv, float sraw, int parity) {
+                                             const uint4 (&wgt)[V], float inv, float sraw, float m) {
   const float sinv = Q == QUANT_STATIC ? static_inv(sraw) : 0.f;
   float qinv[V];
 #pragma unroll
@@ -118,14 +152,10 @@ __device__ __forceinline__ void rows_out_fp8(const RmsArgs& f, uint64_t t, uint6
     if (threadIdx.x + (uint64_t)k * blockDim.x >= vecs) continue;
     const T* w = (const T*)&wgt[k];
 #pragma unroll
-    for (int q = 0; q < 8; ++q) r[k][q] = r[k][q] * inv * to_f32(w[q]);
+    for (int q = 0; q < 8; ++q) r[k][q] = Q == QUANT_PER_TOKEN ? r[k][q] * to_f32(w[q]) * inv : r[k][q] * inv * to_f32(w[q]);
   }
   if constexpr (Q == QUANT_PER_TOKEN) {
-    float m = 0.f;
-#pragma unroll
-    for (int k = 0; k < V; ++k)
-      if (threadIdx.x + (uint64_t)k * blockDim.x < vecs) m = fmaxf(m, vec_amax(r[k]));
-    const float sc = amax_scale(block_max(m, parity));
+    const float sc = amax_scale(token_amax(m, inv));
     if (threadIdx.x == 0) ((float*)f.scale)[t] = sc;
 #pragma unroll
     for (int k = 0; k < V; ++k) qinv[k] = 1.f / sc;
@@ -177,15 +207,22 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
       ((uint4*)f.residual)[item] = pack<T, true>(r[k]);
     }
     bool all;
-    const float inv = rsqrtf(block_squares_and(ss, (uint32_t)vecs, parity, true, all) / (float)f.hidden + f.eps);
+    uint4 wgt[SYMM_RMS_VECS];
     if constexpr (Q != QUANT_NONE) {
-      uint4 wgt[SYMM_RMS_VECS];
 #pragma unroll
       for (int k = 0; k < SYMM_RMS_VECS; ++k) {
         const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
         if (j < vecs) wgt[k] = ((const uint4*)f.weight)[j];
       }
-      rows_out_fp8<T, SYMM_RMS_VECS, Q>(f, t, vecs, r, wgt, inv, sraw, parity);
+    }
+    float m = 0.f;
+    if constexpr (Q == QUANT_PER_TOKEN) m = rows_weighted_max<T, SYMM_RMS_VECS>(vecs, r, wgt);
+    const float inv =
+        rsqrtf(block_squares_and<SYMM_RMS_VECS, Q == QUANT_PER_TOKEN>(ss, (uint32_t)vecs, parity, true, all, m) /
+                   (float)f.hidden +
+               f.eps);
+    if constexpr (Q != QUANT_NONE) {
+      rows_out_fp8<T, SYMM_RMS_VECS, Q>(f, t, vecs, r, wgt, inv, sraw, m);
     } else {
 #pragma unroll
       for (int k = 0; k < SYMM_RMS_VECS; ++k) {
@@ -314,14 +351,18 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
       for (int q = 0; q < N; ++q) r[k][q] += to_f32(re[q]);
       ss[k] = vec_squares(r[k]);
     }
-    const float inv = rsqrtf(block_squares_and(ss, (uint32_t)vecs, parity, mine, ok) / (float)f.hidden + f.eps);
+    float m = 0.f;  // per-token FP8: max |r * w|, reduced with the sum
+    if constexpr (Q == QUANT_PER_TOKEN) m = rows_weighted_max<T, V>(vecs, r, wgt);
+    const float inv =
+        rsqrtf(block_squares_and<V, Q == QUANT_PER_TOKEN>(ss, (uint32_t)vecs, parity, mine, ok, m) / (float)f.hidden +
+               f.eps);
     if (!ok) break;
     if constexpr (Q != QUANT_NONE) {
 #pragma unroll
       for (int k = 0; k < V; ++k)
         if (threadIdx.x + (uint64_t)k * blockDim.x < vecs)
           ((uint4*)f.residual)[t * vecs + threadIdx.x + (uint64_t)k * blockDim.x] = pack<T, true>(r[k]);
-      rows_out_fp8<T, V, Q>(f, t, vecs, r, wgt, inv, sraw, parity);
+      rows_out_fp8<T, V, Q>(f, t, vecs, r, wgt, inv, sraw, m);
     } else {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
@@ -370,13 +411,12 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   const SymmArgs& a = f.s;
   const uint32_t C = cluster_nctarank(), q = cluster_ctarank();
   __shared__ float part[SYMM_RMS_LLC_THREADS / 32];
+  __shared__ float part_max[Q == QUANT_PER_TOKEN ? SYMM_RMS_LLC_THREADS / 32 : 1];
   __shared__ uint32_t part_ok[SYMM_RMS_LLC_THREADS / 32];
-  __shared__ __align__(8) uint32_t inbox[2][SYMM_MAX_CLUSTER][2];  // (sum's bits, AND of waits)
-  // Per-token FP8 scales: a second exchange per row, of each block's amax (bits, unused), on
-  // mbar[2 + parity]; the same double buffering and chain as inbox.
-  constexpr int NBAR = Q == QUANT_PER_TOKEN ? 4 : 2;
-  __shared__ __align__(8) uint32_t amax_in[Q == QUANT_PER_TOKEN ? 2 : 1][SYMM_MAX_CLUSTER][2];
-  __shared__ __align__(8) uint64_t mbar[NBAR];
+  // (sum's bits, word): word's bit 31 set where a wait of the block failed; its other bits are the
+  // block's max |r * w| for per-token FP8 (>= 0, never NaN: bit 31 is free), 0 otherwise.
+  __shared__ __align__(8) uint32_t inbox[2][SYMM_MAX_CLUSTER][2];
+  __shared__ __align__(8) uint64_t mbar[2];
 
   const uint64_t items = a.count / N;
   const uint64_t vecs = f.hidden / N;
@@ -393,7 +433,7 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   const bool live = ll_begin(a, call);  // block-uniform
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int b = 0; b < NBAR; ++b) mbar_init(&mbar[b], 1);
+    for (int b = 0; b < 2; ++b) mbar_init(&mbar[b], 1);
     fence_mbarrier_init();
   }
   // Every block's mbarriers exist before any block sends: the barrier's wait comes after the push.
@@ -441,24 +481,34 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
 #pragma unroll
       for (int k = 0; k < N; ++k) r[k] = p == 0 ? to_f32(e[k]) : r[k] + to_f32(e[k]);
     }
+    float m = 0.f;  // per-token FP8 (quant.cuh): max |r * w|, sent with the sum (one exchange)
     if (has) {
       const T* re = (const T*)&res;
 #pragma unroll
       for (int k = 0; k < N; ++k) r[k] += to_f32(re[k]);
       ss = vec_squares(r);
+      if constexpr (Q == QUANT_PER_TOKEN) {
+        const T* w = (const T*)&wgt;
+#pragma unroll
+        for (int k = 0; k < N; ++k) m = fmaxf(m, fabsf(r[k] * to_f32(w[k])));
+      }
     }
     ss = chunk_tree(ss);  // this warp's chunk
     const bool wok = __all_sync(0xffffffffu, mine);
+    if constexpr (Q == QUANT_PER_TOKEN) m = warp_max(m);
     if (lane == 0) {
       part[warp] = ss;
       part_ok[warp] = wok;
+      if constexpr (Q == QUANT_PER_TOKEN) part_max[warp] = m;
     }
     __syncthreads();
-    if (warp == 0) {  // the block's run of chunks and AND, then lane b sends them to block b
+    if (warp == 0) {  // the block's run of chunks and AND (and max), then lane b sends them to block b
       const float w = __shfl_sync(0xffffffffu, chunk_tree(lane < W ? part[lane] : 0.f, W), 0);
       const uint32_t k = __all_sync(0xffffffffu, lane >= W || part_ok[lane] != 0);
+      uint32_t word = k ? 0u : 0x80000000u;
+      if constexpr (Q == QUANT_PER_TOKEN) word |= __float_as_uint(warp_max(lane < W ? part_max[lane] : 0.f));
       if (lane == 0) mbar_expect_arrive(&mbar[parity], C * 8);
-      if (lane < (int)C) st_async_v2(inbox[parity][q], __float_as_uint(w), k, &mbar[parity], lane);
+      if (lane < (int)C) st_async_v2(inbox[parity][q], __float_as_uint(w), word, &mbar[parity], lane);
       mbar_wait(&mbar[parity], (phases >> parity) & 1);
     }
     phases ^= 1u << parity;
@@ -469,7 +519,7 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
     const uint32_t b = lane < (int)C ? lane : 0;
     const float sum = __shfl_sync(
         0xffffffffu, chunk_tree(lane < (int)C ? __uint_as_float(inbox[parity][b][0]) : 0.f, SYMM_MAX_CLUSTER), 0);
-    if (!__all_sync(0xffffffffu, inbox[parity][b][1] != 0)) break;  // the same in every block
+    if (!__all_sync(0xffffffffu, (inbox[parity][b][1] >> 31) == 0)) break;  // the same in every block
     const float inv = rsqrtf(sum / (float)f.hidden + f.eps);
     if constexpr (Q != QUANT_NONE) {
       float y[N];
@@ -479,7 +529,7 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
         ((uint4*)f.residual)[at] = pack<T, true>(r);
         const T* w = (const T*)&wgt;
 #pragma unroll
-        for (int k = 0; k < N; ++k) y[k] = r[k] * inv * to_f32(w[k]);
+        for (int k = 0; k < N; ++k) y[k] = Q == QUANT_PER_TOKEN ? r[k] * to_f32(w[k]) * inv : r[k] * inv * to_f32(w[k]);
       }
       float qinv = Q == QUANT_STATIC ? static_inv(sraw) : 0.f;
       if constexpr (Q == QUANT_PER_GROUP) {
@@ -488,19 +538,9 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
         qinv = 1.f / sc;
       }
       if constexpr (Q == QUANT_PER_TOKEN) {
-        // part[] is free: warp 0 read it before the barrier above.
-        const float m = warp_max(has ? vec_amax(y) : 0.f);
-        if (lane == 0) part[warp] = m;
-        __syncthreads();
-        if (warp == 0) {  // the block's amax to every block of the cluster
-          const float bm = warp_max(lane < W ? part[lane] : 0.f);
-          if (lane == 0) mbar_expect_arrive(&mbar[2 + parity], C * 8);
-          if (lane < (int)C) st_async_v2(amax_in[parity][q], __float_as_uint(bm), 0u, &mbar[2 + parity], lane);
-          mbar_wait(&mbar[2 + parity], (phases >> (2 + parity)) & 1);
-        }
-        phases ^= 1u << (2 + parity);
-        __syncthreads();
-        const float sc = amax_scale(warp_max(lane < (int)C ? __uint_as_float(amax_in[parity][lane][0]) : 0.f));
+        // The cluster's max |r * w|: each block's, from the exchange above (bit 31 clear here).
+        const float cm = warp_max(lane < (int)C ? __uint_as_float(inbox[parity][lane][1]) : 0.f);
+        const float sc = amax_scale(token_amax(cm, inv));
         if (q == 0 && threadIdx.x == 0) ((float*)f.scale)[t] = sc;
         qinv = 1.f / sc;
       }

@@ -161,8 +161,14 @@ pub fn run(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
                     }
                     continue;
                 };
+                // Per-token: y = (r * w) * inv, the kernels' order for that mode (quant.cuh).
                 for (j, v) in row.iter_mut().enumerate() {
-                    *v = *v * inv * load(c.dtype, f.weight, j);
+                    let w = load(c.dtype, f.weight, j);
+                    *v = if mode == Quant::PerToken {
+                        *v * w * inv
+                    } else {
+                        *v * inv * w
+                    };
                 }
                 // SAFETY: scale is a checked, 4-byte aligned host buffer of the call's scales
                 // (call.rs); the static one is read, the others written at this row's place.
