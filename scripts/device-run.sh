@@ -126,7 +126,7 @@ elif [ "${1:-tests}" = x2 ]; then
   # fresh jobs of this build and the old one, alternating), fused (bench/fused.py --fp8 at every GPU: HIDDEN, TOKENS,
   # STEP_TOKENS), atpcheck (python/tests/async_tp_check.py at RANKS, default "2 4", and its
   # dying rank), atp (bench/async_tp.py), triton (bench/triton_one_shot.py), hier (test_hier's
-  # GPU tests, the NCCL one included), global (bench/global_memory.py on GPU 0, RUNS_GLOBAL
+  # NCCL case between two GPUs), global (bench/global_memory.py on GPU 0, RUNS_GLOBAL
   # pairs). Every part gets at most what is left of BUDGET seconds (default 570), so a call
   # never outruns the device's 600 s limit and the parts that ran come back.
   step machine; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nvidia-smi topo -m | head -4
@@ -142,7 +142,9 @@ elif [ "${1:-tests}" = x2 ]; then
       atpcheck) T=$(left 200) TAILN=8 run atp_check python3 python/tests/async_tp_check.py --world ${RANKS:-2 4} --dying 3 ;;
       atp) T=$(left 200) TAILN=30 run atp_bench python3 bench/async_tp.py --out "$OUT" ;;
       triton) T=$(left 120) TAILN=12 run triton_one_shot python3 bench/triton_one_shot.py ;;
-      hier) t=$(left 300); HIER_GPU_TIMEOUT=$(( t > 60 ? t - 30 : t )) T=$t TAILN=40 run hier_gpu python3 -m pytest -q -rs python/tests/test_hier.py -k gpu ;;
+      # The NCCL case alone (the 2 x 2 one sharing a GPU is the one-GPU mode's), its own limit
+      # under the part's, -s so each rank's progress lines come back either way.
+      hier) t=$(left 300); HIER_GPU_TIMEOUT=$(( t > 60 ? t - 30 : t )) T=$t TAILN=60 run hier_gpu python3 -m pytest -q -rs -s python/tests/test_hier.py -k nccl_between_hosts ;;
       global) CUDA_VISIBLE_DEVICES=0 T=$(left 300) TAILN=16 run global_memory python3 bench/global_memory.py \
                 --runs "${RUNS_GLOBAL:-1}" --replays "${REPLAYS:-100}" --out "$OUT/global_memory.json" ;;
     esac
