@@ -85,14 +85,11 @@ __device__ __forceinline__ float row_tree(const float* c, int n) {
 // lanes hold chunk k * W + w for each k (W warps). One barrier, which also ANDs `mine` over the
 // block into `all`; every warp adds the chunk sums itself (each gets the same bits). part[] is
 // double-buffered by the row's parity, so a warp that is a row ahead never overwrites sums a
-// slower warp still reads (the row in between has a barrier every warp must pass). With MAX, the
-// same barrier also takes the block-wide max of m (each thread's, >= 0 and never NaN) into m:
-// the per-token FP8 scale's amax rides on the sum's barrier (rows_out_fp8).
-template <int V, bool MAX = false>
+// slower warp still reads (the row in between has a barrier every warp must pass).
+template <int V>
 __device__ __forceinline__ float block_squares_and(const float (&ss)[V], uint32_t vecs, int parity,
-                                                   bool mine, bool& all, float& m) {
+                                                   bool mine, bool& all) {
   __shared__ float part[2][SYMM_RMS_MAX_CHUNKS];
-  __shared__ float pmax[MAX ? 2 : 1][32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, W = blockDim.x / 32;
 #pragma unroll
   for (int k = 0; k < V; ++k) {
@@ -101,49 +98,20 @@ __device__ __forceinline__ float block_squares_and(const float (&ss)[V], uint32_
     const float v = chunk_tree(ss[k]);
     if (lane == 0) part[parity][c] = v;
   }
-  if constexpr (MAX) {
-    const float wm = warp_max(m);
-    if (lane == 0) pmax[parity][warp] = wm;
-  }
   all = __syncthreads_and(mine) != 0;
-  if constexpr (MAX) m = warp_max(lane < W ? pmax[parity][lane] : 0.f);
   return row_tree(part[parity], (int)((vecs + 31) / 32));
 }
 
-template <int V>
-__device__ __forceinline__ float block_squares_and(const float (&ss)[V], uint32_t vecs, int parity,
-                                                   bool mine, bool& all) {
-  float unused = 0.f;
-  return block_squares_and<V, false>(ss, vecs, parity, mine, all, unused);
-}
-
-// Per-token FP8 (quant.cuh): the max of |r * w| over this thread's vectors (vectors >= vecs
-// absent), before the row's barrier. rows_out_fp8 forms the same products again after it (the
-// same bits: one rounded multiply) rather than keeping them: 8 more registers per vector spilled
-// the V = 4 LL kernel.
-template <typename T, int V>
-__device__ __forceinline__ float rows_weighted_max(uint64_t vecs, const float (&r)[V][8], const uint4 (&wgt)[V]) {
-  float m = 0.f;
-#pragma unroll
-  for (int k = 0; k < V; ++k) {
-    if (threadIdx.x + (uint64_t)k * blockDim.x >= vecs) continue;
-    const T* w = (const T*)&wgt[k];
-#pragma unroll
-    for (int q = 0; q < 8; ++q) m = fmaxf(m, fabsf(r[k][q] * to_f32(w[q])));
-  }
-  return m;
-}
-
 // The FP8 outputs of row t for a thread holding vectors j_k = threadIdx.x + k * blockDim.x
-// (k < V; those >= vecs absent) with values r[k] and weights wgt[k]: y in place, then the scale
-// of quant.cuh's mode Q and the e4m3 bytes; sraw is the static scale as read (QUANT_STATIC),
-// inverted here; r is the new residual. Static and per-group: y = (r * inv) * w. Per-token:
-// y = (r * w) * inv, and m is the row's max |r * w| (rows_weighted_max, then block_squares_and's
-// MAX), so amax = max(m * inv, 0) needs no second reduction (quant.cuh). Every thread of the
-// block calls it (the per-group scales take every lane).
+// (k < V; those >= vecs absent) with values r[k] (the new residual) and weights wgt[k]: y in
+// place, then the scale of quant.cuh's mode Q and the e4m3 bytes; sraw is the static scale as
+// read (QUANT_STATIC), inverted here. y = (r * inv) * w, per token (r * w) * inv, the order the
+// cluster kernel needs (quant.cuh); here the row's amax is a second block-wide reduction
+// (block_max) after the sum's. Every thread of the block calls it (the scales take every lane,
+// and a barrier for the per-token one).
 template <typename T, int V, int Q>
 __device__ __forceinline__ void rows_out_fp8(const RmsArgs& f, uint64_t t, uint64_t vecs, float (&r)[V][8],
-                                             const uint4 (&wgt)[V], float inv, float sraw, float m) {
+                                             const uint4 (&wgt)[V], float inv, float sraw, int parity) {
   const float sinv = Q == QUANT_STATIC ? static_inv(sraw) : 0.f;
   float qinv[V];
 #pragma unroll
@@ -155,7 +123,11 @@ __device__ __forceinline__ void rows_out_fp8(const RmsArgs& f, uint64_t t, uint6
     for (int q = 0; q < 8; ++q) r[k][q] = Q == QUANT_PER_TOKEN ? r[k][q] * to_f32(w[q]) * inv : r[k][q] * inv * to_f32(w[q]);
   }
   if constexpr (Q == QUANT_PER_TOKEN) {
-    const float sc = amax_scale(token_amax(m, inv));
+    float m = 0.f;
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      if (threadIdx.x + (uint64_t)k * blockDim.x < vecs) m = fmaxf(m, vec_amax(r[k]));
+    const float sc = amax_scale(block_max(m, parity));
     if (threadIdx.x == 0) ((float*)f.scale)[t] = sc;
 #pragma unroll
     for (int k = 0; k < V; ++k) qinv[k] = 1.f / sc;
@@ -207,22 +179,15 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
       ((uint4*)f.residual)[item] = pack<T, true>(r[k]);
     }
     bool all;
-    uint4 wgt[SYMM_RMS_VECS];
+    const float inv = rsqrtf(block_squares_and(ss, (uint32_t)vecs, parity, true, all) / (float)f.hidden + f.eps);
     if constexpr (Q != QUANT_NONE) {
+      uint4 wgt[SYMM_RMS_VECS];
 #pragma unroll
       for (int k = 0; k < SYMM_RMS_VECS; ++k) {
         const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
         if (j < vecs) wgt[k] = ((const uint4*)f.weight)[j];
       }
-    }
-    float m = 0.f;
-    if constexpr (Q == QUANT_PER_TOKEN) m = rows_weighted_max<T, SYMM_RMS_VECS>(vecs, r, wgt);
-    const float inv =
-        rsqrtf(block_squares_and<SYMM_RMS_VECS, Q == QUANT_PER_TOKEN>(ss, (uint32_t)vecs, parity, true, all, m) /
-                   (float)f.hidden +
-               f.eps);
-    if constexpr (Q != QUANT_NONE) {
-      rows_out_fp8<T, SYMM_RMS_VECS, Q>(f, t, vecs, r, wgt, inv, sraw, m);
+      rows_out_fp8<T, SYMM_RMS_VECS, Q>(f, t, vecs, r, wgt, inv, sraw, parity);
     } else {
 #pragma unroll
       for (int k = 0; k < SYMM_RMS_VECS; ++k) {
@@ -351,18 +316,14 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
       for (int q = 0; q < N; ++q) r[k][q] += to_f32(re[q]);
       ss[k] = vec_squares(r[k]);
     }
-    float m = 0.f;  // per-token FP8: max |r * w|, reduced with the sum
-    if constexpr (Q == QUANT_PER_TOKEN) m = rows_weighted_max<T, V>(vecs, r, wgt);
-    const float inv =
-        rsqrtf(block_squares_and<V, Q == QUANT_PER_TOKEN>(ss, (uint32_t)vecs, parity, mine, ok, m) / (float)f.hidden +
-               f.eps);
+    const float inv = rsqrtf(block_squares_and(ss, (uint32_t)vecs, parity, mine, ok) / (float)f.hidden + f.eps);
     if (!ok) break;
     if constexpr (Q != QUANT_NONE) {
 #pragma unroll
       for (int k = 0; k < V; ++k)
         if (threadIdx.x + (uint64_t)k * blockDim.x < vecs)
           ((uint4*)f.residual)[t * vecs + threadIdx.x + (uint64_t)k * blockDim.x] = pack<T, true>(r[k]);
-      rows_out_fp8<T, V, Q>(f, t, vecs, r, wgt, inv, sraw, m);
+      rows_out_fp8<T, V, Q>(f, t, vecs, r, wgt, inv, sraw, parity);
     } else {
 #pragma unroll
       for (int k = 0; k < V; ++k) {

@@ -177,4 +177,49 @@ mod tests {
             }
         }
     }
+
+    /// kernels/quant.cuh's `token_amax`: the cluster kernel's per-token amax, max(RN(m * inv), 0)
+    /// from m = max |r * w|, must equal max |y| over y = RN(RN(r * w) * inv) (NaN ignored), the
+    /// LL and barrier kernels' and this backend's, bit for bit, or a row's scale would depend on
+    /// the kernel its row count picks.
+    #[test]
+    fn the_cluster_amax_equals_the_direct_one() {
+        let direct = |rw: &[f32], inv: f32| rw.iter().fold(0f32, |m, a| m.max((a * inv).abs()));
+        let cluster = |rw: &[f32], inv: f32| {
+            let m = rw.iter().fold(0f32, |m, a| m.max(a.abs()));
+            (m * inv).max(0.0) // f32::max ignores NaN as fmaxf does
+        };
+        let mut cases = 0;
+        for seed in 1..400u64 {
+            let r = row(seed, 64);
+            let w = row(seed ^ 0x9e37, 64);
+            let rw: Vec<f32> = r.iter().zip(&w).map(|(a, b)| a * b).collect();
+            for inv in [row(seed ^ 7, 1)[0].abs() + 1e-3, 1e-30, 3.7e12, 1.0 / 3.0] {
+                assert_eq!(
+                    cluster(&rw, inv).to_bits(),
+                    direct(&rw, inv).to_bits(),
+                    "seed {seed}, inv {inv}"
+                );
+                cases += 1;
+            }
+        }
+        // Where m * inv is NaN (0 * inf, inf * 0) or inv is NaN, and NaN or infinite products.
+        let edge: [(&[f32], f32); 7] = [
+            (&[0.0, -0.0, 0.0], f32::INFINITY),
+            (&[1.0, f32::INFINITY, -2.0], 0.0),
+            (&[1.0, -3.0], f32::NAN),
+            (&[f32::NAN, 2.0, -5.0], 0.5),
+            (&[f32::NEG_INFINITY, 1.0], 0.25),
+            (&[1e-45, -1e-45], 0.5),
+            (&[3.0e38, -3.0e38], 2.0),
+        ];
+        for (rw, inv) in edge {
+            assert_eq!(
+                cluster(rw, inv).to_bits(),
+                direct(rw, inv).to_bits(),
+                "{rw:?} * {inv}"
+            );
+        }
+        assert_eq!(cases, 399 * 4);
+    }
 }
