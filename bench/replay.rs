@@ -23,6 +23,8 @@ mod capture_backend;
 use capture_backend::capture_backend;
 
 const MIB: f64 = (1u64 << 20) as f64;
+/// The row of `--replay-capture` after `torch.cuda.graph`'s `empty_cache`.
+const EMPTIED: &str = "capture, after empty_cache";
 
 /// One line of a trace: an allocator event, or a phase mark.
 enum Line {
@@ -119,8 +121,8 @@ pub fn capture(file: &str) {
     let (a, seen) = capture_backend();
     let dev = 0;
     let pool = pools::PoolId(1, 9);
-    // PyTorch's stream 0 is the legacy default stream; the heap's streams are opaque ids.
-    let sid = |s: u64| s + 1;
+    // Streams as PyTorch passed them: on the device the heap sees the legacy default stream as
+    // 0 too (an id shifted by one here placed the eager steps differently before 795c2a4).
     let mut live: HashMap<u64, (u64, u64, Stream)> = HashMap::new();
     let (mut torch_now, mut requests) = (0u64, 0u64);
     let mut capture: Option<Option<Stream>> = None; // inside the capture: its stream, once seen
@@ -141,7 +143,7 @@ pub fn capture(file: &str) {
                     // reaches symmalloc's empty_cache through the pool hooks).
                     "capture" => {
                         a.empty_cache().expect("empty_cache");
-                        row(&mut rows, "capture, after empty_cache", torch_now, &a);
+                        row(&mut rows, EMPTIED, torch_now, &a);
                         capture = Some(None);
                     }
                     "capture_end" => {
@@ -160,10 +162,15 @@ pub fn capture(file: &str) {
                 "segment_alloc" => torch_now += size,
                 "segment_free" => torch_now = torch_now.saturating_sub(size),
                 "alloc" => {
-                    let s = sid(stream);
+                    let s = stream;
                     // The capture's stream: the first to allocate after the mark (the
                     // backward, on autograd's thread, allocates on the same stream).
                     if let Some(None) = capture {
+                        // PyTorch's empty_cache events follow the mark: its side of the row is
+                        // what it holds at the capture's first request.
+                        if let Some(r) = rows.iter_mut().find(|r| r.0 == EMPTIED) {
+                            r.1 = torch_now;
+                        }
                         capture = Some(Some(s));
                         seen.lock().unwrap().capturing.insert(s);
                     }
@@ -203,6 +210,18 @@ pub fn capture(file: &str) {
             "capture after eager (capture_end - after_eager): PyTorch {:+.0} MiB, symmalloc {:+.0} MiB",
             (e.1 as f64 - b.1 as f64) / MIB,
             (e.2 as f64 - b.2 as f64) / MIB
+        );
+    }
+    // Of which: what the default pool keeps through empty_cache (segments holding live eager
+    // tensors), and what the capture's pool grows by.
+    if let (Some(m), Some(e)) = (at(EMPTIED), at("capture_end")) {
+        println!(
+            "kept through empty_cache: PyTorch {:.0} MiB, symmalloc {:.0} MiB; the capture's pool \
+             (capture_end - after empty_cache): PyTorch {:+.0} MiB, symmalloc {:+.0} MiB",
+            m.1 as f64 / MIB,
+            m.2 as f64 / MIB,
+            (e.1 as f64 - m.1 as f64) / MIB,
+            (e.2 as f64 - m.2 as f64) / MIB
         );
     }
     let broken = &seen.lock().unwrap().broken;

@@ -5,6 +5,9 @@
 //! `bench/global_memory.py`'s ten shared-pool graphs 420 MiB: reusing a freed block of the same
 //! size where it sat left its free neighbour apart, and a larger request then needed a new
 //! segment. The default pool keeps its blocks whole (the eager fast path).
+//!
+//! And where never-used memory stands in best fit: with the requesting stream's own blocks, on
+//! every stream (it waits on none), not only on the legacy default stream 0.
 
 use symmalloc::heap::host_backend::HostBackend;
 use symmalloc::heap::pools::{PoolId, DEFAULT_POOL};
@@ -72,4 +75,47 @@ fn the_default_pool_keeps_its_large_blocks_whole() {
         grew,
         "S1 then holds only 26 MiB free: the 122.5 MiB request needs a segment"
     );
+}
+
+/// Where a long-lived 9 MiB block goes on `stream` when a freed 100 MiB block of that stream
+/// and 17 MiB of never-used memory (the rest of a 20 MiB segment) are both free; returns the
+/// size of its segment and what the heap keeps after `empty_cache`.
+fn never_used_memory_on(a: &Allocator, stream: u64) -> (u64, u64) {
+    let (d, dp) = (0, DEFAULT_POOL);
+    let small = a.malloc_in(3 * MIB, d, stream, dp).unwrap(); // a 20 MiB segment, 17 never used
+    let act = a.malloc_in(100 * MIB, d, stream, dp).unwrap(); // an activation's own segment
+    a.free(act, 100 * MIB, d, stream).unwrap();
+    let state = a.malloc_in(9 * MIB, d, stream, dp).unwrap(); // optimizer state, kept
+    a.free(small, 3 * MIB, d, stream).unwrap();
+    a.validate(d).unwrap();
+    let seg = segment(a, state).1;
+    a.empty_cache().unwrap();
+    let kept = a.stats(d).unwrap().reserved_bytes;
+    a.free(state, 9 * MIB, d, stream).unwrap();
+    a.empty_cache().unwrap();
+    (seg, kept)
+}
+
+/// Never-used memory waits on no stream, so best fit weighs it with the requesting stream's
+/// own free blocks whatever the stream (device_heap/placement.rs, `find_free`). It was listed
+/// under stream 0, the legacy default stream, so on any other stream the 9 MiB went into the
+/// freed 100 MiB block of its own stream, and `empty_cache` kept that whole segment for it. Replaying
+/// issue #35's ResNet-50 trace with its eager stream as a non-zero id, the default pool kept
+/// 656 MiB after `torch.cuda.graph`'s `empty_cache` against 440 on stream 0.
+#[test]
+fn never_used_memory_is_a_best_fit_candidate_on_every_stream() {
+    for stream in [0, 0x21] {
+        let a = host();
+        let (seg, kept) = never_used_memory_on(&a, stream);
+        assert_eq!(
+            seg,
+            20 * MIB,
+            "stream {stream:#x}: the 9 MiB takes the never-used 17 MiB"
+        );
+        assert_eq!(
+            kept,
+            20 * MIB,
+            "stream {stream:#x}: empty_cache returns the 100 MiB segment"
+        );
+    }
 }

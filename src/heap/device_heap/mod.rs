@@ -1,6 +1,7 @@
 //! One device's symmetric heap: segments placed at deterministic offsets of a reserved range,
 //! blocks split from and merged back into segments, free lists per pool (best fit, the
-//! requesting stream's blocks first), stream-ordered reuse and statistics.
+//! requesting stream's blocks and never-used memory first), stream-ordered reuse and
+//! statistics.
 //!
 //! A block is live (handed out), free (listed for best fit, split and merged) or parked (freed
 //! whole onto the fast path of `parked.rs`, for the next request of its size on its stream;
@@ -12,7 +13,7 @@
 //!   free; blocks with different pending streams stay apart, so stream sets never grow by
 //!   merging);
 //! - every free block is in its pool's `free_any` and `free_by_stream` sets, under its first
-//!   stream, and nothing else is; every parked block waits on exactly one stream and is in the
+//!   stream (under `UNUSED` when it has never been used), and nothing else is; every parked block waits on exactly one stream and is in the
 //!   parked LIFO of (pool, that stream, its last rounded request), and nothing else is; its
 //!   pool and size pass `keeps_whole`;
 //! - `segment.live` counts the segment's live and parked blocks (so a segment with parked
@@ -74,6 +75,9 @@ pub const LARGE_SEGMENT: u64 = 20 << 20;
 pub const HUGE_MIN: u64 = 10 << 20;
 /// A large block is split only when the remainder is bigger than this.
 const LARGE_SPLIT_MIN: u64 = SMALL_MAX;
+/// The `free_by_stream` key of never-used memory, which waits on no stream (no CUDA stream
+/// handle has this value; the legacy default stream is 0).
+pub const UNUSED: Stream = u64::MAX;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Class {

@@ -1,5 +1,5 @@
 //! Where a block comes from: best fit over a pool's free sets (the requesting stream's blocks
-//! first), splitting what is left, whole free segments taken from donor pools, new segments at
+//! and never-used memory first), splitting what is left, whole free segments taken from donor pools, new segments at
 //! deterministic offsets of the reserved range, and merging a freed block with free neighbours
 //! that wait on the same streams.
 //!
@@ -22,7 +22,7 @@
 //!
 //! Invariants kept (mod.rs lists them all): the blocks of a segment tile it in address order;
 //! a free block is listed once in `free_any` and once in `free_by_stream`, under its first
-//! stream; neighbours waiting on the same streams never stay apart; a segment moves only
+//! stream (`UNUSED` if it has none); neighbours waiting on the same streams never stay apart; a segment moves only
 //! whole and free, and `Pool::segments` counts each pool's segments.
 
 use super::*;
@@ -38,9 +38,16 @@ pub(super) fn segment_size(class: Class, rounded: u64, gran: u64) -> u64 {
 }
 
 impl DeviceHeap {
-    /// Best fit among the pool's free blocks of the class: the requesting stream's first, then
-    /// any stream's. A block used by other streams is taken only when ordering is possible
-    /// (nothing involved is being captured into a graph).
+    /// Best fit among the pool's free blocks of the class: first among the requesting stream's
+    /// and never-used ones (neither needs ordering), then among any stream's. A block used by
+    /// other streams is taken only when ordering is possible (nothing involved is being
+    /// captured into a graph).
+    ///
+    /// Never-used memory belongs to the first search whatever the stream: it used to be listed
+    /// under stream 0, the legacy default stream, so a request on any other stream took a
+    /// worse-fitting block of its own (a 9 MiB optimizer state in a freed 100 MiB activation
+    /// segment, which `empty_cache` then could not return) before a never-used exact fit, and
+    /// placement depended on whether the stream handle was 0 (tests/heap_placement.rs).
     pub(super) fn find_free(
         &self,
         backend: &dyn Backend,
@@ -55,11 +62,22 @@ impl DeviceHeap {
         let mut capturing: Option<bool> = None;
         let mut usable =
             |off: u64| self.reusable(backend, &self.blocks[&off].streams, stream, &mut capturing);
-        let own = (class, stream, rounded, 0)..=(class, stream, u64::MAX, u64::MAX);
-        for &(_, _, _, off) in p.free_by_stream.range(own) {
+        let fits = |s: Stream| (class, s, rounded, 0)..=(class, s, u64::MAX, u64::MAX);
+        let mut best: Option<(u64, u64)> = None;
+        for &(_, _, size, off) in p.free_by_stream.range(fits(stream)) {
             if usable(off)? {
-                return Ok(Some(off));
+                best = Some((size, off));
+                break;
             }
+        }
+        if let Some(&(_, _, size, off)) = p.free_by_stream.range(fits(UNUSED)).next() {
+            // Waits on no stream: usable by any, capturing or not.
+            if best.is_none_or(|b| (size, off) < b) {
+                best = Some((size, off));
+            }
+        }
+        if let Some((_, off)) = best {
+            return Ok(Some(off));
         }
         for &(c, _, off) in p.free_any.range((class, rounded, 0)..) {
             if c != class {
@@ -300,7 +318,7 @@ impl DeviceHeap {
         let p = self.pools.entry(pool).or_default();
         p.segments += 1;
         p.free_any.insert((class, len, off));
-        p.free_by_stream.insert((class, 0, len, off));
+        p.free_by_stream.insert((class, UNUSED, len, off));
         self.stats.physical_creates += 1;
         self.stats.segments += 1;
         self.stats.reserved_bytes += len;
@@ -320,7 +338,7 @@ impl DeviceHeap {
         (
             seg.pool,
             seg.class,
-            b.streams.first().copied().unwrap_or(0),
+            b.streams.first().copied().unwrap_or(UNUSED),
             b.size,
         )
     }

@@ -83,7 +83,7 @@ impl DeviceHeap {
                         prev_free = Some(&b.streams);
                         *free_count.entry(s.pool).or_default() += 1;
                         let p = self.pools.get(&s.pool).ok_or("segment's pool is missing")?;
-                        let stream = b.streams.first().copied().unwrap_or(0);
+                        let stream = b.streams.first().copied().unwrap_or(UNUSED);
                         if !p.free_any.contains(&(s.class, b.size, boff))
                             || !p.free_by_stream.contains(&(s.class, stream, b.size, boff))
                         {
