@@ -1,9 +1,9 @@
 //! The communicator: any number per (process, device) of a single-node job, up to
 //! `registry::MAX_COMMS_PER_DEVICE`. Owns the bootstrap mesh, its arena of the device heap
 //! (arena.rs), the signal pad (a symmetric internal block, in the arena, or for a child in a
-//! split slot of its parent's: slots.rs), the kernels' error
-//! words and the staging scratch; shares the peer heaps with the process's other communicators
-//! (peers.rs); runs the collectives. `split` (split.rs) makes children over a parent's ranks.
+//! split slot of its parent's: slots.rs), the kernels' error words and the staging scratch;
+//! shares the peer heaps with the process's other communicators (peers.rs); runs the
+//! collectives. `split` (split.rs) makes children over a parent's ranks.
 //!
 //! Every collective goes through one pipeline (docs/DESIGN.md, "The collective pipeline"): a
 //! front end below builds a `Call` (call.rs: what was asked, checked), `prepare` turns it into a

@@ -4,10 +4,9 @@
 //! 1. every parent rank sends its color, key, why it refuses (a color below -1, a broken
 //!    parent, the device's limit of communicators: registry.rs), which of the parent's split
 //!    slots it has free (slots.rs), the text of its communicator settings and its heap's free
-//!    address ranges. Any refusal, or settings that differ, fails
-//!    the split on every rank, naming the ranks; the parent's mesh is then still in step (each
-//!    rank sent and received one message per peer), so the parent stays usable. NOCOLOR ranks
-//!    are done.
+//!    address ranges. Any refusal, or settings that differ, fails the split on every rank,
+//!    naming the ranks; the parent's mesh is then still in step (each rank sent and received
+//!    one message per peer), so the parent stays usable. NOCOLOR ranks are done.
 //! 2. ranks of one color form a child, ordered by key, then parent rank. Each makes a socket
 //!    pair for every later rank of its child and sends it one end over the parent's connection
 //!    (no listening socket, no new authentication: the parent's are).
