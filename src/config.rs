@@ -1,7 +1,8 @@
 //! Environment variables, read in one place: every read of the process environment by the
 //! library goes through [`var`] here, and
-//! every `SYMMALLOC_*` setting but `SYMMALLOC_UNIQUE_ID` is parsed here, by one of four typed
-//! parsers ([`Vars::size`], [`Vars::duration_s`], [`Vars::boolean`], [`Vars::enumeration`]) or,
+//! every `SYMMALLOC_*` setting but `SYMMALLOC_UNIQUE_ID` is parsed here, by one of five typed
+//! parsers ([`Vars::size`], [`Vars::duration_s`], [`Vars::boolean`], [`Vars::enumeration`],
+//! [`Vars::count`]) or,
 //! for `SYMMALLOC_LL_GRID`, by [`parse_grid`] and, for `SYMMALLOC_HOST_ID`, by
 //! [`Vars::host_id`]. The README's "Environment" table lists every
 //! variable with its default and accepted values (`tests/config_env.rs` checks both ways).
@@ -125,6 +126,22 @@ impl<'a> Vars<'a> {
         }
     }
 
+    /// A whole number from 0 to `max` (decimal digits only); unset or blank is `default`.
+    pub fn count(&self, name: &str, default: u64, max: u64) -> Result<u64> {
+        let Some(v) = self.raw(name) else {
+            return Ok(default);
+        };
+        let t = v.trim();
+        match t.parse::<u64>() {
+            Ok(n) if n <= max && t.bytes().all(|b| b.is_ascii_digit()) => Ok(n),
+            _ => Err(Self::bad(
+                name,
+                &v,
+                &format!("a whole number from 0 to {max}"),
+            )),
+        }
+    }
+
     /// One of `choices` (any case); unset or blank is `default`.
     pub fn enumeration<T: Copy>(&self, name: &str, choices: &[(&str, T)], default: T) -> Result<T> {
         let Some(v) = self.raw(name) else {
@@ -163,6 +180,15 @@ impl<'a> Vars<'a> {
             Some(0) => Err(Self::bad(NAME, "0", "a positive size")),
             v => Ok(v),
         }
+    }
+
+    /// `SYMMALLOC_SPLIT_SLOTS`: a count, `0..=MAX_SPLIT_SLOTS`, default `DEFAULT_SPLIT_SLOTS`.
+    pub fn split_slots(&self) -> Result<u64> {
+        self.count(
+            "SYMMALLOC_SPLIT_SLOTS",
+            DEFAULT_SPLIT_SLOTS,
+            MAX_SPLIT_SLOTS,
+        )
     }
 
     /// `SYMMALLOC_TIMEOUT_S`: seconds, `MIN_TIMEOUT_S..=MAX_TIMEOUT_S`, default 60.
@@ -295,6 +321,20 @@ pub fn comm_arena_size() -> Result<Option<u64>> {
     Vars::process().comm_arena_size()
 }
 
+/// Split slots a communicator made by `symm_comm_init` reserves by default
+/// (`SYMMALLOC_SPLIT_SLOTS`; comm/slots.rs).
+pub const DEFAULT_SPLIT_SLOTS: u64 = 2;
+/// The most split slots one communicator reserves (a free-slot mask is one word).
+pub const MAX_SPLIT_SLOTS: u64 = 64;
+
+/// `SYMMALLOC_SPLIT_SLOTS`: how many children's internal blocks a communicator made by
+/// `symm_comm_init` reserves in its own (comm/slots.rs), so that a split makes no device memory;
+/// at most a quarter of its arena. `0..=MAX_SPLIT_SLOTS`, default `DEFAULT_SPLIT_SLOTS`; must
+/// match on all ranks.
+pub fn split_slots() -> Result<u64> {
+    Vars::process().split_slots()
+}
+
 /// The raw values of the variables a communicator's settings come from (those `symm_comm_init`
 /// compares between ranks), for `symm_comm_split` to compare: equal text gives equal settings
 /// for any world size.
@@ -307,6 +347,7 @@ pub fn comm_settings_text() -> String {
         "SYMMALLOC_CHECK_SYMMETRY",
         "SYMMALLOC_SHARED_GPU",
         "SYMMALLOC_COMM_ARENA_SIZE",
+        "SYMMALLOC_SPLIT_SLOTS",
     ]
     .iter()
     .map(|n| format!("{n}={:?}", var(n).unwrap_or_default().trim()))
@@ -595,6 +636,20 @@ mod tests {
         assert_eq!(with(name, "64x256", read).unwrap(), (64, 256));
         for bad in BAD.iter().chain(&["64", "0x256", "-1x32", "64x1024"]) {
             refused(name, bad, "BLOCKSxTHREADS", read);
+        }
+    }
+
+    #[test]
+    fn the_split_slots_are_a_small_whole_number() {
+        let name = "SYMMALLOC_SPLIT_SLOTS";
+        let read = |v: Vars<'_>| v.split_slots();
+        assert_eq!(unset(read).unwrap(), DEFAULT_SPLIT_SLOTS);
+        assert_eq!(with(name, "", read).unwrap(), DEFAULT_SPLIT_SLOTS);
+        assert_eq!(with(name, "0", read).unwrap(), 0);
+        assert_eq!(with(name, " 3 ", read).unwrap(), 3);
+        assert_eq!(with(name, "64", read).unwrap(), MAX_SPLIT_SLOTS);
+        for bad in BAD.iter().chain(&["65", "2K", "+2", "1.0", "two", "0x2"]) {
+            refused(name, bad, "a whole number from 0 to 64", read);
         }
     }
 

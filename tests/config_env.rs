@@ -43,6 +43,7 @@ const VARIABLES: &[(&str, Entry)] = &[
     ("SYMMALLOC_LL_MAX_BYTES", Entry::CommInit),
     ("SYMMALLOC_ONE_SHOT_MAX_BYTES", Entry::CommInit),
     ("SYMMALLOC_COMM_ARENA_SIZE", Entry::CommInit),
+    ("SYMMALLOC_SPLIT_SLOTS", Entry::CommInit),
     ("SYMMALLOC_UNIQUE_ID", Entry::CommInitFromEnv),
 ];
 
@@ -178,6 +179,8 @@ fn good_values_pass_through_the_same_calls() {
         ("SYMMALLOC_LL_MAX_BYTES", "0", Entry::CommInit),
         ("SYMMALLOC_ONE_SHOT_MAX_BYTES", "8K", Entry::CommInit),
         ("SYMMALLOC_COMM_ARENA_SIZE", "64M", Entry::CommInit),
+        ("SYMMALLOC_SPLIT_SLOTS", "0", Entry::CommInit),
+        ("SYMMALLOC_SPLIT_SLOTS", "64", Entry::CommInit),
     ] {
         let (st, msg) = run(name, value, entry);
         assert_eq!(st, 0, "{name}={value:?}: {msg}");

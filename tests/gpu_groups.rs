@@ -2,7 +2,8 @@
 //! communicator split from the world, driven by two threads on two streams at once through the
 //! real kernels (LL, one-shot, two-shot, AUTO and the fused all-reduce + RMSNorm), buffers
 //! from each communicator's arena, every result against a float64 reference (outputs poisoned
-//! first); what a split and a fresh init cost; an all-reduce on a child against the same
+//! first); what a split and a fresh init cost, and that each split was carved from its
+//! parent's split slot (no new device memory); an all-reduce on a child against the same
 //! all-reduce on a standalone communicator. With one GPU: `SYMM_TEST_RANKS=4
 //! SYMMALLOC_SHARED_GPU=1` (scripts/device-run.sh groups).
 
@@ -302,7 +303,12 @@ fn gpu_split_and_init_cost() {
     }
     let world = gpu_world("gpu_split_and_init_cost");
     let ids: Vec<String> = (0..10).map(|_| new_id_hex()).collect();
-    let outs = run_ranks("gpu_split_and_init_cost", world, &[], &ids.join(","));
+    let outs = run_ranks(
+        "gpu_split_and_init_cost",
+        world,
+        &[("SYMMALLOC_DEBUG", "INFO")],
+        &ids.join(","),
+    );
     assert_all_ok(&outs);
     for o in &outs {
         let s = String::from_utf8_lossy(&o.stdout);
@@ -313,7 +319,7 @@ fn gpu_split_and_init_cost() {
                 .unwrap_or("?")
         );
     }
-    // Under SYMMALLOC_DEBUG=INFO: where rank 0's creations spent their time.
+    // Where rank 0's creations spent their time (SYMMALLOC_DEBUG=INFO).
     let e = String::from_utf8_lossy(&outs[0].stderr);
     for l in e.lines().filter(|l| l.contains("arena claimed in")).take(8) {
         let kind = if l.contains("split from") {
@@ -322,6 +328,29 @@ fn gpu_split_and_init_cost() {
             "init"
         };
         println!("rank 0 {kind}: {}", l.rsplit("; ").next().unwrap_or(""));
+    }
+    // Every split was carved from the world's split slot (each child is destroyed before the
+    // next split): no device memory made or imported (comm/slots.rs); every init reserved
+    // its slots.
+    for (r, o) in outs.iter().enumerate() {
+        let e = String::from_utf8_lossy(&o.stderr);
+        let made: Vec<&str> = e
+            .lines()
+            .filter(|l| l.contains("arena claimed in"))
+            .collect();
+        let (splits, inits): (Vec<&str>, Vec<&str>) =
+            made.iter().partition(|l| l.contains("split from"));
+        assert_eq!(splits.len(), ids.len(), "rank {r}: {made:#?}");
+        assert!(
+            splits
+                .iter()
+                .all(|l| l.contains("carved from split slot 0 of its parent's")),
+            "rank {r}: a split made its own block: {splits:#?}"
+        );
+        assert!(
+            inits.iter().all(|l| l.contains("split slot(s) of")),
+            "rank {r}: an init reserved no split slot: {inits:#?}"
+        );
     }
 }
 

@@ -1,23 +1,22 @@
 //! Communicator creation, for `symm_comm_init` (here: the bootstrap mesh, the agreement on
 //! devices, heap sizes, backend and collective settings, the peer heaps) and for
 //! `symm_comm_split` (split.rs builds the same `Setup` from its parent); then, for both,
-//! `build`: the registry claim's verdict and the arena (arena.rs), the peer windows, the
-//! internal block in the arena, and the first segment exchange (the internal block's).
+//! `build`: the registry claim's verdict and the arena (arena.rs), the peer windows, then the
+//! internal block in the arena and the first segment exchange (internal.rs: a communicator made
+//! here reserves split slots in it, slots.rs).
 //!
 //! Several communicators may live on one device (registry.rs has the limit): each owns its
 //! arena, internal block (pads, epochs, LL buffers), error words, scratch and mesh; they share
 //! only the peer heaps (peers.rs).
 
 use super::algo;
-use super::algo::{DType, Kernel, ReduceOp};
-use super::device_comm::SYMM_SIGNAL_PAD_BYTES;
 use super::error_word::ErrorWords;
-use super::exchange::{CallDesc, DescKind};
 use super::kernel_args::*;
 use super::p2p::P2p;
 use super::peers::{self, PeerHeap, PeerIdent};
 use super::registry::{self, Claim};
 use super::retire::PeerReleases;
+use super::slots::{self, Internal, Plan};
 use super::streams::StreamOrder;
 use super::windows::PeerWindows;
 use super::Communicator;
@@ -33,13 +32,13 @@ use std::time::Duration;
 
 /// The init message's collective settings, as the variables that set them.
 pub(super) fn describe_settings(w: &[u64]) -> String {
-    if w.len() < 7 {
+    if w.len() < 8 {
         return format!("settings {w:?}");
     }
     format!(
         "SYMMALLOC_LL_BYTES={} SYMMALLOC_LL_GRID={}x{} SYMMALLOC_LL_MAX_BYTES={} \
          SYMMALLOC_ONE_SHOT_MAX_BYTES={} SYMMALLOC_CHECK_SYMMETRY={} SYMMALLOC_SHARED_GPU={} \
-         SYMMALLOC_COMM_ARENA_SIZE={}",
+         SYMMALLOC_COMM_ARENA_SIZE={} SYMMALLOC_SPLIT_SLOTS={}",
         w[0],
         w[1] >> 32,
         w[1] & 0xffff_ffff,
@@ -47,7 +46,8 @@ pub(super) fn describe_settings(w: &[u64]) -> String {
         w[3],
         w[4],
         w[5],
-        w[6]
+        w[6],
+        w[7]
     )
 }
 
@@ -61,6 +61,11 @@ pub(super) struct Settings {
     pub shared_gpu: bool,
     pub arena_len: u64,
     pub timeout: Duration,
+    /// `SYMMALLOC_SPLIT_SLOTS`, and how many of them a communicator made by init reserves
+    /// (slots.rs), each of `slot_len` bytes.
+    pub split_slots: u64,
+    pub reserve: usize,
+    pub slot_len: u64,
 }
 
 impl Settings {
@@ -72,19 +77,25 @@ impl Settings {
         };
         let arena = config::comm_arena_size()?
             .unwrap_or_else(|| config::default_comm_arena_bytes(heap_size));
+        let arena_len = arena.checked_next_multiple_of(gran).unwrap_or(u64::MAX);
+        let split_slots = config::split_slots()?;
+        let slot_len = slots::slot_len(world)?;
         Ok(Settings {
             ll_slot,
             ll_grid: config::ll_grid()?,
             auto: algo::AutoThresholds::from_env(world, ll_slot)?,
             check_symmetry: config::check_symmetry()?,
             shared_gpu: config::shared_gpu()?,
-            arena_len: arena.checked_next_multiple_of(gran).unwrap_or(u64::MAX),
+            arena_len,
             timeout: config::timeout()?,
+            split_slots,
+            reserve: slots::slots_to_reserve(split_slots, slot_len, arena_len),
+            slot_len,
         })
     }
 
     /// What every rank must have alike (`describe_settings` names them).
-    pub fn words(&self) -> [u64; 7] {
+    pub fn words(&self) -> [u64; 8] {
         [
             self.ll_slot,
             (self.ll_grid.0 as u64) << 32 | self.ll_grid.1 as u64,
@@ -93,6 +104,7 @@ impl Settings {
             self.check_symmetry as u64,
             self.shared_gpu as u64,
             self.arena_len,
+            self.split_slots,
         ]
     }
 }
@@ -122,6 +134,9 @@ pub(super) struct Setup {
     pub lineage: Option<String>,
     /// The ranks' free address ranges, when a split gathered them already.
     pub terms: Option<super::arena::Terms>,
+    /// Where the internal block comes from (slots.rs): `None` for init, which reserves the
+    /// settings' slots; a split's choice otherwise.
+    pub plan: Option<Plan>,
 }
 
 impl Communicator {
@@ -282,6 +297,7 @@ impl Communicator {
             fewest_sms,
             lineage: None,
             terms: None,
+            plan: None,
         })
     }
 
@@ -305,6 +321,7 @@ impl Communicator {
             fewest_sms,
             lineage,
             terms,
+            plan,
         } = setup;
         let mut refusal = match (&claim, &settings) {
             (Err(why), _) | (_, Err(why)) => Some(why.clone()),
@@ -313,7 +330,7 @@ impl Communicator {
         if let (Ok(c), None) = (&claim, &refusal) {
             refusal = registry::check_members(c, device, &members);
         }
-        let words = settings.as_ref().map_or([0; 7], |s| s.words());
+        let words = settings.as_ref().map_or([0; 8], |s| s.words());
         let arena_len = settings.as_ref().map_or(0, |s| s.arena_len);
         // A split gathered the terms in its first round (and its refusals); `init` here.
         let (terms, late_refusal) = match terms {
@@ -383,131 +400,12 @@ impl Communicator {
             claim,
             members,
             lineage,
+            block: Internal::Own,
         });
-        comm.finish_init(&settings, started, claimed)
-    }
-
-    /// The internal block, the first exchange, the last meeting; on failure, everything made
-    /// so far goes back.
-    fn finish_init(
-        mut self: Box<Self>,
-        settings: &Settings,
-        started: std::time::Instant,
-        claimed: std::time::Duration,
-    ) -> Result<Box<Communicator>> {
-        match self.make_internal() {
-            Ok(made) => {
-                let devices: Vec<i32> = self.members.iter().map(|m| m.device).collect();
-                crate::info!(
-                    "rank {}/{}: communicator on device {} (ranks' devices {devices:?}, {} \
-                     backend); arena {}{}; {}; timeout {:.1} s; arena claimed in {} us, internal \
-                     block made in {} us, exchanged in {} us",
-                    self.rank,
-                    self.world,
-                    self.device,
-                    if self.host { "host" } else { "cuda" },
-                    self.arena,
-                    self.lineage
-                        .as_deref()
-                        .map_or(String::new(), |l| format!("; {l}")),
-                    describe_settings(&settings.words()),
-                    settings.timeout.as_secs_f64(),
-                    claimed.as_micros(),
-                    made.as_micros(),
-                    (started.elapsed() - claimed - made).as_micros()
-                );
-                Ok(self)
-            }
-            Err(e) => {
-                let _ = self.destroy();
-                Err(e)
-            }
-        }
-    }
-
-    /// Makes and exchanges the internal block; how long making it took.
-    fn make_internal(&mut self) -> Result<std::time::Duration> {
-        let started = std::time::Instant::now();
-        let (rank, device) = (self.rank, self.device);
-        let internal_len = internal_bytes(self.world, self.ll_slot);
-        let internal = self.own_malloc(internal_len)?;
-        self.internal = internal;
-        // Pad, epochs, LL counters and descriptor words start at 0; LL data words empty.
-        if self.host {
-            // The host backend's collectives (host_reduce.rs) use the pad alone, never the LL
-            // buffers: those are left untouched (no page of them is ever faulted in).
-            // SAFETY: internal is a live block of internal_len bytes of mapped host memory.
-            unsafe { std::ptr::write_bytes(internal as *mut u8, 0, LL_DATA_OFFSET as usize) };
-        } else {
-            let data_len = internal_len - LL_DATA_OFFSET;
-            cuda::mem::memset2_sync(
-                device,
-                internal,
-                LL_DATA_OFFSET,
-                internal + LL_DATA_OFFSET,
-                LL_EMPTY_BYTE,
-                data_len,
-            )?;
-        }
-        let own_base = self.windows.bases[rank];
-        self.pads = self
-            .windows
-            .bases
-            .iter()
-            .map(|b| b + (internal - own_base))
-            .collect();
-        let desc = CallDesc {
-            kind: DescKind::Init,
-            kernel: Kernel::OneShot,
-            send_off: 0,
-            recv_off: 0,
-            count: 0,
-            dtype: DType::Fp32,
-            op: ReduceOp::Sum,
-            width: 0,
-        };
-        let seg = self
-            .locate(internal, internal_len)?
-            .expect("internal block is in the heap");
-        self.internal_seg = seg.offset;
-        // The p2p signal pads (p2p.rs), from the arena too, zeroed before any peer can see
-        // them (the exchange below is the first time a peer maps them).
-        let pad = self.own_malloc(SYMM_SIGNAL_PAD_BYTES)?;
-        self.p2p.pad = pad;
-        if self.host {
-            // SAFETY: pad is a live block of SYMM_SIGNAL_PAD_BYTES bytes of mapped host memory.
-            unsafe { std::ptr::write_bytes(pad as *mut u8, 0, SYMM_SIGNAL_PAD_BYTES as usize) };
-        } else {
-            cuda::mem::memset_sync(device, pad, 0, SYMM_SIGNAL_PAD_BYTES)?;
-        }
-        let pad_seg = self
-            .locate(pad, SYMM_SIGNAL_PAD_BYTES)?
-            .expect("signal pad is in the heap");
-        self.p2p.pad_seg = pad_seg.offset;
-        self.p2p.pads = self
-            .windows
-            .bases
-            .iter()
-            .map(|b| b + (pad - own_base))
-            .collect();
-        let made = started.elapsed();
-        if pad_seg.offset == seg.offset {
-            self.exchange(&[seg], desc, true)?;
-        } else {
-            self.exchange(&[seg, pad_seg], desc, true)?;
-        }
-        // The peers' generations of their internal blocks' segments: their release names the
-        // peer's destroy (retire.rs).
-        for (r, p) in self.windows.peers.iter().enumerate() {
-            if let Some(p) = p {
-                self.releases.internal_gens[r] = p.generation_at(seg.offset).unwrap_or(0);
-                self.releases.pad_gens[r] = p.generation_at(pad_seg.offset).unwrap_or(0);
-            }
-        }
-        // A split's last round (split.rs) is the children's meeting; a fresh one meets here.
-        if self.lineage.is_none() {
-            self.mesh.barrier("init")?;
-        }
-        Ok(made)
+        let plan = plan.unwrap_or(match settings.reserve {
+            0 => Plan::Own,
+            n => Plan::Reserve(n),
+        });
+        comm.finish_init(&settings, plan, started, claimed)
     }
 }

@@ -1,15 +1,17 @@
 //! The communicator: any number per (process, device) of a single-node job, up to
 //! `registry::MAX_COMMS_PER_DEVICE`. Owns the bootstrap mesh, its arena of the device heap
-//! (arena.rs), the signal pad (a symmetric internal block, in the arena), the kernels' error
-//! words and the staging scratch; shares the peer heaps with the process's other communicators
-//! (peers.rs); runs the collectives. `split` (split.rs) makes children over a parent's ranks.
+//! (arena.rs), the signal pad (a symmetric internal block, in the arena, or for a child in a
+//! split slot of its parent's: slots.rs), the kernels' error words and the staging scratch;
+//! shares the peer heaps with the process's other communicators (peers.rs); runs the
+//! collectives. `split` (split.rs) makes children over a parent's ranks.
 //!
 //! Every collective goes through one pipeline (docs/DESIGN.md, "The collective pipeline"): a
 //! front end below builds a `Call` (call.rs: what was asked, checked), `prepare` turns it into a
 //! `Plan` (plan.rs: buffers, staging, kernel and grid from algo.rs and shape.rs, the segment
 //! exchange), and `launch` enqueues it (launch.rs; host_reduce.rs on the host backend).
 //!
-//! Other files: `init` (bootstrap and agreement), `arena` (the arena's agreement,
+//! Other files: `init` (bootstrap and agreement), `internal` (the internal block made, or
+//! carved from a parent's split slot: `slots`), `arena` (the arena's agreement,
 //! `symm_comm_malloc`), `peers` (peer heaps shared by communicators), `registry` (live
 //! communicators per device, MemPool slots), `split` (children), `exchange` (lazy segment exchange, call
 //! descriptors), `retire` (unmapping segments peers released), `streams` (order across
@@ -37,6 +39,7 @@ mod exchange;
 pub mod host_norm;
 pub mod host_reduce;
 mod init;
+mod internal;
 pub mod kernel_args;
 pub mod kernels;
 mod launch;
@@ -48,6 +51,7 @@ pub mod registry;
 mod retire;
 pub mod shape;
 pub mod signal_pad;
+mod slots;
 mod split;
 pub mod streams;
 pub mod windows;
@@ -128,6 +132,9 @@ pub struct Communicator {
     lineage: Option<String>,
     /// The fused kernels' FP8-output instances already looked up (as `kernels`).
     quant_kernels: HashMap<(Kernel, DType, algo::Quant), cuda::module::Function>,
+    /// Whose memory `internal` and the p2p pad are: its own blocks (with split slots for its
+    /// children, when made by init) or a slot of its parent's block (slots.rs).
+    block: slots::Internal,
 }
 
 impl Communicator {
@@ -330,13 +337,29 @@ impl Communicator {
         if let Some((p, size)) = self.scratch.take() {
             let _ = self.alloc.free(p, size, self.device, 0);
         }
-        if self.internal != 0 {
-            let _ = self.alloc.free(
-                self.internal,
-                internal_bytes(self.world, self.ll_slot),
-                self.device,
-                0,
-            );
+        match std::mem::replace(&mut self.block, slots::Internal::Own) {
+            slots::Internal::Own => {
+                if self.internal != 0 {
+                    let _ = self.alloc.free(
+                        self.internal,
+                        internal_bytes(self.world, self.ll_slot),
+                        self.device,
+                        0,
+                    );
+                }
+            }
+            // The block goes with the last of this communicator and its carved children.
+            slots::Internal::WithSlots(block) => drop(block),
+            slots::Internal::Carved { hold, generation } => {
+                // What the peers' copies see as this rank's destroy (retire.rs); then the slot
+                // is free here (a split reuses it once it is free on every parent rank).
+                if let Ok(mut heap) = self.alloc.heap(self.device) {
+                    heap.record_given_back(self.internal_seg, generation);
+                }
+                drop(hold);
+                // The pad is part of the slot.
+                self.p2p.pad = 0;
+            }
         }
         if self.p2p.pad != 0 {
             let _ = self.alloc.free(

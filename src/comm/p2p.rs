@@ -336,7 +336,9 @@ impl Communicator {
 
     /// The peer's pad, unless the peer destroyed its communicator (released the pad).
     fn peer_pad(&self, what: &str, peer: usize) -> Result<u64> {
-        if peer != self.rank && self.released_by(peer, self.p2p.pad_seg) {
+        if peer != self.rank
+            && (self.released_by(peer, self.p2p.pad_seg) || self.internal_released_by(peer))
+        {
             return Err(Error::peer(format!(
                 "{what}: rank {peer} destroyed its communicator (its signal pad was released)"
             )));

@@ -12,6 +12,9 @@
 //! Reading the logs when nothing changed costs one load per peer. A peer that released the
 //! segment of its internal block (pads, LL buffers) destroyed its communicator: this one is
 //! then broken (a sticky SYMM_ERR_PEER naming the peer), so no later call touches that window.
+//! A child whose internal block was carved from its parent's split slot (slots.rs) frees no
+//! segment at destroy: its rank records the block's offset under a generation of its own,
+//! which the child's round told every peer (internal.rs), and that record counts the same.
 
 use super::Communicator;
 use crate::cuda;
@@ -45,6 +48,17 @@ impl PeerReleases {
 }
 
 impl Communicator {
+    /// Whether `peer` recorded giving back this communicator's internal block (its destroy)
+    /// since the last call: for checks between calls (p2p.rs).
+    pub(super) fn internal_released_by(&self, peer: usize) -> bool {
+        let Some(heap) = &self.windows.peers[peer] else {
+            return false;
+        };
+        let mut records = Vec::new();
+        heap.log.read_since(self.releases.seen[peer], &mut records);
+        records.contains(&(self.internal_seg, self.releases.internal_gens[peer]))
+    }
+
     /// Unmaps the peer segments released since the last call (see the module comment).
     pub(super) fn retire_released(&mut self, stream: u64) -> Result<()> {
         let pending = self

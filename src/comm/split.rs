@@ -2,28 +2,31 @@
 //! parent; one round over the parent's mesh, then rounds within each child:
 //!
 //! 1. every parent rank sends its color, key, why it refuses (a color below -1, a broken
-//!    parent, the device's limit of communicators: registry.rs), the text of its communicator
-//!    settings and its heap's free address ranges. Any refusal, or settings that differ, fails
-//!    the split on every rank, naming the ranks; the parent's mesh is then still in step (each
-//!    rank sent and received one message per peer), so the parent stays usable. NOCOLOR ranks
-//!    are done.
+//!    parent, the device's limit of communicators: registry.rs), which of the parent's split
+//!    slots it has free (slots.rs), the text of its communicator settings and its heap's free
+//!    address ranges. Any refusal, or settings that differ, fails the split on every rank,
+//!    naming the ranks; the parent's mesh is then still in step (each rank sent and received
+//!    one message per peer), so the parent stays usable. NOCOLOR ranks are done.
 //! 2. ranks of one color form a child, ordered by key, then parent rank. Each makes a socket
 //!    pair for every later rank of its child and sends it one end over the parent's connection
 //!    (no listening socket, no new authentication: the parent's are).
 //! 3. the child takes its parent's peer heaps for its ranks (peers.rs: no memory the parent
 //!    mapped is imported again) and its record of shared segments, and `build` (init.rs)
 //!    claims its arena at the highest offset free on all its ranks (from the ranges of round
-//!    1), then allocates and exchanges its internal block over the child's mesh.
+//!    1); then its internal block (internal.rs) is carved out of the lowest split slot free on
+//!    every parent rank (the same slot for every child of the split: no new memory, nothing to
+//!    import), or, where none is, allocated and exchanged over the child's mesh.
 //!
 //! A failure in step 3 (a rank that died, memory) fails that child's ranks, naming the rank; a
 //! failure in step 2 may leave messages on the parent's connections, so it breaks the parent
 //! (a sticky error: destroy it). A child is independent of its parent from then on: its own
-//! mesh, arena, internal block and error words; the peer heaps are reference-counted, so
-//! destroying the parent first leaves the child working.
+//! mesh, arena, internal block and error words; the peer heaps and a parent's block of split
+//! slots are reference-counted, so destroying the parent first leaves the child working.
 
 use super::arena::Terms;
 use super::init::{Settings, Setup};
 use super::registry;
+use super::slots::{Internal, Plan};
 use super::Communicator;
 use crate::config;
 use crate::error::{Error, Result, Status};
@@ -94,10 +97,15 @@ impl Communicator {
         };
         let gran = self.alloc.heap(self.device)?.granularity();
         let settings = config::comm_settings_text();
+        let free_slots = match &self.block {
+            Internal::WithSlots(b) => b.free_mask(),
+            _ => 0,
+        };
         let mut msg = Vec::new();
         put(&mut msg, color as i64 as u64);
         put(&mut msg, key as i64 as u64);
         put(&mut msg, gran);
+        put(&mut msg, free_slots);
         put_text(&mut msg, &settings);
         put_text(&mut msg, &refusal);
         for (o, l) in self.alloc.heap(self.device)?.free_ranges() {
@@ -111,22 +119,26 @@ impl Communicator {
         let mut refusals = Vec::new();
         let mut colors = Vec::with_capacity(self.world);
         let mut lists = Vec::with_capacity(self.world);
+        // The slots free on every parent rank.
+        let mut common_slots = u64::MAX;
         for (r, (m, _)) in all.iter().enumerate() {
             let mut at = 0;
             let parsed = (|| {
                 let (c, k, g) = (next(m, &mut at)?, next(m, &mut at)?, next(m, &mut at)?);
+                let f = next(m, &mut at)?;
                 let (s, t) = (next_text(m, &mut at)?, next_text(m, &mut at)?);
                 let w: Vec<u64> = m[at..]
                     .chunks_exact(8)
                     .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
                     .collect();
-                Some((c, k, g, s, t, w))
+                Some((c, k, g, f, s, t, w))
             })();
-            let Some((c, k, g, s, t, w)) = parsed else {
+            let Some((c, k, g, f, s, t, w)) = parsed else {
                 return Err(Error::peer(format!(
                     "rank {r} sent a malformed split message"
                 )));
             };
+            common_slots &= f;
             colors.push((c as i64, k as i64 as i32));
             if !t.is_empty() {
                 refusals.push(format!("rank {r}: {t}"));
@@ -161,7 +173,14 @@ impl Communicator {
             gran,
             lists: members.iter().map(|&m| lists[m].clone()).collect(),
         };
-        self.make_child(&members, claim, terms)
+        // Every child of this split takes the same slot (slots.rs), or none is free.
+        let plan = match &self.block {
+            Internal::WithSlots(b) if common_slots & free_slots != 0 => {
+                Plan::Carve(b.take(common_slots.trailing_zeros() as usize))
+            }
+            _ => Plan::Own,
+        };
+        self.make_child(&members, claim, terms, plan)
             .map(Some)
             .map_err(|e| self.name_ranks(e.context(what)))
     }
@@ -172,6 +191,7 @@ impl Communicator {
         members: &[usize],
         claim: registry::Claim,
         terms: Terms,
+        plan: Plan,
     ) -> Result<Box<Communicator>> {
         let world = members.len();
         let rank = members
@@ -217,6 +237,7 @@ impl Communicator {
                  from, pids {pids:?}"
             )),
             terms: Some(terms),
+            plan: Some(plan),
         })
     }
 

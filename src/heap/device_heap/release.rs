@@ -7,6 +7,10 @@
 //! pool keeps its free segments, as in PyTorch: a captured graph replays into its pool's free
 //! blocks, and a MemPool keeps what it holds until `release_pool`.
 //!
+//! The release log also carries records of memory given back inside a live segment (a carved
+//! child's internal block: comm/slots.rs), under a generation drawn like a segment's
+//! (`fresh_generation`), so that it names no segment any peer maps.
+//!
 //! Invariants kept: a segment with live or parked blocks is never released; a pool being
 //! released has no parked blocks, and `releasing_pools` counts the pools being released; the
 //! device is never waited for from a capturing stream (the wait would break the capture; the
@@ -285,5 +289,21 @@ impl DeviceHeap {
         }
         crate::trace!("release_pool {}: {}", pool, self.pools_summary());
         Ok(())
+    }
+
+    /// A generation no segment of this heap has or will have, for a record that names memory
+    /// given back inside a live segment (comm/slots.rs: a child's carved internal block).
+    pub fn fresh_generation(&mut self) -> u64 {
+        let g = self.next_generation;
+        self.next_generation += 1;
+        g
+    }
+
+    /// Records in the release log that what lies at `offset` of generation `generation` (from
+    /// `fresh_generation`) was given back, for the peers' communicators to read; no segment
+    /// goes, and no peer mapping matches the record (mappings carry segment generations).
+    pub fn record_given_back(&mut self, offset: u64, generation: u64) {
+        debug_assert!(generation < self.next_generation);
+        self.release_log.record(offset, generation);
     }
 }

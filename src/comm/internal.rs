@@ -1,0 +1,303 @@
+//! A new communicator's internal block (signal pad, epochs, abort word, LL buffers:
+//! kernel_args.rs) and p2p signal pad (p2p.rs), made and shared with the peers at the end of
+//! `build` (init.rs), in one of three ways (slots.rs has the plans):
+//! - its own blocks from its arena, exchanged with every peer (a child no slot was free for);
+//! - the same, with split slots after the internal block in one block (`symm_comm_init`);
+//! - carved out of a slot of its parent's block, which every peer has mapped since the
+//!   parent's init: a memset, a fresh release-log generation and one socket round, no device
+//!   memory made or imported.
+//!
+//! Invariants: before any peer can touch them (the exchange, or the carved child's meeting
+//! round), the pads, epochs, counters and descriptor words are 0 and the LL data words all
+//! ones; a peer's copy of this communicator knows what its release looks like (the segment
+//! generations of the internal block and pad, or the carved block's release-log generation),
+//! so a peer that destroys its copy is seen (retire.rs).
+
+use super::algo::{DType, Kernel, ReduceOp};
+use super::device_comm::SYMM_SIGNAL_PAD_BYTES;
+use super::exchange::{CallDesc, DescKind};
+use super::init::{describe_settings, Settings};
+use super::kernel_args::*;
+use super::slots::{self, Internal, Plan, SlotBlock, SlotHold};
+use super::Communicator;
+use crate::cuda;
+use crate::error::{Error, Result};
+use crate::heap::device_heap::{ROUND, SMALL_MAX};
+use std::time::{Duration, Instant};
+
+impl Communicator {
+    /// The internal block, the first exchange, the last meeting; on failure, everything made
+    /// so far goes back.
+    pub(super) fn finish_init(
+        mut self: Box<Self>,
+        settings: &Settings,
+        plan: Plan,
+        started: Instant,
+        claimed: Duration,
+    ) -> Result<Box<Communicator>> {
+        match self.make_internal(plan, settings) {
+            Ok((made, how)) => {
+                let devices: Vec<i32> = self.members.iter().map(|m| m.device).collect();
+                crate::info!(
+                    "rank {}/{}: communicator on device {} (ranks' devices {devices:?}, {} \
+                     backend); arena {}{}; {}; timeout {:.1} s; arena claimed in {} us, {how} in \
+                     {} us, exchanged in {} us",
+                    self.rank,
+                    self.world,
+                    self.device,
+                    if self.host { "host" } else { "cuda" },
+                    self.arena,
+                    self.lineage
+                        .as_deref()
+                        .map_or(String::new(), |l| format!("; {l}")),
+                    describe_settings(&settings.words()),
+                    settings.timeout.as_secs_f64(),
+                    claimed.as_micros(),
+                    made.as_micros(),
+                    (started.elapsed() - claimed - made).as_micros()
+                );
+                Ok(self)
+            }
+            Err(e) => {
+                let _ = self.destroy();
+                Err(e)
+            }
+        }
+    }
+
+    /// Makes (or carves) and shares the internal block; how long making it took, and how it
+    /// was made (for the INFO line).
+    fn make_internal(&mut self, plan: Plan, settings: &Settings) -> Result<(Duration, String)> {
+        let started = Instant::now();
+        let internal_len = internal_bytes(self.world, self.ll_slot);
+        let reserve = match plan {
+            Plan::Carve(hold) => return self.carve_internal(hold, internal_len, started),
+            Plan::Own => 0,
+            Plan::Reserve(n) => n,
+        };
+        let (rank, device) = (self.rank, self.device);
+        let how = if reserve > 0 {
+            // One block: the internal block, then the slots; at least a large block, so it
+            // never shares a small segment with the signal pad (whose release is what peers
+            // see when this rank destroys the communicator while children hold the block).
+            let first = slots::first_slot(internal_len);
+            let len = (first + reserve as u64 * settings.slot_len).max(SMALL_MAX + ROUND);
+            let block = self.own_malloc(len)?;
+            self.internal = block;
+            self.block = Internal::WithSlots(SlotBlock::new(
+                self.alloc,
+                device,
+                block,
+                len,
+                first,
+                settings.slot_len,
+                reserve,
+            ));
+            format!(
+                "internal block with {reserve} split slot(s) of {} bytes made",
+                settings.slot_len
+            )
+        } else {
+            self.internal = self.own_malloc(internal_len)?;
+            "internal block made".to_string()
+        };
+        let internal = self.internal;
+        // Pad, epochs, LL counters and descriptor words start at 0; LL data words empty.
+        if self.host {
+            // The host backend's collectives (host_reduce.rs) use the pad alone, never the LL
+            // buffers: those are left untouched (no page of them is ever faulted in).
+            // SAFETY: internal is a live block of internal_len bytes of mapped host memory.
+            unsafe { std::ptr::write_bytes(internal as *mut u8, 0, LL_DATA_OFFSET as usize) };
+        } else {
+            let data_len = internal_len - LL_DATA_OFFSET;
+            cuda::mem::memset2_sync(
+                device,
+                internal,
+                LL_DATA_OFFSET,
+                internal + LL_DATA_OFFSET,
+                LL_EMPTY_BYTE,
+                data_len,
+            )?;
+        }
+        let own_base = self.windows.bases[rank];
+        self.pads = self
+            .windows
+            .bases
+            .iter()
+            .map(|b| b + (internal - own_base))
+            .collect();
+        let desc = CallDesc {
+            kind: DescKind::Init,
+            kernel: Kernel::OneShot,
+            send_off: 0,
+            recv_off: 0,
+            count: 0,
+            dtype: DType::Fp32,
+            op: ReduceOp::Sum,
+            width: 0,
+        };
+        let seg = self
+            .locate(internal, internal_len)?
+            .expect("internal block is in the heap");
+        self.internal_seg = seg.offset;
+        // The p2p signal pads (p2p.rs), from the arena too, zeroed before any peer can see
+        // them (the exchange below is the first time a peer maps them).
+        let pad = self.own_malloc(SYMM_SIGNAL_PAD_BYTES)?;
+        self.p2p.pad = pad;
+        if self.host {
+            // SAFETY: pad is a live block of SYMM_SIGNAL_PAD_BYTES bytes of mapped host memory.
+            unsafe { std::ptr::write_bytes(pad as *mut u8, 0, SYMM_SIGNAL_PAD_BYTES as usize) };
+        } else {
+            cuda::mem::memset_sync(device, pad, 0, SYMM_SIGNAL_PAD_BYTES)?;
+        }
+        let pad_seg = self
+            .locate(pad, SYMM_SIGNAL_PAD_BYTES)?
+            .expect("signal pad is in the heap");
+        self.p2p.pad_seg = pad_seg.offset;
+        self.p2p.pads = self
+            .windows
+            .bases
+            .iter()
+            .map(|b| b + (pad - own_base))
+            .collect();
+        let made = started.elapsed();
+        if pad_seg.offset == seg.offset {
+            self.exchange(&[seg], desc, true)?;
+        } else {
+            self.exchange(&[seg, pad_seg], desc, true)?;
+        }
+        // The peers' generations of their internal blocks' segments: their release names the
+        // peer's destroy (retire.rs).
+        for (r, p) in self.windows.peers.iter().enumerate() {
+            if let Some(p) = p {
+                self.releases.internal_gens[r] = p.generation_at(seg.offset).unwrap_or(0);
+                self.releases.pad_gens[r] = p.generation_at(pad_seg.offset).unwrap_or(0);
+            }
+        }
+        // A split's last round (split.rs) is the children's meeting; a fresh one meets here.
+        if self.lineage.is_none() {
+            self.mesh.barrier("init")?;
+        }
+        Ok((made, how))
+    }
+
+    /// The carved way (module header): the slot's pad and internal block reset, then one
+    /// round in which every rank of the child checks that all took the same slot at the same
+    /// offset and learns the release-log generation each peer will record at its destroy.
+    fn carve_internal(
+        &mut self,
+        hold: SlotHold,
+        internal_len: u64,
+        started: Instant,
+    ) -> Result<(Duration, String)> {
+        let (rank, device) = (self.rank, self.device);
+        let (slot, pad) = (hold.slot(), hold.addr());
+        let internal = pad + SYMM_SIGNAL_PAD_BYTES;
+        let (heap_base, generation) = {
+            let mut heap = self.alloc.heap(device)?;
+            (heap.base(), heap.fresh_generation())
+        };
+        self.block = Internal::Carved { hold, generation };
+        if SYMM_SIGNAL_PAD_BYTES + internal_len > self.slot_len_held() {
+            return Err(Error::internal(format!(
+                "split slot {slot} is too small for an internal block of {internal_len} bytes"
+            )));
+        }
+        let zero = SYMM_SIGNAL_PAD_BYTES + LL_DATA_OFFSET;
+        if self.host {
+            // As for an own block: the pad, epochs, counters and descriptors; never the LL data.
+            // SAFETY: pad..pad + zero lies in the held slot, live mapped host memory.
+            unsafe { std::ptr::write_bytes(pad as *mut u8, 0, zero as usize) };
+        } else {
+            cuda::mem::memset2_sync(
+                device,
+                pad,
+                zero,
+                internal + LL_DATA_OFFSET,
+                LL_EMPTY_BYTE,
+                internal_len - LL_DATA_OFFSET,
+            )?;
+        }
+        self.internal = internal;
+        self.p2p.pad = pad;
+        let own_base = self.windows.bases[rank];
+        self.pads = self
+            .windows
+            .bases
+            .iter()
+            .map(|b| b + (internal - own_base))
+            .collect();
+        self.p2p.pads = self
+            .windows
+            .bases
+            .iter()
+            .map(|b| b + (pad - own_base))
+            .collect();
+        let seg = self
+            .locate(internal, internal_len)?
+            .expect("a split slot is in the heap");
+        // A peer's destroy of the child is its record (offset of this internal block, its
+        // generation); the whole block's segment goes only after the parent and all children
+        // (then its record is seen too).
+        self.internal_seg = internal - heap_base;
+        self.p2p.pad_seg = seg.offset;
+        // Every peer maps the parent's block (exchanged at the parent's init) unless it
+        // released it; a rank that finds one missing refuses in the round, so all fail alike.
+        let missing: Vec<usize> = (0..self.world)
+            .filter(|&r| r != rank && self.windows.mapped_generation(r, seg.offset).is_none())
+            .collect();
+        let made = started.elapsed();
+        let mut msg = Vec::new();
+        for w in [
+            missing.is_empty() as u64,
+            slot as u64,
+            self.internal_seg,
+            generation,
+        ] {
+            msg.extend_from_slice(&w.to_le_bytes());
+        }
+        let all = self.mesh.all_gather(&msg, &[], "split slot")?;
+        let word = |m: &[u8], i: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(
+                m.get(i * 8..i * 8 + 8)?.try_into().ok()?,
+            ))
+        };
+        for (r, (m, _)) in all.iter().enumerate() {
+            let (Some(ok), Some(s), Some(off), Some(g)) =
+                (word(m, 0), word(m, 1), word(m, 2), word(m, 3))
+            else {
+                return Err(Error::peer(format!("rank {r} sent a malformed split slot")));
+            };
+            if ok != 1 {
+                return Err(Error::peer(format!(
+                    "rank {r} does not map every peer's block of the parent communicator (a \
+                     peer released it?)"
+                )));
+            }
+            if (s, off) != (slot as u64, self.internal_seg) {
+                return Err(Error::internal(format!(
+                    "rank {r} carved split slot {s} at heap offset {off:#x}, rank {rank} slot \
+                     {slot} at {:#x}",
+                    self.internal_seg
+                )));
+            }
+            if r != rank {
+                self.releases.internal_gens[r] = g;
+                self.releases.pad_gens[r] =
+                    self.windows.mapped_generation(r, seg.offset).unwrap_or(0);
+            }
+        }
+        Ok((
+            made,
+            format!("internal block carved from split slot {slot} of its parent's (no new memory)"),
+        ))
+    }
+
+    /// The length of the slot this carved child holds (0 otherwise).
+    fn slot_len_held(&self) -> u64 {
+        match &self.block {
+            Internal::Carved { hold, .. } => hold.slot_len(),
+            _ => 0,
+        }
+    }
+}
