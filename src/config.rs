@@ -323,7 +323,7 @@ pub fn comm_arena_size() -> Result<Option<u64>> {
 
 /// Split slots a communicator made by `symm_comm_init` reserves by default
 /// (`SYMMALLOC_SPLIT_SLOTS`; comm/slots.rs).
-pub const DEFAULT_SPLIT_SLOTS: u64 = 2;
+pub const DEFAULT_SPLIT_SLOTS: u64 = 0;
 /// The most split slots one communicator reserves (a free-slot mask is one word).
 pub const MAX_SPLIT_SLOTS: u64 = 64;
 

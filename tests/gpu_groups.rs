@@ -234,7 +234,9 @@ fn gpu_tp_and_ep_on_two_streams_at_once() {
     let outs = run_ranks(
         "gpu_tp_and_ep_on_two_streams_at_once",
         world,
-        &[],
+        // Both children carved from the world's split slots: the kernels on carved pads and LL
+        // buffers, two streams at once (gpu_child_all_reduce_... keeps the default, own blocks).
+        &[("SYMMALLOC_SPLIT_SLOTS", "2")],
         &seed().to_string(),
     );
     assert_all_ok(&outs);
@@ -306,7 +308,8 @@ fn gpu_split_and_init_cost() {
     let outs = run_ranks(
         "gpu_split_and_init_cost",
         world,
-        &[("SYMMALLOC_DEBUG", "INFO")],
+        // Split slots are off by default until a GPU run measures them (README, env table).
+        &[("SYMMALLOC_DEBUG", "INFO"), ("SYMMALLOC_SPLIT_SLOTS", "2")],
         &ids.join(","),
     );
     assert_all_ok(&outs);

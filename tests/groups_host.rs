@@ -852,7 +852,7 @@ fn a_child_maps_nothing_its_parent_mapped() {
     assert_all_ok(&run_ranks(
         "a_child_maps_nothing_its_parent_mapped",
         4,
-        &[HOST, SMALL_LL],
+        &[HOST, SMALL_LL, ("SYMMALLOC_SPLIT_SLOTS", "2")],
         &ids.join(","),
     ));
 }
