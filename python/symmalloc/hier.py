@@ -418,7 +418,19 @@ class HierCommunicator:
         if self.local is not None:
             self._step("node-local barrier", self.local.barrier)
         if self.cross is not None:
-            self._net("inter-node barrier", dist.barrier)
+            if self._tensor_device >= 0 and not self._gloo(self.cross):
+                # NCCL: a one-element all-reduce on this rank's device, then the host waits for
+                # it. Not dist.barrier, which picks its device itself: on 2x H200 (torch 2.11,
+                # NCCL 2.28.9, 2026-11-27) it never returned in test_hier's NCCL case (groups
+                # over GPUs 0, 1 and 1, 0) after every collective and graph step had passed;
+                # the cause is not isolated (bench/NOTES.md, "Across nodes").
+                import torch
+
+                probe = torch.zeros(1, device=f"cuda:{self._tensor_device}")
+                self._net("inter-node barrier", dist.all_reduce, probe)
+                torch.cuda.current_stream(self._tensor_device).synchronize()
+            else:
+                self._net("inter-node barrier", dist.barrier)
         if self.local is not None:
             self._step("node-local barrier", self.local.barrier)
 
