@@ -75,7 +75,7 @@ impl Communicator {
             Plan::Own => 0,
             Plan::Reserve(n) => n,
         };
-        let (rank, device) = (self.rank, self.device);
+        let device = self.device;
         let how = if reserve > 0 {
             // One block: the internal block, then the slots; at least a large block, so it
             // never shares a small segment with the signal pad (whose release is what peers
@@ -119,13 +119,7 @@ impl Communicator {
                 data_len,
             )?;
         }
-        let own_base = self.windows.bases[rank];
-        self.pads = self
-            .windows
-            .bases
-            .iter()
-            .map(|b| b + (internal - own_base))
-            .collect();
+        self.pads = self.windows.at_every_rank(internal);
         let desc = CallDesc {
             kind: DescKind::Init,
             kernel: Kernel::OneShot,
@@ -154,12 +148,7 @@ impl Communicator {
             .locate(pad, SYMM_SIGNAL_PAD_BYTES)?
             .expect("signal pad is in the heap");
         self.p2p.pad_seg = pad_seg.offset;
-        self.p2p.pads = self
-            .windows
-            .bases
-            .iter()
-            .map(|b| b + (pad - own_base))
-            .collect();
+        self.p2p.pads = self.windows.at_every_rank(pad);
         let made = started.elapsed();
         if pad_seg.offset == seg.offset {
             self.exchange(&[seg], desc, true)?;
@@ -220,19 +209,8 @@ impl Communicator {
         }
         self.internal = internal;
         self.p2p.pad = pad;
-        let own_base = self.windows.bases[rank];
-        self.pads = self
-            .windows
-            .bases
-            .iter()
-            .map(|b| b + (internal - own_base))
-            .collect();
-        self.p2p.pads = self
-            .windows
-            .bases
-            .iter()
-            .map(|b| b + (pad - own_base))
-            .collect();
+        self.pads = self.windows.at_every_rank(internal);
+        self.p2p.pads = self.windows.at_every_rank(pad);
         let seg = self
             .locate(internal, internal_len)?
             .expect("a split slot is in the heap");

@@ -44,6 +44,13 @@ impl PeerWindows {
         }
     }
 
+    /// Where an address of this rank's heap (`own`) appears for every rank: the same offset in
+    /// each rank's window (the heap is symmetric), in rank order.
+    pub fn at_every_rank(&self, own: u64) -> Vec<u64> {
+        let offset = own - self.bases[self.rank];
+        self.bases.iter().map(|b| b + offset).collect()
+    }
+
     /// A child's windows: the parent's ranks `members` (in the child's order), the parent's
     /// peer heaps and record of shared segments (see the module header).
     pub fn subset(&self, members: &[usize]) -> Self {
