@@ -7,7 +7,7 @@ use super::algo::{DType, Kernel, Quant, ReduceOp};
 use super::convert::*;
 use super::host_norm;
 use super::kernel_args::slot;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Status};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -51,9 +51,10 @@ fn desc_word(addr: u64) -> &'static AtomicU64 {
     unsafe { &*((addr + 8) as *const AtomicU64) }
 }
 
-/// Meets every peer at `epoch`. With `check_desc` (only at a call's first barrier: a peer
-/// cannot leave the call before we reach its last barrier, so the descriptor it left in our
-/// slot is still this call's) each peer's call descriptor must equal ours.
+/// Meets every peer at `epoch`. With `check_desc` (only at a call's first barrier, through
+/// `first_barrier`: a peer cannot leave the call before we reach its last barrier, or on a
+/// mismatch the extra one, so the descriptor it left in our slot is still this call's) each
+/// peer's call descriptor must equal ours.
 pub fn barrier(c: &HostCall<'_>, epoch: u32, check_desc: bool) -> Result<()> {
     for p in (0..c.world).filter(|&p| p != c.rank) {
         let remote = slot(c.pads[p], 0, c.rank);
@@ -88,6 +89,22 @@ pub fn barrier(c: &HostCall<'_>, epoch: u32, check_desc: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A call's first barrier (`epoch` advanced): meets every peer and compares descriptors. On a
+/// mismatch every rank finds one (some peer's word differs from its own) and meets the peers
+/// once more before it returns the error, so no peer leaves and writes its next call's word
+/// over the one compared here (which could equal this rank's and pass).
+pub fn first_barrier(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
+    *epoch = epoch.wrapping_add(1);
+    match barrier(c, *epoch, true) {
+        Err(e) if e.status == Status::ErrNotSymmetric => {
+            *epoch = epoch.wrapping_add(1);
+            barrier(c, *epoch, false)?;
+            Err(e)
+        }
+        r => r,
+    }
 }
 
 fn load(dtype: DType, base: u64, i: usize) -> f32 {
@@ -129,8 +146,7 @@ fn reduce(c: &HostCall<'_>, i: usize) -> f32 {
 /// Runs one collective (`c.kernel`, as the CPU does it); `epoch` is the communicator's host
 /// epoch counter.
 pub fn run(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
-    *epoch = epoch.wrapping_add(1);
-    barrier(c, *epoch, true)?;
+    first_barrier(c, epoch)?;
     match c.kernel {
         Kernel::ReduceScatter | Kernel::ReduceScatterLL => {
             // Slice `rank` (c.count elements) of every input, into this rank's output.
