@@ -1,7 +1,9 @@
 //! The host backend's collectives: the same semantics as the kernels (fixed rank order, fp32
 //! accumulation, one-shot and two-shot data movement, reduce-scatter and all-gather, barriers
 //! through the shared signal pad with acquire/release and a timeout), run by the CPU over the
-//! peer windows; the fused call's row arithmetic is host_norm.rs's. Slot 0 of the pad is used (the host has one "block").
+//! peer windows; the fused call's row arithmetic is host_norm.rs's; and the meeting a rank
+//! holds before it shares segments (`meet`, for exchange.rs). Slot 0 of the pad is used (the host
+//! has one "block").
 
 use super::algo::{DType, Kernel, Quant, ReduceOp};
 use super::convert::*;
@@ -80,11 +82,10 @@ pub fn barrier(c: &HostCall<'_>, epoch: u32, check_desc: bool) -> Result<()> {
                 std::thread::yield_now();
             }
         }
-        if check_desc && desc_word(mine).load(Ordering::Relaxed) != c.desc {
-            return Err(Error::not_symmetric(format!(
-                "rank {p} called this collective with other buffer offsets, count, type or \
-                 algorithm than rank {}",
-                c.rank
+        let theirs = desc_word(mine).load(Ordering::Relaxed);
+        if check_desc && theirs != c.desc {
+            return Err(Error::not_symmetric(super::exchange::mismatch(
+                c.rank, c.desc, p, theirs,
             )));
         }
     }
@@ -105,6 +106,36 @@ pub fn first_barrier(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
         }
         r => r,
     }
+}
+
+/// Meets every peer with `word` and no collective (exchange.rs, `meet_before_sharing`): a
+/// first barrier, then a plain one, so a peer's next word cannot replace `word` in this rank's
+/// slot before this rank compared it.
+pub fn meet(
+    rank: usize,
+    pads: &[u64],
+    word: u64,
+    timeout: Duration,
+    epoch: &mut u32,
+) -> Result<()> {
+    let c = HostCall {
+        rank,
+        world: pads.len(),
+        pads,
+        inputs: &[],
+        outputs: &[],
+        count: 0,
+        dtype: DType::Fp32,
+        op: ReduceOp::Sum,
+        kernel: Kernel::OneShot,
+        in_place: false,
+        desc: word,
+        timeout,
+        rms: None,
+    };
+    first_barrier(&c, epoch)?;
+    *epoch = epoch.wrapping_add(1);
+    barrier(&c, *epoch, false)
 }
 
 fn load(dtype: DType, base: u64, i: usize) -> f32 {
