@@ -139,14 +139,22 @@ impl Bufs {
     /// Rank `stager` stages, the others do not: every rank fails at once, told which rank
     /// staged.
     fn asymmetric(&mut self, what: &str, stager: i32, when: &str) {
+        let staged = self.rank == stager;
+        let needle = format!("rank {stager} staged this collective");
+        self.disagree(what, staged, when, &needle);
+    }
+
+    /// A call the ranks disagree on (this rank stages when `staged`): NOT_SYMMETRIC at once,
+    /// with `needle` in the message.
+    fn disagree(&mut self, what: &str, staged: bool, when: &str, needle: &str) {
         let t = Instant::now();
-        let st = self.call(what, self.rank == stager);
+        let st = self.call(what, staged);
         let took = t.elapsed();
         let e = err();
         assert_eq!(
             st,
             symm_status_t::SYMM_ERR_NOT_SYMMETRIC,
-            "rank {}: {what} ({when}) with only rank {stager} staging, after {took:?}: {e}",
+            "rank {}: {what} ({when}), after {took:?}: {e}",
             self.rank
         );
         assert!(
@@ -155,8 +163,8 @@ impl Bufs {
             self.rank
         );
         assert!(
-            e.contains(&format!("rank {stager}")) && e.contains("staged"),
-            "rank {}: {what} ({when}): the message names the rank that staged: {e}",
+            e.contains(needle),
+            "rank {}: {what} ({when}): expected {needle:?} in: {e}",
             self.rank
         );
     }
@@ -186,11 +194,27 @@ fn one_stager_rank(c: Child) {
     b.asymmetric(&what, 1, "heap new, scratch shared");
     b.ok(&what, false, "after the heap-new failure");
     b.x = keep;
+    // No rank stages, but only rank 0's buffer that peers touch (the input; all-gather's
+    // output) is in a segment new to the peers.
+    let fresh0 = symm_malloc(big, c.rank, null_mut());
+    assert!(!fresh0.is_null(), "{}", err());
+    let keep_y = b.y;
+    if c.rank == 0 {
+        if what == "all_gather" {
+            b.y = fresh0;
+        } else {
+            b.x = fresh0;
+        }
+    }
+    let needle = "rank 0 touches a segment for the first time";
+    b.disagree(&what, false, "heap new on rank 0 only", needle);
+    (b.x, b.y) = (keep, keep_y);
+    b.ok(&what, false, "after the one-sided new segment");
     // Rank 0 stages this time, into a scratch rank 0 already shared.
     b.asymmetric(&what, 0, "rank 0 stages");
     b.ok(&what, false, "at the end");
     b.ok(&what, true, "at the end");
-    for p in [fresh] {
+    for p in [fresh, fresh0] {
         symm_free(p, big, c.rank, null_mut());
     }
     for p in [b.x, b.y, b.res, b.out, b.w] {
