@@ -1,13 +1,15 @@
 //! The host backend's collectives: the same semantics as the kernels (fixed rank order, fp32
 //! accumulation, one-shot and two-shot data movement, reduce-scatter and all-gather, barriers
 //! through the shared signal pad with acquire/release and a timeout), run by the CPU over the
-//! peer windows; the fused call's row arithmetic is host_norm.rs's. Slot 0 of the pad is used (the host has one "block").
+//! peer windows; the fused call's row arithmetic is host_norm.rs's; and the meeting a rank
+//! holds before it shares segments (`meet`, for exchange.rs). Slot 0 of the pad is used (the host
+//! has one "block").
 
 use super::algo::{DType, Kernel, Quant, ReduceOp};
 use super::convert::*;
 use super::host_norm;
 use super::kernel_args::slot;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Status};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -51,9 +53,10 @@ fn desc_word(addr: u64) -> &'static AtomicU64 {
     unsafe { &*((addr + 8) as *const AtomicU64) }
 }
 
-/// Meets every peer at `epoch`. With `check_desc` (only at a call's first barrier: a peer
-/// cannot leave the call before we reach its last barrier, so the descriptor it left in our
-/// slot is still this call's) each peer's call descriptor must equal ours.
+/// Meets every peer at `epoch`. With `check_desc` (only at a call's first barrier, through
+/// `first_barrier`: a peer cannot leave the call before we reach its last barrier, or on a
+/// mismatch the extra one, so the descriptor it left in our slot is still this call's) each
+/// peer's call descriptor must equal ours.
 pub fn barrier(c: &HostCall<'_>, epoch: u32, check_desc: bool) -> Result<()> {
     for p in (0..c.world).filter(|&p| p != c.rank) {
         let remote = slot(c.pads[p], 0, c.rank);
@@ -79,15 +82,60 @@ pub fn barrier(c: &HostCall<'_>, epoch: u32, check_desc: bool) -> Result<()> {
                 std::thread::yield_now();
             }
         }
-        if check_desc && desc_word(mine).load(Ordering::Relaxed) != c.desc {
-            return Err(Error::not_symmetric(format!(
-                "rank {p} called this collective with other buffer offsets, count, type or \
-                 algorithm than rank {}",
-                c.rank
+        let theirs = desc_word(mine).load(Ordering::Relaxed);
+        if check_desc && theirs != c.desc {
+            return Err(Error::not_symmetric(super::exchange::mismatch(
+                c.rank, c.desc, p, theirs,
             )));
         }
     }
     Ok(())
+}
+
+/// A call's first barrier (`epoch` advanced): meets every peer and compares descriptors. On a
+/// mismatch every rank finds one (some peer's word differs from its own) and meets the peers
+/// once more before it returns the error, so no peer leaves and writes its next call's word
+/// over the one compared here (which could equal this rank's and pass).
+pub fn first_barrier(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
+    *epoch = epoch.wrapping_add(1);
+    match barrier(c, *epoch, true) {
+        Err(e) if e.status == Status::ErrNotSymmetric => {
+            *epoch = epoch.wrapping_add(1);
+            barrier(c, *epoch, false)?;
+            Err(e)
+        }
+        r => r,
+    }
+}
+
+/// Meets every peer with `word` and no collective (exchange.rs, `meet_before_sharing`): a
+/// first barrier, then a plain one, so a peer's next word cannot replace `word` in this rank's
+/// slot before this rank compared it.
+pub fn meet(
+    rank: usize,
+    pads: &[u64],
+    word: u64,
+    timeout: Duration,
+    epoch: &mut u32,
+) -> Result<()> {
+    let c = HostCall {
+        rank,
+        world: pads.len(),
+        pads,
+        inputs: &[],
+        outputs: &[],
+        count: 0,
+        dtype: DType::Fp32,
+        op: ReduceOp::Sum,
+        kernel: Kernel::OneShot,
+        in_place: false,
+        desc: word,
+        timeout,
+        rms: None,
+    };
+    first_barrier(&c, epoch)?;
+    *epoch = epoch.wrapping_add(1);
+    barrier(&c, *epoch, false)
 }
 
 fn load(dtype: DType, base: u64, i: usize) -> f32 {
@@ -129,8 +177,7 @@ fn reduce(c: &HostCall<'_>, i: usize) -> f32 {
 /// Runs one collective (`c.kernel`, as the CPU does it); `epoch` is the communicator's host
 /// epoch counter.
 pub fn run(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
-    *epoch = epoch.wrapping_add(1);
-    barrier(c, *epoch, true)?;
+    first_barrier(c, epoch)?;
     match c.kernel {
         Kernel::ReduceScatter | Kernel::ReduceScatterLL => {
             // Slice `rank` (c.count elements) of every input, into this rank's output.

@@ -129,6 +129,7 @@ impl Communicator {
             dtype: DType::Fp32,
             op: ReduceOp::Sum,
             width: 0,
+            staged: false,
         };
         let seg = self
             .locate(internal, internal_len)?

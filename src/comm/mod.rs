@@ -162,15 +162,23 @@ impl Communicator {
         }
     }
 
+    /// The scratch a call staging `bytes` makes: None when the current one holds them, else
+    /// its size (a power of two, at least 1 MiB; the same on every rank for the same call).
+    fn scratch_to_make(&self, bytes: u64) -> Option<u64> {
+        match self.scratch {
+            Some((_, size)) if size >= bytes => None,
+            _ => Some(bytes.next_power_of_two().max(1 << 20)),
+        }
+    }
+
     fn ensure_scratch(&mut self, bytes: u64) -> Result<u64> {
-        if let Some((p, size)) = self.scratch {
-            if size >= bytes {
-                return Ok(p);
-            }
-            self.alloc.free(p, size, self.device, 0)?;
+        let Some(size) = self.scratch_to_make(bytes) else {
+            return Ok(self.scratch.expect("it holds them").0);
+        };
+        if let Some((p, old)) = self.scratch {
+            self.alloc.free(p, old, self.device, 0)?;
             self.scratch = None;
         }
-        let size = bytes.next_power_of_two().max(1 << 20);
         let p = self.own_malloc(size)?;
         self.scratch = Some((p, size));
         Ok(p)

@@ -154,6 +154,7 @@ impl Communicator {
             dtype: DType::Fp32,
             op: ReduceOp::Sum,
             width: 0,
+            staged: false,
         };
         let segs = local.as_ref().map(|s| s.as_slice()).unwrap_or(&[]);
         let shared = self.exchange(segs, desc, true);

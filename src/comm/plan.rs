@@ -5,9 +5,12 @@
 //! collective pipeline", walks one call through both.
 //!
 //! Invariants: every decision in a plan reads only values equal on every rank (algo.rs,
-//! shape.rs), so every rank plans the same kernel and grid for the same call; the segments a
-//! kernel touches are exchanged with the peers (and compared) before the plan exists; nothing
-//! is enqueued on the stream here, so a call that fails in `prepare` leaves no work behind.
+//! shape.rs), so every rank plans the same kernel and grid for the same call; whether a rank
+//! stages is decided before it makes any scratch, and a rank that is about to make a scratch
+//! segment or share one first meets its peers (exchange.rs, `meet_before_sharing`; the host
+//! backend), so there ranks that disagree fail at once and make no scratch; the segments a kernel
+//! touches are exchanged with the peers (and compared) before the plan exists; nothing is
+//! enqueued on the stream here, so a call that fails in `prepare` leaves no work behind.
 
 use super::algo::{self, DType, Kernel, Quant};
 use super::call::{Call, Coll, Extents};
@@ -45,6 +48,20 @@ pub(super) struct Plan {
     pub mc_out: u64,
 }
 
+/// Where a call runs, decided before any scratch is made (`place`).
+enum Place {
+    /// The caller's buffers (what peers touch is in the heap), with the segments the kernel
+    /// touches, output last (multimem binds it).
+    Heap {
+        send: u64,
+        recv: u64,
+        segs: Vec<SegmentInfo>,
+    },
+    /// This rank's scratch, `len` bytes: the input at its start, the output `recv_at` bytes in
+    /// (None: the fused call, whose outputs are this rank's own).
+    Scratch { len: u64, recv_at: Option<u64> },
+}
+
 /// Where a call's kernel reads and writes: the caller's buffers when the shared ones are in
 /// the heap, else the scratch (and the copies around the kernel), with the segments to share.
 struct Placement {
@@ -72,7 +89,21 @@ impl Communicator {
             }
             _ => None,
         };
-        let p = self.place(call, ext)?;
+        let place = self.place(call, ext)?;
+        let staged = matches!(place, Place::Scratch { .. });
+        // A rank that is about to make a scratch segment or share a segment meets its peers
+        // before it does (on the host backend): a peer with nothing new (its buffers in the heap
+        // where this rank stages, or other buffers) is then at this call's first barrier, and
+        // both fail at once instead of waiting for each other. Every rank meets when the
+        // comparison is forced (SYMMALLOC_CHECK_SYMMETRY, equal on every rank).
+        let make = match place {
+            Place::Scratch { len, .. } => self.scratch_to_make(len),
+            Place::Heap { .. } => None,
+        };
+        if self.check_symmetry || make.is_some() || self.shares_new(&place)? {
+            self.meet_before_sharing(staged, make)?;
+        }
+        let p = self.stage(call, ext, place)?;
         let base = self.windows.bases[self.rank];
         let (send_off, recv_off) = (p.send - base, p.recv.wrapping_sub(base));
         let mut push_threads = 0;
@@ -122,6 +153,7 @@ impl Communicator {
             dtype: call.dtype,
             op: call.op,
             width,
+            staged,
         };
         self.exchange(&p.segs, desc, self.check_symmetry)?;
         // Only offsets every rank shares decide (a rank-local one would let ranks pick
@@ -166,55 +198,48 @@ impl Communicator {
         })
     }
 
-    /// The buffers the kernel uses. Only what peers touch must be in the heap: every rank's
-    /// input for all-reduce, reduce-scatter and the fused call, every rank's output for
+    /// Where the kernel runs; makes nothing. Only what peers touch must be in the heap: every
+    /// rank's input for all-reduce, reduce-scatter and the fused call, every rank's output for
     /// all-reduce and all-gather. When one is not, the call runs on the scratch: all-reduce in
     /// place there, reduce-scatter and all-gather with both halves apart, the fused call with x
     /// alone (its other buffers are this rank's own), and copies in and out around the kernel.
-    fn place(&mut self, call: &Call, ext: Extents) -> Result<Placement> {
-        let in_place = |send, recv, segs| Placement {
-            send,
-            recv,
-            stage_in: None,
-            stage_out: None,
-            segs,
-        };
+    fn place(&self, call: &Call, ext: Extents) -> Result<Place> {
         match call.coll {
             // The barrier kernel is the one-shot kernel on nothing, "in place" (one barrier).
             Coll::Barrier => {
                 let base = self.windows.bases[self.rank];
-                Ok(in_place(base, base, Vec::new()))
+                Ok(Place::Heap {
+                    send: base,
+                    recv: base,
+                    segs: Vec::new(),
+                })
             }
-            Coll::AddRmsNorm(_) => match self.locate(call.send, ext.send)? {
-                Some(seg) => Ok(in_place(call.send, 0, vec![seg])),
-                None => {
-                    let s = self.ensure_scratch(ext.send)?;
-                    let seg = self.locate(s, ext.send)?.expect("scratch is in the heap");
-                    Ok(Placement {
-                        send: s,
-                        recv: 0,
-                        stage_in: Some(Copy {
-                            dst: s,
-                            src: call.send,
-                            bytes: ext.send,
-                        }),
-                        stage_out: None,
-                        segs: vec![seg],
-                    })
-                }
-            },
+            Coll::AddRmsNorm(_) => Ok(match self.locate(call.send, ext.send)? {
+                Some(seg) => Place::Heap {
+                    send: call.send,
+                    recv: 0,
+                    segs: vec![seg],
+                },
+                None => Place::Scratch {
+                    len: ext.send,
+                    recv_at: None,
+                },
+            }),
             _ => {
                 let a = self.locate(call.send, ext.send)?;
                 let b = self.locate(call.recv, ext.recv)?;
                 if let (Some(a), Some(b)) = (a, b) {
-                    // The segments the kernel touches, output last (multimem binds it).
                     let segs = match call.coll {
                         Coll::ReduceScatter => vec![a],
                         Coll::AllGather => vec![b],
                         _ if a == b => vec![a],
                         _ => vec![a, b],
                     };
-                    return Ok(in_place(call.send, call.recv, segs));
+                    return Ok(Place::Heap {
+                        send: call.send,
+                        recv: call.recv,
+                        segs,
+                    });
                 }
                 // All-reduce in place in the scratch; reduce-scatter and all-gather with both
                 // halves apart (the kernel then runs out of place).
@@ -222,26 +247,60 @@ impl Communicator {
                     Coll::AllReduce(_) => 0,
                     _ => ext.send.next_multiple_of(256),
                 };
-                let len = (recv_at + ext.recv).max(ext.send);
-                let s = self.ensure_scratch(len)?;
-                let seg = self.locate(s, len)?.expect("scratch is in the heap");
-                Ok(Placement {
-                    send: s,
-                    recv: s + recv_at,
-                    stage_in: Some(Copy {
-                        dst: s,
-                        src: call.send,
-                        bytes: ext.send,
-                    }),
-                    stage_out: Some(Copy {
-                        dst: call.recv,
-                        src: s + recv_at,
-                        bytes: ext.recv,
-                    }),
-                    segs: vec![seg],
+                Ok(Place::Scratch {
+                    len: (recv_at + ext.recv).max(ext.send),
+                    recv_at: Some(recv_at),
                 })
             }
         }
+    }
+
+    /// Whether running at `place` makes this rank share a segment its peers have not mapped:
+    /// one of the caller's, or a scratch it has yet to make (or grow) or to share.
+    fn shares_new(&self, place: &Place) -> Result<bool> {
+        match place {
+            Place::Heap { segs, .. } => Ok(segs.iter().any(|s| self.windows.needs_sharing(s))),
+            Place::Scratch { len, .. } => match self.scratch {
+                Some((p, size)) if size >= *len => Ok(self
+                    .locate(p, size)?
+                    .is_none_or(|s| self.windows.needs_sharing(&s))),
+                _ => Ok(true),
+            },
+        }
+    }
+
+    /// The buffers the kernel uses at `place`: for the scratch, made (or grown) here, with the
+    /// copies in and out.
+    fn stage(&mut self, call: &Call, ext: Extents, place: Place) -> Result<Placement> {
+        let (len, recv_at) = match place {
+            Place::Heap { send, recv, segs } => {
+                return Ok(Placement {
+                    send,
+                    recv,
+                    stage_in: None,
+                    stage_out: None,
+                    segs,
+                })
+            }
+            Place::Scratch { len, recv_at } => (len, recv_at),
+        };
+        let s = self.ensure_scratch(len)?;
+        let seg = self.locate(s, len)?.expect("scratch is in the heap");
+        Ok(Placement {
+            send: s,
+            recv: recv_at.map_or(0, |at| s + at),
+            stage_in: Some(Copy {
+                dst: s,
+                src: call.send,
+                bytes: ext.send,
+            }),
+            stage_out: recv_at.map(|at| Copy {
+                dst: call.recv,
+                src: s + at,
+                bytes: ext.recv,
+            }),
+            segs: vec![seg],
+        })
     }
 
     /// SYMMALLOC_DEBUG=INFO: AUTO's choice, once per message size.
