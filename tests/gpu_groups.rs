@@ -16,20 +16,6 @@ use symmalloc::ffi::groups::*;
 use symmalloc::ffi::types::*;
 use symmalloc::ffi::*;
 
-type Comm = *mut symm_comm_t;
-const OK: symm_status_t = symm_status_t::SYMM_SUCCESS;
-
-fn split(parent: Comm, color: i32, key: i32) -> Comm {
-    let mut child = null_mut();
-    assert_eq!(
-        symm_comm_split(parent, color, key, &mut child),
-        OK,
-        "{}",
-        err()
-    );
-    child
-}
-
 fn info(comm: Comm) -> symm_comm_info_t {
     let mut i = symm_comm_info_t::default();
     assert_eq!(

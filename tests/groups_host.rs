@@ -16,22 +16,6 @@ use symmalloc::ffi::groups::*;
 use symmalloc::ffi::types::*;
 use symmalloc::ffi::*;
 
-type Comm = *mut symm_comm_t;
-const OK: symm_status_t = symm_status_t::SYMM_SUCCESS;
-/// Small LL buffers: many communicators per process stay cheap.
-const SMALL_LL: (&str, &str) = ("SYMMALLOC_LL_BYTES", "64K");
-
-fn ok(st: symm_status_t, what: &str) {
-    assert_eq!(st, OK, "{what}: {}", err());
-}
-
-fn split(parent: Comm, color: i32, key: i32) -> Comm {
-    let mut child = null_mut();
-    ok(symm_comm_split(parent, color, key, &mut child), "split");
-    assert_eq!(child.is_null(), color == SYMM_SPLIT_NOCOLOR);
-    child
-}
-
 fn info(comm: Comm) -> symm_comm_info_t {
     let mut i = symm_comm_info_t::default();
     ok(

@@ -13,21 +13,7 @@ use symmalloc::ffi::groups::*;
 use symmalloc::ffi::types::*;
 use symmalloc::ffi::*;
 
-type Comm = *mut symm_comm_t;
-const OK: symm_status_t = symm_status_t::SYMM_SUCCESS;
-const SMALL_LL: (&str, &str) = ("SYMMALLOC_LL_BYTES", "64K");
 const INFO: (&str, &str) = ("SYMMALLOC_DEBUG", "INFO");
-
-fn ok(st: symm_status_t, what: &str) {
-    assert_eq!(st, OK, "{what}: {}", err());
-}
-
-fn split(parent: Comm, color: i32, key: i32) -> Comm {
-    let mut child = null_mut();
-    ok(symm_comm_split(parent, color, key, &mut child), "split");
-    assert!(!child.is_null());
-    child
-}
 
 /// (rank, world size) in `comm`.
 fn rank_world(comm: Comm) -> (usize, usize) {

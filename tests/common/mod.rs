@@ -380,3 +380,31 @@ pub fn assert_same_output_hash(outs: &[Output]) {
         "ranks differ: {hashes:?}"
     );
 }
+
+// ---- Communicator helpers of the groups tests (groups_host.rs, groups_slots_host.rs,
+// gpu_groups.rs).
+
+pub type Comm = *mut symmalloc::ffi::symm_comm_t;
+pub const OK: symmalloc::ffi::types::symm_status_t =
+    symmalloc::ffi::types::symm_status_t::SYMM_SUCCESS;
+/// Small LL buffers: internal blocks of a few hundred KiB, so many communicators fit.
+pub const SMALL_LL: (&str, &str) = ("SYMMALLOC_LL_BYTES", "64K");
+
+/// Asserts a call succeeded, with `symm_last_error()` in the failure.
+pub fn ok(st: symmalloc::ffi::types::symm_status_t, what: &str) {
+    assert_eq!(st, OK, "{what}: {}", err());
+}
+
+/// `symm_comm_split`, checked: a child exactly where `color` is not SYMM_SPLIT_NOCOLOR.
+pub fn split(parent: Comm, color: i32, key: i32) -> Comm {
+    let mut child = std::ptr::null_mut();
+    ok(
+        symmalloc::ffi::groups::symm_comm_split(parent, color, key, &mut child),
+        "split",
+    );
+    assert_eq!(
+        child.is_null(),
+        color == symmalloc::ffi::groups::SYMM_SPLIT_NOCOLOR
+    );
+    child
+}
