@@ -165,11 +165,10 @@ impl Communicator {
     /// equals this word, so both fail at once with NOT_SYMMETRIC instead of one waiting in the
     /// exchange and the other at the barrier. Two barriers, so no peer can write its next
     /// barrier's word over this one before this rank has compared it. A timeout breaks the
-    /// communicator (as in a host collective). Nothing to do on CUDA (see docs/DESIGN.md).
+    /// communicator (as in a host collective). Host backend only: CUDA has no meeting (see
+    /// docs/DESIGN.md), and plan.rs calls this only on the host.
     pub(super) fn meet_before_sharing(&mut self, staged: bool, make: Option<u64>) -> Result<()> {
-        if !self.host {
-            return Ok(());
-        }
+        debug_assert!(self.host);
         let word = meeting_word(staged, make);
         let r = host_reduce::meet(
             self.rank,

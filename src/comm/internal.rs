@@ -102,23 +102,7 @@ impl Communicator {
             "internal block made".to_string()
         };
         let internal = self.internal;
-        // Pad, epochs, LL counters and descriptor words start at 0; LL data words empty.
-        if self.host {
-            // The host backend's collectives (host_reduce.rs) use the pad alone, never the LL
-            // buffers: those are left untouched (no page of them is ever faulted in).
-            // SAFETY: internal is a live block of internal_len bytes of mapped host memory.
-            unsafe { std::ptr::write_bytes(internal as *mut u8, 0, LL_DATA_OFFSET as usize) };
-        } else {
-            let data_len = internal_len - LL_DATA_OFFSET;
-            cuda::mem::memset2_sync(
-                device,
-                internal,
-                LL_DATA_OFFSET,
-                internal + LL_DATA_OFFSET,
-                LL_EMPTY_BYTE,
-                data_len,
-            )?;
-        }
+        self.reset(internal, LL_DATA_OFFSET, internal, internal_len)?;
         self.pads = self.windows.at_every_rank(internal);
         let desc = CallDesc {
             kind: DescKind::Init,
@@ -180,34 +164,26 @@ impl Communicator {
         internal_len: u64,
         started: Instant,
     ) -> Result<(Duration, String)> {
-        let (rank, device) = (self.rank, self.device);
-        let (slot, pad) = (hold.slot(), hold.addr());
+        let rank = self.rank;
+        let (slot, pad, slot_len) = (hold.slot(), hold.addr(), hold.slot_len());
         let internal = pad + SYMM_SIGNAL_PAD_BYTES;
         let (heap_base, generation) = {
-            let mut heap = self.alloc.heap(device)?;
+            let mut heap = self.alloc.heap(self.device)?;
             (heap.base(), heap.fresh_generation())
         };
         self.block = Internal::Carved { hold, generation };
-        if SYMM_SIGNAL_PAD_BYTES + internal_len > self.slot_len_held() {
+        if SYMM_SIGNAL_PAD_BYTES + internal_len > slot_len {
             return Err(Error::internal(format!(
                 "split slot {slot} is too small for an internal block of {internal_len} bytes"
             )));
         }
-        let zero = SYMM_SIGNAL_PAD_BYTES + LL_DATA_OFFSET;
-        if self.host {
-            // As for an own block: the pad, epochs, counters and descriptors; never the LL data.
-            // SAFETY: pad..pad + zero lies in the held slot, live mapped host memory.
-            unsafe { std::ptr::write_bytes(pad as *mut u8, 0, zero as usize) };
-        } else {
-            cuda::mem::memset2_sync(
-                device,
-                pad,
-                zero,
-                internal + LL_DATA_OFFSET,
-                LL_EMPTY_BYTE,
-                internal_len - LL_DATA_OFFSET,
-            )?;
-        }
+        // The slot's pad and the internal block's zeroed words are one range.
+        self.reset(
+            pad,
+            SYMM_SIGNAL_PAD_BYTES + LL_DATA_OFFSET,
+            internal,
+            internal_len,
+        )?;
         self.internal = internal;
         self.p2p.pad = pad;
         self.pads = self.windows.at_every_rank(internal);
@@ -272,11 +248,25 @@ impl Communicator {
         ))
     }
 
-    /// The length of the slot this carved child holds (0 otherwise).
-    fn slot_len_held(&self) -> u64 {
-        match &self.block {
-            Internal::Carved { hold, .. } => hold.slot_len(),
-            _ => 0,
+    /// Readies an internal block (`internal`, `internal_len` bytes) before any peer can touch
+    /// it: `zero_len` bytes from `zero_at` (its pad, epochs, LL counters and descriptor words,
+    /// and for a carved one the p2p pad before them) to 0, its LL data words to all ones. The
+    /// host backend's collectives (host_reduce.rs) use the pad alone, never the LL buffers:
+    /// those are left untouched there (no page of them is ever faulted in).
+    fn reset(&self, zero_at: u64, zero_len: u64, internal: u64, internal_len: u64) -> Result<()> {
+        if self.host {
+            // SAFETY: zero_at..zero_at + zero_len lies in a live block of this rank's mapped
+            // host memory (the internal block, or the held slot: the callers).
+            unsafe { std::ptr::write_bytes(zero_at as *mut u8, 0, zero_len as usize) };
+            return Ok(());
         }
+        cuda::mem::memset2_sync(
+            self.device,
+            zero_at,
+            zero_len,
+            internal + LL_DATA_OFFSET,
+            LL_EMPTY_BYTE,
+            internal_len - LL_DATA_OFFSET,
+        )
     }
 }

@@ -91,17 +91,20 @@ impl Communicator {
         };
         let place = self.place(call, ext)?;
         let staged = matches!(place, Place::Scratch { .. });
-        // A rank that is about to make a scratch segment or share a segment meets its peers
-        // before it does (on the host backend): a peer with nothing new (its buffers in the heap
-        // where this rank stages, or other buffers) is then at this call's first barrier, and
-        // both fail at once instead of waiting for each other. Every rank meets when the
-        // comparison is forced (SYMMALLOC_CHECK_SYMMETRY, equal on every rank).
-        let make = match place {
-            Place::Scratch { len, .. } => self.scratch_to_make(len),
-            Place::Heap { .. } => None,
-        };
-        if self.check_symmetry || make.is_some() || self.shares_new(&place)? {
-            self.meet_before_sharing(staged, make)?;
+        // On the host backend, a rank that is about to make a scratch segment or share a
+        // segment meets its peers before it does: a peer with nothing new (its buffers in the
+        // heap where this rank stages, or other buffers) is then at this call's first barrier,
+        // and both fail at once instead of waiting for each other. Every rank meets when the
+        // comparison is forced (SYMMALLOC_CHECK_SYMMETRY, equal on every rank). On CUDA there
+        // is no meeting, so nothing of this is worked out on the call's path.
+        if self.host {
+            let make = match place {
+                Place::Scratch { len, .. } => self.scratch_to_make(len),
+                Place::Heap { .. } => None,
+            };
+            if self.check_symmetry || make.is_some() || self.shares_new(&place)? {
+                self.meet_before_sharing(staged, make)?;
+            }
         }
         let p = self.stage(call, ext, place)?;
         let base = self.windows.bases[self.rank];

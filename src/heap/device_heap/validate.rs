@@ -58,12 +58,6 @@ impl DeviceHeap {
                         prev_free = None;
                     }
                     State::Parked => {
-                        if s.class == Class::Large && s.pool != DEFAULT_POOL {
-                            return Err(format!(
-                                "parked block at {boff:#x} is large and of pool {:?} (keeps_whole)",
-                                s.pool
-                            ));
-                        }
                         live += 1;
                         parked_seen += 1;
                         prev_free = None;
@@ -124,6 +118,11 @@ impl DeviceHeap {
             if self.pools.get(&pool).is_none_or(|p| p.releasing) {
                 return Err(format!(
                     "block {off:#x} is parked in pool {pool:?}, which is released"
+                ));
+            }
+            if !keeps_whole(pool, rounded) {
+                return Err(format!(
+                    "parked block {off:#x} of {rounded} bytes is of pool {pool:?}, whose blocks                      that large are merged at once (keeps_whole)"
                 ));
             }
         }
