@@ -174,11 +174,8 @@ class HierCommunicator:
         if self.cross is not None:
             # NCCL makes its communicator at a group's first call, which must not be inside a
             # CUDA-graph capture: make it now (and meet the group's problems here, not later).
-            import torch
-
-            probe = torch.zeros(1, device="cpu" if host else f"cuda:{device}")
             try:
-                self._net("the inter-node group's first call", dist.all_reduce, probe)
+                self._net_probe("the inter-node group's first call")
             except SymmallocError:
                 self.close()
                 raise
@@ -246,6 +243,15 @@ class HierCommunicator:
             else:
                 who = f"group ranks {[rs[self.local_rank] for rs in self._members]} (local index {self.local_rank} of every host)"
             raise SymmallocError("SYMM_ERR_PEER", f"{what} over {who} failed: {type(e).__name__}: {e}") from None
+
+    def _net_probe(self, what: str) -> None:
+        """A one-element all-reduce over the inter-node group on this rank's device (the host
+        backend: the CPU): the group's first call, and its barrier over NCCL."""
+        import torch
+        import torch.distributed as dist
+
+        device = "cpu" if self._tensor_device < 0 else f"cuda:{self._tensor_device}"
+        self._net(what, dist.all_reduce, torch.zeros(1, device=device))
 
     def _gloo(self, group) -> bool:
         """Whether ``group`` runs CUDA tensors' collectives on gloo (cached per group)."""
@@ -426,8 +432,7 @@ class HierCommunicator:
                 # the cause is not isolated (bench/NOTES.md, "Across nodes").
                 import torch
 
-                probe = torch.zeros(1, device=f"cuda:{self._tensor_device}")
-                self._net("inter-node barrier", dist.all_reduce, probe)
+                self._net_probe("inter-node barrier")
                 torch.cuda.current_stream(self._tensor_device).synchronize()
             else:
                 self._net("inter-node barrier", dist.barrier)
