@@ -10,10 +10,10 @@
 //                    finite and > 0 makes every q NaN (static_inv), never a hang.
 //   QUANT_PER_TOKEN: s_t = max(amax_t / 448, FLT_MIN), amax_t = max |y| over row t (NaN ignored),
 //                    written to scale[t]. Here y = (r * w) * inv (the other modes: (r * inv) * w),
-//                    so amax_t = max(RN(max |r * w| * inv), 0) exactly (token_amax): the cluster
-//                    kernel sends max |r * w| with the sum and needs no second exchange per row;
-//                    the LL and barrier kernels take max |y| in a second block reduction
-//                    (block_max; the same bits), which measured faster there (bench/NOTES.md).
+//                    so amax_t = max(RN(max |r * w| * inv), 0) exactly (token_amax): every
+//                    kernel reduces max |r * w| with the row's sum of squares (the cluster kernel
+//                    in its one exchange, the others through block_squares_and's one barrier), a
+//                    warp's max in one redux (warp_max), so the scale needs no reduction of its own.
 //   QUANT_PER_GROUP: one s per 128 consecutive elements of a row (16 vectors: half a warp's
 //                    lanes, which hold consecutive vectors in every fused kernel), the same
 //                    formula over the group, written to scale[t * (hidden / 128) + g]: row-major
@@ -57,11 +57,11 @@ __device__ __forceinline__ float half_warp_max(float m) {
   return m;
 }
 
-// The max over the warp. Every lane calls it.
+// The max over the warp, for m >= 0 and not NaN in every lane (every amax here: fmaxf from 0
+// over fabsf values): there the float order is the order of the bits as unsigned integers, so
+// one redux.sync (sm_80+) replaces a five-shuffle butterfly. Every lane calls it and gets it.
 __device__ __forceinline__ float warp_max(float m) {
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  return m;
+  return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(m)));
 }
 
 // 8 values as 8 e4m3 bytes, element 0 in the lowest byte: q = e4m3(y * inv), RNE, satfinite.
@@ -88,21 +88,8 @@ __device__ __forceinline__ void store_out(uint64_t out, uint64_t at, const float
   }
 }
 
-// The block-wide max of m (every thread calls it, after the row's barrier-separated sum of
-// squares): a warp max, then every warp takes the max of the warps' maxima. One barrier; pmax is
-// double-buffered by the row's parity as block_squares_and's part[] (rms_norm.cuh). The
-// per-token amax of the LL and barrier kernels.
-__device__ __forceinline__ float block_max(float m, int parity) {
-  __shared__ float pmax[2][32];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, W = blockDim.x / 32;
-  m = warp_max(m);
-  if (lane == 0) pmax[parity][warp] = m;
-  __syncthreads();
-  return warp_max(lane < W ? pmax[parity][lane] : 0.f);
-}
-
 // A row's amax from m = max |r * w| over the row and inv = its rsqrt: max |RN(rw * inv)| =
-// RN(m * inv) (rounding is monotone and odd, and inv >= 0), so the cluster kernel's per-token
-// scale needs no exchange of its own (m travels with the sum). fmaxf(., 0) gives what the direct max gives where m * inv is NaN (0 * inf
+// RN(m * inv) (rounding is monotone and odd, and inv >= 0), so the per-token scale needs no
+// reduction of its own (m travels with the sum). fmaxf(., 0) gives what the direct max gives where m * inv is NaN (0 * inf
 // or inf * 0: every y is then 0 or NaN, and NaN is ignored).
 __device__ __forceinline__ float token_amax(float m, float inv) { return fmaxf(m * inv, 0.f); }

@@ -86,32 +86,44 @@ __device__ __forceinline__ float row_tree(const float* c, int n) {
 // block into `all`; every warp adds the chunk sums itself (each gets the same bits). part[] is
 // double-buffered by the row's parity, so a warp that is a row ahead never overwrites sums a
 // slower warp still reads (the row in between has a barrier every warp must pass).
-template <int V>
+// With MAX (per-token FP8), m (this thread's max |r * w|, >= 0) becomes the block's max through
+// the same barrier: a warp max (one redux, quant.cuh) beside each chunk tree, and one after.
+template <int V, bool MAX = false>
 __device__ __forceinline__ float block_squares_and(const float (&ss)[V], uint32_t vecs, int parity,
-                                                   bool mine, bool& all) {
+                                                   bool mine, bool& all, float& m) {
   __shared__ float part[2][SYMM_RMS_MAX_CHUNKS];
+  __shared__ float pmax[2][MAX ? 32 : 1];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, W = blockDim.x / 32;
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     const int c = k * W + warp;
+    if (MAX && k == 0) {  // every warp, so every pmax slot is written (0 past the row)
+      const float v = chunk_tree(ss[0]);
+      m = warp_max(m);
+      if (lane == 0) {
+        if ((uint32_t)c * 32 < vecs) part[parity][c] = v;
+        pmax[parity][warp] = m;
+      }
+      continue;
+    }
     if ((uint32_t)c * 32 >= vecs) continue;  // warp-uniform: a chunk past the row
     const float v = chunk_tree(ss[k]);
     if (lane == 0) part[parity][c] = v;
   }
   all = __syncthreads_and(mine) != 0;
+  if constexpr (MAX) m = warp_max(lane < W ? pmax[parity][lane] : 0.f);
   return row_tree(part[parity], (int)((vecs + 31) / 32));
 }
 
 // The FP8 outputs of row t for a thread holding vectors j_k = threadIdx.x + k * blockDim.x
 // (k < V; those >= vecs absent) with values r[k] (the new residual) and weights wgt[k]: y in
 // place, then the scale of quant.cuh's mode Q and the e4m3 bytes; sraw is the static scale as
-// read (QUANT_STATIC), inverted here. y = (r * inv) * w, per token (r * w) * inv, the order the
-// cluster kernel needs (quant.cuh); here the row's amax is a second block-wide reduction
-// (block_max) after the sum's. Every thread of the block calls it (the scales take every lane,
-// and a barrier for the per-token one).
+// read (QUANT_STATIC), inverted here. y = (r * inv) * w, per token (r * w) * inv, whose amax is
+// token_amax(m, inv) for m = the row's max |r * w|, which block_squares_and reduced with the row's
+// sum of squares (quant.cuh). Every thread of the block calls it (the scales take every lane).
 template <typename T, int V, int Q>
 __device__ __forceinline__ void rows_out_fp8(const RmsArgs& f, uint64_t t, uint64_t vecs, float (&r)[V][8],
-                                             const uint4 (&wgt)[V], float inv, float sraw, int parity) {
+                                             const uint4 (&wgt)[V], float inv, float sraw, float m) {
   const float sinv = Q == QUANT_STATIC ? static_inv(sraw) : 0.f;
   float qinv[V];
 #pragma unroll
@@ -123,11 +135,7 @@ __device__ __forceinline__ void rows_out_fp8(const RmsArgs& f, uint64_t t, uint6
     for (int q = 0; q < 8; ++q) r[k][q] = Q == QUANT_PER_TOKEN ? r[k][q] * to_f32(w[q]) * inv : r[k][q] * inv * to_f32(w[q]);
   }
   if constexpr (Q == QUANT_PER_TOKEN) {
-    float m = 0.f;
-#pragma unroll
-    for (int k = 0; k < V; ++k)
-      if (threadIdx.x + (uint64_t)k * blockDim.x < vecs) m = fmaxf(m, vec_amax(r[k]));
-    const float sc = amax_scale(block_max(m, parity));
+    const float sc = amax_scale(token_amax(m, inv));
     if (threadIdx.x == 0) ((float*)f.scale)[t] = sc;
 #pragma unroll
     for (int k = 0; k < V; ++k) qinv[k] = 1.f / sc;
@@ -146,6 +154,21 @@ __device__ __forceinline__ void rows_out_fp8(const RmsArgs& f, uint64_t t, uint6
     const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
     if (j < vecs) store_out<T, Q>(f.out, t * vecs + j, r[k], qinv[k]);
   }
+}
+
+// This thread's max |r * w| over its vectors of the row (0 for none): per-token FP8's amax
+// before the row's rsqrt (token_amax), reduced with the sum of squares.
+template <typename T, int V>
+__device__ __forceinline__ float thread_rw_max(uint64_t vecs, const float (&r)[V][8], const uint4 (&wgt)[V]) {
+  float m = 0.f;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    if (threadIdx.x + (uint64_t)k * blockDim.x >= vecs) continue;
+    const T* w = (const T*)&wgt[k];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) m = fmaxf(m, fabsf(r[k][q] * to_f32(w[q])));
+  }
+  return m;
 }
 
 template <typename T, int Q = QUANT_NONE>
@@ -179,7 +202,6 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
       ((uint4*)f.residual)[item] = pack<T, true>(r[k]);
     }
     bool all;
-    const float inv = rsqrtf(block_squares_and(ss, (uint32_t)vecs, parity, true, all) / (float)f.hidden + f.eps);
     if constexpr (Q != QUANT_NONE) {
       uint4 wgt[SYMM_RMS_VECS];
 #pragma unroll
@@ -187,8 +209,13 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
         const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
         if (j < vecs) wgt[k] = ((const uint4*)f.weight)[j];
       }
-      rows_out_fp8<T, SYMM_RMS_VECS, Q>(f, t, vecs, r, wgt, inv, sraw, parity);
+      float m = Q == QUANT_PER_TOKEN ? thread_rw_max<T, SYMM_RMS_VECS>(vecs, r, wgt) : 0.f;
+      const float inv = rsqrtf(block_squares_and<SYMM_RMS_VECS, Q == QUANT_PER_TOKEN>(ss, (uint32_t)vecs, parity, true, all, m) /
+                                   (float)f.hidden + f.eps);
+      rows_out_fp8<T, SYMM_RMS_VECS, Q>(f, t, vecs, r, wgt, inv, sraw, m);
     } else {
+      float m = 0.f;
+      const float inv = rsqrtf(block_squares_and(ss, (uint32_t)vecs, parity, true, all, m) / (float)f.hidden + f.eps);
 #pragma unroll
       for (int k = 0; k < SYMM_RMS_VECS; ++k) {
         const uint64_t j = threadIdx.x + (uint64_t)k * blockDim.x;
@@ -316,14 +343,16 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
       for (int q = 0; q < N; ++q) r[k][q] += to_f32(re[q]);
       ss[k] = vec_squares(r[k]);
     }
-    const float inv = rsqrtf(block_squares_and(ss, (uint32_t)vecs, parity, mine, ok) / (float)f.hidden + f.eps);
+    float m = Q == QUANT_PER_TOKEN ? thread_rw_max<T, V>(vecs, r, wgt) : 0.f;
+    const float inv =
+        rsqrtf(block_squares_and<V, Q == QUANT_PER_TOKEN>(ss, (uint32_t)vecs, parity, mine, ok, m) / (float)f.hidden + f.eps);
     if (!ok) break;
     if constexpr (Q != QUANT_NONE) {
 #pragma unroll
       for (int k = 0; k < V; ++k)
         if (threadIdx.x + (uint64_t)k * blockDim.x < vecs)
           ((uint4*)f.residual)[t * vecs + threadIdx.x + (uint64_t)k * blockDim.x] = pack<T, true>(r[k]);
-      rows_out_fp8<T, V, Q>(f, t, vecs, r, wgt, inv, sraw, parity);
+      rows_out_fp8<T, V, Q>(f, t, vecs, r, wgt, inv, sraw, m);
     } else {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
