@@ -19,7 +19,8 @@
 #   fp8: the FP8 output of the fused call (issue 31): t_fused_quant at RANKS (default "2 4 8")
 #        ranks sharing the GPUs, t_bitwise at 2, python/tests/fp8_check.py at 2 (torchrun; gloo
 #        reference, torch.compile reduce-overhead), then bench/fused.py --world 1 --fp8
-#        (HIDDEN, TOKENS; SKIP_BENCH=1 leaves it out).
+#        (HIDDEN, TOKENS; LIB=DIR: the libraries in DIR; SKIP_BENCH=1 leaves it out, SKIP_TESTS=1
+#        runs the benchmark alone, BITWISE=0 and CHECK=0 leave out t_bitwise and fp8_check).
 #   atp: async TP (issue 27): python/tests/async_tp_check.py at RANKS (default "2 4 8") ranks
 #        sharing the GPUs and its dying-rank case at 3, then bench/async_tp.py --world 1
 #        (SKIP_BENCH=1 leaves it out).
@@ -109,12 +110,14 @@ elif [ "${1:-tests}" = global ]; then
   done
 elif [ "${1:-tests}" = fp8 ]; then
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  [ -n "${SKIP_TESTS:-}" ] || {
   for n in ${RANKS:-2 4 8}; do
     SYMMALLOC_SHARED_GPU=1 SYMM_TEST_RANKS=$n T=${T:-200} TAILN=6 run fused_quant_$n $D/t_fused_quant gpu_ --include-ignored --test-threads=1 --nocapture
   done
-  SYMMALLOC_SHARED_GPU=1 SYMM_TEST_RANKS=2 T=300 TAILN=4 run bitwise_2 $D/t_bitwise gpu_ --include-ignored --test-threads=1 --nocapture
-  SYMMALLOC_SHARED_GPU=1 T=400 TAILN=6 run fp8_check python3 -m torch.distributed.run --nproc_per_node=2 --master_port=29535 python/tests/fp8_check.py
-  [ -n "${SKIP_BENCH:-}" ] || T=560 TAILN=40 run fused_fp8 python3 bench/fused.py --world 1 --fp8 --hidden "${HIDDEN:-4096,6144,8192}" \
+  [ "${BITWISE:-1}" = 0 ] || SYMMALLOC_SHARED_GPU=1 SYMM_TEST_RANKS=2 T=300 TAILN=4 run bitwise_2 $D/t_bitwise gpu_ --include-ignored --test-threads=1 --nocapture
+  [ "${CHECK:-1}" = 0 ] || SYMMALLOC_SHARED_GPU=1 T=400 TAILN=6 run fp8_check python3 -m torch.distributed.run --nproc_per_node=2 --master_port=29535 python/tests/fp8_check.py
+  }
+  [ -n "${SKIP_BENCH:-}" ] || SYMMALLOC_LIBRARY_DIR=${LIB:-$D} T=560 TAILN=40 run fused_fp8 python3 bench/fused.py --world 1 --fp8 --hidden "${HIDDEN:-4096,6144,8192}" \
     --tokens "${TOKENS:-1,4,16,64,128,512}" --step-tokens "" --out "$OUT"
 elif [ "${1:-tests}" = atp ]; then
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -124,7 +127,7 @@ elif [ "${1:-tests}" = x2 ]; then
   # The 2-GPU verdicts of issue 29, PARTS of: tail (bench/tail.py, RUNS fresh processes, with the
   # eager Python-vs-C table), tailab (tail.py --ab-lib .device/old: RUNS, default 5, pairs of
   # fresh jobs of this build and the old one, alternating), fused (bench/fused.py --fp8 at every GPU: HIDDEN, TOKENS,
-  # STEP_TOKENS), atpcheck (python/tests/async_tp_check.py at RANKS, default "2 4", and its
+  # STEP_TOKENS; LIB=DIR: the libraries in DIR), atpcheck (python/tests/async_tp_check.py at RANKS, default "2 4", and its
   # dying rank), atp (bench/async_tp.py), triton (bench/triton_one_shot.py), hier (test_hier's
   # NCCL case between two GPUs), global (bench/global_memory.py on GPU 0, RUNS_GLOBAL
   # pairs). Every part gets at most what is left of BUDGET seconds (default 570), so a call
@@ -137,8 +140,8 @@ elif [ "${1:-tests}" = x2 ]; then
       tail) T=$(left 560) TAILN=${TAILN:-70} run tail python3 bench/tail.py --runs "${RUNS:-10}" --out "$OUT" --c-bench "$D/allreduce_c" ;;
       tailab) [ -f "$D/old/libsymmalloc.so" ] || { echo "tailab: no .device/old (scripts/stage-device.sh --old on the other build)"; continue; }
               T=$(left 560) TAILN=${TAILN:-120} run tail_ab python3 bench/tail.py --runs "${RUNS:-5}" --out "$OUT/ab" --ab-lib "$D/old" ;;
-      fused) T=$(left 400) TAILN=70 run fused python3 bench/fused.py --fp8 --hidden "${HIDDEN:-4096,6144,8192}" \
-               --tokens "${TOKENS:-1,8,32,128,512,2048}" --step-tokens "${STEP_TOKENS:-1,8,64}" --out "$OUT" ;;
+      fused) SYMMALLOC_LIBRARY_DIR=${LIB:-$D} T=$(left 400) TAILN=70 run fused python3 bench/fused.py --fp8 --hidden "${HIDDEN:-4096,6144,8192}" \
+               --tokens "${TOKENS:-1,8,32,128,512,2048}" --step-tokens "${STEP_TOKENS-1,8,64}" --out "$OUT" ;;
       atpcheck) T=$(left 200) TAILN=8 run atp_check python3 python/tests/async_tp_check.py --world ${RANKS:-2 4} --dying 3 ;;
       atp) T=$(left 200) TAILN=30 run atp_bench python3 bench/async_tp.py --out "$OUT" ;;
       triton) T=$(left 120) TAILN=12 run triton_one_shot python3 bench/triton_one_shot.py ;;

@@ -426,10 +426,8 @@ class HierCommunicator:
         if self.cross is not None:
             if self._tensor_device >= 0 and not self._gloo(self.cross):
                 # NCCL: a one-element all-reduce on this rank's device, then the host waits for
-                # it. Not dist.barrier, which picks its device itself: on 2x H200 (torch 2.11,
-                # NCCL 2.28.9, 2026-11-27) it never returned in test_hier's NCCL case (groups
-                # over GPUs 0, 1 and 1, 0) after every collective and graph step had passed;
-                # the cause is not isolated (bench/NOTES.md, "Across nodes").
+                # it (dist.barrier picks its device itself; this one passed on 2x H200 in
+                # test_hier's NCCL case, groups over GPUs 0, 1 and 1, 0, 2026-11-27).
                 import torch
 
                 self._net_probe("inter-node barrier")
@@ -441,7 +439,12 @@ class HierCommunicator:
 
     def close(self) -> None:
         """Destroys the node-local communicator and the inter-node group (every rank should
-        close its own). Later calls raise; closing twice does nothing."""
+        close its own). Later calls raise; closing twice does nothing.
+
+        Release the CUDA graphs that captured this communicator's calls first (a
+        ``torch.compile(mode="reduce-overhead")`` function: ``torch._dynamo.reset()``): with
+        them alive, destroying an NCCL inter-node group never returned (2x H200, torch 2.11,
+        NCCL 2.28.9, 2026-11-27; NCCL waits on the work they hold)."""
         self._close("close()")
 
     def _close(self, by: str) -> None:

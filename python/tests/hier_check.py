@@ -199,6 +199,7 @@ def custom_ops(comm, dev, world, rank, graphs):
             xs = [data(100 + step, r, (tokens, hidden), dtype, dev) for r in range(world)]
             res0 = data(200 + step, 0, (tokens, hidden), dtype, dev)
             got = [t.clone() for t in fn(xs[rank].clone(), res0)]
+            progress(f"custom ops: {mode}, step {step} issued; checking")
             s64 = reduce_ref(xs, "sum")
             r64 = s64 + res0.double().cpu()
             want = [s64, r64 * torch.rsqrt(r64.square().mean(-1, keepdim=True) + 1e-6) * ln.double().cpu(), r64,
@@ -250,9 +251,26 @@ def main():
         cases = collectives(comm, dev, world, rank, full)
         progress(f"collectives: {cases} cases done; custom ops")
         ops = custom_ops(comm, dev, world, rank, graphs=dev != "cpu" and inter == "nccl") if full else []
+        if dev != "cpu":
+            progress("custom ops checked; synchronizing the device")
+            torch.cuda.synchronize()
+        progress("barrier")
         comm.barrier()
+        progress("barrier passed; close")
         detail = f"{comm!r}: {cases} cases" + (f", custom ops {', '.join(ops)}, 0 graph breaks" if ops else "")
+        if "compiled+cudagraphs" in ops:
+            # As HierCommunicator.close() asks: the CUDA graphs that captured the NCCL group's
+            # collectives go first. With them alive, destroying the group never returned (2x H200,
+            # torch 2.11, NCCL 2.28.9, 2026-11-27); released first, the case passed.
+            import gc
+            torch._dynamo.reset()
+            gc.collect()
+            progress("compiled graphs released")
+        if comm.local is not None:
+            comm.local.close()
+            progress("node-local communicator closed")
         comm.close()
+        progress("closed")
     elif mode == "mixed":
         secs, msg = expect_refused("Communicator.from_process_group over hosts",
                                    lambda: symmalloc.Communicator.from_process_group(device=device),
@@ -290,7 +308,9 @@ def main():
         print("\n".join(FAILURES[:30]), flush=True)
         sys.exit(1)
     print(f"OK {mode} rank {rank}: {detail}", flush=True)
+    progress("destroying the process group")
     dist.destroy_process_group()
+    progress("done")
 
 
 if __name__ == "__main__":

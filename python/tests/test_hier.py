@@ -132,8 +132,9 @@ def test_gpu_nccl_between_hosts_with_cuda_graphs():
     # communicator and each inter-node NCCL group spans two GPUs; pg's own NCCL would put two
     # ranks on one GPU, so the flat path is left out.
     # HIER_GPU_TIMEOUT: the case's limit (s); below an outer limit it keeps every rank's output
-    # (with HIER_PROGRESS=1, where each stopped): on 2x H200 (2026-11-27) the case did not finish
-    # in 200 s (bench/NOTES.md, "Across nodes").
+    # (with HIER_PROGRESS=1, where each stopped). On 2x H200 (2026-11-27) it passed in 42 s once
+    # hier_check released its compiled graphs before close(); with them alive, destroying the
+    # NCCL inter-node group never returned (bench/NOTES.md, "Across nodes").
     per_rank = {r: {"HIER_DEVICE": str(d)} for r, d in enumerate((0, 1, 1, 0))}
     env = {"HIER_INTER": "nccl", "HIER_NO_FLAT": "1", "SYMMALLOC_TIMEOUT_S": "60", "HIER_PROGRESS": "1"}
     outs = run("collectives", HOSTS_2X2, env=env, per_rank=per_rank,
