@@ -322,8 +322,11 @@ pub fn comm_arena_size() -> Result<Option<u64>> {
 }
 
 /// Split slots a communicator made by `symm_comm_init` reserves by default
-/// (`SYMMALLOC_SPLIT_SLOTS`; comm/slots.rs).
-pub const DEFAULT_SPLIT_SLOTS: u64 = 0;
+/// (`SYMMALLOC_SPLIT_SLOTS`; comm/slots.rs): two children (a TP and an EP group split from the
+/// world) cost no new device memory. With them a split took 0.09-0.11 of a fresh init at 4 ranks
+/// on one H200 (0.35-0.45 without, on one H100: bench/RESULTS.md, "Groups"), for 32 MiB of
+/// device memory per communicator made by init.
+pub const DEFAULT_SPLIT_SLOTS: u64 = 2;
 /// The most split slots one communicator reserves (a free-slot mask is one word).
 pub const MAX_SPLIT_SLOTS: u64 = 64;
 

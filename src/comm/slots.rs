@@ -1,8 +1,8 @@
 //! Split slots: room for children's internal blocks inside a parent's own, so that a split
 //! makes no device memory and imports none (issue #36). A communicator made by
 //! `symm_comm_init` allocates its internal block with `SYMMALLOC_SPLIT_SLOTS` slots after it
-//! (default 0, off until a GPU run measures it: config.rs; as many as fit in a quarter of its
-//! arena): one block, one segment, exchanged
+//! (default 2: config.rs; as many as fit in a quarter of its arena): one block, one segment,
+//! exchanged
 //! with every peer at init like the internal block alone was. A split whose parent has a slot
 //! free on every parent rank gives each child that slot (internal.rs carves the child's signal
 //! pad and internal block out of it: a memset and a socket round); otherwise, or for a parent
