@@ -13,8 +13,9 @@
 #   ab: this build against .device/old (scripts/stage-device.sh --old), in alternating processes,
 #       ROUNDS (default 2) of bench/fused.py (HIDDEN, TOKENS) and allreduce_c (AUTO, 8 KiB-4 MiB);
 #       WORLD=N runs N ranks (1 on one GPU: the kernels' local work alone, a filter only).
-#   groups: tests/gpu_groups.rs at RANKS (default 4) ranks sharing the GPUs, and the child
-#           against a standalone communicator; TORCH=1 adds python/tests/torch_groups_gpu_check.py.
+#   groups: tests/gpu_groups.rs at RANKS (default 4) ranks sharing the GPUs, then bench/groups.rs
+#           (split vs init, a child vs a standalone communicator); TORCH=1 adds
+#           python/tests/torch_groups_gpu_check.py.
 #   global: global mode on one GPU (PARTS="checks memory host alloc"; see the branch below).
 #   fp8: the FP8 output of the fused call (issue 31): t_fused_quant at RANKS (default "2 4 8")
 #        ranks sharing the GPUs, t_bitwise at 2, python/tests/fp8_check.py at 2 (torchrun; gloo
@@ -165,14 +166,16 @@ elif [ "${1:-tests}" = shared ]; then
   done
 elif [ "${1:-tests}" = groups ]; then
   # Several communicators per GPU (tests/gpu_groups.rs): a TP and an EP communicator on two
-  # streams at once, split vs fresh init, at RANKS (default 4) ranks sharing the GPUs; a child's
-  # all-reduce against a standalone communicator (one rank per GPU); with TORCH=1 also
+  # streams at once, split vs fresh init, at RANKS (default 4) ranks sharing the GPUs; the
+  # benchmark (bench/groups.rs); with TORCH=1 also
   # python/tests/torch_groups_gpu_check.py (MemPools, a compiled graph over two communicators).
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   export SYMMALLOC_SHARED_GPU=1 SYMM_TEST_RANKS=${RANKS:-4}
   T=${T:-200} TAILN=8 run gpu_groups_streams $D/t_gpu_groups gpu_tp_and_ep --include-ignored --test-threads=1 --nocapture
   T=${T:-200} TAILN=14 run gpu_groups_cost env SYMMALLOC_DEBUG=INFO $D/t_gpu_groups gpu_split_and_init --include-ignored --test-threads=1 --nocapture
-  T=${T:-200} TAILN=6 run gpu_groups_child $D/t_gpu_groups gpu_child_all_reduce --include-ignored --test-threads=1 --nocapture
+  # The benchmark (bench/groups.rs): split vs init at RANKS ranks, and a child's all-reduce vs a
+  # standalone communicator's at one rank per GPU.
+  T=${T:-300} TAILN=20 run groups_bench env -u SYMMALLOC_SHARED_GPU SYMM_BENCH_WORLD=${RANKS:-4} $D/groups_bench
   if [ -n "${TORCH:-}" ]; then
     T=${T:-300} TAILN=6 run groups_torch python3 python/tests/torch_groups_gpu_check.py
   fi

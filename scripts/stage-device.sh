@@ -33,7 +33,7 @@ mapfile -t tests < <(cargo test --release -p symmalloc --lib --test gpu_alloc --
 # Everything but an A/B's other build (--old) is replaced.
 mkdir -p .device && find .device -mindepth 1 -maxdepth 1 ! -name old -exec rm -rf {} +
 cp target/release/libsymmalloc.so target/release/libsymmalloc_pluggable.so target/release/symmalloc-demo \
-  target/release/examples/alloc_bench target/release/examples/allreduce_c target/release/examples/p2p_bench .device/
+  target/release/examples/alloc_bench target/release/examples/allreduce_c target/release/examples/p2p_bench target/release/examples/groups_bench .device/
 for t in "${tests[@]}"; do
   case "$t" in
     *gpu_alloc-*) cp "$t" .device/t_gpu_alloc ;;
@@ -53,7 +53,7 @@ if [ -x .toolchain/nvidia/cu13/bin/nvcc ]; then
   .toolchain/nvidia/cu13/bin/nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 -Iinclude \
     examples/cpp/p2p_allreduce.cu -o .device/p2p_allreduce -L.toolchain/nvidia/cu13/lib -Ltarget/release -lsymmalloc
 fi
-strip .device/t_* .device/alloc_bench .device/allreduce_c .device/p2p_bench .device/symmalloc-demo
+strip .device/t_* .device/alloc_bench .device/allreduce_c .device/p2p_bench .device/groups_bench .device/symmalloc-demo
 strip --strip-debug .device/*.so  # keeps the dynamic symbols; the tree travels under 64 MiB
 link_soname .device
 # The manylinux wheel (make wheel), for the install-and-run check on the device.

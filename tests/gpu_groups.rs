@@ -2,10 +2,10 @@
 //! communicator split from the world, driven by two threads on two streams at once through the
 //! real kernels (LL, one-shot, two-shot, AUTO and the fused all-reduce + RMSNorm), buffers
 //! from each communicator's arena, every result against a float64 reference (outputs poisoned
-//! first); what a split and a fresh init cost, and that each split was carved from its
-//! parent's split slot (no new device memory); an all-reduce on a child against the same
-//! all-reduce on a standalone communicator. With one GPU: `SYMM_TEST_RANKS=4
-//! SYMMALLOC_SHARED_GPU=1` (scripts/device-run.sh groups).
+//! first); that each split was carved from its parent's split slot (no new device memory),
+//! printing what a split and a fresh init cost. The targets (a split's cost, a child's
+//! all-reduce against a standalone communicator's) are bench/groups.rs's. With one GPU:
+//! `SYMM_TEST_RANKS=4 SYMMALLOC_SHARED_GPU=1` (scripts/device-run.sh groups).
 
 mod common;
 use common::*;
@@ -221,7 +221,7 @@ fn gpu_tp_and_ep_on_two_streams_at_once() {
         "gpu_tp_and_ep_on_two_streams_at_once",
         world,
         // Both children carved from the world's split slots: the kernels on carved pads and LL
-        // buffers, two streams at once (gpu_child_all_reduce_... keeps the default, own blocks).
+        // buffers, two streams at once.
         &[("SYMMALLOC_SPLIT_SLOTS", "2")],
         &seed().to_string(),
     );
@@ -282,7 +282,8 @@ fn cost_rank(c: Child) {
     destroy(world);
 }
 
-/// What a split and a fresh init of the same ranks cost (printed for bench/RESULTS.md).
+/// Every split of the world is carved from its split slot and every init reserves its slots;
+/// prints what a split and a fresh init of the same ranks cost (the target is bench/groups.rs's).
 #[test]
 #[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
 fn gpu_split_and_init_cost() {
@@ -294,7 +295,7 @@ fn gpu_split_and_init_cost() {
     let outs = run_ranks(
         "gpu_split_and_init_cost",
         world,
-        // Split slots are off by default until a GPU run measures them (README, env table).
+        // 2 split slots (the default, named here so the test keeps its meaning if that changes).
         &[("SYMMALLOC_DEBUG", "INFO"), ("SYMMALLOC_SPLIT_SLOTS", "2")],
         &ids.join(","),
     );
@@ -340,101 +341,5 @@ fn gpu_split_and_init_cost() {
             inits.iter().all(|l| l.contains("split slot(s) of")),
             "rank {r}: an init reserved no split slot: {inits:#?}"
         );
-    }
-}
-
-/// Median microseconds per all-reduce of `n` bf16 on `comm` over `iters` calls, 5 runs.
-fn time_all_reduce(comm: Comm, device: i32, stream: u64, p: u64, n: usize, iters: usize) -> f64 {
-    let t = util::Timer::new(device).unwrap();
-    let mut runs = Vec::new();
-    for _ in 0..5 {
-        t.start(stream).unwrap();
-        for _ in 0..iters {
-            let st = symm_all_reduce(comm, p as _, p as _, n, SYMM_BF16, SYMM_SUM, stream as _);
-            assert_eq!(st, OK, "{}", err());
-        }
-        runs.push(t.stop_ms(stream).unwrap() as f64 * 1e3 / iters as f64);
-    }
-    runs.sort_by(f64::total_cmp);
-    runs[2]
-}
-
-fn child_speed_rank(c: Child) {
-    let world = init(&c);
-    let child = split(world, 0, c.rank);
-    let mut fresh = null_mut();
-    let mut id = symm_unique_id_t { internal: [0; 128] };
-    for (i, b) in id.internal.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&c.arg[2 * i..2 * i + 2], 16).unwrap() as _;
-    }
-    assert_eq!(
-        symm_comm_init(&mut fresh, c.world, c.rank, c.device, &id),
-        OK,
-        "{}",
-        err()
-    );
-    let stream = util::stream_create(c.device).unwrap();
-    for &n in &[4096usize, 128 << 10, 2 << 20] {
-        // Each communicator's own arena buffer: the same size, filled alike.
-        let bufs: Vec<u64> = [child, fresh]
-            .iter()
-            .map(|&k| {
-                let p = symm_comm_malloc(k, n * 2, stream as _) as u64;
-                util::htod_async(c.device, p, &encode(SYMM_BF16, &vec![0.0; n]), stream).unwrap();
-                p
-            })
-            .collect();
-        let iters = 2000;
-        let mut rows = Vec::new();
-        for _ in 0..3 {
-            let a = time_all_reduce(child, c.device, stream, bufs[0], n, iters);
-            let b = time_all_reduce(fresh, c.device, stream, bufs[1], n, iters);
-            rows.push((a, b));
-        }
-        let child_us = rows.iter().map(|r| r.0).fold(f64::MAX, f64::min);
-        let fresh_us = rows.iter().map(|r| r.1).fold(f64::MAX, f64::min);
-        println!(
-            "rank {}: all-reduce of {} KiB bf16, {} rank(s): child {child_us:.2} us, standalone {fresh_us:.2} us, child / standalone = {:.3}",
-            c.rank,
-            n * 2 / 1024,
-            c.world,
-            child_us / fresh_us
-        );
-        symm_comm_free(child, bufs[0] as _, n * 2, stream as _);
-        symm_comm_free(fresh, bufs[1] as _, n * 2, stream as _);
-    }
-    destroy(child);
-    destroy(fresh);
-    destroy(world);
-}
-
-/// An all-reduce on a child against the same all-reduce on a standalone communicator over the
-/// same ranks (best of 3 medians each; printed for bench/RESULTS.md). One rank per GPU; on one
-/// GPU, a single rank (ranks sharing a GPU time-slice, so their timings mean nothing).
-#[test]
-#[ignore = "needs GPUs: run with --include-ignored on a GPU machine"]
-fn gpu_child_all_reduce_against_a_standalone_communicator() {
-    if let Some(c) = child() {
-        return child_speed_rank(c);
-    }
-    let n = gpus("gpu_child_all_reduce");
-    let world = n.min(8) as i32;
-    let outs = run_ranks(
-        "gpu_child_all_reduce_against_a_standalone_communicator",
-        world,
-        &[("SYMMALLOC_SHARED_GPU", "0")],
-        &new_id_hex(),
-    );
-    assert_all_ok(&outs);
-    for o in &outs {
-        let s = String::from_utf8_lossy(&o.stdout);
-        for l in s.lines().filter(|l| l.contains("child / standalone")) {
-            println!("{l}");
-            let r: f64 = l.rsplit("= ").next().unwrap().trim().parse().unwrap();
-            assert!(
-                r < 1.10,
-                "a child's all-reduce is slower than a standalone one: {l}"
-            );
-        }
     }
 }
