@@ -2,10 +2,10 @@
 // fence-free exchange of small values between the blocks of a cluster through their shared
 // memory (distributed shared memory, "DSMEM").
 //
-// The exchange (used by rms_norm.cuh's cluster kernel): block q sends a value to block b with
-// st_async_v2, which writes b's shared memory and completes 8 bytes of a transaction on b's
-// mbarrier; b announces how many bytes it expects (mbar_expect_arrive, the phase's one arrival)
-// and waits on its own mbarrier. Nothing in it is a release at cluster scope: such a release
+// The exchange (used by the cluster kernel, rms_norm_cluster.cuh): block q sends a value to
+// block b with st_async_v2, which writes b's shared memory and completes 8 bytes of a
+// transaction on b's mbarrier; b announces how many bytes it expects (mbar_expect_arrive, the
+// phase's one arrival) and waits on its own mbarrier. Nothing in it is a release at cluster scope: such a release
 // (`barrier.cluster.arrive` with its default .release, `mbarrier.arrive.release.cluster`)
 // compiles to MEMBAR.ALL.GPU, which waits for every store the thread has in flight, including
 // the LL pushes to peers over NVLink and the slot resets (docs/DESIGN.md, "Kernels and their grids"). The
@@ -16,7 +16,7 @@
 //   - every block of the cluster initializes its mbarriers (mbar_init, fence_mbarrier_init)
 //     and the cluster meets at a barrier before any block sends;
 //   - a block sends into a buffer again only after a wait that proves the receiver has read it
-//     (rms_norm.cuh double-buffers by row parity; its comment gives the chain);
+//     (rms_norm_cluster.cuh double-buffers by row parity; its comment gives the chain);
 //   - no block exits while a send to it may still come: every block waits for every send
 //     addressed to it.
 // Spinning in mbar_wait touches only this block's shared memory (common.cuh's spin-loop rule);

@@ -7,6 +7,7 @@
 #include "multimem.cuh"
 #include "scatter_gather.cuh"
 #include "rms_norm.cuh"
+#include "rms_norm_cluster.cuh"
 
 extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_one_shot_bf16_sum_vec(SymmArgs a) { one_shot_body<__nv_bfloat16, OP_SUM, true>(a); }
 extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_one_shot_bf16_max_vec(SymmArgs a) { one_shot_body<__nv_bfloat16, OP_MAX, true>(a); }

@@ -173,7 +173,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         kernel: Kernel::AddRmsNormLLC,
         name: "all_reduce_add_rms_norm_llc",
-        header: "rms_norm.cuh",
+        header: "rms_norm_cluster.cuh",
         body: "rms_llc_body",
         args: "RmsArgs",
         bounds: "SYMM_RMS_LLC_THREADS",
@@ -282,7 +282,10 @@ const fn fp8(
     Family {
         kernel,
         name,
-        header: "rms_norm.cuh",
+        header: match kernel {
+            Kernel::AddRmsNormLLC => "rms_norm_cluster.cuh",
+            _ => "rms_norm.cuh",
+        },
         body,
         args: "RmsArgs",
         bounds,
@@ -414,8 +417,12 @@ const GENERATED: &str =
 /// instance.
 pub fn instances_source() -> String {
     let mut s = format!("// Every collective kernel of symmalloc.\n{GENERATED}\n");
-    let mut headers: Vec<&str> = FAMILIES.iter().map(|f| f.header).collect();
-    headers.dedup();
+    let mut headers: Vec<&str> = Vec::new();
+    for f in FAMILIES {
+        if !headers.contains(&f.header) {
+            headers.push(f.header);
+        }
+    }
     for h in headers {
         s += &format!("#include \"{h}\"\n");
     }
