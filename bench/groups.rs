@@ -86,7 +86,7 @@ fn main() {
             _ => speed_rank(rank, world, &args[5]),
         };
     }
-    let host = std::env::var("SYMMALLOC_BACKEND").is_ok_and(|v| v == "host");
+    let host = host_backend();
     let gpus = if host {
         0
     } else {
@@ -195,12 +195,16 @@ fn run(phase: &str, world: usize, shared: bool, arg: &str) -> Vec<String> {
         .collect()
 }
 
+fn host_backend() -> bool {
+    std::env::var("SYMMALLOC_BACKEND").is_ok_and(|v| v == "host")
+}
+
 /// The device of `rank`: the host backend's stand-in, or the rank's GPU (modulo the GPUs).
 fn device(rank: usize) -> i32 {
-    match cuda::driver() {
-        Ok(d) if !d.devices.is_empty() => (rank % d.devices.len()) as i32,
-        _ => rank as i32,
+    if host_backend() {
+        return rank as i32;
     }
+    (rank % cuda::driver().unwrap().devices.len().max(1)) as i32
 }
 
 fn create_rank(rank: usize, world: usize, arg: &str) {
@@ -208,12 +212,21 @@ fn create_rank(rank: usize, world: usize, arg: &str) {
     let (r, w, dev) = (rank as i32, world as i32, device(rank));
     let parent = init(w, r, dev, ids[0]);
     let (mut inits, mut splits) = (Vec::new(), Vec::new());
-    for id in &ids[1..] {
+    // Every rank starts each timing together: the barrier, then (on CUDA, where it is a kernel
+    // on the default stream) the host waits for it.
+    let on_cuda = !host_backend();
+    let meet = || {
         check(symm_barrier(parent, null_mut()), "barrier");
+        if on_cuda {
+            util::stream_sync(dev, 0).unwrap();
+        }
+    };
+    for id in &ids[1..] {
+        meet();
         let t = Instant::now();
         let fresh = init(w, r, dev, id);
         inits.push(t.elapsed().as_secs_f64() * 1e6);
-        check(symm_barrier(parent, null_mut()), "barrier");
+        meet();
         let t = Instant::now();
         let child = split(parent, r);
         splits.push(t.elapsed().as_secs_f64() * 1e6);
