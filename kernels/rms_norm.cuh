@@ -171,6 +171,27 @@ __device__ __forceinline__ float thread_rw_max(uint64_t vecs, const float (&r)[V
   return m;
 }
 
+// The static scale as read (QUANT_STATIC; else 0): every fused kernel issues this load at its
+// start, so it is in flight across the call counter's, and inverts it at first use (a compare
+// and a division that waited for the load there stalled the counter's load behind it).
+template <int Q>
+__device__ __forceinline__ float early_scale(const RmsArgs& f) {
+  return Q == QUANT_STATIC ? *(const float*)f.scale : 0.f;
+}
+
+// Item p0 of x (`items` vectors; p0 = blockIdx.x * tp + threadIdx.x), the first vector this
+// thread pushes, or 0 for a thread that pushes none. It does not depend on the call, so the LL
+// kernels load it before the call counter and the abort word and the latencies overlap (as in
+// the LL all-reduce). A row's own loads are not hoisted as well: at 2 ranks that delayed the
+// counter load behind them and cost 0.1-0.3 us (bench/NOTES.md, "The fused all-reduce +
+// RMSNorm kernels"); they are issued before the polls instead.
+__device__ __forceinline__ uint4 first_push(const uint4* x, uint64_t items, uint64_t tp,
+                                            uint64_t p0) {
+  uint4 pv = make_uint4(0, 0, 0, 0);
+  if (threadIdx.x < tp && p0 < items) pv = x[p0];
+  return pv;
+}
+
 template <typename T, int Q = QUANT_NONE>
 __device__ __forceinline__ void rms_body(const RmsArgs& f) {
   using P = Pack<T, true>;
@@ -178,9 +199,7 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
   const SymmArgs& a = f.s;
   uint32_t e;
   bool ok;
-  // The static scale's load in flight from the start; its inverse at first use (a compare and
-  // a division that waited for the load here stalled the call counter's load behind it).
-  const float sraw = Q == QUANT_STATIC ? *(const float*)f.scale : 0.f;
+  const float sraw = early_scale<Q>(f);
   if (!barrier_open(a, e, ok)) return;  // aborted: touch no peer memory
   const uint64_t vecs = f.hidden / N;
   int parity = 0;
@@ -270,16 +289,9 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   const uint64_t vecs = f.hidden / N;
   const uint4* x = (const uint4*)a.in[a.rank];
   const uint64_t tp = f.push_threads;
-  // The first pushed vector does not depend on the call: in flight before the counter and
-  // abort-word loads, so the two latencies overlap (as in the LL all-reduce). The row's own
-  // loads are not hoisted as well: at 2 ranks that delayed the counter load behind them and
-  // cost 0.1-0.3 us (bench/NOTES.md, "The fused all-reduce + RMSNorm kernels"); they are issued before the polls instead.
   const uint64_t p0 = (uint64_t)blockIdx.x * tp + threadIdx.x;
-  uint4 pv = make_uint4(0, 0, 0, 0);
-  if (threadIdx.x < tp && p0 < items) pv = x[p0];
-  // The static scale's load in flight from the start; its inverse at first use (a compare and
-  // a division that waited for the load here stalled the call counter's load behind it).
-  const float sraw = Q == QUANT_STATIC ? *(const float*)f.scale : 0.f;
+  uint4 pv = first_push(x, items, tp, p0);
+  const float sraw = early_scale<Q>(f);
 
   uint32_t call;
   if (!ll_begin(a, call)) return;  // aborted: push nothing into the peers' buffers

@@ -48,11 +48,8 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   const uint4* x = (const uint4*)a.in[a.rank];
   const uint64_t tp = f.push_threads;
   const uint64_t p0 = (uint64_t)blockIdx.x * tp + threadIdx.x;
-  uint4 pv = make_uint4(0, 0, 0, 0);
-  if (threadIdx.x < tp && p0 < items) pv = x[p0];
-  // The static scale's load in flight from the start; its inverse at first use (a compare and
-  // a division that waited for the load here stalled the call counter's load behind it).
-  const float sraw = Q == QUANT_STATIC ? *(const float*)f.scale : 0.f;
+  uint4 pv = first_push(x, items, tp, p0);  // before the call counter (rms_norm.cuh)
+  const float sraw = early_scale<Q>(f);
 
   uint32_t call;
   const bool live = ll_begin(a, call);  // block-uniform
