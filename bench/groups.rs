@@ -18,6 +18,11 @@
 //!
 //! Run: cargo run --release --example groups_bench
 
+// The integration tests' helpers (ids, checked calls, split, destroy).
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::{destroy, err, new_id_hex, ok as check, split, Comm};
 use std::process::Command;
 use std::ptr::null_mut;
 use std::time::Instant;
@@ -25,20 +30,6 @@ use symmalloc::cuda::{self, util};
 use symmalloc::ffi::groups::*;
 use symmalloc::ffi::types::*;
 use symmalloc::ffi::*;
-
-type Comm = *mut symm_comm_t;
-const OK: symm_status_t = symm_status_t::SYMM_SUCCESS;
-
-fn err() -> String {
-    // SAFETY: symm_last_error returns a valid NUL-terminated string.
-    unsafe { std::ffi::CStr::from_ptr(symm_last_error()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn check(st: symm_status_t, what: &str) {
-    assert_eq!(st, OK, "{what}: {}", err());
-}
 
 fn env_usize(name: &str, default: usize) -> usize {
     match std::env::var(name) {
@@ -50,11 +41,6 @@ fn env_usize(name: &str, default: usize) -> usize {
     }
 }
 
-fn new_id_hex() -> String {
-    let id = symmalloc::ipc::UniqueId::generate().unwrap();
-    id.to_bytes().iter().map(|b| format!("{b:02x}")).collect()
-}
-
 fn init(world: i32, rank: i32, device: i32, hex: &str) -> Comm {
     let mut id = symm_unique_id_t { internal: [0; 128] };
     for (i, b) in id.internal.iter_mut().enumerate() {
@@ -63,13 +49,6 @@ fn init(world: i32, rank: i32, device: i32, hex: &str) -> Comm {
     let mut comm = null_mut();
     check(symm_comm_init(&mut comm, world, rank, device, &id), "init");
     comm
-}
-
-fn split(parent: Comm, rank: i32) -> Comm {
-    let mut child = null_mut();
-    check(symm_comm_split(parent, 0, rank, &mut child), "split");
-    assert!(!child.is_null(), "split gave no child");
-    child
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -228,17 +207,17 @@ fn create_rank(rank: usize, world: usize, arg: &str) {
         inits.push(t.elapsed().as_secs_f64() * 1e6);
         meet();
         let t = Instant::now();
-        let child = split(parent, r);
+        let child = split(parent, 0, r);
         splits.push(t.elapsed().as_secs_f64() * 1e6);
-        check(symm_comm_destroy(child), "destroy the child");
-        check(symm_comm_destroy(fresh), "destroy the fresh one");
+        destroy(child);
+        destroy(fresh);
     }
     let (i, s) = (median(inits), median(splits));
     println!(
         "create rank {rank}: fresh init {i:.0}, split {s:.0}; split / init = {:.3}",
         s / i
     );
-    check(symm_comm_destroy(parent), "destroy the world");
+    destroy(parent);
 }
 
 /// One timing of `comm`'s all-reduce of `n` bf16 at `p`: eager (500 calls) or a graph of 20
@@ -278,7 +257,7 @@ fn speed_rank(rank: usize, world: usize, arg: &str) {
     let ids: Vec<&str> = arg.split(',').collect();
     let (r, w, dev) = (rank as i32, world as i32, rank as i32);
     let parent = init(w, r, dev, ids[0]);
-    let child = split(parent, r);
+    let child = split(parent, 0, r);
     let fresh = init(w, r, dev, ids[1]);
     let stream = util::stream_create(dev).unwrap();
     let rounds = env_usize("ROUNDS", 15).max(1);
@@ -350,7 +329,7 @@ fn speed_rank(rank: usize, world: usize, arg: &str) {
         symm_comm_free(fresh, bufs[1] as _, n * 2, stream as _);
     }
     util::stream_sync(dev, stream).unwrap();
-    check(symm_comm_destroy(child), "destroy the child");
-    check(symm_comm_destroy(fresh), "destroy the fresh one");
-    check(symm_comm_destroy(parent), "destroy the world");
+    destroy(child);
+    destroy(fresh);
+    destroy(parent);
 }
