@@ -290,12 +290,13 @@ fn bitwise_rank(c: Child) {
             ));
         }
         // The FP8 outputs (kernels/quant.cuh): the same rows, every mode, at widths that are
-        // multiples of 128 (on GPUs three of them: one vector per thread, clusters of 3, and
-        // clusters of 8 or four vectors per thread).
+        // multiples of 128 (on GPUs four of them: one vector per thread, clusters of 4 blocks
+        // of 128 threads or one block per row, clusters of 3, and clusters of 8 or four vectors
+        // per thread).
         let fp8_widths: &[usize] = if on_host() {
             &[1024, 8192]
         } else {
-            &[1024, 6144, 16384]
+            &[1024, 4096, 6144, 16384]
         };
         for &hidden in fp8_widths {
             for q in [

@@ -308,8 +308,9 @@ fn cases_rank(c: Child) {
     let mut hash = 0xcbf29ce484222325u64;
     let mut case = 0u64;
     // Host: a few shapes. GPUs: every fused kernel (one vector per thread up to hidden 6144,
-    // clusters of 2-8 for wider rows with few tokens, four vectors per thread, the barrier
-    // kernel above the LL threshold), widths that are not multiples of 128 (no group mode).
+    // clusters of 2-8 for rows wider than 3072 with few tokens: [2, 4096] four blocks of 128
+    // threads, [40, 4096] one block per row; four vectors per thread, the barrier kernel above
+    // the LL threshold), widths that are not multiples of 128 (no group mode).
     let shapes: &[(usize, usize)] = if on_host() {
         &[(1, 128), (3, 1032), (5, 4096)]
     } else {

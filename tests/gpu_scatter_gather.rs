@@ -207,12 +207,13 @@ fn rms_rank(c: Child) {
     let seed: u64 = c.arg.parse().unwrap();
     let mut hash = 0xcbf29ce484222325u64;
     let mut case = 0u64;
-    // Up to 4 MiB of x the LL kernels: on sm_90, rows wider than 4096 split over a cluster of
-    // C = 2-8 blocks while every row gets one ([2, 5120] and [2, 6136] with partial blocks and
-    // warps, [2, 16376] a last block one vector short, [16, 16384] the whole LL grid; fewer,
-    // wider blocks when the grid is short: [33, 8192] clusters of 3, [64, 8192] of 2, [17, 16384]
-    // of 7), otherwise one row per block (a vector per thread up to hidden 6144, [2, 4088] a
-    // partial warp; four at [33, 16384], and every wide row on a GPU without clusters); above
+    // Up to 4 MiB of x the LL kernels: on sm_90, rows wider than 3072 split over a cluster of
+    // C = 2-8 blocks while every row gets one ([1, 4096] four blocks of 128 threads, [2, 4088]
+    // the same with a partial warp, [2, 5120] and [2, 6136] with partial blocks and warps,
+    // [2, 16376] a last block one vector short, [16, 16384] the whole LL grid; fewer, wider
+    // blocks when the grid is short: [33, 8192] clusters of 3, [64, 8192] of 2, [17, 16384] of
+    // 7), otherwise one row per block (a vector per thread up to hidden 6144: [1, 2048],
+    // [40, 4096]; four at [33, 16384], and every wide row on a GPU without clusters); above
     // 4 MiB the barrier kernel.
     let shapes = [
         (1usize, 2048usize),

@@ -111,25 +111,31 @@ pub struct FusedShape {
     pub cluster: u32,
 }
 
-/// The rows the cluster kernel takes: more than LLC_MIN_VECS vectors (hidden > 4096) and at most
+/// The rows the cluster kernel takes: more than LLC_MIN_VECS vectors (hidden > 3072) and at most
 /// LLC_MAX_VECS (hidden 16384, clusters of 8, the portable maximum). Measured on one H200 with one
 /// rank (bench/NOTES.md, "The fused all-reduce + RMSNorm kernels"; the exchange through
 /// st.async): at 6144 (clusters of 3) 0.10-0.21 µs faster than one block per row, at 16384
 /// (clusters of 8) 1.6 µs faster up to 16 rows; at 8192 0.10-0.12 µs faster than the cluster
-/// barrier it replaced up to 16 rows and 0.05 slower at 32; at 4096 (clusters of 2) 0.2-0.3 µs
-/// slower than one block per row.
-const LLC_MIN_VECS: u64 = 512;
+/// barrier it replaced up to 16 rows and 0.05 slower at 32. At 4096 on 2x H200 (2 ranks,
+/// 2026-11-27) clusters of 4 blocks of 128 threads (LLC_NARROW_SPAN) against one block per row:
+/// 0.05 µs faster at 1 row, 0.05 at 4 (p99 3.59 against 4.31), 0.73 at 16, 0.16-0.20 at 32;
+/// clusters of 2 (256 threads) had been 0.2-0.3 µs slower at one rank. At 3072 clusters of 3
+/// were 0.6 µs faster at 16 rows but 0.11 slower at 1-4, so 3072 stays one block per row.
+const LLC_MIN_VECS: u64 = 384;
 const LLC_MAX_VECS: u64 = 2048;
 /// Vectors per block of the cluster kernel while the LL grid has room for ceil(vecs / LLC_SPAN)
 /// blocks per row. Rows wider than the one-vector kernel's (hidden > 6144) take fewer, wider
 /// blocks (up to RMS_LLC_THREADS vectors) when it has not: at [33-64, 8192] and [32-42, 12288]
 /// 0.4-1.4 µs faster than one four-vector block per row, and at [17-32, 16384] 1.5-1.7; at 6144
-/// and below clusters of 2 were 0.1-0.4 µs slower than the one-vector kernel.
+/// and below clusters of 2 were 0.1-0.4 µs slower than the one-vector kernel. Rows of at most
+/// LLC_NARROW vectors (hidden <= 4096) take blocks of LLC_NARROW_SPAN: clusters of 4 at 4096.
 const LLC_SPAN: u64 = 256;
+const LLC_NARROW: u64 = 512;
+const LLC_NARROW_SPAN: u64 = 128;
 
 /// The LL kernel's shape when the fused call takes it (x within AUTO's LL threshold `ll_max`),
 /// or `None` for the barrier kernel.
-/// - Rows of more than LLC_MIN_VECS and at most LLC_MAX_VECS vectors (4096 < hidden <= 16384),
+/// - Rows of more than LLC_MIN_VECS and at most LLC_MAX_VECS vectors (3072 < hidden <= 16384),
 ///   when every rank's GPU has thread-block clusters (`clusters`) and every row gets a cluster
 ///   of its own within the LL grid: `AddRmsNormLLC`, each row split over C blocks of a cluster
 ///   (C = ceil(vecs / LLC_SPAN), or as many as the grid holds per row for rows wider than
@@ -158,9 +164,14 @@ pub fn fused_ll_shape(
     let vecs = hidden / 8;
     let ll_blocks = ll_blocks.max(1) as u64;
     let push_blocks = (tokens * vecs).div_ceil(push_threads.max(1) as u64);
-    // Blocks per row: ceil(vecs / LLC_SPAN); for rows too wide for the one-vector kernel, fewer
+    // Blocks per row: ceil(vecs / span); for rows too wide for the one-vector kernel, fewer
     // (wider blocks) when the LL grid has no room for that many per row.
-    let c_span = vecs.div_ceil(LLC_SPAN);
+    let span = if vecs <= LLC_NARROW {
+        LLC_NARROW_SPAN
+    } else {
+        LLC_SPAN
+    };
+    let c_span = vecs.div_ceil(span);
     let c = if vecs > RMS_LL1_THREADS {
         c_span.min(ll_blocks / tokens)
     } else {
@@ -302,7 +313,7 @@ mod tests {
     }
 
     #[test]
-    fn rows_wider_than_4096_split_over_a_cluster_where_every_gpu_has_clusters() {
+    fn rows_wider_than_3072_split_over_a_cluster_where_every_gpu_has_clusters() {
         let ll_max = 4 << 20;
         let f = |tokens, hidden, push, blocks, clusters| {
             let bytes = tokens * hidden * 2;
@@ -355,11 +366,29 @@ mod tests {
             f(42, 6144, 64, 128, true),
             shape(Kernel::AddRmsNormLLC, 126, 256, 3)
         );
-        // 4096 is faster one block per row, and so are rows the one-vector kernel takes when
+        // [1, 4096]: clusters of 4 blocks of 128 threads (the push wants 8 blocks); [16, 4096]:
+        // 64 blocks for the rows (the push at 256 per block wants 32); [32, 4096] fills the LL grid, and 33 rows take one block per row, as does
+        // 3072 (faster one block per row at 1-4 rows), and rows the one-vector kernel takes when
         // the grid has no room for their clusters of 3 ([43, 6144]).
         assert_eq!(
             f(1, 4096, 64, 128, true),
-            shape(Kernel::AddRmsNormLL1, 8, 512, 1)
+            shape(Kernel::AddRmsNormLLC, 8, 128, 4)
+        );
+        assert_eq!(
+            f(16, 4096, 256, 128, true),
+            shape(Kernel::AddRmsNormLLC, 64, 128, 4)
+        );
+        assert_eq!(
+            f(32, 4096, 256, 128, true),
+            shape(Kernel::AddRmsNormLLC, 128, 128, 4)
+        );
+        assert_eq!(
+            f(33, 4096, 256, 128, true),
+            shape(Kernel::AddRmsNormLL1, 66, 512, 1)
+        );
+        assert_eq!(
+            f(4, 3072, 64, 128, true),
+            shape(Kernel::AddRmsNormLL1, 24, 384, 1)
         );
         assert_eq!(
             f(43, 6144, 64, 128, true),
@@ -395,7 +424,7 @@ mod tests {
         // The cluster kernel adds a block's chunks of the sum of squares as one aligned run of
         // the canonical tree (kernels/rms_norm.cuh): that needs a power of two of threads per
         // block, every vector of the row in some block, at most RMS_LLC_THREADS threads.
-        for hidden in (4104..=16384).step_by(8) {
+        for hidden in (3080..=16384).step_by(8) {
             for tokens in [1, 2, 5, 17, 33, 64] {
                 for blocks in [2, 16, 100, 128] {
                     let bytes = tokens * hidden * 2;
