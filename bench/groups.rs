@@ -135,6 +135,28 @@ fn main() {
         worst * 100.0,
         if worst <= 0.02 { "met" } else { "missed" }
     );
+    let cross: Vec<&str> = outs
+        .iter()
+        .flat_map(|o| o.lines())
+        .filter_map(|l| l.strip_prefix("cross "))
+        .collect();
+    if !cross.is_empty() {
+        println!();
+        println!("SYMM_BENCH_CROSS: graphed, each communicator on each one's buffer (and the parent on its own); us per call, medians");
+        println!(
+            "{:>4} | {:>9} | {:>12} {:>12} {:>12} {:>12} {:>12}",
+            "rank",
+            "size",
+            "child, own",
+            "stand., own",
+            "child, st.'s",
+            "stand., ch.'s",
+            "parent, own"
+        );
+        for r in cross {
+            println!("{r}");
+        }
+    }
 }
 
 /// Runs `world` ranks of `phase` and returns their stdout; exits with a failing rank's output.
@@ -311,6 +333,17 @@ fn speed_rank(rank: usize, world: usize, arg: &str) {
                 }
             }
         }
+        if std::env::var_os("SYMM_BENCH_CROSS").is_some() {
+            cross(
+                rank,
+                parent,
+                [child, fresh],
+                &bufs,
+                (dev, stream),
+                n,
+                rounds,
+            );
+        }
         let ratio =
             |v: &[Vec<f64>; 2]| median(v[0].iter().zip(&v[1]).map(|(a, b)| a / b).collect());
         println!(
@@ -332,4 +365,73 @@ fn speed_rank(rank: usize, world: usize, arg: &str) {
     destroy(child);
     destroy(fresh);
     destroy(parent);
+}
+
+/// SYMM_BENCH_CROSS: whether a difference follows the communicator or the buffer. Graphed, the
+/// child and the standalone communicator each on its own buffer and on the other's (any heap
+/// memory symmetric over a communicator's ranks serves it), and the parent on a buffer of its
+/// own arena; rotated order per round; one line of medians.
+fn cross(
+    rank: usize,
+    parent: Comm,
+    comms: [Comm; 2],
+    bufs: &[u64],
+    (dev, stream): (i32, u64),
+    n: usize,
+    rounds: usize,
+) {
+    let pb = symm_comm_malloc(parent, n * 2, stream as _) as u64;
+    assert!(pb != 0, "symm_comm_malloc: {}", err());
+    util::htod_async(dev, pb, &0x3f80u16.to_le_bytes().repeat(n), stream).unwrap();
+    let combos = [
+        (comms[0], bufs[0]),
+        (comms[1], bufs[1]),
+        (comms[0], bufs[1]),
+        (comms[1], bufs[0]),
+        (parent, pb),
+    ];
+    for &(c, p) in &combos {
+        check(
+            symm_all_reduce(c, p as _, p as _, n, SYMM_BF16, SYMM_SUM, stream as _),
+            "all-reduce",
+        );
+    }
+    util::stream_sync(dev, stream).unwrap();
+    let graphs: Vec<util::Graph> = combos
+        .iter()
+        .map(|&(c, p)| {
+            util::capture_begin(dev, stream).unwrap();
+            for _ in 0..20 {
+                check(
+                    symm_all_reduce(c, p as _, p as _, n, SYMM_BF16, SYMM_SUM, stream as _),
+                    "all-reduce under capture",
+                );
+            }
+            util::capture_end(dev, stream).unwrap()
+        })
+        .collect();
+    let mut t: Vec<Vec<f64>> = vec![Vec::new(); combos.len()];
+    for round in 0..=rounds {
+        for i in 0..combos.len() {
+            let k = (i + round) % combos.len();
+            let (c, p) = combos[k];
+            let v = time_one(c, dev, stream, p, n, Some(&graphs[k]));
+            if round > 0 {
+                t[k].push(v);
+            }
+        }
+    }
+    let m: Vec<String> = t
+        .into_iter()
+        .map(|v| format!("{:>12.2}", median(v)))
+        .collect();
+    println!(
+        "cross {:>4} | {:>5} KiB | {}",
+        rank,
+        n * 2 / 1024,
+        m.join(" ")
+    );
+    drop(graphs);
+    util::stream_sync(dev, stream).unwrap();
+    symm_comm_free(parent, pb as _, n * 2, stream as _);
 }
