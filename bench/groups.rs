@@ -15,6 +15,8 @@
 //!    a round times 500 eager in-place bf16 sums on each, then 25 replays of a graph of 20 on
 //!    each (CUDA events, after a barrier). Reported: the medians of each, and the median of the
 //!    rounds' child / standalone ratios; target: the graphed ratio within 2%.
+//!    `SYMM_BENCH_CROSS=1` adds a graphed table of each communicator on the other's buffer and
+//!    the parent on its own: whether a difference follows the communicator or the buffer.
 //!
 //! Run: cargo run --release --example groups_bench
 
