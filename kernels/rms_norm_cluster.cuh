@@ -103,16 +103,24 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
 #pragma unroll
       for (int k = 0; k < N; ++k) r[k] = p == 0 ? to_f32(e[k]) : r[k] + to_f32(e[k]);
     }
-    float m = 0.f;  // per-token FP8 (quant.cuh): max |r * w|, sent with the sum (one exchange)
+    // Per-token FP8 (quant.cuh): m = max |r * w|, sent with the sum (one exchange); the new
+    // residual packed now (stored once the exchange passed) and r <- r * w, so after the
+    // exchange y = r * inv is one multiply.
+    float m = 0.f;
+    uint4 rpk = make_uint4(0, 0, 0, 0);
     if (has) {
       const T* re = (const T*)&res;
 #pragma unroll
       for (int k = 0; k < N; ++k) r[k] += to_f32(re[k]);
       ss = vec_squares(r);
       if constexpr (Q == QUANT_PER_TOKEN) {
+        rpk = pack<T, true>(r);
         const T* w = (const T*)&wgt;
 #pragma unroll
-        for (int k = 0; k < N; ++k) m = fmaxf(m, fabsf(r[k] * to_f32(w[k])));
+        for (int k = 0; k < N; ++k) {
+          r[k] *= to_f32(w[k]);
+          m = fmaxf(m, fabsf(r[k]));
+        }
       }
     }
     ss = chunk_tree(ss);  // this warp's chunk
@@ -148,10 +156,10 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
 #pragma unroll
       for (int k = 0; k < N; ++k) y[k] = 0.f;
       if (has) {
-        ((uint4*)f.residual)[at] = pack<T, true>(r);
+        ((uint4*)f.residual)[at] = Q == QUANT_PER_TOKEN ? rpk : pack<T, true>(r);
         const T* w = (const T*)&wgt;
 #pragma unroll
-        for (int k = 0; k < N; ++k) y[k] = Q == QUANT_PER_TOKEN ? r[k] * to_f32(w[k]) * inv : r[k] * inv * to_f32(w[k]);
+        for (int k = 0; k < N; ++k) y[k] = Q == QUANT_PER_TOKEN ? r[k] * inv : r[k] * inv * to_f32(w[k]);
       }
       float qinv = Q == QUANT_STATIC ? static_inv(sraw) : 0.f;
       if constexpr (Q == QUANT_PER_GROUP) {
