@@ -138,7 +138,8 @@ const LLC_NARROW_SPAN: u64 = 128;
 /// - Rows of more than LLC_MIN_VECS and at most LLC_MAX_VECS vectors (3072 < hidden <= 16384),
 ///   when every rank's GPU has thread-block clusters (`clusters`) and every row gets a cluster
 ///   of its own within the LL grid: `AddRmsNormLLC`, each row split over C blocks of a cluster
-///   (C = ceil(vecs / LLC_SPAN), or as many as the grid holds per row for rows wider than
+///   (C = ceil(vecs / span): span LLC_NARROW_SPAN for rows of at most LLC_NARROW vectors,
+///   LLC_SPAN above; or as many as the grid holds per row for rows wider than
 ///   RMS_LL1_THREADS; at least 2 and at least ceil(vecs / RMS_LLC_THREADS)), a vector per
 ///   thread (a power of two of them per block), so no one SM moves the row.
 /// - Otherwise a vector of the row per thread (`AddRmsNormLL1`, up to RMS_LL1_THREADS threads, in
@@ -367,9 +368,10 @@ mod tests {
             shape(Kernel::AddRmsNormLLC, 126, 256, 3)
         );
         // [1, 4096]: clusters of 4 blocks of 128 threads (the push wants 8 blocks); [16, 4096]:
-        // 64 blocks for the rows (the push at 256 per block wants 32); [32, 4096] fills the LL grid, and 33 rows take one block per row, as does
-        // 3072 (faster one block per row at 1-4 rows), and rows the one-vector kernel takes when
-        // the grid has no room for their clusters of 3 ([43, 6144]).
+        // 64 blocks for the rows (the push at 256 per block wants 32); [32, 4096] fills the LL
+        // grid, and 33 rows take one block per row, as does 3072 (faster one block per row at
+        // 1-4 rows), and rows the one-vector kernel takes when the grid has no room for their
+        // clusters of 3 ([43, 6144]).
         assert_eq!(
             f(1, 4096, 64, 128, true),
             shape(Kernel::AddRmsNormLLC, 8, 128, 4)
