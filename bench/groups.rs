@@ -244,6 +244,31 @@ fn create_rank(rank: usize, world: usize, arg: &str) {
     destroy(parent);
 }
 
+/// `comm`'s in-place bf16 sum of `n` elements at `p` on `stream`, checked.
+fn all_reduce(comm: Comm, p: u64, n: usize, stream: u64, what: &str) {
+    check(
+        symm_all_reduce(comm, p as _, p as _, n, SYMM_BF16, SYMM_SUM, stream as _),
+        what,
+    );
+}
+
+/// `n` bf16 of `comm`'s arena, 1.0 everywhere (sums stay finite over every call).
+fn ones(comm: Comm, n: usize, dev: i32, stream: u64) -> u64 {
+    let p = symm_comm_malloc(comm, n * 2, stream as _) as u64;
+    assert!(p != 0, "symm_comm_malloc: {}", err());
+    util::htod_async(dev, p, &0x3f80u16.to_le_bytes().repeat(n), stream).unwrap();
+    p
+}
+
+/// A graph of 20 of `comm`'s all-reduces of `n` bf16 at `p`.
+fn graph_of(comm: Comm, p: u64, n: usize, dev: i32, stream: u64) -> util::Graph {
+    util::capture_begin(dev, stream).unwrap();
+    for _ in 0..20 {
+        all_reduce(comm, p, n, stream, "all-reduce under capture");
+    }
+    util::capture_end(dev, stream).unwrap()
+}
+
 /// One timing of `comm`'s all-reduce of `n` bf16 at `p`: eager (500 calls) or a graph of 20
 /// replayed 25 times; us per call.
 fn time_one(
@@ -266,10 +291,7 @@ fn time_one(
         }
         None => {
             for _ in 0..500 {
-                check(
-                    symm_all_reduce(comm, p as _, p as _, n, SYMM_BF16, SYMM_SUM, stream as _),
-                    "all-reduce",
-                );
+                all_reduce(comm, p, n, stream, "all-reduce");
             }
             500
         }
@@ -290,32 +312,16 @@ fn speed_rank(rank: usize, world: usize, arg: &str) {
         let bufs: Vec<u64> = comms
             .iter()
             .map(|&k| {
-                let p = symm_comm_malloc(k, n * 2, stream as _) as u64;
-                assert!(p != 0, "symm_comm_malloc: {}", err());
-                // bf16 1.0 everywhere: sums stay finite over every call.
-                util::htod_async(dev, p, &0x3f80u16.to_le_bytes().repeat(n), stream).unwrap();
+                let p = ones(k, n, dev, stream);
                 // One eager call first: a buffer's first call shares its segment (host work
                 // that a capture should not be the first to do).
-                check(
-                    symm_all_reduce(k, p as _, p as _, n, SYMM_BF16, SYMM_SUM, stream as _),
-                    "all-reduce",
-                );
+                all_reduce(k, p, n, stream, "all-reduce");
                 p
             })
             .collect();
         util::stream_sync(dev, stream).unwrap();
         let graphs: Vec<util::Graph> = (0..2)
-            .map(|k| {
-                util::capture_begin(dev, stream).unwrap();
-                for _ in 0..20 {
-                    let (c, p) = (comms[k], bufs[k]);
-                    check(
-                        symm_all_reduce(c, p as _, p as _, n, SYMM_BF16, SYMM_SUM, stream as _),
-                        "all-reduce under capture",
-                    );
-                }
-                util::capture_end(dev, stream).unwrap()
-            })
+            .map(|k| graph_of(comms[k], bufs[k], n, dev, stream))
             .collect();
         // A warm-up round, then `rounds` timed ones; the order alternates by round, the same on
         // every rank.
@@ -382,9 +388,7 @@ fn cross(
     n: usize,
     rounds: usize,
 ) {
-    let pb = symm_comm_malloc(parent, n * 2, stream as _) as u64;
-    assert!(pb != 0, "symm_comm_malloc: {}", err());
-    util::htod_async(dev, pb, &0x3f80u16.to_le_bytes().repeat(n), stream).unwrap();
+    let pb = ones(parent, n, dev, stream);
     let combos = [
         (comms[0], bufs[0]),
         (comms[1], bufs[1]),
@@ -393,24 +397,12 @@ fn cross(
         (parent, pb),
     ];
     for &(c, p) in &combos {
-        check(
-            symm_all_reduce(c, p as _, p as _, n, SYMM_BF16, SYMM_SUM, stream as _),
-            "all-reduce",
-        );
+        all_reduce(c, p, n, stream, "all-reduce");
     }
     util::stream_sync(dev, stream).unwrap();
     let graphs: Vec<util::Graph> = combos
         .iter()
-        .map(|&(c, p)| {
-            util::capture_begin(dev, stream).unwrap();
-            for _ in 0..20 {
-                check(
-                    symm_all_reduce(c, p as _, p as _, n, SYMM_BF16, SYMM_SUM, stream as _),
-                    "all-reduce under capture",
-                );
-            }
-            util::capture_end(dev, stream).unwrap()
-        })
+        .map(|&(c, p)| graph_of(c, p, n, dev, stream))
         .collect();
     let mut t: Vec<Vec<f64>> = vec![Vec::new(); combos.len()];
     for round in 0..=rounds {
