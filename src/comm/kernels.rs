@@ -137,7 +137,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         kernel: Kernel::AddRmsNorm,
         name: "all_reduce_add_rms_norm",
-        header: "rms_norm.cuh",
+        header: rms_header(Kernel::AddRmsNorm),
         body: "rms_body",
         args: "RmsArgs",
         bounds: "SYMM_THREADS",
@@ -149,7 +149,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         kernel: Kernel::AddRmsNormLL,
         name: "all_reduce_add_rms_norm_ll",
-        header: "rms_norm.cuh",
+        header: rms_header(Kernel::AddRmsNormLL),
         body: "rms_ll_body",
         args: "RmsArgs",
         bounds: "SYMM_THREADS",
@@ -161,7 +161,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         kernel: Kernel::AddRmsNormLL1,
         name: "all_reduce_add_rms_norm_ll1",
-        header: "rms_norm.cuh",
+        header: rms_header(Kernel::AddRmsNormLL1),
         body: "rms_ll_body",
         args: "RmsArgs",
         bounds: "SYMM_RMS_LL1_THREADS",
@@ -173,7 +173,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         kernel: Kernel::AddRmsNormLLC,
         name: "all_reduce_add_rms_norm_llc",
-        header: "rms_norm_cluster.cuh",
+        header: rms_header(Kernel::AddRmsNormLLC),
         body: "rms_llc_body",
         args: "RmsArgs",
         bounds: "SYMM_RMS_LLC_THREADS",
@@ -269,6 +269,15 @@ pub const FAMILIES: &[Family] = &[
     ),
 ];
 
+/// The header of a fused kernel's body: the cluster kernel's own (kernels/rms_norm_cluster.cuh)
+/// or rms_norm.cuh.
+const fn rms_header(kernel: Kernel) -> &'static str {
+    match kernel {
+        Kernel::AddRmsNormLLC => "rms_norm_cluster.cuh",
+        _ => "rms_norm.cuh",
+    }
+}
+
 /// A fused kernel's FP8 instance family: bf16 and fp16 inputs, `mode` (the template's
 /// QUANT_* argument, after `extra`) its output. Its name is the bf16-output family's plus
 /// `_fp8_<static|token|group>` (`quant_kernel_name` finds it by that).
@@ -282,10 +291,7 @@ const fn fp8(
     Family {
         kernel,
         name,
-        header: match kernel {
-            Kernel::AddRmsNormLLC => "rms_norm_cluster.cuh",
-            _ => "rms_norm.cuh",
-        },
+        header: rms_header(kernel),
         body,
         args: "RmsArgs",
         bounds,
