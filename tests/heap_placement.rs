@@ -21,8 +21,11 @@ fn host() -> Allocator {
 
 /// The (offset, size) of the segment holding `ptr`.
 fn segment(a: &Allocator, ptr: u64) -> (u64, u64) {
-    let (info, _, _) = a.segment_of(0, ptr).unwrap();
-    (info.offset, info.size)
+    let (off, size, _) = a
+        .segment_span(0, ptr)
+        .unwrap()
+        .expect("ptr is in a segment");
+    (off, size)
 }
 
 /// Segment S1 of 124 MiB holds a 98 MiB block P and 26 MiB free; S2 holds E, exactly 98 MiB.
@@ -32,6 +35,9 @@ fn scenario(a: &Allocator, pool: PoolId) -> (u64, bool, u64, u64) {
     let (d, s) = (0, 0x11);
     let big = a.malloc_in(124 * MIB, d, s, pool).unwrap();
     let s1 = segment(a, big).0;
+    // A small segment right after S1, so that S1 cannot grow in place (heap_grow.rs).
+    let fence = a.malloc_in(4096, d, s, DEFAULT_POOL).unwrap();
+    assert_eq!(segment(a, fence).0, s1 + 124 * MIB);
     a.free(big, 124 * MIB, d, s).unwrap();
     let p = a.malloc_in(98 * MIB, d, s, pool).unwrap();
     assert_eq!(segment(a, p), (s1, 124 * MIB), "P is carved from S1");
@@ -49,6 +55,7 @@ fn scenario(a: &Allocator, pool: PoolId) -> (u64, bool, u64, u64) {
     let at = segment(a, again).0;
     a.free(q, larger, d, s).unwrap();
     a.free(again, 98 * MIB, d, s).unwrap();
+    a.free(fence, 4096, d, s).unwrap();
     (at, grew, s1, s2)
 }
 

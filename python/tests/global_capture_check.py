@@ -21,6 +21,9 @@ memory overlaps them overwrites the sentinel. The checks (issue #35's GPU tests)
                         pool) leaves the second's memory in place;
   other_stream_free     a block of the pool made on another stream is freed during a capture
                         into that pool: the capture goes on and both graphs replay correctly;
+  grown_segments        a capture's request just larger than its pool's free tail grows that
+                        segment in place (symmalloc) and the output across both chunks replays
+                        correctly;
   record_stream_reuse   a block recorded on a side stream (Tensor.record_stream) and freed is
                         not reused by the main stream before the side stream's work is done
                         (global mode's record_stream hook; issue #32).
@@ -194,6 +197,39 @@ def adopted_segments():
     check_replay(g2, o2, ref, sentinels(64), "graph on adopted segments, again")
 
 
+def grown_segments():
+    """A capture whose second request is just larger than the free tail of the segment its
+    first made: symmalloc maps what the request lacks right after that segment (one segment of
+    two chunks, 34 MiB) where PyTorch's pool makes a second segment (20 + 30 MiB). The output
+    that spans both chunks replays correctly, on fresh inputs each time."""
+    n_small, n_big = 3 << 18, 30 << 18  # 3 MiB and 30 MiB of fp32
+    x = torch.randn(n_big, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # nothing cached for the capture to take (docs/memory.md, donors)
+    r0 = symmalloc.memory_stats(0)["reserved_bytes"] if ALLOC == "symmalloc" else torch.cuda.memory_reserved()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        a = x[:n_small] * 2
+        b = x * 3
+        b.add_(1)  # in place: one 30 MiB request
+    torch.cuda.synchronize()
+    r1 = symmalloc.memory_stats(0)["reserved_bytes"] if ALLOC == "symmalloc" else torch.cuda.memory_reserved()
+    guards = sentinels(64)
+    for i in range(3):
+        x.copy_(torch.randn(n_big, device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(a, x[:n_small] * 2), f"replay {i}: the first output differs from eager"
+        bad = int((b != x * 3 + 1).sum().item())
+        assert bad == 0, f"replay {i}: {bad} of {n_big} elements of the output across both chunks differ"
+        hit = sum(int((t != 7.0).any().item()) for t in guards)
+        assert hit == 0, f"replay {i} overwrote {hit} of {len(guards)} live eager tensors"
+    grew = (r1 - r0) >> 20
+    print(f"  (the capture grew reserved memory by {grew} MiB)")
+    if ALLOC == "symmalloc":
+        assert grew == 34, f"expected one 20 MiB segment grown by 14 MiB, got {grew} MiB"
+
+
 def empty_cache_live():
     side = torch.cuda.Stream()
     step = Step(mlp(), 1024)
@@ -263,8 +299,8 @@ def record_stream_reuse():
     assert bad == 0, f"{bad} of {n} elements read on the side stream were overwritten by the main stream"
 
 
-CHECKS = [backward_in_pool, shared_pool, adopted_segments, empty_cache_live, release_shared, other_stream_free,
-          record_stream_reuse]
+CHECKS = [backward_in_pool, shared_pool, adopted_segments, grown_segments, empty_cache_live, release_shared,
+          other_stream_free, record_stream_reuse]
 
 
 def main():

@@ -185,21 +185,34 @@ impl Communicator {
         r
     }
 
-    /// The segment holding `ptr..ptr+bytes`, `None` when `ptr` is outside the heap, an error
-    /// when it is inside the heap but not inside one live block.
-    pub(super) fn locate(&self, ptr: u64, bytes: u64) -> Result<Option<SegmentInfo>> {
+    /// The chunks of the segment holding `ptr..ptr+bytes` (one, unless the segment grew in
+    /// place under the block), `None` when `ptr` is outside the heap, an error when it is
+    /// inside the heap but not inside one live block.
+    pub(super) fn locate(&self, ptr: u64, bytes: u64) -> Result<Option<Vec<SegmentInfo>>> {
         let heap = self.alloc.heap(self.device)?;
         if !heap.contains(ptr) {
             return Ok(None);
         }
-        let (seg, bstart, bsize) = heap.segment_of(ptr)?;
+        let (segs, bstart, bsize) = heap.segment_of(ptr)?;
         if ptr + bytes > bstart + bsize {
             return Err(Error::invalid(format!(
                 "buffer {ptr:#x} of {bytes} bytes runs past the end of its symm_malloc block \
                  ({bsize} bytes at {bstart:#x}); expected count * element size to fit"
             )));
         }
-        Ok(Some(seg))
+        Ok(Some(segs))
+    }
+
+    /// The one chunk under a communicator's own block (`what`: its internal block, its signal
+    /// pads), which lies in its arena, whose segments never grow in place.
+    pub(super) fn locate_own(&self, ptr: u64, bytes: u64, what: &str) -> Result<SegmentInfo> {
+        match self.locate(ptr, bytes)?.as_deref() {
+            Some(&[one]) => Ok(one),
+            other => Err(Error::internal(format!(
+                "the {what} at {ptr:#x} lies in {} chunks of the heap; expected one",
+                other.map_or(0, |c| c.len())
+            ))),
+        }
     }
 
     /// Shares `segs` (own segments) with every peer and maps theirs; checks every rank passed

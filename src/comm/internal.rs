@@ -115,9 +115,7 @@ impl Communicator {
             width: 0,
             staged: false,
         };
-        let seg = self
-            .locate(internal, internal_len)?
-            .expect("internal block is in the heap");
+        let seg = self.locate_own(internal, internal_len, "internal block")?;
         self.internal_seg = seg.offset;
         // The p2p signal pads (p2p.rs), from the arena too, zeroed before any peer can see
         // them (the exchange below is the first time a peer maps them).
@@ -129,9 +127,7 @@ impl Communicator {
         } else {
             cuda::mem::memset_sync(device, pad, 0, SYMM_SIGNAL_PAD_BYTES)?;
         }
-        let pad_seg = self
-            .locate(pad, SYMM_SIGNAL_PAD_BYTES)?
-            .expect("signal pad is in the heap");
+        let pad_seg = self.locate_own(pad, SYMM_SIGNAL_PAD_BYTES, "signal pad")?;
         self.p2p.pad_seg = pad_seg.offset;
         self.p2p.pads = self.windows.at_every_rank(pad);
         let made = started.elapsed();
@@ -188,9 +184,7 @@ impl Communicator {
         self.p2p.pad = pad;
         self.pads = self.windows.at_every_rank(internal);
         self.p2p.pads = self.windows.at_every_rank(pad);
-        let seg = self
-            .locate(internal, internal_len)?
-            .expect("a split slot is in the heap");
+        let seg = self.locate_own(internal, internal_len, "split slot")?;
         // A peer's destroy of the child is its record (offset of this internal block, its
         // generation); the whole block's segment goes only after the parent and all children
         // (then its record is seen too).

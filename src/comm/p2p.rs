@@ -120,14 +120,16 @@ impl Communicator {
         let mut segs: Vec<SegmentInfo> = Vec::new();
         let mut p = ptr;
         while p < end {
-            let (seg, bstart, bsize) = heap.segment_of(p).map_err(|_| {
+            let (chunks, bstart, bsize) = heap.segment_of(p).map_err(|_| {
                 Error::invalid(format!(
                     "symm_rendezvous: range {ptr:#x} + {bytes} bytes: address {p:#x} is not \
                      inside a live symm_malloc block; expected every byte allocated"
                 ))
             })?;
-            if !segs.contains(&seg) {
-                segs.push(seg);
+            for s in chunks {
+                if !segs.contains(&s) {
+                    segs.push(s);
+                }
             }
             p = bstart + bsize;
         }

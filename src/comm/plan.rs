@@ -181,8 +181,21 @@ impl Communicator {
         };
         let mc_out = if kernel == Kernel::Multimem {
             // Past the gate: the output segment's multicast window (built collectively once).
-            let seg = *p.segs.last().expect("the output's segment");
-            self.multicast_window(seg)? + (desc.recv_off - seg.offset)
+            // The chunk under the output (a segment that grew in place has several).
+            let at = desc.recv_off;
+            let seg = p
+                .segs
+                .iter()
+                .copied()
+                .find(|s| s.offset <= at && at + ext.recv <= s.offset + s.size)
+                .ok_or_else(|| {
+                    Error::unsupported(format!(
+                        "SYMM_ALGO_MULTIMEM: the output at heap offset {at:#x} ({} bytes) spans \
+                         two chunks of a segment that grew in place; expected it inside one",
+                        ext.recv
+                    ))
+                })?;
+            self.multicast_window(seg)? + (at - seg.offset)
         } else {
             0
         };
@@ -218,10 +231,10 @@ impl Communicator {
                 })
             }
             Coll::AddRmsNorm(_) => Ok(match self.locate(call.send, ext.send)? {
-                Some(seg) => Place::Heap {
+                Some(segs) => Place::Heap {
                     send: call.send,
                     recv: 0,
-                    segs: vec![seg],
+                    segs,
                 },
                 None => Place::Scratch {
                     len: ext.send,
@@ -233,10 +246,17 @@ impl Communicator {
                 let b = self.locate(call.recv, ext.recv)?;
                 if let (Some(a), Some(b)) = (a, b) {
                     let segs = match call.coll {
-                        Coll::ReduceScatter => vec![a],
-                        Coll::AllGather => vec![b],
-                        _ if a == b => vec![a],
-                        _ => vec![a, b],
+                        Coll::ReduceScatter => a,
+                        Coll::AllGather => b,
+                        _ => {
+                            let mut both = a;
+                            for s in b {
+                                if !both.contains(&s) {
+                                    both.push(s);
+                                }
+                            }
+                            both
+                        }
                     };
                     return Ok(Place::Heap {
                         send: call.send,
@@ -266,7 +286,7 @@ impl Communicator {
             Place::Scratch { len, .. } => match self.scratch {
                 Some((p, size)) if size >= *len => Ok(self
                     .locate(p, size)?
-                    .is_none_or(|s| self.windows.needs_sharing(&s))),
+                    .is_none_or(|c| c.iter().any(|s| self.windows.needs_sharing(s)))),
                 _ => Ok(true),
             },
         }
@@ -288,7 +308,7 @@ impl Communicator {
             Place::Scratch { len, recv_at } => (len, recv_at),
         };
         let s = self.ensure_scratch(len)?;
-        let seg = self.locate(s, len)?.expect("scratch is in the heap");
+        let segs = self.locate(s, len)?.expect("scratch is in the heap");
         Ok(Placement {
             send: s,
             recv: recv_at.map_or(0, |at| s + at),
@@ -302,7 +322,7 @@ impl Communicator {
                 src: s + at,
                 bytes: ext.recv,
             }),
-            segs: vec![seg],
+            segs,
         })
     }
 

@@ -449,8 +449,13 @@ impl Allocator {
         Ok(s)
     }
 
-    pub fn segment_of(&self, device: i32, ptr: u64) -> Result<(SegmentInfo, u64, u64)> {
+    pub fn segment_of(&self, device: i32, ptr: u64) -> Result<(Vec<SegmentInfo>, u64, u64)> {
         self.heap(device)?.segment_of(ptr)
+    }
+
+    /// The segment of `device`'s heap that holds `ptr`: (offset, size, number of chunks).
+    pub fn segment_span(&self, device: i32, ptr: u64) -> Result<Option<(u64, u64, usize)>> {
+        Ok(self.heap(device)?.segment_span(ptr))
     }
 
     /// Checks the heap's invariants, every cache's, and that they agree on every lent block.

@@ -1,5 +1,6 @@
 //! Address-range allocator for one heap: which offsets of the reserved range hold segments.
-//! First fit at the lowest offset, so placement depends only on the sequence of calls.
+//! First fit at the lowest offset (or, for a segment that may grow in place, the start of the
+//! largest free range), so placement depends only on the sequence of calls.
 //!
 //! Invariants (checked by `validate`): free ranges are disjoint, non-adjacent (merged), inside
 //! the heap and aligned to the granularity.
@@ -27,6 +28,22 @@ impl Ranges {
     pub fn alloc(&mut self, len: u64) -> Option<u64> {
         debug_assert!(len > 0 && len % self.align == 0);
         let (&off, &flen) = self.free.iter().find(|(_, &l)| l >= len)?;
+        self.free.remove(&off);
+        if flen > len {
+            self.free.insert(off + len, flen - len);
+        }
+        Some(off)
+    }
+
+    /// Takes `len` bytes at the start of the largest free range (the lowest of equal ones), so
+    /// that the most room is left after it: for a segment that may grow in place.
+    pub fn alloc_roomy(&mut self, len: u64) -> Option<u64> {
+        debug_assert!(len > 0 && len % self.align == 0);
+        let (&off, &flen) = self
+            .free
+            .iter()
+            .filter(|(_, &l)| l >= len)
+            .max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(a.0)))?;
         self.free.remove(&off);
         if flen > len {
             self.free.insert(off + len, flen - len);
@@ -134,6 +151,21 @@ mod tests {
         r.validate().unwrap();
         assert_eq!(r.free_bytes(), 10 << 20);
         assert_eq!(r.alloc(10 << 20), Some(0));
+    }
+
+    #[test]
+    fn roomy_takes_the_start_of_the_largest_range() {
+        let mut r = Ranges::new(20 << 20, 2 << 20);
+        assert!(r.take_at(2 << 20, 2 << 20));
+        assert!(r.take_at(8 << 20, 2 << 20));
+        // Free: [0, 2), [4, 8), [10, 20) MiB.
+        assert_eq!(r.alloc_roomy(2 << 20), Some(10 << 20));
+        assert_eq!(r.alloc(2 << 20), Some(0), "first fit stays lowest");
+        // Free: [4, 8), [12, 20): the larger wins; among equals the lowest.
+        assert_eq!(r.alloc_roomy(4 << 20), Some(12 << 20));
+        assert_eq!(r.alloc_roomy(2 << 20), Some(4 << 20));
+        assert_eq!(r.alloc_roomy(8 << 20), None);
+        r.validate().unwrap();
     }
 
     #[test]

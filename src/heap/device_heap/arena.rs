@@ -118,10 +118,16 @@ impl DeviceHeap {
     }
 
     /// Address space for a new segment of `len` bytes of `pool`: inside its arena for an
-    /// arena's pool, anywhere in the heap otherwise (lowest offset first).
-    pub(super) fn range_alloc(&mut self, pool: PoolId, len: u64) -> Result<u64> {
+    /// arena's pool, anywhere in the heap otherwise: lowest offset first, or with `roomy` at the
+    /// start of the largest free range (a segment that may grow in place: grow.rs).
+    pub(super) fn range_alloc(&mut self, pool: PoolId, len: u64, roomy: bool) -> Result<u64> {
         let Some(id) = arena_of(pool) else {
-            return self.ranges.alloc(len).ok_or_else(|| {
+            let got = if roomy {
+                self.ranges.alloc_roomy(len)
+            } else {
+                self.ranges.alloc(len)
+            };
+            return got.ok_or_else(|| {
                 Error::oom(format!(
                     "heap address space of device {} exhausted: no free range of {len} bytes \
                      ({} of {} bytes unused; raise SYMMALLOC_HEAP_SIZE)",

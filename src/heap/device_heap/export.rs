@@ -1,11 +1,13 @@
-//! What peers need of a segment: the segment that holds an address (offset, size,
-//! generation), its CUDA allocation handle, and its physical memory as a file descriptor.
+//! What peers need of a segment: the chunks under a live block (offset, size, generation:
+//! the whole segment unless it grew in place), a chunk's CUDA allocation handle, and its
+//! physical memory as a file descriptor. Peers map, check and unmap chunk by chunk.
 
 use super::*;
 
 impl DeviceHeap {
-    /// The segment holding `ptr` (which must lie inside a live block) and the block's bounds.
-    pub fn segment_of(&self, ptr: u64) -> Result<(SegmentInfo, u64, u64)> {
+    /// The chunks under the live block that holds `ptr` (in address order), and the block's
+    /// bounds.
+    pub fn segment_of(&self, ptr: u64) -> Result<(Vec<SegmentInfo>, u64, u64)> {
         let off = ptr.wrapping_sub(self.base);
         let (&boff, b) = self
             .blocks
@@ -17,32 +19,38 @@ impl DeviceHeap {
                     "address {ptr:#x} is not inside a live symm_malloc block"
                 ))
             })?;
-        let s = &self.segments[&b.segment];
-        Ok((
-            SegmentInfo {
-                offset: b.segment,
-                size: s.size,
-                generation: s.generation,
-            },
-            self.base + boff,
-            b.size,
-        ))
+        let chunks = self.segments[&b.segment]
+            .chunks
+            .iter()
+            .filter(|c| c.off < boff + b.size && boff < c.off + c.len)
+            .map(info)
+            .collect();
+        Ok((chunks, self.base + boff, b.size))
     }
 
-    /// The segment that starts at `offset`, if the heap holds one now (a p2p rendezvous checks
+    /// The segment that holds `ptr`, anywhere in it: (offset, size, number of chunks).
+    pub fn segment_span(&self, ptr: u64) -> Option<(u64, u64, usize)> {
+        let off = ptr.wrapping_sub(self.base);
+        let (&soff, s) = self.segments.range(..=off).next_back()?;
+        (off < soff + s.size).then_some((soff, s.size, s.chunks.len()))
+    }
+
+    /// The chunk that starts at `offset`, if the heap holds one now.
+    fn chunk_at(&self, offset: u64) -> Option<&Chunk> {
+        let (_, s) = self.segments.range(..=offset).next_back()?;
+        s.chunks.iter().find(|c| c.off == offset)
+    }
+
+    /// The chunk that starts at `offset`, if the heap holds one now (a p2p rendezvous checks
     /// that what it mapped is still the same generation).
     pub fn segment_info(&self, offset: u64) -> Option<SegmentInfo> {
-        self.segments.get(&offset).map(|s| SegmentInfo {
-            offset,
-            size: s.size,
-            generation: s.generation,
-        })
+        self.chunk_at(offset).map(info)
     }
 
-    /// The CUDA allocation handle of the segment at `offset` (for binding it to a multicast
+    /// The CUDA allocation handle of the chunk at `offset` (for binding it to a multicast
     /// object); an error on the host backend.
     pub fn segment_cuda_handle(&self, offset: u64) -> Result<u64> {
-        match self.segments.get(&offset).map(|s| &s.phys) {
+        match self.chunk_at(offset).map(|c| &c.phys) {
             Some(Phys::Cuda(h)) => Ok(*h),
             Some(Phys::Host(_)) => Err(Error::unsupported(
                 "multicast needs CUDA memory; this heap uses the host backend",
@@ -51,16 +59,23 @@ impl DeviceHeap {
         }
     }
 
-    /// Exports the physical memory of the segment at `offset` as a file descriptor.
+    /// Exports the physical memory of the chunk at `offset` as a file descriptor.
     pub fn export_segment(
         &self,
         backend: &dyn Backend,
         offset: u64,
     ) -> Result<std::os::fd::OwnedFd> {
-        let s = self
-            .segments
-            .get(&offset)
+        let c = self
+            .chunk_at(offset)
             .ok_or_else(|| Error::internal(format!("no segment at offset {offset:#x}")))?;
-        backend.export(self.device, &s.phys)
+        backend.export(self.device, &c.phys)
+    }
+}
+
+fn info(c: &Chunk) -> SegmentInfo {
+    SegmentInfo {
+        offset: c.off,
+        size: c.len,
+        generation: c.generation,
     }
 }

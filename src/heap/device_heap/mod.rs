@@ -8,6 +8,9 @@
 //! never a large block of a pool other than the default one: `keeps_whole`).
 //!
 //! Invariants (checked by `validate`):
+//! - the chunks of a segment tile it exactly, in address order, each a multiple of the
+//!   granularity with its own generation (a segment has more than one only if it grew in
+//!   place: grow.rs);
 //! - the blocks of a segment tile it exactly, in address order, and carry its pool; no two
 //!   neighbouring free blocks of a segment wait on the same set of streams (those are merged on
 //!   free; blocks with different pending streams stay apart, so stream sets never grow by
@@ -42,15 +45,16 @@
 //! The layer's jobs, a file each: this file holds the structures, the allocation and free
 //! paths and stream reuse (`record_stream`, the parked fast path's accounting); `placement.rs`
 //! where a block comes from (best fit over the free sets, splitting, new segments at
-//! deterministic offsets, merging on free); `release.rs` memory going back (parked drains,
-//! segment release, `empty_cache`, pools); `export.rs` what peers need of a segment;
-//! `validate.rs` the check of every invariant above; `tracked.rs` live blocks lent to thread
-//! caches. Each released segment is recorded in the
-//! heap's `ReleaseLog` (shared memory its peers read, to unmap their mappings of it). Statistics are the `Stats` of `stats.rs`,
-//! kept here as blocks change state.
+//! deterministic offsets, merging on free); `grow.rs` segments that grow in place by a chunk;
+//! `release.rs` memory going back (parked drains, segment release, `empty_cache`, pools);
+//! `export.rs` what peers need of a segment (its chunks); `validate.rs` the check of every
+//! invariant above; `tracked.rs` live blocks lent to thread caches. Each released chunk is
+//! recorded in the heap's `ReleaseLog` (shared memory its peers read, to unmap their mappings
+//! of it). Statistics are the `Stats` of `stats.rs`, kept here as blocks change state.
 
 mod arena;
 mod export;
+mod grow;
 mod placement;
 mod release;
 mod tracked;
@@ -119,13 +123,25 @@ impl Block {
     }
 }
 
+/// One physical allocation mapped into a segment. A segment starts as one chunk and may grow
+/// in place by more, mapped right after its end (grow.rs); blocks span
+/// chunks freely. A chunk is what peers map, unmap and read in the release log (`SegmentInfo`).
+#[derive(Debug)]
+struct Chunk {
+    /// Heap offset of its first byte.
+    off: u64,
+    len: u64,
+    generation: u64,
+    phys: Phys,
+}
+
 #[derive(Debug)]
 struct Segment {
     size: u64,
     pool: PoolId,
     class: Class,
-    generation: u64,
-    phys: Phys,
+    /// In address order, tiling `[offset, offset + size)`; never empty.
+    chunks: Vec<Chunk>,
     live: u64,
 }
 
@@ -139,7 +155,8 @@ struct Pool {
     uses: u64,
 }
 
-/// What peers need to know about the segment that holds an address.
+/// What peers need to know about one chunk of a segment (the whole segment unless it grew in
+/// place): where it lies, how long it is, and which generation of that memory it is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SegmentInfo {
     pub offset: u64,
@@ -164,6 +181,8 @@ pub struct DeviceHeap {
     tracked: std::collections::HashMap<u64, u64>,
     /// Whole free segments moved from a donor pool to another pool (placement.rs).
     adopted_segments: u64,
+    /// Segments grown in place by a chunk (grow.rs).
+    grown_in_place: u64,
     /// Communicator arenas by id (arena.rs).
     arenas: BTreeMap<u64, arena::Arena>,
     next_arena: u64,
@@ -214,6 +233,7 @@ impl DeviceHeap {
             release_log: ReleaseLog::new()?,
             tracked: std::collections::HashMap::new(),
             adopted_segments: 0,
+            grown_in_place: 0,
             arenas: BTreeMap::new(),
             next_arena: 1,
             stats: Stats {
@@ -236,6 +256,11 @@ impl DeviceHeap {
     /// How many whole free segments pools have taken from donor pools so far.
     pub fn adopted_segments(&self) -> u64 {
         self.adopted_segments
+    }
+
+    /// How many times a segment grew in place by a chunk so far.
+    pub fn grown_in_place(&self) -> u64 {
+        self.grown_in_place
     }
 
     /// Whether a pool of this heap is being released (its blocks then go back whole).
@@ -323,8 +348,14 @@ impl DeviceHeap {
                 }
                 None => {
                     self.stats.cache_misses += 1;
-                    self.trim_before_growing(backend, pool, class, rounded, stream)?;
-                    self.new_segment(backend, pool, class, rounded, size)?
+                    // What the request lacks, mapped after a free tail; else a new segment.
+                    match self.grow_in_place(backend, pool, class, rounded, stream)? {
+                        Some(off) => off,
+                        None => {
+                            self.trim_before_growing(backend, pool, class, rounded, stream)?;
+                            self.new_segment(backend, pool, class, rounded, size)?
+                        }
+                    }
                 }
             },
         };

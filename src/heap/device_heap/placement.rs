@@ -1,7 +1,8 @@
 //! Where a block comes from: best fit over a pool's free sets (the requesting stream's blocks
-//! and never-used memory first), splitting what is left, whole free segments taken from donor pools, new segments at
-//! deterministic offsets of the reserved range, and merging a freed block with free neighbours
-//! that wait on the same streams.
+//! and never-used memory first), splitting what is left, whole free segments taken from donor
+//! pools, new segments at deterministic offsets of the reserved range (or segments grown in
+//! place: grow.rs), and merging a freed block with free neighbours that wait on the same
+//! streams.
 //!
 //! Donors (`adopt_segment`). Before a pool grows, it takes a whole free segment (no live or
 //! parked block) cached by a donor: the default pool, or a pool being released (its free
@@ -272,11 +273,13 @@ impl DeviceHeap {
         class: Class,
         len: u64,
     ) -> Result<u64> {
-        let off = match self.range_alloc(pool, len) {
+        // A segment that may grow in place goes where the most room is left after it.
+        let roomy = class == Class::Large && super::grow::grows_in_place(pool);
+        let off = match self.range_alloc(pool, len, roomy) {
             Ok(off) => off,
             // An arena out of address space first gives back its own free segments.
             Err(e) if self.release_arena_free_segments(backend, pool)? => {
-                self.range_alloc(pool, len).map_err(|_| e)?
+                self.range_alloc(pool, len, roomy).map_err(|_| e)?
             }
             Err(e) => return Err(e),
         };
@@ -300,8 +303,12 @@ impl DeviceHeap {
                 size: len,
                 pool,
                 class,
-                generation,
-                phys,
+                chunks: vec![Chunk {
+                    off,
+                    len,
+                    generation,
+                    phys,
+                }],
                 live: 0,
             },
         );

@@ -125,15 +125,22 @@ impl DeviceHeap {
         let (len, pool) = (s.size, s.pool);
         // A free segment may still hold several free blocks (different pending streams).
         let offs: Vec<u64> = self.blocks.range(seg..seg + len).map(|(&o, _)| o).collect();
-        backend.unmap(self.device, self.base + seg, len)?;
+        // Chunk by chunk: each was mapped on its own (a segment that grew in place has several).
+        for c in &s.chunks {
+            backend.unmap(self.device, self.base + c.off, c.len)?;
+        }
         for o in offs {
             self.unlist_free(o);
             self.blocks.remove(&o);
         }
         let s = self.segments.remove(&seg).expect("segment");
-        // Peers that mapped it unmap theirs at their communicator's next call (comm/retire.rs).
-        self.release_log.record(seg, s.generation);
-        backend.release(s.phys)?;
+        let chunks = s.chunks.len() as u64;
+        for c in s.chunks {
+            // Peers that mapped it unmap theirs at their communicator's next call
+            // (comm/retire.rs).
+            self.release_log.record(c.off, c.generation);
+            backend.release(c.phys)?;
+        }
         self.range_free(pool, seg, len);
         let p = self.pools.get_mut(&pool).expect("pool");
         p.segments -= 1;
@@ -142,7 +149,7 @@ impl DeviceHeap {
         }
         self.stats.segments -= 1;
         self.stats.reserved_bytes -= len;
-        self.stats.physical_releases += 1;
+        self.stats.physical_releases += chunks;
         crate::trace!(
             "device {}: released the segment of {len} bytes at {seg:#x} of pool {}; \
              reserved {}",

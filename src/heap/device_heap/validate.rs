@@ -32,6 +32,19 @@ impl DeviceHeap {
             } else {
                 return Err(format!("segment {soff:#x} lies in a free address range"));
             }
+            let mut at = soff;
+            for c in &s.chunks {
+                if c.off != at || c.len == 0 || c.len % self.gran != 0 {
+                    return Err(format!(
+                        "chunks of segment {soff:#x} do not tile it at {:#x}+{:#x}",
+                        c.off, c.len
+                    ));
+                }
+                at += c.len;
+            }
+            if s.chunks.is_empty() || at != soff + s.size {
+                return Err(format!("chunks of segment {soff:#x} end at {at:#x}"));
+            }
             *seg_count.entry(s.pool).or_default() += 1;
             if !self.pools.contains_key(&s.pool) {
                 return Err(format!(
