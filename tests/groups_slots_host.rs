@@ -3,8 +3,9 @@
 //! mapped), falls back to the child's own block when no slot is free on every parent rank (all
 //! taken, or one still held by a child on some rank), gives the slot back at destroy (a peer's
 //! copy then reports the destroy), and a carved child outlives its parent. Also: with
-//! `SYMMALLOC_SPLIT_SLOTS=0` every child makes its own block. Which way each communicator was
-//! made is read from its `SYMMALLOC_DEBUG=INFO` line.
+//! `SYMMALLOC_SPLIT_SLOTS=0` every child makes its own block; and a split whose ranks bet on
+//! different slots or arena offsets (split.rs) runs the rounds that decide them. Which way each
+//! communicator was made is read from its `SYMMALLOC_DEBUG=INFO` line.
 
 mod common;
 use common::*;
@@ -204,6 +205,13 @@ fn a_split_carves_its_child_from_a_free_slot_else_makes_its_own_block() {
             "rank {r}: {made:#?}"
         );
         assert_eq!(count("internal block made in"), 3, "rank {r}: {made:#?}");
+        // Both carved children were readied by their ranks' bets (split.rs), no round of
+        // their own.
+        assert_eq!(
+            count("readied before the split's first round (no new memory, no round)"),
+            2,
+            "rank {r}: {made:#?}"
+        );
     }
 }
 
@@ -235,5 +243,66 @@ fn without_split_slots_every_child_makes_its_own_block() {
             made.len() == 2 && made.iter().all(|l| l.contains("internal block made in")),
             "rank {r}: {made:#?}"
         );
+    }
+}
+
+/// Rank 0 destroys its copy of a carved child that rank 1 keeps: rank 0 then has that child's
+/// slot and the top of its heap (the child's arena) free, rank 1 not. A split now finds the two
+/// ranks bet on different slots and arena offsets (split.rs, the bet): what they bet goes back,
+/// the claim round and the carve round decide, and the child, carved from the slot free on
+/// both, works.
+fn unlike_rank(c: Child) {
+    let world = init(&c);
+    let x = split(world, 0, c.rank);
+    if c.rank == 0 {
+        destroy(x);
+    }
+    ok(symm_barrier(world, null_mut()), "barrier");
+    let before = footprint(c.device);
+    let y = split(world, 0, c.rank);
+    assert_eq!(
+        footprint(c.device),
+        before,
+        "carved: no memory made or mapped"
+    );
+    exercise(y, "bets unlike, rounds run");
+    destroy(y);
+    if c.rank != 0 {
+        destroy(x);
+    }
+    // Alike again: the next child is made from the bets alone.
+    let z = split(world, 0, c.rank);
+    exercise(z, "bets alike again");
+    destroy(z);
+    destroy(world);
+}
+
+#[test]
+fn a_split_whose_ranks_bet_unlike_runs_its_rounds() {
+    if let Some(c) = child() {
+        return unlike_rank(c);
+    }
+    let outs = run_ranks(
+        "a_split_whose_ranks_bet_unlike_runs_its_rounds",
+        2,
+        &[HOST, SMALL_LL, INFO, ("SYMMALLOC_SPLIT_SLOTS", "2")],
+        "",
+    );
+    assert_all_ok(&outs);
+    for (r, o) in outs.iter().enumerate() {
+        let made = creations(&o.stderr);
+        assert_eq!(made.len(), 4, "rank {r}: {made:#?}");
+        let bet = |l: &String| {
+            l.contains("(before the split's first round)")
+                && l.contains("readied before the split's first round")
+        };
+        assert!(bet(&made[1]), "rank {r}, x: {}", made[1]);
+        assert!(
+            !made[2].contains("before the split's first round")
+                && made[2].contains("carved from split slot 1 of its parent's (no new memory)"),
+            "rank {r}, y: {}",
+            made[2]
+        );
+        assert!(bet(&made[3]), "rank {r}, z: {}", made[3]);
     }
 }

@@ -68,6 +68,14 @@ pub(super) struct Settings {
     pub slot_len: u64,
 }
 
+/// The bytes of a communicator's arena on a heap of `heap_size` bytes mapped in `gran` pieces
+/// (`SYMMALLOC_COMM_ARENA_SIZE`): the same for every communicator of the heap.
+pub(super) fn arena_len(heap_size: u64, gran: u64) -> Result<u64> {
+    let arena =
+        config::comm_arena_size()?.unwrap_or_else(|| config::default_comm_arena_bytes(heap_size));
+    Ok(arena.checked_next_multiple_of(gran).unwrap_or(u64::MAX))
+}
+
 impl Settings {
     pub fn read(world: usize, alloc: &Allocator, device: i32) -> Result<Settings> {
         let ll_slot = config::ll_bytes(world)?;
@@ -75,9 +83,7 @@ impl Settings {
             let h = alloc.heap(device)?;
             (h.size(), h.granularity())
         };
-        let arena = config::comm_arena_size()?
-            .unwrap_or_else(|| config::default_comm_arena_bytes(heap_size));
-        let arena_len = arena.checked_next_multiple_of(gran).unwrap_or(u64::MAX);
+        let arena_len = arena_len(heap_size, gran)?;
         let split_slots = config::split_slots()?;
         let slot_len = slots::slot_len(world)?;
         Ok(Settings {
@@ -137,6 +143,9 @@ pub(super) struct Setup {
     /// Where the internal block comes from (slots.rs): `None` for init, which reserves the
     /// settings' slots; a split's choice otherwise.
     pub plan: Option<Plan>,
+    /// The arena every rank of a split's child claimed before the split's first round (its
+    /// id here; split.rs): no claim round.
+    pub arena: Option<u64>,
 }
 
 impl Communicator {
@@ -298,6 +307,7 @@ impl Communicator {
             lineage: None,
             terms: None,
             plan: None,
+            arena: None,
         })
     }
 
@@ -322,6 +332,7 @@ impl Communicator {
             lineage,
             terms,
             plan,
+            arena,
         } = setup;
         let mut refusal = match (&claim, &settings) {
             (Err(why), _) | (_, Err(why)) => Some(why.clone()),
@@ -332,23 +343,41 @@ impl Communicator {
         }
         let words = settings.as_ref().map_or([0; 8], |s| s.words());
         let arena_len = settings.as_ref().map_or(0, |s| s.arena_len);
-        // A split gathered the terms in its first round (and its refusals); `init` here.
-        let (terms, late_refusal) = match terms {
-            Some(t) => (t, refusal.as_deref()),
-            None => (
-                super::arena::terms(
-                    &mesh,
-                    alloc,
-                    device,
-                    refusal.as_deref(),
-                    &words,
-                    describe_settings,
-                )?,
-                None,
-            ),
-        };
         let started = std::time::Instant::now();
-        let arena = super::arena::claim(&mesh, alloc, device, arena_len, terms, late_refusal)?;
+        let bet = arena.is_some();
+        let arena = match arena {
+            // Claimed alike on every rank before the split's first round. What can still refuse
+            // here is the child's settings, equal on every rank (that round compared their
+            // text): every rank fails alike without a round.
+            Some(id) => match refusal {
+                Some(why) => {
+                    let _ = alloc.release_arena(device, id);
+                    return Err(Error::invalid(format!(
+                        "the communicator of {world} ranks cannot be created: rank {rank}: {why}"
+                    )));
+                }
+                None => id,
+            },
+            None => {
+                // A split gathered the terms in its first round (and its refusals); `init`
+                // here.
+                let (terms, late_refusal) = match terms {
+                    Some(t) => (t, refusal.as_deref()),
+                    None => (
+                        super::arena::terms(
+                            &mesh,
+                            alloc,
+                            device,
+                            refusal.as_deref(),
+                            &words,
+                            describe_settings,
+                        )?,
+                        None,
+                    ),
+                };
+                super::arena::claim(&mesh, alloc, device, arena_len, terms, late_refusal)?
+            }
+        };
         let claimed = started.elapsed();
         let (Ok(claim), Ok(settings)) = (claim, settings) else {
             // The agreement refused every rank already.
@@ -406,6 +435,6 @@ impl Communicator {
             0 => Plan::Own,
             n => Plan::Reserve(n),
         });
-        comm.finish_init(&settings, plan, started, claimed)
+        comm.finish_init(&settings, plan, started, (claimed, bet))
     }
 }

@@ -33,15 +33,15 @@ impl Communicator {
         settings: &Settings,
         plan: Plan,
         started: Instant,
-        claimed: Duration,
+        (claimed, bet): (Duration, bool),
     ) -> Result<Box<Communicator>> {
         match self.make_internal(plan, settings) {
             Ok((made, how)) => {
                 let devices: Vec<i32> = self.members.iter().map(|m| m.device).collect();
                 crate::info!(
                     "rank {}/{}: communicator on device {} (ranks' devices {devices:?}, {} \
-                     backend); arena {}{}; {}; timeout {:.1} s; arena claimed in {} us, {how} in \
-                     {} us, exchanged in {} us",
+                     backend); arena {}{}; {}; timeout {:.1} s; arena claimed in {} us{}, {how} \
+                     in {} us, exchanged in {} us",
                     self.rank,
                     self.world,
                     self.device,
@@ -53,6 +53,11 @@ impl Communicator {
                     describe_settings(&settings.words()),
                     settings.timeout.as_secs_f64(),
                     claimed.as_micros(),
+                    if bet {
+                        " (before the split's first round)"
+                    } else {
+                        ""
+                    },
                     made.as_micros(),
                     (started.elapsed() - claimed - made).as_micros()
                 );
@@ -71,7 +76,19 @@ impl Communicator {
         let started = Instant::now();
         let internal_len = internal_bytes(self.world, self.ll_slot);
         let reserve = match plan {
-            Plan::Carve(hold) => return self.carve_internal(hold, internal_len, started),
+            Plan::Carve(hold) => return self.carve_internal(hold, None, internal_len, started),
+            Plan::Ready {
+                hold,
+                generation,
+                peer_gens,
+            } => {
+                return self.carve_internal(
+                    hold,
+                    Some((generation, peer_gens)),
+                    internal_len,
+                    started,
+                )
+            }
             Plan::Own => 0,
             Plan::Reserve(n) => n,
         };
@@ -154,18 +171,22 @@ impl Communicator {
     /// The carved way (module header): the slot's pad and internal block reset, then one
     /// round in which every rank of the child checks that all took the same slot at the same
     /// offset and learns the release-log generation each peer will record at its destroy.
+    /// `ready`: every rank reset the slot before the split's first round, which carried the
+    /// generations (this rank's, then every child rank's) and checked the rest: no round.
     fn carve_internal(
         &mut self,
         hold: SlotHold,
+        ready: Option<(u64, Vec<u64>)>,
         internal_len: u64,
         started: Instant,
     ) -> Result<(Duration, String)> {
         let rank = self.rank;
         let (slot, pad, slot_len) = (hold.slot(), hold.addr(), hold.slot_len());
         let internal = pad + SYMM_SIGNAL_PAD_BYTES;
-        let (heap_base, generation) = {
-            let mut heap = self.alloc.heap(self.device)?;
-            (heap.base(), heap.fresh_generation())
+        let heap_base = self.alloc.heap(self.device)?.base();
+        let generation = match &ready {
+            Some((g, _)) => *g,
+            None => self.alloc.heap(self.device)?.fresh_generation(),
         };
         self.block = Internal::Carved { hold, generation };
         if SYMM_SIGNAL_PAD_BYTES + internal_len > slot_len {
@@ -173,13 +194,15 @@ impl Communicator {
                 "split slot {slot} is too small for an internal block of {internal_len} bytes"
             )));
         }
-        // The slot's pad and the internal block's zeroed words are one range.
-        self.reset(
-            pad,
-            SYMM_SIGNAL_PAD_BYTES + LL_DATA_OFFSET,
-            internal,
-            internal_len,
-        )?;
+        if ready.is_none() {
+            // The slot's pad and the internal block's zeroed words are one range.
+            self.reset(
+                pad,
+                SYMM_SIGNAL_PAD_BYTES + LL_DATA_OFFSET,
+                internal,
+                internal_len,
+            )?;
+        }
         self.internal = internal;
         self.p2p.pad = pad;
         self.pads = self.windows.at_every_rank(internal);
@@ -190,6 +213,20 @@ impl Communicator {
         // (then its record is seen too).
         self.internal_seg = internal - heap_base;
         self.p2p.pad_seg = seg.offset;
+        if let Some((_, gens)) = ready {
+            for r in (0..self.world).filter(|&r| r != rank) {
+                self.releases.internal_gens[r] = gens[r];
+                self.releases.pad_gens[r] =
+                    self.windows.mapped_generation(r, seg.offset).unwrap_or(0);
+            }
+            return Ok((
+                started.elapsed(),
+                format!(
+                    "internal block carved from split slot {slot} of its parent's, readied \
+                     before the split's first round (no new memory, no round)"
+                ),
+            ));
+        }
         // Every peer maps the parent's block (exchanged at the parent's init) unless it
         // released it; a rank that finds one missing refuses in the round, so all fail alike.
         let missing: Vec<usize> = (0..self.world)
@@ -240,6 +277,19 @@ impl Communicator {
             made,
             format!("internal block carved from split slot {slot} of its parent's (no new memory)"),
         ))
+    }
+
+    /// A whole split slot of this communicator's block readied for any child's internal block
+    /// (split.rs bets on it before the first round): its pad and the internal block's zeroed
+    /// words to 0, the rest of the slot as LL data.
+    pub(super) fn reset_slot(&self, hold: &SlotHold) -> Result<()> {
+        let pad = hold.addr();
+        self.reset(
+            pad,
+            SYMM_SIGNAL_PAD_BYTES + LL_DATA_OFFSET,
+            pad + SYMM_SIGNAL_PAD_BYTES,
+            hold.slot_len() - SYMM_SIGNAL_PAD_BYTES,
+        )
     }
 
     /// Readies an internal block (`internal`, `internal_len` bytes) before any peer can touch

@@ -5,8 +5,10 @@
 //! exchanged
 //! with every peer at init like the internal block alone was. A split whose parent has a slot
 //! free on every parent rank gives each child that slot (internal.rs carves the child's signal
-//! pad and internal block out of it: a memset and a socket round); otherwise, or for a parent
-//! that has no slots (a child), the child makes its own block as before.
+//! pad and internal block out of it: a memset and a socket round, or nothing at all when every
+//! rank of the child bet on that slot and reset it before the split's first round: split.rs);
+//! otherwise, or for a parent that has no slots (a child), the child makes its own block as
+//! before.
 //!
 //! Layout of a slot: the p2p signal pad (`SYMM_SIGNAL_PAD_BYTES`), then the internal block
 //! (kernel_args.rs), so the bytes that start at 0 are one range and the LL data another (one
@@ -14,10 +16,10 @@
 //! need: children of fewer ranks take larger LL slots by default (config.rs,
 //! `default_ll_bytes`).
 //!
-//! Invariants: a slot is held (its bit set in `held`) by at most one live child of this rank;
-//! a split takes only a slot free on every rank of the parent, NOCOLOR ranks included (their
-//! free masks travel in the split's first round), and gives every child of that split the
-//! same slot, so the slot's memory is at one heap offset on every rank of each child and no
+//! Invariants: a slot is held (its bit set in `held`) by at most one live child of this rank
+//! (or by a split's bet until its first round is over); a split gives a child only a slot free
+//! on every rank of the parent, NOCOLOR ranks included (their free masks travel in the split's
+//! first round), and gives every child of that split the same slot, so the slot's memory is at one heap offset on every rank of each child and no
 //! child still running on some rank can write into memory a new child was given. The block
 //! (parent's internal block and slots) is freed when the last of the parent and its carved
 //! children lets go of it (`Arc`), so a child outlives its parent; its segment's release then
@@ -115,7 +117,12 @@ impl SlotBlock {
         all & !*self.held()
     }
 
-    /// Takes slot `n` (free: the split found it so on every rank) for a child.
+    /// The block's start (the parent's internal block).
+    pub(super) fn start(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Takes slot `n` (free on this rank) for a child.
     pub(super) fn take(self: &Arc<Self>, n: usize) -> SlotHold {
         let mut held = self.held();
         debug_assert!(n < self.slots && *held & (1 << n) == 0);
@@ -176,7 +183,15 @@ pub(super) enum Internal {
 pub(super) enum Plan {
     Own,
     Reserve(usize),
+    /// Carve the slot: reset it, then one round of the child (internal.rs).
     Carve(SlotHold),
+    /// The slot every rank of the child reset before the split's first round, with this rank's
+    /// release-log generation for it and each child rank's (split.rs): nothing left to do.
+    Ready {
+        hold: SlotHold,
+        generation: u64,
+        peer_gens: Vec<u64>,
+    },
 }
 
 #[cfg(test)]

@@ -243,8 +243,20 @@ impl Mesh {
         fds: &[BorrowedFd<'_>],
         what: &str,
     ) -> Result<Vec<(Vec<u8>, Vec<OwnedFd>)>> {
+        self.all_gather_each(payload, |_| fds.to_vec(), what)
+    }
+
+    /// As `all_gather`, with descriptors of its own for each peer: `fds_to(peer)` goes to
+    /// `peer` alone (a split's socket pairs, one end to each later rank).
+    pub fn all_gather_each<'a>(
+        &self,
+        payload: &[u8],
+        fds_to: impl Fn(usize) -> Vec<BorrowedFd<'a>>,
+        what: &str,
+    ) -> Result<Vec<(Vec<u8>, Vec<OwnedFd>)>> {
         for peer in (0..self.world).filter(|&p| p != self.rank) {
-            send_frame(self.conn(peer), payload, fds).map_err(|e| io_err(peer, what, e))?;
+            send_frame(self.conn(peer), payload, &fds_to(peer))
+                .map_err(|e| io_err(peer, what, e))?;
         }
         let deadline = self.deadline();
         let mut out = Vec::with_capacity(self.world);
