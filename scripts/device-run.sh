@@ -181,6 +181,7 @@ elif [ "${1:-tests}" = groups ]; then
   fi
 elif [ "${1:-tests}" = gpu ]; then
   run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture
+  T=200 TAILN=6 run gpu_grown $D/t_grown gpu_ --include-ignored --test-threads=1 --nocapture
   T=400 TAILN=12 run gpu_comm $D/t_gpu_comm --include-ignored --test-threads=1 --nocapture
   T=200 TAILN=6 run gpu_sg $D/t_gpu_sg --include-ignored --test-threads=1 --nocapture
 elif [ "${1:-tests}" = tests ]; then
@@ -189,6 +190,7 @@ elif [ "${1:-tests}" = tests ]; then
   run demo $D/symmalloc-demo
   run unit $D/t_unit --test-threads=2
   run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture
+  T=200 TAILN=6 run gpu_grown $D/t_grown gpu_ --include-ignored --test-threads=1 --nocapture
   T=400 TAILN=25 run gpu_comm $D/t_gpu_comm --include-ignored --test-threads=1 --nocapture
   T=200 TAILN=6 run gpu_sg $D/t_gpu_sg --include-ignored --test-threads=1 --nocapture
   for mode in mempool graph global scatter_gather; do
