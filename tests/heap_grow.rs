@@ -11,7 +11,9 @@
 
 #[path = "support/capture_backend.rs"]
 mod capture_backend;
+mod common;
 use capture_backend::capture_backend;
+use common::{check_host, fill_host};
 use symmalloc::heap::host_backend::HostBackend;
 use symmalloc::heap::pools::{PoolId, DEFAULT_POOL};
 use symmalloc::heap::Allocator;
@@ -32,17 +34,6 @@ fn span(a: &Allocator, ptr: u64) -> (u64, u64, usize) {
     a.segment_span(0, ptr)
         .unwrap()
         .expect("ptr is in a segment")
-}
-
-fn fill(ptr: u64, n: u64, v: u8) {
-    // SAFETY: ptr..ptr+n lies in a live block of host memory returned by the allocator.
-    unsafe { std::ptr::write_bytes(ptr as *mut u8, v, n as usize) };
-}
-
-fn check(ptr: u64, n: u64, v: u8) {
-    // SAFETY: as fill().
-    let s = unsafe { std::slice::from_raw_parts(ptr as *const u8, n as usize) };
-    assert!(s.iter().all(|&b| b == v), "block {ptr:#x} was overwritten");
 }
 
 /// 3 MiB makes a 20 MiB segment (17 MiB free after it); 30 MiB then needs 13 more: the segment
@@ -75,10 +66,10 @@ fn a_pool_grows_its_segment_by_what_the_request_lacks() {
     );
     assert_ne!(chunks[0].generation, chunks[1].generation);
     // The memory is one range: writes across the chunks' border stay.
-    fill(x, 3 * MIB, 0x5a);
-    fill(y, 30 * MIB, 0xa5);
-    check(x, 3 * MIB, 0x5a);
-    check(y, 30 * MIB, 0xa5);
+    fill_host(x, 3 * MIB, 0x5a);
+    fill_host(y, 30 * MIB, 0xa5);
+    check_host(x, 3 * MIB, 0x5a);
+    check_host(y, 30 * MIB, 0xa5);
     a.validate(0).unwrap();
     // Freed, the pool keeps it (a live user pool); released, both chunks go back.
     a.free(x, 3 * MIB, 0, s).unwrap();

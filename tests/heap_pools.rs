@@ -12,7 +12,7 @@
 mod capture_backend;
 mod common;
 use capture_backend::capture_backend;
-use common::Rng;
+use common::{check_host, fill_host, Rng};
 use symmalloc::heap::backend::Stream;
 use symmalloc::heap::host_backend::HostBackend;
 use symmalloc::heap::pools::{PoolId, DEFAULT_POOL, INTERNAL_POOL};
@@ -35,17 +35,6 @@ fn segment(a: &Allocator, ptr: u64) -> (u64, u64) {
         .unwrap()
         .expect("ptr is in a segment");
     (off, size)
-}
-
-fn fill(ptr: u64, n: u64, v: u8) {
-    // SAFETY: ptr..ptr+n lies in a live block of host memory returned by the allocator.
-    unsafe { std::ptr::write_bytes(ptr as *mut u8, v, n as usize) };
-}
-
-fn check(ptr: u64, n: u64, v: u8) {
-    // SAFETY: as fill().
-    let s = unsafe { std::slice::from_raw_parts(ptr as *const u8, n as usize) };
-    assert!(s.iter().all(|&b| b == v), "block {ptr:#x} was overwritten");
 }
 
 /// A pool about to grow takes the default pool's whole free segments (small and large) instead
@@ -249,13 +238,13 @@ fn capture_never_takes_what_another_stream_freed_into_its_pool() {
     let pool = PoolId(6, 6);
     let b = a.malloc_in(MIB, 0, eager, pool).unwrap();
     let keep = a.malloc_in(4096, 0, eager, pool).unwrap();
-    fill(keep, 4096, 0x5a);
+    fill_host(keep, 4096, 0x5a);
     seen.lock().unwrap().capturing.insert(cap);
     a.free(b, MIB, 0, eager).unwrap();
     let c = a.malloc_in(MIB, 0, cap, pool).unwrap();
     assert_ne!(c, b);
-    fill(c, MIB, 0xc3);
-    check(keep, 4096, 0x5a);
+    fill_host(c, MIB, 0xc3);
+    check_host(keep, 4096, 0x5a);
     // And the default pool's segments used by the eager stream do not move into it either.
     let e = a.malloc_in(3 * MIB, 0, eager, DEFAULT_POOL).unwrap();
     let seg_e = segment(&a, e);
@@ -294,12 +283,12 @@ fn released_pool_gives_back_the_segments_it_took() {
     let p = a.malloc_in(3 * MIB, 0, s, pool).unwrap();
     let q = a.malloc_in(19 * MIB, 0, s, pool).unwrap();
     assert_eq!(adopted(&a), 2);
-    fill(q, 4096, 0x77);
+    fill_host(q, 4096, 0x77);
     a.free(p, 3 * MIB, 0, s).unwrap();
     a.release_pool(0, pool).unwrap();
     let st = a.stats(0).unwrap();
     assert_eq!((st.segments, st.physical_releases), (1, 1), "{st:?}");
-    check(q, 4096, 0x77);
+    check_host(q, 4096, 0x77);
     seen.lock().unwrap().capturing.insert(0xca9);
     a.free(q, 19 * MIB, 0, 0xca9).unwrap();
     assert_eq!(

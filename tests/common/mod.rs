@@ -8,6 +8,19 @@ pub use data::*;
 
 use std::process::{Command, Output};
 
+/// Writes `v` over `n` bytes of host memory at `ptr` (a block of the host backend's heap).
+pub fn fill_host(ptr: u64, n: u64, v: u8) {
+    // SAFETY: ptr..ptr+n lies in a live block of host memory returned by the allocator.
+    unsafe { std::ptr::write_bytes(ptr as *mut u8, v, n as usize) };
+}
+
+/// Checks that the `n` bytes at `ptr` (as `fill_host`) all still hold `v`.
+pub fn check_host(ptr: u64, n: u64, v: u8) {
+    // SAFETY: as fill_host().
+    let s = unsafe { std::slice::from_raw_parts(ptr as *const u8, n as usize) };
+    assert!(s.iter().all(|&b| b == v), "block {ptr:#x} was overwritten");
+}
+
 /// xorshift64*: deterministic, seedable, good enough for test data.
 pub struct Rng(u64);
 
