@@ -7,12 +7,13 @@
 //! the lowest offset. So that there is room to grow into, such a pool's new large segments are
 //! placed at the start of the largest free address range (`Ranges::alloc_roomy`), not in the
 //! lowest gap that fits, where the next segment would close it (first-fit placement left a GPU
-//! capture after other work without room: python/tests/global_capture_check.py). This is PyTorch's expandable segments in the small: a capture's pieces
-//! just under the next request no longer force a whole new segment (bench/NOTES.md, "The
-//! allocator": the ResNet-50 capture's private pool, 3,474 MiB in 83 segments without growth,
-//! 2,900 MiB with it, its request trace replayed on host memory). Peers map a grown segment chunk by chunk; a segment goes back
-//! whole, every chunk with it. Under capture only `cuMemCreate` and `cuMemMap` run, as for a
-//! new segment: no stream is touched.
+//! capture after other work without room: python/tests/global_capture_check.py). This is
+//! PyTorch's expandable segments in the small: a capture's pieces just under the next request
+//! no longer force a whole new segment (bench/NOTES.md, "The allocator": the ResNet-50
+//! capture's private pool, 3,474 MiB in 83 segments without growth, 2,850 MiB with it, its
+//! request trace replayed on host memory). Peers map a grown segment chunk by chunk; a segment
+//! goes back whole, every chunk with it. Under capture only `cuMemCreate` and `cuMemMap` run, as
+//! for a new segment: no stream is touched.
 //!
 //! Invariants kept (mod.rs lists them all): the chunks of a segment tile it in address order;
 //! the grown tail stays one free block, listed once, under its first stream; the range
