@@ -77,30 +77,18 @@ impl DeviceHeap {
         };
         let end = soff + self.segments[&soff].size;
         let len = (rounded - tail).next_multiple_of(self.gran);
-        let phys = match backend.create(self.device, len) {
-            Ok(p) => p,
+        let taken = self.ranges.take_at(end, len);
+        debug_assert!(taken, "the range after the segment was checked free");
+        let chunk = match self.new_chunk(backend, pool, end, len) {
+            Ok(c) => c,
             Err(e) if e.status == Status::ErrOutOfMemory => return Ok(None),
             Err(e) => return Err(e),
         };
-        let taken = self.ranges.take_at(end, len);
-        debug_assert!(taken, "the range after the segment was checked free");
-        if let Err(e) = backend.map(self.device, self.base + end, len, &phys) {
-            let _ = backend.release(phys);
-            self.ranges.free(end, len);
-            return Err(e);
-        }
-        let generation = self.next_generation;
-        self.next_generation += 1;
         self.unlist_free(toff);
         self.blocks.get_mut(&toff).expect("the free tail").size += len;
         let seg = self.segments.get_mut(&soff).expect("segment");
         seg.size += len;
-        seg.chunks.push(Chunk {
-            off: end,
-            len,
-            generation,
-            phys,
-        });
+        seg.chunks.push(chunk);
         self.list_free(toff);
         self.grown_in_place += 1;
         self.stats.physical_creates += 1;

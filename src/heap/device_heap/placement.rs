@@ -266,6 +266,36 @@ impl DeviceHeap {
         }
     }
 
+    /// Physical memory of `len` bytes mapped at `off`, whose address range `pool` has taken
+    /// (`range_alloc`, or `Ranges::take_at` for a segment that grows): a chunk with a fresh
+    /// generation. On failure nothing is left: the memory goes back and the range is freed.
+    pub(super) fn new_chunk(
+        &mut self,
+        backend: &dyn Backend,
+        pool: PoolId,
+        off: u64,
+        len: u64,
+    ) -> Result<Chunk> {
+        let phys = match backend.create(self.device, len) {
+            Ok(p) => p,
+            Err(e) => {
+                self.range_free(pool, off, len);
+                return Err(e);
+            }
+        };
+        if let Err(e) = backend.map(self.device, self.base + off, len, &phys) {
+            let _ = backend.release(phys);
+            self.range_free(pool, off, len);
+            return Err(e);
+        }
+        Ok(Chunk {
+            off,
+            len,
+            generation: self.fresh_generation(),
+            phys,
+        })
+    }
+
     pub(super) fn try_new_segment(
         &mut self,
         backend: &dyn Backend,
@@ -283,32 +313,14 @@ impl DeviceHeap {
             }
             Err(e) => return Err(e),
         };
-        let phys = match backend.create(self.device, len) {
-            Ok(p) => p,
-            Err(e) => {
-                self.range_free(pool, off, len);
-                return Err(e);
-            }
-        };
-        if let Err(e) = backend.map(self.device, self.base + off, len, &phys) {
-            let _ = backend.release(phys);
-            self.range_free(pool, off, len);
-            return Err(e);
-        }
-        let generation = self.next_generation;
-        self.next_generation += 1;
+        let chunk = self.new_chunk(backend, pool, off, len)?;
         self.segments.insert(
             off,
             Segment {
                 size: len,
                 pool,
                 class,
-                chunks: vec![Chunk {
-                    off,
-                    len,
-                    generation,
-                    phys,
-                }],
+                chunks: vec![chunk],
                 live: 0,
             },
         );
