@@ -71,6 +71,16 @@ const SCRATCH_SHIFT: u32 = 3;
 /// Bit of the descriptor's first word (above the kind) that says the rank staged.
 const WORD_STAGED: u64 = 1 << 8;
 
+/// Appends to `segs` each chunk of `more` it does not hold yet (the chunks under one buffer,
+/// then another's: a collective's or a rendezvoused range's segments, each once).
+pub(super) fn add_chunks(segs: &mut Vec<SegmentInfo>, more: impl IntoIterator<Item = SegmentInfo>) {
+    for s in more {
+        if !segs.contains(&s) {
+            segs.push(s);
+        }
+    }
+}
+
 impl CallDesc {
     /// What every rank must agree on, as words. Reduce-scatter and the fused call write only
     /// the caller's own output, and all-gather reads only the caller's own `send` (in place,

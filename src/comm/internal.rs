@@ -213,26 +213,38 @@ impl Communicator {
         // (then its record is seen too).
         self.internal_seg = internal - heap_base;
         self.p2p.pad_seg = seg.offset;
-        if let Some((_, gens)) = ready {
-            for r in (0..self.world).filter(|&r| r != rank) {
-                self.releases.internal_gens[r] = gens[r];
-                self.releases.pad_gens[r] =
-                    self.windows.mapped_generation(r, seg.offset).unwrap_or(0);
-            }
-            return Ok((
-                started.elapsed(),
-                format!(
-                    "internal block carved from split slot {slot} of its parent's, readied \
-                     before the split's first round (no new memory, no round)"
-                ),
-            ));
+        let made = started.elapsed();
+        let (gens, how) = match ready {
+            Some((_, gens)) => (
+                gens,
+                ", readied before the split's first round (no new memory, no round)",
+            ),
+            None => (
+                self.carve_round(slot, generation, seg.offset)?,
+                " (no new memory)",
+            ),
+        };
+        for r in (0..self.world).filter(|&r| r != rank) {
+            self.releases.internal_gens[r] = gens[r];
+            self.releases.pad_gens[r] = self.windows.mapped_generation(r, seg.offset).unwrap_or(0);
         }
+        Ok((
+            made,
+            format!("internal block carved from split slot {slot} of its parent's{how}"),
+        ))
+    }
+
+    /// The carve round: every rank of the child checks that all took slot `slot` at the same
+    /// offset and map every peer's block of the parent (the segment at `seg`); returns the
+    /// release-log generation each rank will record for its carved block (this rank's:
+    /// `generation`).
+    fn carve_round(&self, slot: usize, generation: u64, seg: u64) -> Result<Vec<u64>> {
+        let rank = self.rank;
         // Every peer maps the parent's block (exchanged at the parent's init) unless it
         // released it; a rank that finds one missing refuses in the round, so all fail alike.
         let missing: Vec<usize> = (0..self.world)
-            .filter(|&r| r != rank && self.windows.mapped_generation(r, seg.offset).is_none())
+            .filter(|&r| r != rank && self.windows.mapped_generation(r, seg).is_none())
             .collect();
-        let made = started.elapsed();
         let mut msg = Vec::new();
         for w in [
             missing.is_empty() as u64,
@@ -248,6 +260,7 @@ impl Communicator {
                 m.get(i * 8..i * 8 + 8)?.try_into().ok()?,
             ))
         };
+        let mut gens = Vec::with_capacity(self.world);
         for (r, (m, _)) in all.iter().enumerate() {
             let (Some(ok), Some(s), Some(off), Some(g)) =
                 (word(m, 0), word(m, 1), word(m, 2), word(m, 3))
@@ -267,16 +280,9 @@ impl Communicator {
                     self.internal_seg
                 )));
             }
-            if r != rank {
-                self.releases.internal_gens[r] = g;
-                self.releases.pad_gens[r] =
-                    self.windows.mapped_generation(r, seg.offset).unwrap_or(0);
-            }
+            gens.push(g);
         }
-        Ok((
-            made,
-            format!("internal block carved from split slot {slot} of its parent's (no new memory)"),
-        ))
+        Ok(gens)
     }
 
     /// A whole split slot of this communicator's block readied for any child's internal block

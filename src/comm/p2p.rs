@@ -126,11 +126,7 @@ impl Communicator {
                      inside a live symm_malloc block; expected every byte allocated"
                 ))
             })?;
-            for s in chunks {
-                if !segs.contains(&s) {
-                    segs.push(s);
-                }
-            }
+            super::exchange::add_chunks(&mut segs, chunks);
             p = bstart + bsize;
         }
         Ok(segs)

@@ -250,11 +250,7 @@ impl Communicator {
                         Coll::AllGather => b,
                         _ => {
                             let mut both = a;
-                            for s in b {
-                                if !both.contains(&s) {
-                                    both.push(s);
-                                }
-                            }
+                            super::exchange::add_chunks(&mut both, b);
                             both
                         }
                     };

@@ -19,8 +19,9 @@
 //! Invariants: a slot is held (its bit set in `held`) by at most one live child of this rank
 //! (or by a split's bet until its first round is over); a split gives a child only a slot free
 //! on every rank of the parent, NOCOLOR ranks included (their free masks travel in the split's
-//! first round), and gives every child of that split the same slot, so the slot's memory is at one heap offset on every rank of each child and no
-//! child still running on some rank can write into memory a new child was given. The block
+//! first round), and gives every child of that split the same slot, so the slot's memory is at
+//! one heap offset on every rank of each child and no child still running on some rank can
+//! write into memory a new child was given. The block
 //! (parent's internal block and slots) is freed when the last of the parent and its carved
 //! children lets go of it (`Arc`), so a child outlives its parent; its segment's release then
 //! reaches the peers through the release log, like any internal block's.

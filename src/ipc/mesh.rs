@@ -287,22 +287,6 @@ impl Mesh {
         }
     }
 
-    /// Sends one message (and `fds`) to `peer` alone.
-    pub fn send_to(
-        &self,
-        peer: usize,
-        payload: &[u8],
-        fds: &[BorrowedFd<'_>],
-        what: &str,
-    ) -> Result<()> {
-        send_frame(self.conn(peer), payload, fds).map_err(|e| io_err(peer, what, e))
-    }
-
-    /// Receives one message from `peer` alone (waits at most the mesh's timeout).
-    pub fn recv_from(&self, peer: usize, what: &str) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
-        recv_frame(self.conn(peer), self.deadline()).map_err(|e| io_err(peer, what, e))
-    }
-
     pub fn barrier(&self, what: &str) -> Result<()> {
         self.all_gather(&[], &[], what).map(drop)
     }
