@@ -42,8 +42,10 @@ fn grown_rank(c: Child) {
         v.iter_mut()
             .enumerate()
             .for_each(|(i, x)| *x = (c.rank + round) as f32 + (i % 7) as f32);
-        if gpu {
-            util::htod_async(c.device, p as u64, bytes_of(v), 0).unwrap();
+        // (Kept until the stream is synchronized below: the copy is asynchronous.)
+        let up = gpu.then(|| encode(SYMM_FP32, v));
+        if let Some(up) = &up {
+            util::htod_async(c.device, p as u64, up, 0).unwrap();
         }
         let st = symm_all_reduce(comm, p, p, n, SYMM_FP32, SYMM_SUM, null_mut());
         assert_eq!(
@@ -55,7 +57,9 @@ fn grown_rank(c: Child) {
         );
         if gpu {
             util::stream_sync(c.device, 0).unwrap();
-            util::dtoh(c.device, bytes_of_mut(v), p as u64).unwrap();
+            let mut down = vec![0u8; bytes];
+            util::dtoh(c.device, &mut down, p as u64).unwrap();
+            v.copy_from_slice(&decode(SYMM_FP32, &down));
         }
         let w = c.world as f32;
         let base = (0..c.world).map(|r| (r + round) as f32).sum::<f32>();
@@ -103,16 +107,6 @@ fn grown_rank(c: Child) {
         c.rank
     );
     destroy(comm);
-}
-
-fn bytes_of(v: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding; the slice covers exactly v's bytes.
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
-}
-
-fn bytes_of_mut(v: &mut [f32]) -> &mut [u8] {
-    // SAFETY: as bytes_of; every byte pattern is a valid f32.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) }
 }
 
 #[test]
