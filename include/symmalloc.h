@@ -56,6 +56,32 @@ struct CUstream_st;
 #define SYMM_COMM_POOL_SLOTS 64
 
 /**
+ * Bytes of the first `symm_device_stats_t` (PyTorch 2.11's `DeviceStats`): the least that
+ * `symm_device_stats` serves.
+ */
+#define SYMM_DEVICE_STATS_V1_SIZE 976
+
+/**
+ * Free and listed for reuse.
+ */
+#define SYMM_BLOCK_FREE 0
+
+/**
+ * Held by a user.
+ */
+#define SYMM_BLOCK_LIVE 1
+
+/**
+ * Free, kept whole for the next request of its size on its stream.
+ */
+#define SYMM_BLOCK_PARKED 2
+
+/**
+ * Free, kept by a thread's cache for that thread's next request of its size.
+ */
+#define SYMM_BLOCK_KEPT 3
+
+/**
  * Ranks of a communicator, at most (the length of the per-rank arrays below).
  */
 #define SYMM_MAX_RANKS 8
@@ -112,6 +138,15 @@ struct CUstream_st;
  * Index of the last value seen in the slot (two words, low first), written before the fatal word.
  */
 #define SYMM_DEVICE_ERR_SEEN 6
+
+/**
+ * Index into a `StatArray`: all pools, then small (blocks up to 1 MiB) and large.
+ */
+#define AGGREGATE 0
+
+#define SMALL 1
+
+#define LARGE 2
 
 /**
  * Result of every status-returning function.
@@ -305,6 +340,79 @@ typedef void (*symm_pool_filter_drop_fn)(void *ctx);
  * The FP8 (e4m3) output of `symm_all_reduce_add_rms_norm_quant`: where its scale comes from.
  */
 typedef uint32_t symm_quant_t;
+
+/**
+ * One statistic as PyTorch keeps it.
+ */
+typedef struct {
+  int64_t current;
+  int64_t peak;
+  /**
+   * Added since the last reset of accumulated statistics.
+   */
+  int64_t allocated;
+  /**
+   * Taken away since that reset.
+   */
+  int64_t freed;
+} symm_stat_t;
+
+typedef symm_stat_t symm_stat_array_t[3];
+
+/**
+ * PyTorch's `DeviceStats`, field for field (c10/core/CachingDeviceAllocator.h, torch 2.11).
+ * Fields are only ever appended (`symm_device_stats` takes the caller's size).
+ */
+typedef struct {
+  symm_stat_array_t allocation;
+  symm_stat_array_t segment;
+  symm_stat_array_t active;
+  symm_stat_array_t inactive_split;
+  symm_stat_array_t allocated_bytes;
+  symm_stat_array_t reserved_bytes;
+  symm_stat_array_t active_bytes;
+  symm_stat_array_t inactive_split_bytes;
+  symm_stat_array_t requested_bytes;
+  int64_t num_alloc_retries;
+  int64_t num_ooms;
+  symm_stat_t oversize_allocations;
+  symm_stat_t oversize_segments;
+  int64_t num_sync_all_streams;
+  int64_t num_device_alloc;
+  int64_t num_device_free;
+  /**
+   * -1: symmalloc splits blocks of any size (PyTorch reports SIZE_MAX so).
+   */
+  int64_t max_split_size;
+} symm_device_stats_t;
+
+/**
+ * One block of a heap, as `symm_heap_blocks` lists it and `symm_pool_restore` takes it back.
+ */
+typedef struct {
+  uint64_t address;
+  uint64_t size;
+  /**
+   * What the current user asked for (live blocks; 0 otherwise).
+   */
+  uint64_t requested;
+  uint64_t segment_address;
+  uint64_t segment_size;
+  uint64_t pool_first;
+  uint64_t pool_second;
+  /**
+   * The stream of the last allocation or free (`UINT64_MAX`: never used).
+   */
+  uint64_t stream;
+  /**
+   * `SYMM_BLOCK_*`.
+   */
+  uint32_t state;
+  /**
+   * 1 for a block of a large segment (requests over 1 MiB), 0 for a small one.
+   */
+  uint32_t is_large;
+} symm_block_info_t;
 
 #define SYMM_BF16 0
 
@@ -640,6 +748,82 @@ void symm_empty_cache(void);
  * capturable (a static scale is read at every replay).
  */
 symm_status_t symm_all_reduce_add_rms_norm_quant(symm_comm_t *comm, const void *x, void *residual, const void *weight, void *out_q, float *scale, size_t tokens, size_t hidden, float eps, symm_dtype_t dtype, symm_quant_t quant, struct CUstream_st *stream);
+
+/**
+ * Fills the first `size` bytes of `*out` with PyTorch's statistics of `device` (the layout of
+ * `c10::CachingDeviceAllocator::DeviceStats`; pass `sizeof(symm_device_stats_t)`), read from
+ * the heap's counters without a walk over blocks. A size below the v1 struct, not a multiple
+ * of 8, or larger than this library's struct is refused and nothing is written.
+ */
+symm_status_t symm_device_stats(int device, symm_device_stats_t *out, size_t size);
+
+/**
+ * Sets every peak of `device`'s statistics to its current value (PyTorch's
+ * `reset_peak_memory_stats`; `symm_memory_stats`'s `peak_allocated_bytes` too).
+ */
+symm_status_t symm_reset_peak_stats(int device);
+
+/**
+ * Starts `device`'s accumulated statistics (allocated and freed totals, retries, out of
+ * memory failures, device allocations) again from zero (PyTorch's
+ * `reset_accumulated_memory_stats`).
+ */
+symm_status_t symm_reset_accumulated_stats(int device);
+
+/**
+ * Caps the bytes `device`'s heap holds in segments at `bytes` (0 removes the cap): a request
+ * that would need more fails with SYMM_ERR_OUT_OF_MEMORY once the cache has been emptied.
+ * Memory held already stays. PyTorch's `set_per_process_memory_fraction` sets it to the
+ * fraction of the device's memory.
+ */
+symm_status_t symm_set_memory_limit(int device, uint64_t bytes);
+
+/**
+ * The largest free block cached for the default pool of `device`, in `*largest` (PyTorch's
+ * `cacheInfo`, which cuDNN's benchmark mode reads to size its workspace).
+ */
+symm_status_t symm_cache_info(int device, uint64_t *largest);
+
+/**
+ * As `symm_malloc`, with a status: SYMM_ERR_OUT_OF_MEMORY when the device (or the cap of
+ * `symm_set_memory_limit`, or the heap's size) has no room after the cache was emptied, so a
+ * caller can raise its out-of-memory error; `*out` is NULL on failure and for size 0.
+ */
+symm_status_t symm_malloc_checked(size_t size, int device, struct CUstream_st *stream, void **out);
+
+/**
+ * Frees the block at `ptr` as it was allocated (its size, on its allocation stream): for
+ * callers that keep only the address, as PyTorch's `raw_delete` does. NULL does nothing.
+ */
+symm_status_t symm_free_block(void *ptr);
+
+/**
+ * Lists the blocks of `device` in address order, segment by segment: all pools when
+ * `all_pools` is nonzero, else pool (first, second) only. Writes at most `capacity` entries to
+ * `out` (which may be NULL when `capacity` is 0) and the number of blocks there are to
+ * `*count`; call again with a larger array when `*count > capacity`.
+ */
+symm_status_t symm_heap_blocks(int device, int all_pools, uint64_t pool_first, uint64_t pool_second, symm_block_info_t *out, size_t capacity, size_t *count);
+
+/**
+ * Takes a use of pool (first, second) on `device` without routing allocations to it (a
+ * `torch.cuda.MemPool` made); `symm_release_pool` gives it back.
+ */
+symm_status_t symm_pool_hold(int device, uint64_t pool_first, uint64_t pool_second);
+
+/**
+ * The uses of pool (first, second) on `device` not given back, in `*uses`.
+ */
+symm_status_t symm_pool_uses(int device, uint64_t pool_first, uint64_t pool_second, uint64_t *uses);
+
+/**
+ * Puts pool (first, second) of `device` back to a checkpoint: every block users hold in it is
+ * freed (list them first with `symm_heap_blocks`), then each of the `n` blocks (live blocks
+ * that `symm_heap_blocks` listed when the checkpoint was taken) is live again at its address,
+ * size, request and stream. A block whose memory is no longer free memory of the pool fails
+ * with SYMM_ERR_INVALID_ARGUMENT, naming it (blocks before it stay live).
+ */
+symm_status_t symm_pool_restore(int device, uint64_t pool_first, uint64_t pool_second, const symm_block_info_t *blocks, size_t n);
 
 /**
  * Routes the calling thread's allocations on `device` to pool (first, second) until the

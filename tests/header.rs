@@ -13,6 +13,7 @@ fn generate() -> String {
         .with_src(root.join("src/ffi/types.rs"))
         .with_src(root.join("src/comm/device_comm.rs"))
         .with_src(root.join("src/heap/stats.rs"))
+        .with_src(root.join("src/heap/device_stats.rs"))
         .with_config(config)
         .generate()
         .expect("cbindgen could not generate the header");

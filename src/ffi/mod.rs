@@ -11,6 +11,7 @@ pub mod guard;
 pub mod p2p;
 pub mod pool_calls;
 pub mod quant;
+pub mod torch_alloc;
 pub mod types;
 
 use crate::comm::Communicator;
@@ -22,6 +23,7 @@ pub use pool_calls::*;
 use std::collections::HashSet;
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::{LazyLock, Mutex, MutexGuard};
+pub use torch_alloc::*;
 use types::*;
 
 /// A communicator over ranks of a single-node job; several may live on one device.

@@ -13,7 +13,9 @@
 pub mod backend;
 pub mod cuda_backend;
 pub mod device_heap;
+pub mod device_stats;
 pub mod host_backend;
+mod introspect;
 pub mod parked;
 pub mod pools;
 pub mod ranges;
@@ -26,13 +28,14 @@ use crate::config::{self, BackendKind};
 use crate::error::{Error, Result};
 use backend::{Backend, Stream};
 use device_heap::{DeviceHeap, SegmentInfo};
+use device_stats::UserCounters;
 use pools::PoolId;
 use spin_lock::{SpinGuard, SpinLock};
 use stats::Stats;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use tcache::{Keep, Reclaim, ThreadCache};
+use tcache::{Reclaim, ThreadCache};
 
 type Cache = Arc<SpinLock<ThreadCache>>;
 
@@ -50,6 +53,12 @@ pub struct Allocator {
     /// Per device: a pool is being released, so frees go to the heap (its segments go back at
     /// their last free).
     releasing: Vec<AtomicBool>,
+    /// Per device: what users hold (device_stats.rs), counted on every handed-out and
+    /// given-back block.
+    users: Vec<UserCounters>,
+    /// Per device: the heap's address range [base, end), set once when the heap is made (0, 0
+    /// before), so a free by address finds its device without a lock.
+    spans: Vec<(AtomicU64, AtomicU64)>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -99,6 +108,10 @@ impl Allocator {
             thread_caches: config::thread_cache()?,
             caches: Mutex::new(Default::default()),
             releasing: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            users: (0..n).map(|_| UserCounters::default()).collect(),
+            spans: (0..n)
+                .map(|_| (AtomicU64::new(0), AtomicU64::new(0)))
+                .collect(),
         })
     }
 
@@ -253,6 +266,9 @@ impl Allocator {
                     ));
                 }
                 let heap = DeviceHeap::new(self.backend.as_ref(), device, size)?;
+                let span = &self.spans[device as usize];
+                span.0.store(heap.base(), Ordering::Release);
+                span.1.store(heap.base() + heap.size(), Ordering::Release);
                 crate::info!(
                     "device {device}: {} backend, symmetric heap of {size} bytes at {:#x}",
                     self.backend.name(),
@@ -278,12 +294,28 @@ impl Allocator {
     }
 
     pub fn malloc_in(&self, size: u64, device: i32, stream: Stream, pool: PoolId) -> Result<u64> {
+        let r = self.place(size, device, stream, pool);
+        if let Err(e) = &r {
+            if e.status == crate::error::Status::ErrOutOfMemory {
+                // Once per request that failed, as PyTorch counts `num_ooms`.
+                if let Ok(mut h) = self.heap(device) {
+                    h.counters.num_ooms += 1;
+                }
+            }
+        }
+        r
+    }
+
+    fn place(&self, size: u64, device: i32, stream: Stream, pool: PoolId) -> Result<u64> {
         if pools::arena_of(pool).is_some() {
             // A communicator arena's blocks never pass through the thread caches: a cache's
             // drains follow other pools' traffic, which differs between ranks
             // (device_heap/arena.rs).
             let mut heap = self.heap(device)?;
             let r = heap.malloc(self.backend.as_ref(), size, stream, pool);
+            if let Ok(p) = r {
+                self.count_alloc(&heap, device, p, size);
+            }
             self.releasing[device as usize].store(heap.releasing_any(), Ordering::Relaxed);
             heap.debug_validate();
             return r;
@@ -298,7 +330,8 @@ impl Allocator {
             return heap.malloc(self.backend.as_ref(), size, stream, pool);
         };
         let key = (pool, stream, rounded);
-        if let Some(Some(p)) = self.with_cache(device, |c| c.take(key, size)) {
+        if let Some(Some((p, bsize))) = self.with_cache(device, |c| c.take_sized(key, size)) {
+            self.users[device as usize].alloc(bsize, size);
             return Ok(p);
         }
         let mut heap = self.heap(device)?;
@@ -334,6 +367,7 @@ impl Allocator {
                 let bsize = heap.track(p, id)?;
                 self.with_cache(device, |c| c.lend(p, key, bsize, size));
             }
+            self.count_alloc(&heap, device, p, size);
             Ok(p)
         });
         self.releasing[device as usize].store(heap.releasing_any(), Ordering::Relaxed);
@@ -344,7 +378,10 @@ impl Allocator {
     pub fn free(&self, ptr: u64, size: u64, device: i32, stream: Stream) -> Result<()> {
         if device >= 0 && (device as usize) < self.releasing.len() {
             let allowed = !self.releasing[device as usize].load(Ordering::Relaxed);
-            if self.with_cache(device, |c| c.keep(ptr, size, stream, allowed)) == Some(Keep::Kept) {
+            if let Some(Some(bsize)) =
+                self.with_cache(device, |c| c.keep_sized(ptr, size, stream, allowed))
+            {
+                self.users[device as usize].free(bsize, size);
                 return Ok(());
             }
         }
@@ -359,9 +396,13 @@ impl Allocator {
                 None => format!("symm_free({ptr:#x}): pointer was not returned by symm_malloc"),
             }));
         }
+        let bsize = heap.block_size(ptr);
         let r = self
             .reclaim(&mut heap, ptr, "symm_free")
             .and_then(|()| heap.free(self.backend.as_ref(), ptr, size, stream));
+        if let (Ok(()), Some(bsize)) = (&r, bsize) {
+            self.users[device as usize].free(bsize, size);
+        }
         self.releasing[device as usize].store(heap.releasing_any(), Ordering::Relaxed);
         heap.debug_validate();
         r
@@ -447,6 +488,11 @@ impl Allocator {
             c.lock().adjust(&mut s);
         }
         Ok(s)
+    }
+
+    pub(crate) fn count_alloc(&self, heap: &DeviceHeap, device: i32, ptr: u64, size: u64) {
+        let bsize = heap.block_size(ptr).unwrap_or(size);
+        self.users[device as usize].alloc(bsize, size);
     }
 
     pub fn segment_of(&self, device: i32, ptr: u64) -> Result<(Vec<SegmentInfo>, u64, u64)> {

@@ -80,6 +80,13 @@ impl LentSet {
         }
     }
 
+    fn get(&self, ptr: u64) -> Option<&Lent> {
+        match self.recent.iter().rposition(|e| e.0 == ptr) {
+            Some(i) => Some(&self.recent[i].1),
+            None => self.older.get(&ptr),
+        }
+    }
+
     fn contains(&self, ptr: u64) -> bool {
         self.recent.iter().any(|e| e.0 == ptr) || self.older.contains_key(&ptr)
     }
@@ -181,6 +188,11 @@ impl ThreadCache {
 
     /// The newest kept block for `key`, handed out for `requested` bytes.
     pub fn take(&mut self, key: Key, requested: u64) -> Option<u64> {
+        self.take_sized(key, requested).map(|(p, _)| p)
+    }
+
+    /// As `take`, with the block's size: (address, size).
+    pub fn take_sized(&mut self, key: Key, requested: u64) -> Option<(u64, u64)> {
         let i = self.kept.iter().rposition(|k| k.key == key)?;
         let k = self.kept.swap_remove(i);
         self.kept_bytes -= k.size;
@@ -196,7 +208,7 @@ impl ThreadCache {
                 requested,
             },
         );
-        Some(k.ptr)
+        Some((k.ptr, k.size))
     }
 
     /// Records a block the heap just lent this cache for its first user.
@@ -214,9 +226,21 @@ impl ThreadCache {
 
     /// A free of `ptr` (`size` bytes, on `stream`) by this cache's thread.
     pub fn keep(&mut self, ptr: u64, size: u64, stream: Stream, allowed: bool) -> Keep {
-        let Some(l) = self.lent.remove(ptr) else {
-            return Keep::ToHeap;
-        };
+        match self.keep_sized(ptr, size, stream, allowed) {
+            Some(_) => Keep::Kept,
+            None => Keep::ToHeap,
+        }
+    }
+
+    /// As `keep`; the kept block's size when it is kept.
+    pub fn keep_sized(
+        &mut self,
+        ptr: u64,
+        size: u64,
+        stream: Stream,
+        allowed: bool,
+    ) -> Option<u64> {
+        let l = self.lent.remove(ptr)?;
         let most = if l.key.0 == DEFAULT_POOL {
             KEEP_BLOCKS
         } else {
@@ -230,7 +254,7 @@ impl ThreadCache {
             || self.kept_bytes + l.size > KEEP_BYTES
         {
             self.lent.insert(ptr, l); // still lent: the heap takes it back from here
-            return Keep::ToHeap;
+            return None;
         }
         self.lent_delta -= l.requested as i64 - l.recorded as i64;
         self.kept_bytes += l.size;
@@ -241,7 +265,7 @@ impl ThreadCache {
             size: l.size,
             recorded: l.recorded,
         });
-        Keep::Kept
+        Some(l.size)
     }
 
     /// Takes back a block the heap lent this cache (for a free or `record_stream` the heap
@@ -281,6 +305,26 @@ impl ThreadCache {
         s.requested_bytes =
             (s.requested_bytes as i64 - self.kept_recorded as i64 + self.lent_delta) as u64;
         s.cache_hits += self.hits;
+    }
+
+    /// The current user's request and the allocation stream of a block this cache lent.
+    pub fn lent_info(&self, ptr: u64) -> Option<(u64, Stream)> {
+        self.lent.get(ptr).map(|l| (l.requested, l.key.1))
+    }
+
+    /// Addresses of the blocks this cache keeps (free to their users, live to the heap).
+    pub fn kept_ptrs(&self) -> impl Iterator<Item = u64> + '_ {
+        self.kept.iter().map(|k| k.ptr)
+    }
+
+    /// The largest block this cache keeps for `pool`.
+    pub fn largest_kept(&self, pool: PoolId) -> u64 {
+        self.kept
+            .iter()
+            .filter(|k| k.key.0 == pool)
+            .map(|k| k.size)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Every block this cache holds: (address, size, recorded request).

@@ -89,6 +89,12 @@ impl DeviceHeap {
         let seg = self.segments.get_mut(&soff).expect("segment");
         seg.size += len;
         seg.chunks.push(chunk);
+        let k = slot(seg.class);
+        if seg.live == 0 {
+            self.counters.whole_free[k].1 += len as i64;
+        }
+        self.counters.reserved_bytes[k].up(len as i64);
+        self.counters.num_device_alloc += 1;
         self.list_free(toff);
         self.grown_in_place += 1;
         self.stats.physical_creates += 1;

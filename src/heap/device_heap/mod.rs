@@ -55,18 +55,21 @@
 mod arena;
 mod export;
 mod grow;
+mod inspect;
 mod placement;
 mod release;
 mod tracked;
 mod validate;
 
 use super::backend::{Backend, Phys, Stream};
+use super::device_stats::{slot, HeapCounters};
 use super::parked::Parked;
 use super::pools::{PoolId, DEFAULT_POOL, INTERNAL_POOL};
 use super::ranges::Ranges;
 use super::release_log::ReleaseLog;
 use super::stats::Stats;
 use crate::error::{Error, Result, Status};
+pub use inspect::BlockView;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Requests are rounded up to this (keeps every block 512-byte aligned).
@@ -187,6 +190,10 @@ pub struct DeviceHeap {
     arenas: BTreeMap<u64, arena::Arena>,
     next_arena: u64,
     pub stats: Stats,
+    /// PyTorch's statistics kept by the heap (device_stats.rs).
+    pub counters: HeapCounters,
+    /// Most bytes the heap may hold in segments (`symm_set_memory_limit`); 0: no limit.
+    limit: u64,
 }
 
 pub fn round_request(size: u64) -> u64 {
@@ -240,6 +247,8 @@ impl DeviceHeap {
                 heap_bytes: size,
                 ..Stats::default()
             },
+            counters: HeapCounters::default(),
+            limit: 0,
         })
     }
 
@@ -251,6 +260,44 @@ impl DeviceHeap {
     }
     pub fn contains(&self, ptr: u64) -> bool {
         ptr >= self.base && ptr < self.base + self.size()
+    }
+
+    /// Caps the bytes the heap holds in segments at `bytes` (0: no cap): a request that would
+    /// need more fails with out of memory, as PyTorch's `set_per_process_memory_fraction` does.
+    pub fn set_limit(&mut self, bytes: u64) {
+        self.limit = bytes;
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// The block size of the live block at `ptr` (the request rounded, or the whole free block
+    /// when the rest was too small to split).
+    pub fn block_size(&self, ptr: u64) -> Option<u64> {
+        self.blocks
+            .get(&ptr.wrapping_sub(self.base))
+            .map(|b| b.size)
+    }
+
+    /// The largest free block of the default pool, in bytes (PyTorch's `cacheInfo`, which
+    /// cuDNN's benchmark mode reads to size its workspace).
+    pub fn largest_free_block(&self) -> u64 {
+        let free = self.pools.get(&DEFAULT_POOL).map_or(0, |p| {
+            p.free_any
+                .iter()
+                .map(|&(_, size, _)| size)
+                .max()
+                .unwrap_or(0)
+        });
+        let parked = self
+            .parked
+            .entries()
+            .filter(|((pool, _, _), _)| *pool == DEFAULT_POOL)
+            .map(|(_, off)| self.blocks[&off].size)
+            .max()
+            .unwrap_or(0);
+        free.max(parked)
     }
 
     /// How many whole free segments pools have taken from donor pools so far.
@@ -306,8 +353,9 @@ impl DeviceHeap {
         grow: bool,
     ) -> Result<Option<u64>> {
         if size > self.size() {
-            return Err(Error::invalid(format!(
-                "size {size} exceeds the heap of device {} ({} bytes; set SYMMALLOC_HEAP_SIZE)",
+            return Err(Error::oom(format!(
+                "out of memory: size {size} exceeds the heap of device {} ({} bytes; set \
+                 SYMMALLOC_HEAP_SIZE)",
                 self.device,
                 self.size()
             )));
@@ -447,6 +495,11 @@ impl DeviceHeap {
         let segment = self.segments.get_mut(&seg).expect("segment");
         segment.live -= 1;
         let (seg_live, pool) = (segment.live, segment.pool);
+        if seg_live == 0 {
+            let w = &mut self.counters.whole_free[slot(segment.class)];
+            w.0 += 1;
+            w.1 += segment.size as i64;
+        }
         let merged = self.merge_neighbours(off);
         self.list_free(merged);
         if seg_live == 0 && self.pools.get(&pool).is_some_and(|p| p.releasing) {

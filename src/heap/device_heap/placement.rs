@@ -198,6 +198,8 @@ impl DeviceHeap {
             (s.size, s.pool)
         };
         let offs: Vec<u64> = self.blocks.range(seg..seg + len).map(|(&o, _)| o).collect();
+        let class = self.segments[&seg].class;
+        self.counters.blocks[slot(class)] -= offs.len() as i64 - 1;
         let mut streams: Vec<Stream> = Vec::new();
         for &o in &offs {
             self.unlist_free(o);
@@ -242,6 +244,7 @@ impl DeviceHeap {
         match self.try_new_segment(backend, pool, class, len) {
             Err(e) if e.status == Status::ErrOutOfMemory => {
                 // Give every cached segment back and try once more.
+                self.counters.num_alloc_retries += 1;
                 self.empty_cache(backend)?;
                 self.try_new_segment(backend, pool, class, len)
                     .map_err(|e2| {
@@ -276,6 +279,14 @@ impl DeviceHeap {
         off: u64,
         len: u64,
     ) -> Result<Chunk> {
+        if self.limit > 0 && self.stats.reserved_bytes + len > self.limit {
+            self.range_free(pool, off, len);
+            return Err(Error::oom(format!(
+                "the memory limit of device {} ({} bytes, set_per_process_memory_fraction) \
+                 leaves no room for {len} more bytes (reserved {})",
+                self.device, self.limit, self.stats.reserved_bytes
+            )));
+        }
         let phys = match backend.create(self.device, len) {
             Ok(p) => p,
             Err(e) => {
@@ -341,6 +352,13 @@ impl DeviceHeap {
         self.stats.physical_creates += 1;
         self.stats.segments += 1;
         self.stats.reserved_bytes += len;
+        let k = slot(class);
+        self.counters.segment[k].up(1);
+        self.counters.reserved_bytes[k].up(len as i64);
+        self.counters.blocks[k] += 1;
+        self.counters.whole_free[k].0 += 1;
+        self.counters.whole_free[k].1 += len as i64;
+        self.counters.num_device_alloc += 1;
         crate::trace!(
             "device {}: new segment of {len} bytes at {off:#x} for pool {}, {class:?}; \
              reserved {}",
@@ -385,6 +403,31 @@ impl DeviceHeap {
         requested: u64,
         stream: Stream,
     ) -> Result<()> {
+        self.take_split(backend, off, rounded, requested, stream, false)
+    }
+
+    /// As `take`, leaving exactly `size` bytes live: the rest is split off whatever its size
+    /// (a checkpoint restored puts blocks back at their recorded bounds: inspect.rs).
+    pub(super) fn take_exact(
+        &mut self,
+        backend: &dyn Backend,
+        off: u64,
+        size: u64,
+        requested: u64,
+        stream: Stream,
+    ) -> Result<()> {
+        self.take_split(backend, off, size, requested, stream, true)
+    }
+
+    fn take_split(
+        &mut self,
+        backend: &dyn Backend,
+        off: u64,
+        rounded: u64,
+        requested: u64,
+        stream: Stream,
+        exact: bool,
+    ) -> Result<()> {
         // Order the new user after every other stream that used the memory. On error the
         // block stays free and listed.
         let waits: Vec<Stream> = self.blocks[&off]
@@ -401,10 +444,19 @@ impl DeviceHeap {
         let class = self.segments[&block.segment].class;
         let rest = block.size - rounded;
         let split = match class {
+            _ if exact => rest > 0,
             Class::Small => rest >= ROUND,
             Class::Large => rest > LARGE_SPLIT_MIN,
         };
+        let seg_live = self.segments[&block.segment].live;
+        if seg_live == 0 {
+            let w = &mut self.counters.whole_free[slot(class)];
+            w.0 -= 1;
+            w.1 -= self.segments[&block.segment].size as i64;
+        }
+        let block = self.blocks.get_mut(&off).expect("free block exists");
         if split {
+            self.counters.blocks[slot(class)] += 1;
             let streams = block.streams.clone();
             block.size = rounded;
             let (segment, pool) = (block.segment, block.pool);
@@ -435,6 +487,7 @@ impl DeviceHeap {
     /// streams; returns the offset of the merged block (not yet listed as free).
     pub(super) fn merge_neighbours(&mut self, mut off: u64) -> u64 {
         let seg = self.blocks[&off].segment;
+        let k = slot(self.segments[&seg].class);
         // Never-used memory (no streams) merges with anything; used memory only with memory
         // that waits on the same streams.
         let same = |a: &[Stream], b: &[Stream]| {
@@ -444,6 +497,7 @@ impl DeviceHeap {
             if pb.segment == seg && pb.is_free() && same(&pb.streams, &self.blocks[&off].streams) {
                 self.unlist_free(prev);
                 let b = self.blocks.remove(&off).expect("block");
+                self.counters.blocks[k] -= 1;
                 let p = self.blocks.get_mut(&prev).expect("prev");
                 p.size += b.size;
                 let mut streams = b.streams;
@@ -465,6 +519,7 @@ impl DeviceHeap {
         {
             self.unlist_free(next);
             let n = self.blocks.remove(&next).expect("next");
+            self.counters.blocks[k] -= 1;
             let b = self.blocks.get_mut(&off).expect("block");
             b.size += n.size;
             for s in n.streams {

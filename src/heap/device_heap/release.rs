@@ -40,7 +40,13 @@ impl DeviceHeap {
             debug_assert_eq!(b.state, State::Parked);
             b.state = State::Free;
             let seg = b.segment;
-            self.segments.get_mut(&seg).expect("segment").live -= 1;
+            let s = self.segments.get_mut(&seg).expect("segment");
+            s.live -= 1;
+            if s.live == 0 {
+                let w = &mut self.counters.whole_free[slot(s.class)];
+                w.0 += 1;
+                w.1 += s.size as i64;
+            }
             let merged = self.merge_neighbours(off);
             self.list_free(merged);
         }
@@ -97,7 +103,7 @@ impl DeviceHeap {
     /// Waits for all work queued on the device; false (and segments stay) while it cannot, or
     /// while a stream that uses the heap is being captured (cuCtxSynchronize during a capture
     /// in CUDA's global mode invalidates that capture).
-    fn wait_for_device(&self, backend: &dyn Backend) -> bool {
+    fn wait_for_device(&mut self, backend: &dyn Backend) -> bool {
         if self.capture_underway(backend) {
             crate::info!(
                 "device {}: segments kept: a stream is being captured",
@@ -106,7 +112,10 @@ impl DeviceHeap {
             return false;
         }
         match backend.synchronize(self.device) {
-            Ok(()) => true,
+            Ok(()) => {
+                self.counters.num_sync_all_streams += 1;
+                true
+            }
             Err(e) => {
                 crate::info!(
                     "device {}: segments kept: cannot wait for the device's work ({})",
@@ -125,6 +134,7 @@ impl DeviceHeap {
         let (len, pool) = (s.size, s.pool);
         // A free segment may still hold several free blocks (different pending streams).
         let offs: Vec<u64> = self.blocks.range(seg..seg + len).map(|(&o, _)| o).collect();
+        let offs_len = offs.len() as i64;
         // Chunk by chunk: each was mapped on its own (a segment that grew in place has several).
         for c in &s.chunks {
             backend.unmap(self.device, self.base + c.off, c.len)?;
@@ -133,8 +143,15 @@ impl DeviceHeap {
             self.unlist_free(o);
             self.blocks.remove(&o);
         }
+        let k = slot(self.segments[&seg].class);
+        self.counters.blocks[k] -= offs_len;
         let s = self.segments.remove(&seg).expect("segment");
         let chunks = s.chunks.len() as u64;
+        self.counters.segment[k].down(1);
+        self.counters.reserved_bytes[k].down(len as i64);
+        self.counters.whole_free[k].0 -= 1;
+        self.counters.whole_free[k].1 -= len as i64;
+        self.counters.num_device_free += chunks as i64;
         for c in s.chunks {
             // Peers that mapped it unmap theirs at their communicator's next call
             // (comm/retire.rs).

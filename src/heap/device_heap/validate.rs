@@ -2,6 +2,7 @@
 //! structure. Run after every operation in debug builds (heap/mod.rs) and by the tests.
 
 use super::*;
+use crate::heap::device_stats::slot;
 
 impl DeviceHeap {
     /// In debug builds, checks every invariant after an operation that changed the heap (the
@@ -25,7 +26,17 @@ impl DeviceHeap {
         let mut free_count: BTreeMap<PoolId, usize> = BTreeMap::new();
         let mut seg_count: BTreeMap<PoolId, u64> = BTreeMap::new();
         let mut parked_seen = 0;
+        // (segments, reserved, blocks, whole free, their bytes) per class: device_stats.rs.
+        let mut counted = [(0i64, 0i64, 0i64, 0i64, 0i64); 2];
         for (&soff, s) in &self.segments {
+            let k = &mut counted[slot(s.class)];
+            k.0 += 1;
+            k.1 += s.size as i64;
+            k.2 += self.blocks.range(soff..soff + s.size).count() as i64;
+            if s.live == 0 {
+                k.3 += 1;
+                k.4 += s.size as i64;
+            }
             if !self.range_is_free(s.pool, soff, s.size) {
                 st.segments += 1;
                 st.reserved_bytes += s.size;
@@ -109,6 +120,7 @@ impl DeviceHeap {
                 ));
             }
         }
+        self.counters.check(counted)?;
         let mut parked_listed = 0;
         for (&(pool, stream, rounded), off) in self.parked.entries() {
             parked_listed += 1;
