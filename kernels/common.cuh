@@ -1,8 +1,10 @@
 // symmalloc kernels: shared definitions.
 //
 // Owns: the kernel argument struct (mirrored by src/comm/kernel_args.rs; tests/kernel_table.rs
-// checks them field by field), error reporting, element conversion, 16-byte vectors, and the
-// cross-rank block barrier with the barrier kernels' opening and closing steps.
+// checks them field by field), error reporting, element conversion, 16-byte vectors, the
+// cross-rank block barrier with the barrier kernels' opening and closing steps, and the
+// reductions over every rank's input in rank order (reduce_item, reduce_items, and reduce_slice,
+// the loop the two-shot all-reduce and the reduce-scatter share).
 //
 // Barrier protocol: block b of rank r owns slot pads[r][b][p] for each peer p. To arrive at
 // epoch e, thread p of block b writes its call descriptor then e (release, system scope) into
@@ -268,6 +270,29 @@ __device__ __forceinline__ void reduce_items(const SymmArgs& a, uint64_t i0, uin
         for (int k = 0; k < P::N; ++k)
           acc[u][k] = r0 + j == 0 ? to_f32(e[k]) : combine<OP>(acc[u][k], to_f32(e[k]));
       }
+  }
+}
+
+// The reduce-my-slice loop of the two-shot all-reduce and the reduce-scatter: this thread's
+// items of [begin, end), U per round (item u of a round at i0 + u * blockDim.x, so a block covers
+// U * blockDim.x contiguous items; the grid strides over the range), each reduced from every
+// rank's input in fixed rank order in fp32 (reduce_items), then handed to `store(i, acc)`, which
+// is all that differs between the two: the two-shot stores item i into every rank's output, the
+// reduce-scatter into this rank's own.
+template <typename T, int OP, bool VEC, int U, typename Store>
+__device__ __forceinline__ void reduce_slice(const SymmArgs& a, uint64_t begin, uint64_t end,
+                                             Store&& store) {
+  const uint64_t span = (uint64_t)gridDim.x * blockDim.x * U;
+  for (uint64_t i0 = begin + (uint64_t)blockIdx.x * blockDim.x * U + threadIdx.x; i0 < end;
+       i0 += span) {
+    float acc[U][Pack<T, VEC>::N];
+    reduce_items<T, OP, VEC, U>(a, i0, blockDim.x, end, acc);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint64_t i = i0 + (uint64_t)u * blockDim.x;
+      if (i >= end) continue;
+      store(i, acc[u]);
+    }
   }
 }
 

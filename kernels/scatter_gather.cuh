@@ -31,25 +31,17 @@ __device__ __forceinline__ void reduce_scatter_body(const SymmArgs& a) {
   const bool own_aligned = (a.out[a.rank] & 15) == 0;  // rank-local: not part of VEC
   const uint64_t end = begin + items;
   constexpr int U = VEC ? SYMM_SG_UNROLL : 1;
-  const uint64_t span = (uint64_t)gridDim.x * blockDim.x * U;
   if (ok) {
-    for (uint64_t i0 = begin + (uint64_t)blockIdx.x * blockDim.x * U + threadIdx.x; i0 < end;
-         i0 += span) {
-      float acc[U][P::N];
-      reduce_items<T, OP, VEC, U>(a, i0, blockDim.x, end, acc);
+    // Item i of this rank's slice, reduced, into this rank's own output.
+    reduce_slice<T, OP, VEC, U>(a, begin, end, [&](uint64_t i, const float (&acc)[P::N]) {
+      if (!VEC || own_aligned) {
+        ((typename P::Storage*)a.out[a.rank])[i - begin] = pack<T, VEC>(acc);
+      } else {  // this rank's output only is not 16-byte aligned: element by element
+        T* o = (T*)a.out[a.rank] + (i - begin) * P::N;
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const uint64_t i = i0 + (uint64_t)u * blockDim.x;
-        if (i >= end) continue;
-        if (!VEC || own_aligned) {
-          ((typename P::Storage*)a.out[a.rank])[i - begin] = pack<T, VEC>(acc[u]);
-        } else {  // this rank's output only is not 16-byte aligned: element by element
-          T* o = (T*)a.out[a.rank] + (i - begin) * P::N;
-#pragma unroll
-          for (int k = 0; k < P::N; ++k) o[k] = from_f32<T>(acc[u][k]);
-        }
+        for (int k = 0; k < P::N; ++k) o[k] = from_f32<T>(acc[k]);
       }
-    }
+    });
   }
   barrier_close(a, e, ok);
 }

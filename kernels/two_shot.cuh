@@ -19,22 +19,14 @@ __device__ __forceinline__ void two_shot_body(const SymmArgs& a) {
   const uint64_t begin = min(items, slice * a.rank);
   const uint64_t end = min(items, begin + slice);
   constexpr int U = VEC ? SYMM_TWO_SHOT_UNROLL : 1;
-  const uint64_t span = (uint64_t)gridDim.x * blockDim.x * U;
   if (ok) {
-    for (uint64_t i0 = begin + (uint64_t)blockIdx.x * blockDim.x * U + threadIdx.x; i0 < end;
-         i0 += span) {
-      float acc[U][P::N];
-      reduce_items<T, OP, VEC, U>(a, i0, blockDim.x, end, acc);
+    // Item i of the slice, reduced, into every rank's output.
+    reduce_slice<T, OP, VEC, U>(a, begin, end, [&](uint64_t i, const float (&acc)[P::N]) {
+      const typename P::Storage s = pack<T, VEC>(acc);
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const uint64_t i = i0 + (uint64_t)u * blockDim.x;
-        if (i >= end) continue;
-        const typename P::Storage s = pack<T, VEC>(acc[u]);
-#pragma unroll
-        for (int r = 0; r < SYMM_MAX_RANKS; ++r)
-          if (r < a.world) ((typename P::Storage*)a.out[r])[i] = s;
-      }
-    }
+      for (int r = 0; r < SYMM_MAX_RANKS; ++r)
+        if (r < a.world) ((typename P::Storage*)a.out[r])[i] = s;
+    });
     if (VEC && a.rank == a.world - 1 && blockIdx.x == 0) {
       const uint64_t i = items * P::N + threadIdx.x;
       if (i < a.count) {

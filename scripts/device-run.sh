@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a lent GPU machine, from
-# prebuilt artifacts in .device/ (see the README's "GPU runs" section). Logs go to $OUT.
+# prebuilt artifacts in .device/ (docs/development.md, "GPU runs"). Logs go to $OUT.
 #   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab | p2p | fp8 | groups | global | atp | hier | x2
 #   x2: the 2-GPU runs of issue 29 (PARTS; see the branch), each part within what is left of BUDGET s.
 #   fused: bench/fused.py (all-reduce + residual add + RMSNorm, fused vs unfused vs NCCL, and a

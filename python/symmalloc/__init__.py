@@ -15,9 +15,11 @@ MemPool mode (recommended)::
     comm.all_reduce(x)                                 # in place, on the current stream
 
 The modules: ``_lib`` (loading the library, status codes, errors), ``_fast`` (the compiled
-eager caller and the stream getter), ``comm`` (``Communicator``), ``memory`` (statistics,
-pools, global mode) and ``hier`` (``HierCommunicator``: more than one node, with the cost model
-of ``hier_cost`` and the host exchange of ``_hosts``). What each misuse gets back: docs/python-errors.md.
+eager caller and the stream getter), ``_checks`` (the argument checks the communicators and the
+custom ops share), ``_registry`` (the handles by which the custom ops name a communicator),
+``comm`` (``Communicator``, with ``groups`` and ``p2p``), ``memory`` (statistics, pools, global
+mode) and ``hier`` (``HierCommunicator``: more than one node, with the cost model of
+``hier_cost`` and the host exchange of ``_hosts``). What each misuse gets back: docs/python-errors.md.
 """
 
 __version__ = "0.2.0"  # kept equal to Cargo.toml's version by tests/test_no_gpu.py

@@ -9,7 +9,10 @@ collective of the group: a rank whose GPU is missing could not take part in an N
 and this way every rank learns that, by name, instead of waiting for it.
 
 Invariant: every rank of the group calls ``exchange`` the same number of times in the same
-order (as with any collective); each call has its own keys, deleted by the last rank to read."""
+order (as with any collective); each call has its own keys, deleted by the last rank to read.
+
+``node_local_id`` is that exchange for ``Communicator.from_process_group`` (one host);
+``HierCommunicator`` (hier.py) runs it over several."""
 
 import collections
 import datetime
@@ -130,6 +133,38 @@ def by_host(ranks: List[Rank]) -> "collections.OrderedDict[Host, List[int]]":
 
 def describe_hosts(hosts) -> str:
     return "; ".join(f"host {h.describe()}: group rank(s) {_ranges(rs)}" for h, rs in hosts.items())
+
+
+def process_group(pg):
+    """(``pg`` or the world group, this rank in it, its size); raises when torch.distributed is not
+    initialized or this process is not a member."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise _invalid("from_process_group needs an initialized torch.distributed process group (call init_process_group first)")
+    group = pg if pg is not None else dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise _invalid("this process is not a member of the given process group")
+    return group, rank, world
+
+
+def node_local_id(pg, device, timeout_s: float = 300.0):
+    """For ``Communicator.from_process_group``: (group rank, world, the id of group rank 0,
+    device), after checking over the group's store that every rank is on one host and can use
+    its device (raised on every rank otherwise)."""
+    group, rank, world = process_group(pg)
+    device, problem = device_problem(device, rank)
+    ranks = exchange(group, rank, world, device, problem, {}, timeout_s, "from_process_group")
+    check_devices(ranks, "from_process_group")
+    hosts = by_host(ranks)
+    if len(hosts) > 1:
+        raise _invalid(
+            f"from_process_group: the group spans {len(hosts)} hosts ({describe_hosts(hosts)}); "
+            "a Communicator joins the ranks of one host. Use symmalloc.HierCommunicator.from_process_group(pg) "
+            "(symmalloc inside each host, torch.distributed between hosts) or symmalloc.from_process_group(pg), "
+            "which picks (README, \"Across nodes\")")
+    return rank, world, ranks[0].uid, device
 
 
 def _ranges(rs: List[int]) -> str:

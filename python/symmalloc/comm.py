@@ -1,121 +1,29 @@
 """The communicator: ``Communicator`` (several per process and GPU: ``split`` and ``mem_pool``
-live in groups.py), the handle registry the custom ops use, and the argument checks shared
-with their fake implementations (``symmalloc.ops``).
+live in groups.py; the symmetric memory you program yourself in p2p.py). Each one is named by
+a handle in the registry the custom ops use (``_registry``).
 
-What the library cannot see is checked here, before it is called: dtype names, op and
-algorithm names, contiguity, devices, shapes (the library sees element counts only, so a
-shape it would reinterpret is refused here), eps, and a closed communicator. Pointers,
-sizes, alignment and the ranks' agreement are the library's (docs/python-errors.md)."""
+What the library cannot see is checked here, before it is called, with the checks the custom
+ops' fake implementations share (``_checks``): dtype names, op and algorithm names, contiguity,
+devices, shapes (the library sees element counts only, so a shape it would reinterpret is
+refused here), eps, and a closed communicator. Pointers, sizes, alignment and the ranks'
+agreement are the library's (docs/python-errors.md)."""
 
 import ctypes
 import itertools
-import math
 import os
-import weakref
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional
 
-from . import _fast
-from ._lib import _ALGOS, _DTYPES, _OPS, _QUANTS, SymmallocError, _check, _invalid, _library, get_unique_id
+from . import _fast, _hosts, groups, p2p
+from ._checks import (  # noqa: F401 (_dtype_code: bench/tail.py takes it from here)
+    _TORCH_DTYPE_CODES, _check_gather, _check_op, _check_rms_norm, _device_name, _dtype_code, _fmt, _fp8_mode, _shape,
+)
+from ._lib import _ALGOS, _DTYPES, _OPS, _check, _invalid, _library, get_unique_id
+from ._registry import communicator, register
 
 __all__ = ["Communicator", "communicator"]
 
 _VOIDP, _SIZE = ctypes.c_void_p, ctypes.c_size_t
-_TORCH_DTYPE_CODES: Dict[object, int] = {}
-_COMMS: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
-_HANDLES = itertools.count(1)
 _FROM_ENV_CALLS = itertools.count()
-
-
-def communicator(handle: int) -> "Communicator":
-    """The live communicator behind ``Communicator.handle`` (the int the custom ops take)."""
-    comm = _COMMS.get(handle)
-    if comm is None:
-        raise _invalid(f"communicator handle {handle} is not a live Communicator of this process (closed and collected, or never made)")
-    if not comm._comm.value:
-        raise _invalid(f"communicator handle {handle} is not a live Communicator: {comm._closed_message()}")
-    return comm
-
-
-def _dtype_code(dtype) -> Optional[int]:
-    """The symm_dtype_t of a torch dtype (None when unsupported), cached per dtype object."""
-    code = _TORCH_DTYPE_CODES.get(dtype)
-    if code is None:
-        code = _DTYPES.get(str(dtype).replace("torch.", ""))
-        if code is not None:
-            _TORCH_DTYPE_CODES[dtype] = code
-    return code
-
-
-def _device_name(dev: int) -> str:
-    return "cpu" if dev < 0 else f"cuda:{dev}"
-
-
-def _shape(t) -> Tuple[int, ...]:
-    return tuple(t.shape)
-
-
-def _fmt(shape: Sequence[int]) -> str:
-    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
-
-
-# Shape rules, on shapes only so that the custom ops' fake implementations apply the same ones.
-
-def _gathered_shapes(small: Sequence[int], world: int):
-    """The shapes a world-size gather of ``small`` may have: concatenated along dim 0
-    ((world * s0,) + rest), or stacked ((world,) + small); a 0-d ``small`` gives (world,)."""
-    small = tuple(small)
-    if not small:
-        return [(world,)]
-    return [(world * small[0],) + small[1:], (world,) + small]
-
-
-def _check_gather(what: str, small, big, world: int) -> None:
-    """``big`` is ``small`` gathered from every rank, along dim 0: shapes, not only sizes."""
-    if tuple(big) not in _gathered_shapes(small, world):
-        want = " or ".join(_fmt(s) for s in _gathered_shapes(small, world))
-        raise _invalid(
-            f"{what}: the gathered tensor has shape {_fmt(big)} and the per-rank one {_fmt(small)}; "
-            f"expected {want} (world size {world}: ranks are concatenated along dim 0)")
-
-
-def _check_rms_norm(x, residual, weight, out=None, eps: float = 1e-6) -> None:
-    """The fused call's shapes (``x`` and ``residual`` [..., hidden], ``weight`` [hidden], as
-    torch.nn.functional.rms_norm with normalized_shape = weight.shape) and eps."""
-    if len(weight) != 1 or len(x) == 0 or x[-1] != weight[0] or tuple(residual) != tuple(x) or weight[0] == 0:
-        raise _invalid(
-            f"all_reduce_add_rms_norm: x {_fmt(x)}, residual {_fmt(residual)}, weight {_fmt(weight)}; "
-            "expected x and residual of one shape [..., hidden] and weight [hidden] (hidden > 0)")
-    if out is not None and tuple(out) != tuple(x):
-        raise _invalid(f"all_reduce_add_rms_norm: out {_fmt(out)}; expected x's shape {_fmt(x)}")
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
-        raise _invalid(f"all_reduce_add_rms_norm: eps {eps!r} is not a finite number >= 0")
-
-
-def _fp8_mode(what: str, x, scale, group_size) -> Tuple[int, Tuple[int, ...]]:
-    """The FP8 output's symm_quant_t and the shape of its scales, from the arguments' shapes:
-    a given ``scale`` (one float32 element) is static; else ``group_size`` None is a scale per
-    row (shape [..., 1]) and 128 a scale per 128 elements of a row ([..., hidden / 128])."""
-    x = tuple(x)
-    if scale is not None:
-        if group_size is not None:
-            raise _invalid(f"{what}: group_size {group_size!r} with a static scale; a static scale is one value")
-        if tuple(scale) not in ((), (1,)):
-            raise _invalid(f"{what}: scale has shape {_fmt(scale)}; expected one float32 element ([] or [1])")
-        return _QUANTS["static"], tuple(scale)
-    if group_size is None:
-        return _QUANTS["per_token"], x[:-1] + (1,)
-    if group_size != 128:
-        raise _invalid(f"{what}: group_size {group_size!r}; expected None (a scale per row) or 128")
-    if x[-1] % 128:
-        raise _invalid(f"{what}: hidden {x[-1]} is not a multiple of 128 (group_size 128)")
-    return _QUANTS["per_group_128"], x[:-1] + (x[-1] // 128,)
-
-
-def _check_op(op: str) -> int:
-    code = _OPS.get("sum" if op is None else op) if isinstance(op, (str, type(None))) else None
-    if code is None:
-        raise _invalid(f"op {op!r} unknown; ops {list(_OPS)}")
-    return code
 
 
 def _eager_fallback(handle: int, *args, **kwargs) -> None:
@@ -192,9 +100,7 @@ class Communicator:
         numpy needed. ``device`` defaults to the current CUDA device (to the global rank on the
         host backend). Several node-local groups at once work (e.g. those of
         ``dist.new_subgroups()``)."""
-        from .hier import node_local_id
-
-        rank, world, uid, device = node_local_id(pg, device)
+        rank, world, uid, device = _hosts.node_local_id(pg, device)
         return cls(rank, world, uid, device=device)
 
     def all_reduce(self, tensor, op: str = "sum", algo: str = "auto", out=None) -> None:
@@ -361,11 +267,21 @@ class Communicator:
             x.numel() // hidden, hidden, eps, code, mode, self._stream_of(out)))
         return out, scale
 
+    @classmethod
+    def _adopt(cls, handle: ctypes.c_void_p) -> "Communicator":
+        """The ``Communicator`` over a symm_comm_t the library made (a ``split``'s child): its
+        rank, size and device from ``symm_comm_info``."""
+        i = groups.info(handle)
+        c = cls.__new__(cls)
+        c._comm = handle
+        c.rank, c.world_size, c.device = i.rank, i.world_size, i.device
+        c._bind()
+        return c
+
     def _bind(self) -> None:
         """What every call needs, looked up once: the entry point and the stream getter; and the
         ``handle`` by which the custom ops (``symmalloc.ops``) name this communicator."""
-        self.handle = next(_HANDLES)
-        _COMMS[self.handle] = self
+        self.handle = register(self)
         self._handle = self._comm.value or 0  # the symm_comm_t address, for the compiled caller
         # The get_device() of the tensors it takes: on the host backend the heap is host memory
         # and tensors are CPU tensors (-1); otherwise this communicator's GPU.
@@ -415,35 +331,25 @@ class Communicator:
         """Collective: every rank passes a contiguous tensor at the same heap offset and size.
         Returns a ``p2p.SymmetricHandle`` (``peer_tensor(r)``, ``buffer_ptrs``,
         ``signal_pad_ptrs``)."""
-        from . import p2p
-
         return p2p.rendezvous(self, tensor)
 
     def put(self, src, peer: int, dst) -> None:
         """Copies ``src`` into rank ``peer``'s ``dst`` (a rendezvoused tensor of the same byte
         size) with the copy engine, on the current stream."""
-        from . import p2p
-
         p2p.put(self, src, peer, dst)
 
     def signal(self, peer: int, slot: int, value: int) -> None:
         """After the current stream's earlier work (puts included), raises rank ``peer``'s
         signal slot ``slot`` to ``value``."""
-        from . import p2p
-
         p2p.signal(self, peer, slot, value)
 
     def wait(self, slot: int, value: int) -> None:
         """Holds the current stream until this rank's slot ``slot`` is >= ``value`` (bounded by
         SYMMALLOC_TIMEOUT_S; a timeout is reported by the next call)."""
-        from . import p2p
-
         p2p.wait(self, slot, value)
 
     def device_comm(self):
         """``symm_comm_device``: a ``p2p.DeviceComm`` (ctypes) for kernels that take it."""
-        from . import p2p
-
         return p2p.device_comm(self)
 
     def _current_stream(self) -> int:
@@ -462,17 +368,14 @@ class Communicator:
         calls it. A color below -1 on any rank raises on every rank, naming it, and this
         communicator stays usable. The child shares this one's peer mappings, has its own
         buffers and arena, and keeps working after this one is closed."""
-        from . import groups
-
-        return groups.split(self, color, key)
+        child = groups.split(self, color, key)
+        return None if child is None else Communicator._adopt(child)
 
     def mem_pool(self):
         """A ``torch.cuda.MemPool`` over this communicator's arena (``symm_comm_malloc``): what
         is allocated in it sits at the same offset on every rank of this communicator, whatever
         other groups or threads allocate on the GPU, given the same sequence of allocations on
         its ranks. ``with torch.cuda.use_mem_pool(comm.mem_pool()): ...``. One per communicator."""
-        from . import groups
-
         return groups.mem_pool(self)
 
     def close(self) -> None:

@@ -55,10 +55,9 @@ def info(handle: ctypes.c_void_p) -> CommInfo:
     return out
 
 
-def split(comm, color: Optional[int], key: Optional[int]):
-    """``comm.split``: the child ``Communicator``, or None for ``SPLIT_NOCOLOR`` (or None)."""
-    from .comm import Communicator
-
+def split(comm, color: Optional[int], key: Optional[int]) -> Optional[ctypes.c_void_p]:
+    """``comm.split``: the child's symm_comm_t (``Communicator`` wraps it), or None for
+    ``SPLIT_NOCOLOR`` (or None)."""
     color = SPLIT_NOCOLOR if color is None else color
     key = comm.rank if key is None else key
     for name, v in (("color", color), ("key", key)):
@@ -67,14 +66,7 @@ def split(comm, color: Optional[int], key: Optional[int]):
     handle = comm._live()
     child = ctypes.c_void_p()
     _check(_lib().symm_comm_split(handle, color, key, ctypes.byref(child)))
-    if not child.value:
-        return None
-    i = info(child)
-    c = Communicator.__new__(Communicator)
-    c._comm = child
-    c.rank, c.world_size, c.device = i.rank, i.world_size, i.device
-    c._bind()
-    return c
+    return child if child.value else None
 
 
 _allocators = []  # kept for the process: PyTorch crashes if an allocator dies before its pools

@@ -38,8 +38,10 @@ import ctypes
 from typing import Optional
 
 from . import _hosts
+from ._checks import _check_gather, _check_op, _check_rms_norm, _dtype_code
 from ._lib import _ALGOS, SymmallocError, _invalid
-from .comm import _COMMS, _HANDLES, Communicator, _check_gather, _check_op, _check_rms_norm, _dtype_code
+from ._registry import register
+from .comm import Communicator
 from .hier_cost import COLLECTIVES, PATHS, HierCost
 
 __all__ = ["HierCommunicator", "HierCost", "from_process_group"]
@@ -51,36 +53,6 @@ def from_process_group(pg=None, device: Optional[int] = None, **kwargs):
     """A ``Communicator`` when ``pg`` is on one host, else a ``HierCommunicator`` (``kwargs``
     go to ``HierCommunicator.from_process_group``). Collective over ``pg``."""
     return HierCommunicator.from_process_group(pg, device, _single=True, **kwargs)
-
-
-def _group(pg):
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise _invalid("from_process_group needs an initialized torch.distributed process group (call init_process_group first)")
-    group = pg if pg is not None else dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if rank < 0:
-        raise _invalid("this process is not a member of the given process group")
-    return group, rank, world
-
-
-def node_local_id(pg, device, timeout_s: float = 300.0):
-    """For ``Communicator.from_process_group``: (group rank, world, the id of group rank 0,
-    device), after checking over the group's store that every rank is on one host and can use
-    its device (raised on every rank otherwise)."""
-    group, rank, world = _group(pg)
-    device, problem = _hosts.device_problem(device, rank)
-    ranks = _hosts.exchange(group, rank, world, device, problem, {}, timeout_s, "from_process_group")
-    _hosts.check_devices(ranks, "from_process_group")
-    hosts = _hosts.by_host(ranks)
-    if len(hosts) > 1:
-        raise _invalid(
-            f"from_process_group: the group spans {len(hosts)} hosts ({_hosts.describe_hosts(hosts)}); "
-            "a Communicator joins the ranks of one host. Use symmalloc.HierCommunicator.from_process_group(pg) "
-            "(symmalloc inside each host, torch.distributed between hosts) or symmalloc.from_process_group(pg), "
-            "which picks (README, \"Across nodes\")")
-    return rank, world, ranks[0].uid, device
 
 
 class HierCommunicator:
@@ -110,14 +82,14 @@ class HierCommunicator:
         import torch.distributed as dist
 
         self = cls.__new__(cls)
-        self._comm = ctypes.c_void_p()  # the registry's liveness mark (comm.communicator)
+        self._comm = ctypes.c_void_p()  # the registry's liveness mark (_registry.communicator)
         self.local = self.cross = None
         cost = HierCost() if cost is None else cost
         if not isinstance(cost, HierCost):
             raise _invalid(f"cost {cost!r} is not a symmalloc.HierCost")
         if path != "auto" and path not in PATHS:
             raise _invalid(f"path {path!r} unknown; expected auto or one of {list(PATHS)}")
-        group, rank, world = _group(pg)
+        group, rank, world = _hosts.process_group(pg)
         host = _hosts.host_backend()
         if inter_backend is None:
             inter_backend = "gloo" if host else "nccl"
@@ -179,8 +151,7 @@ class HierCommunicator:
             except SymmallocError:
                 self.close()
                 raise
-        self.handle = next(_HANDLES)
-        _COMMS[self.handle] = self
+        self.handle = register(self)
         self._comm = ctypes.c_void_p(1)
         return self
 

@@ -46,8 +46,10 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from ._checks import _check_op, _check_rms_norm, _dtype_code, _fp8_mode
 from ._lib import _ALGOS, SymmallocError
-from .comm import Communicator, _check_op, _check_rms_norm, _dtype_code, _fp8_mode, communicator
+from ._registry import communicator
+from .comm import Communicator
 
 __all__ = ["all_reduce", "all_reduce_", "reduce_scatter", "all_gather", "all_reduce_add_rms_norm",
            "all_reduce_add_rms_norm_fp8", "all_reduce_add_rms_norm_functional",
