@@ -7,7 +7,7 @@ from typing import Dict, Optional
 
 from ._lib import _STATS, SymmallocError, _check, _find, _invalid, _library, _Stats, library_path
 
-__all__ = ["memory_stats", "pluggable_path", "mem_pool", "install_global"]
+__all__ = ["memory_stats", "pluggable_path", "mem_pool", "install_global", "installed"]
 
 
 def memory_stats(device: int = 0) -> Dict[str, int]:
@@ -68,26 +68,81 @@ def _wrap_empty_cache(cuda, symm_empty_cache) -> bool:
     return True
 
 
-def install_global() -> None:
+_installed = None  # "cpp" or "pluggable" once install_global() has run
+_FALLBACK_LACKS = (
+    "memory statistics (torch.cuda.memory_allocated, memory_stats, max_memory_allocated, "
+    "reset_peak_memory_stats), memory snapshots (_record_memory_history, _dump_snapshot), "
+    "cuDNN benchmark mode, torch.compile(mode='reduce-overhead') (CUDA-graph trees), "
+    "torch.OutOfMemoryError (a failed allocation hands PyTorch a NULL pointer) and an "
+    "enforced set_per_process_memory_fraction")
+
+
+def installed() -> Optional[str]:
+    """Which allocator ``install_global()`` installed: ``"cpp"`` (symmalloc's C++ allocator for
+    PyTorch), ``"pluggable"`` (CUDAPluggableAllocator over the shim) or None."""
+    return _installed
+
+
+def install_global(allocator: str = "auto") -> None:
     """Make symmalloc PyTorch's CUDA allocator. Must run before CUDA allocates anything, and
     before ``torch.cuda.set_device`` (which sets up PyTorch's own allocator).
 
-    PyTorch 2.11's ``CUDAPluggableAllocator`` exposes hook setters to Python (seen on torch
-    2.11.0+cu130: ``set_begin_allocate_to_pool``, ``set_end_allocate_to_pool_fn``,
-    ``set_release_pool``, ``set_record_stream_fn``, ``set_reset_fn``, ...); each one present is
-    set to its ``symm_*`` function, ``set_reset_fn`` (what the allocator's ``emptyCache`` calls)
-    to ``symm_empty_cache``, and the begin hook to the shim's ``begin_allocate_to_pool``, which
-    keeps PyTorch's filter (a graph capture's allocations are those on the capturing stream,
-    from any thread, the autograd engine's included). Each capture takes a use of its pool and
-    each graph deleted gives one back: a pool shared by several graphs keeps its memory until
-    the last is deleted. ``torch.cuda.empty_cache`` (``torch.cuda.memory.empty_cache``,
-    which ``torch.cuda.graph`` calls before capture) is also wrapped, for builds whose
-    ``emptyCache`` does not call the hook: the original runs, then ``symm_empty_cache()``
-    returns symmalloc's cached segments without live blocks (a second call finds nothing)."""
+    ``allocator="auto"`` (the default) installs symmalloc's C++ allocator for PyTorch
+    (csrc/torch_allocator.cpp): every method of PyTorch's ``CUDAAllocator`` over
+    libsymmalloc's C ABI, so statistics, snapshots, cuDNN benchmark mode, CUDA-graph trees
+    (``torch.compile(mode="reduce-overhead")``), ``torch.OutOfMemoryError`` and
+    ``set_per_process_memory_fraction`` work (README, "Global mode"). It is the wheel's build
+    for the torch it pins, or one built on first use with ``torch.utils.cpp_extension`` and
+    cached (symmalloc._torch_ext). When it cannot be had (no compiler, say), one warning names
+    what will not work and the pluggable path below is used. ``"cpp"`` raises instead of
+    falling back; ``"pluggable"`` takes the pluggable path directly.
+
+    The pluggable path: PyTorch's ``CUDAPluggableAllocator`` over libsymmalloc_pluggable.so,
+    with every hook setter PyTorch 2.11 exposes (``set_begin_allocate_to_pool``,
+    ``set_end_allocate_to_pool_fn``, ``set_release_pool``, ``set_record_stream_fn``,
+    ``set_reset_fn``) set to its ``symm_*`` function, the begin hook to the shim's
+    ``begin_allocate_to_pool`` (which keeps PyTorch's capture filter), and
+    ``torch.cuda.empty_cache`` wrapped to also run ``symm_empty_cache()``. Each capture takes
+    a use of its pool and each graph deleted gives one back."""
+    global _installed
     import torch
 
+    if allocator not in ("auto", "cpp", "pluggable"):
+        raise _invalid(f"install_global(allocator={allocator!r}); expected 'auto', 'cpp' or "
+                       "'pluggable'")
+    if _installed is not None:
+        return
     if torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
         raise _invalid("install_global() must run before any CUDA tensor is allocated")
+    if allocator != "pluggable":
+        from . import _torch_ext
+
+        try:
+            _torch_ext.load()
+        except (RuntimeError, OSError) as e:
+            if allocator == "cpp":
+                raise SymmallocError("SYMM_ERR_UNSUPPORTED", str(e)) from None
+            import warnings
+
+            warnings.warn(
+                f"symmalloc: {e}. install_global() falls back to CUDAPluggableAllocator, "
+                f"under which these do not work: {_FALLBACK_LACKS}. Install a C++ compiler and "
+                "ninja (pip install ninja), or the symmalloc wheel built for this torch.",
+                RuntimeWarning, stacklevel=2)
+        else:
+            why = _torch_ext.install(library_path())
+            if why is not None:
+                raise SymmallocError(
+                    "SYMM_ERR_INVALID_ARGUMENT",
+                    "install_global() must run before any CUDA use in this process, "
+                    f"torch.cuda.set_device included: {why}")
+            _installed = "cpp"
+            return
+    _install_pluggable(torch)
+    _installed = "pluggable"
+
+
+def _install_pluggable(torch) -> None:
     alloc = _pluggable()
     raw = alloc.allocator()
     lib = _library()
