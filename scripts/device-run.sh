@@ -96,7 +96,9 @@ elif [ "${1:-tests}" = global ]; then
   # Global mode on one GPU (issues #35, #32), PARTS of: checks (python/tests/global_capture_check.py
   # for PyTorch's allocator and symmalloc), memory (bench/global_memory.py, RUNS pairs), host
   # (bench/torch_global.py, PAIRS rounds, STEPS training steps, MODES; with .device/old present
-  # the mode global-old runs that build), alloc (t_gpu_alloc).
+  # the mode global-old runs that build; MODEL=resnet50 for the ResNet-50 step), alloc
+  # (t_gpu_alloc), api (python/tests/global_api_check.py), build (the C++ allocator built on
+  # first use), upstream (python/tests/torch_upstream_check.py: PyTorch's own tests ported).
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   for part in ${PARTS:-checks memory}; do
     case $part in
@@ -105,8 +107,23 @@ elif [ "${1:-tests}" = global ]; then
                 --replays "${REPLAYS:-100}" --out "$OUT/global_memory.json" ;;
       host) old=(); [ -f "$D/old/libsymmalloc.so" ] && old=(--old-lib "$D/old")
             T=${T_HOST:-400} TAILN=24 run torch_global python3 bench/torch_global.py --pairs "${PAIRS:-6}" --steps "${STEPS:-0}" \
-              --modes "${MODES:-default,global,floor${old:+,global-old}}" "${old[@]}" --out "$OUT" ;;
+              --modes "${MODES:-default,global,floor${old:+,global-old}}" "${old[@]}" --model "${MODEL:-transformer}" \
+              --bump "$D/libbump_alloc.so" --out "$OUT" ;;
       alloc) T=200 TAILN=6 run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture ;;
+      api) # PyTorch's memory API row by row (the C++ allocator; PyTorch's as the control), then
+           # torch.compile(reduce-overhead) under both, compared.
+           for a in symmalloc torch; do T=300 TAILN=14 run api_$a python3 python/tests/global_api_check.py $a; done
+           T=400 TAILN=6 run api_compare python3 python/tests/global_api_check.py compare ;;
+      build) # install_global() on a machine whose torch the staged build does not fit: built on
+             # first use into a fresh cache (the staged library is hidden), then used.
+           T=300 TAILN=6 run ext_build env SYMMALLOC_TORCH_EXT=/nonexistent SYMMALLOC_CACHE_DIR=$OUT/cache \
+             SYMMALLOC_LIBRARY_DIR=/tmp/symm-nolib-$$ python3 -c "import sys; sys.path.insert(0, 'python'); \
+             import os, shutil; d = '/tmp/symm-nolib-$$'; os.makedirs(d, exist_ok=True); \
+             [shutil.copy('$D/' + f, d) for f in ('libsymmalloc.so', 'libsymmalloc_pluggable.so')]; \
+             import symmalloc, torch; symmalloc.install_global(allocator='cpp'); \
+             x = torch.ones(10, device='cuda'); print('installed', symmalloc.memory.installed(), \
+             torch.cuda.memory_allocated(), os.listdir('$OUT/cache'))" ;;
+      upstream) for a in symmalloc torch; do T=400 TAILN=8 run upstream_$a python3 python/tests/torch_upstream_check.py $a; done ;;
     esac
   done
 elif [ "${1:-tests}" = fp8 ]; then

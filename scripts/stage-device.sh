@@ -57,6 +57,11 @@ fi
 strip .device/t_* .device/alloc_bench .device/allreduce_c .device/p2p_bench .device/groups_bench .device/symmalloc-demo
 strip --strip-debug .device/*.so  # keeps the dynamic symbols; the tree travels under 64 MiB
 link_soname .device
+# The C++ allocator for PyTorch (make torch-ext: built against the pinned torch here; the device
+# run also builds it with the machine's torch on first use when this one does not load there) and
+# the floor allocator of bench/torch_global.py.
+make --no-print-directory target/release/libsymmalloc_torch.so >/dev/null && cp target/release/libsymmalloc_torch.so .device/
+cc -O2 -shared -fPIC bench/bump_alloc.c -o .device/libbump_alloc.so -ldl
 # The manylinux wheel (make wheel), for the install-and-run check on the device.
 make --no-print-directory wheel >/dev/null && cp .whl/symmalloc-*.whl .device/
 # Its compiled eager caller, beside the libraries: the in-tree package loads it from there.

@@ -2,7 +2,8 @@
 built with ``torch.utils.cpp_extension`` when it is not (and cached), loaded and installed.
 
 Where it looks, in order: ``SYMMALLOC_TORCH_EXT`` (a path to the built library), the package's
-``lib/libsymmalloc_torch.so`` (the wheel's, built for the torch it pins), the build cache
+``lib/libsymmalloc_torch.so`` (the wheel's, built for the torch it pins), the folder of the
+libsymmalloc.so in use (a checkout's ``target/release``: ``make torch-ext``), the build cache
 (``SYMMALLOC_CACHE_DIR``, else ``$XDG_CACHE_HOME/symmalloc``, else ``~/.cache/symmalloc``), one
 folder per torch version. A library is used only when it says it was built for the running
 torch (``symm_torch_built_for``); otherwise it is built into the cache. Nothing here runs on the
@@ -101,6 +102,12 @@ def _candidates(torch):
         yield env
     here = os.path.dirname(os.path.abspath(__file__))
     yield os.path.join(here, "lib", LIBRARY)
+    try:  # beside the libsymmalloc.so in use (a checkout's target/release, a staged folder)
+        from ._lib import library_path
+
+        yield os.path.join(os.path.dirname(library_path()), LIBRARY)
+    except Exception:  # no library found: install_global() says so itself
+        pass
     yield os.path.join(_cache_dir(torch), LIBRARY)
 
 
