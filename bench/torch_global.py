@@ -156,7 +156,7 @@ def train_resnet(torch, steps):
     return statistics.median(times[10:]), used / float(1 << 30), float(loss.item())
 
 
-def child(mode, bump, steps, port, core, old_lib=None, model="transformer"):
+def child(mode, bump, steps, port, core, old_lib=None, model="transformer", micro=True):
     if core >= 0:  # every process on the same core: placement differs between processes otherwise
         os.sched_setaffinity(0, {core})
     t_start = time.perf_counter()
@@ -180,12 +180,13 @@ def child(mode, bump, steps, port, core, old_lib=None, model="transformer"):
     if mode.startswith("global"):
         row["installed"] = row_installed
     phases = [("start", time.perf_counter() - t_start)]
-    for n in SIZES:
+    for n in SIZES if micro else []:
         pairs_us(torch, n, reps=1, n=500)  # warm
         row[f"empty+del {n}"] = pairs_us(torch, n, reps=5, n=3000)
         row[f"p99 {n}"] = pair_p99_us(torch, n)
-    row["mixed 64"] = mixed_us(torch)
-    row["side stream"] = side_stream_us(torch)
+    if micro:
+        row["mixed 64"] = mixed_us(torch)
+        row["side stream"] = side_stream_us(torch)
     phases.append(("micro", time.perf_counter() - t_start))
     if steps and mode != "floor":  # the floor hands memory out again once it wraps: no training
         fn = train_resnet if model == "resnet50" else (lambda t, n: train(t, n, port))
@@ -207,13 +208,14 @@ def main():
     ap.add_argument("--old-lib", default=None, help="the libraries of another build, for mode global-old")
     ap.add_argument("--port", type=int, default=29800)
     ap.add_argument("--model", default="transformer", choices=["transformer", "resnet50"])
+    ap.add_argument("--no-micro", action="store_true", help="the training step alone (no floor rows)")
     ap.add_argument("--core", type=int, default=2, help="the core every process runs on (-1: any)")
     a = ap.parse_args()
     for k, v in NO_MULTICAST.items():
         os.environ[k] = v
     os.environ.pop("SYMMALLOC_ENABLE_MULTICAST", None)
     if a.child:
-        return child(a.child, a.bump, a.steps, a.port, a.core, a.old_lib, a.model)
+        return child(a.child, a.bump, a.steps, a.port, a.core, a.old_lib, a.model, not a.no_micro)
     os.makedirs(a.out, exist_ok=True)
     modes = a.modes.split(",")
     rounds = []
@@ -223,7 +225,7 @@ def main():
         for j, mode in enumerate(order):
             p = subprocess.run([sys.executable, __file__, "--child", mode, "--bump", a.bump, "--steps", str(a.steps),
                                 "--port", str(a.port + len(modes) * i + j), "--core", str(a.core),
-                                "--model", a.model]
+                                "--model", a.model] + (["--no-micro"] if a.no_micro else [])
                                + (["--old-lib", a.old_lib] if a.old_lib else []),
                                capture_output=True, text=True, timeout=600)
             line = next((l for l in p.stdout.splitlines() if l.startswith("ROW ")), None)
@@ -265,11 +267,13 @@ def main():
                 print(f"  {m} / default per round: {diffs} (slower in {slower} of {len(rounds)})")
         print(f"train step: global / default = {st['global'] / st['default']:.3f} (target <= 1.00); "
               f"memory global / default = {mem['global'] / mem['default']:.3f} (target <= 0.97)")
-    for m in modes:
+    for m in modes if keys and "floor" in modes else []:
         if m not in MODES:
             d = [r[m][k] - r["floor"][k] for r in rounds for k in keys if k.startswith("empty+del")]
             print(f"{m} - floor over every empty+del row and round: median {statistics.median(d):+.2f}, "
                   f"max {max(d):+.2f} us")
+    if not keys or "floor" not in modes:
+        return
     worst = max(r["global"][f"empty+del {n}"] - r["floor"][f"empty+del {n}"] for r in rounds for n in SIZES)
     print(f"empty+del: the worst round's global - floor = {worst:+.2f} us (target <= 0.2 in every round)")
 

@@ -7,13 +7,18 @@
 //! state however it loaded the library). `begin_allocate_to_pool` is PyTorch's
 //! begin-allocate-to-pool hook with its filter (std_function.rs), for
 //! `symm_begin_pool_filtered`. A failed `malloc` says why on stderr: PyTorch does not check a
-//! pluggable allocator's result, and would otherwise run kernels on a NULL pointer. Load it only with `dlopen(RTLD_LOCAL)`: never link or LD_PRELOAD it, or these
+//! pluggable allocator's result, and would otherwise run kernels on a NULL pointer. Loaded by
+//! hand (no pool hook ever called), the first allocation from a capturing stream says once on
+//! stderr that captures get no pool and names `symmalloc.install_global()`. (The C++ allocator
+//! of python/symmalloc/csrc, which install_global() installs, does not go through this shim.)
+//! Load it only with `dlopen(RTLD_LOCAL)`: never link or LD_PRELOAD it, or these
 //! names take over the process heap. Its own Rust code still binds to libc's malloc because
 //! the library is linked without -Bsymbolic and `malloc` is resolved through the global scope.
 
 mod std_function;
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 type MallocFn = unsafe extern "C" fn(usize, c_int, *mut c_void) -> *mut c_void;
@@ -116,6 +121,57 @@ fn api() -> Option<&'static Api> {
     }
 }
 
+/// Whether a pool hook (`begin_pool`, `begin_allocate_to_pool`) was ever called: then the
+/// loader routes captures to pools (symmalloc.install_global() sets the hooks), and allocations
+/// are no longer checked for a capture.
+static POOL_HOOK_SEEN: AtomicBool = AtomicBool::new(false);
+static CAPTURE_WARNED: AtomicBool = AtomicBool::new(false);
+
+type IsCapturingFn = unsafe extern "C" fn(*mut c_void, *mut c_int) -> c_int;
+
+/// The driver's `cuStreamIsCapturing`, loaded once (None without a driver).
+fn is_capturing_fn() -> Option<IsCapturingFn> {
+    static F: OnceLock<Option<IsCapturingFn>> = OnceLock::new();
+    *F.get_or_init(|| {
+        // SAFETY: dlopen/dlsym with NUL-terminated names; the handle lives for the process.
+        unsafe {
+            let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+            if h.is_null() {
+                return None;
+            }
+            let f = libc::dlsym(h, c"cuStreamIsCapturing".as_ptr());
+            (!f.is_null()).then(|| std::mem::transmute::<*mut c_void, IsCapturingFn>(f))
+        }
+    })
+}
+
+/// A process that loaded this shim by hand (`CUDAPluggableAllocator(path, "malloc", "free")`
+/// and `change_current_allocator`, no hooks) has no pool for a graph capture: the capture's
+/// blocks come from the default pool, eager work may reuse them while the graph still writes
+/// them, and the capture never hears of empty_cache. Said once, loudly, at the first allocation
+/// from a capturing stream while no pool hook was ever called; checked (one driver call per
+/// allocation) only until then.
+fn warn_capture_without_pool(stream: *mut c_void) {
+    if POOL_HOOK_SEEN.load(Ordering::Relaxed) || CAPTURE_WARNED.load(Ordering::Relaxed) {
+        return;
+    }
+    let Some(f) = is_capturing_fn() else { return };
+    let mut status: c_int = 0;
+    // SAFETY: a stream handle from the caller and a valid out pointer.
+    if unsafe { f(stream, &mut status) } != 0 || status == 0 {
+        return;
+    }
+    if !CAPTURE_WARNED.swap(true, Ordering::Relaxed) {
+        eprintln!(
+            "symmalloc_pluggable: WARNING: an allocation arrived from a capturing CUDA stream \
+             with no graph pool begun: this process loaded libsymmalloc_pluggable.so by hand \
+             (CUDAPluggableAllocator without symmalloc's hooks), so graph captures allocate \
+             from the default pool (eager work may reuse a graph's memory) and never hear of \
+             empty_cache. Call symmalloc.install_global() instead (README, \"Global mode\")."
+        );
+    }
+}
+
 /// `symm_malloc` under PyTorch's expected name.
 ///
 /// # Safety
@@ -125,6 +181,7 @@ pub unsafe extern "C" fn malloc(size: usize, device: c_int, stream: *mut c_void)
     let Some(a) = api() else {
         return std::ptr::null_mut();
     };
+    warn_capture_without_pool(stream);
     // SAFETY: forwarding the caller's arguments unchanged.
     let p = unsafe { (a.malloc)(size, device, stream) };
     if p.is_null() && size > 0 {
@@ -157,6 +214,7 @@ pub unsafe extern "C" fn free(ptr: *mut c_void, size: usize, device: c_int, stre
 /// As `symm_begin_pool`.
 #[no_mangle]
 pub unsafe extern "C" fn begin_pool(device: c_int, first: u64, second: u64) {
+    POOL_HOOK_SEEN.store(true, Ordering::Relaxed);
     if let Some(a) = api() {
         // SAFETY: forwarding.
         unsafe { (a.begin_pool)(device, first, second) }
@@ -181,6 +239,7 @@ pub unsafe extern "C" fn begin_allocate_to_pool(
     second: u64,
     filter: *mut c_void,
 ) {
+    POOL_HOOK_SEEN.store(true, Ordering::Relaxed);
     let Some(a) = api() else { return };
     // SAFETY: the caller's contract above.
     match unsafe { std_function::Filter::take(filter) } {

@@ -125,6 +125,33 @@ def check_snapshot():
     del x
 
 
+def check_plots():
+    """upstream's test_memory_plots, each context named when it fails."""
+    import json
+
+    from torch.cuda._memory_viz import segment_plot, trace_plot
+
+    for context, stacks in (("all", "all"), ("all", "python"), (None, "python")):
+        try:
+            torch.cuda.memory.empty_cache()
+            torch.cuda.memory._record_memory_history("all", context=context, stacks=stacks)
+
+            def run():
+                x = torch.rand(128, 128, device="cuda")
+                x * x + x * x
+
+            run()
+            ss = torch.cuda.memory._snapshot()
+            trace_plot(ss)
+            segment_plot(ss)
+            text = json.dumps(ss)
+            named = "check_plots" in text
+            assert named == (context is not None), (context, stacks, named, text[:3000])
+            assert str(128 * 128 * 4) in text, (context, stacks)
+        finally:
+            torch.cuda.memory._record_memory_history(None)
+
+
 def check_cudnn():
     torch.backends.cudnn.benchmark = True
     conv = torch.nn.Conv2d(64, 128, 3, padding=1).cuda()

@@ -202,6 +202,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     int st = api.malloc_checked(n, device, stream, &p);
     if (st == kSuccess && p != nullptr) {
       if (recording_.load(std::memory_order_relaxed)) note_alloc(device, p, n, stream);
+      if (c10::memoryProfilingEnabled()) report_to_profiler(device, p, (int64_t)n);
       return p;
     }
     std::string why = last_error();
@@ -212,12 +213,19 @@ class SymmAllocator final : public CCA::CUDAAllocator {
 
   void free_ptr(void* ptr) {
     if (ptr == nullptr) return;
-    if (recording_.load(std::memory_order_relaxed)) note_free(ptr);
+    bool profiling = c10::memoryProfilingEnabled();
+    size_t size = 0;
+    int device = 0;
+    if (recording_.load(std::memory_order_relaxed) || profiling) find_live(ptr, &device, &size);
+    if (recording_.load(std::memory_order_relaxed)) note_free(ptr, device, size);
     int st = api.free_block(ptr);
     if (st != kSuccess) {
       // A deleter cannot throw (it runs in destructors): say it, never abort.
       TORCH_WARN("symmalloc: free of ", ptr, " failed: ", last_error());
+      return;
     }
+    if (profiling) report_to_profiler(device, ptr, -(int64_t)size);
+    if (!caching_.load(std::memory_order_relaxed)) api.empty_cache();
   }
 
   // ---- setup ----
@@ -261,17 +269,28 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   void emptyCache(MempoolId /*mempool_id*/) override {
     // symmalloc gives back the free segments of the default pool and of released pools; a
     // live pool keeps its own, as PyTorch does.
+    bool tracing = recording_.load(std::memory_order_relaxed);
+    std::map<std::pair<int, uint64_t>, uint64_t> before;
+    if (tracing) before = segments_now();
     api.empty_cache();
     std::string e = last_error();
     TORCH_CHECK(e.empty(), "symmalloc: empty_cache failed: ", e);
+    if (tracing) {
+      auto after = segments_now();
+      std::lock_guard<std::mutex> g(history_mu_);
+      auto ctx = gather(CCA::RecordContext::ALL);
+      for (const auto& [key, size] : before) {
+        if (after.count(key)) continue;
+        segment_ctx_.erase(key.second);
+        push_trace(TraceEntry::SEGMENT_FREE, key.first, key.second, size, nullptr, ctx);
+      }
+    }
   }
 
-  void enable(bool value) override {
-    TORCH_CHECK(value, "symmalloc: the caching allocator cannot be disabled in global mode; "
-                       "uninstall symmalloc (run without symmalloc.install_global()) to use "
-                       "cudaMalloc directly");
-  }
-  bool isEnabled() const override { return true; }
+  // Off: every free gives the memory back at once (symm_empty_cache after it), as PyTorch's
+  // allocator with caching disabled frees through cudaFree.
+  void enable(bool value) override { caching_.store(value); }
+  bool isEnabled() const override { return caching_.load(); }
 
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
     uint64_t largest = 0;
@@ -419,6 +438,23 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     }
     history_ = enabled;
     recording_.store(enabled || !trackers_.empty());
+  }
+
+  void pushCompileContext(std::string& md) override {
+    std::lock_guard<std::mutex> g(history_mu_);
+    compile_context_.push_back(md);
+  }
+  void popCompileContext() override {
+    std::lock_guard<std::mutex> g(history_mu_);
+    if (!compile_context_.empty()) compile_context_.pop_back();
+  }
+  void setUserMetadata(const std::string& metadata) override {
+    std::lock_guard<std::mutex> g(history_mu_);
+    user_metadata_ = metadata;
+  }
+  std::string getUserMetadata() override {
+    std::lock_guard<std::mutex> g(history_mu_);
+    return user_metadata_;
   }
 
   void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override {
@@ -585,6 +621,11 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     }
     for (const auto& obs : observers) obs(device, allocated, total, free_b);
     std::ostringstream msg;
+    if (n >= (size_t)1 << 60) {  // PyTorch's words for a request larger than any device
+      msg << "CUDA out of memory. Tried to allocate more than 1EB memory. (symmalloc: " << why
+          << ")";
+      TORCH_CHECK_WITH(OutOfMemoryError, false, msg.str());
+    }
     msg << "CUDA out of memory. Tried to allocate " << bytes_str(n) << ". GPU " << int(device);
     if (total > 0) {
       msg << " has a total capacity of " << bytes_str(total) << " of which " << bytes_str(free_b)
@@ -628,7 +669,9 @@ class SymmAllocator final : public CCA::CUDAAllocator {
                                   "segment_unmap", "snapshot",       "oom"};
     if ((size_t)action < sizeof names / sizeof *names && skip_.count(names[action])) return;
     TraceEntry te(action, (c10::DeviceIndex)device, addr, size, (void*)stream, {0, 0},
-                  c10::getApproximateTime(), std::move(ctx));
+                  c10::getApproximateTime(), std::move(ctx),
+                  compile_context_.empty() ? std::string() : compile_context_.back(),
+                  user_metadata_);
     for (const auto& t : trackers_) t(te);
     if (!history_) return;
     ring_.push_back(std::move(te));
@@ -666,27 +709,47 @@ class SymmAllocator final : public CCA::CUDAAllocator {
                when_ >= CCA::RecordContext::ALLOC ? ctx : nullptr);
   }
 
-  void note_free(void* p) {
-    std::lock_guard<std::mutex> g(history_mu_);
-    int device = 0;
-    size_t size = 0;
-    cudaStream_t stream = nullptr;
-    for (int d = 0; d < std::max(device_count_, 1) && size == 0; ++d) {
+  // The device and request of the live block at `p` (0, 0 when not found).
+  void find_live(void* p, int* device, size_t* size) {
+    for (int d = 0; d < std::max(device_count_, 1); ++d) {
       try {
         for (const auto& b : list_blocks(d, nullptr))
           if (b.address == (uint64_t)p && b.state == kBlockLive) {
-            device = d;
-            size = b.requested;
-            stream = (cudaStream_t)(uintptr_t)b.stream;
-            break;
+            *device = d;
+            *size = b.requested;
+            return;
           }
       } catch (const c10::Error&) {
       }
     }
+  }
+
+  // (device, segment address) -> size of every segment now.
+  std::map<std::pair<int, uint64_t>, uint64_t> segments_now() {
+    std::map<std::pair<int, uint64_t>, uint64_t> out;
+    for (int d = 0; d < std::max(device_count_, 1); ++d) {
+      try {
+        for (const auto& b : list_blocks(d, nullptr)) out[{d, b.segment_address}] = b.segment_size;
+      } catch (const c10::Error&) {
+      }
+    }
+    return out;
+  }
+
+  void report_to_profiler(int device, void* p, int64_t delta) {
+    SymmDeviceStats s{};
+    if (api.device_stats(device, &s, sizeof s) != kSuccess) return;
+    c10::reportMemoryUsageToProfiler(p, delta, (size_t)s.allocated_bytes[0].current,
+                                     (size_t)s.reserved_bytes[0].current,
+                                     c10::Device(c10::DeviceType::CUDA, (c10::DeviceIndex)device));
+  }
+
+  void note_free(void* p, int device, size_t size) {
+    std::lock_guard<std::mutex> g(history_mu_);
     contexts_.erase(p);
     auto ctx = gather(CCA::RecordContext::ALL);
-    push_trace(TraceEntry::FREE_REQUESTED, device, (uint64_t)p, size, stream, ctx);
-    push_trace(TraceEntry::FREE_COMPLETED, device, (uint64_t)p, size, stream, ctx);
+    push_trace(TraceEntry::FREE_REQUESTED, device, (uint64_t)p, size, nullptr, ctx);
+    push_trace(TraceEntry::FREE_COMPLETED, device, (uint64_t)p, size, nullptr, ctx);
   }
 
   int device_count_ = 0;
@@ -706,6 +769,9 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
   std::vector<CCA::AllocatorTraceTracker> trackers_;
   bool history_ = false;
+  std::atomic<bool> caching_{true};
+  std::vector<std::string> compile_context_;
+  std::string user_metadata_;
   c10::ApproximateClockToUnixTimeConverter clock_;
 };
 
@@ -781,6 +847,8 @@ int symm_torch_install(const char* library_path, char* err, size_t len) {
   try {
     if (int r = make(library_path, err, len)) return r;
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(instance());
+    // torch.accelerator's memory API reads c10::GetAllocator(kCUDA): the same object.
+    c10::SetAllocator(c10::DeviceType::CUDA, instance().get(), /*priority=*/255);
     return 0;
   } catch (const std::exception& e) {
     return fail(err, len, e.what());
@@ -903,7 +971,25 @@ int symm_torch_selftest(const char* library_path, int device, char* err, size_t 
         frees += te.action_ == TraceEntry::FREE_COMPLETED && te.addr_ == (uint64_t)h;
       }
     EXPECT(allocs == 1 && frees == 1, "the trace holds the alloc and the free");
+    a.setUserMetadata("step 7");
+    void* h2 = a.malloc_on(device, 4096, nullptr);
+    a.raw_delete(h2);
+    snap = a.snapshot({0, 0}, true);
+    bool tagged = false;
+    for (const auto& tr : snap.device_traces)
+      for (const auto& te : tr) tagged |= te.addr_ == (uint64_t)h2 && te.user_metadata_ == "step 7";
+    EXPECT(tagged, "trace entries carry the user metadata");
+    a.setUserMetadata("");
     a.recordHistory(false, nullptr, 0, CCA::RecordContext::NEVER, true, {});
+
+    // Caching off: every free gives the memory back.
+    a.enable(false);
+    EXPECT(!a.isEnabled(), "caching reported off");
+    void* c = a.malloc_on(device, 30 << 20, nullptr);
+    int64_t held = a.getDeviceStats(device).reserved_bytes[0].current;
+    a.raw_delete(c);
+    EXPECT(a.getDeviceStats(device).reserved_bytes[0].current < held, "memory went back at the free");
+    a.enable(true);
 
     // What is refused, by name.
     bool named = false;
