@@ -151,7 +151,7 @@ mod tests {
     fn an_explicit_unique_id_wins_over_the_derived_one() {
         let h = Host::from_override("node-a");
         let fresh = UniqueId::generate().unwrap();
-        let hex = crate::ipc::unique_id::hex(&fresh.to_bytes());
+        let hex = crate::ipc::hex::hex(&fresh.to_bytes());
         let get = |k: &str| (k == "SYMMALLOC_UNIQUE_ID").then(|| hex.clone());
         let id = unique_id(&get, "torchrun:h:29500", &h).unwrap();
         assert_eq!(id, fresh);

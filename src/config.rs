@@ -28,9 +28,16 @@
 //! - The demo binary (`src/bin/symmalloc-demo.rs`, not the library) passes its children
 //!   `SYMMALLOC_DEMO_COUNT` and reads it back itself.
 
-use crate::debug::Level;
 use crate::error::{Error, Result};
 use std::time::Duration;
+
+/// The diagnostics level of `SYMMALLOC_DEBUG` ([`debug_level`]; debug.rs prints at it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    Off = 0,
+    Info = 1,
+    Trace = 2,
+}
 
 /// The one read of the process environment. A value that is not UTF-8 comes back converted
 /// lossily, so that a parser names it instead of taking it for unset.

@@ -14,8 +14,8 @@
 //! so a peer that destroys its copy is seen (retire.rs).
 
 use super::algo::{DType, Kernel, ReduceOp};
+use super::desc::{CallDesc, DescKind};
 use super::device_comm::SYMM_SIGNAL_PAD_BYTES;
-use super::exchange::{CallDesc, DescKind};
 use super::init::{describe_settings, Settings};
 use super::kernel_args::*;
 use super::slots::{self, Internal, Plan, SlotBlock, SlotHold};

@@ -13,8 +13,8 @@
 //! Other files: `init` (bootstrap and agreement), `internal` (the internal block made, or
 //! carved from a parent's split slot: `slots`), `arena` (the arena's agreement,
 //! `symm_comm_malloc`), `peers` (peer heaps shared by communicators), `registry` (live
-//! communicators per device, MemPool slots), `split` (children), `exchange` (lazy segment exchange, call
-//! descriptors), `retire` (unmapping segments peers released), `streams` (order across
+//! communicators per device, MemPool slots), `split` (children), `exchange` (lazy segment exchange), `desc` (call
+//! descriptors and their digests), `retire` (unmapping segments peers released), `streams` (order across
 //! streams), `error_word` (what kernels report), `kernels` (the kernel-id table and the
 //! generated kernel sources), `kernel_args` (what the host shares with the kernels),
 //! `mc_window` (multicast windows), `windows` (peer windows), `p2p` (rendezvous, peer
@@ -33,6 +33,7 @@ pub mod algo;
 mod arena;
 pub mod call;
 pub mod convert;
+mod desc;
 pub mod device_comm;
 mod error_word;
 mod exchange;

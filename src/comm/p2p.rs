@@ -19,8 +19,8 @@
 //!   share no state with the collective kernels): only stream order holds.
 
 use super::algo::{DType, Kernel, ReduceOp};
+use super::desc::{CallDesc, DescKind};
 use super::device_comm::*;
-use super::exchange::{CallDesc, DescKind};
 use super::kernel_args::ABORT_OFFSET;
 use super::signal_pad::{self, P2pArgs, SignalVia, WaitVia};
 use super::Communicator;

@@ -14,7 +14,7 @@
 
 use super::algo::{self, DType, Kernel, Quant};
 use super::call::{Call, Coll, Extents};
-use super::exchange::{CallDesc, DescKind, RANK_LOCAL};
+use super::desc::{CallDesc, DescKind, RANK_LOCAL};
 use super::shape::{self, FusedShape};
 use super::Communicator;
 use crate::cuda;

@@ -5,6 +5,7 @@
 //! uid); the connecting side proves it belongs to the job by presenting the unique id's random
 //! secret. Every wait is bounded by `SYMMALLOC_TIMEOUT_S` and its error names the rank.
 
+pub mod hex;
 pub mod host;
 pub mod mesh;
 pub mod socket;
