@@ -22,8 +22,9 @@ VMAJOR := $(word 1,$(subst ., ,$(VERSION)))
 VMINOR := $(word 2,$(subst ., ,$(VERSION)))
 SOVERSION := $(if $(filter 0,$(VMAJOR)),0.$(VMINOR),$(VMAJOR))
 
+# `testing` (Cargo.toml) builds the demo too: it uses cuda::util, which the library leaves out.
 build: toolchain
-	$(CARGO) build --release
+	$(CARGO) build --release --features testing
 	ln -sf libsymmalloc.so target/release/libsymmalloc.so.$(SOVERSION)
 
 run: build

@@ -13,7 +13,7 @@
 //! call for the allocator's). Never a panic, never a silent default.
 //!
 //! Readers outside this file, and why:
-//! - `comm_env.rs` parses the launcher's variables (`LOCAL_RANK`, `OMPI_COMM_WORLD_*`, ...,
+//! - `ipc/env.rs` parses the launcher's variables (`LOCAL_RANK`, `OMPI_COMM_WORLD_*`, ...,
 //!   and `SYMMALLOC_UNIQUE_ID`) for `symm_comm_init_from_env`, as a pure function of a lookup;
 //!   the FFI passes it [`var`].
 //! - `debug.rs` reads `SYMMALLOC_DEBUG` through [`debug_level`]. An unknown level fails the

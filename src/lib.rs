@@ -9,7 +9,6 @@
 //! - `config`, `debug`, `error`: environment variables, diagnostics, errors (the bottom layer).
 
 pub mod comm;
-pub mod comm_env;
 pub mod config;
 pub mod cuda;
 pub mod debug;

@@ -1,6 +1,6 @@
 //! Bytes as lowercase hex: how ids, keys and host digests appear in socket names and messages
-//! (unique_id.rs, host.rs, mesh.rs, comm_env.rs). A module of its own so that those files need not
-//! import each other for it.
+//! (unique_id.rs, host.rs, mesh.rs, env.rs). A module of its own so that those files
+//! need not import each other for it.
 
 /// `b` as lowercase hex, two digits a byte.
 pub fn hex(b: &[u8]) -> String {
