@@ -152,8 +152,8 @@ test-wheel: wheel $(TORCH_VENV)/.installed
 header:
 	SYMMALLOC_BLESS=1 $(CARGO) test -p symmalloc --test header
 
-# kernels/instances.cu and kernels/symm_constants.cuh, generated from src/comm/kernels.rs and
-# kernel_args.rs (tests/kernel_table.rs fails when they are stale).
+# kernels/instances.cu and kernels/symm_constants.cuh, generated from
+# src/comm/collective/kernels.rs and kernel_args.rs (tests/kernel_table.rs fails when they are stale).
 kernels:
 	SYMMALLOC_BLESS=1 $(CARGO) test -p symmalloc --test kernel_table
 

@@ -329,18 +329,18 @@ pub fn comm_arena_size() -> Result<Option<u64>> {
 }
 
 /// Split slots a communicator made by `symm_comm_init` reserves by default
-/// (`SYMMALLOC_SPLIT_SLOTS`; comm/slots.rs): two children (a TP and an EP group split from the
-/// world) cost no new device memory. With them a split took 0.09-0.11 of a fresh init at 4 ranks
-/// on one H200 (0.35-0.45 without, on one H100: bench/RESULTS.md, "Groups"), for 32 MiB of
+/// (`SYMMALLOC_SPLIT_SLOTS`; comm/group/slots.rs): two children (a TP and an EP group split from
+/// the world) cost no new device memory. With them a split took 0.09-0.11 of a fresh init at 4
+/// ranks on one H200 (0.35-0.45 without, on one H100: bench/RESULTS.md, "Groups"), for 32 MiB of
 /// device memory per communicator made by init.
 pub const DEFAULT_SPLIT_SLOTS: u64 = 2;
 /// The most split slots one communicator reserves (a free-slot mask is one word).
 pub const MAX_SPLIT_SLOTS: u64 = 64;
 
 /// `SYMMALLOC_SPLIT_SLOTS`: how many children's internal blocks a communicator made by
-/// `symm_comm_init` reserves in its own (comm/slots.rs), so that a split makes no device memory;
-/// at most a quarter of its arena. `0..=MAX_SPLIT_SLOTS`, default `DEFAULT_SPLIT_SLOTS`; must
-/// match on all ranks.
+/// `symm_comm_init` reserves in its own (comm/group/slots.rs), so that a split makes no device
+/// memory; at most a quarter of its arena. `0..=MAX_SPLIT_SLOTS`, default `DEFAULT_SPLIT_SLOTS`;
+/// must match on all ranks.
 pub fn split_slots() -> Result<u64> {
     Vars::process().split_slots()
 }
@@ -437,8 +437,8 @@ pub fn ll_bytes(world: usize) -> Result<u64> {
 }
 
 /// Default grid of the one-shot LL kernel: blocks x the most threads per block
-/// (`SYMMALLOC_LL_GRID`). Measured on 2x H200 (bench/NOTES.md, "The LL kernels"): one SM's stores to a peer
-/// are the limit, so a message is spread over every block (128x512: 6.2 us at 1 MiB and
+/// (`SYMMALLOC_LL_GRID`). Measured on 2x H200 (bench/NOTES.md, "The LL kernels"): one SM's stores
+/// to a peer are the limit, so a message is spread over every block (128x512: 6.2 us at 1 MiB and
 /// 16.6 at 4 MiB graphed; 32x512: 8.4 at 1 MiB).
 pub const DEFAULT_LL_GRID: (u32, u32) = (128, 512);
 

@@ -6,9 +6,9 @@
 //!
 //! Invariants: off by default, and free when off: the `info!`/`trace!` macros test the level (one
 //! relaxed atomic load once the variable has been read) before formatting anything. The
-//! variable is read once per process, through `config::debug_level` (config.rs owns `Level`; the levels: `OFF` and
-//! `WARN` are off, `INFO`, `TRACE`, any case). An unknown value fails the allocator's creation
-//! (`heap::global`, so the first allocator call or `symm_comm_init`) with
+//! variable is read once per process, through `config::debug_level` (config.rs owns `Level`; the
+//! levels: `OFF` and `WARN` are off, `INFO`, `TRACE`, any case). An unknown value fails the
+//! allocator's creation (`heap::global`, so the first allocator call or `symm_comm_init`) with
 //! `SYMM_ERR_INVALID_ARGUMENT` naming it; should diagnostics be asked for before that, one
 //! warning names it and they stay off.
 

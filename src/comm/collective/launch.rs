@@ -13,7 +13,7 @@ use super::host_reduce::{self, HostCall, HostRms};
 use super::kernel_args::*;
 use super::kernels;
 use super::plan::Plan;
-use super::Communicator;
+use crate::comm::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result, Status};
 
@@ -196,6 +196,37 @@ impl Communicator {
         let f = cuda::module::function(self.device, &name)?;
         self.quant_kernels.insert((kernel, dtype, q), f);
         Ok(f)
+    }
+
+    /// Orders this call's work on `stream` after the communicator's previous call, when that
+    /// was on another stream (streams.rs). The host backend runs calls synchronously.
+    fn order_streams(&mut self, stream: u64) -> Result<()> {
+        if self.host {
+            return Ok(());
+        }
+        self.streams.before_launch(self.device, stream)
+    }
+
+    /// Copies a caller's input from outside the heap into the scratch (stream-ordered) and
+    /// counts the call in `staged_collectives`.
+    fn stage_in(&self, scratch: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
+        self.copy(scratch, src, bytes, stream)?;
+        self.alloc.heap(self.device)?.stats.staged_collectives += 1;
+        Ok(())
+    }
+
+    /// A stream-ordered copy (immediate on the host backend).
+    fn copy(&self, dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
+        if self.host {
+            // SAFETY: both are buffers of at least `bytes` bytes (the caller's arguments and
+            // our scratch); they never overlap (the scratch is ours alone).
+            unsafe {
+                std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes as usize)
+            };
+            Ok(())
+        } else {
+            cuda::mem::copy_async(self.device, dst, src, bytes, stream)
+        }
     }
 
     /// The TRACE line of one collective call (formats nothing unless SYMMALLOC_DEBUG=TRACE).

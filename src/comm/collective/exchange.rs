@@ -1,26 +1,29 @@
 //! The lazy, collective segment exchange: before a kernel touches a segment, its owner shares
 //! it (an fd per segment) and every peer maps it into its window; every rank also compares the
 //! call's descriptor (desc.rs) and the segments' offsets and sizes, and fails loudly on a
-//! mismatch. Also, on the host backend, the meeting a rank holds with its peers before it makes
-//! a scratch segment or shares a segment (`meet_before_sharing`).
+//! mismatch. Collectives (plan.rs), the communicator's first exchange (group/internal.rs) and
+//! rendezvous (p2p/) all share segments through here.
 //!
 //! Invariants: a segment is exchanged once per generation (PeerWindows keeps which), so a
 //! steady-state call sends nothing. Whether a rank exchanges is its own decision (a segment new
 //! to it), so ranks whose decisions differ must not wait for each other: on the host backend a
-//! rank that is about to exchange first meets its peers at the signal pad, where a peer that
+//! rank that is about to exchange first meets its peers at the signal pad (place.rs,
+//! `meet_before_sharing`), where a peer that
 //! went straight to the call's own first barrier (it has nothing new: other buffers, or not
 //! staged) fails the comparison with it at once.
 
-use super::desc::{meeting_word, CallDesc, DESC_WORDS, RANK_LOCAL, WORD_STAGED};
-use super::host_reduce;
-use super::Communicator;
+use super::desc::{CallDesc, DESC_WORDS, RANK_LOCAL, WORD_STAGED};
+use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::heap::device_heap::SegmentInfo;
 use std::os::fd::AsFd;
 
 /// Appends to `segs` each chunk of `more` it does not hold yet (the chunks under one buffer,
 /// then another's: a collective's or a rendezvoused range's segments, each once).
-pub(super) fn add_chunks(segs: &mut Vec<SegmentInfo>, more: impl IntoIterator<Item = SegmentInfo>) {
+pub(in crate::comm) fn add_chunks(
+    segs: &mut Vec<SegmentInfo>,
+    more: impl IntoIterator<Item = SegmentInfo>,
+) {
     for s in more {
         if !segs.contains(&s) {
             segs.push(s);
@@ -29,66 +32,9 @@ pub(super) fn add_chunks(segs: &mut Vec<SegmentInfo>, more: impl IntoIterator<It
 }
 
 impl Communicator {
-    /// Before this rank makes a scratch segment or shares a segment (`staged`: it stages the
-    /// call; `make`: the bytes of scratch it makes, a power of two), it meets its peers on the
-    /// host backend: every peer that does the same meets it
-    /// here, and one that has nothing new is at the call's own first barrier, whose digest never
-    /// equals this word, so both fail at once with NOT_SYMMETRIC instead of one waiting in the
-    /// exchange and the other at the barrier. Two barriers, so no peer can write its next
-    /// barrier's word over this one before this rank has compared it. A timeout breaks the
-    /// communicator (as in a host collective). Host backend only: CUDA has no meeting (see
-    /// docs/DESIGN.md), and plan.rs calls this only on the host.
-    pub(super) fn meet_before_sharing(&mut self, staged: bool, make: Option<u64>) -> Result<()> {
-        debug_assert!(self.host);
-        let word = meeting_word(staged, make);
-        let r = host_reduce::meet(
-            self.rank,
-            &self.pads,
-            word,
-            self.timeout,
-            &mut self.host_epoch,
-        );
-        if let Err(e) = &r {
-            if e.status == crate::error::Status::ErrTimeout {
-                self.sticky = Some(e.clone());
-            }
-        }
-        r
-    }
-
-    /// The chunks of the segment holding `ptr..ptr+bytes` (one, unless the segment grew in
-    /// place under the block), `None` when `ptr` is outside the heap, an error when it is
-    /// inside the heap but not inside one live block.
-    pub(super) fn locate(&self, ptr: u64, bytes: u64) -> Result<Option<Vec<SegmentInfo>>> {
-        let heap = self.alloc.heap(self.device)?;
-        if !heap.contains(ptr) {
-            return Ok(None);
-        }
-        let (segs, bstart, bsize) = heap.segment_of(ptr)?;
-        if ptr + bytes > bstart + bsize {
-            return Err(Error::invalid(format!(
-                "buffer {ptr:#x} of {bytes} bytes runs past the end of its symm_malloc block \
-                 ({bsize} bytes at {bstart:#x}); expected count * element size to fit"
-            )));
-        }
-        Ok(Some(segs))
-    }
-
-    /// The one chunk under a communicator's own block (`what`: its internal block, its signal
-    /// pads), which lies in its arena, whose segments never grow in place.
-    pub(super) fn locate_own(&self, ptr: u64, bytes: u64, what: &str) -> Result<SegmentInfo> {
-        match self.locate(ptr, bytes)?.as_deref() {
-            Some(&[one]) => Ok(one),
-            other => Err(Error::internal(format!(
-                "the {what} at {ptr:#x} lies in {} chunks of the heap; expected one",
-                other.map_or(0, |c| c.len())
-            ))),
-        }
-    }
-
     /// Shares `segs` (own segments) with every peer and maps theirs; checks every rank passed
     /// the same call descriptor and segments. Collective: all ranks must call it together.
-    pub(super) fn exchange(
+    pub(in crate::comm) fn exchange(
         &mut self,
         segs: &[SegmentInfo],
         desc: CallDesc,

@@ -1,6 +1,6 @@
 //! A new communicator's internal block (signal pad, epochs, abort word, LL buffers:
-//! kernel_args.rs) and p2p signal pad (p2p.rs), made and shared with the peers at the end of
-//! `build` (init.rs), in one of three ways (slots.rs has the plans):
+//! collective/kernel_args.rs) and p2p signal pad (p2p/), made and shared with the peers at the end
+//! of `build` (init.rs), in one of three ways (slots.rs has the plans):
 //! - its own blocks from its arena, exchanged with every peer (a child no slot was free for);
 //! - the same, with split slots after the internal block in one block (`symm_comm_init`);
 //! - carved out of a slot of its parent's block, which every peer has mapped since the
@@ -11,24 +11,24 @@
 //! round), the pads, epochs, counters and descriptor words are 0 and the LL data words all
 //! ones; a peer's copy of this communicator knows what its release looks like (the segment
 //! generations of the internal block and pad, or the carved block's release-log generation),
-//! so a peer that destroys its copy is seen (retire.rs).
+//! so a peer that destroys its copy is seen (peer/retire.rs).
 
-use super::algo::{DType, Kernel, ReduceOp};
-use super::desc::{CallDesc, DescKind};
-use super::device_comm::SYMM_SIGNAL_PAD_BYTES;
 use super::init::{describe_settings, Settings};
-use super::kernel_args::*;
 use super::slots::{self, Internal, Plan, SlotBlock, SlotHold};
-use super::Communicator;
+use crate::comm::collective::algo::{DType, Kernel, ReduceOp};
+use crate::comm::collective::desc::{CallDesc, DescKind};
+use crate::comm::collective::kernel_args::*;
+use crate::comm::p2p::device_comm::SYMM_SIGNAL_PAD_BYTES;
+use crate::comm::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result};
-use crate::heap::device_heap::{ROUND, SMALL_MAX};
+use crate::heap::device_heap::{SegmentInfo, ROUND, SMALL_MAX};
 use std::time::{Duration, Instant};
 
 impl Communicator {
     /// The internal block, the first exchange, the last meeting; on failure, everything made
     /// so far goes back.
-    pub(super) fn finish_init(
+    pub(in crate::comm) fn finish_init(
         mut self: Box<Self>,
         settings: &Settings,
         plan: Plan,
@@ -134,7 +134,7 @@ impl Communicator {
         };
         let seg = self.locate_own(internal, internal_len, "internal block")?;
         self.internal_seg = seg.offset;
-        // The p2p signal pads (p2p.rs), from the arena too, zeroed before any peer can see
+        // The p2p signal pads (p2p/), from the arena too, zeroed before any peer can see
         // them (the exchange below is the first time a peer maps them).
         let pad = self.own_malloc(SYMM_SIGNAL_PAD_BYTES)?;
         self.p2p.pad = pad;
@@ -154,7 +154,7 @@ impl Communicator {
             self.exchange(&[seg, pad_seg], desc, true)?;
         }
         // The peers' generations of their internal blocks' segments: their release names the
-        // peer's destroy (retire.rs).
+        // peer's destroy (peer/retire.rs).
         for (r, p) in self.windows.peers.iter().enumerate() {
             if let Some(p) = p {
                 self.releases.internal_gens[r] = p.generation_at(seg.offset).unwrap_or(0);
@@ -288,7 +288,7 @@ impl Communicator {
     /// A whole split slot of this communicator's block readied for any child's internal block
     /// (split.rs bets on it before the first round): its pad and the internal block's zeroed
     /// words to 0, the rest of the slot as LL data.
-    pub(super) fn reset_slot(&self, hold: &SlotHold) -> Result<()> {
+    pub(in crate::comm) fn reset_slot(&self, hold: &SlotHold) -> Result<()> {
         let pad = hold.addr();
         self.reset(
             pad,
@@ -301,8 +301,8 @@ impl Communicator {
     /// Readies an internal block (`internal`, `internal_len` bytes) before any peer can touch
     /// it: `zero_len` bytes from `zero_at` (its pad, epochs, LL counters and descriptor words,
     /// and for a carved one the p2p pad before them) to 0, its LL data words to all ones. The
-    /// host backend's collectives (host_reduce.rs) use the pad alone, never the LL buffers:
-    /// those are left untouched there (no page of them is ever faulted in).
+    /// host backend's collectives (collective/host_reduce.rs) use the pad alone, never the LL
+    /// buffers: those are left untouched there (no page of them is ever faulted in).
     fn reset(&self, zero_at: u64, zero_len: u64, internal: u64, internal_len: u64) -> Result<()> {
         if self.host {
             // SAFETY: zero_at..zero_at + zero_len lies in a live block of this rank's mapped
@@ -318,5 +318,22 @@ impl Communicator {
             LL_EMPTY_BYTE,
             internal_len - LL_DATA_OFFSET,
         )
+    }
+
+    /// The one chunk under a communicator's own block (`what`: its internal block, its signal
+    /// pads), which lies in its arena, whose segments never grow in place.
+    pub(in crate::comm) fn locate_own(
+        &self,
+        ptr: u64,
+        bytes: u64,
+        what: &str,
+    ) -> Result<SegmentInfo> {
+        match self.locate(ptr, bytes)?.as_deref() {
+            Some(&[one]) => Ok(one),
+            other => Err(Error::internal(format!(
+                "the {what} at {ptr:#x} lies in {} chunks of the heap; expected one",
+                other.map_or(0, |c| c.len())
+            ))),
+        }
     }
 }

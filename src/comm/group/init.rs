@@ -7,19 +7,19 @@
 //!
 //! Several communicators may live on one device (registry.rs has the limit): each owns its
 //! arena, internal block (pads, epochs, LL buffers), error words, scratch and mesh; they share
-//! only the peer heaps (peers.rs).
+//! only the peer heaps (peer/peers.rs).
 
-use super::algo;
-use super::error_word::ErrorWords;
-use super::kernel_args::*;
-use super::p2p::P2p;
-use super::peers::{self, PeerHeap, PeerIdent};
 use super::registry::{self, Claim};
-use super::retire::PeerReleases;
 use super::slots::{self, Internal, Plan};
-use super::streams::StreamOrder;
-use super::windows::PeerWindows;
-use super::Communicator;
+use crate::comm::collective::algo;
+use crate::comm::collective::error_word::ErrorWords;
+use crate::comm::collective::kernel_args::*;
+use crate::comm::collective::streams::StreamOrder;
+use crate::comm::p2p::P2p;
+use crate::comm::peer::peers::{self, PeerHeap, PeerIdent};
+use crate::comm::peer::retire::PeerReleases;
+use crate::comm::peer::windows::PeerWindows;
+use crate::comm::Communicator;
 use crate::config;
 use crate::cuda;
 use crate::error::{Error, Result};
@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// The init message's collective settings, as the variables that set them.
-pub(super) fn describe_settings(w: &[u64]) -> String {
+pub(in crate::comm) fn describe_settings(w: &[u64]) -> String {
     if w.len() < 8 {
         return format!("settings {w:?}");
     }
@@ -53,7 +53,7 @@ pub(super) fn describe_settings(w: &[u64]) -> String {
 
 /// Everything that shapes a collective, read from the environment for a world size.
 #[derive(Clone, Copy)]
-pub(super) struct Settings {
+pub(in crate::comm) struct Settings {
     pub ll_slot: u64,
     pub ll_grid: (u32, u32),
     pub auto: algo::AutoThresholds,
@@ -70,7 +70,7 @@ pub(super) struct Settings {
 
 /// The bytes of a communicator's arena on a heap of `heap_size` bytes mapped in `gran` pieces
 /// (`SYMMALLOC_COMM_ARENA_SIZE`): the same for every communicator of the heap.
-pub(super) fn arena_len(heap_size: u64, gran: u64) -> Result<u64> {
+pub(in crate::comm) fn arena_len(heap_size: u64, gran: u64) -> Result<u64> {
     let arena =
         config::comm_arena_size()?.unwrap_or_else(|| config::default_comm_arena_bytes(heap_size));
     Ok(arena.checked_next_multiple_of(gran).unwrap_or(u64::MAX))
@@ -116,7 +116,7 @@ impl Settings {
 }
 
 /// What `build` needs to make a communicator, from `init` or from a split.
-pub(super) struct Setup {
+pub(in crate::comm) struct Setup {
     pub rank: usize,
     pub world: usize,
     pub device: i32,
@@ -199,7 +199,7 @@ impl Communicator {
         {
             hello.extend_from_slice(&w.to_le_bytes());
         }
-        // Each rank's heap release log travels with its hello (retire.rs reads the peers').
+        // Each rank's heap release log travels with its hello (peer/retire.rs reads the peers').
         let log_fd = alloc.heap(device)?.release_log_fd()?;
         let all = mesh.all_gather(&hello, &[log_fd.as_fd()], "init")?;
         drop(log_fd);
@@ -313,7 +313,7 @@ impl Communicator {
 
     /// Makes the communicator from a `Setup` (collective over `setup.mesh`): agreement and
     /// arena, internal block, first exchange. Every rank fails alike where one refuses.
-    pub(super) fn build(setup: Setup) -> Result<Box<Communicator>> {
+    pub(in crate::comm) fn build(setup: Setup) -> Result<Box<Communicator>> {
         let Setup {
             rank,
             world,

@@ -11,7 +11,7 @@
 //!    in step (each rank sent and received one message per peer), so the parent stays usable.
 //!    NOCOLOR ranks are done.
 //! 2. ranks of one color form a child, ordered by key, then parent rank, over the socket pairs
-//!    between them. The child takes its parent's peer heaps for its ranks (peers.rs: no memory
+//!    between them. The child takes its parent's peer heaps for its ranks (peer/peers.rs: no memory
 //!    the parent mapped is imported again) and its record of shared segments.
 //! 3. its arena lies at the highest offset free on all its ranks, and its internal block is
 //!    carved out of the lowest split slot free on every parent rank (the same slot for every
@@ -37,9 +37,9 @@ use super::arena::Terms;
 use super::init::{Settings, Setup};
 use super::registry;
 use super::slots::{Internal, Plan, SlotHold};
-use super::Communicator;
+use crate::comm::Communicator;
 use crate::config;
-use crate::error::{Error, Result, Status};
+use crate::error::{Error, Result};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
@@ -375,25 +375,5 @@ impl Communicator {
             plan: Some(plan),
             arena,
         })
-    }
-
-    /// Names the processes behind rank numbers in a child's peer and timeout errors.
-    pub(super) fn name_ranks(&self, mut e: Error) -> Error {
-        if matches!(e.status, Status::ErrPeer | Status::ErrTimeout) {
-            match &self.lineage {
-                Some(l) => {
-                    e.message = format!(
-                        "{} (in a communicator of {} ranks split from another: {l})",
-                        e.message, self.world
-                    )
-                }
-                None => {
-                    let pids: Vec<u32> = self.members.iter().map(|m| m.pid).collect();
-                    e.message =
-                        format!("{} (ranks 0..{} are pids {pids:?})", e.message, self.world);
-                }
-            }
-        }
-        e
     }
 }

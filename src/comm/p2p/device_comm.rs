@@ -3,7 +3,7 @@
 //! the public header: cbindgen reads it (tests/header.rs), so every `pub` item here is C ABI.
 //!
 //! Signal pad of one rank (device memory, symmetric, owned by the communicator, allocated and
-//! zeroed at init; comm/signal_pad.rs): `SYMM_SIGNAL_SLOTS` `uint64_t` values, then
+//! zeroed at init; comm/p2p/signal_pad.rs): `SYMM_SIGNAL_SLOTS` `uint64_t` values, then
 //! `SYMM_SIGNAL_SLOTS` `uint32_t` writer words. A signal to slot s of rank p stores the sender's
 //! `rank + 1` into p's writer word s, then the value into p's value s (release, system scope);
 //! a wait reads its own value s (acquire, system scope). The writer word only names, in a

@@ -12,11 +12,11 @@
 //! Reading the logs when nothing changed costs one load per peer. A peer that released the
 //! segment of its internal block (pads, LL buffers) destroyed its communicator: this one is
 //! then broken (a sticky SYMM_ERR_PEER naming the peer), so no later call touches that window.
-//! A child whose internal block was carved from its parent's split slot (slots.rs) frees no
+//! A child whose internal block was carved from its parent's split slot (group/slots.rs) frees no
 //! segment at destroy: its rank records the block's offset under a generation of its own,
-//! which the child's round told every peer (internal.rs), and that record counts the same.
+//! which the child's round told every peer (group/internal.rs), and that record counts the same.
 
-use super::Communicator;
+use crate::comm::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result};
 
@@ -25,10 +25,10 @@ use crate::error::{Error, Result};
 /// communicator's internal block there (its release means the peer destroyed this
 /// communicator; an older record of the same offset does not).
 #[derive(Default)]
-pub(super) struct PeerReleases {
+pub(in crate::comm) struct PeerReleases {
     pub seen: Vec<u64>,
     pub internal_gens: Vec<u64>,
-    /// The same for the segment that holds its p2p signal pad (p2p.rs).
+    /// The same for the segment that holds its p2p signal pad (p2p/).
     pub pad_gens: Vec<u64>,
 }
 
@@ -49,8 +49,8 @@ impl PeerReleases {
 
 impl Communicator {
     /// Whether `peer` recorded giving back this communicator's internal block (its destroy)
-    /// since the last call: for checks between calls (p2p.rs).
-    pub(super) fn internal_released_by(&self, peer: usize) -> bool {
+    /// since the last call: for checks between calls (p2p/).
+    pub(in crate::comm) fn internal_released_by(&self, peer: usize) -> bool {
         let Some(heap) = &self.windows.peers[peer] else {
             return false;
         };
@@ -60,7 +60,7 @@ impl Communicator {
     }
 
     /// Unmaps the peer segments released since the last call (see the module comment).
-    pub(super) fn retire_released(&mut self, stream: u64) -> Result<()> {
+    pub(in crate::comm) fn retire_released(&mut self, stream: u64) -> Result<()> {
         let pending = self
             .windows
             .peers

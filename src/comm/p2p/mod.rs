@@ -11,22 +11,25 @@
 //! - a peer address is handed out (peer_ptr, put) only for a range inside one rendezvoused
 //!   range whose segments are still, on this rank, the generation that was rendezvoused, and,
 //!   for another rank, mapped here and not released by that rank (its release log is read
-//!   first, so a released segment is refused even where retire.rs cannot unmap it yet, during a
-//!   capture): never a dangling mapping;
+//!   first, so a released segment is refused even where peer/retire.rs cannot unmap it yet,
+//!   during a capture): never a dangling mapping;
 //! - a rank whose arguments are bad still takes part in the rendezvous exchange (as "invalid"),
 //!   so every rank fails together (NOT_SYMMETRIC on the others) instead of waiting for it;
 //! - p2p calls are not ordered against the communicator's collectives on other streams (they
 //!   share no state with the collective kernels): only stream order holds.
 
-use super::algo::{DType, Kernel, ReduceOp};
-use super::desc::{CallDesc, DescKind};
-use super::device_comm::*;
-use super::kernel_args::ABORT_OFFSET;
-use super::signal_pad::{self, P2pArgs, SignalVia, WaitVia};
-use super::Communicator;
+pub mod device_comm;
+pub mod signal_pad;
+
+use crate::comm::collective::algo::{DType, Kernel, ReduceOp};
+use crate::comm::collective::desc::{CallDesc, DescKind};
+use crate::comm::collective::kernel_args::ABORT_OFFSET;
+use crate::comm::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result, Status};
 use crate::heap::device_heap::SegmentInfo;
+use device_comm::*;
+use signal_pad::{P2pArgs, SignalVia, WaitVia};
 use std::collections::BTreeMap;
 
 /// The p2p kernels' names (kernels/p2p.cu).
@@ -41,7 +44,7 @@ struct Range {
 }
 
 /// The communicator's p2p state.
-pub(super) struct P2p {
+pub(in crate::comm) struct P2p {
     /// This rank's signal pad (`SYMM_SIGNAL_PAD_BYTES` of the internal pool, zeroed at init).
     pub pad: u64,
     /// The offset of the pad's segment: a peer that releases it destroyed its communicator.
@@ -126,7 +129,7 @@ impl Communicator {
                      inside a live symm_malloc block; expected every byte allocated"
                 ))
             })?;
-            super::exchange::add_chunks(&mut segs, chunks);
+            crate::comm::collective::exchange::add_chunks(&mut segs, chunks);
             p = bstart + bsize;
         }
         Ok(segs)
@@ -193,7 +196,7 @@ impl Communicator {
     }
 
     /// Whether `peer` has released (its release log says so) the generation of its segment at
-    /// `offset` that this rank maps, including records retire.rs has not handled yet.
+    /// `offset` that this rank maps, including records peer/retire.rs has not handled yet.
     fn released_by(&self, peer: usize, offset: u64) -> bool {
         let Some(generation) = self.windows.mapped_generation(peer, offset) else {
             return true;
@@ -400,7 +403,7 @@ impl Communicator {
             return match signal_pad::host_wait(self.p2p.pad, slot, value, self.timeout) {
                 Ok(()) => Ok(()),
                 Err((seen, writer)) => {
-                    let e = signal_pad::timeout_error(
+                    let e = crate::comm::collective::error_word::timeout_error(
                         self.rank,
                         slot,
                         value,

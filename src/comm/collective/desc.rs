@@ -12,20 +12,20 @@ use super::algo::{DType, Kernel, ReduceOp};
 
 /// Which exchange a descriptor belongs to (its tag word).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum DescKind {
+pub(in crate::comm) enum DescKind {
     Init,
     Barrier,
     AllReduce,
     ReduceScatter,
     AllGather,
     AddRmsNorm,
-    /// `symm_rendezvous` (comm/p2p.rs): send offset = the range's offset, count = its bytes.
+    /// `symm_rendezvous` (comm/p2p/): send offset = the range's offset, count = its bytes.
     Rendezvous,
 }
 
 /// Everything ranks must agree on for one collective call, typed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct CallDesc {
+pub(in crate::comm) struct CallDesc {
     pub kind: DescKind,
     /// The kernel the call runs (ranks that chose differently fail the comparison).
     pub kernel: Kernel,
@@ -45,7 +45,7 @@ pub(super) struct CallDesc {
 }
 
 /// Stands for an offset that only its own rank uses, so ranks need not agree on it.
-pub(super) const RANK_LOCAL: u64 = u64::MAX - 1;
+pub(in crate::comm) const RANK_LOCAL: u64 = u64::MAX - 1;
 
 /// Words of a descriptor on the wire (exchange messages start with them).
 pub(super) const DESC_WORDS: usize = 7;
