@@ -186,14 +186,14 @@ impl Communicator {
     /// Reports what a kernel of this communicator wrote into the error words since the last
     /// call; a fatal error stays and is reported by every later call.
     pub(super) fn check_error_word(&mut self) -> Result<()> {
-        if let Some(e) = &self.sticky {
+        if let Some(e) = &self.coll.sticky {
             return Err(e.clone());
         }
-        match self.errors.take(self.rank, self.timeout) {
+        match self.coll.errors.take(self.rank, self.settings.timeout) {
             None => Ok(()),
             Some(r) => {
                 if r.fatal {
-                    self.sticky = Some(r.error.clone());
+                    self.coll.sticky = Some(r.error.clone());
                 }
                 Err(r.error)
             }

@@ -42,7 +42,7 @@ impl Communicator {
     ) -> Result<()> {
         let mut need: Vec<SegmentInfo> = Vec::new();
         for s in segs {
-            if self.windows.needs_sharing(s) && !need.contains(s) {
+            if self.peer.windows.needs_sharing(s) && !need.contains(s) {
                 need.push(*s);
             }
         }
@@ -140,11 +140,11 @@ impl Communicator {
                     generation: u64::from_le_bytes(all_msgs[r][at..at + 8].try_into().unwrap()),
                     ..*s
                 };
-                self.windows.import(self.alloc, r, theirs, fd)?;
+                self.peer.windows.import(self.alloc, r, theirs, fd)?;
             }
         }
         for s in &need {
-            self.windows.mark_shared(s);
+            self.peer.windows.mark_shared(s);
         }
         crate::info!(
             "rank {}/{}: exchanged {} segment(s) [{}] with every peer; {} peer mapping(s) made",

@@ -55,8 +55,8 @@ pub const ERR_NO_MULTIMEM: u32 = 3;
 pub const ERR_LL_ASYMMETRIC: u32 = 4;
 /// A p2p signal wait (include/symmalloc_device.cuh) waited past the timeout; its fatal word's
 /// low half is the slot's writer word, and words 2..8 hold the slot and the values
-/// (p2p/device_comm.rs, `SYMM_DEVICE_ERR_SIGNAL_TIMEOUT`).
-pub const ERR_SIGNAL_TIMEOUT: u32 = crate::comm::p2p::device_comm::SYMM_DEVICE_ERR_SIGNAL_TIMEOUT;
+/// (p2p/device_comm.rs, `SYMM_DEVICE_ERR_SIGNAL_TIMEOUT`, which is asserted equal there).
+pub const ERR_SIGNAL_TIMEOUT: u32 = 5;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]

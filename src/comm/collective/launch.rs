@@ -56,7 +56,7 @@ impl Communicator {
         let call = HostCall {
             rank: self.rank,
             world,
-            pads: &self.pads,
+            pads: &self.peer.pads,
             inputs: &inputs[..world],
             outputs: &outputs[..world],
             count: plan.desc.count as usize,
@@ -65,13 +65,13 @@ impl Communicator {
             kernel: plan.kernel,
             in_place: plan.desc.send_off == plan.desc.recv_off,
             desc: plan.desc.digest(),
-            timeout: self.timeout,
+            timeout: self.settings.timeout,
             rms,
         };
-        let r = host_reduce::run(&call, &mut self.host_epoch);
+        let r = host_reduce::run(&call, &mut self.coll.host_epoch);
         if let Err(e) = &r {
             if e.status == Status::ErrTimeout {
-                self.sticky = Some(e.clone());
+                self.coll.sticky = Some(e.clone());
             }
         }
         r
@@ -116,7 +116,7 @@ impl Communicator {
     /// (entries past the world, and rank-local outputs, stay 0).
     fn buffers(&self, desc: &CallDesc) -> ([u64; MAX_RANKS], [u64; MAX_RANKS]) {
         let (mut inputs, mut outputs) = ([0u64; MAX_RANKS], [0u64; MAX_RANKS]);
-        for (r, b) in self.windows.bases.iter().enumerate() {
+        for (r, b) in self.peer.windows.bases.iter().enumerate() {
             inputs[r] = b + desc.send_off;
             if desc.recv_off != RANK_LOCAL {
                 outputs[r] = b + desc.recv_off;
@@ -134,16 +134,16 @@ impl Communicator {
             outputs,
             count: desc.count,
             desc: desc.digest(),
-            timeout_ns: self.timeout.as_nanos() as u64,
+            timeout_ns: self.settings.timeout.as_nanos() as u64,
             rank: self.rank as i32,
             world: self.world as i32,
-            counters: self.internal + COUNTERS_OFFSET,
-            error_word: self.errors.device_ptr(),
-            ll_slot_kib: (self.ll_slot >> 10) as i32,
+            counters: self.group.internal + COUNTERS_OFFSET,
+            error_word: self.coll.errors.device_ptr(),
+            ll_slot_kib: (self.settings.ll_slot >> 10) as i32,
             mc_out,
             ..SymmArgs::default()
         };
-        args.pads[..self.world].copy_from_slice(&self.pads);
+        args.pads[..self.world].copy_from_slice(&self.peer.pads);
         args
     }
 
@@ -155,7 +155,7 @@ impl Communicator {
         op: ReduceOp,
         vec: bool,
     ) -> Result<cuda::module::Function> {
-        if let Some(&f) = self.kernels.get(&(kernel, dtype, op, vec)) {
+        if let Some(&f) = self.coll.kernels.get(&(kernel, dtype, op, vec)) {
             return Ok(f);
         }
         let name = kernels::kernel_name(kernel, dtype, op, vec).ok_or_else(|| {
@@ -167,7 +167,7 @@ impl Communicator {
             ))
         })?;
         let f = cuda::module::function(self.device, &name)?;
-        self.kernels.insert((kernel, dtype, op, vec), f);
+        self.coll.kernels.insert((kernel, dtype, op, vec), f);
         Ok(f)
     }
 
@@ -182,7 +182,7 @@ impl Communicator {
         let Some(q) = quant else {
             return self.kernel_fn(kernel, dtype, ReduceOp::Sum, true);
         };
-        if let Some(&f) = self.quant_kernels.get(&(kernel, dtype, q)) {
+        if let Some(&f) = self.coll.quant_kernels.get(&(kernel, dtype, q)) {
             return Ok(f);
         }
         let name = kernels::quant_kernel_name(kernel, dtype, q).ok_or_else(|| {
@@ -194,7 +194,7 @@ impl Communicator {
             ))
         })?;
         let f = cuda::module::function(self.device, &name)?;
-        self.quant_kernels.insert((kernel, dtype, q), f);
+        self.coll.quant_kernels.insert((kernel, dtype, q), f);
         Ok(f)
     }
 
@@ -204,7 +204,7 @@ impl Communicator {
         if self.host {
             return Ok(());
         }
-        self.streams.before_launch(self.device, stream)
+        self.coll.streams.before_launch(self.device, stream)
     }
 
     /// Copies a caller's input from outside the heap into the scratch (stream-ordered) and

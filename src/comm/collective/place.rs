@@ -74,7 +74,7 @@ impl Communicator {
                 Place::Scratch { len, .. } => self.scratch_to_make(len),
                 Place::Heap { .. } => None,
             };
-            if self.check_symmetry || make.is_some() || self.shares_new(&place)? {
+            if self.settings.check_symmetry || make.is_some() || self.shares_new(&place)? {
                 self.meet_before_sharing(staged, make)?;
             }
         }
@@ -90,7 +90,7 @@ impl Communicator {
         match call.coll {
             // The barrier kernel is the one-shot kernel on nothing, "in place" (one barrier).
             Coll::Barrier => {
-                let base = self.windows.bases[self.rank];
+                let base = self.peer.windows.bases[self.rank];
                 Ok(Place::Heap {
                     send: base,
                     recv: base,
@@ -145,11 +145,11 @@ impl Communicator {
     /// one of the caller's, or a scratch it has yet to make (or grow) or to share.
     fn shares_new(&self, place: &Place) -> Result<bool> {
         match place {
-            Place::Heap { segs, .. } => Ok(segs.iter().any(|s| self.windows.needs_sharing(s))),
-            Place::Scratch { len, .. } => match self.scratch {
+            Place::Heap { segs, .. } => Ok(segs.iter().any(|s| self.peer.windows.needs_sharing(s))),
+            Place::Scratch { len, .. } => match self.coll.scratch {
                 Some((p, size)) if size >= *len => Ok(self
                     .locate(p, size)?
-                    .is_none_or(|c| c.iter().any(|s| self.windows.needs_sharing(s)))),
+                    .is_none_or(|c| c.iter().any(|s| self.peer.windows.needs_sharing(s)))),
                 _ => Ok(true),
             },
         }
@@ -194,7 +194,7 @@ impl Communicator {
     /// The scratch a call staging `bytes` makes: None when the current one holds them, else
     /// its size (a power of two, at least 1 MiB; the same on every rank for the same call).
     fn scratch_to_make(&self, bytes: u64) -> Option<u64> {
-        match self.scratch {
+        match self.coll.scratch {
             Some((_, size)) if size >= bytes => None,
             _ => Some(bytes.next_power_of_two().max(1 << 20)),
         }
@@ -204,14 +204,14 @@ impl Communicator {
     /// same call; returns its address.
     fn ensure_scratch(&mut self, bytes: u64) -> Result<u64> {
         let Some(size) = self.scratch_to_make(bytes) else {
-            return Ok(self.scratch.expect("it holds them").0);
+            return Ok(self.coll.scratch.expect("it holds them").0);
         };
-        if let Some((p, old)) = self.scratch {
+        if let Some((p, old)) = self.coll.scratch {
             self.alloc.free(p, old, self.device, 0)?;
-            self.scratch = None;
+            self.coll.scratch = None;
         }
         let p = self.own_malloc(size)?;
-        self.scratch = Some((p, size));
+        self.coll.scratch = Some((p, size));
         Ok(p)
     }
 
@@ -247,14 +247,14 @@ impl Communicator {
         let word = meeting_word(staged, make);
         let r = host_reduce::meet(
             self.rank,
-            &self.pads,
+            &self.peer.pads,
             word,
-            self.timeout,
-            &mut self.host_epoch,
+            self.settings.timeout,
+            &mut self.coll.host_epoch,
         );
         if let Err(e) = &r {
             if e.status == crate::error::Status::ErrTimeout {
-                self.sticky = Some(e.clone());
+                self.coll.sticky = Some(e.clone());
             }
         }
         r

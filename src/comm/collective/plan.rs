@@ -49,7 +49,13 @@ impl Communicator {
         // The all-reduce's kernel depends only on the message; the others' on where it lies.
         let asked = match call.coll {
             Coll::AllReduce(a) => {
-                let k = algo::all_reduce_kernel(a, ext.send, self.world, self.ll_slot, &self.auto)?;
+                let k = algo::all_reduce_kernel(
+                    a,
+                    ext.send,
+                    self.world,
+                    self.settings.ll_slot,
+                    &self.settings.auto,
+                )?;
                 self.note_auto_choice(a, k, ext.send);
                 if k == Kernel::Multimem {
                     self.check_multimem(call)?;
@@ -60,7 +66,7 @@ impl Communicator {
         };
         let p = self.placement(call, ext)?;
         let staged = p.staged;
-        let base = self.windows.bases[self.rank];
+        let base = self.peer.windows.bases[self.rank];
         let (send_off, recv_off) = (p.send - base, p.recv.wrapping_sub(base));
         let mut push_threads = 0;
         let mut fused: Option<FusedShape> = None;
@@ -70,7 +76,7 @@ impl Communicator {
             Coll::AllGather => (DescKind::AllGather, Kernel::AllGather, 0),
             Coll::ReduceScatter => (
                 DescKind::ReduceScatter,
-                algo::reduce_scatter_kernel(send_off, ext.slice, self.auto.ll_max),
+                algo::reduce_scatter_kernel(send_off, ext.slice, self.settings.auto.ll_max),
                 0,
             ),
             Coll::AddRmsNorm(r) => {
@@ -78,7 +84,7 @@ impl Communicator {
                     Kernel::AddRmsNorm
                 } else {
                     // The LL all-reduce's spread for a message of this size.
-                    push_threads = shape::ll_threads(call.count / 8, self.ll_grid);
+                    push_threads = shape::ll_threads(call.count / 8, self.settings.ll_grid);
                     let q = r.quant.map(|q| q.mode);
                     let s = self.fused_shape(
                         r.tokens,
@@ -111,7 +117,7 @@ impl Communicator {
             width,
             staged,
         };
-        self.exchange(&p.segs, desc, self.check_symmetry)?;
+        self.exchange(&p.segs, desc, self.settings.check_symmetry)?;
         // Only offsets every rank shares decide (a rank-local one would let ranks pick
         // different kernels): reduce-scatter's input, all-gather's output, both otherwise.
         let shared: &[u64] = match call.coll {
@@ -125,11 +131,11 @@ impl Communicator {
         } else if let Some(s) = fused {
             (s.grid, s.threads, s.cluster)
         } else if kernel.is_ll() {
-            let (g, t) = shape::ll_shape(ext.slice.div_ceil(16), self.ll_grid);
+            let (g, t) = shape::ll_shape(ext.slice.div_ceil(16), self.settings.ll_grid);
             (g, t, 1)
         } else {
             let items = if vec { ext.slice / 16 } else { call.count };
-            let (g, t) = shape::barrier_shape(kernel, items, self.world, vec, self.sms);
+            let (g, t) = shape::barrier_shape(kernel, items, self.world, vec, self.settings.sms);
             (g, t, 1)
         };
         let mc_out = if kernel == Kernel::Multimem {
@@ -171,7 +177,7 @@ impl Communicator {
     fn note_auto_choice(&mut self, asked: algo::Algo, k: Kernel, bytes: u64) {
         if asked == algo::Algo::Auto
             && crate::debug::enabled(crate::debug::Level::Info)
-            && self.auto_seen.insert(bytes)
+            && self.coll.auto_seen.insert(bytes)
         {
             crate::info!(
                 "rank {}/{}: AUTO chose {} for {bytes} bytes",
@@ -201,9 +207,9 @@ impl Communicator {
         bytes: u64,
         (dtype, quant): (DType, Option<Quant>),
     ) -> Result<FusedShape> {
-        let (ll_max, clusters) = (self.auto.ll_max, self.clusters);
+        let (ll_max, clusters) = (self.settings.auto.ll_max, self.settings.clusters);
         let s = shape::fit_resident(
-            self.ll_grid.0,
+            self.settings.ll_grid.0,
             |blocks| {
                 shape::fused_ll_shape(
                     tokens,
@@ -233,15 +239,15 @@ impl Communicator {
         quant: Option<Quant>,
     ) -> Result<u64> {
         let key = (s.kernel, dtype, s.threads, quant);
-        let per_sm = match self.resident.get(&key) {
+        let per_sm = match self.coll.resident.get(&key) {
             Some(&n) => n,
             None => {
                 let f = self.fused_kernel_fn(s.kernel, dtype, quant)?;
                 let n = cuda::module::blocks_per_sm(self.device, f, s.threads)?;
-                self.resident.insert(key, n);
+                self.coll.resident.insert(key, n);
                 n
             }
         };
-        Ok(per_sm as u64 * self.fewest_sms as u64)
+        Ok(per_sm as u64 * self.settings.fewest_sms as u64)
     }
 }

@@ -234,14 +234,18 @@ impl Communicator {
     /// Memory from the communicator's arena: the same offset on every rank of the
     /// communicator, given the same sequence of these calls (module header).
     pub fn comm_malloc(&mut self, size: u64, stream: u64) -> Result<u64> {
-        self.alloc
-            .malloc_in(size, self.device, stream, arena_pool(self.arena, false))
+        self.alloc.malloc_in(
+            size,
+            self.device,
+            stream,
+            arena_pool(self.group.arena, false),
+        )
     }
 
     /// Frees a block of `comm_malloc`; `size` as allocated.
     pub fn comm_free(&mut self, ptr: u64, size: u64, stream: u64) -> Result<()> {
         let pool = self.alloc.heap(self.device)?.pool_of(ptr);
-        if pool != Some(arena_pool(self.arena, false)) {
+        if pool != Some(arena_pool(self.group.arena, false)) {
             return Err(Error::invalid(format!(
                 "symm_comm_free({ptr:#x}): the pointer was not returned by symm_comm_malloc of \
                  this communicator (rank {} of {})",
@@ -255,23 +259,23 @@ impl Communicator {
     pub fn arena_bounds(&self) -> Result<(u64, u64)> {
         self.alloc
             .heap(self.device)?
-            .arena_bounds(self.arena)
+            .arena_bounds(self.group.arena)
             .ok_or_else(|| Error::internal("a live communicator without its arena"))
     }
 
     /// A MemPool slot (registry.rs) that allocates from this communicator's arena.
     pub fn mem_pool_slot(&self) -> Result<usize> {
         super::registry::bind_pool_slot(
-            self.claim.serial,
+            self.group.claim.serial,
             self.device,
-            arena_pool(self.arena, false),
+            arena_pool(self.group.arena, false),
         )
     }
 
     /// The communicator's own buffers (internal block, staging scratch), in its arena.
     pub(in crate::comm) fn own_malloc(&self, size: u64) -> Result<u64> {
         self.alloc
-            .malloc_in(size, self.device, 0, arena_pool(self.arena, true))
+            .malloc_in(size, self.device, 0, arena_pool(self.group.arena, true))
     }
 }
 

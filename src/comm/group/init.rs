@@ -11,14 +11,16 @@
 
 use super::registry::{self, Claim};
 use super::slots::{self, Internal, Plan};
+use super::Group;
 use crate::comm::collective::algo;
 use crate::comm::collective::error_word::ErrorWords;
 use crate::comm::collective::kernel_args::*;
-use crate::comm::collective::streams::StreamOrder;
+use crate::comm::collective::Collectives;
 use crate::comm::p2p::P2p;
 use crate::comm::peer::peers::{self, PeerHeap, PeerIdent};
 use crate::comm::peer::retire::PeerReleases;
 use crate::comm::peer::windows::PeerWindows;
+use crate::comm::peer::PeerView;
 use crate::comm::Communicator;
 use crate::config;
 use crate::cuda;
@@ -113,6 +115,29 @@ impl Settings {
             self.split_slots,
         ]
     }
+}
+
+/// What shapes every collective of a communicator, fixed at init (`build`): the settings every
+/// rank agreed on (read at init and compared there; a split's child reads its own and compares
+/// them too) and what the ranks' GPUs hold.
+pub(in crate::comm) struct CollSettings {
+    /// Bytes per sender slot of the LL buffers (`SYMMALLOC_LL_BYTES`, equal on all ranks).
+    pub ll_slot: u64,
+    /// The LL kernel's (blocks, threads), fixed for the communicator's life.
+    pub ll_grid: (u32, u32),
+    /// AUTO's thresholds and `SYMMALLOC_CHECK_SYMMETRY`: read at init, equal on all ranks.
+    pub auto: algo::AutoThresholds,
+    pub check_symmetry: bool,
+    /// `SYMMALLOC_TIMEOUT_S`: every wait's bound.
+    pub timeout: Duration,
+    /// This rank's GPU's SMs (the barrier kernels' grid).
+    pub sms: u32,
+    /// Every rank's GPU runs thread-block clusters (sm_90+): the fused call may split wide rows
+    /// over a cluster (collective/plan.rs). Equal on every rank: read from every rank's device.
+    pub clusters: bool,
+    /// The fewest SMs of any rank's GPU: an LL grid must be resident at once on every rank
+    /// (collective/shape.rs, `fit_resident`). Equal on every rank, as `clusters`.
+    pub fewest_sms: u32,
 }
 
 /// What `build` needs to make a communicator, from `init` or from a split.
@@ -401,35 +426,33 @@ impl Communicator {
             alloc,
             host,
             mesh,
-            windows,
-            internal: 0,
-            internal_seg: 0,
-            ll_slot: settings.ll_slot,
-            ll_grid: settings.ll_grid,
-            auto: settings.auto,
-            check_symmetry: settings.check_symmetry,
-            errors,
-            streams: StreamOrder::default(),
-            host_epoch: 0,
-            scratch: None,
-            timeout: settings.timeout,
-            sticky: None,
-            sms,
-            clusters,
-            releases,
-            pads: Vec::new(),
-            kernels: HashMap::new(),
-            quant_kernels: HashMap::new(),
-            fewest_sms,
-            resident: HashMap::new(),
-            auto_seen: Default::default(),
-            mc: HashMap::new(),
+            settings: CollSettings {
+                ll_slot: settings.ll_slot,
+                ll_grid: settings.ll_grid,
+                auto: settings.auto,
+                check_symmetry: settings.check_symmetry,
+                timeout: settings.timeout,
+                sms,
+                clusters,
+                fewest_sms,
+            },
+            group: Group {
+                internal: 0,
+                internal_seg: 0,
+                arena,
+                claim,
+                members,
+                lineage,
+                block: Internal::Own,
+            },
+            peer: PeerView {
+                windows,
+                releases,
+                pads: Vec::new(),
+                mc: HashMap::new(),
+            },
+            coll: Collectives::new(errors),
             p2p: P2p::new(0),
-            arena,
-            claim,
-            members,
-            lineage,
-            block: Internal::Own,
         });
         let plan = plan.unwrap_or(match settings.reserve {
             0 => Plan::Own,

@@ -37,7 +37,7 @@ impl Communicator {
     ) -> Result<Box<Communicator>> {
         match self.make_internal(plan, settings) {
             Ok((made, how)) => {
-                let devices: Vec<i32> = self.members.iter().map(|m| m.device).collect();
+                let devices: Vec<i32> = self.group.members.iter().map(|m| m.device).collect();
                 crate::info!(
                     "rank {}/{}: communicator on device {} (ranks' devices {devices:?}, {} \
                      backend); arena {}{}; {}; timeout {:.1} s; arena claimed in {} us{}, {how} \
@@ -46,8 +46,9 @@ impl Communicator {
                     self.world,
                     self.device,
                     if self.host { "host" } else { "cuda" },
-                    self.arena,
-                    self.lineage
+                    self.group.arena,
+                    self.group
+                        .lineage
                         .as_deref()
                         .map_or(String::new(), |l| format!("; {l}")),
                     describe_settings(&settings.words()),
@@ -74,7 +75,7 @@ impl Communicator {
     /// was made (for the INFO line).
     fn make_internal(&mut self, plan: Plan, settings: &Settings) -> Result<(Duration, String)> {
         let started = Instant::now();
-        let internal_len = internal_bytes(self.world, self.ll_slot);
+        let internal_len = internal_bytes(self.world, self.settings.ll_slot);
         let reserve = match plan {
             Plan::Carve(hold) => return self.carve_internal(hold, None, internal_len, started),
             Plan::Ready {
@@ -100,8 +101,8 @@ impl Communicator {
             let first = slots::first_slot(internal_len);
             let len = (first + reserve as u64 * settings.slot_len).max(SMALL_MAX + ROUND);
             let block = self.own_malloc(len)?;
-            self.internal = block;
-            self.block = Internal::WithSlots(SlotBlock::new(
+            self.group.internal = block;
+            self.group.block = Internal::WithSlots(SlotBlock::new(
                 self.alloc,
                 device,
                 block,
@@ -115,12 +116,12 @@ impl Communicator {
                 settings.slot_len
             )
         } else {
-            self.internal = self.own_malloc(internal_len)?;
+            self.group.internal = self.own_malloc(internal_len)?;
             "internal block made".to_string()
         };
-        let internal = self.internal;
+        let internal = self.group.internal;
         self.reset(internal, LL_DATA_OFFSET, internal, internal_len)?;
-        self.pads = self.windows.at_every_rank(internal);
+        self.peer.pads = self.peer.windows.at_every_rank(internal);
         let desc = CallDesc {
             kind: DescKind::Init,
             kernel: Kernel::OneShot,
@@ -133,7 +134,7 @@ impl Communicator {
             staged: false,
         };
         let seg = self.locate_own(internal, internal_len, "internal block")?;
-        self.internal_seg = seg.offset;
+        self.group.internal_seg = seg.offset;
         // The p2p signal pads (p2p/), from the arena too, zeroed before any peer can see
         // them (the exchange below is the first time a peer maps them).
         let pad = self.own_malloc(SYMM_SIGNAL_PAD_BYTES)?;
@@ -146,7 +147,7 @@ impl Communicator {
         }
         let pad_seg = self.locate_own(pad, SYMM_SIGNAL_PAD_BYTES, "signal pad")?;
         self.p2p.pad_seg = pad_seg.offset;
-        self.p2p.pads = self.windows.at_every_rank(pad);
+        self.p2p.pads = self.peer.windows.at_every_rank(pad);
         let made = started.elapsed();
         if pad_seg.offset == seg.offset {
             self.exchange(&[seg], desc, true)?;
@@ -155,14 +156,14 @@ impl Communicator {
         }
         // The peers' generations of their internal blocks' segments: their release names the
         // peer's destroy (peer/retire.rs).
-        for (r, p) in self.windows.peers.iter().enumerate() {
+        for (r, p) in self.peer.windows.peers.iter().enumerate() {
             if let Some(p) = p {
-                self.releases.internal_gens[r] = p.generation_at(seg.offset).unwrap_or(0);
-                self.releases.pad_gens[r] = p.generation_at(pad_seg.offset).unwrap_or(0);
+                self.peer.releases.internal_gens[r] = p.generation_at(seg.offset).unwrap_or(0);
+                self.peer.releases.pad_gens[r] = p.generation_at(pad_seg.offset).unwrap_or(0);
             }
         }
         // A split's last round (split.rs) is the children's meeting; a fresh one meets here.
-        if self.lineage.is_none() {
+        if self.group.lineage.is_none() {
             self.mesh.barrier("init")?;
         }
         Ok((made, how))
@@ -188,7 +189,7 @@ impl Communicator {
             Some((g, _)) => *g,
             None => self.alloc.heap(self.device)?.fresh_generation(),
         };
-        self.block = Internal::Carved { hold, generation };
+        self.group.block = Internal::Carved { hold, generation };
         if SYMM_SIGNAL_PAD_BYTES + internal_len > slot_len {
             return Err(Error::internal(format!(
                 "split slot {slot} is too small for an internal block of {internal_len} bytes"
@@ -203,15 +204,15 @@ impl Communicator {
                 internal_len,
             )?;
         }
-        self.internal = internal;
+        self.group.internal = internal;
         self.p2p.pad = pad;
-        self.pads = self.windows.at_every_rank(internal);
-        self.p2p.pads = self.windows.at_every_rank(pad);
+        self.peer.pads = self.peer.windows.at_every_rank(internal);
+        self.p2p.pads = self.peer.windows.at_every_rank(pad);
         let seg = self.locate_own(internal, internal_len, "split slot")?;
         // A peer's destroy of the child is its record (offset of this internal block, its
         // generation); the whole block's segment goes only after the parent and all children
         // (then its record is seen too).
-        self.internal_seg = internal - heap_base;
+        self.group.internal_seg = internal - heap_base;
         self.p2p.pad_seg = seg.offset;
         let made = started.elapsed();
         let (gens, how) = match ready {
@@ -225,8 +226,12 @@ impl Communicator {
             ),
         };
         for r in (0..self.world).filter(|&r| r != rank) {
-            self.releases.internal_gens[r] = gens[r];
-            self.releases.pad_gens[r] = self.windows.mapped_generation(r, seg.offset).unwrap_or(0);
+            self.peer.releases.internal_gens[r] = gens[r];
+            self.peer.releases.pad_gens[r] = self
+                .peer
+                .windows
+                .mapped_generation(r, seg.offset)
+                .unwrap_or(0);
         }
         Ok((
             made,
@@ -243,13 +248,13 @@ impl Communicator {
         // Every peer maps the parent's block (exchanged at the parent's init) unless it
         // released it; a rank that finds one missing refuses in the round, so all fail alike.
         let missing: Vec<usize> = (0..self.world)
-            .filter(|&r| r != rank && self.windows.mapped_generation(r, seg).is_none())
+            .filter(|&r| r != rank && self.peer.windows.mapped_generation(r, seg).is_none())
             .collect();
         let mut msg = Vec::new();
         for w in [
             missing.is_empty() as u64,
             slot as u64,
-            self.internal_seg,
+            self.group.internal_seg,
             generation,
         ] {
             msg.extend_from_slice(&w.to_le_bytes());
@@ -273,11 +278,11 @@ impl Communicator {
                      peer released it?)"
                 )));
             }
-            if (s, off) != (slot as u64, self.internal_seg) {
+            if (s, off) != (slot as u64, self.group.internal_seg) {
                 return Err(Error::internal(format!(
                     "rank {r} carved split slot {s} at heap offset {off:#x}, rank {rank} slot \
                      {slot} at {:#x}",
-                    self.internal_seg
+                    self.group.internal_seg
                 )));
             }
             gens.push(g);

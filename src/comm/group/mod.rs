@@ -20,3 +20,30 @@ mod internal;
 pub mod registry;
 pub(in crate::comm) mod slots;
 mod split;
+
+use crate::comm::peer::peers::PeerIdent;
+use registry::Claim;
+use slots::Internal;
+
+/// A communicator's place among its ranks and the process's communicators, and the memory it
+/// owns in the heap.
+pub(in crate::comm) struct Group {
+    /// Signal pad, epochs, abort word and LL buffers: `internal_bytes(world, ll_slot)` bytes
+    /// (collective/kernel_args.rs has the layout).
+    pub internal: u64,
+    /// The offset of the segment that holds `internal` (the same on every rank): a peer that
+    /// releases it has destroyed its communicator (peer/retire.rs).
+    pub internal_seg: u64,
+    /// This communicator's arena of the device heap (arena.rs): its own buffers and
+    /// `symm_comm_malloc` memory, at the same offsets on every rank.
+    pub arena: u64,
+    /// Its place among the process's live communicators (registry.rs).
+    pub claim: Claim,
+    /// Every rank's process and device.
+    pub members: Vec<PeerIdent>,
+    /// A child's ranks as its parent's, for errors that name a rank (split.rs).
+    pub lineage: Option<String>,
+    /// Whose memory `internal` and the p2p pad are: its own blocks (with split slots for its
+    /// children, when made by init) or a slot of its parent's block (slots.rs).
+    pub block: Internal,
+}

@@ -112,7 +112,7 @@ impl Communicator {
             format!(
                 "color {color} is not accepted; expected a color >= 0 or SYMM_SPLIT_NOCOLOR (-1)"
             )
-        } else if let Some(e) = &self.sticky {
+        } else if let Some(e) = &self.coll.sticky {
             format!(
                 "its communicator is broken ({}: {})",
                 e.status.name(),
@@ -134,7 +134,7 @@ impl Communicator {
             (heap.granularity(), heap.free_ranges())
         };
         let settings = config::comm_settings_text();
-        let free_slots = match &self.block {
+        let free_slots = match &self.group.block {
             Internal::WithSlots(b) => b.free_mask(),
             _ => 0,
         };
@@ -258,7 +258,7 @@ impl Communicator {
                 .flatten(),
         };
         // Every child of this split takes the same slot (slots.rs), or none is free.
-        let plan = match &self.block {
+        let plan = match &self.group.block {
             Internal::WithSlots(b) if common_slots & free_slots != 0 => {
                 let slot = common_slots.trailing_zeros() as u64;
                 let alike = members
@@ -302,7 +302,7 @@ impl Communicator {
                 bet.arena = heap.claim_arena(off, len).map(|id| (off, id));
             }
         }
-        if let Internal::WithSlots(b) = &self.block {
+        if let Internal::WithSlots(b) = &self.group.block {
             if free_slots != 0 {
                 let hold = b.take(free_slots.trailing_zeros() as usize);
                 let generation = self
@@ -321,14 +321,14 @@ impl Communicator {
     /// a carved child's block lies; all true for a parent without split slots, all false where
     /// the block cannot be found (the child's carve round then reports it).
     fn maps_parent_blocks(&self) -> Vec<bool> {
-        let Internal::WithSlots(b) = &self.block else {
+        let Internal::WithSlots(b) = &self.group.block else {
             return vec![true; self.world];
         };
         let Ok(seg) = self.locate_own(b.start(), 1, "split slot block") else {
             return vec![false; self.world];
         };
         (0..self.world)
-            .map(|r| r == self.rank || self.windows.mapped_generation(r, seg.offset).is_some())
+            .map(|r| r == self.rank || self.peer.windows.mapped_generation(r, seg.offset).is_some())
             .collect()
     }
 
@@ -348,10 +348,10 @@ impl Communicator {
             .iter()
             .position(|&m| m == self.rank)
             .expect("a rank is in its own color's child");
-        let mesh = crate::ipc::Mesh::from_connections(rank, world, conns, self.timeout);
+        let mesh = crate::ipc::Mesh::from_connections(rank, world, conns, self.settings.timeout);
         let settings = Settings::read(world, self.alloc, self.device)
             .map_err(|e| format!("{}: {}", e.status.name(), e.message));
-        let pids: Vec<u32> = members.iter().map(|&m| self.members[m].pid).collect();
+        let pids: Vec<u32> = members.iter().map(|&m| self.group.members[m].pid).collect();
         Communicator::build(Setup {
             rank,
             world,
@@ -361,12 +361,15 @@ impl Communicator {
             mesh,
             settings,
             claim: Ok(claim),
-            members: members.iter().map(|&m| self.members[m]).collect(),
-            windows: self.windows.subset(members),
-            seen: members.iter().map(|&m| self.releases.seen[m]).collect(),
-            sms: self.sms,
-            clusters: self.clusters,
-            fewest_sms: self.fewest_sms,
+            members: members.iter().map(|&m| self.group.members[m]).collect(),
+            windows: self.peer.windows.subset(members),
+            seen: members
+                .iter()
+                .map(|&m| self.peer.releases.seen[m])
+                .collect(),
+            sms: self.settings.sms,
+            clusters: self.settings.clusters,
+            fewest_sms: self.settings.fewest_sms,
             lineage: Some(format!(
                 "its ranks 0..{world} are ranks {members:?} of the communicator it was split \
                  from, pids {pids:?}"

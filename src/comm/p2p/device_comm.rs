@@ -73,3 +73,7 @@ pub struct DeviceComm {
 }
 
 const _: () = assert!(std::mem::size_of::<DeviceComm>() == SYMM_DEVICE_COMM_V1_SIZE);
+// The collective kernels report a wait's timeout with the same code (collective/kernel_args.rs).
+const _: () = assert!(
+    SYMM_DEVICE_ERR_SIGNAL_TIMEOUT == crate::comm::collective::kernel_args::ERR_SIGNAL_TIMEOUT
+);

@@ -139,7 +139,7 @@ impl Communicator {
     /// peer's segments under the range and records it. Idempotent.
     pub fn rendezvous(&mut self, ptr: u64, bytes: u64) -> Result<()> {
         self.begin_call(0)?;
-        let heap_base = self.windows.bases[self.rank];
+        let heap_base = self.peer.windows.bases[self.rank];
         let local = self.live_segments(ptr, bytes);
         let (off, count) = match &local {
             Ok(_) => (ptr - heap_base, bytes),
@@ -198,14 +198,15 @@ impl Communicator {
     /// Whether `peer` has released (its release log says so) the generation of its segment at
     /// `offset` that this rank maps, including records peer/retire.rs has not handled yet.
     fn released_by(&self, peer: usize, offset: u64) -> bool {
-        let Some(generation) = self.windows.mapped_generation(peer, offset) else {
+        let Some(generation) = self.peer.windows.mapped_generation(peer, offset) else {
             return true;
         };
-        let Some(heap) = &self.windows.peers[peer] else {
+        let Some(heap) = &self.peer.windows.peers[peer] else {
             return false;
         };
         let mut records = Vec::new();
-        heap.log.read_since(self.releases.seen[peer], &mut records);
+        heap.log
+            .read_since(self.peer.releases.seen[peer], &mut records);
         records.contains(&(offset, generation))
     }
 
@@ -279,13 +280,13 @@ impl Communicator {
                 }
             }
         }
-        Ok(self.windows.bases[peer] + (ptr - heap_base))
+        Ok(self.peer.windows.bases[peer] + (ptr - heap_base))
     }
 
     /// `symm_peer_ptr`: local; the address, in this process, of `ptr`'s offset in `peer`'s heap.
     pub fn peer_ptr(&self, ptr: u64, peer: i64) -> Result<u64> {
         let peer = self.check_peer("symm_peer_ptr", peer)?;
-        if let Some(e) = &self.sticky {
+        if let Some(e) = &self.coll.sticky {
             return Err(e.clone());
         }
         self.peer_range("symm_peer_ptr", ptr, 1, peer)
@@ -400,7 +401,7 @@ impl Communicator {
         Self::check_slot("symm_wait", slot)?;
         self.begin_call(stream)?;
         if self.host {
-            return match signal_pad::host_wait(self.p2p.pad, slot, value, self.timeout) {
+            return match signal_pad::host_wait(self.p2p.pad, slot, value, self.settings.timeout) {
                 Ok(()) => Ok(()),
                 Err((seen, writer)) => {
                     let e = crate::comm::collective::error_word::timeout_error(
@@ -409,9 +410,9 @@ impl Communicator {
                         value,
                         seen,
                         writer,
-                        self.timeout,
+                        self.settings.timeout,
                     );
-                    self.sticky = Some(e.clone());
+                    self.coll.sticky = Some(e.clone());
                     Err(e)
                 }
             };
@@ -440,12 +441,12 @@ impl Communicator {
             world: self.world as i32,
             rank: self.rank as i32,
             signal_slots: SYMM_SIGNAL_SLOTS,
-            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            abort_word: self.internal + ABORT_OFFSET,
-            error_word: self.errors.device_ptr(),
+            timeout_ns: self.settings.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            abort_word: self.group.internal + ABORT_OFFSET,
+            error_word: self.coll.errors.device_ptr(),
             ..DeviceComm::default()
         };
-        d.heap_bases[..self.world].copy_from_slice(&self.windows.bases);
+        d.heap_bases[..self.world].copy_from_slice(&self.peer.windows.bases);
         d.signal_pads[..self.world].copy_from_slice(&self.p2p.pads);
         d
     }

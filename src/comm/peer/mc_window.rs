@@ -54,11 +54,11 @@ fn teardown(device: i32, w: &McWindow) -> Result<()> {
 impl Communicator {
     /// The multicast address of segment `seg` (built on first use; collective).
     pub(in crate::comm) fn multicast_window(&mut self, seg: SegmentInfo) -> Result<u64> {
-        if let Some(w) = self.mc.get(&seg.offset) {
+        if let Some(w) = self.peer.mc.get(&seg.offset) {
             if w.generation == seg.generation {
                 return Ok(w.va);
             }
-            let old = self.mc.remove(&seg.offset).expect("present");
+            let old = self.peer.mc.remove(&seg.offset).expect("present");
             teardown(self.device, &old)?;
         }
         cuda::multicast::ensure_allowed(self.device)?;
@@ -125,7 +125,7 @@ impl Communicator {
             return Err(e);
         }
         let va = w.va;
-        self.mc.insert(seg.offset, w);
+        self.peer.mc.insert(seg.offset, w);
         Ok(va)
     }
 
@@ -151,7 +151,7 @@ impl Communicator {
 
     /// Tears down every multicast window (at destroy).
     pub(in crate::comm) fn destroy_multicast_windows(&mut self) {
-        for (_, w) in std::mem::take(&mut self.mc) {
+        for (_, w) in std::mem::take(&mut self.peer.mc) {
             let _ = teardown(self.device, &w);
         }
     }

@@ -16,3 +16,19 @@ pub mod mc_window;
 pub mod peers;
 pub(in crate::comm) mod retire;
 pub mod windows;
+
+use mc_window::McWindow;
+use retire::PeerReleases;
+use std::collections::HashMap;
+use windows::PeerWindows;
+
+/// The peers' memory as this communicator sees it.
+pub(in crate::comm) struct PeerView {
+    pub windows: PeerWindows,
+    /// The peers' release logs: their segments given back, to unmap here (retire.rs).
+    pub releases: PeerReleases,
+    /// Each rank's signal pad in this process's address space (fixed after init).
+    pub pads: Vec<u64>,
+    /// Multicast windows by segment offset (MULTIMEM only; empty unless the gate allowed it).
+    pub mc: HashMap<u64, McWindow>,
+}

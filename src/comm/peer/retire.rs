@@ -51,21 +51,26 @@ impl Communicator {
     /// Whether `peer` recorded giving back this communicator's internal block (its destroy)
     /// since the last call: for checks between calls (p2p/).
     pub(in crate::comm) fn internal_released_by(&self, peer: usize) -> bool {
-        let Some(heap) = &self.windows.peers[peer] else {
+        let Some(heap) = &self.peer.windows.peers[peer] else {
             return false;
         };
         let mut records = Vec::new();
-        heap.log.read_since(self.releases.seen[peer], &mut records);
-        records.contains(&(self.internal_seg, self.releases.internal_gens[peer]))
+        heap.log
+            .read_since(self.peer.releases.seen[peer], &mut records);
+        records.contains(&(
+            self.group.internal_seg,
+            self.peer.releases.internal_gens[peer],
+        ))
     }
 
     /// Unmaps the peer segments released since the last call (see the module comment).
     pub(in crate::comm) fn retire_released(&mut self, stream: u64) -> Result<()> {
         let pending = self
+            .peer
             .windows
             .peers
             .iter()
-            .zip(&self.releases.seen)
+            .zip(&self.peer.releases.seen)
             .any(|(p, &seen)| p.as_ref().is_some_and(|p| p.log.count() != seen));
         if !pending {
             return Ok(());
@@ -79,14 +84,18 @@ impl Communicator {
         let mut records = Vec::new();
         let mut broken = None;
         for peer in 0..self.world {
-            let Some(heap) = self.windows.peers[peer].clone() else {
+            let Some(heap) = self.peer.windows.peers[peer].clone() else {
                 continue;
             };
             records.clear();
-            self.releases.seen[peer] = heap.log.read_since(self.releases.seen[peer], &mut records);
+            self.peer.releases.seen[peer] = heap
+                .log
+                .read_since(self.peer.releases.seen[peer], &mut records);
             for &(offset, generation) in &records {
-                if (offset == self.internal_seg && generation == self.releases.internal_gens[peer])
-                    || (offset == self.p2p.pad_seg && generation == self.releases.pad_gens[peer])
+                if (offset == self.group.internal_seg
+                    && generation == self.peer.releases.internal_gens[peer])
+                    || (offset == self.p2p.pad_seg
+                        && generation == self.peer.releases.pad_gens[peer])
                 {
                     // The peer gave back its signal pads and LL buffers (or its p2p signal
                     // pad): it destroyed its
@@ -98,10 +107,11 @@ impl Communicator {
                          destroy this communicator",
                         self.rank
                     ));
-                    self.sticky = Some(e.clone());
+                    self.coll.sticky = Some(e.clone());
                     broken = Some(e);
                 }
                 if self
+                    .peer
                     .windows
                     .unmap_released(self.alloc, peer, offset, generation)
                 {
