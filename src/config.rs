@@ -330,9 +330,8 @@ pub fn comm_arena_size() -> Result<Option<u64>> {
 
 /// Split slots a communicator made by `symm_comm_init` reserves by default
 /// (`SYMMALLOC_SPLIT_SLOTS`; comm/group/slots.rs): two children (a TP and an EP group split from
-/// the world) cost no new device memory. With them a split took 0.09-0.11 of a fresh init at 4
-/// ranks on one H200 (0.35-0.45 without, on one H100: bench/RESULTS.md, "Groups"), for 32 MiB of
-/// device memory per communicator made by init.
+/// the world) cost no new device memory, and a split costs a small part of a fresh init
+/// (bench/RESULTS.md, "Groups"), for 32 MiB of device memory per communicator made by init.
 pub const DEFAULT_SPLIT_SLOTS: u64 = 2;
 /// The most split slots one communicator reserves (a free-slot mask is one word).
 pub const MAX_SPLIT_SLOTS: u64 = 64;
@@ -437,9 +436,8 @@ pub fn ll_bytes(world: usize) -> Result<u64> {
 }
 
 /// Default grid of the one-shot LL kernel: blocks x the most threads per block
-/// (`SYMMALLOC_LL_GRID`). Measured on 2x H200 (bench/NOTES.md, "The LL kernels"): one SM's stores
-/// to a peer are the limit, so a message is spread over every block (128x512: 6.2 us at 1 MiB and
-/// 16.6 at 4 MiB graphed; 32x512: 8.4 at 1 MiB).
+/// (`SYMMALLOC_LL_GRID`). One SM's stores to a peer are the limit, so a message is spread over
+/// every block (bench/NOTES.md, "The LL kernels").
 pub const DEFAULT_LL_GRID: (u32, u32) = (128, 512);
 
 /// `SYMMALLOC_LL_GRID=BLOCKSxTHREADS`: the most blocks of an LL call (each call runs on just

@@ -160,11 +160,11 @@ impl Algo {
     }
 }
 
-/// Default largest message (bytes) AUTO sends one-shot, by world size. Measured on 2x H200
-/// (bench/RESULTS.md, "All-reduce through the C ABI"; docs/DESIGN.md, "AUTO thresholds"):
-/// two-shot matched one-shot at 8 KiB (6.7-7.0 us graphed) and beat it from
-/// 32 KiB up, so one-shot keeps only the smallest messages. Wider worlds read (world-1)
-/// copies in one-shot, so the crossover drops further (not measured: no wider machine lent).
+/// Default largest message (bytes) AUTO sends one-shot, by world size. At 2 ranks two-shot
+/// catches up with one-shot at a few KiB and beats it above (bench/RESULTS.md, "All-reduce
+/// through the C ABI"; docs/DESIGN.md, "AUTO thresholds"), so one-shot keeps only the smallest
+/// messages. Wider worlds read (world-1) copies in one-shot, so the crossover drops further
+/// (not measured: no wider machine lent).
 pub fn default_one_shot_max(world: usize) -> u64 {
     match world {
         0..=2 => 16 << 10,
@@ -174,10 +174,9 @@ pub fn default_one_shot_max(world: usize) -> u64 {
 }
 
 /// Default largest message (bytes) AUTO sends with the barrier-free one-shot LL kernel.
-/// Measured on 2x H200 (bench/NOTES.md, "The LL kernels"): LL beat two-shot at every size up
-/// to 4 MiB (6.2 against 9.7 us graphed at 1 MiB, 16.6 against 18.4 at 4 MiB) and lost from
-/// 16 MiB (61 against 55). A rank pushes (world - 1) copies of its message, so wider worlds switch
-/// to two-shot earlier (reasoned, not measured: no wider machine was lent).
+/// At 2 ranks LL beats two-shot up to a few MiB and loses above (bench/NOTES.md, "The LL
+/// kernels"). A rank pushes (world - 1) copies of its message, so wider worlds switch to
+/// two-shot earlier (reasoned, not measured: no wider machine was lent).
 pub fn default_ll_max(world: usize) -> u64 {
     match world {
         0..=2 => 4 << 20,

@@ -92,8 +92,8 @@ pub const RMS_VECS: u64 = 4;
 pub const RMS_MAX_HIDDEN: u64 = THREADS as u64 * RMS_VECS * 8;
 /// The fused LL kernel with one vector per thread (`..._ll1_*`) runs blocks of up to this many
 /// threads: rows up to hidden 6144. Wider rows take the four-vector kernel, which at hidden 8192
-/// (512 threads, two vectors each) was 0.03-0.08 µs faster than 1024 threads of one on one H200
-/// (bench/NOTES.md, "The fused all-reduce + RMSNorm kernels").
+/// (512 threads, two vectors each) beat 1024 threads of one (bench/NOTES.md, "The fused
+/// all-reduce + RMSNorm kernels").
 pub const RMS_LL1_THREADS: u64 = 768;
 /// The most vectors of a row one block of the cluster kernel (`..._llc_*`) takes, one per thread
 /// (its launch bound): a row is split over at least ceil(vecs / this) blocks of a cluster.
