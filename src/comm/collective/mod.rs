@@ -9,8 +9,9 @@
 //! with the kernels (the generated kernels/instances.cu and kernels/symm_constants.cuh come from
 //! them); `streams.rs` orders calls across streams; `convert.rs` holds the number formats.
 //!
-//! Owns (in the communicator): the staging scratch, the error words and the sticky error, the
-//! stream order, the host backend's epoch, the kernels looked up in the module.
+//! Owns `Collectives` (the communicator's `coll`): the staging scratch, the error words and the
+//! sticky error, the stream order, the host backend's epoch, the kernels looked up in the
+//! module. Reads the communicator's `settings` (group/init.rs) and `peer` parts.
 //!
 //! Invariants: every rank calls collectives in the same order with symmetric buffers; every
 //! decision of a plan reads only values equal on every rank, so every rank runs the same kernel

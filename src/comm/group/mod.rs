@@ -6,8 +6,10 @@
 //! split slot), `slots` (the split slots a communicator made by init reserves for its
 //! children), `registry` (the live communicators per device and the MemPool slots).
 //!
-//! Owns (in the communicator): the mesh's membership (every rank's process and device, a
-//! child's lineage), the registry claim, the arena, the internal block and whose memory it is.
+//! Owns `Group` (the communicator's `group`: the mesh's membership, that is every rank's process
+//! and device and a child's lineage; the registry claim; the arena; the internal block and whose
+//! memory it is). `build` (init.rs) makes every part of a communicator, `CollSettings` (its
+//! `settings`) among them.
 //!
 //! Invariants: every rank has the same collective settings (read once at init and compared
 //! there: a rank whose settings differ fails every rank alike); a communicator's arena and

@@ -4,8 +4,8 @@
 //! mapped, at which generation), the unmapping of segments peers released (retire.rs) and,
 //! for MULTIMEM, the multicast windows (mc_window.rs).
 //!
-//! Owns (in the communicator): the windows, the records of the peers' release logs already
-//! handled, the multicast windows.
+//! Owns `PeerView` (the communicator's `peer`): the windows, the records of the peers' release
+//! logs already handled, each rank's signal pad here, the multicast windows.
 //!
 //! Invariants: a peer's buffer is `windows.bases[peer] + (ptr - own base)`, at the same offset
 //! as this rank's; a segment is mapped here only after its owner shared it in a segment
