@@ -25,8 +25,9 @@ VMAJOR := $(word 1,$(subst ., ,$(VERSION)))
 VMINOR := $(word 2,$(subst ., ,$(VERSION)))
 SOVERSION := $(if $(filter 0,$(VMAJOR)),0.$(VMINOR),$(VMAJOR))
 
+# `testing` (Cargo.toml) builds the demo too: it uses cuda::util, which the library leaves out.
 build: toolchain
-	$(CARGO) build --release
+	$(CARGO) build --release --features testing
 	ln -sf libsymmalloc.so target/release/libsymmalloc.so.$(SOVERSION)
 
 run: build
@@ -174,8 +175,8 @@ test-wheel: wheel $(TORCH_VENV)/.installed
 header:
 	SYMMALLOC_BLESS=1 $(CARGO) test -p symmalloc --test header
 
-# kernels/instances.cu and kernels/symm_constants.cuh, generated from src/comm/kernels.rs and
-# kernel_args.rs (tests/kernel_table.rs fails when they are stale).
+# kernels/instances.cu and kernels/symm_constants.cuh, generated from
+# src/comm/collective/kernels.rs and kernel_args.rs (tests/kernel_table.rs fails when they are stale).
 kernels:
 	SYMMALLOC_BLESS=1 $(CARGO) test -p symmalloc --test kernel_table
 

@@ -1,10 +1,10 @@
 // symmalloc kernels: shared definitions.
 //
-// Owns: the kernel argument struct (mirrored by src/comm/kernel_args.rs; tests/kernel_table.rs
-// checks them field by field), error reporting, element conversion, 16-byte vectors, the
-// cross-rank block barrier with the barrier kernels' opening and closing steps, and the
-// reductions over every rank's input in rank order (reduce_item, reduce_items, and reduce_slice,
-// the loop the two-shot all-reduce and the reduce-scatter share).
+// Owns: the kernel argument struct (mirrored by src/comm/collective/kernel_args.rs;
+// tests/kernel_table.rs checks them field by field), error reporting, element conversion,
+// 16-byte vectors, the cross-rank block barrier with the barrier kernels' opening and closing
+// steps, and the reductions over every rank's input in rank order (reduce_item, reduce_items,
+// and reduce_slice, the loop the two-shot all-reduce and the reduce-scatter share).
 //
 // Barrier protocol: block b of rank r owns slot pads[r][b][p] for each peer p. To arrive at
 // epoch e, thread p of block b writes its call descriptor then e (release, system scope) into
@@ -30,9 +30,9 @@
 #include <stdint.h>
 
 // Every constant the host shares with the kernels (limits, error codes, the internal block's
-// offsets, unrolls, block sizes): generated from src/comm/kernel_args.rs, checked for drift by
-// tests/kernel_table.rs. The layout of the internal block is docs/DESIGN.md, "Internal buffer
-// layout".
+// offsets, unrolls, block sizes): generated from src/comm/collective/kernel_args.rs, checked for
+// drift by tests/kernel_table.rs. The layout of the internal block is docs/DESIGN.md,
+// "Internal buffer layout".
 #include "symm_constants.cuh"
 
 enum { OP_SUM = 0, OP_MAX = 1, OP_MIN = 2 };

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --examples
-cargo build --release
+cargo build --release --features testing  # the demo too (Cargo.toml, `testing`)
 # The SONAME the C harness records (build.rs): the file under that name beside the library in $1.
 link_soname() {
   local soname

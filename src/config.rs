@@ -13,7 +13,7 @@
 //! call for the allocator's). Never a panic, never a silent default.
 //!
 //! Readers outside this file, and why:
-//! - `comm_env.rs` parses the launcher's variables (`LOCAL_RANK`, `OMPI_COMM_WORLD_*`, ...,
+//! - `ipc/env.rs` parses the launcher's variables (`LOCAL_RANK`, `OMPI_COMM_WORLD_*`, ...,
 //!   and `SYMMALLOC_UNIQUE_ID`) for `symm_comm_init_from_env`, as a pure function of a lookup;
 //!   the FFI passes it [`var`].
 //! - `debug.rs` reads `SYMMALLOC_DEBUG` through [`debug_level`]. An unknown level fails the
@@ -28,9 +28,16 @@
 //! - The demo binary (`src/bin/symmalloc-demo.rs`, not the library) passes its children
 //!   `SYMMALLOC_DEMO_COUNT` and reads it back itself.
 
-use crate::debug::Level;
 use crate::error::{Error, Result};
 use std::time::Duration;
+
+/// The diagnostics level of `SYMMALLOC_DEBUG` ([`debug_level`]; debug.rs prints at it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    Off = 0,
+    Info = 1,
+    Trace = 2,
+}
 
 /// The one read of the process environment. A value that is not UTF-8 comes back converted
 /// lossily, so that a parser names it instead of taking it for unset.
@@ -322,18 +329,17 @@ pub fn comm_arena_size() -> Result<Option<u64>> {
 }
 
 /// Split slots a communicator made by `symm_comm_init` reserves by default
-/// (`SYMMALLOC_SPLIT_SLOTS`; comm/slots.rs): two children (a TP and an EP group split from the
-/// world) cost no new device memory. With them a split took 0.09-0.11 of a fresh init at 4 ranks
-/// on one H200 (0.35-0.45 without, on one H100: bench/RESULTS.md, "Groups"), for 32 MiB of
-/// device memory per communicator made by init.
+/// (`SYMMALLOC_SPLIT_SLOTS`; comm/group/slots.rs): two children (a TP and an EP group split from
+/// the world) cost no new device memory, and a split costs a small part of a fresh init
+/// (bench/RESULTS.md, "Groups"), for 32 MiB of device memory per communicator made by init.
 pub const DEFAULT_SPLIT_SLOTS: u64 = 2;
 /// The most split slots one communicator reserves (a free-slot mask is one word).
 pub const MAX_SPLIT_SLOTS: u64 = 64;
 
 /// `SYMMALLOC_SPLIT_SLOTS`: how many children's internal blocks a communicator made by
-/// `symm_comm_init` reserves in its own (comm/slots.rs), so that a split makes no device memory;
-/// at most a quarter of its arena. `0..=MAX_SPLIT_SLOTS`, default `DEFAULT_SPLIT_SLOTS`; must
-/// match on all ranks.
+/// `symm_comm_init` reserves in its own (comm/group/slots.rs), so that a split makes no device
+/// memory; at most a quarter of its arena. `0..=MAX_SPLIT_SLOTS`, default `DEFAULT_SPLIT_SLOTS`;
+/// must match on all ranks.
 pub fn split_slots() -> Result<u64> {
     Vars::process().split_slots()
 }
@@ -430,9 +436,8 @@ pub fn ll_bytes(world: usize) -> Result<u64> {
 }
 
 /// Default grid of the one-shot LL kernel: blocks x the most threads per block
-/// (`SYMMALLOC_LL_GRID`). Measured on 2x H200 (bench/NOTES.md, "The LL kernels"): one SM's stores to a peer
-/// are the limit, so a message is spread over every block (128x512: 6.2 us at 1 MiB and
-/// 16.6 at 4 MiB graphed; 32x512: 8.4 at 1 MiB).
+/// (`SYMMALLOC_LL_GRID`). One SM's stores to a peer are the limit, so a message is spread over
+/// every block (bench/NOTES.md, "The LL kernels").
 pub const DEFAULT_LL_GRID: (u32, u32) = (128, 512);
 
 /// `SYMMALLOC_LL_GRID=BLOCKSxTHREADS`: the most blocks of an LL call (each call runs on just

@@ -6,20 +6,14 @@
 //!
 //! Invariants: off by default, and free when off: the `info!`/`trace!` macros test the level (one
 //! relaxed atomic load once the variable has been read) before formatting anything. The
-//! variable is read once per process, through `config::debug_level` (the levels: `OFF` and
-//! `WARN` are off, `INFO`, `TRACE`, any case). An unknown value fails the allocator's creation
-//! (`heap::global`, so the first allocator call or `symm_comm_init`) with
+//! variable is read once per process, through `config::debug_level` (config.rs owns `Level`; the
+//! levels: `OFF` and `WARN` are off, `INFO`, `TRACE`, any case). An unknown value fails the
+//! allocator's creation (`heap::global`, so the first allocator call or `symm_comm_init`) with
 //! `SYMM_ERR_INVALID_ARGUMENT` naming it; should diagnostics be asked for before that, one
 //! warning names it and they stay off.
 
+pub use crate::config::Level;
 use std::sync::atomic::{AtomicU8, Ordering};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Level {
-    Off = 0,
-    Info = 1,
-    Trace = 2,
-}
 
 const UNREAD: u8 = u8::MAX;
 static LEVEL: AtomicU8 = AtomicU8::new(UNREAD);

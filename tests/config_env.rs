@@ -312,7 +312,7 @@ fn the_readme_table_lists_every_variable_with_its_default_and_accepted_values() 
     }
 }
 
-/// Every `SYMMALLOC_*` setting the library itself reads is read in config.rs (comm_env.rs reads
+/// Every `SYMMALLOC_*` setting the library itself reads is read in config.rs (ipc/env.rs reads
 /// the launcher's through config::var: config.rs's header says so).
 #[test]
 fn settings_are_read_in_config_rs() {

@@ -617,7 +617,7 @@ fn gpu_ll_all_ones_and_negative_zero_inputs() {
 /// One communicator, two streams, no ordering by the caller: each stream reduces its own
 /// inputs into a fresh output per call, issued back to back and alternating between the
 /// streams, with no synchronization between them. Without the library's ordering
-/// (src/comm/streams.rs) kernels of both streams would run at once on one rank and share
+/// (src/comm/collective/streams.rs) kernels of both streams would run at once on one rank and share
 /// barrier epochs, LL counters, LL buffers and the staging scratch: a wrong sum or a wait that
 /// never ends. Every output is checked against the float64 reference.
 fn two_streams_rank(c: Child) {

@@ -320,7 +320,7 @@ fn gpu_split_and_init_cost() {
         println!("rank 0 {kind}: {}", l.rsplit("; ").next().unwrap_or(""));
     }
     // Every split was carved from the world's split slot (each child is destroyed before the
-    // next split): no device memory made or imported (comm/slots.rs); every init reserved
+    // next split): no device memory made or imported (comm/group/slots.rs); every init reserved
     // its slots.
     for (r, o) in outs.iter().enumerate() {
         let e = String::from_utf8_lossy(&o.stderr);

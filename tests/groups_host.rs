@@ -799,7 +799,7 @@ fn reuse_rank(c: Child) {
     let before = stats(c.device).peer_mappings;
     let tp = split(world, c.rank / 2, c.rank);
     // The child's internal block is carved from a split slot of the world's, which its peer
-    // mapped at init (comm/slots.rs): nothing new to map.
+    // mapped at init (comm/group/slots.rs): nothing new to map.
     assert_eq!(stats(c.device).peer_mappings, before);
     ok(
         symm_all_reduce(tp, buf, buf, 4096, SYMM_FP32, SYMM_SUM, null_mut()),

@@ -1,4 +1,4 @@
-//! Split slots on the host backend, one process per rank (src/comm/slots.rs): a split carves
+//! Split slots on the host backend, one process per rank (src/comm/group/slots.rs): a split carves
 //! its children's internal blocks out of a slot of its parent's block (no segment made, none
 //! mapped), falls back to the child's own block when no slot is free on every parent rank (all
 //! taken, or one still held by a child on some rank), gives the slot back at destroy (a peer's

@@ -11,7 +11,7 @@ fn generate() -> String {
         .with_src(root.join("src/ffi/mod.rs"))
         .with_src(root.join("src/ffi/pool_calls.rs"))
         .with_src(root.join("src/ffi/types.rs"))
-        .with_src(root.join("src/comm/device_comm.rs"))
+        .with_src(root.join("src/comm/p2p/device_comm.rs"))
         .with_src(root.join("src/heap/stats.rs"))
         .with_src(root.join("src/heap/device_stats.rs"))
         .with_config(config)

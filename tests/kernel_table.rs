@@ -1,4 +1,4 @@
-//! The kernel-id table (src/comm/kernels.rs) and the kernels' instantiations stay in step, and
+//! The kernel-id table (src/comm/collective/kernels.rs) and the kernels' instantiations stay in step, and
 //! the Rust mirror of the argument struct matches kernels/common.cuh field by field.
 
 use std::collections::BTreeSet;
@@ -52,7 +52,7 @@ fn generated_kernel_sources_are_up_to_date() {
         let current = std::fs::read_to_string(&path).unwrap_or_default();
         assert!(
             current == fresh,
-            "kernels/{file} is stale: src/comm/kernels.rs or kernel_args.rs changed. Run `make \
+            "kernels/{file} is stale: src/comm/collective/kernels.rs or kernel_args.rs changed. Run `make \
              kernels` and commit the result."
         );
     }
@@ -127,7 +127,7 @@ fn argument_struct_matches_the_cuda_source() {
             "int32_t in_place",
             "int32_t ll_slot_kib",
         ],
-        "kernels/common.cuh SymmArgs changed: update src/comm/kernel_args.rs in step"
+        "kernels/common.cuh SymmArgs changed: update src/comm/collective/kernel_args.rs in step"
     );
     assert_eq!(
         std::mem::size_of::<symmalloc::comm::kernel_args::SymmArgs>(),
@@ -185,7 +185,7 @@ fn rms_argument_struct_matches_the_cuda_source() {
             "uint32_t push_threads",
             "uint64_t scale",
         ],
-        "kernels/rms_norm.cuh RmsArgs changed: update src/comm/kernel_args.rs in step"
+        "kernels/rms_norm.cuh RmsArgs changed: update src/comm/collective/kernel_args.rs in step"
     );
 }
 
@@ -200,7 +200,7 @@ fn p2p_argument_struct_matches_the_cuda_source() {
             "uint32_t slot",
             "int32_t peer",
         ],
-        "kernels/p2p.cu P2pArgs changed: update src/comm/signal_pad.rs in step"
+        "kernels/p2p.cu P2pArgs changed: update src/comm/p2p/signal_pad.rs in step"
     );
 }
 

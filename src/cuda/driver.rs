@@ -55,7 +55,7 @@ pub struct DeviceInfo {
     /// The driver's `CUdevice` for this ordinal.
     pub cu_device: sys::CUdevice,
     /// The device's primary context, retained on first use (`context`), never before: a
-    /// retained primary context is a live context on that GPU (about 500 MiB of its memory), so
+    /// retained primary context is a live context on that GPU (hundreds of MiB of its memory), so
     /// retaining every device's at start-up put one on each GPU for every rank's process.
     ctx: std::sync::Arc<OnceLock<std::result::Result<usize, Error>>>,
 }

@@ -11,6 +11,7 @@ pub mod module;
 pub mod multicast;
 pub mod multicast_gate;
 pub mod stream_ops;
+#[cfg(feature = "testing")]
 pub mod util;
 
 pub use vmm::granularity;

@@ -1,6 +1,8 @@
 //! Small driver helpers for the demo, the GPU tests and the benchmarks: host<->device copies,
 //! streams, events, graph capture and the self-test kernel (kernels/selftest.cu). The library
-//! itself uses none of them.
+//! itself uses none of them: they exist only with the cargo feature `testing`, which the tests,
+//! examples and benchmarks get through the crate's dev-dependency on itself and the demo asks
+//! for (Cargo.toml).
 
 use super::driver::{check, CtxGuard};
 use super::module;

@@ -232,9 +232,9 @@ pub extern "C" fn symm_comm_init_from_env(comm: *mut *mut symm_comm_t) -> symm_s
         // SAFETY: comm is non-NULL.
         unsafe { comm.write(std::ptr::null_mut()) };
         let get = crate::config::var;
-        let env = crate::comm_env::from_env(&get)?;
+        let env = crate::ipc::env::from_env(&get)?;
         let host = crate::ipc::host::Host::current()?;
-        let uid = crate::comm_env::unique_id(&get, &env.job_key, &host)?;
+        let uid = crate::ipc::env::unique_id(&get, &env.job_key, &host)?;
         register(
             Communicator::init(env.world, env.rank, env.device, &uid)?,
             comm,

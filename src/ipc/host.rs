@@ -30,11 +30,7 @@ pub struct HostStamp {
 impl HostStamp {
     /// `'name' [digest prefix]`: the digest tells two hosts of one name apart.
     pub fn describe(&self) -> String {
-        format!(
-            "'{}' [{}]",
-            self.name,
-            super::unique_id::hex(&self.digest[..4])
-        )
+        format!("'{}' [{}]", self.name, super::hex::hex(&self.digest[..4]))
     }
 
     /// Digest, name length, name: `16 + 1 + name.len()` bytes.

@@ -51,7 +51,7 @@ fn other_host(me: usize, mine: &Host, peer: usize, theirs: &HostStamp) -> Error 
          (Python: symmalloc.HierCommunicator; README, \"Across nodes\")",
         theirs.describe(),
         mine.detail,
-        super::unique_id::hex(&mine.stamp.digest[..4])
+        super::hex::hex(&mine.stamp.digest[..4])
     ))
 }
 

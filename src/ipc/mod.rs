@@ -4,7 +4,12 @@
 //! to every rank j < i, then accepts every rank above it. Both ends check `SO_PEERCRED` (same
 //! uid); the connecting side proves it belongs to the job by presenting the unique id's random
 //! secret. Every wait is bounded by `SYMMALLOC_TIMEOUT_S` and its error names the rank.
+//!
+//! Also what a job brings along: its shape and id from the launcher's variables (env.rs, for
+//! `symm_comm_init_from_env`), the unique id (unique_id.rs) and this host's identity (host.rs).
 
+pub mod env;
+pub mod hex;
 pub mod host;
 pub mod mesh;
 pub mod socket;

@@ -8,6 +8,7 @@
 //! (`SYMMID01`, zeros after the secret) are still accepted and carry no host; a v2 id with an
 //! all-zero digest carries none either (`UniqueId::host` = `None`).
 
+use super::hex::hex;
 use super::host::{Host, HostStamp};
 use crate::error::{Error, Result};
 use std::io::Read;
@@ -30,10 +31,6 @@ impl std::fmt::Debug for UniqueId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "UniqueId({})", hex(&self.key))
     }
-}
-
-pub fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn random(buf: &mut [u8]) -> Result<()> {

@@ -1,33 +1,26 @@
 //! The first half of every collective call: `prepare` turns a checked `Call` into a `Plan`, doing
-//! the shared setup once (where the buffers are, what is staged through the scratch, which
-//! kernel and grid, the call descriptor, the segment exchange with the peers). `launch.rs` then
+//! the shared setup once (where the buffers are and what is staged through the scratch:
+//! place.rs; which kernel and grid; the call descriptor; the segment exchange with the peers:
+//! exchange.rs; the multicast window, for MULTIMEM: peer/mc_window.rs). `launch.rs` then
 //! enqueues the plan. NCCL's enqueue.cc (plan, then launch) is the model; docs/DESIGN.md, "The
 //! collective pipeline", walks one call through both.
 //!
 //! Invariants: every decision in a plan reads only values equal on every rank (algo.rs,
 //! shape.rs), so every rank plans the same kernel and grid for the same call; whether a rank
 //! stages is decided before it makes any scratch, and a rank that is about to make a scratch
-//! segment or share one first meets its peers (exchange.rs, `meet_before_sharing`; the host
+//! segment or share one first meets its peers (place.rs, `meet_before_sharing`; the host
 //! backend), so there ranks that disagree fail at once and make no scratch; the segments a kernel
 //! touches are exchanged with the peers (and compared) before the plan exists; nothing is
 //! enqueued on the stream here, so a call that fails in `prepare` leaves no work behind.
 
 use super::algo::{self, DType, Kernel, Quant};
 use super::call::{Call, Coll, Extents};
-use super::exchange::{CallDesc, DescKind, RANK_LOCAL};
+use super::desc::{CallDesc, DescKind, RANK_LOCAL};
+use super::place::Copy;
 use super::shape::{self, FusedShape};
-use super::Communicator;
+use crate::comm::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result};
-use crate::heap::device_heap::SegmentInfo;
-
-/// A copy between a caller's buffer and the scratch, stream-ordered around the kernel.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Copy {
-    pub dst: u64,
-    pub src: u64,
-    pub bytes: u64,
-}
 
 /// Everything a launch needs, decided once.
 pub(super) struct Plan {
@@ -48,30 +41,6 @@ pub(super) struct Plan {
     pub mc_out: u64,
 }
 
-/// Where a call runs, decided before any scratch is made (`place`).
-enum Place {
-    /// The caller's buffers (what peers touch is in the heap), with the segments the kernel
-    /// touches, output last (multimem binds it).
-    Heap {
-        send: u64,
-        recv: u64,
-        segs: Vec<SegmentInfo>,
-    },
-    /// This rank's scratch, `len` bytes: the input at its start, the output `recv_at` bytes in
-    /// (None: the fused call, whose outputs are this rank's own).
-    Scratch { len: u64, recv_at: Option<u64> },
-}
-
-/// Where a call's kernel reads and writes: the caller's buffers when the shared ones are in
-/// the heap, else the scratch (and the copies around the kernel), with the segments to share.
-struct Placement {
-    send: u64,
-    recv: u64,
-    stage_in: Option<Copy>,
-    stage_out: Option<Copy>,
-    segs: Vec<SegmentInfo>,
-}
-
 impl Communicator {
     /// Places a checked call's buffers (`ext`: `Call::check`), picks its kernel and grid,
     /// exchanges its segments and compares its descriptor with the peers'. Collective (every
@@ -80,7 +49,13 @@ impl Communicator {
         // The all-reduce's kernel depends only on the message; the others' on where it lies.
         let asked = match call.coll {
             Coll::AllReduce(a) => {
-                let k = algo::all_reduce_kernel(a, ext.send, self.world, self.ll_slot, &self.auto)?;
+                let k = algo::all_reduce_kernel(
+                    a,
+                    ext.send,
+                    self.world,
+                    self.settings.ll_slot,
+                    &self.settings.auto,
+                )?;
                 self.note_auto_choice(a, k, ext.send);
                 if k == Kernel::Multimem {
                     self.check_multimem(call)?;
@@ -89,25 +64,9 @@ impl Communicator {
             }
             _ => None,
         };
-        let place = self.place(call, ext)?;
-        let staged = matches!(place, Place::Scratch { .. });
-        // On the host backend, a rank that is about to make a scratch segment or share a
-        // segment meets its peers before it does: a peer with nothing new (its buffers in the
-        // heap where this rank stages, or other buffers) is then at this call's first barrier,
-        // and both fail at once instead of waiting for each other. Every rank meets when the
-        // comparison is forced (SYMMALLOC_CHECK_SYMMETRY, equal on every rank). On CUDA there
-        // is no meeting, so nothing of this is worked out on the call's path.
-        if self.host {
-            let make = match place {
-                Place::Scratch { len, .. } => self.scratch_to_make(len),
-                Place::Heap { .. } => None,
-            };
-            if self.check_symmetry || make.is_some() || self.shares_new(&place)? {
-                self.meet_before_sharing(staged, make)?;
-            }
-        }
-        let p = self.stage(call, ext, place)?;
-        let base = self.windows.bases[self.rank];
+        let p = self.placement(call, ext)?;
+        let staged = p.staged;
+        let base = self.peer.windows.bases[self.rank];
         let (send_off, recv_off) = (p.send - base, p.recv.wrapping_sub(base));
         let mut push_threads = 0;
         let mut fused: Option<FusedShape> = None;
@@ -117,7 +76,7 @@ impl Communicator {
             Coll::AllGather => (DescKind::AllGather, Kernel::AllGather, 0),
             Coll::ReduceScatter => (
                 DescKind::ReduceScatter,
-                algo::reduce_scatter_kernel(send_off, ext.slice, self.auto.ll_max),
+                algo::reduce_scatter_kernel(send_off, ext.slice, self.settings.auto.ll_max),
                 0,
             ),
             Coll::AddRmsNorm(r) => {
@@ -125,7 +84,7 @@ impl Communicator {
                     Kernel::AddRmsNorm
                 } else {
                     // The LL all-reduce's spread for a message of this size.
-                    push_threads = shape::ll_threads(call.count / 8, self.ll_grid);
+                    push_threads = shape::ll_threads(call.count / 8, self.settings.ll_grid);
                     let q = r.quant.map(|q| q.mode);
                     let s = self.fused_shape(
                         r.tokens,
@@ -158,7 +117,7 @@ impl Communicator {
             width,
             staged,
         };
-        self.exchange(&p.segs, desc, self.check_symmetry)?;
+        self.exchange(&p.segs, desc, self.settings.check_symmetry)?;
         // Only offsets every rank shares decide (a rank-local one would let ranks pick
         // different kernels): reduce-scatter's input, all-gather's output, both otherwise.
         let shared: &[u64] = match call.coll {
@@ -172,11 +131,11 @@ impl Communicator {
         } else if let Some(s) = fused {
             (s.grid, s.threads, s.cluster)
         } else if kernel.is_ll() {
-            let (g, t) = shape::ll_shape(ext.slice.div_ceil(16), self.ll_grid);
+            let (g, t) = shape::ll_shape(ext.slice.div_ceil(16), self.settings.ll_grid);
             (g, t, 1)
         } else {
             let items = if vec { ext.slice / 16 } else { call.count };
-            let (g, t) = shape::barrier_shape(kernel, items, self.world, vec, self.sms);
+            let (g, t) = shape::barrier_shape(kernel, items, self.world, vec, self.settings.sms);
             (g, t, 1)
         };
         let mc_out = if kernel == Kernel::Multimem {
@@ -214,119 +173,11 @@ impl Communicator {
         })
     }
 
-    /// Where the kernel runs; makes nothing. Only what peers touch must be in the heap: every
-    /// rank's input for all-reduce, reduce-scatter and the fused call, every rank's output for
-    /// all-reduce and all-gather. When one is not, the call runs on the scratch: all-reduce in
-    /// place there, reduce-scatter and all-gather with both halves apart, the fused call with x
-    /// alone (its other buffers are this rank's own), and copies in and out around the kernel.
-    fn place(&self, call: &Call, ext: Extents) -> Result<Place> {
-        match call.coll {
-            // The barrier kernel is the one-shot kernel on nothing, "in place" (one barrier).
-            Coll::Barrier => {
-                let base = self.windows.bases[self.rank];
-                Ok(Place::Heap {
-                    send: base,
-                    recv: base,
-                    segs: Vec::new(),
-                })
-            }
-            Coll::AddRmsNorm(_) => Ok(match self.locate(call.send, ext.send)? {
-                Some(segs) => Place::Heap {
-                    send: call.send,
-                    recv: 0,
-                    segs,
-                },
-                None => Place::Scratch {
-                    len: ext.send,
-                    recv_at: None,
-                },
-            }),
-            _ => {
-                let a = self.locate(call.send, ext.send)?;
-                let b = self.locate(call.recv, ext.recv)?;
-                if let (Some(a), Some(b)) = (a, b) {
-                    let segs = match call.coll {
-                        Coll::ReduceScatter => a,
-                        Coll::AllGather => b,
-                        _ => {
-                            let mut both = a;
-                            super::exchange::add_chunks(&mut both, b);
-                            both
-                        }
-                    };
-                    return Ok(Place::Heap {
-                        send: call.send,
-                        recv: call.recv,
-                        segs,
-                    });
-                }
-                // All-reduce in place in the scratch; reduce-scatter and all-gather with both
-                // halves apart (the kernel then runs out of place).
-                let recv_at = match call.coll {
-                    Coll::AllReduce(_) => 0,
-                    _ => ext.send.next_multiple_of(256),
-                };
-                Ok(Place::Scratch {
-                    len: (recv_at + ext.recv).max(ext.send),
-                    recv_at: Some(recv_at),
-                })
-            }
-        }
-    }
-
-    /// Whether running at `place` makes this rank share a segment its peers have not mapped:
-    /// one of the caller's, or a scratch it has yet to make (or grow) or to share.
-    fn shares_new(&self, place: &Place) -> Result<bool> {
-        match place {
-            Place::Heap { segs, .. } => Ok(segs.iter().any(|s| self.windows.needs_sharing(s))),
-            Place::Scratch { len, .. } => match self.scratch {
-                Some((p, size)) if size >= *len => Ok(self
-                    .locate(p, size)?
-                    .is_none_or(|c| c.iter().any(|s| self.windows.needs_sharing(s)))),
-                _ => Ok(true),
-            },
-        }
-    }
-
-    /// The buffers the kernel uses at `place`: for the scratch, made (or grown) here, with the
-    /// copies in and out.
-    fn stage(&mut self, call: &Call, ext: Extents, place: Place) -> Result<Placement> {
-        let (len, recv_at) = match place {
-            Place::Heap { send, recv, segs } => {
-                return Ok(Placement {
-                    send,
-                    recv,
-                    stage_in: None,
-                    stage_out: None,
-                    segs,
-                })
-            }
-            Place::Scratch { len, recv_at } => (len, recv_at),
-        };
-        let s = self.ensure_scratch(len)?;
-        let segs = self.locate(s, len)?.expect("scratch is in the heap");
-        Ok(Placement {
-            send: s,
-            recv: recv_at.map_or(0, |at| s + at),
-            stage_in: Some(Copy {
-                dst: s,
-                src: call.send,
-                bytes: ext.send,
-            }),
-            stage_out: recv_at.map(|at| Copy {
-                dst: call.recv,
-                src: s + at,
-                bytes: ext.recv,
-            }),
-            segs,
-        })
-    }
-
     /// SYMMALLOC_DEBUG=INFO: AUTO's choice, once per message size.
     fn note_auto_choice(&mut self, asked: algo::Algo, k: Kernel, bytes: u64) {
         if asked == algo::Algo::Auto
             && crate::debug::enabled(crate::debug::Level::Info)
-            && self.auto_seen.insert(bytes)
+            && self.coll.auto_seen.insert(bytes)
         {
             crate::info!(
                 "rank {}/{}: AUTO chose {} for {bytes} bytes",
@@ -337,12 +188,13 @@ impl Communicator {
         }
     }
 
-    /// MULTIMEM runs only past the multicast gate, on its own terms (mc_window.rs).
+    /// MULTIMEM runs only past the multicast gate, on its own terms (algo.rs,
+    /// `check_multimem_call`; its window: peer/mc_window.rs).
     fn check_multimem(&self, call: &Call) -> Result<()> {
         let supports = !self.host && cuda::driver()?.device(self.device)?.multicast;
         cuda::multicast_gate::multicast_gate_from_env(supports)
             .map_err(|why| Error::unsupported(format!("SYMM_ALGO_MULTIMEM refused: {why}")))?;
-        super::mc_window::check_call(call.send, call.recv, call.count, call.dtype, call.op)
+        algo::check_multimem_call(call.send, call.recv, call.count, call.dtype, call.op)
     }
 
     /// The fused call's kernel and grid: the LL kernels on a grid every rank's GPU holds at
@@ -355,9 +207,9 @@ impl Communicator {
         bytes: u64,
         (dtype, quant): (DType, Option<Quant>),
     ) -> Result<FusedShape> {
-        let (ll_max, clusters) = (self.auto.ll_max, self.clusters);
+        let (ll_max, clusters) = (self.settings.auto.ll_max, self.settings.clusters);
         let s = shape::fit_resident(
-            self.ll_grid.0,
+            self.settings.ll_grid.0,
             |blocks| {
                 shape::fused_ll_shape(
                     tokens,
@@ -387,15 +239,15 @@ impl Communicator {
         quant: Option<Quant>,
     ) -> Result<u64> {
         let key = (s.kernel, dtype, s.threads, quant);
-        let per_sm = match self.resident.get(&key) {
+        let per_sm = match self.coll.resident.get(&key) {
             Some(&n) => n,
             None => {
                 let f = self.fused_kernel_fn(s.kernel, dtype, quant)?;
                 let n = cuda::module::blocks_per_sm(self.device, f, s.threads)?;
-                self.resident.insert(key, n);
+                self.coll.resident.insert(key, n);
                 n
             }
         };
-        Ok(per_sm as u64 * self.fewest_sms as u64)
+        Ok(per_sm as u64 * self.settings.fewest_sms as u64)
     }
 }

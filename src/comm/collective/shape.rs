@@ -112,23 +112,18 @@ pub struct FusedShape {
 }
 
 /// The rows the cluster kernel takes: more than LLC_MIN_VECS vectors (hidden > 3072) and at most
-/// LLC_MAX_VECS (hidden 16384, clusters of 8, the portable maximum). Measured on one H200 with one
-/// rank (bench/NOTES.md, "The fused all-reduce + RMSNorm kernels"; the exchange through
-/// st.async): at 6144 (clusters of 3) 0.10-0.21 µs faster than one block per row, at 16384
-/// (clusters of 8) 1.6 µs faster up to 16 rows; at 8192 0.10-0.12 µs faster than the cluster
-/// barrier it replaced up to 16 rows and 0.05 slower at 32. At 4096 on 2x H200 (2 ranks,
-/// 2026-11-27) clusters of 4 blocks of 128 threads (LLC_NARROW_SPAN) against one block per row:
-/// 0.05 µs faster at 1 row, 0.05 at 4 (p99 3.59 against 4.31), 0.73 at 16, 0.16-0.20 at 32;
-/// clusters of 2 (256 threads) had been 0.2-0.3 µs slower at one rank. At 3072 clusters of 3
-/// were 0.6 µs faster at 16 rows but 0.11 slower at 1-4, so 3072 stays one block per row.
+/// LLC_MAX_VECS (hidden 16384, clusters of 8, the portable maximum). Inside those bounds a row
+/// split over a cluster (the exchange through st.async) beat one block per row, and at 4096
+/// clusters of 4 blocks of 128 threads (LLC_NARROW_SPAN) did; at 3072 clusters lost at few rows,
+/// so 3072 stays one block per row (bench/NOTES.md, "The fused all-reduce + RMSNorm kernels").
 const LLC_MIN_VECS: u64 = 384;
 const LLC_MAX_VECS: u64 = 2048;
 /// Vectors per block of the cluster kernel while the LL grid has room for ceil(vecs / LLC_SPAN)
 /// blocks per row. Rows wider than the one-vector kernel's (hidden > 6144) take fewer, wider
-/// blocks (up to RMS_LLC_THREADS vectors) when it has not: at [33-64, 8192] and [32-42, 12288]
-/// 0.4-1.4 µs faster than one four-vector block per row, and at [17-32, 16384] 1.5-1.7; at 6144
-/// and below clusters of 2 were 0.1-0.4 µs slower than the one-vector kernel. Rows of at most
-/// LLC_NARROW vectors (hidden <= 4096) take blocks of LLC_NARROW_SPAN: clusters of 4 at 4096.
+/// blocks (up to RMS_LLC_THREADS vectors) when it has not: there they beat one four-vector block
+/// per row, while at 6144 and below clusters of 2 lost to the one-vector kernel (bench/NOTES.md,
+/// "The fused all-reduce + RMSNorm kernels"). Rows of at most LLC_NARROW vectors
+/// (hidden <= 4096) take blocks of LLC_NARROW_SPAN: clusters of 4 at 4096.
 const LLC_SPAN: u64 = 256;
 const LLC_NARROW: u64 = 512;
 const LLC_NARROW_SPAN: u64 = 128;

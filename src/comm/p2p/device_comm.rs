@@ -3,7 +3,7 @@
 //! the public header: cbindgen reads it (tests/header.rs), so every `pub` item here is C ABI.
 //!
 //! Signal pad of one rank (device memory, symmetric, owned by the communicator, allocated and
-//! zeroed at init; comm/signal_pad.rs): `SYMM_SIGNAL_SLOTS` `uint64_t` values, then
+//! zeroed at init; comm/p2p/signal_pad.rs): `SYMM_SIGNAL_SLOTS` `uint64_t` values, then
 //! `SYMM_SIGNAL_SLOTS` `uint32_t` writer words. A signal to slot s of rank p stores the sender's
 //! `rank + 1` into p's writer word s, then the value into p's value s (release, system scope);
 //! a wait reads its own value s (acquire, system scope). The writer word only names, in a
@@ -73,3 +73,7 @@ pub struct DeviceComm {
 }
 
 const _: () = assert!(std::mem::size_of::<DeviceComm>() == SYMM_DEVICE_COMM_V1_SIZE);
+// The collective kernels report a wait's timeout with the same code (collective/kernel_args.rs).
+const _: () = assert!(
+    SYMM_DEVICE_ERR_SIGNAL_TIMEOUT == crate::comm::collective::kernel_args::ERR_SIGNAL_TIMEOUT
+);

@@ -12,11 +12,11 @@
 //! Reading the logs when nothing changed costs one load per peer. A peer that released the
 //! segment of its internal block (pads, LL buffers) destroyed its communicator: this one is
 //! then broken (a sticky SYMM_ERR_PEER naming the peer), so no later call touches that window.
-//! A child whose internal block was carved from its parent's split slot (slots.rs) frees no
+//! A child whose internal block was carved from its parent's split slot (group/slots.rs) frees no
 //! segment at destroy: its rank records the block's offset under a generation of its own,
-//! which the child's round told every peer (internal.rs), and that record counts the same.
+//! which the child's round told every peer (group/internal.rs), and that record counts the same.
 
-use super::Communicator;
+use crate::comm::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result};
 
@@ -25,10 +25,10 @@ use crate::error::{Error, Result};
 /// communicator's internal block there (its release means the peer destroyed this
 /// communicator; an older record of the same offset does not).
 #[derive(Default)]
-pub(super) struct PeerReleases {
+pub(in crate::comm) struct PeerReleases {
     pub seen: Vec<u64>,
     pub internal_gens: Vec<u64>,
-    /// The same for the segment that holds its p2p signal pad (p2p.rs).
+    /// The same for the segment that holds its p2p signal pad (p2p/).
     pub pad_gens: Vec<u64>,
 }
 
@@ -49,23 +49,28 @@ impl PeerReleases {
 
 impl Communicator {
     /// Whether `peer` recorded giving back this communicator's internal block (its destroy)
-    /// since the last call: for checks between calls (p2p.rs).
-    pub(super) fn internal_released_by(&self, peer: usize) -> bool {
-        let Some(heap) = &self.windows.peers[peer] else {
+    /// since the last call: for checks between calls (p2p/).
+    pub(in crate::comm) fn internal_released_by(&self, peer: usize) -> bool {
+        let Some(heap) = &self.peer.windows.peers[peer] else {
             return false;
         };
         let mut records = Vec::new();
-        heap.log.read_since(self.releases.seen[peer], &mut records);
-        records.contains(&(self.internal_seg, self.releases.internal_gens[peer]))
+        heap.log
+            .read_since(self.peer.releases.seen[peer], &mut records);
+        records.contains(&(
+            self.group.internal_seg,
+            self.peer.releases.internal_gens[peer],
+        ))
     }
 
     /// Unmaps the peer segments released since the last call (see the module comment).
-    pub(super) fn retire_released(&mut self, stream: u64) -> Result<()> {
+    pub(in crate::comm) fn retire_released(&mut self, stream: u64) -> Result<()> {
         let pending = self
+            .peer
             .windows
             .peers
             .iter()
-            .zip(&self.releases.seen)
+            .zip(&self.peer.releases.seen)
             .any(|(p, &seen)| p.as_ref().is_some_and(|p| p.log.count() != seen));
         if !pending {
             return Ok(());
@@ -79,14 +84,18 @@ impl Communicator {
         let mut records = Vec::new();
         let mut broken = None;
         for peer in 0..self.world {
-            let Some(heap) = self.windows.peers[peer].clone() else {
+            let Some(heap) = self.peer.windows.peers[peer].clone() else {
                 continue;
             };
             records.clear();
-            self.releases.seen[peer] = heap.log.read_since(self.releases.seen[peer], &mut records);
+            self.peer.releases.seen[peer] = heap
+                .log
+                .read_since(self.peer.releases.seen[peer], &mut records);
             for &(offset, generation) in &records {
-                if (offset == self.internal_seg && generation == self.releases.internal_gens[peer])
-                    || (offset == self.p2p.pad_seg && generation == self.releases.pad_gens[peer])
+                if (offset == self.group.internal_seg
+                    && generation == self.peer.releases.internal_gens[peer])
+                    || (offset == self.p2p.pad_seg
+                        && generation == self.peer.releases.pad_gens[peer])
                 {
                     // The peer gave back its signal pads and LL buffers (or its p2p signal
                     // pad): it destroyed its
@@ -98,10 +107,11 @@ impl Communicator {
                          destroy this communicator",
                         self.rank
                     ));
-                    self.sticky = Some(e.clone());
+                    self.coll.sticky = Some(e.clone());
                     broken = Some(e);
                 }
                 if self
+                    .peer
                     .windows
                     .unmap_released(self.alloc, peer, offset, generation)
                 {

@@ -11,7 +11,7 @@
 //!    in step (each rank sent and received one message per peer), so the parent stays usable.
 //!    NOCOLOR ranks are done.
 //! 2. ranks of one color form a child, ordered by key, then parent rank, over the socket pairs
-//!    between them. The child takes its parent's peer heaps for its ranks (peers.rs: no memory
+//!    between them. The child takes its parent's peer heaps for its ranks (peer/peers.rs: no memory
 //!    the parent mapped is imported again) and its record of shared segments.
 //! 3. its arena lies at the highest offset free on all its ranks, and its internal block is
 //!    carved out of the lowest split slot free on every parent rank (the same slot for every
@@ -37,9 +37,9 @@ use super::arena::Terms;
 use super::init::{Settings, Setup};
 use super::registry;
 use super::slots::{Internal, Plan, SlotHold};
-use super::Communicator;
+use crate::comm::Communicator;
 use crate::config;
-use crate::error::{Error, Result, Status};
+use crate::error::{Error, Result};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
@@ -112,7 +112,7 @@ impl Communicator {
             format!(
                 "color {color} is not accepted; expected a color >= 0 or SYMM_SPLIT_NOCOLOR (-1)"
             )
-        } else if let Some(e) = &self.sticky {
+        } else if let Some(e) = &self.coll.sticky {
             format!(
                 "its communicator is broken ({}: {})",
                 e.status.name(),
@@ -134,7 +134,7 @@ impl Communicator {
             (heap.granularity(), heap.free_ranges())
         };
         let settings = config::comm_settings_text();
-        let free_slots = match &self.block {
+        let free_slots = match &self.group.block {
             Internal::WithSlots(b) => b.free_mask(),
             _ => 0,
         };
@@ -258,7 +258,7 @@ impl Communicator {
                 .flatten(),
         };
         // Every child of this split takes the same slot (slots.rs), or none is free.
-        let plan = match &self.block {
+        let plan = match &self.group.block {
             Internal::WithSlots(b) if common_slots & free_slots != 0 => {
                 let slot = common_slots.trailing_zeros() as u64;
                 let alike = members
@@ -302,7 +302,7 @@ impl Communicator {
                 bet.arena = heap.claim_arena(off, len).map(|id| (off, id));
             }
         }
-        if let Internal::WithSlots(b) = &self.block {
+        if let Internal::WithSlots(b) = &self.group.block {
             if free_slots != 0 {
                 let hold = b.take(free_slots.trailing_zeros() as usize);
                 let generation = self
@@ -321,14 +321,14 @@ impl Communicator {
     /// a carved child's block lies; all true for a parent without split slots, all false where
     /// the block cannot be found (the child's carve round then reports it).
     fn maps_parent_blocks(&self) -> Vec<bool> {
-        let Internal::WithSlots(b) = &self.block else {
+        let Internal::WithSlots(b) = &self.group.block else {
             return vec![true; self.world];
         };
         let Ok(seg) = self.locate_own(b.start(), 1, "split slot block") else {
             return vec![false; self.world];
         };
         (0..self.world)
-            .map(|r| r == self.rank || self.windows.mapped_generation(r, seg.offset).is_some())
+            .map(|r| r == self.rank || self.peer.windows.mapped_generation(r, seg.offset).is_some())
             .collect()
     }
 
@@ -348,10 +348,10 @@ impl Communicator {
             .iter()
             .position(|&m| m == self.rank)
             .expect("a rank is in its own color's child");
-        let mesh = crate::ipc::Mesh::from_connections(rank, world, conns, self.timeout);
+        let mesh = crate::ipc::Mesh::from_connections(rank, world, conns, self.settings.timeout);
         let settings = Settings::read(world, self.alloc, self.device)
             .map_err(|e| format!("{}: {}", e.status.name(), e.message));
-        let pids: Vec<u32> = members.iter().map(|&m| self.members[m].pid).collect();
+        let pids: Vec<u32> = members.iter().map(|&m| self.group.members[m].pid).collect();
         Communicator::build(Setup {
             rank,
             world,
@@ -361,12 +361,15 @@ impl Communicator {
             mesh,
             settings,
             claim: Ok(claim),
-            members: members.iter().map(|&m| self.members[m]).collect(),
-            windows: self.windows.subset(members),
-            seen: members.iter().map(|&m| self.releases.seen[m]).collect(),
-            sms: self.sms,
-            clusters: self.clusters,
-            fewest_sms: self.fewest_sms,
+            members: members.iter().map(|&m| self.group.members[m]).collect(),
+            windows: self.peer.windows.subset(members),
+            seen: members
+                .iter()
+                .map(|&m| self.peer.releases.seen[m])
+                .collect(),
+            sms: self.settings.sms,
+            clusters: self.settings.clusters,
+            fewest_sms: self.settings.fewest_sms,
             lineage: Some(format!(
                 "its ranks 0..{world} are ranks {members:?} of the communicator it was split \
                  from, pids {pids:?}"
@@ -375,25 +378,5 @@ impl Communicator {
             plan: Some(plan),
             arena,
         })
-    }
-
-    /// Names the processes behind rank numbers in a child's peer and timeout errors.
-    pub(super) fn name_ranks(&self, mut e: Error) -> Error {
-        if matches!(e.status, Status::ErrPeer | Status::ErrTimeout) {
-            match &self.lineage {
-                Some(l) => {
-                    e.message = format!(
-                        "{} (in a communicator of {} ranks split from another: {l})",
-                        e.message, self.world
-                    )
-                }
-                None => {
-                    let pids: Vec<u32> = self.members.iter().map(|m| m.pid).collect();
-                    e.message =
-                        format!("{} (ranks 0..{} are pids {pids:?})", e.message, self.world);
-                }
-            }
-        }
-        e
     }
 }

@@ -7,19 +7,21 @@
 //!
 //! Several communicators may live on one device (registry.rs has the limit): each owns its
 //! arena, internal block (pads, epochs, LL buffers), error words, scratch and mesh; they share
-//! only the peer heaps (peers.rs).
+//! only the peer heaps (peer/peers.rs).
 
-use super::algo;
-use super::error_word::ErrorWords;
-use super::kernel_args::*;
-use super::p2p::P2p;
-use super::peers::{self, PeerHeap, PeerIdent};
 use super::registry::{self, Claim};
-use super::retire::PeerReleases;
 use super::slots::{self, Internal, Plan};
-use super::streams::StreamOrder;
-use super::windows::PeerWindows;
-use super::Communicator;
+use super::Group;
+use crate::comm::collective::algo;
+use crate::comm::collective::error_word::ErrorWords;
+use crate::comm::collective::kernel_args::*;
+use crate::comm::collective::Collectives;
+use crate::comm::p2p::P2p;
+use crate::comm::peer::peers::{self, PeerHeap, PeerIdent};
+use crate::comm::peer::retire::PeerReleases;
+use crate::comm::peer::windows::PeerWindows;
+use crate::comm::peer::PeerView;
+use crate::comm::Communicator;
 use crate::config;
 use crate::cuda;
 use crate::error::{Error, Result};
@@ -31,7 +33,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// The init message's collective settings, as the variables that set them.
-pub(super) fn describe_settings(w: &[u64]) -> String {
+pub(in crate::comm) fn describe_settings(w: &[u64]) -> String {
     if w.len() < 8 {
         return format!("settings {w:?}");
     }
@@ -53,7 +55,7 @@ pub(super) fn describe_settings(w: &[u64]) -> String {
 
 /// Everything that shapes a collective, read from the environment for a world size.
 #[derive(Clone, Copy)]
-pub(super) struct Settings {
+pub(in crate::comm) struct Settings {
     pub ll_slot: u64,
     pub ll_grid: (u32, u32),
     pub auto: algo::AutoThresholds,
@@ -70,7 +72,7 @@ pub(super) struct Settings {
 
 /// The bytes of a communicator's arena on a heap of `heap_size` bytes mapped in `gran` pieces
 /// (`SYMMALLOC_COMM_ARENA_SIZE`): the same for every communicator of the heap.
-pub(super) fn arena_len(heap_size: u64, gran: u64) -> Result<u64> {
+pub(in crate::comm) fn arena_len(heap_size: u64, gran: u64) -> Result<u64> {
     let arena =
         config::comm_arena_size()?.unwrap_or_else(|| config::default_comm_arena_bytes(heap_size));
     Ok(arena.checked_next_multiple_of(gran).unwrap_or(u64::MAX))
@@ -115,8 +117,31 @@ impl Settings {
     }
 }
 
+/// What shapes every collective of a communicator, fixed at init (`build`): the settings every
+/// rank agreed on (read at init and compared there; a split's child reads its own and compares
+/// them too) and what the ranks' GPUs hold.
+pub(in crate::comm) struct CollSettings {
+    /// Bytes per sender slot of the LL buffers (`SYMMALLOC_LL_BYTES`, equal on all ranks).
+    pub ll_slot: u64,
+    /// The LL kernel's (blocks, threads), fixed for the communicator's life.
+    pub ll_grid: (u32, u32),
+    /// AUTO's thresholds and `SYMMALLOC_CHECK_SYMMETRY`: read at init, equal on all ranks.
+    pub auto: algo::AutoThresholds,
+    pub check_symmetry: bool,
+    /// `SYMMALLOC_TIMEOUT_S`: every wait's bound.
+    pub timeout: Duration,
+    /// This rank's GPU's SMs (the barrier kernels' grid).
+    pub sms: u32,
+    /// Every rank's GPU runs thread-block clusters (sm_90+): the fused call may split wide rows
+    /// over a cluster (collective/plan.rs). Equal on every rank: read from every rank's device.
+    pub clusters: bool,
+    /// The fewest SMs of any rank's GPU: an LL grid must be resident at once on every rank
+    /// (collective/shape.rs, `fit_resident`). Equal on every rank, as `clusters`.
+    pub fewest_sms: u32,
+}
+
 /// What `build` needs to make a communicator, from `init` or from a split.
-pub(super) struct Setup {
+pub(in crate::comm) struct Setup {
     pub rank: usize,
     pub world: usize,
     pub device: i32,
@@ -199,7 +224,7 @@ impl Communicator {
         {
             hello.extend_from_slice(&w.to_le_bytes());
         }
-        // Each rank's heap release log travels with its hello (retire.rs reads the peers').
+        // Each rank's heap release log travels with its hello (peer/retire.rs reads the peers').
         let log_fd = alloc.heap(device)?.release_log_fd()?;
         let all = mesh.all_gather(&hello, &[log_fd.as_fd()], "init")?;
         drop(log_fd);
@@ -313,7 +338,7 @@ impl Communicator {
 
     /// Makes the communicator from a `Setup` (collective over `setup.mesh`): agreement and
     /// arena, internal block, first exchange. Every rank fails alike where one refuses.
-    pub(super) fn build(setup: Setup) -> Result<Box<Communicator>> {
+    pub(in crate::comm) fn build(setup: Setup) -> Result<Box<Communicator>> {
         let Setup {
             rank,
             world,
@@ -401,35 +426,33 @@ impl Communicator {
             alloc,
             host,
             mesh,
-            windows,
-            internal: 0,
-            internal_seg: 0,
-            ll_slot: settings.ll_slot,
-            ll_grid: settings.ll_grid,
-            auto: settings.auto,
-            check_symmetry: settings.check_symmetry,
-            errors,
-            streams: StreamOrder::default(),
-            host_epoch: 0,
-            scratch: None,
-            timeout: settings.timeout,
-            sticky: None,
-            sms,
-            clusters,
-            releases,
-            pads: Vec::new(),
-            kernels: HashMap::new(),
-            quant_kernels: HashMap::new(),
-            fewest_sms,
-            resident: HashMap::new(),
-            auto_seen: Default::default(),
-            mc: HashMap::new(),
+            settings: CollSettings {
+                ll_slot: settings.ll_slot,
+                ll_grid: settings.ll_grid,
+                auto: settings.auto,
+                check_symmetry: settings.check_symmetry,
+                timeout: settings.timeout,
+                sms,
+                clusters,
+                fewest_sms,
+            },
+            group: Group {
+                internal: 0,
+                internal_seg: 0,
+                arena,
+                claim,
+                members,
+                lineage,
+                block: Internal::Own,
+            },
+            peer: PeerView {
+                windows,
+                releases,
+                pads: Vec::new(),
+                mc: HashMap::new(),
+            },
+            coll: Collectives::new(errors),
             p2p: P2p::new(0),
-            arena,
-            claim,
-            members,
-            lineage,
-            block: Internal::Own,
         });
         let plan = plan.unwrap_or(match settings.reserve {
             0 => Plan::Own,

@@ -15,7 +15,7 @@
 //! Invariant: a communicator keeps its arena only where every one of its ranks claimed it at
 //! the same offset and length.
 
-use super::Communicator;
+use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::heap::pools::arena_pool;
 use crate::heap::Allocator;
@@ -66,7 +66,7 @@ pub fn common_offset(lists: &[Vec<(u64, u64)>], len: u64, gran: u64) -> Option<u
 }
 
 /// Every rank's free address ranges, as the agreement needs them.
-pub(super) struct Terms {
+pub(in crate::comm) struct Terms {
     pub gran: u64,
     pub lists: Vec<Vec<(u64, u64)>>,
 }
@@ -85,7 +85,7 @@ fn decode_ranges(w: &[u64]) -> Vec<(u64, u64)> {
 /// The first round of `symm_comm_init`'s agreement: every rank's refusal (the reason it does
 /// not take part), settings (equal on every rank; `describe` names them) and free ranges. Any
 /// refusal or mismatch fails every rank alike, naming the ranks.
-pub(super) fn terms(
+pub(in crate::comm) fn terms(
     mesh: &Mesh,
     alloc: &Allocator,
     device: i32,
@@ -154,7 +154,7 @@ pub(super) fn terms(
 /// take part, sent with its claim) fails every rank alike. Where a rank could not claim the
 /// offset (another thread took part of it meanwhile), every rank gives its claim back and the
 /// round repeats over fresh ranges.
-pub(super) fn claim(
+pub(in crate::comm) fn claim(
     mesh: &Mesh,
     alloc: &Allocator,
     device: i32,
@@ -234,14 +234,18 @@ impl Communicator {
     /// Memory from the communicator's arena: the same offset on every rank of the
     /// communicator, given the same sequence of these calls (module header).
     pub fn comm_malloc(&mut self, size: u64, stream: u64) -> Result<u64> {
-        self.alloc
-            .malloc_in(size, self.device, stream, arena_pool(self.arena, false))
+        self.alloc.malloc_in(
+            size,
+            self.device,
+            stream,
+            arena_pool(self.group.arena, false),
+        )
     }
 
     /// Frees a block of `comm_malloc`; `size` as allocated.
     pub fn comm_free(&mut self, ptr: u64, size: u64, stream: u64) -> Result<()> {
         let pool = self.alloc.heap(self.device)?.pool_of(ptr);
-        if pool != Some(arena_pool(self.arena, false)) {
+        if pool != Some(arena_pool(self.group.arena, false)) {
             return Err(Error::invalid(format!(
                 "symm_comm_free({ptr:#x}): the pointer was not returned by symm_comm_malloc of \
                  this communicator (rank {} of {})",
@@ -255,23 +259,23 @@ impl Communicator {
     pub fn arena_bounds(&self) -> Result<(u64, u64)> {
         self.alloc
             .heap(self.device)?
-            .arena_bounds(self.arena)
+            .arena_bounds(self.group.arena)
             .ok_or_else(|| Error::internal("a live communicator without its arena"))
     }
 
     /// A MemPool slot (registry.rs) that allocates from this communicator's arena.
     pub fn mem_pool_slot(&self) -> Result<usize> {
         super::registry::bind_pool_slot(
-            self.claim.serial,
+            self.group.claim.serial,
             self.device,
-            arena_pool(self.arena, false),
+            arena_pool(self.group.arena, false),
         )
     }
 
     /// The communicator's own buffers (internal block, staging scratch), in its arena.
-    pub(super) fn own_malloc(&self, size: u64) -> Result<u64> {
+    pub(in crate::comm) fn own_malloc(&self, size: u64) -> Result<u64> {
         self.alloc
-            .malloc_in(size, self.device, 0, arena_pool(self.arena, true))
+            .malloc_in(size, self.device, 0, arena_pool(self.group.arena, true))
     }
 }
 

@@ -10,7 +10,7 @@
 //! allocation there fails, naming why), and `Free` only after the caller released it: so a
 //! slot is never rebound while an old MemPool could still use it.
 
-use super::peers::PeerIdent;
+use crate::comm::peer::peers::PeerIdent;
 use crate::error::{Error, Result};
 use crate::heap::pools::PoolId;
 use std::sync::{Mutex, MutexGuard};

@@ -2,7 +2,8 @@
 //! wait is carried out: on the host backend by the CPU (atomics on the peers' memfd mappings),
 //! on CUDA by a one-thread kernel (kernels/p2p.cu over include/symmalloc_device.cuh) or by
 //! stream memory operations (cuda/stream_ops.rs). Also the argument struct of the p2p kernels
-//! and the error a timed-out wait reports.
+//! (the error a timed-out wait reports is collective/error_word.rs's `timeout_error`, as the
+//! kernels report it through the error words).
 //!
 //! Invariants: a pad is written only through `signal` (the writer word, then the value with
 //! release semantics at system scope) and read only by waits (acquire); values are stored, not
@@ -12,7 +13,6 @@
 //! unbounded and never used for `symm_wait` (bench/NOTES.md, "Signals and waits").
 
 use super::device_comm::*;
-use crate::error::Error;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -110,35 +110,10 @@ pub fn host_wait(
     }
 }
 
-/// The error of a wait that timed out: names the slot, the values and the rank that raised the
-/// slot last (`writer` = rank + 1, 0 when none did).
-pub fn timeout_error(
-    rank: usize,
-    slot: u32,
-    awaited: u64,
-    seen: u64,
-    writer: u32,
-    timeout: Duration,
-) -> Error {
-    let who = match writer {
-        0 => "no rank has raised it since the communicator was created (the peer expected to \
-              signal it may have died or not reached its signal)"
-            .to_string(),
-        w => format!(
-            "rank {} raised it last (it may have died, or not reached its next signal)",
-            w - 1
-        ),
-    };
-    Error::timeout(format!(
-        "symm_wait on rank {rank}: signal slot {slot} stayed at {seen}, below the awaited {awaited}, \
-         for more than {:.1} s; {who}; this communicator is unusable, destroy it",
-        timeout.as_secs_f64()
-    ))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::collective::error_word::timeout_error;
 
     #[test]
     fn a_pad_is_values_then_writer_words() {

@@ -70,8 +70,8 @@ impl Quant {
     }
 }
 
-/// What a call runs: one kernel family of kernels/ (src/comm/kernels.rs names its instances).
-/// Internal: callers name an `Algo` or a collective, `algo.rs` picks the kernel.
+/// What a call runs: one kernel family of kernels/ (src/comm/collective/kernels.rs names its
+/// instances). Internal: callers name an `Algo` or a collective, `algo.rs` picks the kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kernel {
     OneShot,
@@ -160,11 +160,11 @@ impl Algo {
     }
 }
 
-/// Default largest message (bytes) AUTO sends one-shot, by world size. Measured on 2x H200
-/// (bench/RESULTS.md, "All-reduce through the C ABI"; docs/DESIGN.md, "AUTO thresholds"):
-/// two-shot matched one-shot at 8 KiB (6.7-7.0 us graphed) and beat it from
-/// 32 KiB up, so one-shot keeps only the smallest messages. Wider worlds read (world-1)
-/// copies in one-shot, so the crossover drops further (not measured: no wider machine lent).
+/// Default largest message (bytes) AUTO sends one-shot, by world size. At 2 ranks two-shot
+/// catches up with one-shot at a few KiB and beats it above (bench/RESULTS.md, "All-reduce
+/// through the C ABI"; docs/DESIGN.md, "AUTO thresholds"), so one-shot keeps only the smallest
+/// messages. Wider worlds read (world-1) copies in one-shot, so the crossover drops further
+/// (not measured: no wider machine lent).
 pub fn default_one_shot_max(world: usize) -> u64 {
     match world {
         0..=2 => 16 << 10,
@@ -174,9 +174,8 @@ pub fn default_one_shot_max(world: usize) -> u64 {
 }
 
 /// Default largest message (bytes) AUTO sends with the barrier-free one-shot LL kernel.
-/// Measured on 2x H200 (bench/NOTES.md, "The LL kernels"): LL beat two-shot at every size up
-/// to 4 MiB (6.2 against 9.7 us graphed at 1 MiB, 16.6 against 18.4 at 4 MiB) and lost from
-/// 16 MiB (61 against 55). A rank pushes (world - 1) copies of its message, so wider worlds switch to
+/// At 2 ranks LL beats two-shot up to a few MiB and loses above (bench/NOTES.md, "The LL
+/// kernels"). A rank pushes (world - 1) copies of its message, so wider worlds switch to
 /// two-shot earlier (reasoned, not measured: no wider machine was lent).
 pub fn default_ll_max(world: usize) -> u64 {
     match world {
@@ -292,6 +291,38 @@ pub fn vectors(kernel: Kernel, offsets: &[u64], slice_bytes: u64) -> bool {
     }
 }
 
+/// The arguments a multimem all-reduce accepts: sum, in place, 16-byte aligned, a whole
+/// number of 16-byte vectors (the kernel has no element tail).
+pub fn check_multimem_call(
+    send: u64,
+    recv: u64,
+    count: u64,
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let bytes = count * dtype.size() as u64;
+    let why = if op != ReduceOp::Sum {
+        Some(format!("op {} (multimem reduces with add only)", op.name()))
+    } else if send != recv {
+        Some("out of place (the multicast object covers the output only)".to_string())
+    } else if recv % 16 != 0 {
+        Some(format!("buffer {recv:#x} is not 16-byte aligned"))
+    } else if bytes % 16 != 0 {
+        Some(format!(
+            "count {count} {} is {bytes} bytes, not a multiple of 16",
+            dtype.name()
+        ))
+    } else {
+        None
+    };
+    match why {
+        Some(w) => Err(Error::invalid(format!(
+            "SYMM_ALGO_MULTIMEM takes an in-place sum of whole 16-byte vectors: {w}"
+        ))),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -390,5 +421,21 @@ mod tests {
         );
         assert!(!vectors(Kernel::OneShotLL, &[8], 6), "the scalar LL kernel");
         assert!(vectors(Kernel::ReduceScatterLL, &[0], 16), "vectors only");
+    }
+
+    #[test]
+    fn multimem_takes_in_place_sums_of_whole_vectors() {
+        let ok = |s, r, n, d, o| check_multimem_call(s, r, n, d, o).is_ok();
+        assert!(ok(0x1000, 0x1000, 8, DType::Bf16, ReduceOp::Sum));
+        assert!(ok(0x1000, 0x1000, 4, DType::Fp32, ReduceOp::Sum));
+        assert!(!ok(0x1000, 0x1000, 8, DType::Bf16, ReduceOp::Max));
+        assert!(!ok(0x1000, 0x2000, 8, DType::Bf16, ReduceOp::Sum));
+        assert!(!ok(0x1008, 0x1008, 8, DType::Bf16, ReduceOp::Sum));
+        let e = check_multimem_call(0x1000, 0x1000, 9, DType::Fp16, ReduceOp::Sum).unwrap_err();
+        assert!(
+            e.message.contains("count 9 fp16 is 18 bytes"),
+            "{}",
+            e.message
+        );
     }
 }

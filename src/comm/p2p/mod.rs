@@ -11,22 +11,25 @@
 //! - a peer address is handed out (peer_ptr, put) only for a range inside one rendezvoused
 //!   range whose segments are still, on this rank, the generation that was rendezvoused, and,
 //!   for another rank, mapped here and not released by that rank (its release log is read
-//!   first, so a released segment is refused even where retire.rs cannot unmap it yet, during a
-//!   capture): never a dangling mapping;
+//!   first, so a released segment is refused even where peer/retire.rs cannot unmap it yet,
+//!   during a capture): never a dangling mapping;
 //! - a rank whose arguments are bad still takes part in the rendezvous exchange (as "invalid"),
 //!   so every rank fails together (NOT_SYMMETRIC on the others) instead of waiting for it;
 //! - p2p calls are not ordered against the communicator's collectives on other streams (they
 //!   share no state with the collective kernels): only stream order holds.
 
-use super::algo::{DType, Kernel, ReduceOp};
-use super::device_comm::*;
-use super::exchange::{CallDesc, DescKind};
-use super::kernel_args::ABORT_OFFSET;
-use super::signal_pad::{self, P2pArgs, SignalVia, WaitVia};
-use super::Communicator;
+pub mod device_comm;
+pub mod signal_pad;
+
+use crate::comm::collective::algo::{DType, Kernel, ReduceOp};
+use crate::comm::collective::desc::{CallDesc, DescKind};
+use crate::comm::collective::kernel_args::ABORT_OFFSET;
+use crate::comm::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result, Status};
 use crate::heap::device_heap::SegmentInfo;
+use device_comm::*;
+use signal_pad::{P2pArgs, SignalVia, WaitVia};
 use std::collections::BTreeMap;
 
 /// The p2p kernels' names (kernels/p2p.cu).
@@ -41,7 +44,7 @@ struct Range {
 }
 
 /// The communicator's p2p state.
-pub(super) struct P2p {
+pub(in crate::comm) struct P2p {
     /// This rank's signal pad (`SYMM_SIGNAL_PAD_BYTES` of the internal pool, zeroed at init).
     pub pad: u64,
     /// The offset of the pad's segment: a peer that releases it destroyed its communicator.
@@ -126,7 +129,7 @@ impl Communicator {
                      inside a live symm_malloc block; expected every byte allocated"
                 ))
             })?;
-            super::exchange::add_chunks(&mut segs, chunks);
+            crate::comm::collective::exchange::add_chunks(&mut segs, chunks);
             p = bstart + bsize;
         }
         Ok(segs)
@@ -136,7 +139,7 @@ impl Communicator {
     /// peer's segments under the range and records it. Idempotent.
     pub fn rendezvous(&mut self, ptr: u64, bytes: u64) -> Result<()> {
         self.begin_call(0)?;
-        let heap_base = self.windows.bases[self.rank];
+        let heap_base = self.peer.windows.bases[self.rank];
         let local = self.live_segments(ptr, bytes);
         let (off, count) = match &local {
             Ok(_) => (ptr - heap_base, bytes),
@@ -193,16 +196,17 @@ impl Communicator {
     }
 
     /// Whether `peer` has released (its release log says so) the generation of its segment at
-    /// `offset` that this rank maps, including records retire.rs has not handled yet.
+    /// `offset` that this rank maps, including records peer/retire.rs has not handled yet.
     fn released_by(&self, peer: usize, offset: u64) -> bool {
-        let Some(generation) = self.windows.mapped_generation(peer, offset) else {
+        let Some(generation) = self.peer.windows.mapped_generation(peer, offset) else {
             return true;
         };
-        let Some(heap) = &self.windows.peers[peer] else {
+        let Some(heap) = &self.peer.windows.peers[peer] else {
             return false;
         };
         let mut records = Vec::new();
-        heap.log.read_since(self.releases.seen[peer], &mut records);
+        heap.log
+            .read_since(self.peer.releases.seen[peer], &mut records);
         records.contains(&(offset, generation))
     }
 
@@ -276,13 +280,13 @@ impl Communicator {
                 }
             }
         }
-        Ok(self.windows.bases[peer] + (ptr - heap_base))
+        Ok(self.peer.windows.bases[peer] + (ptr - heap_base))
     }
 
     /// `symm_peer_ptr`: local; the address, in this process, of `ptr`'s offset in `peer`'s heap.
     pub fn peer_ptr(&self, ptr: u64, peer: i64) -> Result<u64> {
         let peer = self.check_peer("symm_peer_ptr", peer)?;
-        if let Some(e) = &self.sticky {
+        if let Some(e) = &self.coll.sticky {
             return Err(e.clone());
         }
         self.peer_range("symm_peer_ptr", ptr, 1, peer)
@@ -397,18 +401,18 @@ impl Communicator {
         Self::check_slot("symm_wait", slot)?;
         self.begin_call(stream)?;
         if self.host {
-            return match signal_pad::host_wait(self.p2p.pad, slot, value, self.timeout) {
+            return match signal_pad::host_wait(self.p2p.pad, slot, value, self.settings.timeout) {
                 Ok(()) => Ok(()),
                 Err((seen, writer)) => {
-                    let e = signal_pad::timeout_error(
+                    let e = crate::comm::collective::error_word::timeout_error(
                         self.rank,
                         slot,
                         value,
                         seen,
                         writer,
-                        self.timeout,
+                        self.settings.timeout,
                     );
-                    self.sticky = Some(e.clone());
+                    self.coll.sticky = Some(e.clone());
                     Err(e)
                 }
             };
@@ -437,12 +441,12 @@ impl Communicator {
             world: self.world as i32,
             rank: self.rank as i32,
             signal_slots: SYMM_SIGNAL_SLOTS,
-            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            abort_word: self.internal + ABORT_OFFSET,
-            error_word: self.errors.device_ptr(),
+            timeout_ns: self.settings.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            abort_word: self.group.internal + ABORT_OFFSET,
+            error_word: self.coll.errors.device_ptr(),
             ..DeviceComm::default()
         };
-        d.heap_bases[..self.world].copy_from_slice(&self.windows.bases);
+        d.heap_bases[..self.world].copy_from_slice(&self.peer.windows.bases);
         d.signal_pads[..self.world].copy_from_slice(&self.p2p.pads);
         d
     }

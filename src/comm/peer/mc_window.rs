@@ -15,8 +15,7 @@
 //! Invariants: a window's handle is bound (this rank's segment, `bound` bytes at offset 0) and
 //! mapped at `va` for `size` bytes until `teardown`, which undoes both and releases the handle.
 
-use super::algo::{DType, ReduceOp};
-use super::Communicator;
+use crate::comm::Communicator;
 use crate::cuda::{self, vmm};
 use crate::error::{Error, Result};
 use crate::heap::device_heap::SegmentInfo;
@@ -31,32 +30,6 @@ pub struct McWindow {
     pub size: u64,
     /// Bytes of this rank's segment bound at offset 0.
     pub bound: u64,
-}
-
-/// The arguments a multimem all-reduce accepts: sum, in place, 16-byte aligned, a whole
-/// number of 16-byte vectors (the kernel has no element tail).
-pub fn check_call(send: u64, recv: u64, count: u64, dtype: DType, op: ReduceOp) -> Result<()> {
-    let bytes = count * dtype.size() as u64;
-    let why = if op != ReduceOp::Sum {
-        Some(format!("op {} (multimem reduces with add only)", op.name()))
-    } else if send != recv {
-        Some("out of place (the multicast object covers the output only)".to_string())
-    } else if recv % 16 != 0 {
-        Some(format!("buffer {recv:#x} is not 16-byte aligned"))
-    } else if bytes % 16 != 0 {
-        Some(format!(
-            "count {count} {} is {bytes} bytes, not a multiple of 16",
-            dtype.name()
-        ))
-    } else {
-        None
-    };
-    match why {
-        Some(w) => Err(Error::invalid(format!(
-            "SYMM_ALGO_MULTIMEM takes an in-place sum of whole 16-byte vectors: {w}"
-        ))),
-        None => Ok(()),
-    }
 }
 
 /// Undoes a window, as far as it got; errors are reported, not stopped at.
@@ -80,12 +53,12 @@ fn teardown(device: i32, w: &McWindow) -> Result<()> {
 
 impl Communicator {
     /// The multicast address of segment `seg` (built on first use; collective).
-    pub(super) fn multicast_window(&mut self, seg: SegmentInfo) -> Result<u64> {
-        if let Some(w) = self.mc.get(&seg.offset) {
+    pub(in crate::comm) fn multicast_window(&mut self, seg: SegmentInfo) -> Result<u64> {
+        if let Some(w) = self.peer.mc.get(&seg.offset) {
             if w.generation == seg.generation {
                 return Ok(w.va);
             }
-            let old = self.mc.remove(&seg.offset).expect("present");
+            let old = self.peer.mc.remove(&seg.offset).expect("present");
             teardown(self.device, &old)?;
         }
         cuda::multicast::ensure_allowed(self.device)?;
@@ -152,7 +125,7 @@ impl Communicator {
             return Err(e);
         }
         let va = w.va;
-        self.mc.insert(seg.offset, w);
+        self.peer.mc.insert(seg.offset, w);
         Ok(va)
     }
 
@@ -177,30 +150,9 @@ impl Communicator {
     }
 
     /// Tears down every multicast window (at destroy).
-    pub(super) fn destroy_multicast_windows(&mut self) {
-        for (_, w) in std::mem::take(&mut self.mc) {
+    pub(in crate::comm) fn destroy_multicast_windows(&mut self) {
+        for (_, w) in std::mem::take(&mut self.peer.mc) {
             let _ = teardown(self.device, &w);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn multimem_takes_in_place_sums_of_whole_vectors() {
-        let ok = |s, r, n, d, o| check_call(s, r, n, d, o).is_ok();
-        assert!(ok(0x1000, 0x1000, 8, DType::Bf16, ReduceOp::Sum));
-        assert!(ok(0x1000, 0x1000, 4, DType::Fp32, ReduceOp::Sum));
-        assert!(!ok(0x1000, 0x1000, 8, DType::Bf16, ReduceOp::Max));
-        assert!(!ok(0x1000, 0x2000, 8, DType::Bf16, ReduceOp::Sum));
-        assert!(!ok(0x1008, 0x1008, 8, DType::Bf16, ReduceOp::Sum));
-        let e = check_call(0x1000, 0x1000, 9, DType::Fp16, ReduceOp::Sum).unwrap_err();
-        assert!(
-            e.message.contains("count 9 fp16 is 18 bytes"),
-            "{}",
-            e.message
-        );
     }
 }

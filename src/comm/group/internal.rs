@@ -1,6 +1,6 @@
 //! A new communicator's internal block (signal pad, epochs, abort word, LL buffers:
-//! kernel_args.rs) and p2p signal pad (p2p.rs), made and shared with the peers at the end of
-//! `build` (init.rs), in one of three ways (slots.rs has the plans):
+//! collective/kernel_args.rs) and p2p signal pad (p2p/), made and shared with the peers at the end
+//! of `build` (init.rs), in one of three ways (slots.rs has the plans):
 //! - its own blocks from its arena, exchanged with every peer (a child no slot was free for);
 //! - the same, with split slots after the internal block in one block (`symm_comm_init`);
 //! - carved out of a slot of its parent's block, which every peer has mapped since the
@@ -11,24 +11,24 @@
 //! round), the pads, epochs, counters and descriptor words are 0 and the LL data words all
 //! ones; a peer's copy of this communicator knows what its release looks like (the segment
 //! generations of the internal block and pad, or the carved block's release-log generation),
-//! so a peer that destroys its copy is seen (retire.rs).
+//! so a peer that destroys its copy is seen (peer/retire.rs).
 
-use super::algo::{DType, Kernel, ReduceOp};
-use super::device_comm::SYMM_SIGNAL_PAD_BYTES;
-use super::exchange::{CallDesc, DescKind};
 use super::init::{describe_settings, Settings};
-use super::kernel_args::*;
 use super::slots::{self, Internal, Plan, SlotBlock, SlotHold};
-use super::Communicator;
+use crate::comm::collective::algo::{DType, Kernel, ReduceOp};
+use crate::comm::collective::desc::{CallDesc, DescKind};
+use crate::comm::collective::kernel_args::*;
+use crate::comm::p2p::device_comm::SYMM_SIGNAL_PAD_BYTES;
+use crate::comm::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result};
-use crate::heap::device_heap::{ROUND, SMALL_MAX};
+use crate::heap::device_heap::{SegmentInfo, ROUND, SMALL_MAX};
 use std::time::{Duration, Instant};
 
 impl Communicator {
     /// The internal block, the first exchange, the last meeting; on failure, everything made
     /// so far goes back.
-    pub(super) fn finish_init(
+    pub(in crate::comm) fn finish_init(
         mut self: Box<Self>,
         settings: &Settings,
         plan: Plan,
@@ -37,7 +37,7 @@ impl Communicator {
     ) -> Result<Box<Communicator>> {
         match self.make_internal(plan, settings) {
             Ok((made, how)) => {
-                let devices: Vec<i32> = self.members.iter().map(|m| m.device).collect();
+                let devices: Vec<i32> = self.group.members.iter().map(|m| m.device).collect();
                 crate::info!(
                     "rank {}/{}: communicator on device {} (ranks' devices {devices:?}, {} \
                      backend); arena {}{}; {}; timeout {:.1} s; arena claimed in {} us{}, {how} \
@@ -46,8 +46,9 @@ impl Communicator {
                     self.world,
                     self.device,
                     if self.host { "host" } else { "cuda" },
-                    self.arena,
-                    self.lineage
+                    self.group.arena,
+                    self.group
+                        .lineage
                         .as_deref()
                         .map_or(String::new(), |l| format!("; {l}")),
                     describe_settings(&settings.words()),
@@ -74,7 +75,7 @@ impl Communicator {
     /// was made (for the INFO line).
     fn make_internal(&mut self, plan: Plan, settings: &Settings) -> Result<(Duration, String)> {
         let started = Instant::now();
-        let internal_len = internal_bytes(self.world, self.ll_slot);
+        let internal_len = internal_bytes(self.world, self.settings.ll_slot);
         let reserve = match plan {
             Plan::Carve(hold) => return self.carve_internal(hold, None, internal_len, started),
             Plan::Ready {
@@ -100,8 +101,8 @@ impl Communicator {
             let first = slots::first_slot(internal_len);
             let len = (first + reserve as u64 * settings.slot_len).max(SMALL_MAX + ROUND);
             let block = self.own_malloc(len)?;
-            self.internal = block;
-            self.block = Internal::WithSlots(SlotBlock::new(
+            self.group.internal = block;
+            self.group.block = Internal::WithSlots(SlotBlock::new(
                 self.alloc,
                 device,
                 block,
@@ -115,12 +116,12 @@ impl Communicator {
                 settings.slot_len
             )
         } else {
-            self.internal = self.own_malloc(internal_len)?;
+            self.group.internal = self.own_malloc(internal_len)?;
             "internal block made".to_string()
         };
-        let internal = self.internal;
+        let internal = self.group.internal;
         self.reset(internal, LL_DATA_OFFSET, internal, internal_len)?;
-        self.pads = self.windows.at_every_rank(internal);
+        self.peer.pads = self.peer.windows.at_every_rank(internal);
         let desc = CallDesc {
             kind: DescKind::Init,
             kernel: Kernel::OneShot,
@@ -133,8 +134,8 @@ impl Communicator {
             staged: false,
         };
         let seg = self.locate_own(internal, internal_len, "internal block")?;
-        self.internal_seg = seg.offset;
-        // The p2p signal pads (p2p.rs), from the arena too, zeroed before any peer can see
+        self.group.internal_seg = seg.offset;
+        // The p2p signal pads (p2p/), from the arena too, zeroed before any peer can see
         // them (the exchange below is the first time a peer maps them).
         let pad = self.own_malloc(SYMM_SIGNAL_PAD_BYTES)?;
         self.p2p.pad = pad;
@@ -146,7 +147,7 @@ impl Communicator {
         }
         let pad_seg = self.locate_own(pad, SYMM_SIGNAL_PAD_BYTES, "signal pad")?;
         self.p2p.pad_seg = pad_seg.offset;
-        self.p2p.pads = self.windows.at_every_rank(pad);
+        self.p2p.pads = self.peer.windows.at_every_rank(pad);
         let made = started.elapsed();
         if pad_seg.offset == seg.offset {
             self.exchange(&[seg], desc, true)?;
@@ -154,15 +155,15 @@ impl Communicator {
             self.exchange(&[seg, pad_seg], desc, true)?;
         }
         // The peers' generations of their internal blocks' segments: their release names the
-        // peer's destroy (retire.rs).
-        for (r, p) in self.windows.peers.iter().enumerate() {
+        // peer's destroy (peer/retire.rs).
+        for (r, p) in self.peer.windows.peers.iter().enumerate() {
             if let Some(p) = p {
-                self.releases.internal_gens[r] = p.generation_at(seg.offset).unwrap_or(0);
-                self.releases.pad_gens[r] = p.generation_at(pad_seg.offset).unwrap_or(0);
+                self.peer.releases.internal_gens[r] = p.generation_at(seg.offset).unwrap_or(0);
+                self.peer.releases.pad_gens[r] = p.generation_at(pad_seg.offset).unwrap_or(0);
             }
         }
         // A split's last round (split.rs) is the children's meeting; a fresh one meets here.
-        if self.lineage.is_none() {
+        if self.group.lineage.is_none() {
             self.mesh.barrier("init")?;
         }
         Ok((made, how))
@@ -188,7 +189,7 @@ impl Communicator {
             Some((g, _)) => *g,
             None => self.alloc.heap(self.device)?.fresh_generation(),
         };
-        self.block = Internal::Carved { hold, generation };
+        self.group.block = Internal::Carved { hold, generation };
         if SYMM_SIGNAL_PAD_BYTES + internal_len > slot_len {
             return Err(Error::internal(format!(
                 "split slot {slot} is too small for an internal block of {internal_len} bytes"
@@ -203,15 +204,15 @@ impl Communicator {
                 internal_len,
             )?;
         }
-        self.internal = internal;
+        self.group.internal = internal;
         self.p2p.pad = pad;
-        self.pads = self.windows.at_every_rank(internal);
-        self.p2p.pads = self.windows.at_every_rank(pad);
+        self.peer.pads = self.peer.windows.at_every_rank(internal);
+        self.p2p.pads = self.peer.windows.at_every_rank(pad);
         let seg = self.locate_own(internal, internal_len, "split slot")?;
         // A peer's destroy of the child is its record (offset of this internal block, its
         // generation); the whole block's segment goes only after the parent and all children
         // (then its record is seen too).
-        self.internal_seg = internal - heap_base;
+        self.group.internal_seg = internal - heap_base;
         self.p2p.pad_seg = seg.offset;
         let made = started.elapsed();
         let (gens, how) = match ready {
@@ -225,8 +226,12 @@ impl Communicator {
             ),
         };
         for r in (0..self.world).filter(|&r| r != rank) {
-            self.releases.internal_gens[r] = gens[r];
-            self.releases.pad_gens[r] = self.windows.mapped_generation(r, seg.offset).unwrap_or(0);
+            self.peer.releases.internal_gens[r] = gens[r];
+            self.peer.releases.pad_gens[r] = self
+                .peer
+                .windows
+                .mapped_generation(r, seg.offset)
+                .unwrap_or(0);
         }
         Ok((
             made,
@@ -243,13 +248,13 @@ impl Communicator {
         // Every peer maps the parent's block (exchanged at the parent's init) unless it
         // released it; a rank that finds one missing refuses in the round, so all fail alike.
         let missing: Vec<usize> = (0..self.world)
-            .filter(|&r| r != rank && self.windows.mapped_generation(r, seg).is_none())
+            .filter(|&r| r != rank && self.peer.windows.mapped_generation(r, seg).is_none())
             .collect();
         let mut msg = Vec::new();
         for w in [
             missing.is_empty() as u64,
             slot as u64,
-            self.internal_seg,
+            self.group.internal_seg,
             generation,
         ] {
             msg.extend_from_slice(&w.to_le_bytes());
@@ -273,11 +278,11 @@ impl Communicator {
                      peer released it?)"
                 )));
             }
-            if (s, off) != (slot as u64, self.internal_seg) {
+            if (s, off) != (slot as u64, self.group.internal_seg) {
                 return Err(Error::internal(format!(
                     "rank {r} carved split slot {s} at heap offset {off:#x}, rank {rank} slot \
                      {slot} at {:#x}",
-                    self.internal_seg
+                    self.group.internal_seg
                 )));
             }
             gens.push(g);
@@ -288,7 +293,7 @@ impl Communicator {
     /// A whole split slot of this communicator's block readied for any child's internal block
     /// (split.rs bets on it before the first round): its pad and the internal block's zeroed
     /// words to 0, the rest of the slot as LL data.
-    pub(super) fn reset_slot(&self, hold: &SlotHold) -> Result<()> {
+    pub(in crate::comm) fn reset_slot(&self, hold: &SlotHold) -> Result<()> {
         let pad = hold.addr();
         self.reset(
             pad,
@@ -301,8 +306,8 @@ impl Communicator {
     /// Readies an internal block (`internal`, `internal_len` bytes) before any peer can touch
     /// it: `zero_len` bytes from `zero_at` (its pad, epochs, LL counters and descriptor words,
     /// and for a carved one the p2p pad before them) to 0, its LL data words to all ones. The
-    /// host backend's collectives (host_reduce.rs) use the pad alone, never the LL buffers:
-    /// those are left untouched there (no page of them is ever faulted in).
+    /// host backend's collectives (collective/host_reduce.rs) use the pad alone, never the LL
+    /// buffers: those are left untouched there (no page of them is ever faulted in).
     fn reset(&self, zero_at: u64, zero_len: u64, internal: u64, internal_len: u64) -> Result<()> {
         if self.host {
             // SAFETY: zero_at..zero_at + zero_len lies in a live block of this rank's mapped
@@ -318,5 +323,22 @@ impl Communicator {
             LL_EMPTY_BYTE,
             internal_len - LL_DATA_OFFSET,
         )
+    }
+
+    /// The one chunk under a communicator's own block (`what`: its internal block, its signal
+    /// pads), which lies in its arena, whose segments never grow in place.
+    pub(in crate::comm) fn locate_own(
+        &self,
+        ptr: u64,
+        bytes: u64,
+        what: &str,
+    ) -> Result<SegmentInfo> {
+        match self.locate(ptr, bytes)?.as_deref() {
+            Some(&[one]) => Ok(one),
+            other => Err(Error::internal(format!(
+                "the {what} at {ptr:#x} lies in {} chunks of the heap; expected one",
+                other.map_or(0, |c| c.len())
+            ))),
+        }
     }
 }

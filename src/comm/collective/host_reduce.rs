@@ -2,7 +2,7 @@
 //! accumulation, one-shot and two-shot data movement, reduce-scatter and all-gather, barriers
 //! through the shared signal pad with acquire/release and a timeout), run by the CPU over the
 //! peer windows; the fused call's row arithmetic is host_norm.rs's; and the meeting a rank
-//! holds before it shares segments (`meet`, for exchange.rs). Slot 0 of the pad is used (the host
+//! holds before it shares segments (`meet`, for place.rs). Slot 0 of the pad is used (the host
 //! has one "block").
 
 use super::algo::{DType, Kernel, Quant, ReduceOp};
@@ -84,7 +84,7 @@ pub fn barrier(c: &HostCall<'_>, epoch: u32, check_desc: bool) -> Result<()> {
         }
         let theirs = desc_word(mine).load(Ordering::Relaxed);
         if check_desc && theirs != c.desc {
-            return Err(Error::not_symmetric(super::exchange::mismatch(
+            return Err(Error::not_symmetric(super::desc::mismatch(
                 c.rank, c.desc, p, theirs,
             )));
         }
@@ -108,7 +108,7 @@ pub fn first_barrier(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
     }
 }
 
-/// Meets every peer with `word` and no collective (exchange.rs, `meet_before_sharing`): a
+/// Meets every peer with `word` and no collective (place.rs, `meet_before_sharing`): a
 /// first barrier, then a plain one, so a peer's next word cannot replace `word` in this rank's
 /// slot before this rank compared it.
 pub fn meet(

@@ -55,8 +55,8 @@ pub const ERR_NO_MULTIMEM: u32 = 3;
 pub const ERR_LL_ASYMMETRIC: u32 = 4;
 /// A p2p signal wait (include/symmalloc_device.cuh) waited past the timeout; its fatal word's
 /// low half is the slot's writer word, and words 2..8 hold the slot and the values
-/// (device_comm.rs, `SYMM_DEVICE_ERR_SIGNAL_TIMEOUT`).
-pub const ERR_SIGNAL_TIMEOUT: u32 = super::device_comm::SYMM_DEVICE_ERR_SIGNAL_TIMEOUT;
+/// (p2p/device_comm.rs, `SYMM_DEVICE_ERR_SIGNAL_TIMEOUT`, which is asserted equal there).
+pub const ERR_SIGNAL_TIMEOUT: u32 = 5;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -92,8 +92,8 @@ pub const RMS_VECS: u64 = 4;
 pub const RMS_MAX_HIDDEN: u64 = THREADS as u64 * RMS_VECS * 8;
 /// The fused LL kernel with one vector per thread (`..._ll1_*`) runs blocks of up to this many
 /// threads: rows up to hidden 6144. Wider rows take the four-vector kernel, which at hidden 8192
-/// (512 threads, two vectors each) was 0.03-0.08 µs faster than 1024 threads of one on one H200
-/// (bench/NOTES.md, "The fused all-reduce + RMSNorm kernels").
+/// (512 threads, two vectors each) beat 1024 threads of one (bench/NOTES.md, "The fused
+/// all-reduce + RMSNorm kernels").
 pub const RMS_LL1_THREADS: u64 = 768;
 /// The most vectors of a row one block of the cluster kernel (`..._llc_*`) takes, one per thread
 /// (its launch bound): a row is split over at least ceil(vecs / this) blocks of a cluster.

@@ -87,7 +87,7 @@ pub struct PeerHeap {
     heap_size: u64,
     /// Where the peer's heap appears here.
     pub base: u64,
-    /// The peer's release log (comm/retire.rs reads it).
+    /// The peer's release log (comm/peer/retire.rs reads it).
     pub log: ReleaseView,
     mapped: Mutex<BTreeMap<u64, Mapping>>,
 }

@@ -8,12 +8,12 @@
 
 use super::algo::{DType, Kernel, Quant, ReduceOp};
 use super::call::Coll;
-use super::exchange::{CallDesc, RANK_LOCAL};
+use super::desc::{CallDesc, RANK_LOCAL};
 use super::host_reduce::{self, HostCall, HostRms};
 use super::kernel_args::*;
 use super::kernels;
 use super::plan::Plan;
-use super::Communicator;
+use crate::comm::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result, Status};
 
@@ -56,7 +56,7 @@ impl Communicator {
         let call = HostCall {
             rank: self.rank,
             world,
-            pads: &self.pads,
+            pads: &self.peer.pads,
             inputs: &inputs[..world],
             outputs: &outputs[..world],
             count: plan.desc.count as usize,
@@ -65,13 +65,13 @@ impl Communicator {
             kernel: plan.kernel,
             in_place: plan.desc.send_off == plan.desc.recv_off,
             desc: plan.desc.digest(),
-            timeout: self.timeout,
+            timeout: self.settings.timeout,
             rms,
         };
-        let r = host_reduce::run(&call, &mut self.host_epoch);
+        let r = host_reduce::run(&call, &mut self.coll.host_epoch);
         if let Err(e) = &r {
             if e.status == Status::ErrTimeout {
-                self.sticky = Some(e.clone());
+                self.coll.sticky = Some(e.clone());
             }
         }
         r
@@ -116,7 +116,7 @@ impl Communicator {
     /// (entries past the world, and rank-local outputs, stay 0).
     fn buffers(&self, desc: &CallDesc) -> ([u64; MAX_RANKS], [u64; MAX_RANKS]) {
         let (mut inputs, mut outputs) = ([0u64; MAX_RANKS], [0u64; MAX_RANKS]);
-        for (r, b) in self.windows.bases.iter().enumerate() {
+        for (r, b) in self.peer.windows.bases.iter().enumerate() {
             inputs[r] = b + desc.send_off;
             if desc.recv_off != RANK_LOCAL {
                 outputs[r] = b + desc.recv_off;
@@ -134,16 +134,16 @@ impl Communicator {
             outputs,
             count: desc.count,
             desc: desc.digest(),
-            timeout_ns: self.timeout.as_nanos() as u64,
+            timeout_ns: self.settings.timeout.as_nanos() as u64,
             rank: self.rank as i32,
             world: self.world as i32,
-            counters: self.internal + COUNTERS_OFFSET,
-            error_word: self.errors.device_ptr(),
-            ll_slot_kib: (self.ll_slot >> 10) as i32,
+            counters: self.group.internal + COUNTERS_OFFSET,
+            error_word: self.coll.errors.device_ptr(),
+            ll_slot_kib: (self.settings.ll_slot >> 10) as i32,
             mc_out,
             ..SymmArgs::default()
         };
-        args.pads[..self.world].copy_from_slice(&self.pads);
+        args.pads[..self.world].copy_from_slice(&self.peer.pads);
         args
     }
 
@@ -155,7 +155,7 @@ impl Communicator {
         op: ReduceOp,
         vec: bool,
     ) -> Result<cuda::module::Function> {
-        if let Some(&f) = self.kernels.get(&(kernel, dtype, op, vec)) {
+        if let Some(&f) = self.coll.kernels.get(&(kernel, dtype, op, vec)) {
             return Ok(f);
         }
         let name = kernels::kernel_name(kernel, dtype, op, vec).ok_or_else(|| {
@@ -167,7 +167,7 @@ impl Communicator {
             ))
         })?;
         let f = cuda::module::function(self.device, &name)?;
-        self.kernels.insert((kernel, dtype, op, vec), f);
+        self.coll.kernels.insert((kernel, dtype, op, vec), f);
         Ok(f)
     }
 
@@ -182,7 +182,7 @@ impl Communicator {
         let Some(q) = quant else {
             return self.kernel_fn(kernel, dtype, ReduceOp::Sum, true);
         };
-        if let Some(&f) = self.quant_kernels.get(&(kernel, dtype, q)) {
+        if let Some(&f) = self.coll.quant_kernels.get(&(kernel, dtype, q)) {
             return Ok(f);
         }
         let name = kernels::quant_kernel_name(kernel, dtype, q).ok_or_else(|| {
@@ -194,8 +194,39 @@ impl Communicator {
             ))
         })?;
         let f = cuda::module::function(self.device, &name)?;
-        self.quant_kernels.insert((kernel, dtype, q), f);
+        self.coll.quant_kernels.insert((kernel, dtype, q), f);
         Ok(f)
+    }
+
+    /// Orders this call's work on `stream` after the communicator's previous call, when that
+    /// was on another stream (streams.rs). The host backend runs calls synchronously.
+    fn order_streams(&mut self, stream: u64) -> Result<()> {
+        if self.host {
+            return Ok(());
+        }
+        self.coll.streams.before_launch(self.device, stream)
+    }
+
+    /// Copies a caller's input from outside the heap into the scratch (stream-ordered) and
+    /// counts the call in `staged_collectives`.
+    fn stage_in(&self, scratch: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
+        self.copy(scratch, src, bytes, stream)?;
+        self.alloc.heap(self.device)?.stats.staged_collectives += 1;
+        Ok(())
+    }
+
+    /// A stream-ordered copy (immediate on the host backend).
+    fn copy(&self, dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
+        if self.host {
+            // SAFETY: both are buffers of at least `bytes` bytes (the caller's arguments and
+            // our scratch); they never overlap (the scratch is ours alone).
+            unsafe {
+                std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes as usize)
+            };
+            Ok(())
+        } else {
+            cuda::mem::copy_async(self.device, dst, src, bytes, stream)
+        }
     }
 
     /// The TRACE line of one collective call (formats nothing unless SYMMALLOC_DEBUG=TRACE).

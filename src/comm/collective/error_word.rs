@@ -11,7 +11,7 @@
 use super::kernel_args::{
     ERR_ASYMMETRIC, ERR_LL_ASYMMETRIC, ERR_NO_MULTIMEM, ERR_SIGNAL_TIMEOUT, ERR_TIMEOUT,
 };
-use super::signal_pad;
+use crate::comm::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result};
 use std::time::Duration;
@@ -61,7 +61,7 @@ impl ErrorWords {
         }
     }
 
-    /// Words 2..8: what a timed-out signal wait recorded before its fatal word (device_comm.rs,
+    /// Words 2..8: what a timed-out signal wait recorded before its fatal word (p2p/device_comm.rs,
     /// `SYMM_DEVICE_ERR_*`).
     fn record(&self) -> [u32; 6] {
         let mut r = [0u32; 6];
@@ -109,7 +109,7 @@ pub fn decode_signal_timeout(word: u32, rec: [u32; 6], rank: usize, timeout: Dur
         rec[4] as u64 | (rec[5] as u64) << 32,
     );
     Reported {
-        error: signal_pad::timeout_error(rank, slot, awaited, seen, word & 0xffff, timeout),
+        error: timeout_error(rank, slot, awaited, seen, word & 0xffff, timeout),
         fatal: true,
     }
 }
@@ -153,6 +153,51 @@ pub fn decode(word: u32, rank: usize, timeout: Duration) -> Reported {
             error: Error::internal(format!("unknown kernel error word {word:#x}")),
             fatal: true,
         },
+    }
+}
+
+/// The error of a wait that timed out: names the slot, the values and the rank that raised the
+/// slot last (`writer` = rank + 1, 0 when none did).
+pub fn timeout_error(
+    rank: usize,
+    slot: u32,
+    awaited: u64,
+    seen: u64,
+    writer: u32,
+    timeout: Duration,
+) -> Error {
+    let who = match writer {
+        0 => "no rank has raised it since the communicator was created (the peer expected to \
+              signal it may have died or not reached its signal)"
+            .to_string(),
+        w => format!(
+            "rank {} raised it last (it may have died, or not reached its next signal)",
+            w - 1
+        ),
+    };
+    Error::timeout(format!(
+        "symm_wait on rank {rank}: signal slot {slot} stayed at {seen}, below the awaited {awaited}, \
+         for more than {:.1} s; {who}; this communicator is unusable, destroy it",
+        timeout.as_secs_f64()
+    ))
+}
+
+impl Communicator {
+    /// Reports what a kernel of this communicator wrote into the error words since the last
+    /// call; a fatal error stays and is reported by every later call.
+    pub(super) fn check_error_word(&mut self) -> Result<()> {
+        if let Some(e) = &self.coll.sticky {
+            return Err(e.clone());
+        }
+        match self.coll.errors.take(self.rank, self.settings.timeout) {
+            None => Ok(()),
+            Some(r) => {
+                if r.fatal {
+                    self.coll.sticky = Some(r.error.clone());
+                }
+                Err(r.error)
+            }
+        }
     }
 }
 

@@ -11,8 +11,8 @@
 //! before.
 //!
 //! Layout of a slot: the p2p signal pad (`SYMM_SIGNAL_PAD_BYTES`), then the internal block
-//! (kernel_args.rs), so the bytes that start at 0 are one range and the LL data another (one
-//! memset call each). A slot holds the largest internal block any child of the parent can
+//! (collective/kernel_args.rs), so the bytes that start at 0 are one range and the LL data another
+//! (one memset call each). A slot holds the largest internal block any child of the parent can
 //! need: children of fewer ranks take larger LL slots by default (config.rs,
 //! `default_ll_bytes`).
 //!
@@ -26,8 +26,8 @@
 //! children lets go of it (`Arc`), so a child outlives its parent; its segment's release then
 //! reaches the peers through the release log, like any internal block's.
 
-use super::device_comm::SYMM_SIGNAL_PAD_BYTES;
-use super::kernel_args::internal_bytes;
+use crate::comm::collective::kernel_args::internal_bytes;
+use crate::comm::p2p::device_comm::SYMM_SIGNAL_PAD_BYTES;
 use crate::config;
 use crate::error::Result;
 use crate::heap::Allocator;
@@ -38,7 +38,7 @@ const SLOT_ALIGN: u64 = 4096;
 
 /// Bytes of one slot for the children of a communicator of `world` ranks: a signal pad and the
 /// largest internal block a child of 1..=`world` ranks needs.
-pub(super) fn slot_len(world: usize) -> Result<u64> {
+pub(in crate::comm) fn slot_len(world: usize) -> Result<u64> {
     slot_len_with(world, config::ll_bytes)
 }
 
@@ -54,12 +54,12 @@ fn slot_len_with(world: usize, ll_bytes: impl Fn(usize) -> Result<u64>) -> Resul
 /// How many slots a communicator made by init reserves: `wanted` (`SYMMALLOC_SPLIT_SLOTS`), as
 /// many as fit in a quarter of its arena of `arena_len` bytes. A function of settings that are
 /// equal on every rank, so equal on every rank.
-pub(super) fn slots_to_reserve(wanted: u64, slot_len: u64, arena_len: u64) -> usize {
+pub(in crate::comm) fn slots_to_reserve(wanted: u64, slot_len: u64, arena_len: u64) -> usize {
     wanted.min(arena_len / 4 / slot_len.max(1)) as usize
 }
 
 /// Where the slots start in a block whose internal block is `internal_len` bytes.
-pub(super) fn first_slot(internal_len: u64) -> u64 {
+pub(in crate::comm) fn first_slot(internal_len: u64) -> u64 {
     internal_len.next_multiple_of(SLOT_ALIGN)
 }
 
@@ -81,7 +81,7 @@ pub struct SlotBlock {
 impl SlotBlock {
     /// Takes ownership of the block at `ptr` (`len` bytes, from the arena's internal pool):
     /// freed when the last holder lets go.
-    pub(super) fn new(
+    pub(in crate::comm) fn new(
         alloc: &'static Allocator,
         device: i32,
         ptr: u64,
@@ -109,7 +109,7 @@ impl SlotBlock {
     }
 
     /// The slots no live child of this rank holds, as a mask (bit n: slot n).
-    pub(super) fn free_mask(&self) -> u64 {
+    pub(in crate::comm) fn free_mask(&self) -> u64 {
         let all = if self.slots >= 64 {
             u64::MAX
         } else {
@@ -119,12 +119,12 @@ impl SlotBlock {
     }
 
     /// The block's start (the parent's internal block).
-    pub(super) fn start(&self) -> u64 {
+    pub(in crate::comm) fn start(&self) -> u64 {
         self.ptr
     }
 
     /// Takes slot `n` (free on this rank) for a child.
-    pub(super) fn take(self: &Arc<Self>, n: usize) -> SlotHold {
+    pub(in crate::comm) fn take(self: &Arc<Self>, n: usize) -> SlotHold {
         let mut held = self.held();
         debug_assert!(n < self.slots && *held & (1 << n) == 0);
         *held |= 1 << n;
@@ -149,16 +149,16 @@ pub struct SlotHold {
 }
 
 impl SlotHold {
-    pub(super) fn slot(&self) -> usize {
+    pub(in crate::comm) fn slot(&self) -> usize {
         self.slot
     }
 
     /// The slot's start: the child's signal pad; its internal block follows the pad.
-    pub(super) fn addr(&self) -> u64 {
+    pub(in crate::comm) fn addr(&self) -> u64 {
         self.block.ptr + self.block.first + self.slot as u64 * self.block.slot_len
     }
 
-    pub(super) fn slot_len(&self) -> u64 {
+    pub(in crate::comm) fn slot_len(&self) -> u64 {
         self.block.slot_len
     }
 }
@@ -170,7 +170,7 @@ impl Drop for SlotHold {
 }
 
 /// Where a communicator's internal block (and p2p signal pad) lives.
-pub(super) enum Internal {
+pub(in crate::comm) enum Internal {
     /// Blocks of its own, freed at destroy (a child no slot was free for, or no slots).
     Own,
     /// Its own internal block followed by slots for its children (made by init).
@@ -181,7 +181,7 @@ pub(super) enum Internal {
 }
 
 /// What `build` makes: its own block, its own block with `n` slots, or a carved one.
-pub(super) enum Plan {
+pub(in crate::comm) enum Plan {
     Own,
     Reserve(usize),
     /// Carve the slot: reset it, then one round of the child (internal.rs).

@@ -1,9 +1,11 @@
 //! Reading a job's shape from launcher variables (torchrun, Open MPI) for
-//! `symm_comm_init_from_env`. A pure function of a variable lookup, so tests need no real env.
+//! `symm_comm_init_from_env`, and the unique id it derives from them (or takes from
+//! `SYMMALLOC_UNIQUE_ID`). A pure function of a variable lookup, so tests need no real env. The
+//! FFI is its only caller; it uses only this layer (the host identity, the unique id).
 
+use super::host::Host;
+use super::unique_id::UniqueId;
 use crate::error::{Error, Result};
-use crate::ipc::host::Host;
-use crate::ipc::UniqueId;
 
 #[derive(Debug, PartialEq, Eq)]
 pub struct JobEnv {
@@ -151,7 +153,7 @@ mod tests {
     fn an_explicit_unique_id_wins_over_the_derived_one() {
         let h = Host::from_override("node-a");
         let fresh = UniqueId::generate().unwrap();
-        let hex = crate::ipc::unique_id::hex(&fresh.to_bytes());
+        let hex = crate::ipc::hex::hex(&fresh.to_bytes());
         let get = |k: &str| (k == "SYMMALLOC_UNIQUE_ID").then(|| hex.clone());
         let id = unique_id(&get, "torchrun:h:29500", &h).unwrap();
         assert_eq!(id, fresh);

@@ -1,0 +1,262 @@
+//! Where a collective's kernel reads and writes: the caller's buffers when what peers touch is
+//! in the symmetric heap, else the communicator's scratch (a heap block of its own, made or
+//! grown here) with a copy in and out around the kernel (`Copy`, enqueued by launch.rs). Also
+//! `locate` (which segments of the heap a buffer lies in) and, on the host backend, the meeting
+//! a rank holds with its peers before it makes a scratch segment or shares a segment
+//! (`meet_before_sharing`).
+//!
+//! Owns: the scratch (`Communicator::scratch`: address and size; freed at destroy).
+//!
+//! Invariants: whether a rank stages is decided before it makes any scratch (`place` makes
+//! nothing); the scratch's size is a power of two of at least 1 MiB that depends only on the
+//! call, so equal calls make equal scratches on every rank; a rank that is about to make a
+//! scratch segment or share one first meets its peers on the host backend, so ranks that
+//! disagree fail at once (NOT_SYMMETRIC) and make no scratch (CUDA has no meeting: see
+//! docs/DESIGN.md).
+
+use super::call::{Call, Coll, Extents};
+use super::desc::meeting_word;
+use super::exchange::add_chunks;
+use super::host_reduce;
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::heap::device_heap::SegmentInfo;
+
+/// A copy between a caller's buffer and the scratch, stream-ordered around the kernel.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Copy {
+    pub dst: u64,
+    pub src: u64,
+    pub bytes: u64,
+}
+
+/// Where a call runs, decided before any scratch is made (`place`).
+enum Place {
+    /// The caller's buffers (what peers touch is in the heap), with the segments the kernel
+    /// touches, output last (multimem binds it).
+    Heap {
+        send: u64,
+        recv: u64,
+        segs: Vec<SegmentInfo>,
+    },
+    /// This rank's scratch, `len` bytes: the input at its start, the output `recv_at` bytes in
+    /// (None: the fused call, whose outputs are this rank's own).
+    Scratch { len: u64, recv_at: Option<u64> },
+}
+
+/// Where a call's kernel reads and writes: the caller's buffers when the shared ones are in
+/// the heap, else the scratch (and the copies around the kernel), with the segments to share.
+pub(super) struct Placement {
+    pub send: u64,
+    pub recv: u64,
+    pub stage_in: Option<Copy>,
+    pub stage_out: Option<Copy>,
+    pub segs: Vec<SegmentInfo>,
+    /// The kernel runs on this rank's scratch (`CallDesc::staged`).
+    pub staged: bool,
+}
+
+impl Communicator {
+    /// Where a checked call's kernel reads and writes (`place`), meeting the peers first where
+    /// this rank is about to make or share a segment (host backend), then making the scratch
+    /// when the call is staged (`stage`). Collective.
+    pub(super) fn placement(&mut self, call: &Call, ext: Extents) -> Result<Placement> {
+        let place = self.place(call, ext)?;
+        let staged = matches!(place, Place::Scratch { .. });
+        // On the host backend, a rank that is about to make a scratch segment or share a
+        // segment meets its peers before it does: a peer with nothing new (its buffers in the
+        // heap where this rank stages, or other buffers) is then at this call's first barrier,
+        // and both fail at once instead of waiting for each other. Every rank meets when the
+        // comparison is forced (SYMMALLOC_CHECK_SYMMETRY, equal on every rank). On CUDA there
+        // is no meeting, so nothing of this is worked out on the call's path.
+        if self.host {
+            let make = match place {
+                Place::Scratch { len, .. } => self.scratch_to_make(len),
+                Place::Heap { .. } => None,
+            };
+            if self.settings.check_symmetry || make.is_some() || self.shares_new(&place)? {
+                self.meet_before_sharing(staged, make)?;
+            }
+        }
+        self.stage(call, ext, place)
+    }
+
+    /// Where the kernel runs; makes nothing. Only what peers touch must be in the heap: every
+    /// rank's input for all-reduce, reduce-scatter and the fused call, every rank's output for
+    /// all-reduce and all-gather. When one is not, the call runs on the scratch: all-reduce in
+    /// place there, reduce-scatter and all-gather with both halves apart, the fused call with x
+    /// alone (its other buffers are this rank's own), and copies in and out around the kernel.
+    fn place(&self, call: &Call, ext: Extents) -> Result<Place> {
+        match call.coll {
+            // The barrier kernel is the one-shot kernel on nothing, "in place" (one barrier).
+            Coll::Barrier => {
+                let base = self.peer.windows.bases[self.rank];
+                Ok(Place::Heap {
+                    send: base,
+                    recv: base,
+                    segs: Vec::new(),
+                })
+            }
+            Coll::AddRmsNorm(_) => Ok(match self.locate(call.send, ext.send)? {
+                Some(segs) => Place::Heap {
+                    send: call.send,
+                    recv: 0,
+                    segs,
+                },
+                None => Place::Scratch {
+                    len: ext.send,
+                    recv_at: None,
+                },
+            }),
+            _ => {
+                let a = self.locate(call.send, ext.send)?;
+                let b = self.locate(call.recv, ext.recv)?;
+                if let (Some(a), Some(b)) = (a, b) {
+                    let segs = match call.coll {
+                        Coll::ReduceScatter => a,
+                        Coll::AllGather => b,
+                        _ => {
+                            let mut both = a;
+                            add_chunks(&mut both, b);
+                            both
+                        }
+                    };
+                    return Ok(Place::Heap {
+                        send: call.send,
+                        recv: call.recv,
+                        segs,
+                    });
+                }
+                // All-reduce in place in the scratch; reduce-scatter and all-gather with both
+                // halves apart (the kernel then runs out of place).
+                let recv_at = match call.coll {
+                    Coll::AllReduce(_) => 0,
+                    _ => ext.send.next_multiple_of(256),
+                };
+                Ok(Place::Scratch {
+                    len: (recv_at + ext.recv).max(ext.send),
+                    recv_at: Some(recv_at),
+                })
+            }
+        }
+    }
+
+    /// Whether running at `place` makes this rank share a segment its peers have not mapped:
+    /// one of the caller's, or a scratch it has yet to make (or grow) or to share.
+    fn shares_new(&self, place: &Place) -> Result<bool> {
+        match place {
+            Place::Heap { segs, .. } => Ok(segs.iter().any(|s| self.peer.windows.needs_sharing(s))),
+            Place::Scratch { len, .. } => match self.coll.scratch {
+                Some((p, size)) if size >= *len => Ok(self
+                    .locate(p, size)?
+                    .is_none_or(|c| c.iter().any(|s| self.peer.windows.needs_sharing(s)))),
+                _ => Ok(true),
+            },
+        }
+    }
+
+    /// The buffers the kernel uses at `place`: for the scratch, made (or grown) here, with the
+    /// copies in and out.
+    fn stage(&mut self, call: &Call, ext: Extents, place: Place) -> Result<Placement> {
+        let (len, recv_at) = match place {
+            Place::Heap { send, recv, segs } => {
+                return Ok(Placement {
+                    send,
+                    recv,
+                    stage_in: None,
+                    stage_out: None,
+                    segs,
+                    staged: false,
+                })
+            }
+            Place::Scratch { len, recv_at } => (len, recv_at),
+        };
+        let s = self.ensure_scratch(len)?;
+        let segs = self.locate(s, len)?.expect("scratch is in the heap");
+        Ok(Placement {
+            send: s,
+            recv: recv_at.map_or(0, |at| s + at),
+            stage_in: Some(Copy {
+                dst: s,
+                src: call.send,
+                bytes: ext.send,
+            }),
+            stage_out: recv_at.map(|at| Copy {
+                dst: call.recv,
+                src: s + at,
+                bytes: ext.recv,
+            }),
+            segs,
+            staged: true,
+        })
+    }
+
+    /// The scratch a call staging `bytes` makes: None when the current one holds them, else
+    /// its size (a power of two, at least 1 MiB; the same on every rank for the same call).
+    fn scratch_to_make(&self, bytes: u64) -> Option<u64> {
+        match self.coll.scratch {
+            Some((_, size)) if size >= bytes => None,
+            _ => Some(bytes.next_power_of_two().max(1 << 20)),
+        }
+    }
+
+    /// Makes (or grows) the scratch to hold `bytes`, at the same offset on every rank for the
+    /// same call; returns its address.
+    fn ensure_scratch(&mut self, bytes: u64) -> Result<u64> {
+        let Some(size) = self.scratch_to_make(bytes) else {
+            return Ok(self.coll.scratch.expect("it holds them").0);
+        };
+        if let Some((p, old)) = self.coll.scratch {
+            self.alloc.free(p, old, self.device, 0)?;
+            self.coll.scratch = None;
+        }
+        let p = self.own_malloc(size)?;
+        self.coll.scratch = Some((p, size));
+        Ok(p)
+    }
+
+    /// The chunks of the segment holding `ptr..ptr+bytes` (one, unless the segment grew in
+    /// place under the block), `None` when `ptr` is outside the heap, an error when it is
+    /// inside the heap but not inside one live block.
+    pub(in crate::comm) fn locate(&self, ptr: u64, bytes: u64) -> Result<Option<Vec<SegmentInfo>>> {
+        let heap = self.alloc.heap(self.device)?;
+        if !heap.contains(ptr) {
+            return Ok(None);
+        }
+        let (segs, bstart, bsize) = heap.segment_of(ptr)?;
+        if ptr + bytes > bstart + bsize {
+            return Err(Error::invalid(format!(
+                "buffer {ptr:#x} of {bytes} bytes runs past the end of its symm_malloc block \
+                 ({bsize} bytes at {bstart:#x}); expected count * element size to fit"
+            )));
+        }
+        Ok(Some(segs))
+    }
+
+    /// Before this rank makes a scratch segment or shares a segment (`staged`: it stages the
+    /// call; `make`: the bytes of scratch it makes, a power of two), it meets its peers on the
+    /// host backend: every peer that does the same meets it
+    /// here, and one that has nothing new is at the call's own first barrier, whose digest never
+    /// equals this word, so both fail at once with NOT_SYMMETRIC instead of one waiting in the
+    /// exchange and the other at the barrier. Two barriers, so no peer can write its next
+    /// barrier's word over this one before this rank has compared it. A timeout breaks the
+    /// communicator (as in a host collective). Host backend only: CUDA has no meeting (see
+    /// docs/DESIGN.md), and `placement` calls this only on the host.
+    fn meet_before_sharing(&mut self, staged: bool, make: Option<u64>) -> Result<()> {
+        debug_assert!(self.host);
+        let word = meeting_word(staged, make);
+        let r = host_reduce::meet(
+            self.rank,
+            &self.peer.pads,
+            word,
+            self.settings.timeout,
+            &mut self.coll.host_epoch,
+        );
+        if let Err(e) = &r {
+            if e.status == crate::error::Status::ErrTimeout {
+                self.coll.sticky = Some(e.clone());
+            }
+        }
+        r
+    }
+}
