@@ -1,6 +1,6 @@
 //! The heap's release log: a page of shared memory (a memfd) in which a device heap records
 //! every segment it gives back to the backend, so that the peers which mapped that segment
-//! (comm/retire.rs) unmap it too and its physical memory really goes back to the driver.
+//! (comm/peer/retire.rs) unmap it too and its physical memory really goes back to the driver.
 //!
 //! Layout, in 64-bit words: word 0 counts the records ever written; record `i` lives at words
 //! `1 + 2 * (i % CAP)` (the segment's offset) and `2 + 2 * (i % CAP)` (its generation).

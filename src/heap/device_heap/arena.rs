@@ -1,5 +1,5 @@
 //! Communicator arenas: a range of the heap's address space that one communicator's ranks agree
-//! on (comm/arena.rs), reserved at the same offset on each of them, in which only that
+//! on (comm/group/arena.rs), reserved at the same offset on each of them, in which only that
 //! communicator's two pools place segments (`pools::arena_pool`: what `symm_comm_malloc` hands
 //! out, and the communicator's own buffers). A placement inside an arena reads only the arena's
 //! own call sequence, so its blocks sit at the same offset on every rank of the communicator

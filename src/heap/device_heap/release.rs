@@ -8,7 +8,7 @@
 //! blocks, and a MemPool keeps what it holds until `release_pool`.
 //!
 //! The release log also carries records of memory given back inside a live segment (a carved
-//! child's internal block: comm/slots.rs), under a generation drawn like a segment's
+//! child's internal block: comm/group/slots.rs), under a generation drawn like a segment's
 //! (`fresh_generation`), so that it names no segment any peer maps.
 //!
 //! Invariants kept: a segment with live or parked blocks is never released; a pool being
@@ -154,7 +154,7 @@ impl DeviceHeap {
         self.counters.num_device_free += chunks as i64;
         for c in s.chunks {
             // Peers that mapped it unmap theirs at their communicator's next call
-            // (comm/retire.rs).
+            // (comm/peer/retire.rs).
             self.release_log.record(c.off, c.generation);
             backend.release(c.phys)?;
         }
@@ -316,7 +316,7 @@ impl DeviceHeap {
     }
 
     /// A generation no segment of this heap has or will have, for a record that names memory
-    /// given back inside a live segment (comm/slots.rs: a child's carved internal block).
+    /// given back inside a live segment (comm/group/slots.rs: a child's carved internal block).
     pub fn fresh_generation(&mut self) -> u64 {
         let g = self.next_generation;
         self.next_generation += 1;
