@@ -141,19 +141,28 @@ def train_resnet(torch, steps):
     x = torch.randn(64, 3, 224, 224, device="cuda", generator=gen)
     y = torch.randint(0, 1000, (64,), device="cuda", generator=gen)
     total = torch.cuda.mem_get_info()[1]
-    times, used, loss = [], 0, None
+    times, gpu, used, loss = [], [], 0, None
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     for _ in range(steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
+        ev[0].record()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        ev[1].record()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
+        gpu.append(ev[0].elapsed_time(ev[1]))
         used = max(used, total - torch.cuda.mem_get_info()[0])
+    GPU_MS.append(statistics.median(gpu[10:]))
     return statistics.median(times[10:]), used / float(1 << 30), float(loss.item())
+
+
+GPU_MS = []  # the ResNet step's GPU time (events around it), p50: tells a host-side slow mode
+# from a device-side one
 
 
 def child(mode, bump, steps, port, core, old_lib=None, model="transformer", micro=True):
@@ -191,6 +200,8 @@ def child(mode, bump, steps, port, core, old_lib=None, model="transformer", micr
     if steps and mode != "floor":  # the floor hands memory out again once it wraps: no training
         fn = train_resnet if model == "resnet50" else (lambda t, n: train(t, n, port))
         row["train step ms"], row["train used GiB"], row["loss"] = fn(torch, steps)
+        if GPU_MS:
+            row["train gpu ms"] = GPU_MS[-1]
     phases.append(("train", time.perf_counter() - t_start))
     row["phases s"] = " ".join(f"{k} {v:.1f}" for k, v in phases)
     print("ROW " + json.dumps(row), flush=True)
@@ -240,6 +251,11 @@ def main():
     import torch
 
     keys = [k for k in rounds[0]["default"] if k not in ("mode", "loss", "phases s", "installed") and not k.startswith("train")]
+    if "train gpu ms" in rounds[0]["default"]:
+        for m in modes:
+            if "train gpu ms" in rounds[0][m]:
+                print(f"train step GPU time (events) p50 ms per process, {m}: "
+                      + " ".join(f"{r[m]['train gpu ms']:.2f}" for r in rounds))
     print(f"\nGlobal mode vs PyTorch's allocator vs the pluggable floor, {torch.cuda.get_device_name(0)}, torch "
           f"{torch.__version__}, {a.pairs} rounds of fresh processes (p50 over rounds; per-round differences)")
     print(f"{'row':>20} | {'default':>8} {'global':>8} {'floor':>8} | {'global-floor med / max':>23} | "

@@ -198,6 +198,9 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   // Allocation on an explicit device (also the host tests' way in: no CUDA runtime needed).
   void* malloc_on(c10::DeviceIndex device, size_t n, cudaStream_t stream) {
     if (n == 0) return nullptr;
+    if (foreign_routes_.load(std::memory_order_relaxed) > 0) {
+      if (void* q = foreign_malloc(device, n, stream)) return q;
+    }
     void* p = nullptr;
     int st = api.malloc_checked(n, device, stream, &p);
     if (st == kSuccess && p != nullptr) {
@@ -213,6 +216,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
 
   void free_ptr(void* ptr) {
     if (ptr == nullptr) return;
+    if (foreign_live_.load(std::memory_order_relaxed) > 0 && foreign_free(ptr)) return;
     bool profiling = c10::memoryProfilingEnabled();
     size_t size = 0;
     int device = 0;
@@ -471,6 +475,16 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   // ---- pools and graph capture ----
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId id,
                            std::function<bool(cudaStream_t)> filter) override {
+    {
+      std::lock_guard<std::mutex> g(foreign_mu_);
+      auto it = foreign_pools_.find(id);
+      if (it != foreign_pools_.end()) {
+        it->second.uses++;
+        routes_.push_back({device, id, std::move(filter), it->second.allocator});
+        foreign_routes_.fetch_add(1);
+        return;
+      }
+    }
     auto* ctx = new std::function<bool(cudaStream_t)>(std::move(filter));
     int st = api.begin_pool_filtered(
         device, id.first, id.second,
@@ -482,12 +496,30 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   }
 
   void endAllocateToPool(c10::DeviceIndex device, MempoolId id) override {
+    {
+      std::lock_guard<std::mutex> g(foreign_mu_);
+      for (auto it = routes_.rbegin(); it != routes_.rend(); ++it) {
+        if (it->device == device && it->pool == id) {
+          routes_.erase(std::next(it).base());
+          foreign_routes_.fetch_sub(1);
+          return;
+        }
+      }
+    }
     api.end_pool(device, id.first, id.second);
     std::string e = last_error();
     TORCH_CHECK(e.empty(), "symmalloc: endAllocateToPool failed: ", e);
   }
 
   void releasePool(c10::DeviceIndex device, MempoolId id) override {
+    {
+      std::lock_guard<std::mutex> g(foreign_mu_);
+      auto it = foreign_pools_.find(id);
+      if (it != foreign_pools_.end()) {
+        if (--it->second.uses <= 0) foreign_pools_.erase(it);
+        return;
+      }
+    }
     api.release_pool(device, id.first, id.second);
     std::string e = last_error();
     // Called from CUDAGraph::reset (a destructor): warn, never throw there.
@@ -495,6 +527,11 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   }
 
   int getPoolUseCount(c10::DeviceIndex device, MempoolId id) override {
+    {
+      std::lock_guard<std::mutex> g(foreign_mu_);
+      auto it = foreign_pools_.find(id);
+      if (it != foreign_pools_.end()) return it->second.uses;
+    }
     uint64_t uses = 0;
     check(api.pool_uses(device, id.first, id.second, &uses), "getPoolUseCount");
     return (int)uses;
@@ -502,9 +539,16 @@ class SymmAllocator final : public CCA::CUDAAllocator {
 
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId id,
                           std::shared_ptr<CCA::CUDAAllocator> allocator) override {
-    // A MemPool in global mode: its blocks come from symmalloc's heap whatever allocator it
-    // names (symmalloc's pluggable one included), in a pool of its own.
-    (void)allocator;
+    // A MemPool in global mode: with no allocator of its own its blocks come from symmalloc's
+    // heap, in a pool of its own; with one (a MemPool(allocator=...), NCCL's for buffer
+    // registration, say) its blocks come from that allocator, as PyTorch's allocator does it.
+    if (allocator && allocator.get() != this) {
+      std::lock_guard<std::mutex> g(foreign_mu_);
+      auto& fp = foreign_pools_[id];
+      fp.allocator = std::move(allocator);
+      fp.uses++;
+      return;
+    }
     check(api.pool_hold(device, id.first, id.second), "createOrIncrefPool");
   }
 
@@ -751,6 +795,65 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     push_trace(TraceEntry::FREE_REQUESTED, device, (uint64_t)p, size, nullptr, ctx);
     push_trace(TraceEntry::FREE_COMPLETED, device, (uint64_t)p, size, nullptr, ctx);
   }
+
+  // A route to a pool whose MemPool named its own allocator (createOrIncrefPool).
+  struct ForeignRoute {
+    c10::DeviceIndex device;
+    MempoolId pool;
+    std::function<bool(cudaStream_t)> filter;
+    std::shared_ptr<CCA::CUDAAllocator> allocator;
+  };
+  struct ForeignPool {
+    std::shared_ptr<CCA::CUDAAllocator> allocator;
+    int uses = 0;
+  };
+  struct MempoolHash {
+    size_t operator()(const MempoolId& id) const {
+      return std::hash<uint64_t>()(id.first) * 31 + std::hash<uint64_t>()(id.second);
+    }
+  };
+
+  void* foreign_malloc(c10::DeviceIndex device, size_t n, cudaStream_t stream) {
+    std::shared_ptr<CCA::CUDAAllocator> alloc;
+    {
+      std::lock_guard<std::mutex> g(foreign_mu_);
+      for (auto it = routes_.rbegin(); it != routes_.rend(); ++it)
+        if (it->device == device && it->filter(stream)) {
+          alloc = it->allocator;
+          break;
+        }
+    }
+    if (!alloc) return nullptr;
+    c10::cuda::CUDAGuard guard(device);
+    void* p = alloc->raw_alloc_with_stream(n, stream);
+    TORCH_CHECK_WITH(OutOfMemoryError, p != nullptr, "CUDA out of memory. Tried to allocate ",
+                     bytes_str(n), " from the MemPool's own allocator (", alloc->name(), ")");
+    std::lock_guard<std::mutex> g(foreign_mu_);
+    foreign_ptrs_[p] = std::move(alloc);
+    foreign_live_.fetch_add(1);
+    return p;
+  }
+
+  bool foreign_free(void* p) {
+    std::shared_ptr<CCA::CUDAAllocator> alloc;
+    {
+      std::lock_guard<std::mutex> g(foreign_mu_);
+      auto it = foreign_ptrs_.find(p);
+      if (it == foreign_ptrs_.end()) return false;
+      alloc = std::move(it->second);
+      foreign_ptrs_.erase(it);
+      foreign_live_.fetch_sub(1);
+    }
+    alloc->raw_delete(p);
+    return true;
+  }
+
+  std::mutex foreign_mu_;
+  std::unordered_map<MempoolId, ForeignPool, MempoolHash> foreign_pools_;
+  std::vector<ForeignRoute> routes_;
+  std::unordered_map<void*, std::shared_ptr<CCA::CUDAAllocator>> foreign_ptrs_;
+  std::atomic<int> foreign_routes_{0};
+  std::atomic<int> foreign_live_{0};
 
   int device_count_ = 0;
   bool initialized_ = false;
