@@ -63,6 +63,15 @@ pub struct Allocator {
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
+/// The steps of a request that the heap could not place without new memory (`malloc_in`).
+#[derive(Clone, Copy)]
+enum Escalate {
+    /// This thread's kept blocks (and exited threads') back to the heap, which may then grow.
+    OwnCaches,
+    /// Out of memory after that: every thread's kept blocks back, and the heap once more.
+    AllCaches,
+}
+
 /// A thread's cache of one device of one allocator.
 struct Mine {
     alloc: u64,
@@ -294,7 +303,7 @@ impl Allocator {
     }
 
     pub fn malloc_in(&self, size: u64, device: i32, stream: Stream, pool: PoolId) -> Result<u64> {
-        let r = self.place(size, device, stream, pool);
+        let r = self.malloc_escalating(size, device, stream, pool);
         if let Err(e) = &r {
             if e.status == crate::error::Status::ErrOutOfMemory {
                 // Once per request that failed, as PyTorch counts `num_ooms`.
@@ -306,7 +315,13 @@ impl Allocator {
         r
     }
 
-    fn place(&self, size: u64, device: i32, stream: Stream, pool: PoolId) -> Result<u64> {
+    fn malloc_escalating(
+        &self,
+        size: u64,
+        device: i32,
+        stream: Stream,
+        pool: PoolId,
+    ) -> Result<u64> {
         if pools::arena_of(pool).is_some() {
             // A communicator arena's blocks never pass through the thread caches: a cache's
             // drains follow other pools' traffic, which differs between ranks
@@ -346,22 +361,30 @@ impl Allocator {
             self.drain_where(&mut heap, device, is_mine, large)?;
         }
         let be = self.backend.as_ref();
-        // Before the heap grows, this thread's kept blocks (and those of exited threads) go back
-        // to it; other threads' only when growing fails. Taking every thread's blocks at each
-        // growth made them all miss next, and their misses grow the heap in turn.
-        let r = match heap.malloc_without_growing(be, size, stream, pool) {
-            Ok(Some(p)) => Ok(p),
-            Ok(None) => self
-                .drain_caches_of(&mut heap, device, |c| is_mine(c) || c.orphan)
-                .and_then(|()| heap.malloc(be, size, stream, pool)),
-            Err(e) => Err(e),
-        };
-        let r = match r {
-            Err(e) if e.status == crate::error::Status::ErrOutOfMemory => self
-                .drain_caches(&mut heap, device, |_| true)
-                .and_then(|()| heap.malloc(be, size, stream, pool)),
-            r => r,
-        };
+        // The escalation, each step only when the one before found nothing: the heap without
+        // new memory; this thread's kept blocks (and exited threads') back, then the heap with
+        // new memory; out of memory there, every thread's kept blocks back and the heap once
+        // more. Other threads' blocks go back only at the last step: taking every thread's
+        // blocks at each growth made them all miss next, and their misses grew the heap in turn.
+        let mut r = heap.malloc_without_growing(be, size, stream, pool);
+        for step in [Escalate::OwnCaches, Escalate::AllCaches] {
+            r = match (step, r) {
+                (_, Ok(Some(p))) => Ok(Some(p)),
+                (Escalate::OwnCaches, Ok(None)) => self
+                    .drain_caches_of(&mut heap, device, |c| is_mine(c) || c.orphan)
+                    .and_then(|()| heap.malloc(be, size, stream, pool))
+                    .map(Some),
+                (Escalate::AllCaches, Err(e))
+                    if e.status == crate::error::Status::ErrOutOfMemory =>
+                {
+                    self.drain_caches(&mut heap, device, |_| true)
+                        .and_then(|()| heap.malloc(be, size, stream, pool))
+                        .map(Some)
+                }
+                (_, r) => r,
+            };
+        }
+        let r = r.map(|p| p.expect("the heap places every request it may grow for, or fails"));
         let r = r.and_then(|p| {
             if let Some(id) = mine {
                 let bsize = heap.track(p, id)?;

@@ -1,6 +1,8 @@
 //! What peers need of a segment: the chunks under a live block (offset, size, generation:
 //! the whole segment unless it grew in place), a chunk's CUDA allocation handle, and its
-//! physical memory as a file descriptor. Peers map, check and unmap chunk by chunk.
+//! physical memory as a file descriptor, and the generations peers match their mappings by (a
+//! chunk's, or a fresh one for memory given back inside a live segment). Peers map, check and
+//! unmap chunk by chunk.
 
 use super::*;
 
@@ -69,6 +71,22 @@ impl DeviceHeap {
             .chunk_at(offset)
             .ok_or_else(|| Error::internal(format!("no segment at offset {offset:#x}")))?;
         backend.export(self.device, &c.phys)
+    }
+
+    /// A generation no segment of this heap has or will have, for a record that names memory
+    /// given back inside a live segment (comm/group/slots.rs: a child's carved internal block).
+    pub fn fresh_generation(&mut self) -> u64 {
+        let g = self.next_generation;
+        self.next_generation += 1;
+        g
+    }
+
+    /// Records in the release log that what lies at `offset` of generation `generation` (from
+    /// `fresh_generation`) was given back, for the peers' communicators to read; no segment
+    /// goes, and no peer mapping matches the record (mappings carry segment generations).
+    pub fn record_given_back(&mut self, offset: u64, generation: u64) {
+        debug_assert!(generation < self.next_generation);
+        self.release_log.record(offset, generation);
     }
 }
 

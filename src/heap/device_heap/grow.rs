@@ -41,11 +41,15 @@ impl DeviceHeap {
     pub(super) fn grow_in_place(
         &mut self,
         backend: &dyn Backend,
-        pool: PoolId,
-        class: Class,
-        rounded: u64,
-        stream: Stream,
+        req: &Request,
     ) -> Result<Option<u64>> {
+        let Request {
+            pool,
+            class,
+            rounded,
+            stream,
+            ..
+        } = *req;
         if class != Class::Large || !grows_in_place(pool) {
             return Ok(None);
         }

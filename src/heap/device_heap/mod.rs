@@ -196,6 +196,28 @@ pub struct DeviceHeap {
     limit: u64,
 }
 
+/// One allocation request as the placement chain (placement.rs, `place`) and its steps see it:
+/// the pool it is routed to, its size class, the request rounded to `ROUND`, the request itself
+/// and the stream it is for.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Request {
+    pub pool: PoolId,
+    pub class: Class,
+    pub rounded: u64,
+    pub size: u64,
+    pub stream: Stream,
+}
+
+/// Where the placement chain found a request's memory.
+pub(super) enum Placed {
+    /// A parked block kept whole for this (pool, stream, size): live at once.
+    Parked(u64),
+    /// A free block (found, adopted, grown or new) that `take` splits and makes live.
+    Free(u64),
+    /// Nothing without a new segment, and the caller did not allow one.
+    Nothing,
+}
+
 pub fn round_request(size: u64) -> u64 {
     size.div_ceil(ROUND).max(1) * ROUND
 }
@@ -362,54 +384,26 @@ impl DeviceHeap {
         }
         self.check_arena_pool(pool)?;
         let rounded = round_request(size);
-        if let Some(off) = self.parked.pop(&(pool, stream, rounded)) {
-            crate::trace!(
-                "malloc {size} at {off:#x} pool {} stream {stream:#x} (parked)",
-                pool
-            );
-            self.unpark_live(off, size);
-            return Ok(Some(self.base + off));
-        }
-        let class = class_of(rounded);
-        self.set_releasing(pool, false);
-        if class == Class::Large {
-            // Large sizes vary (sequence lengths, packing): give best fit every large parked
-            // block of the pool, merged, rather than splitting fresh memory around them.
-            self.drain_parked(Some(pool), |r| class_of(r) == Class::Large);
-        }
-        let mut found = self.find_free(backend, pool, class, rounded, stream)?;
-        if found.is_none() && self.drain_parked(Some(pool), |_| true) > 0 {
-            // Parked blocks merged back with their neighbours may fit now.
-            found = self.find_free(backend, pool, class, rounded, stream)?;
-        }
-        let off = match found {
-            Some(off) => {
-                self.stats.cache_hits += 1;
-                off
-            }
-            None if !grow => return Ok(None),
-            None => match self.adopt_segment(backend, pool, class, rounded, stream)? {
-                // A donor's cached segment: no new physical memory.
-                Some(off) => {
-                    self.stats.cache_hits += 1;
-                    off
-                }
-                None => {
-                    self.stats.cache_misses += 1;
-                    // What the request lacks, mapped after a free tail; else a new segment.
-                    match self.grow_in_place(backend, pool, class, rounded, stream)? {
-                        Some(off) => off,
-                        None => {
-                            self.trim_before_growing(backend, pool, class, rounded, stream)?;
-                            self.new_segment(backend, pool, class, rounded, size)?
-                        }
-                    }
-                }
-            },
+        let req = Request {
+            pool,
+            class: class_of(rounded),
+            rounded,
+            size,
+            stream,
         };
-        self.take(backend, off, rounded, size, stream)?;
-        crate::trace!("malloc {size} at {off:#x} pool {} stream {stream:#x}", pool);
-        Ok(Some(self.base + off))
+        match self.place(backend, &req, grow)? {
+            Placed::Parked(off) => {
+                crate::trace!("malloc {size} at {off:#x} pool {pool} stream {stream:#x} (parked)");
+                self.unpark_live(off, size);
+                Ok(Some(self.base + off))
+            }
+            Placed::Free(off) => {
+                self.take(backend, off, rounded, size, stream)?;
+                crate::trace!("malloc {size} at {off:#x} pool {pool} stream {stream:#x}");
+                Ok(Some(self.base + off))
+            }
+            Placed::Nothing => Ok(None),
+        }
     }
 
     /// The fast path's hit: the parked block at `off` (which waits only on the requesting

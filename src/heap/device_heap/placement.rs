@@ -39,6 +39,64 @@ pub(super) fn segment_size(class: Class, rounded: u64, gran: u64) -> u64 {
 }
 
 impl DeviceHeap {
+    /// The placement chain: where a request's memory comes from, tried in this order, each step
+    /// only when the ones before found nothing.
+    /// 1. the parked block kept whole for (pool, stream, rounded size);
+    /// 2. best fit over the pool's free blocks (large requests first merge the pool's parked
+    ///    large blocks back; then, if nothing fit, every parked block of the pool);
+    /// 3. (with `grow` only, from here) a whole free segment adopted from a donor pool;
+    /// 4. a segment of the pool grown in place by what the request lacks (grow.rs);
+    /// 5. idle segments of the pool trimmed (release.rs), then a new segment (which, out of
+    ///    memory, empties the cache and tries once more).
+    ///
+    /// Reads only the call sequence (determinism: mod.rs).
+    pub(super) fn place(
+        &mut self,
+        backend: &dyn Backend,
+        req: &Request,
+        grow: bool,
+    ) -> Result<Placed> {
+        let Request {
+            pool,
+            class,
+            rounded,
+            stream,
+            ..
+        } = *req;
+        if let Some(off) = self.parked.pop(&(pool, stream, rounded)) {
+            return Ok(Placed::Parked(off));
+        }
+        self.set_releasing(pool, false);
+        if class == Class::Large {
+            // Large sizes vary (sequence lengths, packing): give best fit every large parked
+            // block of the pool, merged, rather than splitting fresh memory around them.
+            self.drain_parked(Some(pool), |r| class_of(r) == Class::Large);
+        }
+        let mut found = self.find_free(backend, req)?;
+        if found.is_none() && self.drain_parked(Some(pool), |_| true) > 0 {
+            // Parked blocks merged back with their neighbours may fit now.
+            found = self.find_free(backend, req)?;
+        }
+        if let Some(off) = found {
+            self.stats.cache_hits += 1;
+            return Ok(Placed::Free(off));
+        }
+        if !grow {
+            return Ok(Placed::Nothing);
+        }
+        if let Some(off) = self.adopt_segment(backend, req)? {
+            // A donor's cached segment: no new physical memory.
+            self.stats.cache_hits += 1;
+            return Ok(Placed::Free(off));
+        }
+        self.stats.cache_misses += 1;
+        if let Some(off) = self.grow_in_place(backend, req)? {
+            return Ok(Placed::Free(off));
+        }
+        self.trim_before_growing(backend, req)?;
+        self.new_segment(backend, req).map(Placed::Free)
+    }
+
     /// Best fit among the pool's free blocks of the class: first among the requesting stream's
     /// and never-used ones (neither needs ordering), then among any stream's. A block used by
     /// other streams is taken only when ordering is possible (nothing involved is being
@@ -49,14 +107,14 @@ impl DeviceHeap {
     /// worse-fitting block of its own (a 9 MiB optimizer state in a freed 100 MiB activation
     /// segment, which `empty_cache` then could not return) before a never-used exact fit, and
     /// placement depended on whether the stream handle was 0 (tests/heap_placement.rs).
-    pub(super) fn find_free(
-        &self,
-        backend: &dyn Backend,
-        pool: PoolId,
-        class: Class,
-        rounded: u64,
-        stream: Stream,
-    ) -> Result<Option<u64>> {
+    pub(super) fn find_free(&self, backend: &dyn Backend, req: &Request) -> Result<Option<u64>> {
+        let Request {
+            pool,
+            class,
+            rounded,
+            stream,
+            ..
+        } = *req;
         let Some(p) = self.pools.get(&pool) else {
             return Ok(None);
         };
@@ -132,11 +190,15 @@ impl DeviceHeap {
     pub(super) fn adopt_segment(
         &mut self,
         backend: &dyn Backend,
-        pool: PoolId,
-        class: Class,
-        rounded: u64,
-        stream: Stream,
+        req: &Request,
     ) -> Result<Option<u64>> {
+        let Request {
+            pool,
+            class,
+            rounded,
+            stream,
+            ..
+        } = *req;
         let donors: Vec<PoolId> = self
             .pools
             .keys()
@@ -232,14 +294,14 @@ impl DeviceHeap {
         self.adopted_segments += 1;
     }
 
-    pub(super) fn new_segment(
-        &mut self,
-        backend: &dyn Backend,
-        pool: PoolId,
-        class: Class,
-        rounded: u64,
-        requested: u64,
-    ) -> Result<u64> {
+    pub(super) fn new_segment(&mut self, backend: &dyn Backend, req: &Request) -> Result<u64> {
+        let Request {
+            pool,
+            class,
+            rounded,
+            size: requested,
+            ..
+        } = *req;
         let len = segment_size(class, rounded, self.gran);
         match self.try_new_segment(backend, pool, class, len) {
             Err(e) if e.status == Status::ErrOutOfMemory => {

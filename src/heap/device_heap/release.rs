@@ -212,11 +212,15 @@ impl DeviceHeap {
     pub(super) fn trim_before_growing(
         &mut self,
         backend: &dyn Backend,
-        pool: PoolId,
-        class: Class,
-        rounded: u64,
-        stream: Stream,
+        req: &Request,
     ) -> Result<()> {
+        let Request {
+            pool,
+            class,
+            rounded,
+            stream,
+            ..
+        } = *req;
         let len = segment_size(class, rounded, self.gran);
         let wanted = |h: &DeviceHeap| {
             (h.stats.reserved_bytes + len) as f64
@@ -313,21 +317,5 @@ impl DeviceHeap {
         }
         crate::trace!("release_pool {}: {}", pool, self.pools_summary());
         Ok(())
-    }
-
-    /// A generation no segment of this heap has or will have, for a record that names memory
-    /// given back inside a live segment (comm/group/slots.rs: a child's carved internal block).
-    pub fn fresh_generation(&mut self) -> u64 {
-        let g = self.next_generation;
-        self.next_generation += 1;
-        g
-    }
-
-    /// Records in the release log that what lies at `offset` of generation `generation` (from
-    /// `fresh_generation`) was given back, for the peers' communicators to read; no segment
-    /// goes, and no peer mapping matches the record (mappings carry segment generations).
-    pub fn record_given_back(&mut self, offset: u64, generation: u64) {
-        debug_assert!(generation < self.next_generation);
-        self.release_log.record(offset, generation);
     }
 }
