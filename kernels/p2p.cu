@@ -3,7 +3,7 @@
 // include/symmalloc_device.cuh: the library waits exactly as user kernels do (bounded, acquire at
 // system scope, reporting through the error words, never reading host memory while spinning).
 //
-// Owns: the P2pArgs struct (mirrored by src/comm/signal_pad.rs; tests/kernel_table.rs checks
+// Owns: the P2pArgs struct (mirrored by src/comm/p2p/signal_pad.rs; tests/kernel_table.rs checks
 // them field by field).
 #include "symmalloc_device.cuh"
 

@@ -1,7 +1,7 @@
 // The FP8 (e4m3) output of the fused all-reduce + residual + RMSNorm kernels (rms_norm.cuh): the
 // quantization epilogue applied to the fp32 value y = r * inv_rms * weight the kernel already
 // holds (no round trip through bf16/fp16). docs/DESIGN.md, "Quantized output", is the reference;
-// the host backend does the same arithmetic in software (src/comm/host_norm.rs).
+// the host backend does the same arithmetic in software (src/comm/collective/host_norm.rs).
 //
 //   q = e4m3(y * (1 / s))   round to nearest even, saturated to +-448 (cvt ... satfinite: an
 //                           infinite or too large product gives +-448), NaN stays NaN (0x7f)

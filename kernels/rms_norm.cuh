@@ -253,7 +253,7 @@ __device__ __forceinline__ void rms_body(const RmsArgs& f) {
 
 // Small messages (x up to the LL threshold): the LL protocol of ll.cuh instead of the two
 // barriers, so the fused call costs about what the LL all-reduce costs. The grid is fitted to the
-// call (src/comm/shape.rs, `fused_ll_shape`): enough blocks to push x with the LL all-reduce's spread (push_threads per
+// call (src/comm/collective/shape.rs, `fused_ll_shape`): enough blocks to push x with the LL all-reduce's spread (push_threads per
 // block; one SM's stores to a peer are the bottleneck otherwise) and to give each row a block, at
 // most the communicator's LL grid; ll_end keeps every call counter in step whatever the grid.
 // Each block pushes its grid-stride share of x into every peer's slot and takes part in the

@@ -7,7 +7,7 @@
 #include "rms_norm.cuh"
 
 // Wide rows on Hopper: a row split over a cluster of C blocks (C = 2-8, a launch attribute;
-// src/comm/shape.rs picks it), so no single SM moves a whole row of x, residual, weight, out and slot
+// src/comm/collective/shape.rs picks it), so no single SM moves a whole row of x, residual, weight, out and slot
 // resets. Block q of a cluster takes vectors [q * B, (q + 1) * B) of the cluster's rows, one per
 // thread (B = blockDim.x, a power of two, C * B >= vecs, B <= SYMM_RMS_LLC_THREADS). The sum of
 // squares, in the canonical order: each warp's chunk tree, then warp 0 adds the block's W = B / 32
@@ -186,6 +186,6 @@ __device__ __forceinline__ void rms_llc_body(const RmsArgs& f) {
   }
   if (live) ll_end(a, call);
 #else
-  __trap();  // src/comm/shape.rs picks the cluster kernels on sm_90 and later only
+  __trap();  // src/comm/collective/shape.rs picks the cluster kernels on sm_90 and later only
 #endif
 }

@@ -220,7 +220,7 @@ pub extern "C" fn symm_comm_init(
 /// Creates the communicator from launcher variables: torchrun (LOCAL_RANK, LOCAL_WORLD_SIZE,
 /// TORCHELASTIC_RUN_ID or MASTER_ADDR+MASTER_PORT) or Open MPI (OMPI_COMM_WORLD_LOCAL_RANK,
 /// OMPI_COMM_WORLD_LOCAL_SIZE). The device is the local rank. The id is `SYMMALLOC_UNIQUE_ID`
-/// (hex) when set, else derived from those variables (see `comm_env::unique_id`).
+/// (hex) when set, else derived from those variables (see `ipc::env::unique_id`).
 #[no_mangle]
 pub extern "C" fn symm_comm_init_from_env(comm: *mut *mut symm_comm_t) -> symm_status_t {
     guard_status("symm_comm_init_from_env", || {
