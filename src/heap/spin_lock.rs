@@ -3,7 +3,7 @@
 //!
 //! Why not `std::sync::Mutex`: a cached malloc or free holds the heap for about 50 ns. Under
 //! contention a std mutex parks waiters on a futex, and each wake-up costs microseconds, far
-//! more than the work it waits for (8 threads: 1.4-4.7 us per pair at p50 with std's mutex).
+//! more than the work it waits for (bench/NOTES.md, "The allocator").
 //! Spinning keeps the hand-over at cache-line speed; after `SPINS` tries a waiter yields, so a
 //! preempted holder still gets the CPU back.
 //!

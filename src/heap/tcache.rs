@@ -3,15 +3,15 @@
 //! size, pool and stream, without the heap's lock (mimalloc's thread-local free lists; PyTorch
 //! keeps its blocks per stream); large blocks of pools other than the default one are not kept
 //! (`device_heap::keeps_whole` says why). Under eight threads on their own streams the shared lock was
-//! the whole tail: p99 25-81 us for a 0.35 us pair, waiters queueing behind a holder that takes
-//! the lock again and again.
+//! the whole tail, waiters queueing behind a holder that takes the lock again and again
+//! (bench/NOTES.md, "The allocator").
 //!
 //! Each thread has one cache per (allocator, device), found through thread-local storage and
 //! registered with its allocator, which drains the caches for `empty_cache` and `release_pool`,
 //! drains a thread's own cache (and exited threads') before the heap grows for that thread,
 //! every cache when growing fails, and reads them for statistics. (Draining every thread's
 //! cache at each growth made all of them miss next, and their misses grew the heap in turn:
-//! 8-thread p99 12-32 us at 1-64 MiB, against 0.25-0.53 us now.) Blocks a cache holds are
+//! bench/NOTES.md, "The allocator".) Blocks a cache holds are
 //! live to the heap (device_heap/tracked.rs), so the heap never reuses them; the cache keeps
 //! the accounting that makes the kept ones count as free in the statistics. A thread that exits
 //! leaves its cache behind, marked orphaned; the next drain returns its blocks and drops it.
@@ -110,9 +110,8 @@ pub type Key = (PoolId, Stream, u64);
 pub const KEEP_BLOCKS: usize = 64;
 /// Most blocks a thread keeps when the block is another pool's than the default one (a graph
 /// capture's, a MemPool's), small ones only (`keeps_whole`). 16, as before KEEP_BLOCKS grew: the
-/// ResNet-50 capture of bench/global_memory.py added 670 MiB with 16, 724 keeping no pool block,
-/// 872 with the thread caches off (one H100), and 672 with 16 small ones (51a1bf2, one H200;
-/// bench/RESULTS.md, "Global mode's memory").
+/// ResNet-50 capture of bench/global_memory.py added the least memory with 16 small ones
+/// (bench/history/RESULTS-session-18-and-before.md, "Global mode's memory").
 pub const KEEP_POOL_BLOCKS: usize = 16;
 /// Most bytes a thread keeps per device.
 pub const KEEP_BYTES: u64 = 256 << 20;

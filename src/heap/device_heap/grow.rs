@@ -10,8 +10,8 @@
 //! capture after other work without room: python/tests/global_capture_check.py). This is
 //! PyTorch's expandable segments in the small: a capture's pieces just under the next request
 //! no longer force a whole new segment (bench/NOTES.md, "The allocator": the ResNet-50
-//! capture's private pool, 3,474 MiB in 83 segments without growth, 2,850 MiB with it, its
-//! request trace replayed on host memory). Peers map a grown segment chunk by chunk; a segment
+//! capture's private pool with and without growth, its request trace replayed on host memory).
+//! Peers map a grown segment chunk by chunk; a segment
 //! goes back whole, every chunk with it. Under capture only `cuMemCreate` and `cuMemMap` run, as
 //! for a new segment: no stream is touched.
 //!

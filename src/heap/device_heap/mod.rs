@@ -228,9 +228,9 @@ pub fn round_request(size: u64) -> u64 {
 /// MemPool's): reusing the block of the same size leaves its free neighbours apart, where
 /// merging lets a larger request fit, and such a pool keeps its footprint for the life of its
 /// graphs. Merged at once and placed by best fit, as PyTorch's allocator places them, the first
-/// capture of `bench/global_memory.py`'s ten shared-pool graphs made the same 27,162 MiB of
-/// segments as PyTorch's allocator; kept whole, 27,582 (its request trace replayed on the host
-/// backend, `alloc_bench --replay`; bench/NOTES.md, "The allocator").
+/// capture of `bench/global_memory.py`'s ten shared-pool graphs made as much memory as PyTorch's
+/// allocator; kept whole, more (its request trace replayed on the host backend, `alloc_bench
+/// --replay`; bench/NOTES.md, "The allocator").
 pub fn keeps_whole(pool: PoolId, rounded: u64) -> bool {
     pool == DEFAULT_POOL || class_of(rounded) == Class::Small
 }
