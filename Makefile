@@ -60,7 +60,7 @@ test-python: build target/release/_fastcall.abi3.so
 # host-side tests there: the prebuilt is found, a build from source works, its selftest passes on
 # the host backend, and install_global()'s fallback warns.
 TORCH_ENV = CUDA_HOME=$(CURDIR)/.toolchain/nvidia/cu13 PATH=$(TORCH_VENV)/bin:$$PATH
-target/release/libsymmalloc_torch.so: python/symmalloc/csrc/torch_allocator.cpp python/symmalloc/_torch_ext.py $(TORCH_VENV)/.installed
+target/release/libsymmalloc_torch.so: python/symmalloc/csrc/torch_allocator.cpp $(wildcard python/symmalloc/csrc/*.h) python/symmalloc/_torch_ext.py $(TORCH_VENV)/.installed
 	cd python && $(TORCH_ENV) $(TORCH_VENV)/bin/python -m symmalloc._torch_ext --build $(CURDIR)/build/torch-ext >/dev/null
 	cp build/torch-ext/libsymmalloc_torch.so $@
 torch-ext: target/release/libsymmalloc_torch.so

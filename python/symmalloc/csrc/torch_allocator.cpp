@@ -50,6 +50,9 @@
 #include <unordered_set>
 #include <vector>
 
+#include "stream_uses.h"
+#include "uncached.h"
+
 namespace {
 
 using c10::CachingDeviceAllocator::DeviceStats;
@@ -201,8 +204,21 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     if (foreign_routes_.load(std::memory_order_relaxed) > 0) {
       if (void* q = foreign_malloc(device, n, stream)) return q;
     }
+    if (!caching_.load(std::memory_order_relaxed)) {
+      cudaError_t cst = cudaSuccess;
+      if (void* q = uncached_.malloc(device, n, &cst)) return q;
+      if (cst == cudaErrorMemoryAllocation)
+        out_of_memory(device, n, stream, "cudaMalloc with caching off: out of memory");
+      // No CUDA device (the host backend): from the heap, given back at the free.
+    }
+    bool open = routes_open_.load(std::memory_order_relaxed) > 0;
+    if (uses_.any_held() && !open) free_held(false);
     void* p = nullptr;
     int st = api.malloc_checked(n, device, stream, &p);
+    if (st == kOutOfMemory && uses_.any_held() && !open) {
+      free_held(true);  // blocks waiting on recorded streams, as PyTorch frees before an OOM
+      st = api.malloc_checked(n, device, stream, &p);
+    }
     if (st == kSuccess && p != nullptr) {
       if (recording_.load(std::memory_order_relaxed)) note_alloc(device, p, n, stream);
       if (c10::memoryProfilingEnabled()) report_to_profiler(device, p, (int64_t)n);
@@ -217,6 +233,23 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   void free_ptr(void* ptr) {
     if (ptr == nullptr) return;
     if (foreign_live_.load(std::memory_order_relaxed) > 0 && foreign_free(ptr)) return;
+    if (uncached_.free(ptr)) return;
+    std::vector<symm_torch::StreamUses::Use> uses;
+    if (uses_.take(ptr, &uses)) {
+      // Held until the recorded streams' work has run (stream_uses.h); while a pool route is
+      // open, or without events, the heap orders the next reuse after those streams instead.
+      if (routes_open_.load(std::memory_order_relaxed) == 0 && uses_.hold(ptr, uses)) return;
+      for (const auto& u : uses) api.record_stream(ptr, u.stream);
+    }
+    free_now(ptr);
+  }
+
+  // The held blocks whose recorded streams are done (all of them, waiting, with `wait`).
+  void free_held(bool wait) {
+    for (void* p : uses_.ready(wait)) free_now(p);
+  }
+
+  void free_now(void* ptr) {
     bool profiling = c10::memoryProfilingEnabled();
     size_t size = 0;
     int device = 0;
@@ -276,6 +309,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     bool tracing = recording_.load(std::memory_order_relaxed);
     std::map<std::pair<int, uint64_t>, uint64_t> before;
     if (tracing) before = segments_now();
+    if (uses_.any_held() && routes_open_.load(std::memory_order_relaxed) == 0) free_held(true);
     api.empty_cache();
     std::string e = last_error();
     TORCH_CHECK(e.empty(), "symmalloc: empty_cache failed: ", e);
@@ -291,8 +325,8 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     }
   }
 
-  // Off: every free gives the memory back at once (symm_empty_cache after it), as PyTorch's
-  // allocator with caching disabled frees through cudaFree.
+  // Off: allocations come from cudaMalloc and go back with cudaFree (uncached.h), as with
+  // PyTorch's allocator; on the host backend (no CUDA) from the heap, given back at the free.
   void enable(bool value) override { caching_.store(value); }
   bool isEnabled() const override { return caching_.load(); }
 
@@ -315,6 +349,10 @@ class SymmAllocator final : public CCA::CUDAAllocator {
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     if (!ptr.get() || ptr.get_deleter() != &raw_deleter_fn) return;
+    if (routes_open_.load(std::memory_order_relaxed) == 0) {
+      uses_.record(ptr.get(), ptr.device().index(), stream.stream());
+      return;
+    }
     api.record_stream(ptr.get(), stream.stream());
     std::string e = last_error();
     TORCH_CHECK(e.empty(), "symmalloc: record_stream failed: ", e);
@@ -482,6 +520,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
         it->second.uses++;
         routes_.push_back({device, id, std::move(filter), it->second.allocator});
         foreign_routes_.fetch_add(1);
+        routes_open_.fetch_add(1);
         return;
       }
     }
@@ -493,6 +532,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
         },
         ctx, [](void* c) { delete static_cast<std::function<bool(cudaStream_t)>*>(c); });
     check(st, "beginAllocateToPool");
+    routes_open_.fetch_add(1);
   }
 
   void endAllocateToPool(c10::DeviceIndex device, MempoolId id) override {
@@ -502,11 +542,13 @@ class SymmAllocator final : public CCA::CUDAAllocator {
         if (it->device == device && it->pool == id) {
           routes_.erase(std::next(it).base());
           foreign_routes_.fetch_sub(1);
+          routes_open_.fetch_sub(1);
           return;
         }
       }
     }
     api.end_pool(device, id.first, id.second);
+    if (routes_open_.load() > 0) routes_open_.fetch_sub(1);
     std::string e = last_error();
     TORCH_CHECK(e.empty(), "symmalloc: endAllocateToPool failed: ", e);
   }
@@ -873,6 +915,10 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   std::vector<CCA::AllocatorTraceTracker> trackers_;
   bool history_ = false;
   std::atomic<bool> caching_{true};
+  symm_torch::Uncached uncached_;
+  symm_torch::StreamUses uses_;
+  // Pool routes open (graph captures and MemPool contexts): PyTorch's "captures underway".
+  std::atomic<int> routes_open_{0};
   std::vector<std::string> compile_context_;
   std::string user_metadata_;
   c10::ApproximateClockToUnixTimeConverter clock_;
