@@ -919,7 +919,7 @@ def main():
     ap.add_argument("--json", help="write the raw numbers (every run's rows and per-call times) to this file")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"), help="folder for per-run JSON")
     ap.add_argument("--port", type=int, default=29600)
-    ap.add_argument("--job-timeout", type=int, default=900)
+    ap.add_argument("--job-timeout", type=int, default=300, help="seconds per job before its ranks are killed")
     ap.add_argument("--selftest", action="store_true", help="CPU only: the baseline at 2 ranks over gloo vs float64")
     args = ap.parse_args()
     if args.selftest:
