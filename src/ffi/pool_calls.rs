@@ -109,12 +109,17 @@ pub extern "C" fn symm_begin_pool_filtered(
 
 /// Ends the pool route for `device` that the calling thread opened last, which must be
 /// (first, second); a thread that opened none for `device` ends the newest route to
-/// (first, second) from any thread.
+/// (first, second) from any thread. The pool's free blocks that thread caches kept or that
+/// wait parked then go back to its free lists, merged with their neighbours (heap/introspect.rs,
+/// `settle_pool`).
 #[no_mangle]
 pub extern "C" fn symm_end_pool(device: c_int, pool_first: u64, pool_second: u64) {
     guard_void("symm_end_pool", || {
-        heap::global()?.check_device(device)?;
-        pools::end(device, pools::PoolId(pool_first, pool_second))
+        let heap = heap::global()?;
+        heap.check_device(device)?;
+        let pool = pools::PoolId(pool_first, pool_second);
+        pools::end(device, pool)?;
+        heap.settle_pool(device, pool)
     })
 }
 

@@ -162,6 +162,19 @@ impl Allocator {
         Ok(self.heap(device)?.pool_uses(pool))
     }
 
+    /// At the end of a route into `pool` (a graph capture or a MemPool context ends): the
+    /// pool's blocks that thread caches keep and that are parked go back to its best-fit sets,
+    /// merged with their free neighbours. The pool's layout after a capture is then the one a
+    /// checkpoint restore (`restore_pool`) rebuilds, and PyTorch's snapshot of the graph's pool
+    /// shows its free memory as PyTorch's allocator does (one block per free run).
+    pub fn settle_pool(&self, device: i32, pool: PoolId) -> Result<()> {
+        let mut heap = self.heap(device)?;
+        self.drain_caches(&mut heap, device, |k| k.0 == pool)?;
+        heap.drain_parked_of(pool);
+        heap.debug_validate();
+        Ok(())
+    }
+
     /// Puts `pool` back to a checkpoint (PyTorch's `setCheckpointPoolState`): every block users
     /// hold in it now is freed (their addresses are returned), then each block of `blocks`
     /// (taken by `pool_live` earlier) is live again at its address, size and stream.
