@@ -1,9 +1,9 @@
 //! The first half of every collective call: `prepare` turns a checked `Call` into a `Plan`, doing
-//! the shared setup once (where the buffers are and what is staged through the scratch:
-//! place.rs; which kernel and grid; the call descriptor; the segment exchange with the peers:
-//! exchange.rs; the multicast window, for MULTIMEM: peer/mc_window.rs). `launch.rs` then
-//! enqueues the plan. NCCL's enqueue.cc (plan, then launch) is the model; docs/DESIGN.md, "The
-//! collective pipeline", walks one call through both.
+//! the shared setup once (where the buffers are and what is staged through the scratch: place.rs;
+//! which kernel: algo.rs; its vectors and grid: shape.rs; the call descriptor: desc.rs; the segment
+//! exchange with the peers: exchange.rs; the multicast window, for MULTIMEM: peer/mc_window.rs).
+//! `launch.rs` then enqueues the plan. NCCL's enqueue.cc (plan, then launch) is the model;
+//! docs/DESIGN.md, "The collective pipeline", walks one call through both.
 //!
 //! Invariants: every decision in a plan reads only values equal on every rank (algo.rs,
 //! shape.rs), so every rank plans the same kernel and grid for the same call; whether a rank
@@ -125,7 +125,7 @@ impl Communicator {
             Coll::AllGather => &[desc.recv_off],
             _ => &[desc.send_off, recv_off],
         };
-        let vec = algo::vectors(kernel, shared, ext.slice);
+        let vec = shape::vectors(kernel, shared, ext.slice);
         let (grid, threads, cluster) = if self.host {
             (0, 0, 1)
         } else if let Some(s) = fused {

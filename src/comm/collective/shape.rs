@@ -1,12 +1,30 @@
-//! Grids: how many blocks and threads (and, for the fused cluster kernel, blocks per cluster) a
-//! chosen kernel runs on. Every shape is a pure function of values equal on every rank (the
-//! call's shared words, the communicator's settings and the facts about every rank's GPU agreed
-//! at init), so block b of every rank meets block b of every other (docs/DESIGN.md, "Kernels
-//! and their grids").
+//! Shapes: whether a chosen kernel (algo.rs) moves 16-byte vectors or single elements, and how
+//! many blocks and threads (and, for the fused cluster kernel, blocks per cluster) it runs on.
+//! Every shape is a pure function of values equal on every rank (the call's shared words, the
+//! communicator's settings and the facts about every rank's GPU agreed at init), so block b of
+//! every rank meets block b of every other (docs/DESIGN.md, "Kernels and their grids").
 
 use super::algo::Kernel;
 use super::kernel_args::{MAX_BLOCKS, RMS_LL1_THREADS, RMS_LLC_THREADS, RMS_VECS, THREADS};
 use crate::error::{Error, Result};
+
+/// Whether a kernel moves 16-byte vectors (else single elements). The LL reduce-scatter and
+/// the fused kernels exist only with vectors (their plans check the alignment they need);
+/// the others take vectors when every offset in `offsets` is 16-byte aligned, and for
+/// reduce-scatter and all-gather, whose items are a rank's slice, when the slice is whole
+/// vectors. (The heap bases of every rank are aligned far beyond 16 bytes, so offsets decide.)
+pub fn vectors(kernel: Kernel, offsets: &[u64], slice_bytes: u64) -> bool {
+    let aligned = offsets.iter().all(|o| o % 16 == 0);
+    match kernel {
+        Kernel::ReduceScatterLL
+        | Kernel::AddRmsNorm
+        | Kernel::AddRmsNormLL
+        | Kernel::AddRmsNormLL1
+        | Kernel::AddRmsNormLLC => true,
+        Kernel::ReduceScatter | Kernel::AllGather => aligned && slice_bytes % 16 == 0,
+        _ => aligned,
+    }
+}
 
 /// Threads per block for an LL call of `items` 16-byte items: enough to give every block a
 /// share (a power of two, at least 64), at most the grid's limit. A pure function of the
@@ -218,6 +236,19 @@ mod tests {
             threads,
             cluster,
         })
+    }
+
+    #[test]
+    fn vectors_need_aligned_shared_offsets_and_whole_slices() {
+        assert!(vectors(Kernel::OneShot, &[0, 4096], 0));
+        assert!(!vectors(Kernel::OneShot, &[8, 4096], 0));
+        assert!(vectors(Kernel::AllGather, &[4096], 32));
+        assert!(
+            !vectors(Kernel::AllGather, &[4096], 24),
+            "a slice of 12 bf16"
+        );
+        assert!(!vectors(Kernel::OneShotLL, &[8], 6), "the scalar LL kernel");
+        assert!(vectors(Kernel::ReduceScatterLL, &[0], 16), "vectors only");
     }
 
     #[test]
