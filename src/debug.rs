@@ -5,12 +5,12 @@
 //! `symmalloc:PID LEVEL`, and lines about a communicator name its rank.
 //!
 //! Invariants: off by default, and free when off: the `info!`/`trace!` macros test the level (one
-//! relaxed atomic load once the variable has been read) before formatting anything. The
-//! variable is read once per process, through `config::debug_level` (config.rs owns `Level`; the
+//! relaxed atomic load once the variable has been read) before formatting anything. The variable is
+//! read once per process, through `config::debug_level` (config/settings.rs owns `Level`; the
 //! levels: `OFF` and `WARN` are off, `INFO`, `TRACE`, any case). An unknown value fails the
 //! allocator's creation (`heap::global`, so the first allocator call or `symm_comm_init`) with
-//! `SYMM_ERR_INVALID_ARGUMENT` naming it; should diagnostics be asked for before that, one
-//! warning names it and they stay off.
+//! `SYMM_ERR_INVALID_ARGUMENT` naming it; should diagnostics be asked for before that, one warning
+//! names it and they stay off.
 
 pub use crate::config::Level;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -28,7 +28,7 @@ pub fn enabled(level: Level) -> bool {
 
 #[cold]
 fn read_env() -> u8 {
-    // config.rs parses the value; an unknown one also fails the allocator's creation
+    // config/settings.rs parses the value; an unknown one also fails the allocator's creation
     // (heap::global), so this warning only shows where diagnostics are asked for first.
     let value = crate::config::var("SYMMALLOC_DEBUG");
     let level = crate::config::debug_level().unwrap_or_else(|why| {

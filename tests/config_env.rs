@@ -27,8 +27,8 @@ enum Entry {
 
 /// Every runtime variable the library reads, and the call that reads it.
 /// `SYMMALLOC_ENABLE_MULTICAST` is left out on purpose (never set in a test that could run on a
-/// GPU machine; config.rs's unit tests cover its reader over a fake lookup), and so is
-/// `SYMMALLOC_HOST_ID`, which takes any short word (`abc` is a host name): config.rs's unit
+/// GPU machine; src/config/'s unit tests cover its reader over a fake lookup), and so is
+/// `SYMMALLOC_HOST_ID`, which takes any short word (`abc` is a host name): src/config/'s unit
 /// tests cover its refusals, tests/hosts.rs its effect through `symm_comm_init`.
 const VARIABLES: &[(&str, Entry)] = &[
     ("SYMMALLOC_BACKEND", Entry::Malloc),
@@ -312,12 +312,13 @@ fn the_readme_table_lists_every_variable_with_its_default_and_accepted_values() 
     }
 }
 
-/// Every `SYMMALLOC_*` setting the library itself reads is read in config.rs (ipc/env.rs reads
-/// the launcher's through config::var: config.rs's header says so).
+/// Every `SYMMALLOC_*` setting the library itself reads is read in src/config/ (ipc/env.rs reads
+/// the launcher's through config::var: src/config/mod.rs's header says so).
 #[test]
-fn settings_are_read_in_config_rs() {
+fn settings_are_read_in_config() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let config = std::fs::read_to_string(root.join("src/config.rs")).unwrap();
+    let mut config = String::new();
+    source_text(&root.join("src/config"), &mut config);
     for name in [
         "SYMMALLOC_BACKEND",
         "SYMMALLOC_HEAP_SIZE",
@@ -332,11 +333,11 @@ fn settings_are_read_in_config_rs() {
     ] {
         assert!(
             config.contains(&format!("\"{name}\"")),
-            "{name} is not read in config.rs"
+            "{name} is not read in src/config/"
         );
     }
     // No other file of the library reads the process environment itself, except the demo
-    // binary (named in config.rs's header).
+    // binary (named in src/config/mod.rs's header).
     let mut offenders = Vec::new();
     let mut stack = vec![root.join("src")];
     while let Some(dir) = stack.pop() {
@@ -347,7 +348,7 @@ fn settings_are_read_in_config_rs() {
                 continue;
             }
             let rel = p.strip_prefix(root).unwrap().to_string_lossy().into_owned();
-            if rel == "src/config.rs" || rel.starts_with("src/bin/") {
+            if rel.starts_with("src/config/") || rel.starts_with("src/bin/") {
                 continue;
             }
             let text = std::fs::read_to_string(&p).unwrap();
@@ -358,6 +359,6 @@ fn settings_are_read_in_config_rs() {
     }
     assert!(
         offenders.is_empty(),
-        "these read the environment outside config.rs: {offenders:?}"
+        "these read the environment outside src/config/: {offenders:?}"
     );
 }

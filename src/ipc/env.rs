@@ -77,7 +77,7 @@ pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<JobEnv> {
 /// id, handed out by the launcher: a secret no other process can derive) when set; otherwise
 /// derived from the job key, which keeps other jobs out but not a process that can read the
 /// job's variables (the Python `from_env` passes a fresh id through torchrun's store instead).
-/// Empty (blank) counts as unset, as for every setting (config.rs). A derived id is per host
+/// Empty (blank) counts as unset, as for every setting (src/config/). A derived id is per host
 /// (`host`, this rank's): the launchers' local ranks and sizes count the ranks of one host.
 pub fn unique_id(
     get: &dyn Fn(&str) -> Option<String>,

@@ -6,7 +6,7 @@
 //! boot id (`/proc/sys/kernel/random/boot_id`) and the network namespace's inode
 //! (`/proc/self/ns/net`); the host name only labels it in messages (containers on one host
 //! may have other names and still share everything; two machines may have one name).
-//! `SYMMALLOC_HOST_ID` (config.rs) replaces the identity: tests use it to run several
+//! `SYMMALLOC_HOST_ID` (config/settings.rs) replaces the identity: tests use it to run several
 //! "hosts" on one machine.
 //!
 //! Invariant: two processes get equal digests iff their identity strings are equal; a process

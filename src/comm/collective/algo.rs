@@ -1,7 +1,8 @@
-//! Every kernel decision of a collective call: the validated values of a call (element type,
+//! Every kernel choice of a collective call: the validated values of a call (element type,
 //! operation, the C-visible algorithm), AUTO's choice between the all-reduce algorithms, and
-//! the internal `Kernel` a call runs (barrier or LL, vectors or elements). `shape.rs` sizes the
-//! chosen kernel's grid; `plan.rs` calls both (docs/DESIGN.md, "The collective pipeline").
+//! the internal `Kernel` a call runs (barrier or LL). `shape.rs` then shapes the chosen kernel
+//! (vectors or elements, its grid); `plan.rs` asks each once (docs/DESIGN.md, "The collective
+//! pipeline").
 //!
 //! Invariant: every decision reads only values equal on every rank (the call descriptor's
 //! shared words, the communicator's settings agreed at init, facts about every rank's GPU
@@ -273,24 +274,6 @@ pub fn reduce_scatter_kernel(send_off: u64, slice_bytes: u64, ll_max: u64) -> Ke
     }
 }
 
-/// Whether a kernel moves 16-byte vectors (else single elements). The LL reduce-scatter and
-/// the fused kernels exist only with vectors (their plans check the alignment they need);
-/// the others take vectors when every offset in `offsets` is 16-byte aligned, and for
-/// reduce-scatter and all-gather, whose items are a rank's slice, when the slice is whole
-/// vectors. (The heap bases of every rank are aligned far beyond 16 bytes, so offsets decide.)
-pub fn vectors(kernel: Kernel, offsets: &[u64], slice_bytes: u64) -> bool {
-    let aligned = offsets.iter().all(|o| o % 16 == 0);
-    match kernel {
-        Kernel::ReduceScatterLL
-        | Kernel::AddRmsNorm
-        | Kernel::AddRmsNormLL
-        | Kernel::AddRmsNormLL1
-        | Kernel::AddRmsNormLLC => true,
-        Kernel::ReduceScatter | Kernel::AllGather => aligned && slice_bytes % 16 == 0,
-        _ => aligned,
-    }
-}
-
 /// The arguments a multimem all-reduce accepts: sum, in place, 16-byte aligned, a whole
 /// number of 16-byte vectors (the kernel has no element tail).
 pub fn check_multimem_call(
@@ -408,19 +391,6 @@ mod tests {
             "offset unaligned"
         );
         assert_eq!(reduce_scatter_kernel(0, 16, 0), barrier, "LL turned off");
-    }
-
-    #[test]
-    fn vectors_need_aligned_shared_offsets_and_whole_slices() {
-        assert!(vectors(Kernel::OneShot, &[0, 4096], 0));
-        assert!(!vectors(Kernel::OneShot, &[8, 4096], 0));
-        assert!(vectors(Kernel::AllGather, &[4096], 32));
-        assert!(
-            !vectors(Kernel::AllGather, &[4096], 24),
-            "a slice of 12 bf16"
-        );
-        assert!(!vectors(Kernel::OneShotLL, &[8], 6), "the scalar LL kernel");
-        assert!(vectors(Kernel::ReduceScatterLL, &[0], 16), "vectors only");
     }
 
     #[test]

@@ -2,12 +2,13 @@
 //! `all_reduce_add_rms_norm`, `barrier`) and the one pipeline every call goes through
 //! (docs/DESIGN.md, "The collective pipeline"): a front end builds a `Call` (call.rs: what was
 //! asked, checked); `begin_call` reports earlier errors (error_word.rs) and unmaps what peers
-//! released (peer/retire.rs); `prepare` turns the call into a `Plan` (plan.rs: the kernel and
-//! grid from algo.rs and shape.rs, the buffers from place.rs, the descriptor of desc.rs, the
-//! segment exchange of exchange.rs); `launch` enqueues it (launch.rs; host_reduce.rs and
-//! host_norm.rs on the host backend). `kernels.rs` and `kernel_args.rs` are what the host shares
-//! with the kernels (the generated kernels/instances.cu and kernels/symm_constants.cuh come from
-//! them); `streams.rs` orders calls across streams; `convert.rs` holds the number formats.
+//! released (peer/retire.rs); `prepare` turns the call into a `Plan` (plan.rs: the kernel from
+//! algo.rs, its shape (vectors or elements, grid) from shape.rs (the fused call's: fused_shape.rs),
+//! the buffers from place.rs, the descriptor of desc.rs, the segment exchange of exchange.rs);
+//! `launch` enqueues it (launch.rs; host_reduce.rs and host_norm.rs on the host backend).
+//! `kernels.rs` and `kernel_args.rs` are what the host shares with the kernels (the generated
+//! kernels/instances.cu and kernels/symm_constants.cuh come from them); `streams.rs` orders calls
+//! across streams; `convert.rs` holds the number formats.
 //!
 //! Owns `Collectives` (the communicator's `coll`): the staging scratch, the error words and the
 //! sticky error, the stream order, the host backend's epoch, the kernels looked up in the
@@ -26,6 +27,7 @@ pub mod convert;
 pub(in crate::comm) mod desc;
 pub(in crate::comm) mod error_word;
 pub(in crate::comm) mod exchange;
+pub mod fused_shape;
 pub mod host_norm;
 pub mod host_reduce;
 pub mod kernel_args;

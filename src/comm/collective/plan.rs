@@ -1,23 +1,25 @@
 //! The first half of every collective call: `prepare` turns a checked `Call` into a `Plan`, doing
-//! the shared setup once (where the buffers are and what is staged through the scratch:
-//! place.rs; which kernel and grid; the call descriptor; the segment exchange with the peers:
-//! exchange.rs; the multicast window, for MULTIMEM: peer/mc_window.rs). `launch.rs` then
-//! enqueues the plan. NCCL's enqueue.cc (plan, then launch) is the model; docs/DESIGN.md, "The
-//! collective pipeline", walks one call through both.
+//! the shared setup once (where the buffers are and what is staged through the scratch: place.rs;
+//! which kernel: algo.rs; its vectors and grid: shape.rs, the fused call's kernel and grid:
+//! fused_shape.rs; the call descriptor: desc.rs; the segment exchange with the peers: exchange.rs;
+//! the multicast window, for MULTIMEM: peer/mc_window.rs). `launch.rs` then enqueues the plan.
+//! NCCL's enqueue.cc (plan, then launch) is the model; docs/DESIGN.md, "The collective pipeline",
+//! walks one call through both.
 //!
-//! Invariants: every decision in a plan reads only values equal on every rank (algo.rs,
-//! shape.rs), so every rank plans the same kernel and grid for the same call; whether a rank
+//! Invariants: every decision in a plan reads only values equal on every rank (algo.rs, shape.rs,
+//! fused_shape.rs), so every rank plans the same kernel and grid for the same call; whether a rank
 //! stages is decided before it makes any scratch, and a rank that is about to make a scratch
-//! segment or share one first meets its peers (place.rs, `meet_before_sharing`; the host
-//! backend), so there ranks that disagree fail at once and make no scratch; the segments a kernel
-//! touches are exchanged with the peers (and compared) before the plan exists; nothing is
-//! enqueued on the stream here, so a call that fails in `prepare` leaves no work behind.
+//! segment or share one first meets its peers (place.rs, `meet_before_sharing`; the host backend),
+//! so there ranks that disagree fail at once and make no scratch; the segments a kernel touches are
+//! exchanged with the peers (and compared) before the plan exists; nothing is enqueued on the
+//! stream here, so a call that fails in `prepare` leaves no work behind.
 
 use super::algo::{self, DType, Kernel, Quant};
 use super::call::{Call, Coll, Extents};
 use super::desc::{CallDesc, DescKind, RANK_LOCAL};
+use super::fused_shape::{self, FusedShape};
 use super::place::Copy;
-use super::shape::{self, FusedShape};
+use super::shape;
 use crate::comm::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result};
@@ -125,7 +127,7 @@ impl Communicator {
             Coll::AllGather => &[desc.recv_off],
             _ => &[desc.send_off, recv_off],
         };
-        let vec = algo::vectors(kernel, shared, ext.slice);
+        let vec = shape::vectors(kernel, shared, ext.slice);
         let (grid, threads, cluster) = if self.host {
             (0, 0, 1)
         } else if let Some(s) = fused {
@@ -198,7 +200,7 @@ impl Communicator {
     }
 
     /// The fused call's kernel and grid: the LL kernels on a grid every rank's GPU holds at
-    /// once (shape.rs) up to AUTO's LL threshold, the barrier kernel above it.
+    /// once (fused_shape.rs) up to AUTO's LL threshold, the barrier kernel above it.
     fn fused_shape(
         &mut self,
         tokens: u64,
@@ -208,10 +210,10 @@ impl Communicator {
         (dtype, quant): (DType, Option<Quant>),
     ) -> Result<FusedShape> {
         let (ll_max, clusters) = (self.settings.auto.ll_max, self.settings.clusters);
-        let s = shape::fit_resident(
+        let s = fused_shape::fit_resident(
             self.settings.ll_grid.0,
             |blocks| {
-                shape::fused_ll_shape(
+                fused_shape::fused_ll_shape(
                     tokens,
                     hidden,
                     push_threads,
@@ -223,7 +225,7 @@ impl Communicator {
             },
             |s| self.resident_blocks(s, dtype, quant),
         )?;
-        Ok(s.unwrap_or_else(|| shape::fused_barrier_shape(tokens, hidden)))
+        Ok(s.unwrap_or_else(|| fused_shape::fused_barrier_shape(tokens, hidden)))
     }
 
     /// How many blocks of this shape's kernel every rank's GPU holds at once: blocks per SM

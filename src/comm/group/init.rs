@@ -136,7 +136,7 @@ pub(in crate::comm) struct CollSettings {
     /// over a cluster (collective/plan.rs). Equal on every rank: read from every rank's device.
     pub clusters: bool,
     /// The fewest SMs of any rank's GPU: an LL grid must be resident at once on every rank
-    /// (collective/shape.rs, `fit_resident`). Equal on every rank, as `clusters`.
+    /// (collective/fused_shape.rs, `fit_resident`). Equal on every rank, as `clusters`.
     pub fewest_sms: u32,
 }
 

@@ -1,19 +1,17 @@
-//! Split slots: room for children's internal blocks inside a parent's own, so that a split
-//! makes no device memory and imports none (issue #36). A communicator made by
-//! `symm_comm_init` allocates its internal block with `SYMMALLOC_SPLIT_SLOTS` slots after it
-//! (default 2: config.rs; as many as fit in a quarter of its arena): one block, one segment,
-//! exchanged
-//! with every peer at init like the internal block alone was. A split whose parent has a slot
-//! free on every parent rank gives each child that slot (internal.rs carves the child's signal
-//! pad and internal block out of it: a memset and a socket round, or nothing at all when every
-//! rank of the child bet on that slot and reset it before the split's first round: split.rs);
-//! otherwise, or for a parent that has no slots (a child), the child makes its own block as
-//! before.
+//! Split slots: room for children's internal blocks inside a parent's own, so that a split makes no
+//! device memory and imports none (issue #36). A communicator made by `symm_comm_init` allocates
+//! its internal block with `SYMMALLOC_SPLIT_SLOTS` slots after it (default 2: config/settings.rs;
+//! as many as fit in a quarter of its arena): one block, one segment, exchanged with every peer at
+//! init like the internal block alone was. A split whose parent has a slot free on every parent
+//! rank gives each child that slot (internal.rs carves the child's signal pad and internal block
+//! out of it: a memset and a socket round, or nothing at all when every rank of the child bet on
+//! that slot and reset it before the split's first round: split.rs); otherwise, or for a parent
+//! that has no slots (a child), the child makes its own block as before.
 //!
 //! Layout of a slot: the p2p signal pad (`SYMM_SIGNAL_PAD_BYTES`), then the internal block
 //! (collective/kernel_args.rs), so the bytes that start at 0 are one range and the LL data another
 //! (one memset call each). A slot holds the largest internal block any child of the parent can
-//! need: children of fewer ranks take larger LL slots by default (config.rs,
+//! need: children of fewer ranks take larger LL slots by default (config/settings.rs,
 //! `default_ll_bytes`).
 //!
 //! Invariants: a slot is held (its bit set in `held`) by at most one live child of this rank

@@ -1,61 +1,23 @@
-//! Environment variables, read in one place: every read of the process environment by the
-//! library goes through [`var`] here, and
-//! every `SYMMALLOC_*` setting but `SYMMALLOC_UNIQUE_ID` is parsed here, by one of five typed
-//! parsers ([`Vars::size`], [`Vars::duration_s`], [`Vars::boolean`], [`Vars::enumeration`],
-//! [`Vars::count`]) or,
-//! for `SYMMALLOC_LL_GRID`, by [`parse_grid`] and, for `SYMMALLOC_HOST_ID`, by
-//! [`Vars::host_id`]. The README's "Environment" table lists every
-//! variable with its default and accepted values (`tests/config_env.rs` checks both ways).
+//! The settings: for every `SYMMALLOC_*` variable but `SYMMALLOC_UNIQUE_ID`, which variable it
+//! is, its typed value ([`Level`], [`BackendKind`], sizes, counts, ...), its default and the
+//! limits it is accepted within, read through one of the parsers of vars.rs (the `Vars` methods
+//! named after the settings), and [`parse_grid`] for `SYMMALLOC_LL_GRID`.
 //!
-//! Rules: unset or empty (blank) means the default; any other value that is not accepted is an
-//! `SYMM_ERR_INVALID_ARGUMENT` naming the variable, the value and what is accepted, returned by
-//! the call that reads it (`symm_comm_init` for the communicator settings, the first allocator
-//! call for the allocator's). Never a panic, never a silent default.
-//!
-//! Readers outside this file, and why:
-//! - `ipc/env.rs` parses the launcher's variables (`LOCAL_RANK`, `OMPI_COMM_WORLD_*`, ...,
-//!   and `SYMMALLOC_UNIQUE_ID`) for `symm_comm_init_from_env`, as a pure function of a lookup;
-//!   the FFI passes it [`var`].
-//! - `debug.rs` reads `SYMMALLOC_DEBUG` through [`debug_level`]. An unknown level fails the
-//!   allocator's creation like any other setting (`heap::global`); were diagnostics asked for
-//!   before that, `debug.rs` prints one warning naming the value and leaves them off.
-//! - The multicast gate (`cuda/multicast_gate.rs`, over a lookup; [`var`] in the process)
-//!   reads the foreign disabling variables (`NCCL_NVLS_ENABLE`,
-//!   `TORCH_SYMM_MEM_DISABLE_MULTICAST`, `NVSHMEM_DISABLE_NVLS`) with their own conventions:
-//!   disabling always wins. It checks its opt-in with [`Vars::enable_multicast`] (garbage is
-//!   refused by name) and turns multicast on only for exactly `1`.
-//! - `build.rs` reads the build-time variables (`NVCC`, `CUDA_HOME`, `SYMMALLOC_CUDA_ARCHS`).
-//! - The demo binary (`src/bin/symmalloc-demo.rs`, not the library) passes its children
-//!   `SYMMALLOC_DEMO_COUNT` and reads it back itself.
+//! Invariant: a setting's default and limits live here once; its parser and the rest of the
+//! library read them from here.
 
-use crate::error::{Error, Result};
+use super::vars::Vars;
+use crate::error::Result;
 use std::time::Duration;
 
-/// The diagnostics level of `SYMMALLOC_DEBUG` ([`debug_level`]; debug.rs prints at it).
+/// The diagnostics level of `SYMMALLOC_DEBUG` ([`debug_level`](super::debug_level); debug.rs
+/// prints at it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Level {
     Off = 0,
     Info = 1,
     Trace = 2,
 }
-
-/// The one read of the process environment. A value that is not UTF-8 comes back converted
-/// lossily, so that a parser names it instead of taking it for unset.
-pub fn var(name: &str) -> Option<String> {
-    std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
-}
-
-/// A variable lookup: [`var`] for the process, a map in tests.
-pub type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
-
-/// The settings over a lookup. `Vars::process()` reads the process environment; tests pass a
-/// map, so they need no process-global state.
-#[derive(Clone, Copy)]
-pub struct Vars<'a> {
-    get: Lookup<'a>,
-}
-
-const PROCESS: Lookup<'static> = &var;
 
 /// Which memory backend the process uses (`SYMMALLOC_BACKEND=cuda|host`, default cuda).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,100 +34,49 @@ pub const MIN_TIMEOUT_S: f64 = 1e-3;
 /// `SYMMALLOC_TIMEOUT_S` when unset.
 pub const DEFAULT_TIMEOUT_S: f64 = 60.0;
 
-const SIZE_ACCEPTED: &str =
-    "a byte count with an optional K/M/G/T suffix (binary units, e.g. 4096, 64K, 2M), below 2^64";
-const BOOL_ACCEPTED: &str = "one of 0, 1, true, false, on, off";
+/// Split slots a communicator made by `symm_comm_init` reserves by default
+/// (`SYMMALLOC_SPLIT_SLOTS`; comm/group/slots.rs): two children (a TP and an EP group split from
+/// the world) cost no new device memory, and a split costs a small part of a fresh init
+/// (bench/RESULTS.md, "Groups"), for 32 MiB of device memory per communicator made by init.
+pub const DEFAULT_SPLIT_SLOTS: u64 = 2;
+/// The most split slots one communicator reserves (a free-slot mask is one word).
+pub const MAX_SPLIT_SLOTS: u64 = 64;
 
-impl<'a> Vars<'a> {
-    pub fn new(get: Lookup<'a>) -> Self {
-        Vars { get }
+/// The default arena: 1/64 of the heap, at least 256M (a communicator's LL buffers take up to
+/// 20M), at most a quarter of the heap.
+pub fn default_comm_arena_bytes(heap: u64) -> u64 {
+    (heap / 64).max(256 << 20).min(heap / 4)
+}
+
+/// The longest `SYMMALLOC_HOST_ID` accepted (it travels in the unique id, which has 55 bytes
+/// for a host name).
+pub const MAX_HOST_ID: usize = 55;
+
+/// Default capacity of the one-shot LL kernel's slots (`SYMMALLOC_LL_BYTES`) by world size:
+/// each rank pushes world - 1 copies, so LL pays off to smaller sizes in wider worlds.
+pub fn default_ll_bytes(world: usize) -> u64 {
+    match world {
+        0..=2 => 4 << 20,
+        3..=4 => 1 << 20,
+        _ => 256 << 10,
     }
+}
+/// The largest LL slot accepted (its buffers take 2 x world x the slot of device memory).
+pub const MAX_LL_BYTES: u64 = 256 << 20;
 
-    pub fn process() -> Vars<'static> {
-        Vars { get: PROCESS }
-    }
+/// Default grid of the one-shot LL kernel: blocks x the most threads per block
+/// (`SYMMALLOC_LL_GRID`). One SM's stores to a peer are the limit, so a message is spread over
+/// every block (bench/NOTES.md, "The LL kernels").
+pub const DEFAULT_LL_GRID: (u32, u32) = (128, 512);
 
-    /// The raw value, `None` when unset or blank (both mean the default).
-    fn raw(&self, name: &str) -> Option<String> {
-        (self.get)(name).filter(|v| !v.trim().is_empty())
-    }
+/// "64x256" -> (64, 256), within the LL kernel's limits.
+pub fn parse_grid(v: &str) -> Option<(u32, u32)> {
+    let (b, t) = v.trim().split_once(['x', 'X'])?;
+    let (b, t) = (b.trim().parse::<u32>().ok()?, t.trim().parse::<u32>().ok()?);
+    ((1..=128).contains(&b) && (32..=512).contains(&t) && t % 32 == 0).then_some((b, t))
+}
 
-    fn bad(name: &str, value: &str, accepted: &str) -> Error {
-        Error::invalid(format!(
-            "{name}={value:?} is not accepted; expected {accepted}"
-        ))
-    }
-
-    /// A size: `Ok(None)` when unset or blank.
-    pub fn size(&self, name: &str) -> Result<Option<u64>> {
-        let Some(v) = self.raw(name) else {
-            return Ok(None);
-        };
-        parse_size(v.trim())
-            .map(Some)
-            .ok_or_else(|| Self::bad(name, &v, SIZE_ACCEPTED))
-    }
-
-    /// A duration in seconds (decimal, e.g. `60` or `2.5`): finite, within `[min, max]`.
-    pub fn duration_s(&self, name: &str, default: f64, min: f64, max: f64) -> Result<Duration> {
-        let Some(v) = self.raw(name) else {
-            return Ok(Duration::from_secs_f64(default));
-        };
-        match v.trim().parse::<f64>() {
-            Ok(s) if s.is_finite() && (min..=max).contains(&s) => Ok(Duration::from_secs_f64(s)),
-            _ => Err(Self::bad(
-                name,
-                &v,
-                &format!("a number of seconds from {min} to {max} (e.g. 60 or 2.5)"),
-            )),
-        }
-    }
-
-    /// A boolean: exactly `0/1/true/false/on/off` (any case); unset or blank is `default`.
-    pub fn boolean(&self, name: &str, default: bool) -> Result<bool> {
-        let Some(v) = self.raw(name) else {
-            return Ok(default);
-        };
-        match v.trim().to_ascii_lowercase().as_str() {
-            "1" | "true" | "on" => Ok(true),
-            "0" | "false" | "off" => Ok(false),
-            _ => Err(Self::bad(name, &v, BOOL_ACCEPTED)),
-        }
-    }
-
-    /// A whole number from 0 to `max` (decimal digits only); unset or blank is `default`.
-    pub fn count(&self, name: &str, default: u64, max: u64) -> Result<u64> {
-        let Some(v) = self.raw(name) else {
-            return Ok(default);
-        };
-        let t = v.trim();
-        match t.parse::<u64>() {
-            Ok(n) if n <= max && t.bytes().all(|b| b.is_ascii_digit()) => Ok(n),
-            _ => Err(Self::bad(
-                name,
-                &v,
-                &format!("a whole number from 0 to {max}"),
-            )),
-        }
-    }
-
-    /// One of `choices` (any case); unset or blank is `default`.
-    pub fn enumeration<T: Copy>(&self, name: &str, choices: &[(&str, T)], default: T) -> Result<T> {
-        let Some(v) = self.raw(name) else {
-            return Ok(default);
-        };
-        let t = v.trim();
-        if let Some((_, c)) = choices.iter().find(|(k, _)| k.eq_ignore_ascii_case(t)) {
-            return Ok(*c);
-        }
-        let names: Vec<&str> = choices.iter().map(|(k, _)| *k).collect();
-        Err(Self::bad(
-            name,
-            &v,
-            &format!("one of {} (any case)", names.join(", ")),
-        ))
-    }
-
+impl Vars<'_> {
     /// `SYMMALLOC_BACKEND`: `cuda` (default) or `host`.
     pub fn backend_kind(&self) -> Result<BackendKind> {
         self.enumeration(
@@ -299,168 +210,6 @@ impl<'a> Vars<'a> {
     }
 }
 
-/// Parses "123", "64K", "2M", "8G", "1T" (binary units).
-pub fn parse_size(s: &str) -> Option<u64> {
-    let (num, mult) = match s.char_indices().last()? {
-        (i, 'k' | 'K') => (&s[..i], 1u64 << 10),
-        (i, 'm' | 'M') => (&s[..i], 1 << 20),
-        (i, 'g' | 'G') => (&s[..i], 1 << 30),
-        (i, 't' | 'T') => (&s[..i], 1 << 40),
-        _ => (s, 1),
-    };
-    num.parse::<u64>().ok()?.checked_mul(mult)
-}
-
-/// Which memory backend the process uses (`SYMMALLOC_BACKEND`).
-pub fn backend_kind() -> Result<BackendKind> {
-    Vars::process().backend_kind()
-}
-
-/// `SYMMALLOC_HEAP_SIZE`: virtual size of each device's symmetric heap. `None` = backend default.
-pub fn heap_size() -> Result<Option<u64>> {
-    Vars::process().heap_size()
-}
-
-/// `SYMMALLOC_COMM_ARENA_SIZE`: address space of each communicator's arena (its own buffers
-/// and `symm_comm_malloc` memory), rounded up to the granularity; must match on all ranks.
-/// Default `default_comm_arena_bytes` of the heap.
-pub fn comm_arena_size() -> Result<Option<u64>> {
-    Vars::process().comm_arena_size()
-}
-
-/// Split slots a communicator made by `symm_comm_init` reserves by default
-/// (`SYMMALLOC_SPLIT_SLOTS`; comm/group/slots.rs): two children (a TP and an EP group split from
-/// the world) cost no new device memory, and a split costs a small part of a fresh init
-/// (bench/RESULTS.md, "Groups"), for 32 MiB of device memory per communicator made by init.
-pub const DEFAULT_SPLIT_SLOTS: u64 = 2;
-/// The most split slots one communicator reserves (a free-slot mask is one word).
-pub const MAX_SPLIT_SLOTS: u64 = 64;
-
-/// `SYMMALLOC_SPLIT_SLOTS`: how many children's internal blocks a communicator made by
-/// `symm_comm_init` reserves in its own (comm/group/slots.rs), so that a split makes no device
-/// memory; at most a quarter of its arena. `0..=MAX_SPLIT_SLOTS`, default `DEFAULT_SPLIT_SLOTS`;
-/// must match on all ranks.
-pub fn split_slots() -> Result<u64> {
-    Vars::process().split_slots()
-}
-
-/// The raw values of the variables a communicator's settings come from (those `symm_comm_init`
-/// compares between ranks), for `symm_comm_split` to compare: equal text gives equal settings
-/// for any world size.
-pub fn comm_settings_text() -> String {
-    [
-        "SYMMALLOC_LL_BYTES",
-        "SYMMALLOC_LL_GRID",
-        "SYMMALLOC_LL_MAX_BYTES",
-        "SYMMALLOC_ONE_SHOT_MAX_BYTES",
-        "SYMMALLOC_CHECK_SYMMETRY",
-        "SYMMALLOC_SHARED_GPU",
-        "SYMMALLOC_COMM_ARENA_SIZE",
-        "SYMMALLOC_SPLIT_SLOTS",
-    ]
-    .iter()
-    .map(|n| format!("{n}={:?}", var(n).unwrap_or_default().trim()))
-    .collect::<Vec<_>>()
-    .join(" ")
-}
-
-/// The default arena: 1/64 of the heap, at least 256M (a communicator's LL buffers take up to
-/// 20M), at most a quarter of the heap.
-pub fn default_comm_arena_bytes(heap: u64) -> u64 {
-    (heap / 64).max(256 << 20).min(heap / 4)
-}
-
-/// `SYMMALLOC_TIMEOUT_S`: every wait on a peer (bootstrap, exchange, kernel barrier) gives up
-/// after this many seconds. Default 60; from `MIN_TIMEOUT_S` to `MAX_TIMEOUT_S`.
-pub fn timeout() -> Result<Duration> {
-    Vars::process().timeout()
-}
-
-/// `SYMMALLOC_CHECK_SYMMETRY=1`: every collective compares buffer offsets and count across ranks.
-pub fn check_symmetry() -> Result<bool> {
-    Vars::process().check_symmetry()
-}
-
-/// `SYMMALLOC_THREAD_CACHE=0` turns off the per-thread caches in front of the heap
-/// (heap/tcache.rs); on by default.
-pub fn thread_cache() -> Result<bool> {
-    Vars::process().thread_cache()
-}
-
-/// `SYMMALLOC_SHARED_GPU=1`: several ranks (processes) may use one GPU. For testing the
-/// collectives' protocol at N ranks on a machine with fewer GPUs: without MPS the ranks' kernels
-/// time-slice, so each wait on a peer can last a scheduler time slice (milliseconds). Correct,
-/// never fast; multicast stays off. Must match on all ranks.
-pub fn shared_gpu() -> Result<bool> {
-    Vars::process().shared_gpu()
-}
-
-/// `SYMMALLOC_ENABLE_MULTICAST=1`: the opt-in for the multimem path (the multicast gate decides;
-/// see `Vars::enable_multicast`).
-pub fn enable_multicast() -> Result<bool> {
-    Vars::process().enable_multicast()
-}
-
-/// `SYMMALLOC_DEBUG`: the diagnostics level (debug.rs).
-pub fn debug_level() -> Result<Level> {
-    Vars::process().debug_level()
-}
-
-/// The longest `SYMMALLOC_HOST_ID` accepted (it travels in the unique id, which has 55 bytes
-/// for a host name).
-pub const MAX_HOST_ID: usize = 55;
-
-/// `SYMMALLOC_HOST_ID`: a host identity that replaces the one read from the kernel (see
-/// `Vars::host_id`); `None` when unset.
-pub fn host_id() -> Result<Option<String>> {
-    Vars::process().host_id()
-}
-
-/// Default capacity of the one-shot LL kernel's slots (`SYMMALLOC_LL_BYTES`) by world size:
-/// each rank pushes world - 1 copies, so LL pays off to smaller sizes in wider worlds.
-pub fn default_ll_bytes(world: usize) -> u64 {
-    match world {
-        0..=2 => 4 << 20,
-        3..=4 => 1 << 20,
-        _ => 256 << 10,
-    }
-}
-/// The largest LL slot accepted (its buffers take 2 x world x the slot of device memory).
-pub const MAX_LL_BYTES: u64 = 256 << 20;
-
-/// `SYMMALLOC_LL_BYTES`: the largest message the one-shot LL kernel takes; each communicator
-/// holds 2 x world x this much device memory for it (default `default_ll_bytes`). A multiple
-/// of 1 KiB, at most 256M; must match on all ranks.
-pub fn ll_bytes(world: usize) -> Result<u64> {
-    Vars::process().ll_bytes(world)
-}
-
-/// Default grid of the one-shot LL kernel: blocks x the most threads per block
-/// (`SYMMALLOC_LL_GRID`). One SM's stores to a peer are the limit, so a message is spread over
-/// every block (bench/NOTES.md, "The LL kernels").
-pub const DEFAULT_LL_GRID: (u32, u32) = (128, 512);
-
-/// `SYMMALLOC_LL_GRID=BLOCKSxTHREADS`: the most blocks of an LL call (each call runs on just
-/// the blocks that have items: launch.rs) and the most threads per block (each call uses just
-/// enough, at least 64, to spread its message over the blocks); at most 128 blocks of at most
-/// 512 threads, threads a multiple of 32; must match on all ranks.
-pub fn ll_grid() -> Result<(u32, u32)> {
-    Vars::process().ll_grid()
-}
-
-/// "64x256" -> (64, 256), within the LL kernel's limits.
-pub fn parse_grid(v: &str) -> Option<(u32, u32)> {
-    let (b, t) = v.trim().split_once(['x', 'X'])?;
-    let (b, t) = (b.trim().parse::<u32>().ok()?, t.trim().parse::<u32>().ok()?);
-    ((1..=128).contains(&b) && (32..=512).contains(&t) && t % 32 == 0).then_some((b, t))
-}
-
-/// An AUTO threshold override (`SYMMALLOC_LL_MAX_BYTES`, `SYMMALLOC_ONE_SHOT_MAX_BYTES`), a
-/// size like the others.
-pub fn auto_threshold(name: &str) -> Result<Option<u64>> {
-    Vars::process().size(name)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -507,19 +256,12 @@ mod tests {
     ];
 
     #[test]
-    fn sizes_parse_with_binary_suffixes() {
-        assert_eq!(parse_size("512"), Some(512));
-        assert_eq!(parse_size("64K"), Some(64 << 10));
-        assert_eq!(parse_size("2m"), Some(2 << 20));
-        assert_eq!(parse_size("8G"), Some(8 << 30));
-        assert_eq!(parse_size("1T"), Some(1 << 40));
-        assert_eq!(parse_size("x"), None);
+    fn grids_parse_within_the_ll_kernels_limits() {
         assert_eq!(parse_grid("64x256"), Some((64, 256)));
         assert_eq!(parse_grid(" 128 X 512 "), Some((128, 512)));
         for bad in ["0x256", "129x256", "64x48", "64x1024", "64", "ax256"] {
             assert_eq!(parse_grid(bad), None, "{bad}");
         }
-        assert_eq!(parse_size("99999999999T"), None);
     }
 
     #[test]
