@@ -56,6 +56,40 @@ struct CUstream_st;
 #define SYMM_COMM_POOL_SLOTS 64
 
 /**
+ * Payload dtypes of `symm_moe_create` (`dtype`).
+ */
+#define SYMM_MOE_BF16 0
+
+/**
+ * FP8 e4m3 with one fp32 scale per 128 elements (`hidden % 128 == 0`).
+ */
+#define SYMM_MOE_FP8_E4M3 1
+
+/**
+ * Index dtypes of `symm_moe_dispatch` (`idx_dtype`).
+ */
+#define SYMM_INDEX_INT32 0
+
+#define SYMM_INDEX_INT64 1
+
+/**
+ * The `symm_moe_config_t` layout this library reads (`version`).
+ */
+#define SYMM_MOE_CONFIG_VERSION 1
+
+/**
+ * The `symm_moe_layout_t` layout this library writes (`version`).
+ */
+#define SYMM_MOE_LAYOUT_VERSION 1
+
+/**
+ * The largest configured top-k, and the most experts.
+ */
+#define SYMM_MOE_MAX_TOPK 16
+
+#define SYMM_MOE_MAX_EXPERTS 1024
+
+/**
  * Bytes of the first `symm_device_stats_t` (PyTorch 2.11's `DeviceStats`): the least that
  * `symm_device_stats` serves.
  */
@@ -170,6 +204,11 @@ typedef enum {
 typedef struct symm_comm_t symm_comm_t;
 
 /**
+ * A moe object (opaque): dispatch and combine over one communicator.
+ */
+typedef struct symm_moe_t symm_moe_t;
+
+/**
  * Counters of one device. All sizes are in bytes.
  */
 typedef struct {
@@ -270,6 +309,83 @@ typedef struct {
   uint64_t arena_offset;
   uint64_t arena_bytes;
 } symm_comm_info_t;
+
+/**
+ * A moe object's configuration (versioned: `version` and `size` first; set `version` to
+ * SYMM_MOE_CONFIG_VERSION and `size` to `sizeof(symm_moe_config_t)`).
+ */
+typedef struct {
+  uint32_t version;
+  uint32_t size;
+  /**
+   * T: the most tokens a rank dispatches per call (the CUDA-graph shape).
+   */
+  uint64_t max_tokens_per_rank;
+  /**
+   * H: elements per token row.
+   */
+  uint64_t hidden;
+  /**
+   * K: the largest top-k a dispatch passes (1 to SYMM_MOE_MAX_TOPK).
+   */
+  uint32_t topk;
+  /**
+   * E: a multiple of the communicator's ranks, at most SYMM_MOE_MAX_EXPERTS.
+   */
+  uint32_t num_experts;
+  /**
+   * SYMM_MOE_BF16 or SYMM_MOE_FP8_E4M3.
+   */
+  uint32_t dtype;
+  /**
+   * 0 (reserved; anything else is refused).
+   */
+  uint32_t flags;
+  /**
+   * R: rows per local expert; 0 = world * max_tokens_per_rank (no routing overflows it).
+   */
+  uint64_t max_recv_per_expert;
+} symm_moe_config_t;
+
+/**
+ * Where a dispatch leaves its rows (written by `symm_moe_layout`; versioned like
+ * `symm_device_comm_t`: set `version` and `size`, the library writes at most `size` bytes).
+ */
+typedef struct {
+  uint32_t version;
+  uint32_t size;
+  /**
+   * `[L][R][H]` payload dtype: local expert, row, element.
+   */
+  void *recv_x;
+  /**
+   * `[L][R][H/128]` fp32 (FP8 only; NULL for bf16).
+   */
+  float *recv_scales;
+  /**
+   * `[L]`: rows of each local expert filled by the last dispatch (device memory).
+   */
+  int32_t *recv_counts;
+  /**
+   * `[L][R]`: `(src_rank * T + token) * K + k` of each row.
+   */
+  int32_t *recv_src;
+  uint64_t local_experts;
+  uint64_t first_expert;
+  uint64_t max_recv;
+  uint64_t hidden;
+  uint64_t max_tokens_per_rank;
+  uint32_t topk;
+  uint32_t num_experts;
+  uint32_t world;
+  uint32_t rank;
+  uint32_t dtype;
+  uint32_t reserved;
+  /**
+   * Bytes of the communicator's arena this object holds.
+   */
+  uint64_t buffer_bytes;
+} symm_moe_layout_t;
 
 /**
  * A communicator as device code sees it (`symm_comm_device` fills it; the helpers of
@@ -633,6 +749,68 @@ symm_status_t symm_comm_mem_pool_slot(symm_comm_t *comm, int *slot);
 symm_status_t symm_mem_pool_slot_release(int slot);
 
 /**
+ * Creates a moe object over `comm` (any communicator, a split child included): dispatch of
+ * up to `max_tokens_per_rank` tokens of `hidden` elements (`dtype`: SYMM_MOE_BF16 or
+ * SYMM_MOE_FP8_E4M3) to `num_experts` experts (a multiple of the ranks; rank r holds experts
+ * [r*L, (r+1)*L)), each token to at most `topk` of them, and the combine back. Its buffers
+ * come from the communicator's arena (`buffer_bytes` in `symm_moe_layout`); a too small arena
+ * fails naming SYMMALLOC_COMM_ARENA_SIZE and the bytes needed. Collective: every rank passes
+ * the same values, SYMM_ERR_NOT_SYMMETRIC on every rank otherwise. `flags` must be 0.
+ */
+symm_status_t symm_moe_create(symm_comm_t *comm, size_t max_tokens_per_rank, size_t hidden, uint32_t topk, uint32_t num_experts, uint32_t dtype, uint32_t flags, symm_moe_t **out);
+
+/**
+ * As `symm_moe_create`, from a versioned config (`max_recv_per_expert` sizes the receive
+ * buffers by the load: a dispatch that would overflow it fails on every rank, nothing dropped).
+ */
+symm_status_t symm_moe_create_config(symm_comm_t *comm, const symm_moe_config_t *config, symm_moe_t **out);
+
+/**
+ * Destroys a moe object: waits for the device's work, then gives its buffers back to the
+ * communicator's arena. Every rank destroys its object (no rank waits for another). NULL does
+ * nothing; a destroyed handle is refused.
+ */
+symm_status_t symm_moe_destroy(symm_moe_t *moe);
+
+/**
+ * Fills the first `out->size` bytes of `*out` (set `version` to SYMM_MOE_LAYOUT_VERSION and
+ * `size` to `sizeof(symm_moe_layout_t)`) with where dispatch leaves its rows. Local.
+ */
+symm_status_t symm_moe_layout(const symm_moe_t *moe, symm_moe_layout_t *out);
+
+/**
+ * Stream-ordered, capturable, no host synchronization: sends row `x[t]` (and its scales) to
+ * the rank of every expert in `topk_idx[t]` (`-1`: slot unused); every rank's `recv_x` then
+ * holds its local experts' rows, ordered by source rank then token, with `recv_counts` and
+ * `recv_src` (docs/moe.md). `x`: `[num_tokens][hidden]` payload dtype, 16-byte aligned;
+ * `x_scales`: `[num_tokens][hidden/128]` fp32 (FP8 only; NULL for bf16); `topk_idx`:
+ * `[num_tokens][k]` of `idx_dtype` (SYMM_INDEX_INT32 or SYMM_INDEX_INT64); `topk_weights`:
+ * `[num_tokens][k]` fp32. `num_tokens` (0 to max_tokens_per_rank) may differ between ranks;
+ * `1 <= k <= topk`. Collective. A rank's bad arguments: SYMM_ERR_INVALID_ARGUMENT at once
+ * naming the value, and every other rank's call fails naming that rank; a bad routing (an
+ * expert out of range, twice in a token, a full expert) fails on every rank (at this call on
+ * the host backend, at the next call or `symm_moe_check` on CUDA). Both leave the object and
+ * the communicator usable.
+ */
+symm_status_t symm_moe_dispatch(symm_moe_t *moe, const void *x, const float *x_scales, const void *topk_idx, uint32_t idx_dtype, const float *topk_weights, size_t num_tokens, uint32_t k, struct CUstream_st *stream);
+
+/**
+ * Stream-ordered, capturable: sends `expert_out` (`[L][R][hidden]` bf16, the dispatch layout,
+ * 16-byte aligned) back to the tokens' ranks, and writes `y` (`[num_tokens][hidden]` bf16 of
+ * the last dispatch) = sum over k of `topk_weights[t][k] * expert_out(token t, slot k)`, in
+ * fp32 with fma in increasing k, rounded once: bitwise the same on every run and rank count.
+ * Collective. Refused before any dispatch (and, on the host backend, after a failed one).
+ */
+symm_status_t symm_moe_combine(symm_moe_t *moe, const void *expert_out, void *y, struct CUstream_st *stream);
+
+/**
+ * Reports (and clears) an error a dispatch or combine kernel recorded; call it after the
+ * stream was synchronized. Every moe call also reports one first (on CUDA the call itself
+ * still runs, as every rank's does). SYMM_SUCCESS when there is none.
+ */
+symm_status_t symm_moe_check(symm_moe_t *moe);
+
+/**
  * Collective: every rank passes the same offset (in its symmetric heap) and size. Maps every
  * peer's segments under [ptr, ptr + bytes), which must lie in live `symm_malloc` blocks, and
  * checks that every rank passed the same range: SYMM_ERR_NOT_SYMMETRIC on every rank
@@ -714,7 +892,9 @@ symm_status_t symm_begin_pool_filtered(int device, uint64_t pool_first, uint64_t
 /**
  * Ends the pool route for `device` that the calling thread opened last, which must be
  * (first, second); a thread that opened none for `device` ends the newest route to
- * (first, second) from any thread.
+ * (first, second) from any thread. The pool's free blocks that thread caches kept or that
+ * wait parked then go back to its free lists, merged with their neighbours (heap/introspect.rs,
+ * `settle_pool`).
  */
 void symm_end_pool(int device, uint64_t pool_first, uint64_t pool_second);
 
@@ -848,7 +1028,9 @@ symm_status_t symm_begin_pool_filtered(int device, uint64_t pool_first, uint64_t
 /**
  * Ends the pool route for `device` that the calling thread opened last, which must be
  * (first, second); a thread that opened none for `device` ends the newest route to
- * (first, second) from any thread.
+ * (first, second) from any thread. The pool's free blocks that thread caches kept or that
+ * wait parked then go back to its free lists, merged with their neighbours (heap/introspect.rs,
+ * `settle_pool`).
  */
 void symm_end_pool(int device, uint64_t pool_first, uint64_t pool_second);
 
@@ -869,6 +1051,68 @@ void symm_record_stream(void *ptr, struct CUstream_st *stream);
  * Returns every cached segment without live blocks, on every device.
  */
 void symm_empty_cache(void);
+
+/**
+ * Creates a moe object over `comm` (any communicator, a split child included): dispatch of
+ * up to `max_tokens_per_rank` tokens of `hidden` elements (`dtype`: SYMM_MOE_BF16 or
+ * SYMM_MOE_FP8_E4M3) to `num_experts` experts (a multiple of the ranks; rank r holds experts
+ * [r*L, (r+1)*L)), each token to at most `topk` of them, and the combine back. Its buffers
+ * come from the communicator's arena (`buffer_bytes` in `symm_moe_layout`); a too small arena
+ * fails naming SYMMALLOC_COMM_ARENA_SIZE and the bytes needed. Collective: every rank passes
+ * the same values, SYMM_ERR_NOT_SYMMETRIC on every rank otherwise. `flags` must be 0.
+ */
+symm_status_t symm_moe_create(symm_comm_t *comm, size_t max_tokens_per_rank, size_t hidden, uint32_t topk, uint32_t num_experts, uint32_t dtype, uint32_t flags, symm_moe_t **out);
+
+/**
+ * As `symm_moe_create`, from a versioned config (`max_recv_per_expert` sizes the receive
+ * buffers by the load: a dispatch that would overflow it fails on every rank, nothing dropped).
+ */
+symm_status_t symm_moe_create_config(symm_comm_t *comm, const symm_moe_config_t *config, symm_moe_t **out);
+
+/**
+ * Destroys a moe object: waits for the device's work, then gives its buffers back to the
+ * communicator's arena. Every rank destroys its object (no rank waits for another). NULL does
+ * nothing; a destroyed handle is refused.
+ */
+symm_status_t symm_moe_destroy(symm_moe_t *moe);
+
+/**
+ * Fills the first `out->size` bytes of `*out` (set `version` to SYMM_MOE_LAYOUT_VERSION and
+ * `size` to `sizeof(symm_moe_layout_t)`) with where dispatch leaves its rows. Local.
+ */
+symm_status_t symm_moe_layout(const symm_moe_t *moe, symm_moe_layout_t *out);
+
+/**
+ * Stream-ordered, capturable, no host synchronization: sends row `x[t]` (and its scales) to
+ * the rank of every expert in `topk_idx[t]` (`-1`: slot unused); every rank's `recv_x` then
+ * holds its local experts' rows, ordered by source rank then token, with `recv_counts` and
+ * `recv_src` (docs/moe.md). `x`: `[num_tokens][hidden]` payload dtype, 16-byte aligned;
+ * `x_scales`: `[num_tokens][hidden/128]` fp32 (FP8 only; NULL for bf16); `topk_idx`:
+ * `[num_tokens][k]` of `idx_dtype` (SYMM_INDEX_INT32 or SYMM_INDEX_INT64); `topk_weights`:
+ * `[num_tokens][k]` fp32. `num_tokens` (0 to max_tokens_per_rank) may differ between ranks;
+ * `1 <= k <= topk`. Collective. A rank's bad arguments: SYMM_ERR_INVALID_ARGUMENT at once
+ * naming the value, and every other rank's call fails naming that rank; a bad routing (an
+ * expert out of range, twice in a token, a full expert) fails on every rank (at this call on
+ * the host backend, at the next call or `symm_moe_check` on CUDA). Both leave the object and
+ * the communicator usable.
+ */
+symm_status_t symm_moe_dispatch(symm_moe_t *moe, const void *x, const float *x_scales, const void *topk_idx, uint32_t idx_dtype, const float *topk_weights, size_t num_tokens, uint32_t k, struct CUstream_st *stream);
+
+/**
+ * Stream-ordered, capturable: sends `expert_out` (`[L][R][hidden]` bf16, the dispatch layout,
+ * 16-byte aligned) back to the tokens' ranks, and writes `y` (`[num_tokens][hidden]` bf16 of
+ * the last dispatch) = sum over k of `topk_weights[t][k] * expert_out(token t, slot k)`, in
+ * fp32 with fma in increasing k, rounded once: bitwise the same on every run and rank count.
+ * Collective. Refused before any dispatch (and, on the host backend, after a failed one).
+ */
+symm_status_t symm_moe_combine(symm_moe_t *moe, const void *expert_out, void *y, struct CUstream_st *stream);
+
+/**
+ * Reports (and clears) an error a dispatch or combine kernel recorded; call it after the
+ * stream was synchronized. Every moe call also reports one first (on CUDA the call itself
+ * still runs, as every rank's does). SYMM_SUCCESS when there is none.
+ */
+symm_status_t symm_moe_check(symm_moe_t *moe);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -10,6 +10,7 @@ fn generate() -> String {
     let bindings = cbindgen::Builder::new()
         .with_src(root.join("src/ffi/mod.rs"))
         .with_src(root.join("src/ffi/pool_calls.rs"))
+        .with_src(root.join("src/ffi/moe.rs"))
         .with_src(root.join("src/ffi/types.rs"))
         .with_src(root.join("src/comm/p2p/device_comm.rs"))
         .with_src(root.join("src/heap/stats.rs"))
@@ -56,6 +57,16 @@ fn header_names_the_contract() {
         "symm_memory_stats",
         "symm_memory_stats_sized",
         "symm_version",
+        "symm_moe_create",
+        "symm_moe_create_config",
+        "symm_moe_destroy",
+        "symm_moe_layout",
+        "symm_moe_dispatch",
+        "symm_moe_combine",
+        "symm_moe_check",
+        "symm_moe_config_t",
+        "symm_moe_layout_t",
+        "SYMM_MOE_CONFIG_VERSION",
         "SYMMALLOC_VERSION_CODE",
         "SYMM_MEMORY_STATS_V1_SIZE",
         "symm_last_error",

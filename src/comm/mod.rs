@@ -8,7 +8,9 @@
 //! - `p2p/`: symmetric memory the user programs (rendezvous, peer pointers, put, signal, wait)
 //!   and what device code sees of a communicator;
 //! - `peer/`: the peers' memory as seen here (peer heaps shared by the process's communicators,
-//!   this communicator's windows, releases, multicast windows).
+//!   this communicator's windows, releases, multicast windows);
+//! - `moe/`: expert parallelism (MoE dispatch and combine), objects made over a communicator
+//!   and kept by their C handles, not by the communicator.
 //!
 //! Each folder's header says what it owns and its invariants. This file holds the
 //! `Communicator` and its `destroy`. A communicator is its rank, world, device, allocator,
@@ -25,6 +27,7 @@
 
 pub mod collective;
 pub mod group;
+pub mod moe;
 pub mod p2p;
 pub mod peer;
 

@@ -8,6 +8,7 @@
 
 pub mod groups;
 pub mod guard;
+pub mod moe;
 pub mod p2p;
 pub mod pool_calls;
 pub mod quant;

@@ -1,0 +1,260 @@
+//! A moe object's configuration (docs/moe.md, "Terms"): the checks every value must pass, with
+//! messages naming the value and what was expected, and the words every rank compares at
+//! create (a mismatch is SYMM_ERR_NOT_SYMMETRIC on every rank, naming the ranks and values).
+//!
+//! Invariants: a `Config` that `check` returned has `E % W == 0`, `1 <= K <= MAX_TOPK`,
+//! `E <= MAX_EXPERTS`, `H * elem_bytes % 16 == 0` (FP8: `H % 128 == 0`), `1 <= R <= W * T`, and
+//! `W * T * K` below 2^31 (a `recv_src` code fits an int32), and every part of the layout
+//! fits in a u64 with room to spare.
+
+use crate::error::{Error, Result};
+
+/// The most experts (the kernels keep per-expert histograms in shared memory).
+pub const MAX_EXPERTS: u32 = 1024;
+/// The largest configured top-k.
+pub const MAX_TOPK: u32 = 16;
+/// Payload dtype codes (`SYMM_MOE_BF16`, `SYMM_MOE_FP8_E4M3`).
+pub const PAYLOAD_BF16: u32 = 0;
+pub const PAYLOAD_FP8_E4M3: u32 = 1;
+/// Index dtype codes (`SYMM_INDEX_INT32`, `SYMM_INDEX_INT64`).
+pub const INDEX_INT32: u32 = 0;
+pub const INDEX_INT64: u32 = 1;
+/// Elements per FP8 scale.
+pub const SCALE_GROUP: u64 = 128;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Payload {
+    Bf16,
+    Fp8,
+}
+
+impl Payload {
+    pub fn from_code(code: u32) -> Result<Payload> {
+        match code {
+            PAYLOAD_BF16 => Ok(Payload::Bf16),
+            PAYLOAD_FP8_E4M3 => Ok(Payload::Fp8),
+            _ => Err(Error::invalid(format!(
+                "dtype {code} is not a payload type; expected SYMM_MOE_BF16 (0) or \
+                 SYMM_MOE_FP8_E4M3 (1)"
+            ))),
+        }
+    }
+    pub fn code(self) -> u32 {
+        match self {
+            Payload::Bf16 => PAYLOAD_BF16,
+            Payload::Fp8 => PAYLOAD_FP8_E4M3,
+        }
+    }
+    pub fn bytes(self) -> u64 {
+        match self {
+            Payload::Bf16 => 2,
+            Payload::Fp8 => 1,
+        }
+    }
+    pub fn has_scales(self) -> bool {
+        self == Payload::Fp8
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Payload::Bf16 => "bf16",
+            Payload::Fp8 => "fp8",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IndexType {
+    I32,
+    I64,
+}
+
+impl IndexType {
+    pub fn from_code(what: &str, code: u32) -> Result<IndexType> {
+        match code {
+            INDEX_INT32 => Ok(IndexType::I32),
+            INDEX_INT64 => Ok(IndexType::I64),
+            _ => Err(Error::invalid(format!(
+                "{what}: idx_dtype {code} is not an index type; expected SYMM_INDEX_INT32 (0) or \
+                 SYMM_INDEX_INT64 (1)"
+            ))),
+        }
+    }
+    pub fn bytes(self) -> u64 {
+        match self {
+            IndexType::I32 => 4,
+            IndexType::I64 => 8,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            IndexType::I32 => "i32",
+            IndexType::I64 => "i64",
+        }
+    }
+}
+
+/// What a caller asked for, before the checks (the C struct's fields).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Request {
+    pub tokens: u64,
+    pub hidden: u64,
+    pub topk: u32,
+    pub experts: u32,
+    pub dtype: u32,
+    pub flags: u32,
+    /// 0: W * tokens.
+    pub max_recv: u64,
+}
+
+/// A checked configuration (the module's invariants hold).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// T = max_tokens_per_rank.
+    pub tokens: u64,
+    pub hidden: u64,
+    pub topk: u32,
+    pub experts: u32,
+    pub dtype: Payload,
+    /// R rows per local expert.
+    pub max_recv: u64,
+}
+
+fn bad(msg: String) -> Error {
+    Error::invalid(format!("symm_moe_create: {msg}"))
+}
+
+impl Request {
+    /// The words every rank compares at create (as the caller passed them).
+    pub fn words(&self) -> [u64; 7] {
+        [
+            self.tokens,
+            self.hidden,
+            self.topk as u64,
+            self.experts as u64,
+            self.dtype as u64,
+            self.flags as u64,
+            self.max_recv,
+        ]
+    }
+
+    /// The words of `words()`, named for a mismatch message.
+    pub fn describe(w: &[u64]) -> String {
+        format!(
+            "max_tokens_per_rank {}, hidden {}, topk {}, num_experts {}, dtype {}, flags {}, \
+             max_recv_per_expert {}",
+            w[0], w[1], w[2], w[3], w[4], w[5], w[6]
+        )
+    }
+
+    /// Checks every value for a communicator of `world` ranks.
+    pub fn check(&self, world: u64) -> Result<Config> {
+        let dtype = Payload::from_code(self.dtype).map_err(|e| bad(e.message))?;
+        if self.flags != 0 {
+            return Err(bad(format!(
+                "flags {:#x} are not supported; expected 0 (reserved)",
+                self.flags
+            )));
+        }
+        if self.tokens == 0 || self.tokens > 1 << 20 {
+            return Err(bad(format!(
+                "max_tokens_per_rank {} is out of range; expected 1..={}",
+                self.tokens,
+                1u64 << 20
+            )));
+        }
+        if !(1..=MAX_TOPK).contains(&self.topk) {
+            return Err(bad(format!(
+                "topk {} is out of range; expected 1..={MAX_TOPK}",
+                self.topk
+            )));
+        }
+        let e = self.experts as u64;
+        if e == 0 || e % world != 0 || self.experts > MAX_EXPERTS {
+            return Err(bad(format!(
+                "num_experts {} must be a positive multiple of the communicator's {world} ranks, \
+                 at most {MAX_EXPERTS}",
+                self.experts
+            )));
+        }
+        if self.hidden == 0 || self.hidden > 1 << 20 || (self.hidden * dtype.bytes()) % 16 != 0 {
+            return Err(bad(format!(
+                "hidden {} does not fit {} rows of 16-byte vectors; expected a multiple of {} up \
+                 to {}",
+                self.hidden,
+                dtype.name(),
+                16 / dtype.bytes(),
+                1u64 << 20
+            )));
+        }
+        if dtype.has_scales() && self.hidden % SCALE_GROUP != 0 {
+            return Err(bad(format!(
+                "hidden {} is not a multiple of {SCALE_GROUP}; FP8 payloads carry one scale per \
+                 {SCALE_GROUP} elements",
+                self.hidden
+            )));
+        }
+        let most = world * self.tokens;
+        if most * self.topk as u64 >= 1 << 31 {
+            return Err(bad(format!(
+                "world {world} x max_tokens_per_rank {} x topk {} is {}; expected below 2^31 (a \
+                 recv_src code is an int32)",
+                self.tokens,
+                self.topk,
+                most * self.topk as u64
+            )));
+        }
+        let max_recv = match self.max_recv {
+            0 => most,
+            r if r <= most => r,
+            r => {
+                return Err(bad(format!(
+                    "max_recv_per_expert {r} is above world x max_tokens_per_rank = {most}; \
+                     expected 0 (that default) or 1..={most}"
+                )))
+            }
+        };
+        let c = Config {
+            tokens: self.tokens,
+            hidden: self.hidden,
+            topk: self.topk,
+            experts: self.experts,
+            dtype,
+            max_recv,
+        };
+        // The two big parts, checked (the rest are smaller).
+        let l = e / world;
+        let recv = l
+            .checked_mul(max_recv)
+            .and_then(|x| x.checked_mul(self.hidden))
+            .and_then(|x| x.checked_mul(dtype.bytes()))
+            .filter(|&x| x < 1 << 56);
+        let cbuf = self
+            .tokens
+            .checked_mul(self.topk as u64 * self.hidden * 2)
+            .filter(|&x| x < 1 << 56);
+        if recv.is_none() || cbuf.is_none() {
+            return Err(bad(format!(
+                "the buffers of {l} local experts x {max_recv} rows x hidden {} overflow; \
+                 expected a smaller max_recv_per_expert or hidden",
+                self.hidden
+            )));
+        }
+        Ok(c)
+    }
+}
+
+impl Config {
+    pub fn local_experts(&self, world: u64) -> u64 {
+        self.experts as u64 / world
+    }
+    pub fn scales_per_row(&self) -> u64 {
+        if self.dtype.has_scales() {
+            self.hidden / SCALE_GROUP
+        } else {
+            0
+        }
+    }
+    pub fn row_bytes(&self) -> u64 {
+        self.hidden * self.dtype.bytes()
+    }
+}

@@ -1,0 +1,336 @@
+//! The host backend's dispatch and combine: the kernels' protocol (docs/moe.md, "Protocol")
+//! run by the CPU over the peers' blocks (memfd mappings), with the same arithmetic: rows in
+//! (source rank, token) order, `recv_src` codes, and the combine's sum in increasing k with
+//! `f32::mul_add` from 0, rounded to bf16 once (what `fmaf` gives on the GPU).
+//!
+//! Flags are `u64` words stored with release and read with acquire (monotonic: a call's epoch,
+//! or for the combine `2 * epoch + refused`); counts rows alternate by the epoch's parity.
+//! Every wait is bounded by the communicator's timeout and names the rank it waited for.
+//!
+//! Invariant: every rank runs every step of every call whatever it found (a refusal publishes
+//! a row with a status and sends nothing), so the epochs stay equal on every rank.
+
+use super::config::IndexType;
+use super::layout::*;
+use super::status::{self, Found, Refusal};
+use super::{Combine, Dispatch, Last, Moe};
+use crate::comm::collective::convert::{bf16_to_f32, f32_to_bf16};
+use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+fn word(addr: u64) -> &'static AtomicU64 {
+    // SAFETY: addr is an 8-byte aligned flag word of a moe block (this rank's or a peer's,
+    // mapped for the object's life); atomics are the only access to flags.
+    unsafe { &*(addr as *const AtomicU64) }
+}
+
+fn rd_i32(addr: u64) -> i32 {
+    // SAFETY: addr is a 4-byte aligned int32 of a mapped moe block or of a checked caller
+    // buffer; volatile because peers write the blocks.
+    unsafe { std::ptr::read_volatile(addr as *const i32) }
+}
+
+fn wr_i32(addr: u64, v: i32) {
+    // SAFETY: as rd_i32.
+    unsafe { std::ptr::write_volatile(addr as *mut i32, v) }
+}
+
+fn rd_f32(addr: u64) -> f32 {
+    f32::from_bits(rd_i32(addr) as u32)
+}
+
+fn copy(dst: u64, src: u64, bytes: u64) {
+    // SAFETY: src is a checked caller row (or a part of this rank's block) and dst a row of a
+    // mapped moe block, both `bytes` long; they never overlap (different parts).
+    unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes as usize) }
+}
+
+/// Waits until every rank's flag `which` here is >= `want`; returns the values seen.
+fn wait_all(m: &Moe, which: u64, want: u64, timeout: Duration, what: &str) -> Result<Vec<u64>> {
+    let start = Instant::now();
+    let mut seen = vec![0u64; m.world];
+    for (s, v) in seen.iter_mut().enumerate() {
+        let w = word(m.at(m.rank, m.layout.flag(m.world as u64, which, s as u64)));
+        let mut spins = 0u32;
+        loop {
+            *v = w.load(Ordering::Acquire);
+            if *v >= want {
+                break;
+            }
+            spins = spins.wrapping_add(1);
+            if spins % 256 == 0 {
+                if start.elapsed() > timeout {
+                    return Err(Error::timeout(format!(
+                        "{what} on rank {}: rank {s} did not arrive within {:.1} s (waited for \
+                         {want}, saw {}; it may have died or not made the same call); this \
+                         communicator is unusable, destroy it",
+                        m.rank,
+                        timeout.as_secs_f64(),
+                        *v
+                    )));
+                }
+                std::thread::yield_now();
+            }
+        }
+    }
+    Ok(seen)
+}
+
+/// Stores `v` into flag `which` of this rank on every rank (release).
+fn raise(m: &Moe, which: u64, v: u64) {
+    for d in 0..m.world {
+        word(m.at(d, m.layout.flag(m.world as u64, which, m.rank as u64)))
+            .store(v, Ordering::Release);
+    }
+}
+
+/// Token t's slot j of the caller's topk_idx, widened.
+fn load_idx(a: &Dispatch, it: IndexType, i: u64) -> i64 {
+    // SAFETY: i < num_tokens * k, a.idx is a checked, aligned [num_tokens][k] buffer.
+    unsafe {
+        match it {
+            IndexType::I32 => std::ptr::read_volatile((a.idx as *const i32).add(i as usize)) as i64,
+            IndexType::I64 => std::ptr::read_volatile((a.idx as *const i64).add(i as usize)),
+        }
+    }
+}
+
+/// Step 1: the local copy of the routing (`idx`, `weights`, `-1`/0 past k), the first
+/// offending entry, the counts per expert and each entry's position within its expert.
+fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64) -> (Vec<i32>, Option<Found>) {
+    let c = &m.cfg;
+    let (kk, e_max) = (c.topk as u64, c.experts as i64);
+    let mut counts = vec![0i32; c.experts as usize];
+    let mut bad: Option<Found> = None;
+    let me = m.rank;
+    for t in 0..n {
+        let mut row = [-1i64; 16];
+        for j in 0..kk {
+            let at = t * kk + j;
+            let (e, w) = if j < a.k as u64 {
+                let i = t * a.k as u64 + j;
+                (load_idx(a, it, i), rd_f32(a.weights + 4 * i))
+            } else {
+                (-1, 0.0)
+            };
+            row[j as usize] = e;
+            let code = if e < -1 || e >= e_max {
+                status::ST_OUT_OF_RANGE
+            } else if e >= 0 && row[..j as usize].contains(&e) {
+                status::ST_DUPLICATE
+            } else {
+                0
+            };
+            if code != 0 && bad.is_none() {
+                bad = Some(Found {
+                    code,
+                    rank: me as u32,
+                    token: t as u32,
+                    k: j as u32,
+                    value: e,
+                });
+            }
+            wr_i32(m.at(me, m.layout.idx) + 4 * at, e as i32);
+            wr_i32(m.at(me, m.layout.weights) + 4 * at, w.to_bits() as i32);
+            let pos = if code == 0 && e >= 0 {
+                counts[e as usize] += 1;
+                counts[e as usize] - 1
+            } else {
+                -1
+            };
+            wr_i32(m.at(me, m.layout.pos) + 4 * at, pos);
+        }
+    }
+    (counts, bad)
+}
+
+/// The host backend's `symm_moe_dispatch`. A refusal (this rank's own bad arguments) takes
+/// part with its status; the caller returns the refusal's own error.
+pub fn dispatch(
+    m: &mut Moe,
+    a: &Dispatch,
+    it: IndexType,
+    refusal: Option<&Refusal>,
+    timeout: Duration,
+) -> Result<()> {
+    const F: &str = "symm_moe_dispatch";
+    m.d_epoch += 1;
+    let epoch = m.d_epoch;
+    let (w, me) = (m.world as u64, m.rank);
+    let c = m.cfg;
+    let (e_all, kk) = (c.experts as u64, c.topk as u64);
+    let n = if refusal.is_some() { 0 } else { a.tokens };
+    let (counts, mut found) = local(m, a, it, n);
+    if let Some(r) = refusal {
+        found = Some(Found {
+            code: r.code,
+            rank: me as u32,
+            value: r.value,
+            ..Found::default()
+        });
+    }
+    // Step 2: this rank's row into every rank's counts, then the counts-ready flags.
+    let extra = status::row_extra(&found.unwrap_or_default());
+    for d in 0..m.world {
+        let row = m.at(d, m.layout.row(e_all, w, epoch, me as u64));
+        for (e, &v) in counts.iter().enumerate() {
+            wr_i32(row + 4 * e as u64, if found.is_some() { 0 } else { v });
+        }
+        for (i, &v) in extra.iter().enumerate() {
+            wr_i32(row + 4 * (e_all + i as u64), v);
+        }
+    }
+    raise(m, FLAG_COUNTS, epoch);
+    // Step 3: every row; the first status (lowest rank), else capacity.
+    wait_all(m, FLAG_COUNTS, epoch, timeout, F)?;
+    let rows: Vec<u64> = (0..w)
+        .map(|s| m.at(me, m.layout.row(e_all, w, epoch, s)))
+        .collect();
+    let mut first = rows.iter().enumerate().find_map(|(s, &row)| {
+        let ex: Vec<i32> = (0..5).map(|i| rd_i32(row + 4 * (e_all + i))).collect();
+        (ex[0] != 0).then(|| status::from_row(s as u32, &ex))
+    });
+    let count = |s: usize, e: u64| rd_i32(rows[s] + 4 * e) as i64;
+    let l = c.local_experts(w);
+    if first.is_none() {
+        first = (0..e_all).find_map(|e| {
+            let total: i64 = (0..m.world).map(|s| count(s, e)).sum();
+            (total > c.max_recv as i64).then_some(Found {
+                code: status::ST_CAPACITY,
+                rank: (e / l) as u32,
+                token: e as u32,
+                k: 0,
+                value: total,
+            })
+        });
+    }
+    // Step 4: the rows, to their experts' ranks.
+    if first.is_none() {
+        let row_bytes = c.row_bytes();
+        let scales = c.scales_per_row();
+        for t in 0..n {
+            for j in 0..a.k as u64 {
+                let at = t * kk + j;
+                let e = rd_i32(m.at(me, m.layout.idx) + 4 * at);
+                if e < 0 {
+                    continue;
+                }
+                let e = e as u64;
+                let base: i64 = (0..me).map(|s| count(s, e)).sum();
+                let pos = rd_i32(m.at(me, m.layout.pos) + 4 * at) as i64;
+                let (d, le) = ((e / l) as usize, e % l);
+                let slot = le * c.max_recv + (base + pos) as u64;
+                copy(
+                    m.at(d, m.layout.recv_x) + slot * row_bytes,
+                    a.x + t * row_bytes,
+                    row_bytes,
+                );
+                if scales > 0 {
+                    copy(
+                        m.at(d, m.layout.recv_scales) + slot * scales * 4,
+                        a.x_scales + t * scales * 4,
+                        scales * 4,
+                    );
+                }
+                let code = ((me as u64 * c.tokens + t) * kk + j) as i32;
+                wr_i32(m.at(d, m.layout.recv_src) + 4 * slot, code);
+            }
+        }
+    }
+    // Step 5: every rank's data is here.
+    raise(m, FLAG_DATA, epoch);
+    wait_all(m, FLAG_DATA, epoch, timeout, F)?;
+    let ok = first.is_none();
+    for le in 0..l {
+        let total: i64 = if ok {
+            (0..m.world).map(|s| count(s, me as u64 * l + le)).sum()
+        } else {
+            0
+        };
+        wr_i32(m.at(me, m.layout.recv_counts) + 4 * le, total as i32);
+    }
+    match first {
+        None => Ok(()),
+        Some(f) if f.rank as usize == me && status::is_refusal(f.code) => {
+            // The caller returns this rank's own message.
+            Err(Error::invalid("refused"))
+        }
+        Some(f) => Err(f.error(&m.bounds())),
+    }
+}
+
+/// The host backend's `symm_moe_combine` after a dispatch that succeeded (`last`).
+pub fn combine(
+    m: &mut Moe,
+    a: &Combine,
+    last: Last,
+    refused: bool,
+    timeout: Duration,
+) -> Result<()> {
+    m.c_epoch += 1;
+    let epoch = m.c_epoch;
+    let (w, me) = (m.world as u64, m.rank);
+    let c = m.cfg;
+    let (kk, h) = (c.topk as u64, c.hidden);
+    let l = c.local_experts(w);
+    let row_bytes = h * 2;
+    if !refused {
+        for le in 0..l {
+            let rows = rd_i32(m.at(me, m.layout.recv_counts) + 4 * le) as u64;
+            for row in 0..rows {
+                let slot = le * c.max_recv + row;
+                let code = rd_i32(m.at(me, m.layout.recv_src) + 4 * slot) as u64;
+                let (s, t, j) = (code / (c.tokens * kk), (code / kk) % c.tokens, code % kk);
+                copy(
+                    m.at(s as usize, m.layout.cbuf) + (t * kk + j) * row_bytes,
+                    a.expert_out + slot * row_bytes,
+                    row_bytes,
+                );
+            }
+        }
+    }
+    raise(m, FLAG_COMBINE, 2 * epoch + refused as u64);
+    let seen = wait_all(m, FLAG_COMBINE, 2 * epoch, timeout, "symm_moe_combine")?;
+    if refused {
+        return Ok(()); // the caller returns this rank's own message
+    }
+    let other = seen.iter().position(|&v| v & 1 == 1);
+    let mut acc = vec![0f32; h as usize];
+    for t in 0..last.tokens {
+        acc.iter_mut().for_each(|v| *v = 0.0);
+        if other.is_none() {
+            for j in 0..kk {
+                let at = t * kk + j;
+                if rd_i32(m.at(me, m.layout.idx) + 4 * at) < 0 {
+                    continue;
+                }
+                let wgt = rd_f32(m.at(me, m.layout.weights) + 4 * at);
+                let src = m.at(me, m.layout.cbuf) + at * row_bytes;
+                for (i, v) in acc.iter_mut().enumerate() {
+                    // SAFETY: src is row (t, j) of this rank's cbuf, h bf16 values.
+                    let x = unsafe { std::ptr::read_volatile((src as *const u16).add(i)) };
+                    *v = wgt.mul_add(bf16_to_f32(x), *v);
+                }
+            }
+        }
+        for (i, v) in acc.iter().enumerate() {
+            // SAFETY: a.y is a checked [num_tokens][h] bf16 buffer of the caller.
+            unsafe {
+                std::ptr::write_volatile(
+                    (a.y as *mut u16).add((t * h) as usize + i),
+                    f32_to_bf16(*v),
+                )
+            };
+        }
+    }
+    match other {
+        None => Ok(()),
+        Some(s) => Err(Found {
+            code: status::ST_COMBINE_REFUSED,
+            rank: s as u32,
+            ..Found::default()
+        }
+        .error(&m.bounds())),
+    }
+}

@@ -1,0 +1,219 @@
+//! The CUDA side of dispatch and combine: the kernels' names (kernels/moe.cu, looked up once
+//! per object), the argument struct `MoeArgs` (mirrored field by field with the CUDA source,
+//! checked by tests/kernel_table.rs), the launch, and the host-mapped status words the kernels
+//! store a recorded error into (status.rs has the codes).
+//!
+//! Invariants: a launch reads nothing from the device and waits for nothing, so both calls are
+//! capturable; the kernels of the object run after the communicator's earlier kernels (the
+//! collectives' stream order); a refusing rank still launches (its kernel publishes the refusal
+//! and touches none of its caller's buffers); the host reads the status words only at calls,
+//! never in a loop.
+
+use super::config::{IndexType, Payload};
+use super::layout::Layout;
+use super::status::{self, Found, Refusal};
+use super::{Combine, Dispatch, Last, Moe, THREADS};
+use crate::comm::collective::kernel_args::{SymmArgs, COUNTERS_OFFSET, MAX_RANKS};
+use crate::comm::Communicator;
+use crate::cuda;
+use crate::cuda::module::Function;
+use crate::error::{Error, Result};
+
+/// The kernels, by payload and index type, then the combine (kernels/moe.cu).
+pub const MOE_KERNELS: [&str; 5] = [
+    "symm_moe_dispatch_bf16_i32",
+    "symm_moe_dispatch_bf16_i64",
+    "symm_moe_dispatch_fp8_i32",
+    "symm_moe_dispatch_fp8_i64",
+    "symm_moe_combine_bf16",
+];
+
+/// The dispatch kernel's name for a payload and an index type.
+pub fn dispatch_kernel(p: Payload, it: IndexType) -> &'static str {
+    let i = match p {
+        Payload::Bf16 => 0,
+        Payload::Fp8 => 2,
+    } + match it {
+        IndexType::I32 => 0,
+        IndexType::I64 => 1,
+    };
+    MOE_KERNELS[i]
+}
+
+/// The kernels of one object, looked up in the device's module once.
+#[derive(Clone, Copy)]
+pub struct Kernels {
+    dispatch: [Function; 4],
+    combine: Function,
+}
+
+/// The argument of the moe kernels (kernels/moe.cu `MoeArgs`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MoeArgs {
+    pub s: SymmArgs,
+    pub blocks: [u64; MAX_RANKS],
+    pub x: u64,
+    pub x_scales: u64,
+    pub topk_idx: u64,
+    pub topk_weights: u64,
+    pub expert_out: u64,
+    pub y: u64,
+    pub status: u64,
+    pub off_counts: u64,
+    pub off_flags: u64,
+    pub off_recv_counts: u64,
+    pub off_recv_src: u64,
+    pub off_recv_x: u64,
+    pub off_recv_scales: u64,
+    pub off_idx: u64,
+    pub off_weights: u64,
+    pub off_pos: u64,
+    pub off_cbuf: u64,
+    pub max_tokens: u64,
+    pub hidden: u64,
+    pub max_recv: u64,
+    pub num_tokens: u64,
+    pub refuse_value: i64,
+    pub k: i32,
+    pub topk: i32,
+    pub experts: i32,
+    pub local: i32,
+    pub refuse_code: i32,
+    pub pad: i32,
+}
+
+const _: () = assert!(std::mem::size_of::<MoeArgs>() == 256 + 64 + 22 * 8 + 6 * 4);
+
+impl Moe {
+    fn args(&self, c: &Communicator, l: &Layout) -> MoeArgs {
+        let mut s = SymmArgs {
+            timeout_ns: c.settings.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            rank: self.rank as i32,
+            world: self.world as i32,
+            counters: c.group.internal + COUNTERS_OFFSET,
+            error_word: c.coll.errors.device_ptr(),
+            ..SymmArgs::default()
+        };
+        s.pads[..self.world].copy_from_slice(&c.peer.pads);
+        MoeArgs {
+            s,
+            blocks: self.blocks,
+            status: self.status.as_ref().map_or(0, |w| w.device_ptr),
+            off_counts: l.counts,
+            off_flags: l.flags,
+            off_recv_counts: l.recv_counts,
+            off_recv_src: l.recv_src,
+            off_recv_x: l.recv_x,
+            off_recv_scales: l.recv_scales,
+            off_idx: l.idx,
+            off_weights: l.weights,
+            off_pos: l.pos,
+            off_cbuf: l.cbuf,
+            max_tokens: self.cfg.tokens,
+            hidden: self.cfg.hidden,
+            max_recv: self.cfg.max_recv,
+            topk: self.cfg.topk as i32,
+            experts: self.cfg.experts as i32,
+            local: self.cfg.local_experts(self.world as u64) as i32,
+            ..MoeArgs::default()
+        }
+    }
+
+    fn kernels(&mut self) -> Result<Kernels> {
+        if let Some(k) = self.kernels {
+            return Ok(k);
+        }
+        let f = |n: &str| cuda::module::function(self.device, n);
+        let k = Kernels {
+            dispatch: [
+                f(MOE_KERNELS[0])?,
+                f(MOE_KERNELS[1])?,
+                f(MOE_KERNELS[2])?,
+                f(MOE_KERNELS[3])?,
+            ],
+            combine: f(MOE_KERNELS[4])?,
+        };
+        self.kernels = Some(k);
+        Ok(k)
+    }
+
+    /// The error the kernels recorded since the last call (cleared: reported once).
+    pub fn take_status(&mut self) -> Option<Error> {
+        let w = self.status.as_ref()?;
+        // SAFETY: w.host is a live pinned allocation of 16 words; volatile because the GPU
+        // writes it.
+        let rd = |i: usize| unsafe { std::ptr::read_volatile(w.host.add(i)) };
+        let code = rd(status::SW_CODE);
+        if code == 0 {
+            return None;
+        }
+        let f = Found {
+            code,
+            rank: rd(status::SW_RANK),
+            token: rd(status::SW_TOKEN),
+            k: rd(status::SW_K),
+            value: rd(status::SW_VALUE) as i64 | ((rd(status::SW_VALUE + 1) as i64) << 32),
+        };
+        // SAFETY: as above; the host clears the code it reported.
+        unsafe { std::ptr::write_volatile(w.host.add(status::SW_CODE), 0) };
+        Some(f.error(&self.bounds()))
+    }
+}
+
+impl Communicator {
+    pub(super) fn moe_launch_dispatch(
+        &mut self,
+        m: &mut Moe,
+        a: &Dispatch,
+        it: IndexType,
+        refusal: Option<&Refusal>,
+    ) -> Result<()> {
+        let k = m.kernels()?;
+        let mut args = m.args(self, &m.layout);
+        match refusal {
+            Some(r) => {
+                args.refuse_code = r.code as i32;
+                args.refuse_value = r.value;
+                args.k = 1;
+            }
+            None => {
+                args.x = a.x;
+                args.x_scales = a.x_scales;
+                args.topk_idx = a.idx;
+                args.topk_weights = a.weights;
+                args.num_tokens = a.tokens;
+                args.k = a.k as i32;
+            }
+        }
+        let i = match (m.cfg.dtype, it) {
+            (Payload::Bf16, IndexType::I32) => 0,
+            (Payload::Bf16, IndexType::I64) => 1,
+            (Payload::Fp8, IndexType::I32) => 2,
+            (Payload::Fp8, IndexType::I64) => 3,
+        };
+        self.coll.streams.before_launch(self.device, a.stream)?;
+        cuda::module::launch(self.device, k.dispatch[i], m.grid, THREADS, a.stream, &args)
+    }
+
+    pub(super) fn moe_launch_combine(
+        &mut self,
+        m: &mut Moe,
+        a: &Combine,
+        last: Last,
+        refused: bool,
+    ) -> Result<()> {
+        let k = m.kernels()?;
+        let mut args = m.args(self, &m.layout);
+        args.num_tokens = last.tokens;
+        args.k = last.k as i32;
+        if refused {
+            args.refuse_code = status::ST_COMBINE_REFUSED as i32;
+        } else {
+            args.expert_out = a.expert_out;
+            args.y = a.y;
+        }
+        self.coll.streams.before_launch(self.device, a.stream)?;
+        cuda::module::launch(self.device, k.combine, m.grid, THREADS, a.stream, &args)
+    }
+}

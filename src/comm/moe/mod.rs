@@ -1,0 +1,443 @@
+//! Expert parallelism: MoE dispatch and combine over a communicator (docs/moe.md is the
+//! contract: C ABI, buffer layout, protocol, errors). This folder owns the moe object (`Moe`):
+//! its configuration (config.rs), its buffer in the communicator's arena and the layout of it
+//! (layout.rs), the codes and messages of what a call can find wrong (status.rs), the CPU
+//! protocol of the host backend (host.rs) and the kernels' launch and argument struct
+//! (launch.rs, kernels/moe.cu).
+//!
+//! The object does not live in the communicator: the C handle keeps both, and every call
+//! passes the communicator in (its mesh, arena, peer windows, settings and error words are
+//! what this folder reads). Creating one is collective: the ranks compare configurations
+//! (NOT_SYMMETRIC on every rank otherwise), agree on the grid, allocate the block (the same
+//! offset on every rank), zero its control parts and share it (a rendezvous), so dispatch and
+//! combine map nothing and are capturable.
+//!
+//! Invariants: every rank runs every step of every call (a rank whose own arguments are bad
+//! publishes a refusal instead of counts), so nothing waits for a rank that gave up; errors
+//! found after the ranks met are the same on every rank (status.rs) and leave the object and
+//! the communicator usable; the layout and the grid are equal on every rank.
+
+pub mod config;
+pub mod host;
+pub mod launch;
+pub mod layout;
+pub mod status;
+
+use crate::comm::collective::kernel_args::MAX_RANKS;
+use crate::comm::Communicator;
+use crate::cuda;
+use crate::error::{Error, Result, Status};
+use config::{Config, IndexType, Payload, Request};
+use layout::Layout;
+use status::{Bounds, Refusal};
+
+/// The most blocks of a dispatch or combine grid.
+pub const MAX_GRID: u32 = 132;
+/// Threads per block of the kernels (kernels/moe.cu `MOE_THREADS`).
+pub const THREADS: u32 = 512;
+
+/// The last dispatch, as the next combine needs it.
+#[derive(Clone, Copy, Debug)]
+pub struct Last {
+    pub tokens: u64,
+    pub k: u32,
+    /// It completed without error (host backend only; the kernels keep their own word).
+    pub ok: bool,
+}
+
+/// A moe object: its configuration, its block of the communicator's arena and every rank's
+/// copy of it in this address space, the grid, the status words and the host backend's epochs.
+pub struct Moe {
+    pub cfg: Config,
+    pub layout: Layout,
+    pub world: usize,
+    pub rank: usize,
+    pub device: i32,
+    pub host: bool,
+    /// This rank's block.
+    pub block: u64,
+    /// Every rank's block in this address space (entries past the world are 0).
+    pub blocks: [u64; MAX_RANKS],
+    /// The kernels' grid, equal on every rank.
+    pub grid: u32,
+    /// Host-mapped status words the kernels store into (CUDA only).
+    status: Option<cuda::mem::MappedWord>,
+    /// The host backend's call counters (the kernels count in the block's ctrl part).
+    d_epoch: u64,
+    c_epoch: u64,
+    last: Option<Last>,
+    kernels: Option<launch::Kernels>,
+}
+
+/// A dispatch's arguments as the caller passed them.
+#[derive(Clone, Copy, Debug)]
+pub struct Dispatch {
+    pub x: u64,
+    pub x_scales: u64,
+    pub idx: u64,
+    pub idx_dtype: u32,
+    pub weights: u64,
+    pub tokens: u64,
+    pub k: u32,
+    pub stream: u64,
+}
+
+/// A combine's arguments.
+#[derive(Clone, Copy, Debug)]
+pub struct Combine {
+    pub expert_out: u64,
+    pub y: u64,
+    pub stream: u64,
+}
+
+fn aligned(what: &str, p: u64, to: u64, f: &str) -> Result<()> {
+    if p % to != 0 {
+        return Err(Error::invalid(format!(
+            "{f}: {what} {p:#x} is not {to}-byte aligned; expected a {to}-byte aligned pointer"
+        )));
+    }
+    Ok(())
+}
+
+fn non_null(what: &str, p: u64, f: &str) -> Result<()> {
+    if p == 0 {
+        return Err(Error::invalid(format!("{f}: {what} is NULL")));
+    }
+    Ok(())
+}
+
+impl Moe {
+    pub fn bounds(&self) -> Bounds {
+        Bounds {
+            experts: self.cfg.experts,
+            local: self.cfg.local_experts(self.world as u64),
+            tokens: self.cfg.tokens,
+            topk: self.cfg.topk,
+            max_recv: self.cfg.max_recv,
+        }
+    }
+
+    /// The address of a part (`layout` offset) of rank `r`'s block, here.
+    pub fn at(&self, r: usize, off: u64) -> u64 {
+        self.blocks[r] + off
+    }
+
+    /// The host-detectable checks of a dispatch (docs/moe.md, "Errors").
+    fn check_dispatch(&self, a: &Dispatch) -> std::result::Result<IndexType, Refusal> {
+        const F: &str = "symm_moe_dispatch";
+        let refuse = |code, value, error: Error| Refusal { code, value, error };
+        let it =
+            IndexType::from_code(F, a.idx_dtype).map_err(|e| refuse(status::ST_REFUSED, 0, e))?;
+        if a.tokens > self.cfg.tokens {
+            return Err(refuse(
+                status::ST_TOO_MANY_TOKENS,
+                a.tokens.min(i64::MAX as u64) as i64,
+                Error::invalid(format!(
+                    "{F}: num_tokens {} is above max_tokens_per_rank {} (rank {}); expected at \
+                     most {}",
+                    a.tokens, self.cfg.tokens, self.rank, self.cfg.tokens
+                )),
+            ));
+        }
+        if a.k == 0 || a.k > self.cfg.topk {
+            return Err(refuse(
+                status::ST_BAD_K,
+                a.k as i64,
+                Error::invalid(format!(
+                    "{F}: k = {} (rank {}); expected 1..={} (the configured topk)",
+                    a.k, self.rank, self.cfg.topk
+                )),
+            ));
+        }
+        let other = |e: Error| refuse(status::ST_REFUSED, 0, e);
+        match (self.cfg.dtype, a.x_scales) {
+            (Payload::Bf16, s) if s != 0 => {
+                return Err(other(Error::invalid(format!(
+                    "{F}: x_scales {s:#x} given for a bf16 payload; expected NULL (scales are \
+                     for SYMM_MOE_FP8_E4M3)"
+                ))))
+            }
+            (Payload::Fp8, 0) if a.tokens > 0 => {
+                return Err(other(Error::invalid(format!(
+                    "{F}: x_scales is NULL for an FP8 payload; expected [num_tokens][{}] fp32 \
+                     scales",
+                    self.cfg.scales_per_row()
+                ))))
+            }
+            _ => {}
+        }
+        if a.tokens > 0 {
+            let checks = || -> Result<()> {
+                non_null("x", a.x, F)?;
+                non_null("topk_idx", a.idx, F)?;
+                non_null("topk_weights", a.weights, F)?;
+                aligned("x", a.x, 16, F)?;
+                aligned("topk_idx", a.idx, it.bytes(), F)?;
+                aligned("topk_weights", a.weights, 4, F)?;
+                if self.cfg.dtype.has_scales() {
+                    aligned("x_scales", a.x_scales, 4, F)?;
+                }
+                Ok(())
+            };
+            checks().map_err(other)?;
+        }
+        Ok(it)
+    }
+
+    /// The host-detectable checks of a combine whose last dispatch had `tokens` tokens.
+    fn check_combine(&self, a: &Combine, tokens: u64) -> Result<()> {
+        const F: &str = "symm_moe_combine";
+        non_null("expert_out", a.expert_out, F)?;
+        aligned("expert_out", a.expert_out, 16, F)?;
+        if tokens > 0 {
+            non_null("y", a.y, F)?;
+            aligned("y", a.y, 16, F)?;
+        }
+        Ok(())
+    }
+
+    /// Gives the block back (after the device's work that may use it). Local: every rank's
+    /// kernels that write into this block have finished once this rank's last call did.
+    pub fn destroy(self) -> Result<()> {
+        if !self.host {
+            cuda::mem::sync_device(self.device)?;
+        }
+        crate::heap::global()?.free(self.block, self.layout.bytes, self.device, 0)
+    }
+}
+
+impl Communicator {
+    /// `symm_moe_create`: collective over this communicator (module header).
+    pub fn moe_create(&mut self, req: &Request) -> Result<Moe> {
+        self.begin_call(0)?;
+        let world = self.world as u64;
+        let checked = req.check(world);
+        let grid = if self.host {
+            1
+        } else {
+            self.settings.fewest_sms.clamp(1, MAX_GRID)
+        };
+        // The agreement: refusal text, the requested words, the grid.
+        let mut msg = Vec::new();
+        let text = checked
+            .as_ref()
+            .err()
+            .map(|e| e.message.clone())
+            .unwrap_or_default();
+        msg.extend_from_slice(&(text.len() as u64).to_le_bytes());
+        msg.extend_from_slice(text.as_bytes());
+        msg.resize(msg.len().next_multiple_of(8), 0);
+        for w in req.words() {
+            msg.extend_from_slice(&w.to_le_bytes());
+        }
+        msg.extend_from_slice(&(grid as u64).to_le_bytes());
+        let all = self
+            .mesh
+            .all_gather(&msg, &[], "symm_moe_create agreement")?;
+        let mut refusals = Vec::new();
+        let mut words = Vec::new();
+        let mut g = grid;
+        for (r, (m, _)) in all.iter().enumerate() {
+            let bad = || {
+                Error::peer(format!(
+                    "symm_moe_create: rank {r} sent a malformed agreement"
+                ))
+            };
+            let n = u64::from_le_bytes(m.get(..8).ok_or_else(bad)?.try_into().unwrap()) as usize;
+            let t = m.get(8..8 + n).ok_or_else(bad)?;
+            let rest = m.get((8 + n).next_multiple_of(8)..).ok_or_else(bad)?;
+            if rest.len() != 8 * 8 {
+                return Err(bad());
+            }
+            let w: Vec<u64> = rest
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            if n > 0 {
+                refusals.push(format!("rank {r}: {}", String::from_utf8_lossy(t)));
+            }
+            g = g.min(w[7] as u32);
+            words.push(w[..7].to_vec());
+        }
+        let mine = req.words();
+        if words.iter().any(|w| w[..] != mine[..]) {
+            let lines: Vec<String> = words
+                .iter()
+                .enumerate()
+                .map(|(r, w)| format!("rank {r}: {}", Request::describe(w)))
+                .collect();
+            return Err(Error::not_symmetric(format!(
+                "symm_moe_create: the ranks passed different configurations; every rank must \
+                 pass the same values: {}",
+                lines.join("; ")
+            )));
+        }
+        let cfg = checked?;
+        if !refusals.is_empty() {
+            return Err(Error::invalid(format!(
+                "symm_moe_create: {}",
+                refusals.join("; ")
+            )));
+        }
+        let layout = Layout::new(&cfg, world);
+        let block = self.moe_alloc(layout.bytes)?;
+        match self.moe_share(&cfg, layout, block, g.max(1)) {
+            Ok(m) => Ok(m),
+            Err(e) => {
+                let _ = self.alloc.free(block, layout.bytes, self.device, 0);
+                Err(e)
+            }
+        }
+    }
+
+    /// The block from the arena, on every rank or on none (each rank says whether it got it).
+    fn moe_alloc(&mut self, bytes: u64) -> Result<u64> {
+        let got = self.comm_malloc(bytes, 0);
+        let all = self
+            .mesh
+            .all_gather(&[got.is_ok() as u8], &[], "symm_moe_create allocation")?;
+        let failed: Vec<usize> = (0..self.world).filter(|&r| all[r].0 != [1]).collect();
+        if failed.is_empty() {
+            return got;
+        }
+        if let Ok(p) = got {
+            let _ = self.alloc.free(p, bytes, self.device, 0);
+        }
+        let arena = self.arena_bounds().map(|b| b.1).unwrap_or(0);
+        let why = match &got {
+            Err(e) => format!("here: {}", e.message),
+            Ok(_) => "this rank had room".to_string(),
+        };
+        Err(Error::oom(format!(
+            "symm_moe_create: the moe buffers need {bytes} bytes of the communicator's arena \
+             ({arena} bytes in all, SYMMALLOC_COMM_ARENA_SIZE) and rank(s) {failed:?} could not \
+             allocate them ({why}); set SYMMALLOC_COMM_ARENA_SIZE to at least {bytes} bytes \
+             more than the communicator's other symm_comm_malloc memory, or lower \
+             max_tokens_per_rank, hidden or max_recv_per_expert"
+        )))
+    }
+
+    /// Zeroes the block's control parts, shares the block with every rank (maps theirs) and
+    /// builds the object.
+    fn moe_share(&mut self, cfg: &Config, layout: Layout, block: u64, grid: u32) -> Result<Moe> {
+        let zero = layout.zeroed_bytes();
+        if self.host {
+            // SAFETY: block..block+zero lies in the block just allocated (host memory).
+            unsafe { std::ptr::write_bytes(block as *mut u8, 0, zero as usize) };
+        } else {
+            cuda::mem::memset_sync(self.device, block, 0, zero)?;
+        }
+        // Zeroed before this meeting: no peer writes into the block before it returns here.
+        self.rendezvous(block, layout.bytes)
+            .map_err(|e| e.context("symm_moe_create (sharing the buffers)"))?;
+        let own = self.peer.windows.bases[self.rank];
+        let mut blocks = [0u64; MAX_RANKS];
+        for (r, b) in self.peer.windows.bases.iter().enumerate() {
+            blocks[r] = b + (block - own);
+        }
+        let status = if self.host {
+            None
+        } else {
+            Some(cuda::mem::MappedWord::new(self.device)?)
+        };
+        crate::info!(
+            "rank {}/{}: moe object of {} bytes (T {}, H {}, K {}, E {}, R {}, {}), grid {grid}",
+            self.rank,
+            self.world,
+            layout.bytes,
+            cfg.tokens,
+            cfg.hidden,
+            cfg.topk,
+            cfg.experts,
+            cfg.max_recv,
+            cfg.dtype.name()
+        );
+        Ok(Moe {
+            cfg: *cfg,
+            layout,
+            world: self.world,
+            rank: self.rank,
+            device: self.device,
+            host: self.host,
+            block,
+            blocks,
+            grid,
+            status,
+            d_epoch: 0,
+            c_epoch: 0,
+            last: None,
+            kernels: None,
+        })
+    }
+
+    fn moe_fatal(&mut self, e: Error) -> Error {
+        if e.status == Status::ErrTimeout {
+            self.coll.sticky = Some(e.clone());
+        }
+        self.name_ranks(e)
+    }
+
+    /// `symm_moe_dispatch` (docs/moe.md, "Protocol").
+    pub fn moe_dispatch(&mut self, m: &mut Moe, a: &Dispatch) -> Result<()> {
+        self.begin_call(a.stream)?;
+        let pending = m.take_status();
+        let checked = m.check_dispatch(a);
+        let (it, refusal) = match checked {
+            Ok(it) => (it, None),
+            Err(r) => (IndexType::I32, Some(r)),
+        };
+        let tokens = if refusal.is_some() { 0 } else { a.tokens };
+        let r = if self.host {
+            let timeout = self.settings.timeout;
+            host::dispatch(m, a, it, refusal.as_ref(), timeout).map_err(|e| self.moe_fatal(e))
+        } else {
+            let e = self.moe_launch_dispatch(m, a, it, refusal.as_ref());
+            e.map(|()| pending.map_or(Ok(()), Err)).and_then(|r| r)
+        };
+        m.last = Some(Last {
+            tokens,
+            k: a.k,
+            ok: r.is_ok() && refusal.is_none(),
+        });
+        match refusal {
+            Some(f) => Err(f.error),
+            None => r,
+        }
+    }
+
+    /// `symm_moe_combine`.
+    pub fn moe_combine(&mut self, m: &mut Moe, a: &Combine) -> Result<()> {
+        self.begin_call(a.stream)?;
+        let Some(last) = m.last else {
+            return Err(Error::invalid(
+                "symm_moe_combine: no dispatch on this object yet; expected symm_moe_dispatch \
+                 first",
+            ));
+        };
+        if self.host && !last.ok {
+            return Err(Error::invalid(
+                "symm_moe_combine: the last dispatch failed (its error said why), so there is \
+                 nothing to combine; dispatch again",
+            ));
+        }
+        let pending = m.take_status();
+        let refusal = m.check_combine(a, last.tokens).err();
+        let r = if self.host {
+            let timeout = self.settings.timeout;
+            host::combine(m, a, last, refusal.is_some(), timeout).map_err(|e| self.moe_fatal(e))
+        } else {
+            let e = self.moe_launch_combine(m, a, last, refusal.is_some());
+            e.map(|()| pending.map_or(Ok(()), Err)).and_then(|r| r)
+        };
+        match refusal {
+            Some(e) => Err(e),
+            None => r,
+        }
+    }
+
+    /// `symm_moe_check`: the error a kernel of this object (or of the communicator) recorded.
+    pub fn moe_check(&mut self, m: &mut Moe) -> Result<()> {
+        self.begin_call(0)?;
+        m.take_status().map_or(Ok(()), Err)
+    }
+}

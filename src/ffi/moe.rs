@@ -1,0 +1,379 @@
+//! The C ABI of expert parallelism (docs/moe.md): `symm_moe_create`, `symm_moe_create_config`,
+//! `symm_moe_destroy`, `symm_moe_layout`, `symm_moe_dispatch`, `symm_moe_combine`,
+//! `symm_moe_check`, and their versioned structs. Argument checks, panic guard, status +
+//! `symm_last_error()` as everywhere; the work is comm/moe/.
+//!
+//! A `symm_moe_t` keeps the communicator it was made on; every call goes through that
+//! communicator's live check, so a handle whose communicator was destroyed is refused (its
+//! destroy still gives the buffers back). Handles are checked against a live set, so a stale
+//! or foreign pointer is an error, not a use after free.
+
+use super::guard::guard_status;
+use super::types::*;
+use super::{stream_of, symm_comm_t, with_comm};
+use crate::comm::moe::config::Request;
+use crate::comm::moe::{Combine, Dispatch, Moe};
+use crate::error::{Error, Result};
+use std::collections::HashSet;
+use std::ffi::c_void;
+use std::sync::{LazyLock, Mutex, MutexGuard};
+
+/// Payload dtypes of `symm_moe_create` (`dtype`).
+pub const SYMM_MOE_BF16: u32 = 0;
+/// FP8 e4m3 with one fp32 scale per 128 elements (`hidden % 128 == 0`).
+pub const SYMM_MOE_FP8_E4M3: u32 = 1;
+/// Index dtypes of `symm_moe_dispatch` (`idx_dtype`).
+pub const SYMM_INDEX_INT32: u32 = 0;
+pub const SYMM_INDEX_INT64: u32 = 1;
+/// The `symm_moe_config_t` layout this library reads (`version`).
+pub const SYMM_MOE_CONFIG_VERSION: u32 = 1;
+/// The `symm_moe_layout_t` layout this library writes (`version`).
+pub const SYMM_MOE_LAYOUT_VERSION: u32 = 1;
+/// The largest configured top-k, and the most experts.
+pub const SYMM_MOE_MAX_TOPK: u32 = 16;
+pub const SYMM_MOE_MAX_EXPERTS: u32 = 1024;
+const _: () = assert!(
+    SYMM_MOE_MAX_TOPK == crate::comm::moe::config::MAX_TOPK
+        && SYMM_MOE_MAX_EXPERTS == crate::comm::moe::config::MAX_EXPERTS
+        && SYMM_MOE_BF16 == crate::comm::moe::config::PAYLOAD_BF16
+        && SYMM_MOE_FP8_E4M3 == crate::comm::moe::config::PAYLOAD_FP8_E4M3
+        && SYMM_INDEX_INT32 == crate::comm::moe::config::INDEX_INT32
+        && SYMM_INDEX_INT64 == crate::comm::moe::config::INDEX_INT64
+);
+
+/// A moe object's configuration (versioned: `version` and `size` first; set `version` to
+/// SYMM_MOE_CONFIG_VERSION and `size` to `sizeof(symm_moe_config_t)`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct symm_moe_config_t {
+    pub version: u32,
+    pub size: u32,
+    /// T: the most tokens a rank dispatches per call (the CUDA-graph shape).
+    pub max_tokens_per_rank: u64,
+    /// H: elements per token row.
+    pub hidden: u64,
+    /// K: the largest top-k a dispatch passes (1 to SYMM_MOE_MAX_TOPK).
+    pub topk: u32,
+    /// E: a multiple of the communicator's ranks, at most SYMM_MOE_MAX_EXPERTS.
+    pub num_experts: u32,
+    /// SYMM_MOE_BF16 or SYMM_MOE_FP8_E4M3.
+    pub dtype: u32,
+    /// 0 (reserved; anything else is refused).
+    pub flags: u32,
+    /// R: rows per local expert; 0 = world * max_tokens_per_rank (no routing overflows it).
+    pub max_recv_per_expert: u64,
+}
+
+/// Where a dispatch leaves its rows (written by `symm_moe_layout`; versioned like
+/// `symm_device_comm_t`: set `version` and `size`, the library writes at most `size` bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct symm_moe_layout_t {
+    pub version: u32,
+    pub size: u32,
+    /// `[L][R][H]` payload dtype: local expert, row, element.
+    pub recv_x: *mut c_void,
+    /// `[L][R][H/128]` fp32 (FP8 only; NULL for bf16).
+    pub recv_scales: *mut f32,
+    /// `[L]`: rows of each local expert filled by the last dispatch (device memory).
+    pub recv_counts: *mut i32,
+    /// `[L][R]`: `(src_rank * T + token) * K + k` of each row.
+    pub recv_src: *mut i32,
+    pub local_experts: u64,
+    pub first_expert: u64,
+    pub max_recv: u64,
+    pub hidden: u64,
+    pub max_tokens_per_rank: u64,
+    pub topk: u32,
+    pub num_experts: u32,
+    pub world: u32,
+    pub rank: u32,
+    pub dtype: u32,
+    pub reserved: u32,
+    /// Bytes of the communicator's arena this object holds.
+    pub buffer_bytes: u64,
+}
+
+/// A moe object (opaque): dispatch and combine over one communicator.
+#[allow(non_camel_case_types)]
+pub struct symm_moe_t {
+    comm: *mut symm_comm_t,
+    inner: Option<Moe>,
+}
+
+static LIVE: LazyLock<Mutex<HashSet<usize>>> = LazyLock::new(Default::default);
+
+fn live() -> MutexGuard<'static, HashSet<usize>> {
+    LIVE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The object behind a handle that is live.
+fn with_moe<T>(
+    what: &str,
+    moe: *mut symm_moe_t,
+    f: impl FnOnce(&mut Moe, *mut symm_comm_t) -> Result<T>,
+) -> Result<T> {
+    if moe.is_null() {
+        return Err(Error::invalid(format!("{what}: moe is NULL")));
+    }
+    if !live().contains(&(moe as usize)) {
+        return Err(Error::invalid(format!(
+            "{what}: moe {moe:p} is not a live moe object (destroyed already, or never created)"
+        )));
+    }
+    // SAFETY: moe is in the live set, so it points at a symm_moe_t we allocated and have not
+    // freed; one object is not used from two threads at once (as a communicator).
+    let m = unsafe { &mut *moe };
+    let comm = m.comm;
+    f(
+        m.inner
+            .as_mut()
+            .ok_or_else(|| Error::internal("moe object without state"))?,
+        comm,
+    )
+}
+
+fn create(comm: *mut symm_comm_t, req: Request, out: *mut *mut symm_moe_t) -> Result<()> {
+    if out.is_null() {
+        return Err(Error::invalid("symm_moe_create: out is NULL"));
+    }
+    // SAFETY: out is non-NULL; cleared first so a failure leaves NULL.
+    unsafe { out.write(std::ptr::null_mut()) };
+    let m = with_comm(comm, |c| c.moe_create(&req))?;
+    let p = Box::into_raw(Box::new(symm_moe_t {
+        comm,
+        inner: Some(m),
+    }));
+    live().insert(p as usize);
+    // SAFETY: as above.
+    unsafe { out.write(p) };
+    Ok(())
+}
+
+/// Creates a moe object over `comm` (any communicator, a split child included): dispatch of
+/// up to `max_tokens_per_rank` tokens of `hidden` elements (`dtype`: SYMM_MOE_BF16 or
+/// SYMM_MOE_FP8_E4M3) to `num_experts` experts (a multiple of the ranks; rank r holds experts
+/// [r*L, (r+1)*L)), each token to at most `topk` of them, and the combine back. Its buffers
+/// come from the communicator's arena (`buffer_bytes` in `symm_moe_layout`); a too small arena
+/// fails naming SYMMALLOC_COMM_ARENA_SIZE and the bytes needed. Collective: every rank passes
+/// the same values, SYMM_ERR_NOT_SYMMETRIC on every rank otherwise. `flags` must be 0.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn symm_moe_create(
+    comm: *mut symm_comm_t,
+    max_tokens_per_rank: usize,
+    hidden: usize,
+    topk: u32,
+    num_experts: u32,
+    dtype: u32,
+    flags: u32,
+    out: *mut *mut symm_moe_t,
+) -> symm_status_t {
+    guard_status("symm_moe_create", || {
+        let req = Request {
+            tokens: max_tokens_per_rank as u64,
+            hidden: hidden as u64,
+            topk,
+            experts: num_experts,
+            dtype,
+            flags,
+            max_recv: 0,
+        };
+        create(comm, req, out)
+    })
+}
+
+/// As `symm_moe_create`, from a versioned config (`max_recv_per_expert` sizes the receive
+/// buffers by the load: a dispatch that would overflow it fails on every rank, nothing dropped).
+#[no_mangle]
+pub extern "C" fn symm_moe_create_config(
+    comm: *mut symm_comm_t,
+    config: *const symm_moe_config_t,
+    out: *mut *mut symm_moe_t,
+) -> symm_status_t {
+    guard_status("symm_moe_create_config", || {
+        if config.is_null() {
+            return Err(Error::invalid("symm_moe_create_config: config is NULL"));
+        }
+        // SAFETY: config is non-NULL; the version and size words come first in every version.
+        let (version, size) = unsafe { ((*config).version, (*config).size) };
+        let have = std::mem::size_of::<symm_moe_config_t>();
+        if version != SYMM_MOE_CONFIG_VERSION || size as usize != have {
+            return Err(Error::invalid(format!(
+                "symm_moe_create_config: config version {version}, size {size}; expected \
+                 version {SYMM_MOE_CONFIG_VERSION} (SYMM_MOE_CONFIG_VERSION) and size {have} \
+                 (sizeof(symm_moe_config_t))"
+            )));
+        }
+        // SAFETY: the caller declared `size` == sizeof readable bytes.
+        let c = unsafe { *config };
+        let req = Request {
+            tokens: c.max_tokens_per_rank,
+            hidden: c.hidden,
+            topk: c.topk,
+            experts: c.num_experts,
+            dtype: c.dtype,
+            flags: c.flags,
+            max_recv: c.max_recv_per_expert,
+        };
+        create(comm, req, out)
+    })
+}
+
+/// Destroys a moe object: waits for the device's work, then gives its buffers back to the
+/// communicator's arena. Every rank destroys its object (no rank waits for another). NULL does
+/// nothing; a destroyed handle is refused.
+#[no_mangle]
+pub extern "C" fn symm_moe_destroy(moe: *mut symm_moe_t) -> symm_status_t {
+    guard_status("symm_moe_destroy", || {
+        if moe.is_null() {
+            return Ok(());
+        }
+        if !live().remove(&(moe as usize)) {
+            return Err(Error::invalid(format!(
+                "symm_moe_destroy: moe {moe:p} is not a live moe object (destroyed already, or \
+                 never created)"
+            )));
+        }
+        // SAFETY: moe was live (now removed): a Box we made, freed once here.
+        let b = unsafe { Box::from_raw(moe) };
+        match b.inner {
+            Some(m) => m.destroy(),
+            None => Ok(()),
+        }
+    })
+}
+
+/// Fills the first `out->size` bytes of `*out` (set `version` to SYMM_MOE_LAYOUT_VERSION and
+/// `size` to `sizeof(symm_moe_layout_t)`) with where dispatch leaves its rows. Local.
+#[no_mangle]
+pub extern "C" fn symm_moe_layout(
+    moe: *const symm_moe_t,
+    out: *mut symm_moe_layout_t,
+) -> symm_status_t {
+    guard_status("symm_moe_layout", || {
+        if out.is_null() {
+            return Err(Error::invalid("symm_moe_layout: out is NULL"));
+        }
+        // SAFETY: out is non-NULL; version and size come first in every version.
+        let (version, size) = unsafe { ((*out).version, (*out).size as usize) };
+        let have = std::mem::size_of::<symm_moe_layout_t>();
+        if version != SYMM_MOE_LAYOUT_VERSION || size != have {
+            return Err(Error::invalid(format!(
+                "symm_moe_layout: out->version {version}, out->size {size}; expected version \
+                 {SYMM_MOE_LAYOUT_VERSION} (SYMM_MOE_LAYOUT_VERSION) and size {have} \
+                 (sizeof(symm_moe_layout_t))"
+            )));
+        }
+        let l = with_moe("symm_moe_layout", moe as *mut _, |m, _| {
+            let (w, c, lay) = (m.world as u64, m.cfg, m.layout);
+            let local = c.local_experts(w);
+            let at = |off: u64| (m.block + off) as *mut c_void;
+            Ok(symm_moe_layout_t {
+                version,
+                size: size as u32,
+                recv_x: at(lay.recv_x),
+                recv_scales: if c.dtype.has_scales() {
+                    at(lay.recv_scales) as *mut f32
+                } else {
+                    std::ptr::null_mut()
+                },
+                recv_counts: at(lay.recv_counts) as *mut i32,
+                recv_src: at(lay.recv_src) as *mut i32,
+                local_experts: local,
+                first_expert: m.rank as u64 * local,
+                max_recv: c.max_recv,
+                hidden: c.hidden,
+                max_tokens_per_rank: c.tokens,
+                topk: c.topk,
+                num_experts: c.experts,
+                world: m.world as u32,
+                rank: m.rank as u32,
+                dtype: c.dtype.code(),
+                reserved: 0,
+                buffer_bytes: lay.bytes,
+            })
+        })?;
+        // SAFETY: out is non-NULL and the caller declared sizeof(symm_moe_layout_t) bytes.
+        unsafe { out.write(l) };
+        Ok(())
+    })
+}
+
+/// Stream-ordered, capturable, no host synchronization: sends row `x[t]` (and its scales) to
+/// the rank of every expert in `topk_idx[t]` (`-1`: slot unused); every rank's `recv_x` then
+/// holds its local experts' rows, ordered by source rank then token, with `recv_counts` and
+/// `recv_src` (docs/moe.md). `x`: `[num_tokens][hidden]` payload dtype, 16-byte aligned;
+/// `x_scales`: `[num_tokens][hidden/128]` fp32 (FP8 only; NULL for bf16); `topk_idx`:
+/// `[num_tokens][k]` of `idx_dtype` (SYMM_INDEX_INT32 or SYMM_INDEX_INT64); `topk_weights`:
+/// `[num_tokens][k]` fp32. `num_tokens` (0 to max_tokens_per_rank) may differ between ranks;
+/// `1 <= k <= topk`. Collective. A rank's bad arguments: SYMM_ERR_INVALID_ARGUMENT at once
+/// naming the value, and every other rank's call fails naming that rank; a bad routing (an
+/// expert out of range, twice in a token, a full expert) fails on every rank (at this call on
+/// the host backend, at the next call or `symm_moe_check` on CUDA). Both leave the object and
+/// the communicator usable.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn symm_moe_dispatch(
+    moe: *mut symm_moe_t,
+    x: *const c_void,
+    x_scales: *const f32,
+    topk_idx: *const c_void,
+    idx_dtype: u32,
+    topk_weights: *const f32,
+    num_tokens: usize,
+    k: u32,
+    stream: *mut CUstream_st,
+) -> symm_status_t {
+    guard_status("symm_moe_dispatch", || {
+        let a = Dispatch {
+            x: x as u64,
+            x_scales: x_scales as u64,
+            idx: topk_idx as u64,
+            idx_dtype,
+            weights: topk_weights as u64,
+            tokens: num_tokens as u64,
+            k,
+            stream: stream_of(stream),
+        };
+        with_moe("symm_moe_dispatch", moe, |m, comm| {
+            with_comm(comm, |c| c.moe_dispatch(m, &a))
+        })
+    })
+}
+
+/// Stream-ordered, capturable: sends `expert_out` (`[L][R][hidden]` bf16, the dispatch layout,
+/// 16-byte aligned) back to the tokens' ranks, and writes `y` (`[num_tokens][hidden]` bf16 of
+/// the last dispatch) = sum over k of `topk_weights[t][k] * expert_out(token t, slot k)`, in
+/// fp32 with fma in increasing k, rounded once: bitwise the same on every run and rank count.
+/// Collective. Refused before any dispatch (and, on the host backend, after a failed one).
+#[no_mangle]
+pub extern "C" fn symm_moe_combine(
+    moe: *mut symm_moe_t,
+    expert_out: *const c_void,
+    y: *mut c_void,
+    stream: *mut CUstream_st,
+) -> symm_status_t {
+    guard_status("symm_moe_combine", || {
+        let a = Combine {
+            expert_out: expert_out as u64,
+            y: y as u64,
+            stream: stream_of(stream),
+        };
+        with_moe("symm_moe_combine", moe, |m, comm| {
+            with_comm(comm, |c| c.moe_combine(m, &a))
+        })
+    })
+}
+
+/// Reports (and clears) an error a dispatch or combine kernel recorded; call it after the
+/// stream was synchronized. Every moe call also reports one first (on CUDA the call itself
+/// still runs, as every rank's does). SYMM_SUCCESS when there is none.
+#[no_mangle]
+pub extern "C" fn symm_moe_check(moe: *mut symm_moe_t) -> symm_status_t {
+    guard_status("symm_moe_check", || {
+        with_moe("symm_moe_check", moe, |m, comm| {
+            with_comm(comm, |c| c.moe_check(m))
+        })
+    })
+}
