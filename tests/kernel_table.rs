@@ -3,6 +3,7 @@
 
 use std::collections::BTreeSet;
 use symmalloc::comm::kernels::all_kernel_names;
+use symmalloc::comm::moe::launch::MOE_KERNELS;
 use symmalloc::comm::p2p::{P2P_SIGNAL_KERNEL, P2P_WAIT_KERNEL};
 use symmalloc::cuda::util::SELFTEST_SAXPY;
 
@@ -71,6 +72,7 @@ fn every_table_name_is_instantiated_and_vice_versa() {
                 .or_else(|| l.find("(SaxpyArgs"))
                 .or_else(|| l.find("(RmsArgs"))
                 .or_else(|| l.find("(P2pArgs"))
+                .or_else(|| l.find("(MoeArgs"))
                 .expect("kernel signature");
             instantiated.insert(l[..at].split_whitespace().last().unwrap().to_string());
         }
@@ -79,16 +81,18 @@ fn every_table_name_is_instantiated_and_vice_versa() {
     table.insert(SELFTEST_SAXPY.to_string());
     table.insert(P2P_WAIT_KERNEL.to_string());
     table.insert(P2P_SIGNAL_KERNEL.to_string());
+    table.extend(MOE_KERNELS.iter().map(|s| s.to_string()));
     assert_eq!(
         table, instantiated,
         "kernel table and kernels/*.cu disagree"
     );
     // one-shot, LL, two-shot, multimem, reduce-scatter (barrier, LL), all-gather, fused RMSNorm (barrier,
     // LL with four vectors per thread, with one, and over a cluster), their FP8 outputs (4 kernels
-    // x 3 modes x 2 types), self-test, p2p wait and signal
+    // x 3 modes x 2 types), self-test, p2p wait and signal, moe dispatch (2 payloads x 2 index
+    // types) and combine
     assert_eq!(
         table.len(),
-        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2
+        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2 + 5
     );
     // Names the profiles and earlier results use stay as they were.
     for name in [
@@ -232,5 +236,124 @@ fn the_device_header_only_stores_to_the_host_mapped_error_words() {
             l.starts_with("e[") && l.contains("] = "),
             "a load of the host-mapped error words: {l}"
         );
+    }
+}
+
+/// kernels/moe.cu's `MoeArgs` is src/comm/moe/launch.rs's, field by field, and the constants it
+/// shares with the host (control words, flag rows, status codes) are the Rust ones.
+#[test]
+fn moe_argument_struct_and_constants_match_the_cuda_source() {
+    use symmalloc::comm::moe::{config, launch, layout as l, status as st};
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/moe.cu");
+    let src = std::fs::read_to_string(path).unwrap();
+    let mut u64s = vec!["uint64_t x", "uint64_t x_scales", "uint64_t topk_idx"];
+    u64s.extend(["uint64_t topk_weights", "uint64_t expert_out", "uint64_t y"]);
+    u64s.extend([
+        "uint64_t status",
+        "uint64_t off_counts",
+        "uint64_t off_flags",
+    ]);
+    u64s.extend([
+        "uint64_t off_recv_counts",
+        "uint64_t off_recv_src",
+        "uint64_t off_recv_x",
+    ]);
+    u64s.extend([
+        "uint64_t off_recv_scales",
+        "uint64_t off_idx",
+        "uint64_t off_weights",
+    ]);
+    u64s.extend([
+        "uint64_t off_pos",
+        "uint64_t off_cbuf",
+        "uint64_t max_tokens",
+    ]);
+    u64s.extend([
+        "uint64_t hidden",
+        "uint64_t max_recv",
+        "uint64_t num_tokens",
+    ]);
+    let mut want = vec!["SymmArgs s", "uint64_t blocks[SYMM_MAX_RANKS]"];
+    want.extend(u64s);
+    want.extend([
+        "int64_t refuse_value",
+        "int32_t k",
+        "int32_t topk",
+        "int32_t experts",
+    ]);
+    want.extend(["int32_t local", "int32_t refuse_code", "int32_t pad"]);
+    assert_eq!(
+        struct_fields(&src, "MoeArgs"),
+        want,
+        "kernels/moe.cu MoeArgs changed: update src/comm/moe/launch.rs in step"
+    );
+    assert_eq!(
+        std::mem::size_of::<launch::MoeArgs>(),
+        256 + 64 + 22 * 8 + 6 * 4
+    );
+    let define = |name: &str| -> u64 {
+        let at = src
+            .find(&format!("#define {name} "))
+            .unwrap_or_else(|| panic!("kernels/moe.cu does not define {name}"));
+        let rest = &src[at + name.len() + 9..];
+        rest.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    let pairs: [(&str, u64); 21] = [
+        ("MOE_THREADS", symmalloc::comm::moe::THREADS as u64),
+        ("MOE_MAX_EXPERTS", config::MAX_EXPERTS as u64),
+        ("MOE_ROW_EXTRA", l::ROW_EXTRA),
+        ("MOE_SCALE_GROUP", config::SCALE_GROUP),
+        ("MOE_CTRL_D_DONE", l::CTRL_D_DONE),
+        ("MOE_CTRL_D_SENT", l::CTRL_D_SENT),
+        ("MOE_CTRL_C_DONE", l::CTRL_C_DONE),
+        ("MOE_CTRL_C_SENT", l::CTRL_C_SENT),
+        ("MOE_CTRL_OK_EPOCH", l::CTRL_OK_EPOCH),
+        ("MOE_CTRL_ROUTED", l::CTRL_ROUTED),
+        ("MOE_CTRL_FAILED", l::CTRL_FAILED),
+        ("MOE_FLAG_COUNTS", l::FLAG_COUNTS),
+        ("MOE_FLAG_DATA", l::FLAG_DATA),
+        ("MOE_FLAG_COMBINE", l::FLAG_COMBINE),
+        ("MOE_ST_OUT_OF_RANGE", st::ST_OUT_OF_RANGE as u64),
+        ("MOE_ST_DUPLICATE", st::ST_DUPLICATE as u64),
+        ("MOE_ST_CAPACITY", st::ST_CAPACITY as u64),
+        ("MOE_ST_TOO_MANY_TOKENS", st::ST_TOO_MANY_TOKENS as u64),
+        ("MOE_ST_BAD_K", st::ST_BAD_K as u64),
+        ("MOE_ST_REFUSED", st::ST_REFUSED as u64),
+        ("MOE_ST_COMBINE_REFUSED", st::ST_COMBINE_REFUSED as u64),
+    ];
+    for (name, value) in pairs {
+        assert_eq!(
+            define(name),
+            value,
+            "kernels/moe.cu {name} differs from the Rust constant"
+        );
+    }
+    // The status words are host-mapped: the kernels only ever store to them, in moe_record
+    // (`w` is the volatile pointer to them), and nowhere else name them.
+    let uses: Vec<&str> = src
+        .lines()
+        .map(|l| l.split("//").next().unwrap().trim())
+        .filter(|l| l.contains("a.status"))
+        .collect();
+    assert_eq!(
+        uses,
+        ["volatile uint32_t* w = (volatile uint32_t*)a.status;"]
+    );
+    let body = &src[src.find("void moe_record(").unwrap()..];
+    let body = &body[..body.find("\n}\n").unwrap()];
+    assert!(
+        body.lines()
+            .skip(2)
+            .all(|l| !l.contains("w[") || l.contains("] = ")),
+        "moe_record reads its host-mapped words"
+    );
+    // The index dtype and payload variants the launch picks exist.
+    for p in [config::Payload::Bf16, config::Payload::Fp8] {
+        for it in [config::IndexType::I32, config::IndexType::I64] {
+            assert!(src.contains(&format!(
+                "void __launch_bounds__(MOE_THREADS) {}(MoeArgs a)",
+                launch::dispatch_kernel(p, it)
+            )));
+        }
     }
 }

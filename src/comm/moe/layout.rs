@@ -14,7 +14,8 @@ use super::config::Config;
 /// Alignment of every part.
 pub const PART_ALIGN: u64 = 256;
 /// Bytes of the control part: the kernels' monotonic counters (dispatch done and sent, combine
-/// done and sent, the last dispatch that succeeded), as `u64` words.
+/// done and sent, the last dispatch that succeeded, the last dispatch routed and the last that
+/// failed), as `u64` words. Only this rank's kernels touch its control part.
 pub const CTRL_BYTES: u64 = 4096;
 /// `u64` words of the control part (word indices).
 pub const CTRL_D_DONE: u64 = 0;
@@ -22,6 +23,8 @@ pub const CTRL_D_SENT: u64 = 1;
 pub const CTRL_C_DONE: u64 = 2;
 pub const CTRL_C_SENT: u64 = 3;
 pub const CTRL_OK_EPOCH: u64 = 4;
+pub const CTRL_ROUTED: u64 = 5;
+pub const CTRL_FAILED: u64 = 6;
 /// `i32` words after a source rank's counts in a counts row: status, then token, k, value (low
 /// and high halves) of its first offending entry (status.rs has the codes), then padding.
 pub const ROW_EXTRA: u64 = 8;
