@@ -990,6 +990,9 @@ class TestCuda(Case):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
+    @symm_skip("asserts PyTorch's own segment policy (one cudaMalloc of 2 MiB per small block, "
+               "20 MiB per large one: 1-3 new segments per case); symmalloc grows a graph pool's "
+               "segment in place (docs/memory.md), so its segment counts differ by design")
     def test_graph_memory_stats_and_use_result_after_destroy_graph(self):
         kSmallSize = 1048576
         kSmallBuffer = 2097152

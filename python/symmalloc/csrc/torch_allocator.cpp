@@ -323,6 +323,8 @@ class SymmAllocator final : public CCA::CUDAAllocator {
         push_trace(TraceEntry::SEGMENT_FREE, key.first, key.second, size, nullptr, ctx);
       }
     }
+    std::lock_guard<std::mutex> g(history_mu_);
+    refresh_reserved();
   }
 
   // Off: allocations come from cudaMalloc and go back with cudaFree (uncached.h), as with
@@ -480,6 +482,18 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     }
     history_ = enabled;
     recording_.store(enabled || !trackers_.empty());
+    // Segments made or given back while nothing was recorded must not hide the next one:
+    // note_alloc names a segment_alloc by the growth of the reserved bytes since this.
+    refresh_reserved();
+  }
+
+  // Under history_mu_: the reserved bytes now of every device note_alloc has seen (the base
+  // it compares with; a device never seen has 0 and is not touched, so no heap is made here).
+  void refresh_reserved() {
+    for (auto& [d, last] : last_reserved_) {
+      SymmDeviceStats s{};
+      if (api.device_stats(d, &s, sizeof s) == kSuccess) last = s.reserved_bytes[0].current;
+    }
   }
 
   void pushCompileContext(std::string& md) override {
@@ -756,7 +770,9 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     if ((size_t)action < sizeof names / sizeof *names && skip_.count(names[action])) return;
     TraceEntry te(action, (c10::DeviceIndex)device, addr, size, (void*)stream, {0, 0},
                   c10::getApproximateTime(), std::move(ctx),
-                  compile_context_.empty() ? std::string() : compile_context_.back(),
+                  // PyTorch's allocator writes "N/A" outside a compiled region (the
+                  // snapshot's readers, test_memory_compile_regions among them, skip it).
+                  compile_context_.empty() ? std::string("N/A") : compile_context_.back(),
                   user_metadata_);
     for (const auto& t : trackers_) t(te);
     if (!history_) return;
