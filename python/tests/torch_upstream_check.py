@@ -14,10 +14,13 @@ thing, before anything touches CUDA. Each test runs in this one process, in orde
 try/except, printing ``PASS name``, ``FAIL name: error`` (with a short traceback) or
 ``SKIP name: reason``, then one closing line ``N passed, N failed, N skipped``; the exit code is
 1 if any failed. A skip is never a pass. Skips marked "(symmalloc)" apply only to the symmalloc
-run: the control run executes those tests against PyTorch's own allocator.
+run: the control run executes those tests against PyTorch's own allocator. A test that has to
+leave out one part on a machine without network ((P) below) runs the rest and prints
+``PASS name (part not run: reason)``; the closing line then counts those passes too.
 
-Ported from pytorch/pytorch (bodies kept as upstream wrote them; ``self.assert*`` come from a
-small helper base class below; adaptations are commented ``# port:``):
+Ported from pytorch/pytorch for tag v2.11.0, the pinned torch (bodies kept as upstream wrote
+them; ``self.assert*`` come from a small helper base class below; adaptations are commented
+``# port:``):
 
 test/test_cuda.py, class TestCuda
   stats:    test_memory_allocation, test_memory_stats, test_matmul_memory_use,
@@ -34,7 +37,7 @@ test/test_cuda.py, class TestCuda
   cudnn:    test_cudnn_multiple_threads_same_device, test_cudnn_allow_tf32_get_set,
             test_graph_cudnn_dropout
 test/test_cuda.py, class TestCudaMallocAsync (the snapshot / allocator-behaviour tests)
-  snapshot: test_memory_snapshot, test_memory_snapshot_with_cpp, test_memory_profiler_viz,
+  snapshot: test_memory_snapshot (P), test_memory_snapshot_with_cpp, test_memory_profiler_viz,
             test_memory_plots, test_memory_plots_free_stack, test_memory_plots_history_context,
             test_memory_plots_free_segment_stack, test_memory_plots_metadata,
             test_memory_snapshot_script, test_memory_snapshot_skip_actions,
@@ -74,9 +77,12 @@ test/inductor/test_cudagraph_trees.py, class CudaGraphTreeTests (setUp/tearDown 
             test_single_stream_use, test_forward_generation, test_conv_benchmark (cudnn),
             test_manager_per_device (skipped: 2 GPUs)
 (S) = skipped under symmalloc with a one-line reason (PyTorch's own allocator settings,
-expandable segments, MemPool options symmalloc refuses); `--list` prints every reason. The tests
-that change PyTorch's own allocator settings run last, so that in the control run they cannot
-change what the others see. Compiled tests (trees, load_inline builds of the snapshot and
+expandable segments, MemPool options symmalloc refuses); `--list` prints every reason.
+(P) = one part needs what the offline device machine lacks: test_memory_snapshot's
+_save_segment_usage check renders through flamegraph.pl, which torch downloads on first use; it
+runs only where ~/.cache/flamegraph.pl already exists, else the PASS line says it was not run.
+The tests that change PyTorch's own allocator settings run last, so that in the control run they
+cannot change what the others see. Compiled tests (trees, load_inline builds of the snapshot and
 dummy-allocator extensions) make a full run take several minutes; name an area to run a part.
 """
 import contextlib
@@ -127,6 +133,7 @@ FILE_TAG = os.path.splitext(THIS_FILE)[0]  # port: stands for upstream's "test_c
 
 IS_LINUX = sys.platform.startswith("linux")
 IS_X86 = os.uname().machine in ("x86_64", "i386", "AMD64")
+IS_ARM64 = os.uname().machine in ("arm64", "aarch64")
 IS_WINDOWS = False
 TEST_CUDAMALLOCASYNC = False  # neither allocator here is cudaMallocAsync
 TEST_WITH_ROCM = False
@@ -181,6 +188,11 @@ class Case:
 
     def tearDown(self):
         pass
+
+    def skip_part(self, reason):
+        """A part of the test that cannot run on this machine is left out (the rest runs); the
+        result line names it: ``PASS name (part not run: reason)``. Not a skip of the test."""
+        self._parts_not_run = getattr(self, "_parts_not_run", []) + [reason]
 
     def fail(self, msg=None):
         raise AssertionError(msg)
@@ -318,6 +330,15 @@ def symm_skip(reason):
     """Skipped under symmalloc only; the control run executes it."""
     def deco(fn):
         fn._symm_skip = reason
+        return fn
+    return deco
+
+
+def part_not_run_offline(reason):
+    """For `--list`: the test leaves out one part when this machine cannot do it (it says so at
+    run time through Case.skip_part); the rest of the test runs in both runs."""
+    def deco(fn):
+        fn._part_note = reason
         return fn
     return deco
 
@@ -1264,7 +1285,19 @@ class TestCuda(Case):
         self.assertEqual(bmm_mem, matmul_mem)
 
 
+# torch.cuda.memory._save_segment_usage renders through flamegraph.pl, which
+# torch.cuda._memory_viz.format_flamegraph downloads from raw.githubusercontent.com into ~/.cache
+# on first use (torch 2.11); the device machine has no network.
+FLAMEGRAPH_PL = os.path.join(os.path.expanduser("~/.cache/"), "flamegraph.pl")
+FLAMEGRAPH_OFFLINE = ("the _save_segment_usage check: torch downloads flamegraph.pl (github) on "
+                      f"first use; it is not cached at {FLAMEGRAPH_PL}, and this script does not "
+                      "fetch it (the device machine has no network)")
+
+
 class TestCudaMallocAsync(Case):
+    @part_not_run_offline("the _save_segment_usage check, when ~/.cache/flamegraph.pl is absent "
+                          "(torch downloads it from github on first use; the device machine has "
+                          "no network)")
     def test_memory_snapshot(self):
         try:
             torch.cuda.memory.empty_cache()
@@ -1297,7 +1330,11 @@ class TestCudaMallocAsync(Case):
                         self.assertEqual(x.untyped_storage().data_ptr(), b["address"])
             self.assertTrue(found_it)
 
-            if not IS_WINDOWS:
+            # port: the _save_segment_usage part needs flamegraph.pl (downloaded on first use); it
+            # runs where the script is already cached, and is named as not run otherwise
+            if not IS_WINDOWS and not os.path.exists(FLAMEGRAPH_PL):
+                self.skip_part(FLAMEGRAPH_OFFLINE)
+            elif not IS_WINDOWS:
                 with tempfile.NamedTemporaryFile() as f:
                     torch.cuda.memory._save_segment_usage(f.name)
                     with open(f.name) as f2:
@@ -2480,18 +2517,13 @@ class TestMemPool(Case):
     def test_mempool_id(self):
         pool1 = torch.cuda.graph_pool_handle()
         pool2 = torch.cuda.MemPool().id
-        # port: torch.accelerator.generate_graph_pool_handle is newer than torch 2.11
-        gen = getattr(torch.accelerator, "generate_graph_pool_handle", torch.cuda.graph_pool_handle)
-        pool3 = gen()
 
         # first value of id in a user created pool is always zero
         self.assertEqual(pool1[0] == 0, pool2[0] == 0)
-        self.assertEqual(pool1[0] == 0, pool3[0] == 0)
 
-        # each call to torch.cuda.graph_pool_handle(), torch.cuda.MemPool()
-        # or torch.accelerator.generate_graph_pool_handle() increments the id
-        self.assertTrue((pool2[1] - pool1[1]) > 0)
-        self.assertTrue((pool3[1] - pool2[1]) > 0)
+        # each call to torch.cuda.graph_pool_handle() or torch.cuda.MemPool()
+        # increments the id
+        self.assertTrue(abs(pool2[1] - pool1[1]) > 0)
 
     def test_mempool_empty_cache(self):
         torch.cuda.empty_cache()
@@ -2534,17 +2566,16 @@ class TestMemPool(Case):
         torch.cuda.empty_cache()
         self.assertEqual(called_dummy_free.value, 321)
 
+        # reset dummy allocator indicator variables because they are global
+        called_dummy_free.value = 0
+        called_dummy_alloc.value = 0
+
     def test_mempool_with_allocator(self):
         pool = torch.cuda.MemPool()
 
-        # MemPool doesn't have an allocator by default
-        self.assertEqual(pool.allocator, None)
         allocator, dummy_allocator = self.get_dummy_allocator(check_vars=True)
 
         pool = torch.cuda.MemPool(allocator.allocator())
-
-        # pool should point to the same allocator as the one passed into it
-        self.assertEqual(allocator.allocator(), pool.allocator)
 
         # pool's use count should be 1 at this point as MemPool object
         # holds a reference
@@ -2605,6 +2636,10 @@ class TestMemPool(Case):
         # out tensor
         self.assertEqual(called_dummy_free.value, 321)
 
+        # reset dummy allocator indicator variables because they are global
+        called_dummy_free.value = 0
+        called_dummy_alloc.value = 0
+
     def test_tensor_delete_after_allocator_delete(self):
         allocator, dummy_allocator = self.get_dummy_allocator(check_vars=True)
         pool = torch.cuda.MemPool(allocator.allocator())
@@ -2635,6 +2670,10 @@ class TestMemPool(Case):
         torch.cuda.empty_cache()
 
         self.assertEqual(called_dummy_free.value, 321)
+
+        # reset dummy allocator indicator variables because they are global
+        called_dummy_free.value = 0
+        called_dummy_alloc.value = 0
 
     @symm_skip("MemPool(use_on_oom=True) raises under symmalloc (refused by design)")
     def test_mempool_limited_memory_with_allocator(self):
@@ -2962,11 +3001,12 @@ def all_live_block_count():
 
 
 class CudaGraphTreeTests(Case):
-    """setUp/tearDown = upstream's chain: torch._dynamo.test_case.TestCase (class config patch,
-    torch._dynamo.reset()), torch._inductor.test_case.TestCase (autograd cache, fx graph cache,
-    fresh inductor cache dir), the file's TestCase (class inductor config patch, reset), and
-    CudaGraphTreeTests (cudagraph trees on, asserts on; tearDown: no manager, no live block, no
-    graph-pool segment left)."""
+    """setUp/tearDown = upstream's chain (torch 2.11.0), in its order: torch._dynamo.test_case.
+    TestCase (class config patch, torch._dynamo.reset()), torch._inductor.test_case.TestCase
+    (autograd cache, fx graph cache, fresh inductor cache dir), the file's TestCase (class inductor
+    config patch, reset), and CudaGraphTreeTests (cudagraph trees on, asserts on; tearDown: no
+    manager, no live block, no graph-pool segment left). Note torch 2.11 turns inductor's
+    graph_partition on by default; the 2.11 bodies below branch on it where upstream does."""
 
     def setUp(self):
         self._outer = contextlib.ExitStack()
@@ -2984,7 +3024,7 @@ class CudaGraphTreeTests(Case):
         from torch._functorch import config as functorch_config
         from torch._inductor.utils import fresh_cache
 
-        # setUpClass of torch._dynamo.test_case.TestCase and of this file's TestCase
+        # port: setUpClass of torch._dynamo.test_case.TestCase and of this file's TestCase, per test
         self._outer.enter_context(dynamo_config.patch(
             raise_on_ctx_manager_usage=True, suppress_errors=False,
             log_compilation_metrics=False))
@@ -2994,9 +3034,11 @@ class CudaGraphTreeTests(Case):
             "triton.autotune_pointwise": False,  # too slow
             "implicit_fallbacks": False,
         }))
-        # setUp chain
+        # setUp chain: this file's TestCase.setUp (reset), then torch._dynamo.test_case.TestCase
+        # (grad mode kept, reset, counters cleared), then torch._inductor.test_case.TestCase
         torch._dynamo.reset()
         self._prior_is_grad_enabled = torch.is_grad_enabled()
+        torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         self._inductor_test_stack.enter_context(
             functorch_config.patch({"enable_autograd_cache": True}))
@@ -3022,12 +3064,15 @@ class CudaGraphTreeTests(Case):
 
     def tearDown(self):
         try:
-            # super().tearDown(): inductor stack, dynamo reset
-            self._inductor_test_stack.close()
+            # super().tearDown(): torch._dynamo.test_case.TestCase's (reset, counters, saved
+            # tensors hooks, grad mode), then the inductor stack, then this file's TestCase (reset)
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             torch._C._autograd._saved_tensors_hooks_enable()
             torch.set_grad_enabled(self._prior_is_grad_enabled)
+            self._inductor_test_stack.close()
+            torch._dynamo.reset()
+            # CudaGraphTreeTests.tearDown's own
             torch._dynamo.reset()
             gc.collect()
             torch.cuda.empty_cache()
@@ -3043,7 +3088,7 @@ class CudaGraphTreeTests(Case):
 
     def get_manager(self, device_index=None):
         return torch._inductor.cudagraph_trees.get_container(
-            self.device_idx if not device_index else device_index
+            device_index if device_index else self.device_idx
         ).tree_manager
 
     def get_roots(self):
@@ -3124,8 +3169,8 @@ class CudaGraphTreeTests(Case):
             del out
 
             # when I tried inducing separate recordings via graph break,
-            # the frame kept interferring by keeping outputs alive
-            # this isnt great by simulates the logic.
+            # the frame kept interfering by keeping outputs alive
+            # this isn't great by simulates the logic.
             from torch._dynamo.mutation_guard import GenerationTracker
 
             GenerationTracker.generation -= 1
@@ -3135,7 +3180,7 @@ class CudaGraphTreeTests(Case):
 
         foo_opt(torch.ones([4, 4], device="cuda"))
 
-        # Two separate traces - one has a child, one doesnt
+        # Two separate traces - one has a child, one doesn't
         self.assertEqual(self.get_root_children(), [1, 0])
 
     def test_execution_into_recording(self):
@@ -3187,16 +3232,9 @@ class CudaGraphTreeTests(Case):
             inp = torch.rand([20, 20], device="cuda", requires_grad=True)
             out = foo(inp)
 
-            def complex_memory_overlap_new(t):
-                return True
-
-            try:
-                prev = torch._inductor.compile_fx.complex_memory_overlap
-                torch._inductor.compile_fx.complex_memory_overlap = complex_memory_overlap_new
+            with config.patch(always_complex_memory_overlap_TESTING_ONLY=True):
                 back_inp = torch.empty_strided([20, 20], [0, 1], device="cuda")
                 out.backward(back_inp)
-            finally:
-                torch._inductor.compile_fx.complex_memory_overlap = prev
 
         # we should not have cudagraph'd the backwards
         new_id = self.get_manager().new_graph_id().id
@@ -3416,7 +3454,7 @@ class CudaGraphTreeTests(Case):
         for _ in range(3):
             out = foo(inp)
             node = self.curr_node()
-            self.assertEqual(len(list(node.path_live_weakrefs())), 2)
+            self.assertEqual(len(list(node.path_live_weakrefs())), 1)
 
         @torch.compile(mode="reduce-overhead")
         def foo(x):
@@ -3464,10 +3502,9 @@ class CudaGraphTreeTests(Case):
         del x
         self.assertEqual(all_live_block_count(), 0)
 
+    @unittest.skipUnless(IS_X86 and IS_LINUX, "cpp contexts are linux only")
     @torch._inductor.config.patch("triton.cudagraph_trees_history_recording", True)
     def test_workspace_allocation_error(self):
-        if not IS_LINUX:
-            raise unittest.SkipTest("cpp contexts are linux only")
         torch._C._cuda_clearCublasWorkspaces()
 
         prev = torch._inductor.cudagraph_trees.clear_cublas_manager
@@ -3486,10 +3523,22 @@ class CudaGraphTreeTests(Case):
                 foo(*inps)
             except Exception as e:
                 thrown = True
-                self.assertTrue("at::cuda::blas::gemm<float>" in str(e))
-                self.assertTrue(
-                    "getCurrentCUDABlasHandle" in str(e) or "getNewWorkspace" in str(e)
-                )
+                if not IS_ARM64:
+                    # CUDA uses gemm/gemm_internal_cublas, ROCm uses bgemm_internal_cublaslt
+                    self.assertTrue(
+                        "at::cuda::blas::gemm<float, float>" in str(e)
+                        or "at::cuda::blas::gemm_internal_cublas<float, float>"
+                        in str(e)
+                        or "at::cuda::blas::bgemm_internal_cublaslt<float, float>"
+                        in str(e)
+                    )
+                    # CUDA uses getCurrentCUDABlasHandle/getNewWorkspace,
+                    # ROCm uses getNewCUDABlasLtWorkspace/getCUDABlasLtWorkspace
+                    self.assertTrue(
+                        "getCurrentCUDABlasHandle" in str(e)
+                        or "getNewWorkspace" in str(e)
+                        or "CUDABlasLtWorkspace" in str(e)
+                    )
 
             self.assertTrue(thrown)
 
@@ -3623,10 +3672,16 @@ class CudaGraphTreeTests(Case):
         # the three saved tensors should die in the backward
         # we kept alive the output
         self.assertEqual(self.curr_node().expected_dead_indices_before_graph, [])
-        self.assertEqual(
-            self.curr_node().expected_dead_indices_after_graph,
-            [(0, 1), (0, 2)],
-        )
+        if torch._inductor.config.graph_partition:
+            self.assertEqual(
+                self.curr_node().expected_dead_indices_after_graph,
+                [(0, 0), (0, 2)],
+            )
+        else:
+            self.assertEqual(
+                self.curr_node().expected_dead_indices_after_graph,
+                [(0, 1), (0, 2)],
+            )
         self.assertFalse(self.get_manager().new_graph_id().id == 0)
 
     def test_separate_recordings(self):
@@ -3670,12 +3725,12 @@ class CudaGraphTreeTests(Case):
         out = foo(inp)
         out2 = foo(inp)
 
-        with self.assertRaisesRegex(Exception, "overwritten by a subsequent run."):
+        with self.assertRaisesRegex(Exception, "overwritten by a subsequent"):
             out + out
 
         foo(inp)
 
-        with self.assertRaisesRegex(Exception, "overwritten by a subsequent run."):
+        with self.assertRaisesRegex(Exception, "overwritten by a subsequent"):
             out2 + out2
 
     def test_conv_benchmark(self):
@@ -3701,6 +3756,7 @@ class CudaGraphTreeTests(Case):
         streams_init = {seg["stream"] for seg in get_all_cudagraph_segments()}
         for _ in range(4):
             foo(inp).sum().backward()
+            inp.grad = None
 
         streams = {seg["stream"] for seg in get_all_cudagraph_segments()} - streams_init
         self.assertEqual(len(streams), 1)
@@ -3727,6 +3783,7 @@ class CudaGraphTreeTests(Case):
         out2.sum().backward()
         self.assertFalse(self.get_manager().running_forwards_with_pending_backwards)
 
+        ones.grad = None
         del out
         del out2
 
@@ -3870,7 +3927,7 @@ def first_line(exc):
 
 
 def run_one(cls, meth, args):
-    """Returns (status, text): status in PASS/FAIL/SKIP."""
+    """Returns (status, text): status in PASS/FAIL/SKIP (for PASS, text names any part not run)."""
     inst = cls()
     try:
         inst.setUp()
@@ -3881,6 +3938,7 @@ def run_one(cls, meth, args):
     status, text = "PASS", ""
     try:
         getattr(inst, meth)(*args)
+        text = "; ".join(getattr(inst, "_parts_not_run", []))
     except unittest.SkipTest as e:
         status, text = "SKIP", str(e)
     except Exception as e:  # noqa: BLE001
@@ -3901,8 +3959,10 @@ def run_one(cls, meth, args):
 def main():
     plan = expand_plan()
     if LIST:
-        for area, name, _bare, _cls, _m, _a, sk, symm in plan:
+        for area, name, _bare, cls, meth, _a, sk, symm in plan:
             note = f"  SKIP: {sk}" if sk else (f"  SKIP (symmalloc): {symm}" if symm else "")
+            part = getattr(cls.__dict__[meth], "_part_note", None)
+            note += f"  PART NOT RUN: {part}" if part else ""
             print(f"{area:10s} {name}{note}")
         print(f"{len(plan)} tests")
         return 0
@@ -3929,7 +3989,7 @@ def main():
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
           f"{torch.cuda.device_count()} GPU(s) visible, 1 used")
 
-    passed = failed = skipped = 0
+    passed = failed = skipped = partial = 0
     for area, name, _bare, cls, meth, args, sk, symm in plan:
         if sk:
             print(f"SKIP {name}: {sk}", flush=True)
@@ -3942,7 +4002,8 @@ def main():
         status, text = run_one(cls, meth, args)
         if status == "PASS":
             passed += 1
-            print(f"PASS {name}", flush=True)
+            partial += bool(text)
+            print(f"PASS {name}" + (f" (part not run: {text})" if text else ""), flush=True)
         elif status == "SKIP":
             skipped += 1
             print(f"SKIP {name}: {text}", flush=True)
@@ -3950,7 +4011,8 @@ def main():
             failed += 1
             print(f"FAIL {name}: {text}", flush=True)
         sys.stdout.flush()
-    print(f"{passed} passed, {failed} failed, {skipped} skipped")
+    print(f"{passed} passed, {failed} failed, {skipped} skipped"
+          + (f" ({partial} of the passes with a part not run, named above)" if partial else ""))
     return 1 if failed else 0
 
 
