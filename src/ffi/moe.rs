@@ -192,6 +192,10 @@ pub extern "C" fn symm_moe_create_config(
     out: *mut *mut symm_moe_t,
 ) -> symm_status_t {
     guard_status("symm_moe_create_config", || {
+        if !out.is_null() {
+            // SAFETY: out is non-NULL; cleared first so every failure leaves NULL (as create).
+            unsafe { out.write(std::ptr::null_mut()) };
+        }
         if config.is_null() {
             return Err(Error::invalid("symm_moe_create_config: config is NULL"));
         }
