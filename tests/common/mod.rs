@@ -421,3 +421,6 @@ pub fn split(parent: Comm, color: i32, key: i32) -> Comm {
     );
     child
 }
+
+// ---- The MoE tests' shared parts (moe_host.rs, gpu_moe.rs).
+pub mod moe;

@@ -1,0 +1,194 @@
+//! MoE dispatch and combine (docs/moe.md) on GPUs, one process per GPU or `SYMM_TEST_RANKS=N`
+//! with `SYMMALLOC_SHARED_GPU=1` on fewer (run on the device machine; `#[ignore]`d, so
+//! `cargo test` lists them as not run). The scenarios of tests/moe_host.rs on device memory
+//! (tests/common/moe/: the reference sweep, changing routing, arrival order, a split
+//! child, every error, create arguments, a dead peer), where the kernels report what only the
+//! routing shows at the next call or `symm_moe_check` after a stream sync. Then CUDA graphs:
+//! dispatch, an expert on the device (the rows copied, each element pair read as fp32 doubled
+//! 1 + e % 3 times: tests/common/moe.rs `Expert::Pairs`) and combine captured once and
+//! replayed with new routing written into the same buffers before each replay.
+
+mod common;
+use common::moe::cases::*;
+use common::moe::errors::*;
+use common::moe::*;
+use common::*;
+use std::ptr::null_mut;
+use symmalloc::cuda::{mem, util};
+use symmalloc::ffi::moe::*;
+
+/// A child rank: its communicator, a stream on its device, world, rank and the parent's seed.
+fn rank_setup(c: &Child) -> (Comm, Dev, usize, usize, u64) {
+    let comm = init(c);
+    let seed = c.arg.parse().expect("the parent passes the seed");
+    (
+        comm,
+        Dev::cuda(c.device),
+        c.world as usize,
+        c.rank as usize,
+        seed,
+    )
+}
+
+/// Runs `name` on one rank per GPU (or SYMM_TEST_RANKS); every rank must succeed and print its
+/// "rank R:" line.
+fn run_gpu(name: &str, env: &[(&str, &str)], dead: usize) -> Vec<std::process::Output> {
+    let world = gpu_world(name);
+    let outs = run_ranks(name, world, env, &seed().to_string());
+    assert_all_ok(&outs);
+    for (r, o) in outs.iter().enumerate().take(outs.len() - dead) {
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            out.contains(&format!("rank {r}: ")),
+            "{name}: rank {r} printed nothing"
+        );
+        for l in out.lines().filter(|l| l.starts_with("rank ")) {
+            println!("{l}");
+        }
+    }
+    outs
+}
+
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_dispatch_and_combine_match_the_reference() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c);
+        let (cases, hash) = sweep(comm, dev, w, seed);
+        destroy(comm);
+        println!("rank {r}: outputs hash {hash:016x}; {cases} cases correct");
+        return;
+    }
+    let outs = run_gpu("gpu_moe_dispatch_and_combine_match_the_reference", &[], 0);
+    assert_same_output_hash(&outs);
+}
+
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_routing_changing_every_call() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c);
+        let calls = epochs(comm, dev, w, seed, reps(48));
+        destroy(comm);
+        println!("rank {r}: {calls} calls correct");
+        return;
+    }
+    run_gpu("gpu_moe_routing_changing_every_call", &[], 0);
+}
+
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_arrival_order_and_a_split_child() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c);
+        let cases = arrival(comm, dev, w, seed);
+        split_child(comm, dev, w, r, seed);
+        destroy(comm);
+        println!("rank {r}: {cases} cases the same bit for bit in two arrival orders");
+        return;
+    }
+    run_gpu("gpu_moe_arrival_order_and_a_split_child", &[], 0);
+}
+
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_errors_are_reported_on_every_rank_and_leave_it_usable() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c);
+        errors(comm, dev, w, seed);
+        create_errors(comm, dev, w, r, seed);
+        destroy(comm);
+        println!("rank {r}: every error reported as expected");
+        return;
+    }
+    let name = "gpu_moe_errors_are_reported_on_every_rank_and_leave_it_usable";
+    run_gpu(name, &[], 0);
+}
+
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_a_dead_peer_times_out_naming_it() {
+    if let Some(c) = child() {
+        let (comm, dev, w, _, seed) = rank_setup(&c);
+        dead_peer(comm, dev, w, seed, 2.0);
+        destroy(comm);
+        return;
+    }
+    let env = [("SYMMALLOC_TIMEOUT_S", "2")];
+    run_gpu("gpu_moe_a_dead_peer_times_out_naming_it", &env, 1);
+}
+
+/// Captures dispatch + the pair expert + combine once, then replays it with new inputs and
+/// routing written into the same buffers each time; every replay's receive buffers and y are
+/// checked as an eager call's. Eager calls after the replays still work (the device's call
+/// counters moved with the replays).
+fn graph_rank(c: &Child) {
+    let (comm, dev, w, r, seed) = rank_setup(c);
+    let s = Shape::new(64, 256, 4, experts(w, 8), false);
+    let o = create(comm, s, dev);
+    let (n, k, rows) = (s.t, s.topk, o.l * o.r);
+    let x = Buf::new(dev, n * s.row());
+    let idx = Buf::new(dev, n * k as usize * 4);
+    let wts = Buf::new(dev, n * k as usize * 4);
+    let eo = Buf::new(dev, rows * s.h * 2);
+    let y = Buf::new(dev, n * s.h * 2);
+    util::capture_begin(dev.device, dev.stream).unwrap();
+    let a = Args {
+        x: x.ptr(),
+        sc: null_mut(),
+        idx: idx.ptr(),
+        it: SYMM_INDEX_INT32,
+        w: wts.ptr() as _,
+        n,
+        k,
+    };
+    assert_eq!(dispatch(&o, &a), OK, "captured dispatch: {}", err());
+    let bytes = (rows * s.row()) as u64;
+    mem::copy_async(dev.device, eo.p, o.lay.recv_x as u64, bytes, dev.stream).unwrap();
+    for le in 0..o.l {
+        let e = r * o.l + le;
+        let part = eo.p + (le * o.r * s.h * 2) as u64;
+        let words = (o.r * s.h / 2) as u64;
+        for _ in 0..1 + e % 3 {
+            util::saxpy(dev.device, dev.stream, 1.0, part, part, words).unwrap();
+        }
+    }
+    let st = symm_moe_combine(o.moe, eo.ptr(), y.ptr(), dev.s());
+    assert_eq!(st, OK, "captured combine: {}", err());
+    let graph = util::capture_end(dev.device, dev.stream).unwrap();
+    let routes = [Route::Random, Route::Holes, Route::Hot(1), Route::Sparse];
+    let replays = reps(40);
+    for i in 0..replays {
+        let c = Case::new(seed ^ (i << 16), n, k, routes[i as usize % 4]);
+        let all: Vec<Inputs> = (0..w).map(|src| rank_inputs(&s, &c, w, src)).collect();
+        let me = &all[r];
+        dev.put(x.p, &me.x);
+        dev.put(idx.p, &me.idx_bytes(false));
+        dev.put(wts.p, &f32_bytes(&me.w));
+        poison_recv(&o);
+        dev.fill(y.p, y.bytes, POISON);
+        graph.launch(dev.stream).unwrap();
+        dev.sync();
+        assert_eq!(symm_moe_check(o.moe), OK, "replay {i}: {}", err());
+        let what = format!("rank {r} replay {i}");
+        check_recv(&o, &c, &all, &read_recv(&o), &what);
+        check_y(&o, &c, Expert::Pairs, me, &y.get(), &what);
+    }
+    drop(graph);
+    for i in 0..4 {
+        let c = Case::new(seed ^ 0xeaa0 ^ i, n, k, routes[i as usize]);
+        run_case(&o, &c, Expert::Scale, [0, 0]);
+    }
+    drop(o);
+    destroy(comm);
+    println!("rank {r}: {replays} graph replays and 4 eager calls after them correct");
+}
+
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_graph_replays_follow_new_routing() {
+    if let Some(c) = child() {
+        return graph_rank(&c);
+    }
+    run_gpu("gpu_moe_graph_replays_follow_new_routing", &[], 0);
+}
