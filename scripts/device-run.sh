@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a lent GPU machine, from
 # prebuilt artifacts in .device/ (docs/development.md, "GPU runs"). Logs go to $OUT.
-#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab | p2p | fp8 | groups | global | atp | hier | x2
+#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab | p2p | fp8 | groups | moe | global | atp | hier | x2
 #   x2: the 2-GPU runs of issue 29 (PARTS; see the branch), each part within what is left of BUDGET s.
 #   fused: bench/fused.py (all-reduce + residual add + RMSNorm, fused vs unfused vs NCCL, and a
 #          16-layer decoder step).
@@ -16,6 +16,8 @@
 #   groups: tests/gpu_groups.rs at RANKS (default 4) ranks sharing the GPUs, then bench/groups.rs
 #           (split vs init, a child vs a standalone communicator); TORCH=1 adds
 #           python/tests/torch_groups_gpu_check.py.
+#   moe: expert parallelism (docs/moe.md): tests/gpu_moe.rs at RANKS (default "2 4 8") ranks
+#        sharing the machine's GPUs (FILTER: a test name filter).
 #   global: global mode on one GPU (PARTS="checks memory host alloc"; see the branch below).
 #   fp8: the FP8 output of the fused call (issue 31): t_fused_quant at RANKS (default "2 4 8")
 #        ranks sharing the GPUs, t_bitwise at 2, python/tests/fp8_check.py at 2 (torchrun; gloo
@@ -196,6 +198,11 @@ elif [ "${1:-tests}" = groups ]; then
   if [ -n "${TORCH:-}" ]; then
     T=${T:-300} TAILN=6 run groups_torch python3 python/tests/torch_groups_gpu_check.py
   fi
+elif [ "${1:-tests}" = moe ]; then
+  step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  for n in ${RANKS:-2 4 8}; do
+    SYMMALLOC_SHARED_GPU=1 SYMM_TEST_RANKS=$n T=${T:-300} TAILN=14 run gpu_moe_$n $D/t_gpu_moe ${FILTER:-} --include-ignored --test-threads=1 --nocapture
+  done
 elif [ "${1:-tests}" = gpu ]; then
   run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture
   T=200 TAILN=6 run gpu_grown $D/t_grown gpu_ --include-ignored --test-threads=1 --nocapture

@@ -28,7 +28,7 @@ if [ "${1:-}" = --old ]; then
   ls -la .device/old
   exit 0
 fi
-mapfile -t tests < <(cargo test --release -p symmalloc --lib --test gpu_alloc --test gpu_comm --test gpu_scatter_gather --test bitwise --test gpu_p2p --test gpu_groups --test fused_quant --test grown_host --no-run 2>&1 |
+mapfile -t tests < <(cargo test --release -p symmalloc --lib --test gpu_alloc --test gpu_comm --test gpu_scatter_gather --test bitwise --test gpu_p2p --test gpu_groups --test gpu_moe --test fused_quant --test grown_host --no-run 2>&1 |
   grep -oE "\(target/release/deps/[^)]+\)" | tr -d '()')
 # Everything but an A/B's other build (--old) is replaced.
 mkdir -p .device && find .device -mindepth 1 -maxdepth 1 ! -name old -exec rm -rf {} +
@@ -42,6 +42,7 @@ for t in "${tests[@]}"; do
     *bitwise-*) cp "$t" .device/t_bitwise ;;
     *gpu_p2p-*) cp "$t" .device/t_gpu_p2p ;;
     *gpu_groups-*) cp "$t" .device/t_gpu_groups ;;
+    *gpu_moe-*) cp "$t" .device/t_gpu_moe ;;
     *fused_quant-*) cp "$t" .device/t_fused_quant ;;
     *grown_host-*) cp "$t" .device/t_grown ;;
     *symmalloc-*) cp "$t" .device/t_unit ;;
