@@ -1,0 +1,225 @@
+// symmalloc's C++ allocator for PyTorch: libsymmalloc's C ABI as the allocator calls it.
+// Included by torch_allocator.cpp only.
+//
+// Owns: the table of libsymmalloc's functions (`api`, filled once by load_api with dlopen from
+// the path the Python package gives), the C ABI's structs as include/symmalloc.h lays them out,
+// and the helpers over them every part of the allocator uses: check() and last_error() (a
+// failed call as a c10::Error), the statistics as PyTorch's types, and the blocks of the heaps
+// (list_blocks, for_each_heap, and a block or segment found by address).
+//
+// Invariants:
+// - The structs match include/symmalloc.h byte for byte (symm_device_stats_t is checked by size).
+// - `api` is filled before the allocator object exists (torch_allocator.cpp's make) and never
+//   changes after; nothing here keeps state of its own.
+// - list_blocks and the lookups over it only read the heaps: they never place or free memory.
+#pragma once
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace symm_torch {
+namespace {  // internal linkage, as in the one translation unit that includes this
+
+using c10::CachingDeviceAllocator::DeviceStats;
+using c10::CachingDeviceAllocator::Stat;
+using c10::CachingDeviceAllocator::TraceEntry;
+namespace CCA = c10::cuda::CUDACachingAllocator;
+using MempoolId = c10::MempoolId_t;
+
+// ---- libsymmalloc's C ABI (include/symmalloc.h), the parts the allocator calls ----
+constexpr int kSuccess = 0;
+constexpr int kOutOfMemory = 2;
+
+struct SymmStat {
+  int64_t current, peak, allocated, freed;
+};
+struct SymmDeviceStats {
+  SymmStat allocation[3], segment[3], active[3], inactive_split[3], allocated_bytes[3],
+      reserved_bytes[3], active_bytes[3], inactive_split_bytes[3], requested_bytes[3];
+  int64_t num_alloc_retries, num_ooms;
+  SymmStat oversize_allocations, oversize_segments;
+  int64_t num_sync_all_streams, num_device_alloc, num_device_free, max_split_size;
+};
+static_assert(sizeof(SymmDeviceStats) == 976, "symm_device_stats_t v1");
+
+struct SymmBlock {
+  uint64_t address, size, requested, segment_address, segment_size, pool_first, pool_second,
+      stream;
+  uint32_t state, is_large;
+};
+constexpr uint32_t kBlockLive = 1;
+
+using FilterFn = int (*)(void*, cudaStream_t);
+using DropFn = void (*)(void*);
+
+struct Api {
+  int (*malloc_checked)(size_t, int, cudaStream_t, void**);
+  int (*free_block)(void*);
+  void (*record_stream)(void*, cudaStream_t);
+  void (*empty_cache)();
+  int (*device_stats)(int, SymmDeviceStats*, size_t);
+  int (*reset_peak)(int);
+  int (*reset_accumulated)(int);
+  int (*set_memory_limit)(int, uint64_t);
+  int (*cache_info)(int, uint64_t*);
+  int (*heap_blocks)(int, int, uint64_t, uint64_t, SymmBlock*, size_t, size_t*);
+  int (*pool_hold)(int, uint64_t, uint64_t);
+  int (*pool_uses)(int, uint64_t, uint64_t, uint64_t*);
+  int (*pool_restore)(int, uint64_t, uint64_t, const SymmBlock*, size_t);
+  int (*begin_pool_filtered)(int, uint64_t, uint64_t, FilterFn, void*, DropFn);
+  void (*end_pool)(int, uint64_t, uint64_t);
+  void (*release_pool)(int, uint64_t, uint64_t);
+  const char* (*last_error)();
+};
+
+Api api;
+
+inline std::string last_error() {
+  const char* e = api.last_error();
+  return e ? std::string(e) : std::string();
+}
+
+inline void check(int status, const char* what) {
+  TORCH_CHECK(status == kSuccess, "symmalloc: ", what, " failed: ", last_error());
+}
+
+inline Stat to_stat(const SymmStat& s) {
+  Stat out;
+  out.current = s.current;
+  out.peak = s.peak;
+  out.allocated = s.allocated;
+  out.freed = s.freed;
+  return out;
+}
+
+inline void copy_array(c10::CachingAllocator::StatArray& dst, const SymmStat (&src)[3]) {
+  for (size_t i = 0; i < 3; ++i) dst[i] = to_stat(src[i]);
+}
+
+// symm_device_stats_t as PyTorch's DeviceStats, field by field.
+inline DeviceStats to_device_stats(const SymmDeviceStats& s) {
+  DeviceStats out;
+  copy_array(out.allocation, s.allocation);
+  copy_array(out.segment, s.segment);
+  copy_array(out.active, s.active);
+  copy_array(out.inactive_split, s.inactive_split);
+  copy_array(out.allocated_bytes, s.allocated_bytes);
+  copy_array(out.reserved_bytes, s.reserved_bytes);
+  copy_array(out.active_bytes, s.active_bytes);
+  copy_array(out.inactive_split_bytes, s.inactive_split_bytes);
+  copy_array(out.requested_bytes, s.requested_bytes);
+  out.num_alloc_retries = s.num_alloc_retries;
+  out.num_ooms = s.num_ooms;
+  out.oversize_allocations = to_stat(s.oversize_allocations);
+  out.oversize_segments = to_stat(s.oversize_segments);
+  out.num_sync_all_streams = s.num_sync_all_streams;
+  out.num_device_alloc = s.num_device_alloc;
+  out.num_device_free = s.num_device_free;
+  out.max_split_size = s.max_split_size;
+  return out;
+}
+
+inline std::vector<SymmBlock> list_blocks(int device, const MempoolId* pool) {
+  for (;;) {
+    size_t n = 0;
+    check(api.heap_blocks(device, pool ? 0 : 1, pool ? pool->first : 0, pool ? pool->second : 0,
+                          nullptr, 0, &n),
+          "symm_heap_blocks");
+    std::vector<SymmBlock> v(n + 16);
+    size_t m = 0;
+    check(api.heap_blocks(device, pool ? 0 : 1, pool ? pool->first : 0, pool ? pool->second : 0,
+                          v.data(), v.size(), &m),
+          "symm_heap_blocks");
+    if (m <= v.size()) {
+      v.resize(m);
+      return v;
+    }
+  }
+}
+
+// fn(device, blocks) with the blocks (list_blocks: of `pool`, or of every pool with nullptr) of
+// each device 0..max(device_count, 1) - 1 in turn, skipping a device whose heap cannot be read;
+// stops at the first fn that returns true.
+template <typename Fn>
+void for_each_heap(int device_count, const MempoolId* pool, Fn&& fn) {
+  for (int d = 0; d < std::max(device_count, 1); ++d) {
+    std::vector<SymmBlock> blocks;
+    try {
+      blocks = list_blocks(d, pool);
+    } catch (const c10::Error&) {
+      continue;  // a device whose heap cannot be read (none made there, no such device)
+    }
+    if (fn(d, blocks)) return;
+  }
+}
+
+// The device whose heap holds a segment with `ptr` in it (0 when none does).
+inline int device_of(int device_count, void* ptr) {
+  int found = 0;
+  for_each_heap(device_count, nullptr, [&](int d, const std::vector<SymmBlock>& blocks) {
+    for (const auto& b : blocks)
+      if ((uint64_t)ptr >= b.segment_address &&
+          (uint64_t)ptr < b.segment_address + b.segment_size) {
+        found = d;
+        return true;
+      }
+    return false;
+  });
+  return found;
+}
+
+// The device and request of the live block at `p` (0, 0 when not found).
+inline void find_live(int device_count, void* p, int* device, size_t* size) {
+  for_each_heap(device_count, nullptr, [&](int d, const std::vector<SymmBlock>& blocks) {
+    for (const auto& b : blocks)
+      if (b.address == (uint64_t)p && b.state == kBlockLive) {
+        *device = d;
+        *size = b.requested;
+        return true;
+      }
+    return false;
+  });
+}
+
+// Fills `api` from the library at `path`: "" on success, else why not.
+inline std::string load_api(const char* path) {
+  void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!h) return std::string("cannot load ") + path + ": " + dlerror();
+  std::string missing;
+  auto sym = [&](const char* name) -> void* {
+    void* p = dlsym(h, name);
+    if (!p) missing += std::string(missing.empty() ? "" : ", ") + name;
+    return p;
+  };
+#define SYMM_LOAD(field, name) api.field = reinterpret_cast<decltype(api.field)>(sym(name))
+  SYMM_LOAD(malloc_checked, "symm_malloc_checked");
+  SYMM_LOAD(free_block, "symm_free_block");
+  SYMM_LOAD(record_stream, "symm_record_stream");
+  SYMM_LOAD(empty_cache, "symm_empty_cache");
+  SYMM_LOAD(device_stats, "symm_device_stats");
+  SYMM_LOAD(reset_peak, "symm_reset_peak_stats");
+  SYMM_LOAD(reset_accumulated, "symm_reset_accumulated_stats");
+  SYMM_LOAD(set_memory_limit, "symm_set_memory_limit");
+  SYMM_LOAD(cache_info, "symm_cache_info");
+  SYMM_LOAD(heap_blocks, "symm_heap_blocks");
+  SYMM_LOAD(pool_hold, "symm_pool_hold");
+  SYMM_LOAD(pool_uses, "symm_pool_uses");
+  SYMM_LOAD(pool_restore, "symm_pool_restore");
+  SYMM_LOAD(begin_pool_filtered, "symm_begin_pool_filtered");
+  SYMM_LOAD(end_pool, "symm_end_pool");
+  SYMM_LOAD(release_pool, "symm_release_pool");
+  SYMM_LOAD(last_error, "symm_last_error");
+#undef SYMM_LOAD
+  if (!missing.empty()) return std::string(path) + " lacks " + missing + " (an older library)";
+  return "";
+}
+
+}  // namespace
+}  // namespace symm_torch

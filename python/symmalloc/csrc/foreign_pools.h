@@ -1,0 +1,170 @@
+// symmalloc's C++ allocator for PyTorch: MemPools that name an allocator of their own.
+// Included by torch_allocator.cpp only.
+//
+// Owns: the pools whose MemPool named its own allocator (MemPool(allocator=...), NCCL's for
+// buffer registration, say: createOrIncrefPool) with their use counts, the routes open to them
+// (beginAllocateToPool .. endAllocateToPool), and the allocator of each live block they gave.
+// Their blocks come from that allocator, never from symmalloc's heap, as PyTorch's allocator
+// does it.
+//
+// Invariants:
+// - Everything is under `foreign_mu_` but the two counters, `foreign_routes_` (routes open) and
+//   `foreign_live_` (blocks live), so that with none the allocation and free paths pay one
+//   relaxed atomic load each.
+// - The newest open route of a device whose filter takes the stream gives the block; a block is
+//   freed by the allocator that gave it (held here until its free), whatever the pools did since.
+// - A foreign route counts in the allocator's open pool routes (`routes_open`, PyTorch's
+//   "captures underway") like a route into the heap, under the same lock as the route itself.
+#pragma once
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <iterator>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "api.h"
+#include "oom.h"
+
+namespace symm_torch {
+namespace {  // internal linkage, as in the one translation unit that includes this
+
+class ForeignPools {
+ public:
+  int routes() const { return foreign_routes_.load(std::memory_order_relaxed); }
+  int live() const { return foreign_live_.load(std::memory_order_relaxed); }
+
+  // createOrIncrefPool of a MemPool with its own allocator.
+  void adopt(MempoolId id, std::shared_ptr<CCA::CUDAAllocator> allocator) {
+    std::lock_guard<std::mutex> g(foreign_mu_);
+    auto& fp = foreign_pools_[id];
+    fp.allocator = std::move(allocator);
+    fp.uses++;
+  }
+
+  // beginAllocateToPool: true, with the route open (and counted in `routes_open`), when `id` is
+  // a pool of its own allocator (then `filter` is taken); false, nothing done, otherwise.
+  bool begin(c10::DeviceIndex device, MempoolId id, std::function<bool(cudaStream_t)>& filter,
+             std::atomic<int>& routes_open) {
+    std::lock_guard<std::mutex> g(foreign_mu_);
+    auto it = foreign_pools_.find(id);
+    if (it != foreign_pools_.end()) {
+      it->second.uses++;
+      routes_.push_back({device, id, std::move(filter), it->second.allocator});
+      foreign_routes_.fetch_add(1);
+      routes_open.fetch_add(1);
+      return true;
+    }
+    return false;
+  }
+
+  // endAllocateToPool: true, with the newest route of (device, id) closed, when there is one.
+  bool end(c10::DeviceIndex device, MempoolId id, std::atomic<int>& routes_open) {
+    std::lock_guard<std::mutex> g(foreign_mu_);
+    for (auto it = routes_.rbegin(); it != routes_.rend(); ++it) {
+      if (it->device == device && it->pool == id) {
+        routes_.erase(std::next(it).base());
+        foreign_routes_.fetch_sub(1);
+        routes_open.fetch_sub(1);
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // releasePool: true, with a use dropped (the pool forgotten at none), when `id` is one.
+  bool release(MempoolId id) {
+    std::lock_guard<std::mutex> g(foreign_mu_);
+    auto it = foreign_pools_.find(id);
+    if (it != foreign_pools_.end()) {
+      if (--it->second.uses <= 0) foreign_pools_.erase(it);
+      return true;
+    }
+    return false;
+  }
+
+  // getPoolUseCount: true, with *out set to its uses, when `id` is one.
+  bool uses(MempoolId id, int* out) {
+    std::lock_guard<std::mutex> g(foreign_mu_);
+    auto it = foreign_pools_.find(id);
+    if (it != foreign_pools_.end()) {
+      *out = it->second.uses;
+      return true;
+    }
+    return false;
+  }
+
+  // The allocation, when an open route of `device` takes `stream` (nullptr when none does).
+  void* malloc(c10::DeviceIndex device, size_t n, cudaStream_t stream) {
+    std::shared_ptr<CCA::CUDAAllocator> alloc;
+    {
+      std::lock_guard<std::mutex> g(foreign_mu_);
+      for (auto it = routes_.rbegin(); it != routes_.rend(); ++it)
+        if (it->device == device && it->filter(stream)) {
+          alloc = it->allocator;
+          break;
+        }
+    }
+    if (!alloc) return nullptr;
+    c10::cuda::CUDAGuard guard(device);
+    void* p = alloc->raw_alloc_with_stream(n, stream);
+    TORCH_CHECK_WITH(OutOfMemoryError, p != nullptr, "CUDA out of memory. Tried to allocate ",
+                     bytes_str(n), " from the MemPool's own allocator (", alloc->name(), ")");
+    std::lock_guard<std::mutex> g(foreign_mu_);
+    foreign_ptrs_[p] = std::move(alloc);
+    foreign_live_.fetch_add(1);
+    return p;
+  }
+
+  // True when `p` came from a pool of its own allocator (then given back to it).
+  bool free(void* p) {
+    std::shared_ptr<CCA::CUDAAllocator> alloc;
+    {
+      std::lock_guard<std::mutex> g(foreign_mu_);
+      auto it = foreign_ptrs_.find(p);
+      if (it == foreign_ptrs_.end()) return false;
+      alloc = std::move(it->second);
+      foreign_ptrs_.erase(it);
+      foreign_live_.fetch_sub(1);
+    }
+    alloc->raw_delete(p);
+    return true;
+  }
+
+ private:
+  // A route to a pool whose MemPool named its own allocator (createOrIncrefPool).
+  struct ForeignRoute {
+    c10::DeviceIndex device;
+    MempoolId pool;
+    std::function<bool(cudaStream_t)> filter;
+    std::shared_ptr<CCA::CUDAAllocator> allocator;
+  };
+  struct ForeignPool {
+    std::shared_ptr<CCA::CUDAAllocator> allocator;
+    int uses = 0;
+  };
+  struct MempoolHash {
+    size_t operator()(const MempoolId& id) const {
+      return std::hash<uint64_t>()(id.first) * 31 + std::hash<uint64_t>()(id.second);
+    }
+  };
+
+  std::mutex foreign_mu_;
+  std::unordered_map<MempoolId, ForeignPool, MempoolHash> foreign_pools_;
+  std::vector<ForeignRoute> routes_;
+  std::unordered_map<void*, std::shared_ptr<CCA::CUDAAllocator>> foreign_ptrs_;
+  std::atomic<int> foreign_routes_{0};
+  std::atomic<int> foreign_live_{0};
+};
+
+}  // namespace
+}  // namespace symm_torch
