@@ -107,7 +107,7 @@ impl Track {
 
 /// The class index of a block of `rounded` bytes.
 pub fn class_index(rounded: u64) -> usize {
-    if rounded <= super::device_heap::SMALL_MAX {
+    if rounded <= super::size_class::SMALL_MAX {
         SMALL
     } else {
         LARGE
@@ -185,10 +185,10 @@ pub struct HeapCounters {
 }
 
 /// Class slot of `HeapCounters` (0 small, 1 large).
-pub fn slot(class: super::device_heap::Class) -> usize {
+pub fn slot(class: super::size_class::Class) -> usize {
     match class {
-        super::device_heap::Class::Small => 0,
-        super::device_heap::Class::Large => 1,
+        super::size_class::Class::Small => 0,
+        super::size_class::Class::Large => 1,
     }
 }
 

@@ -20,6 +20,7 @@ pub mod parked;
 pub mod pools;
 pub mod ranges;
 pub mod release_log;
+pub mod size_class;
 pub mod spin_lock;
 pub mod stats;
 pub mod tcache;

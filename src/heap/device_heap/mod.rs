@@ -72,25 +72,14 @@ use crate::error::{Error, Result, Status};
 pub use inspect::BlockView;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Requests are rounded up to this (keeps every block 512-byte aligned).
-pub const ROUND: u64 = 512;
-/// Requests up to this size come from small segments.
-pub const SMALL_MAX: u64 = 1 << 20;
-pub const SMALL_SEGMENT: u64 = 2 << 20;
-pub const LARGE_SEGMENT: u64 = 20 << 20;
-/// Requests from this size get a segment of their own (rounded to the granularity).
-pub const HUGE_MIN: u64 = 10 << 20;
+pub use super::size_class::{
+    class_of, round_request, Class, HUGE_MIN, LARGE_SEGMENT, ROUND, SMALL_MAX, SMALL_SEGMENT,
+};
 /// A large block is split only when the remainder is bigger than this.
 const LARGE_SPLIT_MIN: u64 = SMALL_MAX;
 /// The `free_by_stream` key of never-used memory, which waits on no stream (no CUDA stream
 /// handle has this value; the legacy default stream is 0).
 pub const UNUSED: Stream = u64::MAX;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Class {
-    Small,
-    Large,
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
@@ -218,10 +207,6 @@ pub(super) enum Placed {
     Nothing,
 }
 
-pub fn round_request(size: u64) -> u64 {
-    size.div_ceil(ROUND).max(1) * ROUND
-}
-
 /// Whether a freed block of `rounded` bytes of `pool` may be kept whole for the next request of
 /// its size (parked here, or kept by a thread cache) rather than merged with its free neighbours
 /// at once. Not for large blocks of a pool other than the default one (a graph capture's, a
@@ -233,14 +218,6 @@ pub fn round_request(size: u64) -> u64 {
 /// --replay`; bench/NOTES.md, "The allocator").
 pub fn keeps_whole(pool: PoolId, rounded: u64) -> bool {
     pool == DEFAULT_POOL || class_of(rounded) == Class::Small
-}
-
-pub fn class_of(rounded: u64) -> Class {
-    if rounded <= SMALL_MAX {
-        Class::Small
-    } else {
-        Class::Large
-    }
 }
 
 impl DeviceHeap {
