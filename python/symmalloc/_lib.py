@@ -125,6 +125,80 @@ def _library():
     return _lib
 
 
+# Expert parallelism (symm_moe_*, docs/moe.md): payload dtypes, index dtypes, struct versions.
+# payload name -> SYMM_MOE_BF16 / SYMM_MOE_FP8_E4M3; the torch names and the short ones.
+_MOE_DTYPES = {"bfloat16": 0, "bf16": 0, "float8_e4m3fn": 1, "fp8": 1, "fp8_e4m3": 1}
+# index dtype name -> SYMM_INDEX_INT32 / SYMM_INDEX_INT64.
+_INDEX_DTYPES = {"int32": 0, "int64": 1}
+_MOE_CONFIG_VERSION = 1  # SYMM_MOE_CONFIG_VERSION
+_MOE_LAYOUT_VERSION = 1  # SYMM_MOE_LAYOUT_VERSION
+_MOE_MAX_TOPK = 16  # SYMM_MOE_MAX_TOPK
+_MOE_MAX_EXPERTS = 1024  # SYMM_MOE_MAX_EXPERTS
+
+
+class _MoeConfig(ctypes.Structure):
+    """``symm_moe_config_t``."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint32), ("size", ctypes.c_uint32),
+        ("max_tokens_per_rank", ctypes.c_uint64), ("hidden", ctypes.c_uint64),
+        ("topk", ctypes.c_uint32), ("num_experts", ctypes.c_uint32),
+        ("dtype", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+        ("max_recv_per_expert", ctypes.c_uint64),
+    ]
+
+
+class _MoeLayout(ctypes.Structure):
+    """``symm_moe_layout_t``: the object's buffers (this rank's addresses) and its shape."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint32), ("size", ctypes.c_uint32),
+        ("recv_x", ctypes.c_void_p), ("recv_scales", ctypes.c_void_p),
+        ("recv_counts", ctypes.c_void_p), ("recv_src", ctypes.c_void_p),
+        ("local_experts", ctypes.c_uint64), ("first_expert", ctypes.c_uint64),
+        ("max_recv", ctypes.c_uint64), ("hidden", ctypes.c_uint64),
+        ("max_tokens_per_rank", ctypes.c_uint64),
+        ("topk", ctypes.c_uint32), ("num_experts", ctypes.c_uint32), ("world", ctypes.c_uint32),
+        ("rank", ctypes.c_uint32), ("dtype", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+        ("buffer_bytes", ctypes.c_uint64),
+    ]
+
+
+_VP, _SZ, _U32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32
+# The symm_moe_* prototypes (all return symm_status_t), argument by argument; every pointer is a
+# c_void_p but the structs' and the out handle's.
+_MOE_PROTOTYPES = {
+    "symm_moe_create": [_VP, _SZ, _SZ, _U32, _U32, _U32, _U32, ctypes.POINTER(_VP)],
+    "symm_moe_create_config": [_VP, ctypes.POINTER(_MoeConfig), ctypes.POINTER(_VP)],
+    "symm_moe_destroy": [_VP],
+    "symm_moe_layout": [_VP, ctypes.POINTER(_MoeLayout)],
+    "symm_moe_dispatch": [_VP, _VP, _VP, _VP, _U32, _VP, _SZ, _U32, _VP],
+    "symm_moe_combine": [_VP, _VP, _VP, _VP],
+    "symm_moe_check": [_VP],
+}
+
+_moe_bound = False
+
+
+def _moe_library():
+    """The library with the ``symm_moe_*`` signatures set (once). A library built before them
+    is refused with the path and what to do, not an AttributeError."""
+    global _moe_bound
+    lib = _library()
+    if not _moe_bound:
+        for name, argtypes in _MOE_PROTOTYPES.items():
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                raise SymmallocError(
+                    "SYMM_ERR_UNSUPPORTED",
+                    f"{library_path()} has no {name} (a build from before expert parallelism); rebuild it with "
+                    "`make build` or point SYMMALLOC_LIBRARY_DIR at a newer one") from None
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        _moe_bound = True
+    return lib
+
+
 def _check(status: int) -> None:
     if status != 0:
         msg = _library().symm_last_error().decode(errors="replace")

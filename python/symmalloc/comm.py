@@ -1,6 +1,7 @@
 """The communicator: ``Communicator`` (several per process and GPU: ``split`` and ``mem_pool``
-live in groups.py; the symmetric memory you program yourself in p2p.py). Each one is named by
-a handle in the registry the custom ops use (``_registry``).
+live in groups.py; the symmetric memory you program yourself in p2p.py; expert parallelism,
+``moe``, in moe.py). Each one is named by a handle in the registry the custom ops use
+(``_registry``).
 
 What the library cannot see is checked here, before it is called, with the checks the custom
 ops' fake implementations share (``_checks``): dtype names, op and algorithm names, contiguity,
@@ -370,6 +371,25 @@ class Communicator:
         buffers and arena, and keeps working after this one is closed."""
         child = groups.split(self, color, key)
         return None if child is None else Communicator._adopt(child)
+
+    def moe(self, max_tokens_per_rank: int, hidden: int, topk: int, num_experts: int, dtype="bf16",
+            max_recv_per_expert: int = 0):
+        """Expert parallelism over this communicator (``symm_moe_create_config``): a
+        ``symmalloc.moe.Moe`` with ``dispatch(x, topk_idx, topk_weights, x_scales=None)`` and
+        ``combine(expert_out)``, for up to ``max_tokens_per_rank`` tokens of ``hidden`` elements
+        per rank, each routed to up to ``topk`` of ``num_experts`` experts (a multiple of the
+        world size: rank r holds experts ``r * L .. (r + 1) * L - 1``, ``L = num_experts /
+        world_size``). ``dtype``: the payload, ``torch.bfloat16`` (``"bf16"``) or
+        ``torch.float8_e4m3fn`` (``"fp8"``, with a float32 scale per 128 elements).
+        ``max_recv_per_expert``: rows per local expert; 0 (or None) is ``world_size *
+        max_tokens_per_rank``, which no routing overflows; a smaller capacity makes an overflow
+        an error, never a drop. Collective: every rank passes the same values. Its buffer
+        (``buffer_bytes``) comes from this communicator's arena (SYMMALLOC_COMM_ARENA_SIZE).
+        docs/moe.md is the contract."""
+        from .moe import Moe
+
+        return Moe(self, max_tokens_per_rank, hidden, topk, num_experts, dtype=dtype,
+                   max_recv_per_expert=max_recv_per_expert)
 
     def mem_pool(self):
         """A ``torch.cuda.MemPool`` over this communicator's arena (``symm_comm_malloc``): what

@@ -24,6 +24,8 @@ communicator is named by its ``handle`` (an int); the wrappers below take the ob
 | ``all_reduce_add_rms_norm_fp8`` | ``(Tensor x, Tensor(a!) residual, Tensor weight, Tensor? scale, float eps, int group_size, int comm) -> (Tensor, Tensor)`` | ``(out_fp8, scale)``; ``residual`` updated |
 | ``all_reduce_add_rms_norm_functional`` | ``(Tensor x, Tensor residual, Tensor weight, float eps, int comm) -> (Tensor, Tensor)`` | ``(out, residual_out)``; no input mutated |
 | ``all_reduce_add_rms_norm_fp8_functional`` | ``(Tensor x, Tensor residual, Tensor weight, Tensor? scale, float eps, int group_size, int comm) -> (Tensor, Tensor, Tensor)`` | ``(out_fp8, scale, residual_out)``; no input mutated |
+| ``moe_dispatch`` | ``(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor? x_scales, int moe) -> (Tensor, Tensor, Tensor, Tensor)`` | ``(recv_x, recv_scales, recv_counts, recv_src)``: views of the ``Moe``'s buffer (``recv_scales`` empty for bf16) |
+| ``moe_combine`` | ``(Tensor expert_out, Tensor recv_counts, Tensor recv_src, int moe, SymInt num_tokens) -> Tensor`` | ``y`` [num_tokens, hidden] bf16 |
 
 The fp8 ops' ``scale``: a float32 tensor of one element is the static scale (the returned
 ``scale`` is then a copy of it: an op's output may not alias an input); ``None`` computes the
@@ -32,6 +34,13 @@ scales, one per row (``group_size`` 0, shape [..., 1]) or one per 128 elements o
 function that takes the residual as an argument and passes it to them keeps its CUDA graph
 under ``mode="reduce-overhead"`` (a mutated graph input makes torch skip CUDA graphs). They copy
 the residual into ``residual_out`` and update that copy (one extra copy kernel).
+
+The MoE ops name a ``symmalloc.moe.Moe`` by its ``handle``. ``Moe.dispatch`` and
+``Moe.combine`` call them while torch.compile traces (so ``moe.dispatch -> experts ->
+moe.combine`` is one graph), as do the wrappers ``moe_dispatch`` / ``moe_combine`` below.
+``moe_dispatch``'s results are views of the ``Moe``'s symmetric buffer (fresh tensor objects
+over the same memory each call), valid until its next dispatch. ``moe_combine`` takes the
+dispatch's ``recv_counts`` and ``recv_src``, which orders it after the dispatch in the graph.
 
 Every op refuses what the ``Communicator`` method refuses (docs/python-errors.md), and its fake
 implementation refuses the same names, dtypes and shapes, so torch.compile reports them while
@@ -46,6 +55,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from . import moe as _moe
 from ._checks import _check_op, _check_rms_norm, _dtype_code, _fp8_mode
 from ._lib import _ALGOS, SymmallocError
 from ._registry import communicator
@@ -53,7 +63,7 @@ from .comm import Communicator
 
 __all__ = ["all_reduce", "all_reduce_", "reduce_scatter", "all_gather", "all_reduce_add_rms_norm",
            "all_reduce_add_rms_norm_fp8", "all_reduce_add_rms_norm_functional",
-           "all_reduce_add_rms_norm_fp8_functional", "put_", "signal_", "wait_"]
+           "all_reduce_add_rms_norm_fp8_functional", "put_", "signal_", "wait_", "moe_dispatch", "moe_combine"]
 
 Comm = Union[Communicator, int]
 
@@ -328,3 +338,64 @@ def all_reduce_add_rms_norm_fp8_functional(x: torch.Tensor, residual: torch.Tens
     mutates no input."""
     return torch.ops.symmalloc.all_reduce_add_rms_norm_fp8_functional(x, residual, weight, scale, eps, group_size or 0,
                                                                       _handle(comm))
+
+
+# Expert parallelism (symmalloc/moe.py). The results of moe_dispatch are views of the Moe's
+# symmetric buffer (fresh tensor objects each call, over the same memory): valid until the next
+# dispatch of that Moe, which is what the graph's order (dispatch -> experts -> combine) gives.
+# The fakes apply moe.py's shape and dtype rules, naming the rank.
+
+@torch.library.custom_op("symmalloc::moe_dispatch", mutates_args=())
+def _moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, x_scales: Optional[torch.Tensor],
+                  moe: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    m = _moe.moe(moe)
+    m.dispatch(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(),
+               None if x_scales is None else x_scales.contiguous())
+    recv_x, recv_scales, recv_counts, recv_src = m._make_views(True)
+    if recv_scales is None:
+        recv_scales = x.new_empty((0,), dtype=torch.float32)
+    return recv_x, recv_scales, recv_counts, recv_src
+
+
+@_moe_dispatch.register_fake
+def _(x, topk_idx, topk_weights, x_scales, moe):
+    m = _moe.moe(moe)
+    _moe._check_dispatch(m, x, topk_idx, topk_weights, x_scales)
+    L, R, H = m.local_experts, m.max_recv, m.hidden
+    return (x.new_empty((L, R, H)),
+            x.new_empty((L, R, H // 128) if m.dtype != "bfloat16" else (0,), dtype=torch.float32),
+            x.new_empty((L,), dtype=torch.int32), x.new_empty((L, R), dtype=torch.int32))
+
+
+@torch.library.custom_op("symmalloc::moe_combine", mutates_args=())
+def _moe_combine(expert_out: torch.Tensor, recv_counts: torch.Tensor, recv_src: torch.Tensor, moe: int,
+                 num_tokens: int) -> torch.Tensor:
+    m = _moe.moe(moe)
+    return m.combine(expert_out.contiguous(), _moe.MoeHandle(recv_src, recv_counts, num_tokens, moe, None))
+
+
+@_moe_combine.register_fake
+def _(expert_out, recv_counts, recv_src, moe, num_tokens):
+    m = _moe.moe(moe)
+    _moe._check_combine(m, expert_out, num_tokens, None)
+    return expert_out.new_empty((num_tokens, m.hidden))
+
+
+def _moe_handle(moe) -> int:
+    h = getattr(moe, "handle", None)
+    return int(moe) if h is None else h
+
+
+def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, moe,
+                 x_scales: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(recv_x, recv_scales, recv_counts, recv_src)`` of a dispatch of ``moe`` (a
+    ``symmalloc.moe.Moe`` or its handle; ``torch.ops.symmalloc.moe_dispatch``); ``recv_scales``
+    is empty for bf16. ``Moe.dispatch`` is the same call with a ``MoeDispatch`` result."""
+    return torch.ops.symmalloc.moe_dispatch(x, topk_idx, topk_weights, x_scales, _moe_handle(moe))
+
+
+def moe_combine(expert_out: torch.Tensor, recv_counts: torch.Tensor, recv_src: torch.Tensor, num_tokens: int,
+                moe) -> torch.Tensor:
+    """``y`` [num_tokens, hidden] bf16 of the latest dispatch of ``moe`` (its ``recv_counts``
+    and ``recv_src``, ``num_tokens`` its ``x``'s rows; ``torch.ops.symmalloc.moe_combine``)."""
+    return torch.ops.symmalloc.moe_combine(expert_out, recv_counts, recv_src, _moe_handle(moe), num_tokens)

@@ -1,0 +1,549 @@
+"""Expert parallelism: MoE dispatch and combine over a communicator (``symm_moe_*``; the
+contract is docs/moe.md)::
+
+    moe = comm.moe(max_tokens_per_rank=128, hidden=7168, topk=8, num_experts=256,
+                   dtype=torch.bfloat16)            # collective; or dtype=torch.float8_e4m3fn
+    d = moe.dispatch(x, topk_idx, topk_weights)     # x_scales=... for float8_e4m3fn
+    # d.recv_x [L, R, H]: local expert le's rows are d.recv_x[le, :d.recv_counts[le]]
+    expert_out = run_experts(d.recv_x, d.recv_counts)   # [L, R, H] bfloat16, any memory
+    y = moe.combine(expert_out)                     # [num_tokens, H] bfloat16
+    moe.close()                                     # every rank (or ``with comm.moe(...)``)
+
+``dispatch`` returns a ``MoeDispatch``, a named tuple ``(recv_x, recv_scales, recv_counts,
+handle)`` with ``recv_src`` and ``num_tokens`` as attributes too. ``L = num_experts / world``
+local experts (this rank holds global experts ``first_expert .. first_expert + L - 1``), ``R =
+max_recv`` rows per local expert (``world * max_tokens_per_rank`` unless
+``max_recv_per_expert`` is given: then a routing that sends more rows to one expert is an
+error, never a drop). A local expert's rows are ordered by source rank, then source token, so
+the layout and ``y`` are bitwise the same every run. ``recv_src[le, row]`` is ``(src_rank *
+max_tokens_per_rank + token) * topk + k`` of each row. ``recv_counts`` stays on the device:
+nothing here synchronizes with the host.
+
+Arguments of ``dispatch``: ``x`` [num_tokens, H] of the payload dtype (num_tokens <=
+max_tokens_per_rank, may be 0 and differ between ranks), ``x_scales`` [num_tokens, H / 128]
+float32 for FP8 (one scale per 128 elements; None for bf16), ``topk_idx`` [num_tokens, k]
+int32 or int64 (global expert ids, -1 for an unused slot; 1 <= k <= topk) and ``topk_weights``
+[num_tokens, k] float32, contiguous, on this communicator's device (CPU tensors on the host
+backend). Everything is stream-ordered on the current stream, with no host synchronization,
+and can be captured in a CUDA graph (a fixed ``num_tokens`` per capture; the routing is read
+at each replay).
+
+The returned ``recv_x``, ``recv_scales``, ``recv_counts`` and ``recv_src`` are views of the
+object's symmetric buffer, overwritten by its next dispatch: issue the expert work between
+dispatch and combine on the same stream (or order it so), and combine the latest dispatch
+(``combine(expert_out)``, or with its handle; an older one is refused). ``y[t] = sum_k w[t, k]
+* expert_out[row of (t, k)]`` in fp32 (``fmaf`` in increasing k), rounded to bf16 once; a
+token with no expert gets zeros.
+
+Errors (``SymmallocError``, the library's message): what Python can see (dtypes, shapes,
+devices, contiguity, a stale handle) is refused here, naming this rank, the value and what was
+expected; the refusing rank still takes part in the exchange (the library publishes its
+refusal), so every other rank's call fails too, naming it, and nothing hangs. What only the
+routing shows (an expert id outside -1..num_experts-1, an expert twice in one token's top-k,
+more than ``max_recv`` rows for one expert) fails on every rank, naming the rank, token, slot
+and value: at the call itself on the host backend; on GPUs, at the next call of the object or
+at ``check()`` (the kernel records it; nothing is dispatched). A GPU rank also hears of a
+peer's refusal that way. After either kind the object and the communicator stay usable.
+
+Under ``torch.compile`` the methods call the custom ops ``torch.ops.symmalloc.moe_dispatch``
+and ``moe_combine`` (registered by ``symmalloc.ops``), whose fake implementations apply the
+same shape and dtype checks, so ``dispatch -> experts -> combine`` compiles into one graph.
+With ``mode="reduce-overhead"`` (CUDA graph trees) keep dispatch and combine in one compiled
+function and return none of the dispatch's views from it: they live in the object's buffer,
+not in the graph's pool, and CUDA graph trees refuse such outputs. A dispatch compiled alone
+is combined by its handle or, eagerly, by ``combine(expert_out)``; after a compiled combine,
+``combine(expert_out)`` needs a new dispatch.
+Without torch (the host backend), inputs may be any objects with ``data_ptr()``, ``shape``,
+``dtype``, ``is_contiguous()`` and ``get_device()``; the results are then ``HostView`` objects.
+"""
+
+import ctypes
+import itertools
+import sys
+import weakref
+from typing import NamedTuple, Optional, Tuple
+
+from ._lib import (
+    _INDEX_DTYPES, _MOE_CONFIG_VERSION, _MOE_DTYPES, _MOE_LAYOUT_VERSION, SymmallocError, _check, _invalid,
+    _moe_library, _MoeConfig, _MoeLayout,
+)
+
+__all__ = ["Moe", "MoeDispatch", "MoeHandle", "HostView", "moe"]
+
+_VOIDP = ctypes.c_void_p
+_PAYLOAD_NAMES = ("bfloat16", "float8_e4m3fn")  # by SYMM_MOE_* code
+_SIZES = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4, "int32": 4, "int64": 8}
+_CTYPES = {"bfloat16": ctypes.c_uint16, "float8_e4m3fn": ctypes.c_uint8, "float32": ctypes.c_float,
+           "int32": ctypes.c_int32, "int64": ctypes.c_int64}
+_MOES: "weakref.WeakValueDictionary[int, Moe]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def _dname(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def _device_name(dev: int) -> str:
+    return "cpu" if dev < 0 else f"cuda:{dev}"
+
+
+def _uint(what: str, v, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise _invalid(f"moe: {what} {v!r}; expected an int in [{lo}, {hi}]")
+    return v
+
+
+def _payload_code(dtype) -> int:
+    code = _MOE_DTYPES.get(_dname(dtype)) if dtype is not None else None
+    if code is None:
+        raise _invalid(f"moe: dtype {dtype!r}; expected torch.bfloat16 or torch.float8_e4m3fn (or 'bf16' / 'fp8')")
+    return code
+
+
+class HostView:
+    """A tensor-like view of host memory, what ``Moe`` returns to callers without torch (the
+    host backend): ``data_ptr()``, ``shape``, ``dtype`` (its name), ``numel()``,
+    ``element_size()``, ``is_contiguous()``, ``get_device()`` (-1) and ``tolist()`` (flat;
+    bfloat16 and float8 elements as their raw bits). ``HostView.empty(shape, dtype)`` owns its
+    memory (16-byte aligned)."""
+
+    def __init__(self, ptr: int, shape, dtype: str, owner=None):
+        self.ptr, self.shape, self.dtype, self._owner = ptr, tuple(int(s) for s in shape), dtype, owner
+
+    @classmethod
+    def empty(cls, shape, dtype: str) -> "HostView":
+        n = 1
+        for s in shape:
+            n *= int(s)
+        buf = (ctypes.c_uint8 * max(16, n * _SIZES[dtype] + 16))()
+        ptr = (ctypes.addressof(buf) + 15) & ~15  # 16-byte aligned, as the library wants
+        return cls(ptr, shape, dtype, owner=buf)
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def element_size(self) -> int:
+        return _SIZES[self.dtype]
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def get_device(self) -> int:
+        return -1
+
+    def tolist(self) -> list:
+        return list((_CTYPES[self.dtype] * self.numel()).from_address(self.ptr)) if self.numel() else []
+
+    def __repr__(self):
+        return f"HostView({_fmt(self.shape)}, {self.dtype}, 0x{self.ptr:x})"
+
+
+class MoeHandle(NamedTuple):
+    """What ``Moe.combine`` needs of a dispatch: ``recv_src`` [L, R] int32 (the source code of
+    each row), ``recv_counts`` [L] int32, ``num_tokens`` (this rank's tokens: ``y``'s rows), the
+    ``Moe``'s handle and its dispatch number (``seq``; None under torch.compile)."""
+
+    recv_src: object
+    recv_counts: object
+    num_tokens: int
+    moe: int
+    seq: Optional[int]
+
+
+class MoeDispatch(NamedTuple):
+    """What ``Moe.dispatch`` returns: ``recv_x`` [L, R, H] (payload dtype), ``recv_scales`` [L,
+    R, H / 128] float32 (None for bf16), ``recv_counts`` [L] int32 and the ``handle`` that
+    ``combine`` takes; ``recv_src`` and ``num_tokens`` are the handle's. Unpacks as ``recv_x,
+    recv_scales, recv_counts, handle = moe.dispatch(...)``."""
+
+    recv_x: object
+    recv_scales: object
+    recv_counts: object
+    handle: MoeHandle
+
+    @property
+    def recv_src(self):
+        """[L, R] int32: ``(src_rank * max_tokens_per_rank + token) * topk + k`` of each row."""
+        return self.handle.recv_src
+
+    @property
+    def num_tokens(self) -> int:
+        return self.handle.num_tokens
+
+
+def moe(handle: int) -> "Moe":
+    """The live ``Moe`` behind ``Moe.handle`` (the int the custom ops take)."""
+    m = _MOES.get(handle)
+    if m is None or not m._ptr:
+        raise _invalid(f"moe handle {handle} is not a live Moe of this process (closed, collected, or never made)")
+    return m
+
+
+def _is_torch(t) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(t, torch.Tensor)
+
+
+# Shape and dtype rules, on shapes and dtype names only, so that the custom ops' fake
+# implementations apply the same ones.
+
+def _check_dispatch(m: "Moe", x, idx, w, scales) -> Tuple[int, int, int]:
+    """(num_tokens, k, index dtype code) of a dispatch's arguments (shapes and dtype names),
+    or the error naming this rank, the value and what was expected."""
+    what = f"moe.dispatch: rank {m.rank}"
+    H, T = m.hidden, m.max_tokens_per_rank
+    xs, dt = tuple(x.shape), _dname(x.dtype)
+    if dt != m.dtype:
+        raise _invalid(f"{what}: x has dtype {dt}; expected {m.dtype} (the object's payload dtype)")
+    if len(xs) != 2 or xs[1] != H:
+        raise _invalid(f"{what}: x has shape {_fmt(xs)}; expected [num_tokens, {H}] (hidden {H})")
+    n = xs[0]
+    if n > T:
+        raise _invalid(f"{what}: x has {n} tokens; expected at most {T} (max_tokens_per_rank)")
+    ish, idt = tuple(idx.shape), _dname(idx.dtype)
+    if idt not in _INDEX_DTYPES:
+        raise _invalid(f"{what}: topk_idx has dtype {idt}; expected int32 or int64")
+    if len(ish) != 2 or ish[0] != n or not 1 <= ish[1] <= m.topk:
+        raise _invalid(f"{what}: topk_idx has shape {_fmt(ish)}; expected [{n}, k] (x's {n} tokens) "
+                       f"with 1 <= k <= {m.topk} (topk)")
+    k = ish[1]
+    wsh, wdt = tuple(w.shape), _dname(w.dtype)
+    if wdt != "float32" or wsh != (n, k):
+        raise _invalid(f"{what}: topk_weights is {wdt} {_fmt(wsh)}; expected float32 [{n}, {k}] (topk_idx's shape)")
+    if m.dtype == "bfloat16":
+        if scales is not None:
+            raise _invalid(f"{what}: x_scales given ({_fmt(scales.shape)}) for a bfloat16 payload; expected None "
+                           "(scales go with float8_e4m3fn only)")
+    else:
+        if scales is None:
+            raise _invalid(f"{what}: x_scales is None; expected float32 [{n}, {H // 128}] (one scale per 128 "
+                           "elements of a float8_e4m3fn row)")
+        ssh, sdt = tuple(scales.shape), _dname(scales.dtype)
+        if sdt != "float32" or ssh != (n, H // 128):
+            raise _invalid(f"{what}: x_scales is {sdt} {_fmt(ssh)}; expected float32 [{n}, {H // 128}] "
+                           "(one scale per 128 elements of a row)")
+    return n, k, _INDEX_DTYPES[idt]
+
+
+def _check_combine(m: "Moe", expert_out, num_tokens: int, out) -> None:
+    what = f"moe.combine: rank {m.rank}"
+    want = (m.local_experts, m.max_recv, m.hidden)
+    es, edt = tuple(expert_out.shape), _dname(expert_out.dtype)
+    if edt != "bfloat16" or es != want:
+        raise _invalid(f"{what}: expert_out is {edt} {_fmt(es)}; expected bfloat16 {_fmt(want)} "
+                       "([local_experts, max_recv, hidden], the dispatch layout)")
+    if out is not None:
+        os_, odt = tuple(out.shape), _dname(out.dtype)
+        if odt != "bfloat16" or os_ != (num_tokens, m.hidden):
+            raise _invalid(f"{what}: out is {odt} {_fmt(os_)}; expected bfloat16 [{num_tokens}, {m.hidden}] "
+                           "(the dispatch's tokens x hidden)")
+
+
+def _torch_view(torch, ptr: int, shape, dtype, device):
+    """A torch tensor of ``shape`` and ``dtype`` over memory at ``ptr`` it does not own."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    nbytes = n * torch.empty(0, dtype=dtype).element_size()
+    storage = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(s), 1)
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, tuple(shape), tuple(reversed(strides)))
+
+
+class Moe:
+    """Dispatch and combine of one MoE layer shape over a communicator (see the module's
+    docstring). Made by ``Communicator.moe(...)`` on every rank of the communicator (a
+    collective: every rank passes the same values, ``SYMM_ERR_NOT_SYMMETRIC`` on every rank
+    otherwise). ``close()``, the context manager or garbage collection destroy it."""
+
+    _ptr = None
+
+    def __init__(self, comm, max_tokens_per_rank: int, hidden: int, topk: int, num_experts: int,
+                 dtype="bf16", max_recv_per_expert: Optional[int] = 0):
+        code = _payload_code(dtype)
+        cfg = _MoeConfig()
+        cfg.version, cfg.size = _MOE_CONFIG_VERSION, ctypes.sizeof(_MoeConfig)
+        cfg.max_tokens_per_rank = _uint("max_tokens_per_rank", max_tokens_per_rank, 1, (1 << 63) - 1)
+        cfg.hidden = _uint("hidden", hidden, 1, (1 << 63) - 1)
+        cfg.topk = _uint("topk", topk, 1, (1 << 32) - 1)
+        cfg.num_experts = _uint("num_experts", num_experts, 1, (1 << 32) - 1)
+        cfg.dtype, cfg.flags = code, 0
+        cfg.max_recv_per_expert = _uint("max_recv_per_expert", max_recv_per_expert or 0, 0, (1 << 63) - 1)
+        lib = _moe_library()
+        self._comm = comm
+        ptr = _VOIDP()
+        _check(lib.symm_moe_create_config(comm._live(), ctypes.byref(cfg), ctypes.byref(ptr)))
+        self._ptr = ptr
+        self._lib = lib
+        lay = _MoeLayout()
+        lay.version, lay.size = _MOE_LAYOUT_VERSION, ctypes.sizeof(_MoeLayout)
+        _check(lib.symm_moe_layout(ptr, ctypes.byref(lay)))
+        self._layout = lay
+        self.rank, self.world_size = int(lay.rank), int(lay.world)
+        self.hidden, self.topk, self.num_experts = int(lay.hidden), int(lay.topk), int(lay.num_experts)
+        self.max_tokens_per_rank = int(lay.max_tokens_per_rank)
+        self.dtype = _PAYLOAD_NAMES[lay.dtype]
+        self._device = comm._tensor_device  # -1: the host backend (CPU tensors)
+        self._seq = 0  # dispatches issued (eager)
+        self._tokens = None  # num_tokens of the latest dispatch the library accepted
+        self._last = None  # that dispatch's MoeHandle (what combine(expert_out) combines)
+        self._views = {}  # "torch" / "host" -> the buffer's views
+        self.handle = next(_HANDLES)
+        _MOES[self.handle] = self
+        self._torch = None
+        self._find_torch()
+
+    def _find_torch(self):
+        """torch when the process imported it (then with the custom ops registered), else
+        None: callers without torch never pay for its import. Checked at creation and by the
+        eager calls, so a compiled function sees it (Dynamo is torch)."""
+        if self._torch is None:
+            torch = sys.modules.get("torch")
+            if torch is not None:
+                from . import ops  # noqa: F401  (registers torch.ops.symmalloc.moe_*)
+
+                self._torch = torch
+        return self._torch
+
+    # Properties of the layout.
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the communicator's arena this object holds (one symmetric block)."""
+        return int(self._layout.buffer_bytes)
+
+    @property
+    def local_experts(self) -> int:
+        """L = num_experts / world_size: the experts this rank holds."""
+        return int(self._layout.local_experts)
+
+    @property
+    def first_expert(self) -> int:
+        """The global id of this rank's local expert 0 (``rank * local_experts``)."""
+        return int(self._layout.first_expert)
+
+    @property
+    def max_recv(self) -> int:
+        """R: rows per local expert in ``recv_x``."""
+        return int(self._layout.max_recv)
+
+    # Lifetime.
+
+    def _live(self):
+        if not self._ptr:
+            raise _invalid(f"moe: this Moe (rank {self.rank}) was closed; make a new one with comm.moe(...)")
+        if not self._comm._handle:
+            raise _invalid(f"moe: the communicator of this Moe (rank {self.rank}) was closed; "
+                           "close the Moe before its communicator")
+        return self._ptr
+
+    def close(self) -> None:
+        """Destroys the object after the device's work on it, and gives its buffer back to the
+        communicator's arena (also after the communicator was closed). Every rank closes its
+        object, at the same point of its sequence of calls on the communicator (no rank waits
+        for another). Later calls raise; closing twice does nothing. The tensors ``dispatch``
+        returned must not be used after."""
+        ptr = self._ptr
+        if ptr:
+            self._ptr = None
+            self._views = {}
+            self._last = None
+            _check(self._lib.symm_moe_destroy(ptr))
+
+    def __enter__(self) -> "Moe":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # Views of the buffer.
+
+    def _buffer_views(self, like_torch: bool):
+        """(recv_x, recv_scales or None, recv_counts, recv_src): torch tensors for torch
+        callers (on this communicator's device), ``HostView`` objects otherwise."""
+        key = "torch" if like_torch else "host"
+        v = self._views.get(key)
+        if v is None:
+            v = self._make_views(like_torch)
+            self._views[key] = v
+        return v
+
+    def _make_views(self, like_torch: bool):
+        lay, L, R, H = self._layout, self.local_experts, self.max_recv, self.hidden
+        shapes = ((L, R, H), (L, R, H // 128), (L,), (L, R))
+        ptrs = (lay.recv_x, lay.recv_scales, lay.recv_counts, lay.recv_src)
+        names = (self.dtype, "float32", "int32", "int32")
+        if like_torch:
+            torch = self._torch
+            dev = torch.device("cpu") if self._device < 0 else torch.device("cuda", self._device)
+            make = lambda p, s, n: _torch_view(torch, p, s, getattr(torch, n), dev)  # noqa: E731
+        else:
+            make = lambda p, s, n: HostView(p, s, n)  # noqa: E731
+        return tuple(None if (i == 1 and self.dtype == "bfloat16") else make(p, s, n)
+                     for i, (p, s, n) in enumerate(zip(ptrs, shapes, names)))
+
+    def _stream(self) -> int:
+        return self._comm._current_stream()
+
+    def _check_device(self, what: str, **tensors) -> None:
+        for name, t in tensors.items():
+            if t is None:
+                continue
+            dev = t.get_device()
+            if dev != self._device:
+                raise _invalid(f"{what}: rank {self.rank}: {name} is on {_device_name(dev)}; this object's tensors are on "
+                               f"{_device_name(self._device)}" + (" (the host backend: CPU tensors)" if self._device < 0 else ""))
+            if not t.is_contiguous():
+                raise _invalid(f"{what}: rank {self.rank}: {name} {_fmt(t.shape)} is not contiguous; expected a contiguous tensor")
+
+    # Refusals the peers hear of: the library refuses a call with NULL arguments on this rank
+    # and publishes the refusal ("rank r refused ..."), so the other ranks' calls end too.
+
+    def _refuse_dispatch(self, err: SymmallocError):
+        self._seq += 1
+        self._tokens = self._last = None
+        # One token, k = 1, no buffers: refused for its NULL pointers (never for k or the
+        # token count, which would name the wrong reason to the peers).
+        self._lib.symm_moe_dispatch(self._ptr, None, None, None, 0, None, 1, 1, _VOIDP(self._stream()))
+        raise err
+
+    def _refuse_combine(self, err: SymmallocError):
+        self._lib.symm_moe_combine(self._ptr, None, None, _VOIDP(self._stream()))
+        raise err
+
+    # The calls.
+
+    def _compiling(self) -> bool:
+        torch = self._torch
+        return torch is not None and torch.compiler.is_compiling()
+
+    def dispatch(self, x, topk_idx, topk_weights, x_scales=None) -> MoeDispatch:
+        """Sends each token's row (and FP8 scales) to the ranks of its top-k experts. Returns a
+        ``MoeDispatch`` ``(recv_x [L, R, H], recv_scales [L, R, H / 128] float32 or None
+        (bf16), recv_counts [L] int32, handle)``, views of this object's buffer valid until its
+        next dispatch; see the module's docstring for the arguments. Collective, on the current
+        stream, no host synchronization."""
+        if self._compiling():
+            return self._dispatch_op(x, topk_idx, topk_weights, x_scales)
+        ptr = self._live()
+        try:
+            n, k, idx_code = _check_dispatch(self, x, topk_idx, topk_weights, x_scales)
+            self._check_device("moe.dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights, x_scales=x_scales)
+        except SymmallocError as e:
+            self._refuse_dispatch(e)
+        self._seq += 1
+        self._tokens = self._last = None
+        status = self._lib.symm_moe_dispatch(
+            ptr, x.data_ptr(), None if x_scales is None else x_scales.data_ptr(), topk_idx.data_ptr(), idx_code,
+            topk_weights.data_ptr(), n, k, _VOIDP(self._stream()))
+        if status:
+            _check(status)
+        self._tokens = n
+        like_torch = _is_torch(x)
+        if like_torch:
+            self._find_torch()
+        recv_x, recv_scales, recv_counts, recv_src = self._buffer_views(like_torch)
+        h = MoeHandle(recv_src, recv_counts, n, self.handle, self._seq)
+        self._last = h
+        return MoeDispatch(recv_x, recv_scales, recv_counts, h)
+
+    def _dispatch_op(self, x, topk_idx, topk_weights, x_scales) -> MoeDispatch:
+        recv_x, recv_scales, recv_counts, recv_src = self._torch.ops.symmalloc.moe_dispatch(
+            x, topk_idx, topk_weights, x_scales, self.handle)
+        h = MoeHandle(recv_src, recv_counts, x.shape[0], self.handle, None)
+        self._last = h  # a side effect Dynamo keeps, for combine(expert_out); combine clears it
+        return MoeDispatch(recv_x, None if self.dtype == "bfloat16" else recv_scales, recv_counts, h)
+
+    def _handle_of(self, handle) -> MoeHandle:
+        """The handle to combine: the one given (or a ``MoeDispatch``'s), else the latest."""
+        if isinstance(handle, MoeDispatch):
+            return handle.handle
+        if handle is None:
+            if self._last is None:
+                raise _invalid(f"moe.combine: rank {self.rank}: no dispatch to combine (none yet, or the latest one "
+                               "failed); expected a successful dispatch first")
+            return self._last
+        return handle
+
+    def combine(self, expert_out, handle=None, out=None):
+        """Sends each row of ``expert_out`` ([L, R, H] bfloat16, the dispatch layout; rows past
+        ``recv_counts`` are not read) back to its token's rank and returns ``y`` [num_tokens, H]
+        bfloat16 (into ``out`` when given): each token's weighted sum over its top-k experts.
+        Combines the latest dispatch; ``handle`` (its ``MoeDispatch`` or handle) may name it,
+        and an older one is refused. Collective, on the current stream, no host
+        synchronization."""
+        if self._compiling():
+            h = self._handle_of(handle)
+            y = self._torch.ops.symmalloc.moe_combine(expert_out, h.recv_counts, h.recv_src, self.handle, h.num_tokens)
+            # Nothing of the combined dispatch outlives the graph: a view of the object's buffer
+            # kept on it would become a graph output, which CUDA graph trees (mode=
+            # "reduce-overhead") refuse (it is not the graph pool's memory).
+            self._last = None
+            return y if out is None else out.copy_(y)
+        ptr = self._live()
+        try:
+            h = self._handle_of(handle)
+            self._check_handle(h)
+            _check_combine(self, expert_out, h.num_tokens, out)
+            self._check_device("moe.combine", expert_out=expert_out, out=out)
+        except SymmallocError as e:
+            self._refuse_combine(e)
+        if out is None:
+            shape = (h.num_tokens, self.hidden)
+            if _is_torch(expert_out):
+                out = expert_out.new_empty(shape)
+            else:
+                out = HostView.empty(shape, "bfloat16")
+        _check(self._lib.symm_moe_combine(ptr, expert_out.data_ptr(), out.data_ptr(), _VOIDP(self._stream())))
+        return out
+
+    def _check_handle(self, handle) -> None:
+        what = f"moe.combine: rank {self.rank}"
+        if not isinstance(handle, MoeHandle):
+            raise _invalid(f"{what}: handle is {type(handle).__name__}; expected what dispatch returned (a MoeDispatch "
+                           "or its handle)")
+        if handle.moe != self.handle:
+            raise _invalid(f"{what}: the handle is of Moe {handle.moe}; expected one of this Moe ({self.handle})")
+        if handle.seq is not None and handle.seq != self._seq:
+            raise _invalid(f"{what}: the handle is of dispatch {handle.seq}, and this object's buffers hold dispatch "
+                           f"{self._seq}'s rows (each dispatch overwrites them); expected the latest dispatch's handle")
+        if handle.num_tokens != self._tokens:
+            raise _invalid(f"{what}: the handle has num_tokens {handle.num_tokens}, and the latest dispatch had "
+                           f"{'failed' if self._tokens is None else self._tokens}; expected the latest successful "
+                           "dispatch's handle")
+
+    def check(self) -> None:
+        """Raises the error a dispatch or combine kernel recorded (an expert id out of range, an
+        expert twice in a token's top-k, more than ``max_recv`` rows for an expert, a peer's
+        refusal), after synchronizing the current stream; clears it. Every call of the object
+        also reports it first. On the host backend calls report their errors themselves."""
+        ptr = self._live()
+        torch = self._find_torch()
+        if self._device >= 0 and torch is not None:
+            torch.cuda.current_stream(self._device).synchronize()
+        _check(self._lib.symm_moe_check(ptr))
+
+    def __repr__(self):
+        state = "closed" if not self._ptr else f"{self.buffer_bytes} bytes"
+        return (f"Moe(rank {self.rank} of {self.world_size}, T={self.max_tokens_per_rank}, H={self.hidden}, "
+                f"topk={self.topk}, E={self.num_experts}, {self.dtype}, L={self.local_experts}, "
+                f"R={self.max_recv}, {state})")
