@@ -371,10 +371,18 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   if (blockIdx.x == 0) {
     ok = moe_route<IDX>(a, epoch);
   } else if (tid == 0) {
+    // Block 0 waits for the peers with the communicator's timeout and names the one that did
+    // not come; this wait only backs it up (twice as long), so the error names the peer.
     const uint64_t start = globaltimer();
     uint32_t spins = 0;
     while (*(volatile uint64_t*)&ctrl[MOE_CTRL_ROUTED] < epoch) {
-      if (give_up(a.s, spins, start, me)) {
+      if ((++spins % SYMM_SPIN_CHECK) != 0) continue;
+      if (aborted(a.s)) {
+        ok = 0;
+        break;
+      }
+      if (globaltimer() - start > 2 * a.s.timeout_ns) {
+        abort_comm(a.s, SYMM_ERR_TIMEOUT_CODE, me);
         ok = 0;
         break;
       }
@@ -458,21 +466,47 @@ __device__ void moe_combine_body(const MoeArgs& a) {
   const uint64_t K = a.topk, T = a.max_tokens, H = a.hidden, R = a.max_recv;
   const uint64_t row_bytes = H * 2;
 
-  // Step 1: the received rows' outputs to their sources' cbuf.
+  // Step 1: the received rows' outputs to their sources' cbuf. The rows of all local experts
+  // are numbered through (pre_s: the counts' prefix sums) and dealt to the grid's warps, so a
+  // few rows per expert still spread over every warp.
+  __shared__ int32_t pre_s[MOE_MAX_EXPERTS + 1];
   if (!refused && dispatched) {
+    const int L = a.local;
     const int32_t* counts = (const int32_t*)(a.blocks[me] + a.off_recv_counts);
     const int32_t* src = (const int32_t*)(a.blocks[me] + a.off_recv_src);
-    const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp;
-    const uint64_t nwarps = (uint64_t)gridDim.x * MOE_WARPS;
-    for (int le = 0; le < a.local; ++le) {
-      const uint64_t rows = (uint64_t)counts[le];
-      for (uint64_t r = gw; r < rows; r += nwarps) {
-        const uint64_t slot = (uint64_t)le * R + r;
-        const uint64_t code = (uint64_t)src[slot];
-        const uint64_t s = code / (T * K), t = (code / K) % T, j = code % K;
-        moe_copy_row((uint8_t*)(a.blocks[s] + a.off_cbuf) + (t * K + j) * row_bytes,
-                     (const uint8_t*)a.expert_out + slot * row_bytes, row_bytes, lane);
+    for (int i = tid; i < L; i += MOE_THREADS) pre_s[i + 1] = counts[i];
+    if (tid == 0) pre_s[0] = 0;
+    __syncthreads();
+    // Inclusive scan of pre_s[1..L] (Hillis-Steele; L <= 2 * MOE_THREADS).
+    for (int off = 1; off < L; off <<= 1) {
+      int32_t v[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int i = tid + u * MOE_THREADS + 1;
+        v[u] = (i <= L && i - off >= 1) ? pre_s[i - off] : 0;
       }
+      __syncthreads();
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int i = tid + u * MOE_THREADS + 1;
+        if (i <= L) pre_s[i] += v[u];
+      }
+      __syncthreads();
+    }
+    const uint64_t total = (uint64_t)pre_s[L];
+    const uint64_t nwarps = (uint64_t)gridDim.x * MOE_WARPS;
+    for (uint64_t q = (uint64_t)blockIdx.x * MOE_WARPS + warp; q < total; q += nwarps) {
+      // The expert le with pre_s[le] <= q < pre_s[le + 1].
+      int lo = 0, hi = L;
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if ((uint64_t)pre_s[mid] <= q) lo = mid; else hi = mid;
+      }
+      const uint64_t slot = (uint64_t)lo * R + (q - (uint64_t)pre_s[lo]);
+      const uint64_t code = (uint64_t)src[slot];
+      const uint64_t s = code / (T * K), t = (code / K) % T, j = code % K;
+      moe_copy_row((uint8_t*)(a.blocks[s] + a.off_cbuf) + (t * K + j) * row_bytes,
+                   (const uint8_t*)a.expert_out + slot * row_bytes, row_bytes, lane);
     }
   }
   __syncthreads();
