@@ -1052,68 +1052,6 @@ void symm_record_stream(void *ptr, struct CUstream_st *stream);
  */
 void symm_empty_cache(void);
 
-/**
- * Creates a moe object over `comm` (any communicator, a split child included): dispatch of
- * up to `max_tokens_per_rank` tokens of `hidden` elements (`dtype`: SYMM_MOE_BF16 or
- * SYMM_MOE_FP8_E4M3) to `num_experts` experts (a multiple of the ranks; rank r holds experts
- * [r*L, (r+1)*L)), each token to at most `topk` of them, and the combine back. Its buffers
- * come from the communicator's arena (`buffer_bytes` in `symm_moe_layout`); a too small arena
- * fails naming SYMMALLOC_COMM_ARENA_SIZE and the bytes needed. Collective: every rank passes
- * the same values, SYMM_ERR_NOT_SYMMETRIC on every rank otherwise. `flags` must be 0.
- */
-symm_status_t symm_moe_create(symm_comm_t *comm, size_t max_tokens_per_rank, size_t hidden, uint32_t topk, uint32_t num_experts, uint32_t dtype, uint32_t flags, symm_moe_t **out);
-
-/**
- * As `symm_moe_create`, from a versioned config (`max_recv_per_expert` sizes the receive
- * buffers by the load: a dispatch that would overflow it fails on every rank, nothing dropped).
- */
-symm_status_t symm_moe_create_config(symm_comm_t *comm, const symm_moe_config_t *config, symm_moe_t **out);
-
-/**
- * Destroys a moe object: waits for the device's work, then gives its buffers back to the
- * communicator's arena. Every rank destroys its object (no rank waits for another). NULL does
- * nothing; a destroyed handle is refused.
- */
-symm_status_t symm_moe_destroy(symm_moe_t *moe);
-
-/**
- * Fills the first `out->size` bytes of `*out` (set `version` to SYMM_MOE_LAYOUT_VERSION and
- * `size` to `sizeof(symm_moe_layout_t)`) with where dispatch leaves its rows. Local.
- */
-symm_status_t symm_moe_layout(const symm_moe_t *moe, symm_moe_layout_t *out);
-
-/**
- * Stream-ordered, capturable, no host synchronization: sends row `x[t]` (and its scales) to
- * the rank of every expert in `topk_idx[t]` (`-1`: slot unused); every rank's `recv_x` then
- * holds its local experts' rows, ordered by source rank then token, with `recv_counts` and
- * `recv_src` (docs/moe.md). `x`: `[num_tokens][hidden]` payload dtype, 16-byte aligned;
- * `x_scales`: `[num_tokens][hidden/128]` fp32 (FP8 only; NULL for bf16); `topk_idx`:
- * `[num_tokens][k]` of `idx_dtype` (SYMM_INDEX_INT32 or SYMM_INDEX_INT64); `topk_weights`:
- * `[num_tokens][k]` fp32. `num_tokens` (0 to max_tokens_per_rank) may differ between ranks;
- * `1 <= k <= topk`. Collective. A rank's bad arguments: SYMM_ERR_INVALID_ARGUMENT at once
- * naming the value, and every other rank's call fails naming that rank; a bad routing (an
- * expert out of range, twice in a token, a full expert) fails on every rank (at this call on
- * the host backend, at the next call or `symm_moe_check` on CUDA). Both leave the object and
- * the communicator usable.
- */
-symm_status_t symm_moe_dispatch(symm_moe_t *moe, const void *x, const float *x_scales, const void *topk_idx, uint32_t idx_dtype, const float *topk_weights, size_t num_tokens, uint32_t k, struct CUstream_st *stream);
-
-/**
- * Stream-ordered, capturable: sends `expert_out` (`[L][R][hidden]` bf16, the dispatch layout,
- * 16-byte aligned) back to the tokens' ranks, and writes `y` (`[num_tokens][hidden]` bf16 of
- * the last dispatch) = sum over k of `topk_weights[t][k] * expert_out(token t, slot k)`, in
- * fp32 with fma in increasing k, rounded once: bitwise the same on every run and rank count.
- * Collective. Refused before any dispatch (and, on the host backend, after a failed one).
- */
-symm_status_t symm_moe_combine(symm_moe_t *moe, const void *expert_out, void *y, struct CUstream_st *stream);
-
-/**
- * Reports (and clears) an error a dispatch or combine kernel recorded; call it after the
- * stream was synchronized. Every moe call also reports one first (on CUDA the call itself
- * still runs, as every rank's does). SYMM_SUCCESS when there is none.
- */
-symm_status_t symm_moe_check(symm_moe_t *moe);
-
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

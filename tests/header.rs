@@ -10,7 +10,6 @@ fn generate() -> String {
     let bindings = cbindgen::Builder::new()
         .with_src(root.join("src/ffi/mod.rs"))
         .with_src(root.join("src/ffi/pool_calls.rs"))
-        .with_src(root.join("src/ffi/moe.rs"))
         .with_src(root.join("src/ffi/types.rs"))
         .with_src(root.join("src/comm/p2p/device_comm.rs"))
         .with_src(root.join("src/heap/stats.rs"))
