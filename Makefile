@@ -146,7 +146,7 @@ wheel: toolchain
 # from_process_group and the misuse suite. torch (about 1 minute and 4.6 GB from PyPI) is
 # installed once into $(TORCH_VENV) and reused; each run's venv reads it through a .pth file, so
 # the cache itself never changes.
-WHEEL_TESTS := test_torch_allocator.py test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py test_p2p_host.py test_host_groups.py test_async_tp_host.py test_hier.py test_hier_model.py
+WHEEL_TESTS := test_torch_allocator.py test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py test_p2p_host.py test_host_groups.py test_async_tp_host.py test_hier.py test_hier_model.py test_moe_host.py
 $(TORCH_VENV)/.installed: python/tests/torch-requirements.txt
 	rm -rf $(TORCH_VENV) && $(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/pip install --quiet --disable-pip-version-check -r $<

@@ -313,8 +313,7 @@ class Moe:
         if self._torch is None:
             torch = sys.modules.get("torch")
             if torch is not None:
-                from . import ops  # noqa: F401  (registers torch.ops.symmalloc.moe_*)
-
+                _register_ops(torch)  # torch.ops.symmalloc.moe_* (once)
                 self._torch = torch
         return self._torch
 
@@ -547,3 +546,56 @@ class Moe:
         return (f"Moe(rank {self.rank} of {self.world_size}, T={self.max_tokens_per_rank}, H={self.hidden}, "
                 f"topk={self.topk}, E={self.num_experts}, {self.dtype}, L={self.local_experts}, "
                 f"R={self.max_recv}, {state})")
+
+
+_OPS_REGISTERED = False
+
+
+def _register_ops(torch) -> None:
+    """Registers ``torch.ops.symmalloc.moe_dispatch`` / ``moe_combine`` (once; torch is passed
+    in, so this module never imports it itself)."""
+    global _OPS_REGISTERED
+    if _OPS_REGISTERED:
+        return
+    _OPS_REGISTERED = True
+    find = moe  # the module's lookup (the ops' parameter `moe` is a handle and shadows it)
+
+    # Expert parallelism (symmalloc/moe.py). The results of moe_dispatch are views of the Moe's
+    # symmetric buffer (fresh tensor objects each call, over the same memory): valid until the next
+    # dispatch of that Moe, which is what the graph's order (dispatch -> experts -> combine) gives.
+    # The fakes apply moe.py's shape and dtype rules, naming the rank.
+
+    @torch.library.custom_op("symmalloc::moe_dispatch", mutates_args=())
+    def _moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, x_scales: Optional[torch.Tensor],
+                      moe: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        m = find(moe)
+        m.dispatch(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(),
+                   None if x_scales is None else x_scales.contiguous())
+        recv_x, recv_scales, recv_counts, recv_src = m._make_views(True)
+        if recv_scales is None:
+            recv_scales = x.new_empty((0,), dtype=torch.float32)
+        return recv_x, recv_scales, recv_counts, recv_src
+
+
+    @_moe_dispatch.register_fake
+    def _(x, topk_idx, topk_weights, x_scales, moe):
+        m = find(moe)
+        _check_dispatch(m, x, topk_idx, topk_weights, x_scales)
+        L, R, H = m.local_experts, m.max_recv, m.hidden
+        return (x.new_empty((L, R, H)),
+                x.new_empty((L, R, H // 128) if m.dtype != "bfloat16" else (0,), dtype=torch.float32),
+                x.new_empty((L,), dtype=torch.int32), x.new_empty((L, R), dtype=torch.int32))
+
+
+    @torch.library.custom_op("symmalloc::moe_combine", mutates_args=())
+    def _moe_combine(expert_out: torch.Tensor, recv_counts: torch.Tensor, recv_src: torch.Tensor, moe: int,
+                     num_tokens: int) -> torch.Tensor:
+        m = find(moe)
+        return m.combine(expert_out.contiguous(), MoeHandle(recv_src, recv_counts, num_tokens, moe, None))
+
+
+    @_moe_combine.register_fake
+    def _(expert_out, recv_counts, recv_src, moe, num_tokens):
+        m = find(moe)
+        _check_combine(m, expert_out, num_tokens, None)
+        return expert_out.new_empty((num_tokens, m.hidden))

@@ -55,7 +55,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import moe as _moe
+from . import moe as _moe  # noqa: F401 (registers the MoE ops)
 from ._checks import _check_op, _check_rms_norm, _dtype_code, _fp8_mode
 from ._lib import _ALGOS, SymmallocError
 from ._registry import communicator
@@ -340,46 +340,9 @@ def all_reduce_add_rms_norm_fp8_functional(x: torch.Tensor, residual: torch.Tens
                                                                       _handle(comm))
 
 
-# Expert parallelism (symmalloc/moe.py). The results of moe_dispatch are views of the Moe's
-# symmetric buffer (fresh tensor objects each call, over the same memory): valid until the next
-# dispatch of that Moe, which is what the graph's order (dispatch -> experts -> combine) gives.
-# The fakes apply moe.py's shape and dtype rules, naming the rank.
-
-@torch.library.custom_op("symmalloc::moe_dispatch", mutates_args=())
-def _moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, x_scales: Optional[torch.Tensor],
-                  moe: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    m = _moe.moe(moe)
-    m.dispatch(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(),
-               None if x_scales is None else x_scales.contiguous())
-    recv_x, recv_scales, recv_counts, recv_src = m._make_views(True)
-    if recv_scales is None:
-        recv_scales = x.new_empty((0,), dtype=torch.float32)
-    return recv_x, recv_scales, recv_counts, recv_src
-
-
-@_moe_dispatch.register_fake
-def _(x, topk_idx, topk_weights, x_scales, moe):
-    m = _moe.moe(moe)
-    _moe._check_dispatch(m, x, topk_idx, topk_weights, x_scales)
-    L, R, H = m.local_experts, m.max_recv, m.hidden
-    return (x.new_empty((L, R, H)),
-            x.new_empty((L, R, H // 128) if m.dtype != "bfloat16" else (0,), dtype=torch.float32),
-            x.new_empty((L,), dtype=torch.int32), x.new_empty((L, R), dtype=torch.int32))
-
-
-@torch.library.custom_op("symmalloc::moe_combine", mutates_args=())
-def _moe_combine(expert_out: torch.Tensor, recv_counts: torch.Tensor, recv_src: torch.Tensor, moe: int,
-                 num_tokens: int) -> torch.Tensor:
-    m = _moe.moe(moe)
-    return m.combine(expert_out.contiguous(), _moe.MoeHandle(recv_src, recv_counts, num_tokens, moe, None))
-
-
-@_moe_combine.register_fake
-def _(expert_out, recv_counts, recv_src, moe, num_tokens):
-    m = _moe.moe(moe)
-    _moe._check_combine(m, expert_out, num_tokens, None)
-    return expert_out.new_empty((num_tokens, m.hidden))
-
+# Expert parallelism: the ops symmalloc::moe_dispatch / moe_combine are registered by
+# symmalloc/moe.py itself (it owns the Moe objects they name; imported above, so they exist
+# whenever this module does); these are their wrappers.
 
 def _moe_handle(moe) -> int:
     h = getattr(moe, "handle", None)
