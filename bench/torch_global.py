@@ -199,7 +199,10 @@ def child(mode, bump, steps, port, core, old_lib=None, model="transformer", micr
     phases.append(("micro", time.perf_counter() - t_start))
     if steps and mode != "floor":  # the floor hands memory out again once it wraps: no training
         fn = train_resnet if model == "resnet50" else (lambda t, n: train(t, n, port))
+        t_train = time.time()
         row["train step ms"], row["train used GiB"], row["loss"] = fn(torch, steps)
+        # wall-clock span of the training, to line up with a clock log (nvidia-smi -lms)
+        row["train at"] = [round(t_train, 2), round(time.time(), 2)]
         if GPU_MS:
             row["train gpu ms"] = GPU_MS[-1]
     phases.append(("train", time.perf_counter() - t_start))

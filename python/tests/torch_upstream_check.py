@@ -1285,6 +1285,10 @@ class TestCuda(Case):
         self.assertEqual(bmm_mem, matmul_mem)
 
 
+# test_mempool_with_allocator's part that checks PyTorch's packing (a port: comment there).
+FOREIGN_POOL_UNPACKED = ("symmalloc gives each block of a MemPool with its own allocator to that allocator "
+                         "as it comes, unpacked: the pool-snapshot segment counts are PyTorch's packing")
+
 # torch.cuda.memory._save_segment_usage renders through flamegraph.pl, which
 # torch.cuda._memory_viz.format_flamegraph downloads from raw.githubusercontent.com into ~/.cache
 # on first use (torch 2.11); the device machine has no network.
@@ -2608,24 +2612,35 @@ class TestMemPool(Case):
 
         out_non_pool = torch.empty(nelem_1mb, device="cuda")
 
+        # port: PyTorch's allocator caches over a MemPool's own allocator (it packs 1 MB tensors
+        # into 2 MB buffers it asks that allocator for, and the pool's snapshot lists them);
+        # symmalloc hands every block of such a pool to that allocator as it comes (README,
+        # global mode), so the segment counts below are PyTorch's policy, checked only there.
+        packs = MODE != "symmalloc"
+        if not packs:
+            self.skip_part(FOREIGN_POOL_UNPACKED)
         with torch.cuda.use_mem_pool(pool):
             # pool should have 1 segment since we made a small allocation (1 MB)
             # above and so the CUDACachingAllocator packed it into a 2 MB buffer
-            self.assertEqual(len(pool.snapshot()), 1)
+            if packs:
+                self.assertEqual(len(pool.snapshot()), 1)
 
             out_1 = torch.randn(nelem_1mb, device="cuda")
 
             # pool should still have 1 segment since we made another small allocation
             # (1 MB) that got packed into the existing 2 MB buffer
-            self.assertEqual(len(pool.snapshot()), 1)
+            if packs:
+                self.assertEqual(len(pool.snapshot()), 1)
 
             out_2 = torch.randn(nelem_1mb, device="cuda")
 
             # pool now should have 2 segments since the CUDACachingAllocator had
             # to make a new 2 MB buffer to accommodate out_2
-            self.assertEqual(len(pool.snapshot()), 2)
+            if packs:
+                self.assertEqual(len(pool.snapshot()), 2)
 
-        self.assertEqual(len(pool.snapshot()), 2)
+        if packs:
+            self.assertEqual(len(pool.snapshot()), 2)
 
         del out_0, out_1, out_2
 

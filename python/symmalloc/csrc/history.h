@@ -9,8 +9,11 @@
 //
 // Invariants:
 // - Everything here but `recording_` is read and written under `history_mu_` only.
-// - `recording_` is true while history is recorded or a tracker is attached; the allocation and
-//   free paths read it with one relaxed atomic load and call in here only when it is.
+// - `recording_` is true while history is recorded, a tracker is attached, or a live block or
+//   segment still holds a context recorded earlier (as PyTorch's, a block keeps its context
+//   until it is freed, history on or off); the allocation and free paths read it with one
+//   relaxed atomic load and call in here only when it is.
+// - Switching history off empties the trace ring only (PyTorch's `recordHistory`).
 // - Nothing here places memory: it reads the heap's blocks and statistics, never changes them.
 #pragma once
 
@@ -110,23 +113,17 @@ class History {
                      size_t alloc_trace_max_entries, CCA::RecordContext when, bool clearHistory,
                      const std::vector<std::string>& skip_actions) {
     std::lock_guard<std::mutex> g(history_mu_);
-    recorder_ = context_recorder;
+    // As PyTorch's allocator: switching off (or clearHistory) empties the trace ring; the
+    // contexts of live blocks and segments stay with them until they are freed (CUDA-graph
+    // trees switch history off after a capture, then name a leaked block by its frames).
+    recorder_ = enabled ? context_recorder : nullptr;
     max_entries_ = std::max<size_t>(alloc_trace_max_entries, 1);
-    when_ = when;
+    when_ = enabled ? when : CCA::RecordContext::NEVER;
     skip_.clear();
     for (const auto& a : skip_actions) skip_.insert(a);
-    if (clearHistory) {
-      ring_.clear();
-      contexts_.clear();
-      segment_ctx_.clear();
-    }
-    if (!enabled) {
-      ring_.clear();
-      contexts_.clear();
-      segment_ctx_.clear();
-    }
+    if (clearHistory || !enabled) ring_.clear();
     history_ = enabled;
-    recording_.store(enabled || !trackers_.empty());
+    update_recording();
     // Segments made or given back while nothing was recorded must not hide the next one:
     // note_alloc names a segment_alloc by the growth of the reserved bytes since this.
     refresh_reserved();
@@ -157,7 +154,7 @@ class History {
   void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) {
     std::lock_guard<std::mutex> g(history_mu_);
     trackers_.push_back(std::move(tracker));
-    recording_.store(true);  // trackers hear every event, as PyTorch's do
+    update_recording();  // trackers hear every event, as PyTorch's do
   }
 
   // ---- the events: note_alloc, note_free and note_segments_freed only while recording() ----
@@ -177,7 +174,10 @@ class History {
     bool have = api.device_stats(device, &s, sizeof s) == kSuccess;
     std::lock_guard<std::mutex> g(history_mu_);
     auto ctx = gather(CCA::RecordContext::STATE);
-    if (ctx) contexts_[p] = ctx;
+    if (ctx)
+      contexts_[p] = ctx;
+    else
+      contexts_.erase(p);
     if (have) {
       int64_t reserved = s.reserved_bytes[0].current;
       if (reserved > last_reserved_[device]) {
@@ -195,6 +195,7 @@ class History {
     }
     push_trace(TraceEntry::ALLOC, device, (uint64_t)p, n, stream,
                when_ >= CCA::RecordContext::ALLOC ? ctx : nullptr);
+    update_recording();
   }
 
   void note_free(void* p, int device, size_t size) {
@@ -203,6 +204,7 @@ class History {
     auto ctx = gather(CCA::RecordContext::ALL);
     push_trace(TraceEntry::FREE_REQUESTED, device, (uint64_t)p, size, nullptr, ctx);
     push_trace(TraceEntry::FREE_COMPLETED, device, (uint64_t)p, size, nullptr, ctx);
+    update_recording();
   }
 
   // emptyCache: a segment_free for each segment of `before` (segments_now) not in `after`.
@@ -215,6 +217,7 @@ class History {
       segment_ctx_.erase(key.second);
       push_trace(TraceEntry::SEGMENT_FREE, key.first, key.second, size, nullptr, ctx);
     }
+    update_recording();
   }
 
   // After emptyCache gave segments back, recorded or not: refresh_reserved under the lock.
@@ -231,6 +234,12 @@ class History {
       SymmDeviceStats s{};
       if (api.device_stats(d, &s, sizeof s) == kSuccess) last = s.reserved_bytes[0].current;
     }
+  }
+
+  // Under history_mu_: the allocation paths call note_* while history is on, a tracker
+  // listens, or a live block or segment still holds a context (its free must drop it).
+  void update_recording() {
+    recording_.store(history_ || !trackers_.empty() || !contexts_.empty() || !segment_ctx_.empty());
   }
 
   // Under history_mu_.

@@ -146,6 +146,31 @@ std::string selftest(Allocator& a, int device) {
   a.setUserMetadata("");
   a.recordHistory(false, nullptr, 0, CCA::RecordContext::NEVER, true, {});
 
+  // As PyTorch's: a live block keeps its context after history is switched off (CUDA-graph
+  // trees name a leaked block by its frames after recording), and drops it when freed.
+  auto context_at = [&](void* p) -> std::shared_ptr<c10::GatheredContext> {
+    for (const auto& seg : a.snapshot({0, 0}, false).segments) {
+      size_t at = 0;
+      for (const auto& b : seg.blocks) {
+        if (b.allocated && seg.address + at == (uint64_t)p) return b.context_when_allocated;
+        at += b.size;
+      }
+    }
+    return nullptr;
+  };
+  a.recordHistory(true, [] { return std::make_shared<c10::GatheredContext>(); }, 100,
+                  CCA::RecordContext::STATE, true, {});
+  void* h3 = a.malloc_on(device, 4096, nullptr);
+  a.recordHistory(false, nullptr, 0, CCA::RecordContext::NEVER, false, {});
+  EXPECT(context_at(h3) != nullptr, "a live block keeps its context with history off");
+  EXPECT(a.snapshot({0, 0}, true).device_traces.empty() ||
+             a.snapshot({0, 0}, true).device_traces[device].empty(),
+         "switching history off empties the trace");
+  a.raw_delete(h3);
+  void* h4 = a.malloc_on(device, 4096, nullptr);
+  EXPECT(context_at(h4) == nullptr, "a freed block's context is dropped, not inherited");
+  a.raw_delete(h4);
+
   // Caching off: every free gives the memory back.
   a.enable(false);
   EXPECT(!a.isEnabled(), "caching reported off");
