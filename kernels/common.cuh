@@ -126,7 +126,7 @@ __device__ __forceinline__ bool give_up(const SymmArgs& a, uint32_t& spins, uint
 // call counter) and the abort word, and every thread gets the word. False when the communicator
 // was aborted: the block must then return at once, touching no peer memory. Both loads are in
 // flight before either store: a store between them would wait for the first load and serialize
-// two L2 round trips (0.2 us per kernel, measured).
+// two L2 round trips (measured: bench/NOTES.md, "What limits small messages").
 __device__ __forceinline__ bool block_start(const SymmArgs& a, const uint32_t* word, uint32_t& value) {
   __shared__ uint32_t value_s, dead_s;
   if (threadIdx.x == 0) {

@@ -183,8 +183,8 @@ __device__ __forceinline__ float early_scale(const RmsArgs& f) {
 // thread pushes, or 0 for a thread that pushes none. It does not depend on the call, so the LL
 // kernels load it before the call counter and the abort word and the latencies overlap (as in
 // the LL all-reduce). A row's own loads are not hoisted as well: at 2 ranks that delayed the
-// counter load behind them and cost 0.1-0.3 us (bench/NOTES.md, "The fused all-reduce +
-// RMSNorm kernels"); they are issued before the polls instead.
+// counter load behind them and cost time (bench/NOTES.md, "The fused all-reduce +
+// RMSNorm kernels", has the figures); they are issued before the polls instead.
 __device__ __forceinline__ uint4 first_push(const uint4* x, uint64_t items, uint64_t tp,
                                             uint64_t p0) {
   uint4 pv = make_uint4(0, 0, 0, 0);
@@ -303,7 +303,7 @@ __device__ __forceinline__ void rms_ll_body(const RmsArgs& f) {
   int parity = 0;
   // The rows from the host (f.tokens), not count / hidden: the compiler put that division (a
   // 64-bit call, or some 20 dependent instructions with a reciprocal when both fit in 32 bits)
-  // ahead of the first loads, 0.15-0.25 µs per call (bench/NOTES.md, "The fused all-reduce + RMSNorm kernels").
+  // ahead of the first loads (what it cost: bench/NOTES.md, "The fused all-reduce + RMSNorm kernels").
   for (uint64_t t = blockIdx.x; ok && t < f.tokens; t += gridDim.x, parity ^= 1) {
     float r[V][N];
     float ss[V];

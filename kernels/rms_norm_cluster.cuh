@@ -17,7 +17,7 @@
 // gets the same bits, and every block stops at the same row if a wait failed anywhere in the
 // cluster.
 // Warp 0 sends and waits; the other warps wait at a block barrier behind it (with every warp
-// spinning on the mbarrier the call was 0.03-0.09 µs slower on one H200; bench/NOTES.md, "The fused all-reduce +
+// spinning on the mbarrier the call was slower: bench/NOTES.md, "The fused all-reduce +
 // RMSNorm kernels").
 // The inbox is double-buffered by the row's parity. Block s sends into inbox[p] of block b for
 // row t + 2 only after its wait on row t + 1 completed, which needed b's send of row t + 1,

@@ -40,6 +40,7 @@ __device__ __forceinline__ void two_shot_body(const SymmArgs& a) {
     }
   }
   // The closing barrier's release (after __syncthreads) publishes the block's stores into the
-  // peers' outputs; no per-thread system fence (it cost 2-4 us from 512 KiB to 4 MiB).
+  // peers' outputs; no per-thread system fence (what one cost: bench/history/
+  // NOTES-sessions-1-10.md).
   barrier_close(a, e, ok);
 }

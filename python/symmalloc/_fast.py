@@ -14,7 +14,7 @@ _FASTCALL_MODULE = None  # the bound symmalloc._fastcall module, once found
 
 def _fast_all_reduce():
     """The compiled ``symm_all_reduce_algo`` caller (``_fastcall.c``, built into the wheel;
-    about 1 us less host time per call than ctypes), or None, when it is not built (a checkout
+    less host time per call than ctypes: bench/RESULTS.md, "Eager from Python against C"), or None, when it is not built (a checkout
     without the wheel): then calls go through ctypes. Looked for in the package, then beside
     the library (``_fastcall.abi3.so``), and bound to the library ctypes loaded."""
     global _fast, _FASTCALL_MODULE
