@@ -578,14 +578,20 @@ SECTIONS = {2: ("cases", "errors", "split", "compile"), 4: ("cases", "errors", "
 
 @functools.lru_cache(maxsize=None)
 def _torch_world(world):
-    """Every rank's results ({rank: [(name, ok, detail, seconds)]}) of this world's sections."""
-    with tempfile.TemporaryDirectory() as d:
-        init = "file://" + os.path.join(d, "store")
-        return _spawn(_torch_rank, world, init, SECTIONS[world])
+    """Every rank's results ({rank: [(name, ok, detail, seconds)]}) of this world's sections, or
+    the error that stopped the world (kept too: one spawn per world, whatever its tests find)."""
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            init = "file://" + os.path.join(d, "store")
+            return _spawn(_torch_rank, world, init, SECTIONS[world]), None
+    except Exception as e:  # noqa: BLE001 (every test of this world reports it)
+        return None, e
 
 
 def _section(world, prefix):
-    got = _torch_world(world)
+    got, error = _torch_world(world)
+    if error is not None:
+        raise AssertionError(f"the {world}-rank run stopped: {error}")
     failures, names = [], set()
     for rank, results in sorted(got.items()):
         for name, ok, detail, _ in results:
