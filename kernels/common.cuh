@@ -75,6 +75,16 @@ __device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
   return v;
 }
 
+__device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void st_volatile_u64(uint64_t* p, uint64_t v) {
   *(volatile uint64_t*)p = v;
 }
@@ -114,12 +124,18 @@ __device__ __forceinline__ void abort_comm(const SymmArgs& a, uint32_t code, int
 // The periodic check of every spinning wait (once per SYMM_SPIN_CHECK spins, so the poll stays
 // tight): true when the wait must end, because the communicator was aborted or this thread has
 // waited longer than timeout_ns since `start` for `peer` (then it aborts with TIMEOUT).
-__device__ __forceinline__ bool give_up(const SymmArgs& a, uint32_t& spins, uint64_t start, int peer) {
+// give_up_after is the same with a limit of the caller's (a wait that only backs up another).
+__device__ __forceinline__ bool give_up_after(const SymmArgs& a, uint32_t& spins, uint64_t start, int peer,
+                                              uint64_t limit_ns) {
   if ((++spins % SYMM_SPIN_CHECK) != 0) return false;
   if (aborted(a)) return true;
-  if (globaltimer() - start <= a.timeout_ns) return false;
+  if (globaltimer() - start <= limit_ns) return false;
   abort_comm(a, SYMM_ERR_TIMEOUT_CODE, peer);
   return true;
+}
+
+__device__ __forceinline__ bool give_up(const SymmArgs& a, uint32_t& spins, uint64_t start, int peer) {
+  return give_up_after(a, spins, start, peer, a.timeout_ns);
 }
 
 // Every kernel's first step: thread 0 loads the block's word `*word` (a barrier epoch or an LL

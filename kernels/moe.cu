@@ -86,16 +86,6 @@ struct MoeArgs {
   int32_t pad;
 };
 
-__device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ uint64_t* moe_ctrl(const MoeArgs& a) {
   return (uint64_t*)a.blocks[a.s.rank];
 }
@@ -376,13 +366,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     const uint64_t start = globaltimer();
     uint32_t spins = 0;
     while (*(volatile uint64_t*)&ctrl[MOE_CTRL_ROUTED] < epoch) {
-      if ((++spins % SYMM_SPIN_CHECK) != 0) continue;
-      if (aborted(a.s)) {
-        ok = 0;
-        break;
-      }
-      if (globaltimer() - start > 2 * a.s.timeout_ns) {
-        abort_comm(a.s, SYMM_ERR_TIMEOUT_CODE, me);
+      if (give_up_after(a.s, spins, start, me, 2 * a.s.timeout_ns)) {
         ok = 0;
         break;
       }
