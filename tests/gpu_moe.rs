@@ -17,32 +17,18 @@ use std::ptr::null_mut;
 use symmalloc::cuda::{mem, util};
 use symmalloc::ffi::moe::*;
 
-/// A child rank: its communicator, a stream on its device, world, rank and the parent's seed.
-fn rank_setup(c: &Child) -> (Comm, Dev, usize, usize, u64) {
-    let comm = init(c);
-    let seed = c.arg.parse().expect("the parent passes the seed");
-    (
-        comm,
-        Dev::cuda(c.device),
-        c.world as usize,
-        c.rank as usize,
-        seed,
-    )
-}
-
 /// Runs `name` on one rank per GPU (or SYMM_TEST_RANKS); every rank must succeed and print its
 /// "rank R:" line.
 fn run_gpu(name: &str, env: &[(&str, &str)], dead: usize) -> Vec<std::process::Output> {
     let world = gpu_world(name);
     let outs = run_ranks(name, world, env, &seed().to_string());
     assert_all_ok(&outs);
-    for (r, o) in outs.iter().enumerate().take(outs.len() - dead) {
-        let out = String::from_utf8_lossy(&o.stdout);
-        assert!(
-            out.contains(&format!("rank {r}: ")),
-            "{name}: rank {r} printed nothing"
-        );
-        for l in out.lines().filter(|l| l.starts_with("rank ")) {
+    assert_ran(&outs, name, dead);
+    for o in &outs {
+        for l in String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter(|l| l.starts_with("rank "))
+        {
             println!("{l}");
         }
     }
@@ -53,7 +39,7 @@ fn run_gpu(name: &str, env: &[(&str, &str)], dead: usize) -> Vec<std::process::O
 #[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
 fn gpu_moe_dispatch_and_combine_match_the_reference() {
     if let Some(c) = child() {
-        let (comm, dev, w, r, seed) = rank_setup(&c);
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::cuda);
         let (cases, hash) = sweep(comm, dev, w, seed);
         destroy(comm);
         println!("rank {r}: outputs hash {hash:016x}; {cases} cases correct");
@@ -67,7 +53,7 @@ fn gpu_moe_dispatch_and_combine_match_the_reference() {
 #[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
 fn gpu_moe_routing_changing_every_call() {
     if let Some(c) = child() {
-        let (comm, dev, w, r, seed) = rank_setup(&c);
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::cuda);
         let calls = epochs(comm, dev, w, seed, reps(48));
         destroy(comm);
         println!("rank {r}: {calls} calls correct");
@@ -80,7 +66,7 @@ fn gpu_moe_routing_changing_every_call() {
 #[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
 fn gpu_moe_arrival_order_and_a_split_child() {
     if let Some(c) = child() {
-        let (comm, dev, w, r, seed) = rank_setup(&c);
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::cuda);
         let cases = arrival(comm, dev, w, seed);
         split_child(comm, dev, w, r, seed);
         destroy(comm);
@@ -94,7 +80,7 @@ fn gpu_moe_arrival_order_and_a_split_child() {
 #[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
 fn gpu_moe_errors_are_reported_on_every_rank_and_leave_it_usable() {
     if let Some(c) = child() {
-        let (comm, dev, w, r, seed) = rank_setup(&c);
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::cuda);
         errors(comm, dev, w, seed);
         create_errors(comm, dev, w, r, seed);
         destroy(comm);
@@ -109,7 +95,7 @@ fn gpu_moe_errors_are_reported_on_every_rank_and_leave_it_usable() {
 #[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
 fn gpu_moe_a_dead_peer_times_out_naming_it() {
     if let Some(c) = child() {
-        let (comm, dev, w, _, seed) = rank_setup(&c);
+        let (comm, dev, w, _, seed) = rank_setup(&c, Dev::cuda);
         dead_peer(comm, dev, w, seed, 2.0);
         destroy(comm);
         return;
@@ -123,7 +109,7 @@ fn gpu_moe_a_dead_peer_times_out_naming_it() {
 /// checked as an eager call's. Eager calls after the replays still work (the device's call
 /// counters moved with the replays).
 fn graph_rank(c: &Child) {
-    let (comm, dev, w, r, seed) = rank_setup(c);
+    let (comm, dev, w, r, seed) = rank_setup(c, Dev::cuda);
     let s = Shape::new(64, 256, 4, experts(w, 8), false);
     let o = create(comm, s, dev);
     let (n, k, rows) = (s.t, s.topk, o.l * o.r);

@@ -25,39 +25,17 @@ fn at_2_4_8(name: &str, env: &[(&str, &str)]) -> Vec<Vec<std::process::Output>> 
         e.extend_from_slice(env);
         let outs = run_ranks(name, w, &e, &seed);
         assert_all_ok(&outs);
-        assert_ran(&outs, name);
+        assert_ran(&outs, name, name.contains("dead_peer") as usize);
         eprintln!("{name}: {w} ranks in {:.1} s", t.elapsed().as_secs_f64());
         all.push(outs);
     }
     all
 }
 
-/// Every rank that lived printed its "rank R:" line (the child ran the test, not nothing).
-fn assert_ran(outs: &[std::process::Output], name: &str) {
-    let said = |r: usize| String::from_utf8_lossy(&outs[r].stdout).contains(&format!("rank {r}: "));
-    let dead = name.contains("dead_peer") as usize;
-    for r in 0..outs.len() - dead {
-        assert!(said(r), "{name}: rank {r} printed no result line");
-    }
-}
-
-/// A child rank: its communicator, host buffers, world, rank and the parent's seed.
-fn rank_setup(c: &Child) -> (Comm, Dev, usize, usize, u64) {
-    let comm = init(c);
-    let seed = c.arg.parse().expect("the parent passes the seed");
-    (
-        comm,
-        Dev::host(c.device),
-        c.world as usize,
-        c.rank as usize,
-        seed,
-    )
-}
-
 #[test]
 fn dispatch_and_combine_match_the_reference_at_2_4_8_ranks() {
     if let Some(c) = child() {
-        let (comm, dev, w, r, seed) = rank_setup(&c);
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
         let (cases, hash) = sweep(comm, dev, w, seed);
         destroy(comm);
         println!("rank {r}: outputs hash {hash:016x}; {cases} cases correct");
@@ -75,7 +53,7 @@ fn dispatch_and_combine_match_the_reference_at_2_4_8_ranks() {
 #[test]
 fn routing_changing_every_call_for_many_epochs() {
     if let Some(c) = child() {
-        let (comm, dev, w, r, seed) = rank_setup(&c);
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
         let calls = epochs(comm, dev, w, seed, 48);
         destroy(comm);
         println!("rank {r}: {calls} calls correct");
@@ -87,7 +65,7 @@ fn routing_changing_every_call_for_many_epochs() {
 #[test]
 fn results_do_not_depend_on_arrival_order_and_a_split_child_works() {
     if let Some(c) = child() {
-        let (comm, dev, w, r, seed) = rank_setup(&c);
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
         let cases = arrival(comm, dev, w, seed);
         split_child(comm, dev, w, r, seed);
         destroy(comm);
@@ -103,7 +81,7 @@ fn results_do_not_depend_on_arrival_order_and_a_split_child_works() {
 #[test]
 fn every_error_names_the_rank_and_the_value_and_leaves_the_object_usable() {
     if let Some(c) = child() {
-        let (comm, dev, w, r, seed) = rank_setup(&c);
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
         errors(comm, dev, w, seed);
         create_errors(comm, dev, w, r, seed);
         destroy(comm);
@@ -121,7 +99,7 @@ fn every_error_names_the_rank_and_the_value_and_leaves_the_object_usable() {
 #[test]
 fn a_failed_dispatch_leaves_nothing_to_combine_and_the_next_pair_works() {
     if let Some(c) = child() {
-        let (comm, dev, w, r, seed) = rank_setup(&c);
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
         let o = create(comm, Shape::new(8, 64, 2, experts(w, 4), false), dev);
         let mut inp = rank_inputs(&o.s, &Case::new(seed, 8, 2, Route::Random), w, r);
         if r == 0 {
@@ -160,7 +138,7 @@ fn a_failed_dispatch_leaves_nothing_to_combine_and_the_next_pair_works() {
 #[test]
 fn a_dead_peer_times_out_naming_it() {
     if let Some(c) = child() {
-        let (comm, dev, w, _, seed) = rank_setup(&c);
+        let (comm, dev, w, _, seed) = rank_setup(&c, Dev::host);
         dead_peer(comm, dev, w, seed, 1.0);
         destroy(comm);
         return;

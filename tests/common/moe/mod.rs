@@ -11,7 +11,7 @@ mod check;
 pub mod errors;
 pub use check::*;
 
-use super::{err, Comm, Rng, OK};
+use super::{err, init, Child, Comm, Rng, OK};
 use std::ffi::c_void;
 use std::ptr::null_mut;
 use symmalloc::comm::convert::bf16_to_f32;
@@ -22,6 +22,25 @@ use symmalloc::ffi::types::*;
 pub const INVALID: symm_status_t = symm_status_t::SYMM_ERR_INVALID_ARGUMENT;
 /// The byte every output is poisoned with before a call (bf16 0xFFFF is a NaN).
 pub const POISON: u8 = 0xFF;
+
+/// A child rank: its communicator, its buffers' home (`dev`: `Dev::host` or `Dev::cuda`) on its
+/// device, world, rank and the parent's seed.
+pub fn rank_setup(c: &Child, dev: fn(i32) -> Dev) -> (Comm, Dev, usize, usize, u64) {
+    let comm = init(c);
+    let seed = c.arg.parse().expect("the parent passes the seed");
+    (comm, dev(c.device), c.world as usize, c.rank as usize, seed)
+}
+
+/// Every rank that lived (all but the last `dead`) printed its "rank R:" line: the child ran
+/// the test, not nothing.
+pub fn assert_ran(outs: &[std::process::Output], name: &str, dead: usize) {
+    for (r, o) in outs.iter().enumerate().take(outs.len() - dead) {
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains(&format!("rank {r}: ")),
+            "{name}: rank {r} printed no result line"
+        );
+    }
+}
 
 /// Where a test's buffers live: host memory (host backend) or device memory and a stream (CUDA).
 #[derive(Clone, Copy, Debug)]
