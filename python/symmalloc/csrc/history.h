@@ -81,6 +81,14 @@ class History {
       }
       return false;
     });
+    if (!one_pool) {
+      // Entries of segments that are gone (given back outside emptyCache) go with them.
+      std::set<uint64_t> present;
+      for (const auto& s : out.segments) present.insert(s.address);
+      for (auto it = segment_ctx_.begin(); it != segment_ctx_.end();)
+        it = present.count(it->first) ? std::next(it) : segment_ctx_.erase(it);
+      update_recording();
+    }
     auto to_us = clock_.makeConverter();
     if (include_traces) {
       out.device_traces.resize(std::max(device_count, 1));
@@ -188,7 +196,13 @@ class History {
             seg = b.segment_address;
             break;
           }
-        if (ctx) segment_ctx_[seg] = ctx;
+        // Set or cleared: a segment given back outside emptyCache (the heap's trim before it
+        // grows, a released pool, caching off) leaves its entry, and a new segment at the same
+        // address must not inherit those frames.
+        if (ctx)
+          segment_ctx_[seg] = ctx;
+        else
+          segment_ctx_.erase(seg);
         push_trace(TraceEntry::SEGMENT_ALLOC, device, seg, size, stream, ctx);
       }
       last_reserved_[device] = reserved;

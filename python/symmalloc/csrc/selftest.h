@@ -171,6 +171,35 @@ std::string selftest(Allocator& a, int device) {
   EXPECT(context_at(h4) == nullptr, "a freed block's context is dropped, not inherited");
   a.raw_delete(h4);
 
+  // A segment given back outside emptyCache (caching off: at the free) leaves no frames for a
+  // new segment at its address (set or cleared at each segment event; pruned at snapshots).
+  auto segment_context_at = [&](void* p, bool* found) -> std::shared_ptr<c10::GatheredContext> {
+    *found = false;
+    for (const auto& seg : a.snapshot({0, 0}, false).segments)
+      if ((uint64_t)p >= seg.address && (uint64_t)p < seg.address + seg.total_size) {
+        *found = true;
+        return seg.context_when_allocated;
+      }
+    return nullptr;
+  };
+  bool found = false;
+  a.emptyCache({0, 0});  // no cached segment to serve from: the next one is new
+  a.enable(false);
+  a.recordHistory(true, [] { return std::make_shared<c10::GatheredContext>(); }, 100,
+                  CCA::RecordContext::STATE, true, {});
+  void* g1 = a.malloc_on(device, 30 << 20, nullptr);
+  EXPECT(segment_context_at(g1, &found) != nullptr && found, "a new segment has its context");
+  a.raw_delete(g1);
+  a.recordHistory(true, [] { return std::make_shared<c10::GatheredContext>(); }, 100,
+                  CCA::RecordContext::NEVER, true, {});
+  void* g2 = a.malloc_on(device, 30 << 20, nullptr);
+  EXPECT(g2 == g1, "the host heap maps the same address again (the check below needs it)");
+  EXPECT(segment_context_at(g2, &found) == nullptr && found,
+         "a segment remade at a given-back segment's address does not inherit its frames");
+  a.raw_delete(g2);
+  a.recordHistory(false, nullptr, 0, CCA::RecordContext::NEVER, true, {});
+  a.enable(true);
+
   // Caching off: every free gives the memory back.
   a.enable(false);
   EXPECT(!a.isEnabled(), "caching reported off");

@@ -429,9 +429,14 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   std::atomic<int> routes_open_{0};
 };
 
+// Never destroyed, as PyTorch's own allocator: blocks are freed during interpreter and static
+// teardown (tensors held by torch's own statics), after a static here would be gone, and the
+// recorded contexts hold Python frames that must not be released once Python has finalized (a
+// destructor here did: "malloc(): unsorted double linked list corrupted" at exit, 1 of 3 full
+// ported-test runs, one H200, 2026-12-03).
 std::shared_ptr<SymmAllocator>& instance() {
-  static std::shared_ptr<SymmAllocator> a;
-  return a;
+  static auto* a = new std::shared_ptr<SymmAllocator>();
+  return *a;
 }
 
 void raw_deleter_fn(void* ptr) { instance()->free_ptr(ptr); }
