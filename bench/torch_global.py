@@ -156,11 +156,44 @@ def train_resnet(torch, steps):
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
         gpu.append(ev[0].elapsed_time(ev[1]))
+        CPUS.append(cpu_now())
         used = max(used, total - torch.cuda.mem_get_info()[0])
     GPU_MS.append(statistics.median(gpu[10:]))
     return statistics.median(times[10:]), used / float(1 << 30), float(loss.item())
 
 
+def host_probe(torch):
+    """The process's host speed apart from the allocator: a pure-Python loop (ms) and a launch
+    that allocates nothing (``torch.add(..., out=)``, µs per launch; median of 5 batches of 2000).
+    A slow process whose probes are slow too is the host's mode, not the allocator's."""
+    py = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        sum(range(200_000))
+        py.append((time.perf_counter() - t0) * 1e3)
+    a = torch.ones(16, device="cuda")
+    c = torch.empty_like(a)
+    launch = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            torch.add(a, a, out=c)
+        launch.append((time.perf_counter() - t0) * 1e6 / 2000)
+    torch.cuda.synchronize()
+    return min(py), statistics.median(launch)
+
+
+def cpu_now():
+    """The CPU this thread last ran on (/proc/thread-self/stat, field 39)."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+CPUS = []  # the CPUs the training loop ran on, one sample per step
 GPU_MS = []  # the ResNet step's GPU time (events around it), p50: tells a host-side slow mode
 # from a device-side one
 
@@ -199,12 +232,15 @@ def child(mode, bump, steps, port, core, old_lib=None, model="transformer", micr
     phases.append(("micro", time.perf_counter() - t_start))
     if steps and mode != "floor":  # the floor hands memory out again once it wraps: no training
         fn = train_resnet if model == "resnet50" else (lambda t, n: train(t, n, port))
+        row["probe py ms"], row["probe launch us"] = host_probe(torch)
         t_train = time.time()
         row["train step ms"], row["train used GiB"], row["loss"] = fn(torch, steps)
         # wall-clock span of the training, to line up with a clock log (nvidia-smi -lms)
         row["train at"] = [round(t_train, 2), round(time.time(), 2)]
         if GPU_MS:
             row["train gpu ms"] = GPU_MS[-1]
+        row["probe after py ms"], row["probe after launch us"] = host_probe(torch)
+        row["train cpus"] = sorted(set(CPUS))
     phases.append(("train", time.perf_counter() - t_start))
     row["phases s"] = " ".join(f"{k} {v:.1f}" for k, v in phases)
     print("ROW " + json.dumps(row), flush=True)
@@ -249,16 +285,24 @@ def main():
         rounds.append(got)
         json.dump(rounds, open(os.path.join(a.out, "torch_global.json"), "w"))
         print(f"round {i}: " + "  ".join(
-            f"{m} [{' '.join(f'{got[m][k]:.2f}' for k in got[m] if k not in ('mode', 'loss', 'phases s', 'installed'))}] ({got[m]['phases s']})"
+            f"{m} [{' '.join(f'{v:.2f}' for k, v in got[m].items() if isinstance(v, float))}] ({got[m]['phases s']})"
             for m in modes), flush=True)
     import torch
 
-    keys = [k for k in rounds[0]["default"] if k not in ("mode", "loss", "phases s", "installed") and not k.startswith("train")]
+    keys = [k for k in rounds[0]["default"] if k not in ("mode", "loss", "phases s", "installed") and not k.startswith(("train", "probe"))]
     if "train gpu ms" in rounds[0]["default"]:
         for m in modes:
             if "train gpu ms" in rounds[0][m]:
                 print(f"train step GPU time (events) p50 ms per process, {m}: "
                       + " ".join(f"{r[m]['train gpu ms']:.2f}" for r in rounds))
+    if "probe launch us" in rounds[0]["default"]:
+        print("per process: step ms | Python loop ms before/after | launch us before/after | CPUs the loop ran on")
+        for m in modes:
+            for r in rounds:
+                if "probe launch us" in r[m]:
+                    x = r[m]
+                    print(f"  {m:>8} {x['train step ms']:7.2f} | {x['probe py ms']:5.2f} {x['probe after py ms']:5.2f} | "
+                          f"{x['probe launch us']:5.2f} {x['probe after launch us']:5.2f} | {x['train cpus']}")
     print(f"\nGlobal mode vs PyTorch's allocator vs the pluggable floor, {torch.cuda.get_device_name(0)}, torch "
           f"{torch.__version__}, {a.pairs} rounds of fresh processes (p50 over rounds; per-round differences)")
     print(f"{'row':>20} | {'default':>8} {'global':>8} {'floor':>8} | {'global-floor med / max':>23} | "
