@@ -273,18 +273,27 @@ class Moe:
 
     def __init__(self, comm, max_tokens_per_rank: int, hidden: int, topk: int, num_experts: int,
                  dtype="bf16", max_recv_per_expert: Optional[int] = 0):
-        code = _payload_code(dtype)
+        refused = None
         cfg = _MoeConfig()
-        cfg.version, cfg.size = _MOE_CONFIG_VERSION, ctypes.sizeof(_MoeConfig)
-        cfg.max_tokens_per_rank = _uint("max_tokens_per_rank", max_tokens_per_rank, 1, (1 << 63) - 1)
-        cfg.hidden = _uint("hidden", hidden, 1, (1 << 63) - 1)
-        cfg.topk = _uint("topk", topk, 1, (1 << 32) - 1)
-        cfg.num_experts = _uint("num_experts", num_experts, 1, (1 << 32) - 1)
-        cfg.dtype, cfg.flags = code, 0
-        cfg.max_recv_per_expert = _uint("max_recv_per_expert", max_recv_per_expert or 0, 0, (1 << 63) - 1)
+        try:
+            code = _payload_code(dtype)
+            cfg.version, cfg.size = _MOE_CONFIG_VERSION, ctypes.sizeof(_MoeConfig)
+            cfg.max_tokens_per_rank = _uint("max_tokens_per_rank", max_tokens_per_rank, 1, (1 << 63) - 1)
+            cfg.hidden = _uint("hidden", hidden, 1, (1 << 63) - 1)
+            cfg.topk = _uint("topk", topk, 1, (1 << 32) - 1)
+            cfg.num_experts = _uint("num_experts", num_experts, 1, (1 << 32) - 1)
+            cfg.dtype, cfg.flags = code, 0
+            cfg.max_recv_per_expert = _uint("max_recv_per_expert", max_recv_per_expert or 0, 0, (1 << 63) - 1)
+        except SymmallocError as e:
+            refused = e
         lib = _moe_library()
         self._comm = comm
         ptr = _VOIDP()
+        if refused is not None:
+            # Create is collective: this rank still takes part (a NULL config is its refusal), so
+            # the other ranks fail at once naming it instead of waiting for the bootstrap timeout.
+            lib.symm_moe_create_config(comm._live(), None, ctypes.byref(ptr))
+            raise refused
         _check(lib.symm_moe_create_config(comm._live(), ctypes.byref(cfg), ctypes.byref(ptr)))
         self._ptr = ptr
         self._lib = lib

@@ -502,6 +502,8 @@ def _create_rank(rank, world, uid, q):
             "fp8 hidden": _error(lambda: comm.moe(8, 64, 2, 4 * world, dtype="fp8")),
             "dtype": _error(lambda: comm.moe(8, 128, 2, 4 * world, dtype="float16")),
             "ranks differ": _error(lambda: comm.moe(8 + rank, 128, 2, 4 * world)),
+            # Refused by the package on the last rank alone: every rank fails at once.
+            "one rank's topk": _error(lambda: comm.moe(8, 128, 0 if rank == world - 1 else 2, 4 * world)),
         }
         m = comm.moe(8, 128, 2, 4 * world)  # the communicator is usable after every refusal
         x, idx, w, _ = inputs(Case("c", "bf16", 1, 1), ([0x3F80] * 128, None, [[0]], [[1.0]]))
@@ -527,6 +529,11 @@ def test_create_refusals_and_lifetime():
         assert "dtype 'float16'" in errors["dtype"], errors
         assert errors["ranks differ"].startswith("SYMM_ERR_NOT_SYMMETRIC") and "rank 1" in errors["ranks differ"], errors
         assert "communicator of this Moe (rank" in errors["after the communicator closed"], errors
+        one = errors["one rank's topk"]
+        if rank == 1:
+            assert "topk 0; expected an int" in one, errors
+        else:
+            assert "rank 1: symm_moe_create_config: config is NULL" in one, errors
 
 
 # With torch: moe_gpu_check.py's cases on CPU tensors, the reference over gloo --------------------

@@ -133,13 +133,17 @@ fn with_moe<T>(
     )
 }
 
-fn create(comm: *mut symm_comm_t, req: Request, out: *mut *mut symm_moe_t) -> Result<()> {
-    if out.is_null() {
-        return Err(Error::invalid("symm_moe_create: out is NULL"));
-    }
-    // SAFETY: out is non-NULL; cleared first so a failure leaves NULL.
-    unsafe { out.write(std::ptr::null_mut()) };
-    let m = with_comm(comm, |c| c.moe_create(&req))?;
+/// `req`: the request, or why this rank could not read it; either way the rank takes part in
+/// the agreement (comm/moe), so a refusal on one rank fails every rank at once.
+fn create(comm: *mut symm_comm_t, req: Result<Request>, out: *mut *mut symm_moe_t) -> Result<()> {
+    let req = if out.is_null() {
+        Err(Error::invalid("symm_moe_create: out is NULL"))
+    } else {
+        // SAFETY: out is non-NULL; cleared first so a failure leaves NULL.
+        unsafe { out.write(std::ptr::null_mut()) };
+        req
+    };
+    let m = with_comm(comm, |c| c.moe_create(req.as_ref().map_err(Clone::clone)))?;
     let p = Box::into_raw(Box::new(symm_moe_t {
         comm,
         inner: Some(m),
@@ -179,7 +183,7 @@ pub extern "C" fn symm_moe_create(
             flags,
             max_recv: 0,
         };
-        create(comm, req, out)
+        create(comm, Ok(req), out)
     })
 }
 
@@ -192,35 +196,39 @@ pub extern "C" fn symm_moe_create_config(
     out: *mut *mut symm_moe_t,
 ) -> symm_status_t {
     guard_status("symm_moe_create_config", || {
-        if !out.is_null() {
-            // SAFETY: out is non-NULL; cleared first so every failure leaves NULL (as create).
-            unsafe { out.write(std::ptr::null_mut()) };
-        }
-        if config.is_null() {
-            return Err(Error::invalid("symm_moe_create_config: config is NULL"));
-        }
-        // SAFETY: config is non-NULL; the version and size words come first in every version.
-        let (version, size) = unsafe { ((*config).version, (*config).size) };
-        let have = std::mem::size_of::<symm_moe_config_t>();
-        if version != SYMM_MOE_CONFIG_VERSION || size as usize != have {
-            return Err(Error::invalid(format!(
-                "symm_moe_create_config: config version {version}, size {size}; expected \
-                 version {SYMM_MOE_CONFIG_VERSION} (SYMM_MOE_CONFIG_VERSION) and size {have} \
-                 (sizeof(symm_moe_config_t))"
-            )));
-        }
-        // SAFETY: the caller declared `size` == sizeof readable bytes.
-        let c = unsafe { *config };
-        let req = Request {
-            tokens: c.max_tokens_per_rank,
-            hidden: c.hidden,
-            topk: c.topk,
-            experts: c.num_experts,
-            dtype: c.dtype,
-            flags: c.flags,
-            max_recv: c.max_recv_per_expert,
-        };
-        create(comm, req, out)
+        create(comm, read_config(config), out)
+    })
+}
+
+/// The request in `config`, or why it cannot be read (NULL, another version or size).
+fn read_config(config: *const symm_moe_config_t) -> Result<Request> {
+    if config.is_null() {
+        return Err(Error::invalid(
+            "symm_moe_create_config: config is NULL; expected a symm_moe_config_t (the Python \
+             package passes NULL for a rank whose arguments it refused: that rank's error names \
+             them)",
+        ));
+    }
+    // SAFETY: config is non-NULL; the version and size words come first in every version.
+    let (version, size) = unsafe { ((*config).version, (*config).size) };
+    let have = std::mem::size_of::<symm_moe_config_t>();
+    if version != SYMM_MOE_CONFIG_VERSION || size as usize != have {
+        return Err(Error::invalid(format!(
+            "symm_moe_create_config: config version {version}, size {size}; expected \
+             version {SYMM_MOE_CONFIG_VERSION} (SYMM_MOE_CONFIG_VERSION) and size {have} \
+             (sizeof(symm_moe_config_t))"
+        )));
+    }
+    // SAFETY: the caller declared `size` == sizeof readable bytes.
+    let c = unsafe { *config };
+    Ok(Request {
+        tokens: c.max_tokens_per_rank,
+        hidden: c.hidden,
+        topk: c.topk,
+        experts: c.num_experts,
+        dtype: c.dtype,
+        flags: c.flags,
+        max_recv: c.max_recv_per_expert,
     })
 }
 

@@ -124,6 +124,18 @@ fn bad(msg: String) -> Error {
 }
 
 impl Request {
+    /// What a rank that could not read its request sends at create (every word all ones; the
+    /// other ranks then report its refusal, not a mismatch).
+    pub const UNREADABLE: Request = Request {
+        tokens: u64::MAX,
+        hidden: u64::MAX,
+        topk: u32::MAX,
+        experts: u32::MAX,
+        dtype: u32::MAX,
+        flags: u32::MAX,
+        max_recv: u64::MAX,
+    };
+
     /// The words every rank compares at create (as the caller passed them).
     pub fn words(&self) -> [u64; 7] {
         [

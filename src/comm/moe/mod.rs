@@ -207,11 +207,22 @@ impl Moe {
 }
 
 impl Communicator {
-    /// `symm_moe_create`: collective over this communicator (module header).
-    pub fn moe_create(&mut self, req: &Request) -> Result<Moe> {
+    /// `symm_moe_create`: collective over this communicator (module header). `Err(why)`: this
+    /// rank could not even read its request (a bad config struct, `out` NULL); it still takes
+    /// part in the agreement, so every rank fails at once naming it instead of waiting for the
+    /// bootstrap timeout, and this rank returns `why`.
+    pub fn moe_create(&mut self, req: std::result::Result<&Request, Error>) -> Result<Moe> {
         self.begin_call(0)?;
         let world = self.world as u64;
-        let checked = req.check(world);
+        let (req, unread) = match req {
+            Ok(r) => (*r, None),
+            Err(e) => (Request::UNREADABLE, Some(e)),
+        };
+        let req = &req;
+        let checked = match &unread {
+            Some(e) => Err(e.clone()),
+            None => req.check(world),
+        };
         let grid = if self.host {
             1
         } else {
@@ -235,6 +246,7 @@ impl Communicator {
             .mesh
             .all_gather(&msg, &[], "symm_moe_create agreement")?;
         let mut refusals = Vec::new();
+        let mut unreadable = Vec::new();
         let mut words = Vec::new();
         let mut g = grid;
         for (r, (m, _)) in all.iter().enumerate() {
@@ -255,9 +267,21 @@ impl Communicator {
                 .collect();
             if n > 0 {
                 refusals.push(format!("rank {r}: {}", String::from_utf8_lossy(t)));
+                if w[..7] == Request::UNREADABLE.words() {
+                    unreadable.push(format!("rank {r}: {}", String::from_utf8_lossy(t)));
+                }
             }
             g = g.min(w[7] as u32);
             words.push(w[..7].to_vec());
+        }
+        if let Some(e) = unread {
+            return Err(e);
+        }
+        if !unreadable.is_empty() {
+            return Err(Error::invalid(format!(
+                "symm_moe_create: {} (no rank made the object)",
+                unreadable.join("; ")
+            )));
         }
         let mine = req.words();
         if words.iter().any(|w| w[..] != mine[..]) {

@@ -459,6 +459,40 @@ pub fn create_errors(comm: Comm, dev: Dev, w: usize, rank: usize, seed: u64) {
         "{}",
         err()
     );
+    // One rank cannot read its request (a config of another version; `out` NULL): every rank
+    // fails at once naming it (it still takes part in the agreement), none waits for a timeout.
+    let last = w - 1;
+    let own_v = cfg(&|c| c.version = if rank == last { 2 } else { 1 });
+    let named = format!("rank {last}: symm_moe_create_config: config version 2");
+    let needle = if rank == last {
+        "config version 2".to_string()
+    } else {
+        named
+    };
+    let t0 = std::time::Instant::now();
+    refuse(comm, good, own_v, INVALID, &[needle]);
+    let mut m1: *mut symm_moe_t = null_mut();
+    let out = if rank == last {
+        null_mut()
+    } else {
+        &mut m1 as *mut _
+    };
+    let st = symm_moe_create(comm, 8, 128, 4, e, 0, 0, out);
+    let want = if rank == last {
+        "out is NULL".to_string()
+    } else {
+        format!("rank {last}: symm_moe_create: out is NULL")
+    };
+    assert!(
+        st == INVALID && err().contains(&want) && m1.is_null(),
+        "{}",
+        err()
+    );
+    assert!(
+        t0.elapsed().as_secs_f64() < 5.0,
+        "one rank's unreadable request failed the others at once, not after a timeout ({:?})",
+        t0.elapsed()
+    );
     let st = symm_moe_create(comm, 8, 128, 4, e, 0, 0, null_mut());
     assert!(st == INVALID && err().contains("out is NULL"), "{}", err());
     let st = symm_moe_create(null_mut(), 8, 128, 4, e, 0, 0, &mut m);
