@@ -395,13 +395,96 @@ fn thread_caches_keep_blocks_for_their_thread_and_give_them_back() {
         .contains("allocated with size 4000"));
     assert_eq!(a.stats(0).unwrap().requested_bytes, 4000);
     a.validate(0).unwrap();
-    // Freed by another thread: the heap takes it (parked for that stream), nothing is lost.
+    // Freed by another thread: the heap takes it (the wrong-size free above took it back from
+    // the cache), nothing is lost.
     let a2 = a.clone();
     std::thread::spawn(move || a2.free(p, 4000, 0, s1).unwrap())
         .join()
         .unwrap();
     a.validate(0).unwrap();
     assert_eq!(a.stats(0).unwrap().active_blocks, 0);
+    // A block lent by this thread's cache and freed by another thread (autograd's backward
+    // frees what the forward allocated): the lending cache keeps it for its own thread.
+    let r = a.malloc_in(6000, 0, s1, dp).unwrap();
+    let a2 = a.clone();
+    std::thread::spawn(move || a2.free(r, 6000, 0, s1).unwrap())
+        .join()
+        .unwrap();
+    a.validate(0).unwrap();
+    let s = a.stats(0).unwrap();
+    assert_eq!(
+        (s.active_blocks, s.allocated_bytes),
+        (0, 0),
+        "kept counts as free"
+    );
+    let tc = symmalloc::config::thread_cache().unwrap();
+    // Kept by this thread's cache, not parked in the heap: a third thread gets another block.
+    let a3 = a.clone();
+    let third = std::thread::spawn(move || {
+        let q = a3.malloc_in(6000, 0, s1, dp).unwrap();
+        a3.free(q, 6000, 0, s1).unwrap();
+        q
+    })
+    .join()
+    .unwrap();
+    assert_eq!(
+        third != r,
+        tc,
+        "the remotely freed block waits for its lending thread"
+    );
+    let hits = a.stats(0).unwrap().cache_hits;
+    let p2 = a.malloc_in(6000, 0, s1, dp).unwrap();
+    assert_eq!(
+        (p2 == r, a.stats(0).unwrap().cache_hits == hits + 1),
+        (true, tc),
+        "a block freed on another thread comes back to the lending thread from its cache"
+    );
+    // The same through `free_block` (PyTorch's raw_delete, which knows only the address).
+    let before = a.stats(0).unwrap();
+    let r2 = a.malloc_in(7000, 0, s1, dp).unwrap();
+    let a2 = a.clone();
+    std::thread::spawn(move || a2.free_block(r2).unwrap())
+        .join()
+        .unwrap();
+    a.validate(0).unwrap();
+    let a3 = a.clone();
+    let third = std::thread::spawn(move || {
+        let q = a3.malloc_in(7000, 0, s1, dp).unwrap();
+        a3.free_block(q).unwrap();
+        q
+    })
+    .join()
+    .unwrap();
+    assert_eq!(third != r2, tc, "free_block: kept for the lending thread");
+    assert_eq!(a.malloc_in(7000, 0, s1, dp).unwrap(), r2);
+    a.free_block(r2).unwrap();
+    let s = a.stats(0).unwrap();
+    assert_eq!(
+        (s.active_blocks, s.allocated_bytes, s.requested_bytes),
+        (
+            before.active_blocks,
+            before.allocated_bytes,
+            before.requested_bytes
+        ),
+        "{s:?}"
+    );
+    // ... but not on another stream than its own: the heap takes it then, nothing is lost.
+    let a2 = a.clone();
+    std::thread::spawn(move || a2.free(p2, 6000, 0, 0x5000).unwrap())
+        .join()
+        .unwrap();
+    a.validate(0).unwrap();
+    assert_eq!(a.stats(0).unwrap().active_blocks, 0);
+    // A block whose lending thread has exited goes to the heap when another thread frees it
+    // (nobody would take it from the orphaned cache).
+    let a4 = a.clone();
+    let orphaned = std::thread::spawn(move || a4.malloc_in(4096, 0, s1, dp).unwrap())
+        .join()
+        .unwrap();
+    a.free(orphaned, 4096, 0, s1).unwrap();
+    a.validate(0).unwrap();
+    let s = a.stats(0).unwrap();
+    assert_eq!((s.active_blocks, s.allocated_bytes), (0, 0), "{s:?}");
     // record_stream takes the block back from the cache: its free then waits on both streams.
     let q = a.malloc_in(8192, 0, s1, dp).unwrap();
     a.record_stream(q, 0x2000).unwrap();

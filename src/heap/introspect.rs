@@ -104,6 +104,18 @@ impl Allocator {
                 "symm_free_block({ptr:#x}): pointer was not returned by symm_malloc"
             )));
         };
+        if let Some(Some((requested, stream))) = self.with_cache(device, |c| c.lent_info(ptr)) {
+            return self.free(ptr, requested, device, stream);
+        }
+        // Lent by another thread's cache (autograd's thread frees what the forward allocated):
+        // kept there in one pass under the heap's lock (`keep_remote`).
+        let heap = self.heap(device)?;
+        if let Some((kept, requested)) = self.keep_remote(&heap, ptr, None, device) {
+            drop(heap);
+            self.users[device as usize].free(kept, requested);
+            return Ok(());
+        }
+        drop(heap);
         let (requested, stream) = self.live_info(device, ptr)?;
         self.free(ptr, requested, device, stream)
     }

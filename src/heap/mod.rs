@@ -192,6 +192,35 @@ impl Allocator {
         }
     }
 
+    /// A free from a thread other than the one whose cache lent the block (PyTorch's backward
+    /// frees on autograd's thread what the forward allocated on the main thread): the lending
+    /// cache keeps it for its own thread's next request, under the same rules as its own frees
+    /// (whole, on the allocation stream, within the cache's bounds, no pool being released), so
+    /// the next forward hits its cache instead of the heap. Called with the heap's lock held
+    /// (lock order: heap, registry, cache). `freed`: the (size, stream) the caller frees it
+    /// with, or None for the block's own (`free_block`). (the kept block's size, the request
+    /// freed), or None: the heap frees it.
+    pub(crate) fn keep_remote(
+        &self,
+        heap: &DeviceHeap,
+        ptr: u64,
+        freed: Option<(u64, Stream)>,
+        device: i32,
+    ) -> Option<(u64, u64)> {
+        let id = heap.tracker(ptr)?;
+        let cache = self.registry().get(&id).cloned()?;
+        let mut c = cache.lock();
+        if c.orphan {
+            return None; // its thread is gone: nobody would take the block from there
+        }
+        let (size, stream) = match freed {
+            Some(f) => f,
+            None => c.lent_info(ptr)?,
+        };
+        let allowed = !self.releasing[device as usize].load(Ordering::Relaxed);
+        c.keep_sized(ptr, size, stream, allowed).map(|b| (b, size))
+    }
+
     /// Returns the kept blocks of `device`'s caches that `which` selects to the heap (the heap's
     /// parked path takes them, as if freed there); drops orphaned caches left empty.
     fn drain_caches(
@@ -421,6 +450,10 @@ impl Allocator {
             }));
         }
         let bsize = heap.block_size(ptr);
+        if let Some((kept, _)) = self.keep_remote(&heap, ptr, Some((size, stream)), device) {
+            self.users[device as usize].free(kept, size);
+            return Ok(());
+        }
         let r = self
             .reclaim(&mut heap, ptr, "symm_free")
             .and_then(|()| heap.free(self.backend.as_ref(), ptr, size, stream));
