@@ -14,6 +14,8 @@ alternate the modes' order; a round is one process per mode. Rows:
   empty+del N     torch.empty(N bytes) then del, us per pair (median of 5 x 3000)
   p99 N           the p99 of 5000 such pairs timed one by one
   mixed 64        64 live tensors of mixed sizes, then all freed, us per tensor
+  xthread 64      the same 64 made on this thread and freed on a second one (autograd's
+                  backward frees what the forward allocated), us per tensor
   side stream     an allocation on a side stream, record_stream on the main one, then del
   train step      --model transformer (default and global modes): a 6-layer transformer
                   (bench/ddp_memory.py's, world 1 DDP over gloo), bf16 autocast, batch 8,
@@ -75,6 +77,39 @@ def mixed_us(torch, reps=50):
             live = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in sizes]
             del live
         out.append((time.perf_counter() - t) / (reps * len(sizes)) * 1e6)
+    return statistics.median(out)
+
+
+def xthread_us(torch, reps=200):
+    """64 tensors of mixed sizes made on this thread and freed on a second one (PyTorch's
+    backward frees on autograd's thread what the forward allocated): µs per tensor, the
+    allocation plus the other thread's free (timed by that thread), median over rounds."""
+    import queue
+    import threading
+
+    sizes = [(512 << (i % 12)) + 4096 * (i % 5) for i in range(64)]
+    todo, done = queue.Queue(), queue.Queue()
+
+    def worker():
+        while (live := todo.get()) is not None:
+            t = time.perf_counter()
+            live.clear()  # the last references: the frees run on this thread
+            done.put(time.perf_counter() - t)
+
+    th = threading.Thread(target=worker, daemon=True)
+    th.start()
+    out = []
+    for i in range(reps + 10):
+        t = time.perf_counter()
+        live = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in sizes]
+        took = time.perf_counter() - t
+        todo.put(live)
+        del live
+        freed = done.get()
+        if i >= 10:
+            out.append((took + freed) / len(sizes) * 1e6)
+    todo.put(None)
+    th.join()
     return statistics.median(out)
 
 
@@ -228,6 +263,7 @@ def child(mode, bump, steps, port, core, old_lib=None, model="transformer", micr
         row[f"p99 {n}"] = pair_p99_us(torch, n)
     if micro:
         row["mixed 64"] = mixed_us(torch)
+        row["xthread 64"] = xthread_us(torch)
         row["side stream"] = side_stream_us(torch)
     phases.append(("micro", time.perf_counter() - t_start))
     if steps and mode != "floor":  # the floor hands memory out again once it wraps: no training
