@@ -468,6 +468,34 @@ fn thread_caches_keep_blocks_for_their_thread_and_give_them_back() {
         ),
         "{s:?}"
     );
+    // Remote frees keep at most KEEP_REMOTE_BYTES in the lending cache (what an idle lending
+    // thread keeps cannot serve the freeing thread): 16 MiB blocks, the third goes to the heap.
+    let big: Vec<u64> = (0..3)
+        .map(|_| a.malloc_in(16 << 20, 0, s1, dp).unwrap())
+        .collect();
+    let a2 = a.clone();
+    let big2 = big.clone();
+    std::thread::spawn(move || {
+        for p in big2 {
+            a2.free(p, 16 << 20, 0, s1).unwrap();
+        }
+    })
+    .join()
+    .unwrap();
+    a.validate(0).unwrap();
+    let kept_big = a
+        .walk(0, None)
+        .unwrap()
+        .iter()
+        .filter(|b| b.state == 3 && big.contains(&b.address))
+        .count();
+    let most = symmalloc::heap::tcache::KEEP_REMOTE_BYTES / (16 << 20);
+    assert_eq!(
+        kept_big as u64,
+        if tc { most } else { 0 },
+        "kept for the lending thread"
+    );
+    a.empty_cache().unwrap();
     // ... but not on another stream than its own: the heap takes it then, nothing is lost.
     let a2 = a.clone();
     std::thread::spawn(move || a2.free(p2, 6000, 0, 0x5000).unwrap())

@@ -196,7 +196,8 @@ impl Allocator {
     /// frees on autograd's thread what the forward allocated on the main thread): the lending
     /// cache keeps it for its own thread's next request, under the same rules as its own frees
     /// (whole, on the allocation stream, within the cache's bounds, no pool being released), so
-    /// the next forward hits its cache instead of the heap. Called with the heap's lock held
+    /// the next forward hits its cache instead of the heap; up to KEEP_REMOTE_BYTES kept in all
+    /// (tcache.rs says why). Called with the heap's lock held
     /// (lock order: heap, registry, cache). `freed`: the (size, stream) the caller frees it
     /// with, or None for the block's own (`free_block`). (the kept block's size, the request
     /// freed), or None: the heap frees it.
@@ -218,7 +219,8 @@ impl Allocator {
             None => c.lent_info(ptr)?,
         };
         let allowed = !self.releasing[device as usize].load(Ordering::Relaxed);
-        c.keep_sized(ptr, size, stream, allowed).map(|b| (b, size))
+        c.keep_within(ptr, size, stream, allowed, tcache::KEEP_REMOTE_BYTES)
+            .map(|b| (b, size))
     }
 
     /// Returns the kept blocks of `device`'s caches that `which` selects to the heap (the heap's

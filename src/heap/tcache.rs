@@ -120,6 +120,11 @@ pub const KEEP_BLOCKS: usize = 64;
 pub const KEEP_POOL_BLOCKS: usize = 16;
 /// Most bytes a thread keeps per device.
 pub const KEEP_BYTES: u64 = 256 << 20;
+/// Most bytes a cache may keep, counting the block, when the block comes back from another
+/// thread's free (`keep_remote`). Lower than KEEP_BYTES: while the lending thread is idle (the
+/// main thread during autograd's backward), what it keeps cannot serve the freeing thread's own
+/// requests, and the heap would grow for them instead (by at most this much per lending thread).
+pub const KEEP_REMOTE_BYTES: u64 = 32 << 20;
 
 #[derive(Debug)]
 pub struct Kept {
@@ -244,6 +249,19 @@ impl ThreadCache {
         stream: Stream,
         allowed: bool,
     ) -> Option<u64> {
+        self.keep_within(ptr, size, stream, allowed, KEEP_BYTES)
+    }
+
+    /// As `keep_sized`, keeping at most `most_bytes` in all (KEEP_REMOTE_BYTES for a block
+    /// another thread frees).
+    pub fn keep_within(
+        &mut self,
+        ptr: u64,
+        size: u64,
+        stream: Stream,
+        allowed: bool,
+        most_bytes: u64,
+    ) -> Option<u64> {
         let l = self.lent.remove(ptr)?;
         let most = if l.key.0 == DEFAULT_POOL {
             KEEP_BLOCKS
@@ -255,7 +273,7 @@ impl ThreadCache {
             || l.requested != size
             || l.key.1 != stream
             || self.kept.len() >= most
-            || self.kept_bytes + l.size > KEEP_BYTES
+            || self.kept_bytes + l.size > most_bytes.min(KEEP_BYTES)
         {
             self.lent.insert(ptr, l); // still lent: the heap takes it back from here
             return None;
