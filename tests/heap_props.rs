@@ -456,6 +456,15 @@ fn thread_caches_keep_blocks_for_their_thread_and_give_them_back() {
     .join()
     .unwrap();
     assert_eq!(third != r2, tc, "free_block: kept for the lending thread");
+    if tc {
+        // Kept already: a second free from yet another thread is a double free, named.
+        let a2 = a.clone();
+        let e = std::thread::spawn(move || a2.free_block(r2).unwrap_err())
+            .join()
+            .unwrap();
+        assert!(e.message.contains("double free"), "{}", e.message);
+        a.validate(0).unwrap();
+    }
     assert_eq!(a.malloc_in(7000, 0, s1, dp).unwrap(), r2);
     a.free_block(r2).unwrap();
     let s = a.stats(0).unwrap();

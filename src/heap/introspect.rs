@@ -108,16 +108,22 @@ impl Allocator {
             return self.free(ptr, requested, device, stream);
         }
         // Lent by another thread's cache (autograd's thread frees what the forward allocated):
-        // kept there in one pass under the heap's lock (`keep_remote`).
-        let heap = self.heap(device)?;
-        if let Some((kept, requested)) = self.keep_remote(&heap, ptr, None, device) {
+        // kept there, or taken back and freed, under one hold of the heap's lock.
+        let mut heap = self.heap(device)?;
+        if let Some((kept, requested)) = self.keep_remote(&mut heap, ptr, None, device)? {
             drop(heap);
             self.users[device as usize].free(kept, requested);
             return Ok(());
         }
-        drop(heap);
-        let (requested, stream) = self.live_info(device, ptr)?;
-        self.free(ptr, requested, device, stream)
+        if heap.tracker(ptr).is_some() {
+            // Still with a cache, but not lent: kept already.
+            return Err(Error::invalid(format!(
+                "symm_free_block({ptr:#x}): double free or use after free: the block is \
+                 already free"
+            )));
+        }
+        let (requested, stream) = heap.live_info(ptr)?;
+        self.free_locked(heap, ptr, requested, device, stream)
     }
 
     /// The addresses of every block kept by `device`'s thread caches.

@@ -200,27 +200,40 @@ impl Allocator {
     /// (tcache.rs says why). Called with the heap's lock held
     /// (lock order: heap, registry, cache). `freed`: the (size, stream) the caller frees it
     /// with, or None for the block's own (`free_block`). (the kept block's size, the request
-    /// freed), or None: the heap frees it.
+    /// freed), or None: the heap frees it (a block lent but not kept is taken back here).
     pub(crate) fn keep_remote(
         &self,
-        heap: &DeviceHeap,
+        heap: &mut DeviceHeap,
         ptr: u64,
         freed: Option<(u64, Stream)>,
         device: i32,
-    ) -> Option<(u64, u64)> {
-        let id = heap.tracker(ptr)?;
-        let cache = self.registry().get(&id).cloned()?;
-        let mut c = cache.lock();
-        if c.orphan {
-            return None; // its thread is gone: nobody would take the block from there
-        }
-        let (size, stream) = match freed {
-            Some(f) => f,
-            None => c.lent_info(ptr)?,
+    ) -> Result<Option<(u64, u64)>> {
+        let Some(id) = heap.tracker(ptr) else {
+            return Ok(None);
         };
-        let allowed = !self.releasing[device as usize].load(Ordering::Relaxed);
-        c.keep_within(ptr, size, stream, allowed, tcache::KEEP_REMOTE_BYTES)
-            .map(|b| (b, size))
+        let Some(cache) = self.registry().get(&id).cloned() else {
+            return Ok(None);
+        };
+        let mut c = cache.lock();
+        // Not lent (kept already: a double free; or missing): the caller's reclaim names it.
+        let Some(info) = c.lent_info(ptr) else {
+            return Ok(None);
+        };
+        let (size, stream) = freed.unwrap_or(info);
+        // An orphan's thread is gone: nobody would take the block from there.
+        if !c.orphan {
+            let allowed = !self.releasing[device as usize].load(Ordering::Relaxed);
+            if let Some(b) = c.keep_within(ptr, size, stream, allowed, tcache::KEEP_REMOTE_BYTES) {
+                return Ok(Some((b, size)));
+            }
+        }
+        // Not kept: taken back now, under the lock already held (one registry lookup, not two);
+        // the caller's reclaim then finds it untracked and the heap frees it.
+        if let tcache::Reclaim::Lent(requested) = c.reclaim(ptr) {
+            drop(c);
+            heap.untrack(ptr, requested)?;
+        }
+        Ok(None)
     }
 
     /// Returns the kept blocks of `device`'s caches that `which` selects to the heap (the heap's
@@ -440,7 +453,19 @@ impl Allocator {
                 return Ok(());
             }
         }
-        let mut heap = self.heap(device)?;
+        let heap = self.heap(device)?;
+        self.free_locked(heap, ptr, size, device, stream)
+    }
+
+    /// `free` past the calling thread's own cache, under `heap` (the device's lock).
+    pub(crate) fn free_locked(
+        &self,
+        mut heap: SpinGuard<'_, DeviceHeap>,
+        ptr: u64,
+        size: u64,
+        device: i32,
+        stream: Stream,
+    ) -> Result<()> {
         if !heap.contains(ptr) {
             drop(heap); // device_of locks every heap, this one included
             let owner = self.device_of(ptr);
@@ -452,7 +477,7 @@ impl Allocator {
             }));
         }
         let bsize = heap.block_size(ptr);
-        if let Some((kept, _)) = self.keep_remote(&heap, ptr, Some((size, stream)), device) {
+        if let Some((kept, _)) = self.keep_remote(&mut heap, ptr, Some((size, stream)), device)? {
             self.users[device as usize].free(kept, size);
             return Ok(());
         }

@@ -5,8 +5,8 @@
 //! (`device_heap::keeps_whole` says why). A block freed whole on its stream by another thread
 //! than the one whose cache lent it (PyTorch's backward frees on autograd's thread what the
 //! forward allocated) goes back to the lending cache for that thread's next request
-//! (`Allocator::keep_remote`, mimalloc's delayed free), not to the heap: the cross-thread pair
-//! went from 0.70 to 0.31 µs on the host backend (bench/xthread.rs). Under eight threads on their own streams the shared lock was
+//! (`Allocator::keep_remote`, mimalloc's delayed free; up to KEEP_REMOTE_BYTES), not to the
+//! heap: bench/RESULTS.md, "Frees on another thread". Under eight threads on their own streams the shared lock was
 //! the whole tail, waiters queueing behind a holder that takes the lock again and again
 //! (bench/NOTES.md, "The allocator").
 //!
