@@ -1,5 +1,6 @@
 //! The symmetric caching allocator: one `DeviceHeap` per device behind a spin lock, with a
-//! cache per thread in front of it (`tcache.rs`), over one backend chosen at first use
+//! cache per thread in front of it (`tcache.rs`; found, taken back from and drained in
+//! `caches.rs`), over one backend chosen at first use
 //! (`SYMMALLOC_BACKEND`). Pure Rust above the `Backend` trait.
 //!
 //! The process-wide instance (`global()`) serves the C ABI; tests may build private instances
@@ -11,6 +12,7 @@
 //! every lent block.
 
 pub mod backend;
+mod caches;
 pub mod cuda_backend;
 pub mod device_heap;
 pub mod device_stats;
@@ -33,10 +35,9 @@ use device_stats::UserCounters;
 use pools::PoolId;
 use spin_lock::{SpinGuard, SpinLock};
 use stats::Stats;
-use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use tcache::{Reclaim, ThreadCache};
+use tcache::ThreadCache;
 
 type Cache = Arc<SpinLock<ThreadCache>>;
 
@@ -73,23 +74,6 @@ enum Escalate {
     AllCaches,
 }
 
-/// A thread's cache of one device of one allocator.
-struct Mine {
-    alloc: u64,
-    device: i32,
-    cache: Cache,
-}
-
-impl Drop for Mine {
-    fn drop(&mut self) {
-        self.cache.lock().orphan = true; // its blocks go back at the next drain
-    }
-}
-
-thread_local! {
-    static MINE: RefCell<Vec<Mine>> = const { RefCell::new(Vec::new()) };
-}
-
 static GLOBAL: OnceLock<std::result::Result<Allocator, Error>> = OnceLock::new();
 
 /// The process's allocator, created on first use with the backend `SYMMALLOC_BACKEND` names.
@@ -123,165 +107,6 @@ impl Allocator {
                 .map(|_| (AtomicU64::new(0), AtomicU64::new(0)))
                 .collect(),
         })
-    }
-
-    /// Runs `f` on the calling thread's cache of `device` (made and registered on first use);
-    /// None when thread caches are off or the thread is exiting.
-    fn with_cache<R>(&self, device: i32, f: impl FnOnce(&mut ThreadCache) -> R) -> Option<R> {
-        if !self.thread_caches {
-            return None;
-        }
-        MINE.try_with(|mine| {
-            let mut mine = mine.try_borrow_mut().ok()?;
-            let at = match mine
-                .iter()
-                .position(|m| m.alloc == self.id && m.device == device)
-            {
-                Some(i) => i,
-                None => {
-                    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-                    let cache = Arc::new(SpinLock::new(ThreadCache::new(id, device)));
-                    self.registry().insert(id, cache.clone());
-                    mine.push(Mine {
-                        alloc: self.id,
-                        device,
-                        cache,
-                    });
-                    mine.len() - 1
-                }
-            };
-            let mut c = mine[at].cache.lock();
-            Some(f(&mut c))
-        })
-        .ok()
-        .flatten()
-    }
-
-    fn registry(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Cache>> {
-        self.caches.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The caches of `device` (orphans included).
-    fn caches_of(&self, device: i32) -> Vec<Cache> {
-        self.registry()
-            .values()
-            .filter(|c| c.lock().device == device)
-            .cloned()
-            .collect()
-    }
-
-    /// Takes the block at `ptr` back from the cache it is lent to, if any, so that the heap may
-    /// free it or record a stream on it. `what` names the caller for errors.
-    fn reclaim(&self, heap: &mut DeviceHeap, ptr: u64, what: &str) -> Result<()> {
-        let Some(id) = heap.tracker(ptr) else {
-            return Ok(());
-        };
-        let cache = self.registry().get(&id).cloned();
-        let got = match &cache {
-            Some(c) => c.lock().reclaim(ptr),
-            None => Reclaim::Missing,
-        };
-        match got {
-            Reclaim::Lent(requested) => heap.untrack(ptr, requested),
-            Reclaim::Kept => Err(Error::invalid(format!(
-                "{what}({ptr:#x}): double free or use after free: the block is already free"
-            ))),
-            Reclaim::Missing => Err(Error::internal(format!(
-                "{what}({ptr:#x}): the block's thread cache {id} does not hold it"
-            ))),
-        }
-    }
-
-    /// A free from a thread other than the one whose cache lent the block (PyTorch's backward
-    /// frees on autograd's thread what the forward allocated on the main thread): the lending
-    /// cache keeps it for its own thread's next request, under the same rules as its own frees
-    /// (whole, on the allocation stream, within the cache's bounds, no pool being released), so
-    /// the next forward hits its cache instead of the heap; up to KEEP_REMOTE_BYTES kept in all
-    /// (tcache.rs says why). Called with the heap's lock held
-    /// (lock order: heap, registry, cache). `freed`: the (size, stream) the caller frees it
-    /// with, or None for the block's own (`free_block`). (the kept block's size, the request
-    /// freed), or None: the heap frees it (a block lent but not kept is taken back here).
-    pub(crate) fn keep_remote(
-        &self,
-        heap: &mut DeviceHeap,
-        ptr: u64,
-        freed: Option<(u64, Stream)>,
-        device: i32,
-    ) -> Result<Option<(u64, u64)>> {
-        let Some(id) = heap.tracker(ptr) else {
-            return Ok(None);
-        };
-        let Some(cache) = self.registry().get(&id).cloned() else {
-            return Ok(None);
-        };
-        let mut c = cache.lock();
-        // Not lent (kept already: a double free; or missing): the caller's reclaim names it.
-        let Some(info) = c.lent_info(ptr) else {
-            return Ok(None);
-        };
-        let (size, stream) = freed.unwrap_or(info);
-        // An orphan's thread is gone: nobody would take the block from there.
-        if !c.orphan {
-            let allowed = !self.releasing[device as usize].load(Ordering::Relaxed);
-            if let Some(b) = c.keep_within(ptr, size, stream, allowed, tcache::KEEP_REMOTE_BYTES) {
-                return Ok(Some((b, size)));
-            }
-        }
-        // Not kept: taken back now, under the lock already held (one registry lookup, not two);
-        // the caller's reclaim then finds it untracked and the heap frees it.
-        if let tcache::Reclaim::Lent(requested) = c.reclaim(ptr) {
-            drop(c);
-            heap.untrack(ptr, requested)?;
-        }
-        Ok(None)
-    }
-
-    /// Returns the kept blocks of `device`'s caches that `which` selects to the heap (the heap's
-    /// parked path takes them, as if freed there); drops orphaned caches left empty.
-    fn drain_caches(
-        &self,
-        heap: &mut DeviceHeap,
-        device: i32,
-        which: impl Fn(&tcache::Key) -> bool,
-    ) -> Result<()> {
-        self.drain_where(heap, device, |_| true, which)
-    }
-
-    /// As `drain_caches`, for the caches `whose` selects, all their kept blocks.
-    fn drain_caches_of(
-        &self,
-        heap: &mut DeviceHeap,
-        device: i32,
-        whose: impl Fn(&ThreadCache) -> bool,
-    ) -> Result<()> {
-        self.drain_where(heap, device, whose, |_| true)
-    }
-
-    fn drain_where(
-        &self,
-        heap: &mut DeviceHeap,
-        device: i32,
-        whose: impl Fn(&ThreadCache) -> bool,
-        which: impl Fn(&tcache::Key) -> bool,
-    ) -> Result<()> {
-        if !self.thread_caches {
-            return Ok(());
-        }
-        let mut reg = self.registry();
-        let mut back = Vec::new();
-        reg.retain(|_, c| {
-            let mut c = c.lock();
-            if c.device == device && whose(&c) {
-                back.extend(c.drain(&which));
-            }
-            !(c.orphan && c.is_empty())
-        });
-        drop(reg);
-        for k in back {
-            heap.untrack(k.ptr, k.recorded)?;
-            heap.free(self.backend.as_ref(), k.ptr, k.recorded, k.key.1)?;
-        }
-        Ok(())
     }
 
     pub fn backend(&self) -> &dyn Backend {
