@@ -34,53 +34,55 @@ fn row(name: &str, size: u64, mut m: Vec<f64>, mut f: Vec<f64>) {
     );
 }
 
+/// N blocks of `size` from this thread: the blocks, and the seconds it took.
+fn alloc_round(a: &Allocator, size: u64) -> (Vec<u64>, f64) {
+    let t = Instant::now();
+    let v = (0..N)
+        .map(|_| a.malloc(size, 0, 0).expect("malloc"))
+        .collect();
+    (v, t.elapsed().as_secs_f64())
+}
+
+/// Frees `v` on the calling thread: the seconds it took.
+fn free_all(a: &Allocator, v: Vec<u64>) -> f64 {
+    let t = Instant::now();
+    for p in v {
+        a.free_block(p).expect("free");
+    }
+    t.elapsed().as_secs_f64()
+}
+
+/// ROUNDS timed (malloc, free) rounds of `round` after WARM untimed ones.
+fn timed(mut round: impl FnMut() -> (f64, f64)) -> (Vec<f64>, Vec<f64>) {
+    (0..WARM).for_each(|_| {
+        round();
+    });
+    (0..ROUNDS).map(|_| round()).unzip()
+}
+
 fn main() {
     let a: &'static Allocator = Box::leak(Box::new(
         Allocator::new(Box::new(HostBackend)).expect("host backend"),
     ));
     println!("   bytes | free on      | malloc p50 / p99 us | free p50 / p99 us");
     for size in [512u64, 64 << 10, 1 << 20, 8 << 20] {
-        let (mut m, mut f) = (Vec::new(), Vec::new());
-        for r in 0..ROUNDS + WARM {
-            let t = Instant::now();
-            let v: Vec<u64> = (0..N)
-                .map(|_| a.malloc(size, 0, 0).expect("malloc"))
-                .collect();
-            let t1 = Instant::now();
-            for p in v {
-                a.free_block(p).expect("free");
-            }
-            if r >= WARM {
-                m.push((t1 - t).as_secs_f64());
-                f.push(t1.elapsed().as_secs_f64());
-            }
-        }
+        let (m, f) = timed(|| {
+            let (v, took) = alloc_round(a, size);
+            (took, free_all(a, v))
+        });
         row("same thread", size, m, f);
         let (tx, rx) = mpsc::channel::<Vec<u64>>();
         let (done_tx, done_rx) = mpsc::channel::<f64>();
         let worker = std::thread::spawn(move || {
             for v in rx {
-                let t = Instant::now();
-                for p in v {
-                    a.free_block(p).expect("free");
-                }
-                done_tx.send(t.elapsed().as_secs_f64()).expect("send");
+                done_tx.send(free_all(a, v)).expect("send");
             }
         });
-        let (mut m, mut f) = (Vec::new(), Vec::new());
-        for r in 0..ROUNDS + WARM {
-            let t = Instant::now();
-            let v: Vec<u64> = (0..N)
-                .map(|_| a.malloc(size, 0, 0).expect("malloc"))
-                .collect();
-            let took = t.elapsed().as_secs_f64();
+        let (m, f) = timed(|| {
+            let (v, took) = alloc_round(a, size);
             tx.send(v).expect("send");
-            let freed = done_rx.recv().expect("recv");
-            if r >= WARM {
-                m.push(took);
-                f.push(freed);
-            }
-        }
+            (took, done_rx.recv().expect("recv"))
+        });
         drop(tx);
         worker.join().expect("worker");
         row("other thread", size, m, f);

@@ -347,6 +347,15 @@ fn eight_threads_random_malloc_free() {
     assert!(ops > 1000);
 }
 
+/// `f` on a thread of its own (which then exits), its result back.
+fn elsewhere<T: Send + 'static>(
+    a: &std::sync::Arc<Allocator>,
+    f: impl FnOnce(&Allocator) -> T + Send + 'static,
+) -> T {
+    let a = a.clone();
+    std::thread::spawn(move || f(&a)).join().unwrap()
+}
+
 /// Thread caches (heap/tcache.rs): a thread's freed block comes back to it for the same size
 /// and stream and counts as free meanwhile; other threads, other streams, `record_stream`,
 /// pools being released and exited threads all hand blocks back to the heap; errors name the
@@ -356,6 +365,18 @@ fn thread_caches_keep_blocks_for_their_thread_and_give_them_back() {
     let a = std::sync::Arc::new(allocator());
     let dp = pools::DEFAULT_POOL;
     let s1 = 0x1000;
+    // What another thread gets for `size` on s1, freed again there by `free` or `free_block`.
+    let taken_elsewhere = |size: u64, by_block: bool| {
+        elsewhere(&a, move |a| {
+            let q = a.malloc_in(size, 0, s1, dp).unwrap();
+            if by_block {
+                a.free_block(q).unwrap();
+            } else {
+                a.free(q, size, 0, s1).unwrap();
+            }
+            q
+        })
+    };
     let p = a.malloc_in(4096, 0, s1, dp).unwrap();
     a.free(p, 4096, 0, s1).unwrap();
     let s = a.stats(0).unwrap();
@@ -366,14 +387,7 @@ fn thread_caches_keep_blocks_for_their_thread_and_give_them_back() {
     );
     // Kept for this thread: another thread asking for the same size and stream gets another
     // block (without thread caches, the heap's parked path would hand it p).
-    let a1 = a.clone();
-    let other = std::thread::spawn(move || {
-        let q = a1.malloc_in(4096, 0, s1, dp).unwrap();
-        a1.free(q, 4096, 0, s1).unwrap();
-        q
-    })
-    .join()
-    .unwrap();
+    let other = taken_elsewhere(4096, false);
     assert_eq!(other != p, symmalloc::config::thread_cache().unwrap());
     a.validate(0).unwrap();
     // A second free of the kept block is a double free, and changes nothing.
@@ -397,19 +411,13 @@ fn thread_caches_keep_blocks_for_their_thread_and_give_them_back() {
     a.validate(0).unwrap();
     // Freed by another thread: the heap takes it (the wrong-size free above took it back from
     // the cache), nothing is lost.
-    let a2 = a.clone();
-    std::thread::spawn(move || a2.free(p, 4000, 0, s1).unwrap())
-        .join()
-        .unwrap();
+    elsewhere(&a, move |a| a.free(p, 4000, 0, s1).unwrap());
     a.validate(0).unwrap();
     assert_eq!(a.stats(0).unwrap().active_blocks, 0);
     // A block lent by this thread's cache and freed by another thread (autograd's backward
     // frees what the forward allocated): the lending cache keeps it for its own thread.
     let r = a.malloc_in(6000, 0, s1, dp).unwrap();
-    let a2 = a.clone();
-    std::thread::spawn(move || a2.free(r, 6000, 0, s1).unwrap())
-        .join()
-        .unwrap();
+    elsewhere(&a, move |a| a.free(r, 6000, 0, s1).unwrap());
     a.validate(0).unwrap();
     let s = a.stats(0).unwrap();
     assert_eq!(
@@ -419,14 +427,7 @@ fn thread_caches_keep_blocks_for_their_thread_and_give_them_back() {
     );
     let tc = symmalloc::config::thread_cache().unwrap();
     // Kept by this thread's cache, not parked in the heap: a third thread gets another block.
-    let a3 = a.clone();
-    let third = std::thread::spawn(move || {
-        let q = a3.malloc_in(6000, 0, s1, dp).unwrap();
-        a3.free(q, 6000, 0, s1).unwrap();
-        q
-    })
-    .join()
-    .unwrap();
+    let third = taken_elsewhere(6000, false);
     assert_eq!(
         third != r,
         tc,
@@ -442,26 +443,13 @@ fn thread_caches_keep_blocks_for_their_thread_and_give_them_back() {
     // The same through `free_block` (PyTorch's raw_delete, which knows only the address).
     let before = a.stats(0).unwrap();
     let r2 = a.malloc_in(7000, 0, s1, dp).unwrap();
-    let a2 = a.clone();
-    std::thread::spawn(move || a2.free_block(r2).unwrap())
-        .join()
-        .unwrap();
+    elsewhere(&a, move |a| a.free_block(r2).unwrap());
     a.validate(0).unwrap();
-    let a3 = a.clone();
-    let third = std::thread::spawn(move || {
-        let q = a3.malloc_in(7000, 0, s1, dp).unwrap();
-        a3.free_block(q).unwrap();
-        q
-    })
-    .join()
-    .unwrap();
+    let third = taken_elsewhere(7000, true);
     assert_eq!(third != r2, tc, "free_block: kept for the lending thread");
     if tc {
         // Kept already: a second free from yet another thread is a double free, named.
-        let a2 = a.clone();
-        let e = std::thread::spawn(move || a2.free_block(r2).unwrap_err())
-            .join()
-            .unwrap();
+        let e = elsewhere(&a, move |a| a.free_block(r2).unwrap_err());
         assert!(e.message.contains("double free"), "{}", e.message);
         a.validate(0).unwrap();
     }
@@ -482,15 +470,12 @@ fn thread_caches_keep_blocks_for_their_thread_and_give_them_back() {
     let big: Vec<u64> = (0..3)
         .map(|_| a.malloc_in(16 << 20, 0, s1, dp).unwrap())
         .collect();
-    let a2 = a.clone();
     let big2 = big.clone();
-    std::thread::spawn(move || {
+    elsewhere(&a, move |a| {
         for p in big2 {
-            a2.free(p, 16 << 20, 0, s1).unwrap();
+            a.free(p, 16 << 20, 0, s1).unwrap();
         }
-    })
-    .join()
-    .unwrap();
+    });
     a.validate(0).unwrap();
     let kept_big = a
         .walk(0, None)
@@ -506,18 +491,12 @@ fn thread_caches_keep_blocks_for_their_thread_and_give_them_back() {
     );
     a.empty_cache().unwrap();
     // ... but not on another stream than its own: the heap takes it then, nothing is lost.
-    let a2 = a.clone();
-    std::thread::spawn(move || a2.free(p2, 6000, 0, 0x5000).unwrap())
-        .join()
-        .unwrap();
+    elsewhere(&a, move |a| a.free(p2, 6000, 0, 0x5000).unwrap());
     a.validate(0).unwrap();
     assert_eq!(a.stats(0).unwrap().active_blocks, 0);
     // A block whose lending thread has exited goes to the heap when another thread frees it
     // (nobody would take it from the orphaned cache).
-    let a4 = a.clone();
-    let orphaned = std::thread::spawn(move || a4.malloc_in(4096, 0, s1, dp).unwrap())
-        .join()
-        .unwrap();
+    let orphaned = elsewhere(&a, move |a| a.malloc_in(4096, 0, s1, dp).unwrap());
     a.free(orphaned, 4096, 0, s1).unwrap();
     a.validate(0).unwrap();
     let s = a.stats(0).unwrap();
