@@ -160,7 +160,7 @@ test-wheel: wheel $(TORCH_VENV)/.installed
 	$(PYTHON) -m venv $$d/tvenv; \
 	site $(TORCH_VENV)/bin/python > $$(site $$d/tvenv/bin/python)/torch-cache.pth; \
 	$$d/tvenv/bin/pip install --quiet --disable-pip-version-check --no-deps .whl/symmalloc-*manylinux*.whl; \
-	(cd python/tests && cp $(WHEEL_TESTS) torch_compile_check.py from_env_check.py groups_check.py fp8_check.py hier_check.py moe_gpu_check.py $$d/); \
+	(cd python/tests && cp $(WHEEL_TESTS) torch_compile_check.py from_env_check.py groups_check.py fp8_check.py hier_check.py moe_gpu_check.py error_text.py $$d/); \
 	cd $$d; unset $$(env | sed -n 's/^\(SYMMALLOC_[A-Z_]*\)=.*/\1/p'); \
 	for v in venv tvenv; do \
 	  $$v/bin/python -c "import symmalloc, os; p = symmalloc.library_path(); assert p.startswith('$$d/$$v/'), p; \

@@ -39,6 +39,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 import symmalloc  # noqa: E402
+from error_text import error_of  # noqa: E402
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 HOST = os.environ.get("SYMMALLOC_BACKEND") == "host"
@@ -378,14 +379,6 @@ def graph_case(ctx, moe, name, k, n, replays=6):
                     ck(torch.equal(bits(y.cpu()), bits(first)), f"{name}: the same replay gave another y")
     del g
     return ck.done(f"{replays} replays with new routing")
-
-
-def error_of(fn):
-    try:
-        fn()
-    except symmalloc.SymmallocError as e:
-        return str(e)
-    return None
 
 
 def errors_case(ctx, moe):

@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here (the torch venv runs these)")
 import symmalloc  # noqa: E402
+from error_text import error_of  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SYMMALLOC_BACKEND") != "host",
@@ -31,14 +32,6 @@ def _close(got, want64, what):
     scale = want64.abs().max().item()
     tol = 2 ** -7 if got.dtype == torch.bfloat16 else 2 ** -10
     assert err <= 2 * tol * scale, f"{what}: max error {err:.3g} for values up to {scale:.3g}"
-
-
-def _errors(fn):
-    try:
-        fn()
-    except symmalloc.SymmallocError as e:
-        return str(e)
-    return None
 
 
 def _rank(rank, world, uid, q):
@@ -89,11 +82,11 @@ def _rank(rank, world, uid, q):
         # Refusals, each leaving the communicator usable.
         bf = torch.bfloat16
         report["errors"] = [
-            _errors(lambda: atp.matmul_reduce_scatter(torch.zeros(2 * world + 1, 8, dtype=bf), torch.zeros(8, 4, dtype=bf), comm)),
-            _errors(lambda: atp.all_gather_matmul(torch.zeros(4, 8), torch.zeros(8, 4), comm)),
-            _errors(lambda: atp.all_gather_matmul(torch.zeros(4, 8, dtype=bf), torch.zeros(6, 4, dtype=bf), comm)),
-            _errors(lambda: atp.all_gather_matmul(torch.zeros(4, 8, dtype=bf), torch.zeros(8, 4, dtype=bf), comm, gather_dim=1)),
-            _errors(lambda: atp.all_gather_matmul(torch.zeros(4, 8, dtype=bf), torch.zeros(8, 4, dtype=torch.float16), comm)),
+            error_of(lambda: atp.matmul_reduce_scatter(torch.zeros(2 * world + 1, 8, dtype=bf), torch.zeros(8, 4, dtype=bf), comm)),
+            error_of(lambda: atp.all_gather_matmul(torch.zeros(4, 8), torch.zeros(8, 4), comm)),
+            error_of(lambda: atp.all_gather_matmul(torch.zeros(4, 8, dtype=bf), torch.zeros(6, 4, dtype=bf), comm)),
+            error_of(lambda: atp.all_gather_matmul(torch.zeros(4, 8, dtype=bf), torch.zeros(8, 4, dtype=bf), comm, gather_dim=1)),
+            error_of(lambda: atp.all_gather_matmul(torch.zeros(4, 8, dtype=bf), torch.zeros(8, 4, dtype=torch.float16), comm)),
         ]
         y = atp.all_gather_matmul(shards[rank][0], b, comm)  # still usable
         _close(y, torch.cat([s[0] for s in shards]).double() @ b.double(), "after the refusals")
@@ -149,7 +142,7 @@ def _dying(rank, world, uid, q):
             atp._barrier(comm)
             os._exit(0)
         t0 = time.monotonic()
-        err = _errors(lambda: atp.all_gather_matmul(x, b, comm))
+        err = error_of(lambda: atp.all_gather_matmul(x, b, comm))
         q.put((rank, (err, time.monotonic() - t0), None))
     except Exception:
         import traceback

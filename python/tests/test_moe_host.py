@@ -30,6 +30,7 @@ import traceback
 import pytest
 
 import symmalloc
+from error_text import error_of  # noqa: E402
 from symmalloc.moe import HostView
 
 HOST = os.environ.get("SYMMALLOC_BACKEND") == "host"
@@ -358,14 +359,6 @@ class Elsewhere:
         return self.contiguous
 
 
-def _error(fn):
-    try:
-        fn()
-    except symmalloc.SymmallocError as e:
-        return str(e)
-    return None
-
-
 def _bad_inputs_rank(rank, world, uid, q, only):
     """Every bad input, passed by every rank (``only`` None) or by rank ``only`` while the
     others pass good ones; after each, a good call is checked exactly."""
@@ -380,7 +373,7 @@ def _bad_inputs_rank(rank, world, uid, q, only):
             seed[0] += 1
             run_case(moe, good, seed[0], rank, world, runs=1)
 
-        none_yet = _error(lambda: moe.combine(make((moe.local_experts, moe.max_recv, H_BF16), "bfloat16", None)))
+        none_yet = error_of(lambda: moe.combine(make((moe.local_experts, moe.max_recv, H_BF16), "bfloat16", None)))
         good_call()
         H, n, k = H_BF16, 7, 2
         bad_here = only is None or only == rank
@@ -413,7 +406,7 @@ def _bad_inputs_rank(rank, world, uid, q, only):
         named = rank if only is None else only
         report = [("combine before any dispatch", none_yet, "no dispatch to combine", rank)]
         for name, args, what in host_side:
-            msg = _error(lambda: moe.dispatch(*(args if bad_here else (x, idx, w, None))))
+            msg = error_of(lambda: moe.dispatch(*(args if bad_here else (x, idx, w, None))))
             report.append((name, msg, what if bad_here else "refused the dispatch", named))
             good_call()
         # What only the routing shows: every rank reports the bad rank's token, slot and value
@@ -434,15 +427,15 @@ def _bad_inputs_rank(rank, world, uid, q, only):
         device_side.append(("expert twice in a token", rows, "topk_idx[4][1] = 9 repeats an expert"))
         for name, rows, what in device_side:
             bad = rank == bad_rank or only is None
-            msg = _error(lambda: (moe.dispatch(x, routed(rows) if bad else idx, w), moe.check()))
+            msg = error_of(lambda: (moe.dispatch(x, routed(rows) if bad else idx, w), moe.check()))
             report.append((name, msg, what, bad_rank))
-            after = _error(lambda: moe.combine(make((moe.local_experts, moe.max_recv, H), "bfloat16", None)))
+            after = error_of(lambda: moe.combine(make((moe.local_experts, moe.max_recv, H), "bfloat16", None)))
             report.append((f"combine after '{name}'", after, "no dispatch to combine", rank))
             good_call()
         # Capacity: 7 tokens from every rank to expert 0 with room for 4 rows.
         with comm.moe(T_MAX, H_BF16, TOPK, NUM_EXPERTS, max_recv_per_expert=4) as small:
             one = make((n, 1), "int32", [0] * n)
-            msg = _error(lambda: (small.dispatch(x, one, make((n, 1), "float32", [1.0] * n)), small.check()))
+            msg = error_of(lambda: (small.dispatch(x, one, make((n, 1), "float32", [1.0] * n)), small.check()))
             report.append(("capacity", msg, f"would receive {7 * world} rows; expected at most max_recv_per_expert = 4", 0))
             run_case(small, Case("fits", "bf16", 1, 1, routing="one"), 77, rank, world, runs=1)
         # Combine: expert_out of another shape or dtype, a wrong out, a stale handle, a handle
@@ -460,17 +453,17 @@ def _bad_inputs_rank(rank, world, uid, q, only):
         ]
         for name, call, what in combine_side:
             d = moe.dispatch(x, idx, w)
-            msg = _error(lambda: call(d) if bad_here else moe.combine(eo, d))
+            msg = error_of(lambda: call(d) if bad_here else moe.combine(eo, d))
             report.append((name, msg, what if bad_here else "refused the combine", named))
             good_call()
         old = moe.dispatch(x, idx, w)
         new = moe.dispatch(x, idx, w)
-        msg = _error(lambda: moe.combine(eo, old if bad_here else new))
+        msg = error_of(lambda: moe.combine(eo, old if bad_here else new))
         report.append(("stale handle", msg, "the handle is of dispatch" if bad_here else "refused the combine", named))
         good_call()
         moe.close()
         moe.close()  # twice: nothing
-        closed = _error(lambda: moe.dispatch(x, idx, w))
+        closed = error_of(lambda: moe.dispatch(x, idx, w))
         comm.barrier()
         comm.close()
         q.put((rank, (report, closed), None))
@@ -497,13 +490,13 @@ def _create_rank(rank, world, uid, q):
         _child_env()
         comm = symmalloc.Communicator(rank, world, uid)
         errors = {
-            "experts not a multiple": _error(lambda: comm.moe(8, 128, 2, 3 * world + 1)),
-            "topk above 16": _error(lambda: comm.moe(8, 128, 17, 4 * world)),
-            "fp8 hidden": _error(lambda: comm.moe(8, 64, 2, 4 * world, dtype="fp8")),
-            "dtype": _error(lambda: comm.moe(8, 128, 2, 4 * world, dtype="float16")),
-            "ranks differ": _error(lambda: comm.moe(8 + rank, 128, 2, 4 * world)),
+            "experts not a multiple": error_of(lambda: comm.moe(8, 128, 2, 3 * world + 1)),
+            "topk above 16": error_of(lambda: comm.moe(8, 128, 17, 4 * world)),
+            "fp8 hidden": error_of(lambda: comm.moe(8, 64, 2, 4 * world, dtype="fp8")),
+            "dtype": error_of(lambda: comm.moe(8, 128, 2, 4 * world, dtype="float16")),
+            "ranks differ": error_of(lambda: comm.moe(8 + rank, 128, 2, 4 * world)),
             # Refused by the package on the last rank alone: every rank fails at once.
-            "one rank's topk": _error(lambda: comm.moe(8, 128, 0 if rank == world - 1 else 2, 4 * world)),
+            "one rank's topk": error_of(lambda: comm.moe(8, 128, 0 if rank == world - 1 else 2, 4 * world)),
         }
         m = comm.moe(8, 128, 2, 4 * world)  # the communicator is usable after every refusal
         x, idx, w, _ = inputs(Case("c", "bf16", 1, 1), ([0x3F80] * 128, None, [[0]], [[1.0]]))
@@ -511,7 +504,7 @@ def _create_rank(rank, world, uid, q):
         assert d.recv_counts.tolist()[0] == (world if rank == 0 else 0)
         comm.barrier()
         comm.close()
-        errors["after the communicator closed"] = _error(lambda: m.dispatch(x, idx, w))
+        errors["after the communicator closed"] = error_of(lambda: m.dispatch(x, idx, w))
         m.close()  # gives its buffer back, also now
         q.put((rank, errors, None))
     except Exception:

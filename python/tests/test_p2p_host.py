@@ -12,6 +12,7 @@ import random
 import pytest
 
 import symmalloc
+from error_text import error_of  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SYMMALLOC_BACKEND") != "host",
@@ -56,14 +57,6 @@ class HostTensor:
 def _data(seed, rank, n):
     g = random.Random(seed * 1000 + rank)
     return [ctypes.c_float(g.uniform(-4, 4)).value for _ in range(n)]
-
-
-def _errors(fn):
-    try:
-        fn()
-    except symmalloc.SymmallocError as e:
-        return str(e)
-    return None
 
 
 def _rank(rank, world, uid, q, use_torch):
@@ -128,15 +121,15 @@ def _rank(rank, world, uid, q, use_torch):
         # Refusals, each leaving the communicator usable.
         q2 = lib.symm_malloc(4 * n, rank, None)
         report["errors"] = [
-            _errors(lambda: comm.signal(world, 0, 1)),
-            _errors(lambda: comm.wait(4096, 1)),
-            _errors(lambda: comm.signal(0, -1, 1)),
-            _errors(lambda: comm.put(HostTensor(q2, n), nxt, HostTensor(q2, n))),
-            _errors(lambda: h.peer_ptr(world)),
-            _errors(lambda: comm.put(HostTensor(q2, n - 1), nxt, HostTensor(raw, n))),
+            error_of(lambda: comm.signal(world, 0, 1)),
+            error_of(lambda: comm.wait(4096, 1)),
+            error_of(lambda: comm.signal(0, -1, 1)),
+            error_of(lambda: comm.put(HostTensor(q2, n), nxt, HostTensor(q2, n))),
+            error_of(lambda: h.peer_ptr(world)),
+            error_of(lambda: comm.put(HostTensor(q2, n - 1), nxt, HostTensor(raw, n))),
         ]
         # Other sizes on one rank: NOT_SYMMETRIC on every rank.
-        report["asymmetric"] = _errors(lambda: comm.rendezvous(HostTensor(q2, n if rank == 0 else n - 1)))
+        report["asymmetric"] = error_of(lambda: comm.rendezvous(HostTensor(q2, n if rank == 0 else n - 1)))
         comm.barrier()
         lib.symm_free(q2, 4 * n, rank, None)
         comm.close()
