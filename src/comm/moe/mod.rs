@@ -214,15 +214,10 @@ impl Communicator {
     pub fn moe_create(&mut self, req: std::result::Result<&Request, Error>) -> Result<Moe> {
         self.begin_call(0)?;
         let world = self.world as u64;
-        let (req, unread) = match req {
-            Ok(r) => (*r, None),
-            Err(e) => (Request::UNREADABLE, Some(e)),
-        };
-        let req = &req;
-        let checked = match &unread {
-            Some(e) => Err(e.clone()),
-            None => req.check(world),
-        };
+        let unread = req.is_err();
+        let asked = req.as_ref().map_or(Request::UNREADABLE, |r| **r);
+        let checked = req.and_then(|r| r.check(world));
+        let req = &asked;
         let grid = if self.host {
             1
         } else {
@@ -274,8 +269,8 @@ impl Communicator {
             g = g.min(w[7] as u32);
             words.push(w[..7].to_vec());
         }
-        if let Some(e) = unread {
-            return Err(e);
+        if let (true, Err(e)) = (unread, &checked) {
+            return Err(e.clone()); // this rank's own reason
         }
         if !unreadable.is_empty() {
             return Err(Error::invalid(format!(
