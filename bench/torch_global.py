@@ -23,7 +23,10 @@ alternate the modes' order; a round is one process per mode. Rows:
                   bench/global_memory.py's), bf16 autocast, batch 64, SGD with momentum. Not the
                   floor (its bump pointer wraps within a few steps, and PyTorch's pluggable
                   wrapper refuses the address handed out again): its rows are the per-pair ones.
-                  Step p50 (ms) and the driver's used-memory peak (GiB)
+                  Step p50 (ms) with a sync after each step, and the driver's used-memory
+                  peak (GiB); for resnet50 also the host's time to issue a step (enqueue, p50)
+                  and the step back to back as a training loop runs it (pipelined: one sync
+                  at the end of a window of --steps steps)
 The table prints every round's global - floor and global - default, then the medians, and the
 targets (issue "Global mode costs nothing on the host"): global - floor <= 0.2 us per pair in
 every round; train step median within 2% of default; memory <= 0.97x default.
@@ -176,17 +179,23 @@ def train_resnet(torch, steps):
     x = torch.randn(64, 3, 224, 224, device="cuda", generator=gen)
     y = torch.randint(0, 1000, (64,), device="cuda", generator=gen)
     total = torch.cuda.mem_get_info()[1]
-    times, gpu, used, loss = [], [], 0, None
+    times, gpu, enq, used, loss = [], [], [], 0, None
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        out.backward()
+        opt.step()
+        return out
+
     for _ in range(steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         ev[0].record()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        loss = step()
+        enq.append((time.perf_counter() - t0) * 1e3)
         ev[1].record()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -194,6 +203,15 @@ def train_resnet(torch, steps):
         CPUS.append(cpu_now())
         used = max(used, total - torch.cuda.mem_get_info()[0])
     GPU_MS.append(statistics.median(gpu[10:]))
+    ENQUEUE_MS.append(statistics.median(enq[10:]))
+    # As a training loop runs: steps back to back, one sync at the end of the window (the host
+    # runs ahead of the GPU, so a slow host moment is hidden while the queue holds work).
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    PIPELINED_MS.append((time.perf_counter() - t0) * 1e3 / steps)
     return statistics.median(times[10:]), used / float(1 << 30), float(loss.item())
 
 
@@ -231,6 +249,8 @@ def cpu_now():
 CPUS = []  # the CPUs the training loop ran on, one sample per step
 GPU_MS = []  # the ResNet step's GPU time (events around it), p50: tells a host-side slow mode
 # from a device-side one
+ENQUEUE_MS = []  # the ResNet step's host time to issue it (until opt.step() returns), p50
+PIPELINED_MS = []  # the ResNet step back to back, as a training loop runs it (mean of a window)
 
 
 def child(mode, bump, steps, port, core, old_lib=None, model="transformer", micro=True):
@@ -275,6 +295,8 @@ def child(mode, bump, steps, port, core, old_lib=None, model="transformer", micr
         row["train at"] = [round(t_train, 2), round(time.time(), 2)]
         if GPU_MS:
             row["train gpu ms"] = GPU_MS[-1]
+            row["train enqueue ms"] = ENQUEUE_MS[-1]
+            row["train pipelined ms"] = PIPELINED_MS[-1]
         row["probe after py ms"], row["probe after launch us"] = host_probe(torch)
         row["train cpus"] = sorted(set(CPUS))
     phases.append(("train", time.perf_counter() - t_start))
@@ -364,6 +386,13 @@ def main():
                 diffs = " ".join(f"{r[m]['train step ms'] / r['default']['train step ms']:.3f}" for r in rounds)
                 slower = sum(r[m]["train step ms"] > r["default"]["train step ms"] for r in rounds)
                 print(f"  {m} / default per round: {diffs} (slower in {slower} of {len(rounds)})")
+        if "train pipelined ms" in rounds[0]["default"]:
+            for k in ("train pipelined ms", "train enqueue ms"):
+                med = {m: statistics.median(r[m][k] for r in rounds) for m in tm}
+                print(f"{k[6:]} (median over rounds): "
+                      + ", ".join(f"{m} {med[m]:.2f} ({med[m] / med['default']:.3f}x)" for m in tm))
+                for m in tm:
+                    print(f"  {m} per process: " + " ".join(f"{r[m][k]:.2f}" for r in rounds))
         print(f"train step: global / default = {st['global'] / st['default']:.3f} (target <= 1.00); "
               f"memory global / default = {mem['global'] / mem['default']:.3f} (target <= 0.97)")
     for m in modes if keys and "floor" in modes else []:
