@@ -21,21 +21,10 @@ import torch
 if mode == "global":
     import symmalloc
     symmalloc.install_global()
-import torch.nn as nn
-import timm
-torch.manual_seed(0)
-model = timm.create_model("resnet50", num_classes=1000).cuda()
-opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-gen = torch.Generator(device="cuda").manual_seed(100)
-x = torch.randn(64, 3, 224, 224, device="cuda", generator=gen)
-y = torch.randint(0, 1000, (64,), device="cuda", generator=gen)
-def step():
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = nn.functional.cross_entropy(model(x), y)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    return loss
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_global import resnet_step  # noqa: E402 (after the allocator is chosen)
+
+step = resnet_step(torch)
 row = {"mode": mode}
 for _ in range(15):
     step()
@@ -78,7 +67,6 @@ try:
             step()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)
     with torch.cuda.graph(g):
         step()
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]

@@ -161,7 +161,10 @@ def train(torch, steps, port):
     return statistics.median(times[10:]), used / float(1 << 30), losses[-1]
 
 
-def train_resnet(torch, steps):
+def resnet_step(torch):
+    """The ResNet-50 training step (timm's, else bench/global_memory.py's; bf16 autocast, batch
+    64, SGD with momentum) as a function of no arguments that returns the loss. Also
+    bench/step_probe.py's."""
     sys.path.insert(0, HERE)
     import global_memory
 
@@ -178,9 +181,6 @@ def train_resnet(torch, steps):
     gen = torch.Generator(device="cuda").manual_seed(100)
     x = torch.randn(64, 3, 224, 224, device="cuda", generator=gen)
     y = torch.randint(0, 1000, (64,), device="cuda", generator=gen)
-    total = torch.cuda.mem_get_info()[1]
-    times, gpu, enq, used, loss = [], [], [], 0, None
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -189,6 +189,15 @@ def train_resnet(torch, steps):
         out.backward()
         opt.step()
         return out
+
+    return step
+
+
+def train_resnet(torch, steps):
+    step = resnet_step(torch)
+    total = torch.cuda.mem_get_info()[1]
+    times, gpu, enq, used, loss = [], [], [], 0, None
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
 
     for _ in range(steps):
         torch.cuda.synchronize()
