@@ -72,9 +72,7 @@ impl Allocator {
         .flatten()
     }
 
-    pub(super) fn registry(
-        &self,
-    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Cache>> {
+    pub(super) fn registry(&self) -> std::sync::MutexGuard<'_, super::Registry> {
         self.caches.lock().unwrap_or_else(|p| p.into_inner())
     }
 

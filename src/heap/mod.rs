@@ -41,6 +41,12 @@ use tcache::ThreadCache;
 
 type Cache = Arc<SpinLock<ThreadCache>>;
 
+/// The thread caches by id (caches.rs), behind the allocator's registry lock; ids are small
+/// sequential integers, hashed with the parked blocks' integer hash rather than SipHash (a
+/// remote free and a large request's drain each look one up).
+pub(crate) type Registry =
+    std::collections::HashMap<u64, Cache, std::hash::BuildHasherDefault<parked::IntHasher>>;
+
 pub struct Allocator {
     backend: Box<dyn Backend>,
     heaps: Vec<OnceLock<SpinLock<DeviceHeap>>>,
@@ -51,7 +57,7 @@ pub struct Allocator {
     /// `SYMMALLOC_THREAD_CACHE`: whether threads cache blocks at all.
     thread_caches: bool,
     /// Every thread cache of this allocator, by id.
-    caches: Mutex<std::collections::HashMap<u64, Cache>>,
+    caches: Mutex<Registry>,
     /// Per device: a pool is being released, so frees go to the heap (its segments go back at
     /// their last free).
     releasing: Vec<AtomicBool>,

@@ -58,9 +58,15 @@ impl Parked {
         self.count += 1;
     }
 
-    /// The block parked last under `key`, if any.
+    /// The block parked last under `key`, if any. A key whose last block goes is removed, so
+    /// `drain` visits parked blocks only (keys left empty made each large request's drain walk
+    /// every size the step had parked since: bench/NOTES.md, "Global mode's host cost").
     pub fn pop(&mut self, key: &Key) -> Option<u64> {
-        let off = self.lifo.get_mut(key)?.pop()?;
+        let v = self.lifo.get_mut(key)?;
+        let off = v.pop()?;
+        if v.is_empty() {
+            self.lifo.remove(key);
+        }
         self.count -= 1;
         Some(off)
     }

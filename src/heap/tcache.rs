@@ -36,9 +36,10 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// Hashes a block address (512-byte aligned) with one multiply: the fast path does a lookup per
-/// call, and std's SipHash cost as much as the rest of the path.
+/// call, and std's SipHash cost as much as the rest of the path. (The heap's tracked blocks use
+/// it too: device_heap/tracked.rs.)
 #[derive(Default)]
-struct AddrHasher(u64);
+pub(crate) struct AddrHasher(u64);
 
 impl Hasher for AddrHasher {
     fn write(&mut self, bytes: &[u8]) {
@@ -54,7 +55,7 @@ impl Hasher for AddrHasher {
     }
 }
 
-type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
+pub(crate) type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
 
 /// Blocks handed out by a cache, by address. The most recently handed out (at most
 /// RECENT_LENT) sit in a small array searched first: a block is usually freed soon after it was
@@ -306,6 +307,10 @@ impl ThreadCache {
 
     /// Removes and returns the kept blocks `which` selects.
     pub fn drain(&mut self, which: impl Fn(&Key) -> bool) -> Vec<Kept> {
+        if !self.kept.iter().any(|k| which(&k.key)) {
+            // The common case of a large request's miss (mod.rs): nothing of the class kept.
+            return Vec::new();
+        }
         let (out, stay): (Vec<Kept>, Vec<Kept>) = self.kept.drain(..).partition(|k| which(&k.key));
         self.kept = stay;
         for k in &out {

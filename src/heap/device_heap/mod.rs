@@ -170,7 +170,7 @@ pub struct DeviceHeap {
     /// Every segment given back, for the peers that mapped it (release_log.rs).
     release_log: ReleaseLog,
     /// Live blocks lent to thread caches: offset -> cache id (tracked.rs).
-    tracked: std::collections::HashMap<u64, u64>,
+    tracked: crate::heap::tcache::AddrMap<u64>,
     /// Whole free segments moved from a donor pool to another pool (placement.rs).
     adopted_segments: u64,
     /// Segments grown in place by a chunk (grow.rs).
@@ -237,7 +237,7 @@ impl DeviceHeap {
             releasing_pools: 0,
             next_generation: 1,
             release_log: ReleaseLog::new()?,
-            tracked: std::collections::HashMap::new(),
+            tracked: Default::default(),
             adopted_segments: 0,
             grown_in_place: 0,
             arenas: BTreeMap::new(),
