@@ -55,9 +55,11 @@ def _cuda_paths(torch):
     return incs, lib[0], lib[1]
 
 
-def build(out_dir, verbose=False):
+def build(out_dir, verbose=False, profile=False):
     """Builds csrc/torch_allocator.cpp against the running torch into ``out_dir``; returns
-    the library's path. Needs a C++ compiler and ninja (torch.utils.cpp_extension.load)."""
+    the library's path. Needs a C++ compiler and ninja (torch.utils.cpp_extension.load).
+    ``profile``: a build that times each allocation and free (csrc/profile.h), for
+    ``profile_take``; never the one the package installs by itself."""
     import torch
     from torch.utils import cpp_extension
 
@@ -68,7 +70,8 @@ def build(out_dir, verbose=False):
         name="symmalloc_torch",
         sources=[SOURCE],
         extra_cflags=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                      f'-DSYMM_TORCH_FULL_VERSION=\\"{torch.__version__}\\"'],
+                      f'-DSYMM_TORCH_FULL_VERSION=\\"{torch.__version__}\\"']
+        + (["-DSYMM_TORCH_PROFILE"] if profile else []),
         extra_include_paths=incs,
         extra_ldflags=[f"-L{torch_lib}", "-lc10_cuda", "-ltorch_cuda", f"-L{libdir}",
                        f"-l:{cudart}", "-ldl"],
@@ -164,11 +167,46 @@ def selftest(library_path, device=0):
     return _call(load().symm_torch_selftest, library_path.encode(), ctypes.c_int(device))
 
 
+def profile_take():
+    """The loaded C++ allocator's time in allocations and frees per thread (thread id ->
+    {"alloc": ..., "free": ...}: count, us, inner_us in libsymmalloc, slow_n/slow_us over
+    10 us, max_us) since the last call; raises when the build does not profile."""
+    import json
+
+    buf = ctypes.create_string_buffer(1 << 16)
+    if load().symm_torch_profile(buf, ctypes.sizeof(buf)) != 0:
+        raise RuntimeError(buf.value.decode(errors="replace"))
+    return json.loads(buf.value.decode())
+
+
+def history_state():
+    """The C++ allocator's memory history in one line (recorded or not, the trace ring's size,
+    skipped actions, open pool routes, caching), for diagnosis."""
+    buf = ctypes.create_string_buffer(4096)
+    fn = load().symm_torch_history_state
+    fn.restype = ctypes.c_int
+    if fn(buf, ctypes.sizeof(buf)) != 0:
+        raise RuntimeError(buf.value.decode(errors="replace"))
+    return buf.value.decode()
+
+
+def profile_trace(on, path=None):
+    """A profiling build (``profile_take``): keep every allocation and free as an event from
+    now (``on``), or write them to ``path`` as CSV (t_ns, dur_ns, inner_ns, tid, op, ptr, size,
+    stream) and stop."""
+    fn = load().symm_torch_profile_trace
+    fn.restype = ctypes.c_int
+    err = _call(fn, ctypes.c_int(1 if on else 0), (path or "").encode())
+    if err:
+        raise RuntimeError(err)
+
+
 if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", metavar="DIR", required=True)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="a build that times the allocation path")
     a = ap.parse_args()
-    print(build(a.build, verbose=a.verbose))
+    print(build(a.build, verbose=a.verbose, profile=a.profile))

@@ -101,3 +101,70 @@ def test_cpp_only_raises_instead_of_falling_back(monkeypatch):
         symmalloc.install_global(allocator="cpp")
     with pytest.raises(symmalloc.SymmallocError, match="expected 'auto', 'cpp' or 'pluggable'"):
         symmalloc.install_global(allocator="cuda")
+
+
+def test_profiling_entry_points_refuse_in_the_default_build():
+    """profile_take / profile_trace time the allocation path only in a build made for it
+    (-DSYMM_TORCH_PROFILE); the shipped build says so and how to get one."""
+    if not _have_prebuilt():
+        pytest.skip("no C++ allocator built for this torch (test_builds_from_source says why)")
+    for call in (_torch_ext.profile_take, lambda: _torch_ext.profile_trace(True)):
+        with pytest.raises(RuntimeError, match="SYMM_TORCH_PROFILE"):
+            call()
+
+
+def test_history_state_names_what_is_recorded():
+    """history_state() is one line: history and recording off, an empty trace ring, caching on,
+    no pool route open, before anything was recorded (fresh process, host backend)."""
+    code = (
+        "import symmalloc, symmalloc._torch_ext as t; "
+        "assert t.selftest(symmalloc.library_path(), 0) is None; "
+        "print('STATE', t.history_state())"
+    )
+    env = dict(os.environ, SYMMALLOC_BACKEND="host")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = next(x for x in p.stdout.splitlines() if x.startswith("STATE "))
+    for part in ("history 0", "recording 0", "ring 0 of", "skip []", "routes open 0",
+                 "foreign routes 0", "caching 1"):
+        assert part in line, (part, line)
+
+
+def test_profiling_build_times_and_traces_the_allocation_path(tmp_path):
+    """A build with profile=True (csrc/profile.h) counts and times every allocation and free per
+    thread, and writes the calls as CSV while tracing (bench/step_probe.py --ext-profile)."""
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.verify_ninja_availability()
+        _torch_ext._cuda_paths(torch)
+    except RuntimeError as e:
+        pytest.skip(f"cannot build the C++ allocator here ({e})")
+    path = _torch_ext.build(str(tmp_path / "build"), profile=True)
+    csv = tmp_path / "trace.csv"
+    code = (
+        "import json, symmalloc, symmalloc._torch_ext as t; "
+        "t.profile_trace(True); "
+        "assert t.selftest(symmalloc.library_path(), 0) is None; "
+        f"t.profile_trace(False, {str(csv)!r}); "
+        "print('PROFILE', json.dumps(t.profile_take())); "
+        "print('AGAIN', json.dumps(t.profile_take()))"
+    )
+    env = dict(os.environ, SYMMALLOC_BACKEND="host", SYMMALLOC_TORCH_EXT=path)
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    import json
+
+    prof = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("PROFILE "))[8:])
+    allocs = sum(t["alloc"]["n"] for t in prof.values())
+    frees = sum(t["free"]["n"] for t in prof.values())
+    assert allocs > 0 and frees > 0, prof
+    assert all(t["alloc"]["inner_us"] <= t["alloc"]["us"] for t in prof.values()), prof
+    again = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("AGAIN "))[6:])
+    assert all(t["alloc"]["n"] == 0 and t["free"]["n"] == 0 for t in again.values()), again
+    lines = csv.read_text().splitlines()
+    assert lines[0] == "t_ns,dur_ns,inner_ns,tid,op,ptr,size,stream"
+    ops = [line.split(",")[4] for line in lines[1:]]
+    assert ops.count("a") == allocs and ops.count("f") == frees, (len(ops), allocs, frees)

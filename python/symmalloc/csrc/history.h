@@ -117,6 +117,20 @@ class History {
     return history_;
   }
 
+  // One line for diagnosis (symm_torch_history_state): what is recorded and how much is kept.
+  std::string state() {
+    std::lock_guard<std::mutex> g(history_mu_);
+    std::string skip;
+    for (const auto& s : skip_) skip += (skip.empty() ? "" : ",") + s;
+    return "history " + std::to_string(history_) + ", recording " +
+           std::to_string(recording_.load()) + ", when " + std::to_string((int)when_) +
+           ", recorder " + std::to_string(recorder_ != nullptr) + ", ring " +
+           std::to_string(ring_.size()) + " of " + std::to_string(max_entries_) +
+           ", skip [" + skip + "], trackers " + std::to_string(trackers_.size()) +
+           ", contexts " + std::to_string(contexts_.size()) + ", segment contexts " +
+           std::to_string(segment_ctx_.size());
+  }
+
   void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
                      size_t alloc_trace_max_entries, CCA::RecordContext when, bool clearHistory,
                      const std::vector<std::string>& skip_actions) {

@@ -10,7 +10,8 @@
 // and, while history is recorded, the trace ring and the allocation contexts), oom.h (the
 // out-of-memory error), checkpoint.h (a pool's checkpoints, CUDA-graph trees), foreign_pools.h
 // (MemPools with an allocator of their own), stream_uses.h (record_stream), uncached.h (caching
-// off) and selftest.h (the host backend's checks).
+// off), profile.h (a build that times the allocation path) and selftest.h (the host backend's
+// checks).
 //
 // Invariants:
 // - A DataPtr is (ptr, ctx = ptr, raw_deleter_fn, device), as PyTorch's own allocator makes
@@ -53,6 +54,7 @@
 #include "foreign_pools.h"
 #include "history.h"
 #include "oom.h"
+#include "profile.h"
 #include "selftest.h"
 #include "stream_uses.h"
 #include "uncached.h"
@@ -94,6 +96,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   // Allocation on an explicit device (also the host tests' way in: no CUDA runtime needed).
   void* malloc_on(c10::DeviceIndex device, size_t n, cudaStream_t stream) {
     if (n == 0) return nullptr;
+    SYMM_PROF_ALLOC(p, n, stream);
     if (foreign_.routes() > 0) {
       if (void* q = foreign_.malloc(device, n, stream)) return q;
     }
@@ -107,12 +110,17 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     bool open = routes_open_.load(std::memory_order_relaxed) > 0;
     if (uses_.any_held() && !open) free_held(false);
     void* p = nullptr;
-    int st = api.malloc_checked(n, device, stream, &p);
+    int st;
+    {
+      SYMM_PROF_INNER();
+      st = api.malloc_checked(n, device, stream, &p);
+    }
     if (st == kOutOfMemory && uses_.any_held() && !open) {
       free_held(true);  // blocks waiting on recorded streams, as PyTorch frees before an OOM
       st = api.malloc_checked(n, device, stream, &p);
     }
     if (st == kSuccess && p != nullptr) {
+      SYMM_PROF_RESULT(p);
       if (hist_.recording()) hist_.note_alloc(device, p, n, stream);
       if (c10::memoryProfilingEnabled()) report_to_profiler(device, p, (int64_t)n);
       return p;
@@ -125,6 +133,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
 
   void free_ptr(void* ptr) {
     if (ptr == nullptr) return;
+    SYMM_PROF_FREE(ptr);
     if (foreign_.live() > 0 && foreign_.free(ptr)) return;
     if (uncached_.free(ptr)) return;
     std::vector<symm_torch::StreamUses::Use> uses;
@@ -134,6 +143,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
       if (routes_open_.load(std::memory_order_relaxed) == 0 && uses_.hold(ptr, uses)) return;
       for (const auto& u : uses) api.record_stream(ptr, u.stream);
     }
+    SYMM_PROF_INNER();
     free_now(ptr);
   }
 
@@ -264,6 +274,11 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     return hist_.snapshot(device_count_, mempool_id, include_traces);
   }
   bool isHistoryEnabled() override { return hist_.isHistoryEnabled(); }
+  std::string history_state() {
+    return hist_.state() + ", routes open " + std::to_string(routes_open_.load()) +
+           ", foreign routes " + std::to_string(foreign_.routes()) + ", caching " +
+           std::to_string(caching_.load());
+  }
   void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
                      size_t alloc_trace_max_entries, CCA::RecordContext when, bool clearHistory,
                      const std::vector<std::string>& skip_actions) override {
@@ -480,6 +495,42 @@ int symm_torch_install(const char* library_path, char* err, size_t len) {
   } catch (const std::exception& e) {
     return fail(err, len, e.what());
   }
+}
+
+// The time spent in allocations and frees per thread since the last call, as JSON in `out`
+// (set to zero); 1 with a message there when this build does not profile (SYMM_TORCH_PROFILE,
+// profile.h).
+int symm_torch_profile(char* out, size_t len) {
+#ifdef SYMM_TORCH_PROFILE
+  std::string s = symm_torch::prof::take_all();
+  if (out && len) std::snprintf(out, len, "%s", s.c_str());
+  return s.size() < len ? 0 : 1;
+#else
+  return fail(out, len, "this build of the C++ allocator does not profile: build it with "
+                        "-DSYMM_TORCH_PROFILE (bench/step_probe.py --ext-profile)");
+#endif
+}
+
+// Events of every allocation and free from now (on = 1), or written to `path` as CSV
+// (on = 0); 1 with a message in err when this build does not profile or the file cannot be
+// written.
+int symm_torch_profile_trace(int on, const char* path, char* err, size_t len) {
+#ifdef SYMM_TORCH_PROFILE
+  std::string e = symm_torch::prof::trace(on != 0, path);
+  return e.empty() ? 0 : fail(err, len, e);
+#else
+  (void)on;
+  (void)path;
+  return fail(err, len, "this build of the C++ allocator does not profile: build it with "
+                        "-DSYMM_TORCH_PROFILE (bench/step_probe.py --ext-profile)");
+#endif
+}
+
+// The memory history's state in one line (what is recorded, the trace ring's size, open pool
+// routes, caching): for diagnosis. 1 when no allocator was made.
+int symm_torch_history_state(char* out, size_t len) {
+  if (!instance()) return fail(out, len, "no allocator was made");
+  return fail(out, len, instance()->history_state()) - 1;
 }
 
 // Whether symmalloc is the allocator PyTorch calls now.
