@@ -275,6 +275,46 @@ class Case:
 _cycles_per_ms = None
 
 
+def _where_named(ss, name, context, stacks):
+    """port: where `name` occurs in snapshot `ss` (segments, blocks, trace entries), for the
+    failure message of test_memory_plots."""
+    def has(frames):
+        return name in json.dumps(frames, default=str)
+    found = []
+    for s in ss["segments"]:
+        live = sum(b["state"] == "active_allocated" for b in s["blocks"])
+        named = [i for i, b in enumerate(s["blocks"]) if has(b.get("frames", []))]
+        if has(s.get("frames", [])) or named:
+            found.append(f"segment {s['address']:#x} ({s['total_size']} B, pool "
+                         f"{s['segment_pool_id']}, {s['segment_type']}, {live}/{len(s['blocks'])} "
+                         f"live, own frames named: {has(s.get('frames', []))}, blocks named: "
+                         f"{named})")
+    for d, trace in enumerate(ss["device_traces"]):
+        for t in trace:
+            if has(t.get("frames", [])):
+                found.append(f"trace[{d}] {t['action']} {t['addr']:#x} {t['size']} B")
+    keys = [k for k, v in ss.items() if k not in ("segments", "device_traces") and name in
+            json.dumps(v, default=str)]
+    if keys:
+        found.append(f"other keys: {keys}")
+    actions = [t["action"] for tr in ss["device_traces"] for t in tr]
+    return (f"context={context!r} stacks={stacks!r}: {name!r} "
+            + (f"found in {'; '.join(found[:12])}" if found else
+               f"not found ({len(ss['segments'])} segments, trace actions {actions[:20]})"))
+
+
+def _allocator_state():
+    """port: which allocator PyTorch calls (for failure messages)."""
+    try:
+        from symmalloc import _torch_ext
+        return (f"symmalloc's C++ allocator installed: "
+                f"{bool(_torch_ext.load().symm_torch_installed())}; "
+                f"allocator name: {torch.cuda.get_allocator_backend()}; "
+                f"history: {_torch_ext.history_state()}")
+    except Exception as e:  # noqa: BLE001 (the control run has no symmalloc)
+        return f"(allocator state: {e!r})"
+
+
 def get_cycles_per_ms():
     """As torch.testing._internal.common_utils.get_cycles_per_ms."""
     global _cycles_per_ms
@@ -1404,7 +1444,10 @@ class TestCudaMallocAsync(Case):
                     x = torch.rand(128, 128, device="cuda")
                     x * x + x * x
 
+                n0 = torch.cuda.memory_stats().get("allocation.all.allocated", 0)  # port
+                before = _allocator_state()  # port
                 run()
+                n1 = torch.cuda.memory_stats().get("allocation.all.allocated", 0)  # port
                 cpp = stacks == "all"
                 record_context = context is not None
                 ss = torch.cuda.memory._snapshot()
@@ -1414,7 +1457,13 @@ class TestCudaMallocAsync(Case):
                 segment_plot(ss)
                 text = json.dumps(ss)
 
-                self.assertTrue(record_context == ("test_memory_plots" in text))
+                # port: the message says where the name is (or that it is missing), so an
+                # intermittent failure is diagnosed from its one log line.
+                self.assertTrue(record_context == ("test_memory_plots" in text),
+                                _where_named(ss, "test_memory_plots", context, stacks)
+                                + f"; run() made {n1 - n0} allocations of the heap; history "
+                                f"enabled: {torch._C._cuda_isHistoryEnabled()}; "
+                                f"before run(): {before}; after: {_allocator_state()}")
                 self.assertTrue(cpp == ("::rand" in text))
                 self.assertTrue(str(128 * 128 * 4) in text)
 
