@@ -34,11 +34,10 @@ def build(out_dir):
     incs, libdir, cudart = _cuda_paths(torch)
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     os.makedirs(out_dir, exist_ok=True)
-    cpp_extension.load(name="torch_replay", sources=[os.path.join(os.path.dirname(__file__), "torch_replay.cpp")],
+    return cpp_extension.load(name="torch_replay", sources=[os.path.join(os.path.dirname(__file__), "torch_replay.cpp")],
                        extra_cflags=["-O2"], extra_include_paths=incs,
                        extra_ldflags=[f"-L{torch_lib}", "-lc10_cuda", "-lc10", f"-L{libdir}", f"-l:{cudart}"],
                        build_directory=out_dir, is_python_module=False, with_cuda=False)
-    return os.path.join(out_dir, "torch_replay.so")
 
 
 if a.build:

@@ -66,7 +66,9 @@ def build(out_dir, verbose=False, profile=False):
     incs, libdir, cudart = _cuda_paths(torch)
     os.makedirs(out_dir, exist_ok=True)
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    cpp_extension.load(
+    # The path it built: a second build in one process (another folder, or the profiling
+    # build) gets a versioned name (symmalloc_torch_v1.so) from cpp_extension.
+    built = cpp_extension.load(
         name="symmalloc_torch",
         sources=[SOURCE],
         extra_cflags=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
@@ -80,7 +82,6 @@ def build(out_dir, verbose=False, profile=False):
         with_cuda=False,
         verbose=verbose,
     )
-    built = os.path.join(out_dir, "symmalloc_torch.so")
     path = os.path.join(out_dir, LIBRARY)
     os.replace(built, path)
     return path

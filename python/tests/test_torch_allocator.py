@@ -25,6 +25,16 @@ def _have_prebuilt():
         return False
 
 
+def _run_on_host(code, **env):
+    """`code` in a fresh Python on the host backend (which the library needs from its first
+    call); asserts it exited 0 and returns its stdout."""
+    env = dict(os.environ, SYMMALLOC_BACKEND="host", **env)
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
 def test_built_for_the_running_torch():
     if not _have_prebuilt():
         pytest.skip("no C++ allocator built for this torch and none could be built here "
@@ -44,11 +54,7 @@ def test_selftest_on_the_host_backend():
         "r = t.selftest(symmalloc.library_path(), 2); "
         "print('SELFTEST', r); raise SystemExit(0 if r is None else 1)"
     )
-    env = dict(os.environ, SYMMALLOC_BACKEND="host")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "SELFTEST None" in p.stdout
+    assert "SELFTEST None" in _run_on_host(code)
 
 
 def test_builds_from_source(tmp_path):
@@ -121,11 +127,7 @@ def test_history_state_names_what_is_recorded():
         "assert t.selftest(symmalloc.library_path(), 0) is None; "
         "print('STATE', t.history_state())"
     )
-    env = dict(os.environ, SYMMALLOC_BACKEND="host")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stdout + p.stderr
-    line = next(x for x in p.stdout.splitlines() if x.startswith("STATE "))
+    line = next(x for x in _run_on_host(code).splitlines() if x.startswith("STATE "))
     for part in ("history 0", "recording 0", "ring 0 of", "skip []", "routes open 0",
                  "foreign routes 0", "caching 1"):
         assert part in line, (part, line)
@@ -151,18 +153,15 @@ def test_profiling_build_times_and_traces_the_allocation_path(tmp_path):
         "print('PROFILE', json.dumps(t.profile_take())); "
         "print('AGAIN', json.dumps(t.profile_take()))"
     )
-    env = dict(os.environ, SYMMALLOC_BACKEND="host", SYMMALLOC_TORCH_EXT=path)
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stdout + p.stderr
+    out = _run_on_host(code, SYMMALLOC_TORCH_EXT=path).splitlines()
     import json
 
-    prof = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("PROFILE "))[8:])
+    prof = json.loads(next(x for x in out if x.startswith("PROFILE "))[8:])
     allocs = sum(t["alloc"]["n"] for t in prof.values())
     frees = sum(t["free"]["n"] for t in prof.values())
     assert allocs > 0 and frees > 0, prof
     assert all(t["alloc"]["inner_us"] <= t["alloc"]["us"] for t in prof.values()), prof
-    again = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("AGAIN "))[6:])
+    again = json.loads(next(x for x in out if x.startswith("AGAIN "))[6:])
     assert all(t["alloc"]["n"] == 0 and t["free"]["n"] == 0 for t in again.values()), again
     lines = csv.read_text().splitlines()
     assert lines[0] == "t_ns,dur_ns,inner_ns,tid,op,ptr,size,stream"
