@@ -303,6 +303,19 @@ def _where_named(ss, name, context, stacks):
                f"not found ({len(ss['segments'])} segments, trace actions {actions[:20]})"))
 
 
+def _traces_by_call():
+    """port: the trace entries per device in snapshots taken each way (for failure messages)."""
+    out = []
+    for what, call in (("_snapshot()", lambda: torch.cuda.memory._snapshot()),
+                       ("memorySnapshot((0, 0, True))",
+                        lambda: torch._C._cuda_memorySnapshot((0, 0, True)))):
+        try:
+            out.append(f"{what}: {[len(t) for t in call()['device_traces']]}")
+        except Exception as e:  # noqa: BLE001
+            out.append(f"{what}: {e!r}")
+    return "trace entries per device by " + ", ".join(out)
+
+
 def _allocator_state():
     """port: which allocator PyTorch calls (for failure messages)."""
     try:
@@ -1463,7 +1476,8 @@ class TestCudaMallocAsync(Case):
                                 _where_named(ss, "test_memory_plots", context, stacks)
                                 + f"; run() made {n1 - n0} allocations of the heap; history "
                                 f"enabled: {torch._C._cuda_isHistoryEnabled()}; "
-                                f"before run(): {before}; after: {_allocator_state()}")
+                                f"before run(): {before}; after: {_allocator_state()}; "
+                                f"{_traces_by_call()}")
                 self.assertTrue(cpp == ("::rand" in text))
                 self.assertTrue(str(128 * 128 * 4) in text)
 

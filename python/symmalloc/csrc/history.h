@@ -122,10 +122,16 @@ class History {
     std::lock_guard<std::mutex> g(history_mu_);
     std::string skip;
     for (const auto& s : skip_) skip += (skip.empty() ? "" : ",") + s;
+    std::map<int, size_t> per_device;  // the ring's entries by device index (snapshot keeps
+    for (const auto& te : ring_) per_device[(int)te.device_]++;  // those below device_count)
+    std::string devices;
+    for (const auto& [d, n] : per_device)
+      devices += (devices.empty() ? "" : " ") + std::to_string(d) + ":" + std::to_string(n);
     return "history " + std::to_string(history_) + ", recording " +
            std::to_string(recording_.load()) + ", when " + std::to_string((int)when_) +
            ", recorder " + std::to_string(recorder_ != nullptr) + ", ring " +
            std::to_string(ring_.size()) + " of " + std::to_string(max_entries_) +
+           " (by device " + devices + ")" +
            ", skip [" + skip + "], trackers " + std::to_string(trackers_.size()) +
            ", contexts " + std::to_string(contexts_.size()) + ", segment contexts " +
            std::to_string(segment_ctx_.size());

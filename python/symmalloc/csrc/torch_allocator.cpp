@@ -275,7 +275,8 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   }
   bool isHistoryEnabled() override { return hist_.isHistoryEnabled(); }
   std::string history_state() {
-    return hist_.state() + ", routes open " + std::to_string(routes_open_.load()) +
+    return hist_.state() + ", device count " + std::to_string(device_count_) + ", routes open " +
+           std::to_string(routes_open_.load()) +
            ", foreign routes " + std::to_string(foreign_.routes()) + ", caching " +
            std::to_string(caching_.load());
   }
