@@ -11,16 +11,17 @@
 //! Every thread walks the sequence and runs its own events when the one before has finished
 //! (spinning between: the interleaving is the recorded one); a thread times its own call only,
 //! so the handoff is not counted. The threads live through every repetition, as the process's
-//! do through its steps. A free of a
-//! block allocated before the recording began is skipped; blocks still live at the end of a
-//! repetition are freed then, untimed, so every repetition starts from the same heap. Prints
-//! per recorded thread and call: calls per repetition, µs per repetition (the device's figure
-//! is `inner_us` of step_probe's `ext_profile_per_step`, per step: divide by the steps the
-//! recording held), mean, p50, p99 and max µs per call, over every repetition but the first.
+//! do through its steps. A free of a block allocated before the recording began is skipped;
+//! blocks still live at the end of a repetition are freed then, untimed, so every repetition
+//! starts from the same heap. Prints per recorded thread and call: calls and µs per repetition
+//! (one repetition is the whole recording), `device us` (the same calls' time inside
+//! libsymmalloc on the device, from the recording: the figure to compare with µs per
+//! repetition), and mean, p50, p99 and max µs per call, over every repetition but the first.
 //! `--one-thread` runs every call on one thread (no cross-thread frees, no spinning: for
-//! `perf stat -e instructions:u`, which then counts the heap's work and the parsing alone).
-//! Then the heap's reserved memory and segments at the end, and its peak allocated memory.
-//! bench/NOTES.md, "Global mode's host cost", has the figures and what they are for.
+//! `perf stat -e instructions:u` where the machine has counters, which then counts the heap's
+//! work and the parsing alone). Then the heap's reserved memory and segments at the end, and
+//! its peak allocated memory. bench/NOTES.md, "Global mode's host cost: the allocator's share",
+//! has the figures and what they are for.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
