@@ -108,8 +108,19 @@ std::string selftest(Allocator& a, int device) {
   delta.dataptrs_allocd.clear();  // frees x and y through the deleter
   EXPECT(a.checkPoolLiveAllocations(device, pool, {}), "restored blocks freed");
   a.setUseOnOOM(device, pool, false);
+  // A MemPool's destructor: releasePool, then emptyCache of that pool alone; the default
+  // pool's cached segment (of `z`, freed) stays until an emptyCache of the whole cache.
+  void* z = a.malloc_on(device, 6 << 20, nullptr);
+  a.raw_delete(z);
   a.releasePool(device, pool);
-  a.releasePool(device, pool);  // the begin's use
+  a.releasePool(device, pool);  // the begin's use: the pool's segments go back here
+  int64_t cached = a.getDeviceStats(device).reserved_bytes[0].current;
+  a.emptyCache(pool);
+  EXPECT(a.getDeviceStats(device).reserved_bytes[0].current == cached,
+         "emptyCache of a pool's id leaves the default pool's cache");
+  a.emptyCache({0, 0});
+  EXPECT(a.getDeviceStats(device).reserved_bytes[0].current < cached,
+         "emptyCache of the whole cache gives the default pool's free segment back");
 
   // Snapshot and history: segments with their blocks, a trace ring with alloc and free.
   a.recordHistory(true, nullptr, 100, CCA::RecordContext::STATE, true, {});

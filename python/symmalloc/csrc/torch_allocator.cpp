@@ -206,9 +206,13 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     return {};  // symmalloc's segments are not PyTorch's expandable segments
   }
 
-  void emptyCache(MempoolId /*mempool_id*/) override {
+  void emptyCache(MempoolId mempool_id) override {
     // symmalloc gives back the free segments of the default pool and of released pools; a
-    // live pool keeps its own, as PyTorch does.
+    // live pool keeps its own, as PyTorch does. With a pool's id (torch 2.11's MemPool
+    // destructor: releasePool, then emptyCache(id)) only that pool's cache is meant: its free
+    // segments went back at its last releasePool (symm_release_pool), and the default pool's
+    // cache stays (test_mempool_empty_cache: it emptied the whole cache, one H200, 2026-12-03).
+    if (mempool_id.first != 0 || mempool_id.second != 0) return;
     bool tracing = hist_.recording();
     std::map<std::pair<int, uint64_t>, uint64_t> before;
     if (tracing) before = segments_now(device_count_);
