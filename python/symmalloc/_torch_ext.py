@@ -156,6 +156,15 @@ def _call(fn, *args):
     return None if r == 0 else err.value.decode(errors="replace")
 
 
+def _text(fn, size):
+    """The text an entry point of the form fn(out, len) -> 0 writes; its message raised when
+    it returns nonzero."""
+    buf = ctypes.create_string_buffer(size)
+    if fn(buf, ctypes.sizeof(buf)) != 0:
+        raise RuntimeError(buf.value.decode(errors="replace"))
+    return buf.value.decode()
+
+
 def install(library_path):
     """Installs the C++ allocator over ``library_path`` as PyTorch's CUDA allocator; returns
     None, or the reason it could not."""
@@ -174,30 +183,21 @@ def profile_take():
     10 us, max_us) since the last call; raises when the build does not profile."""
     import json
 
-    buf = ctypes.create_string_buffer(1 << 16)
-    if load().symm_torch_profile(buf, ctypes.sizeof(buf)) != 0:
-        raise RuntimeError(buf.value.decode(errors="replace"))
-    return json.loads(buf.value.decode())
+    return json.loads(_text(load().symm_torch_profile, 1 << 16))
 
 
 def history_state():
     """The C++ allocator's memory history in one line (recorded or not, the trace ring's size,
     skipped actions, open pool routes, caching), for diagnosis."""
-    buf = ctypes.create_string_buffer(4096)
-    fn = load().symm_torch_history_state
-    fn.restype = ctypes.c_int
-    if fn(buf, ctypes.sizeof(buf)) != 0:
-        raise RuntimeError(buf.value.decode(errors="replace"))
-    return buf.value.decode()
+    return _text(load().symm_torch_history_state, 4096)
 
 
 def profile_trace(on, path=None):
     """A profiling build (``profile_take``): keep every allocation and free as an event from
     now (``on``), or write them to ``path`` as CSV (t_ns, dur_ns, inner_ns, tid, op, ptr, size,
     stream) and stop."""
-    fn = load().symm_torch_profile_trace
-    fn.restype = ctypes.c_int
-    err = _call(fn, ctypes.c_int(1 if on else 0), (path or "").encode())
+    err = _call(load().symm_torch_profile_trace, ctypes.c_int(1 if on else 0),
+                (path or "").encode())
     if err:
         raise RuntimeError(err)
 

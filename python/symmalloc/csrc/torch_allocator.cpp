@@ -461,6 +461,12 @@ std::shared_ptr<SymmAllocator>& instance() {
 
 void raw_deleter_fn(void* ptr) { instance()->free_ptr(ptr); }
 
+#ifndef SYMM_TORCH_PROFILE
+const char* const kNotProfiling =
+    "this build of the C++ allocator does not profile: build it with -DSYMM_TORCH_PROFILE "
+    "(python -m symmalloc._torch_ext --build DIR --profile; docs/memory.md)";
+#endif
+
 int fail(char* err, size_t len, const std::string& msg) {
   if (err && len) std::snprintf(err, len, "%s", msg.c_str());
   return 1;
@@ -508,11 +514,13 @@ int symm_torch_install(const char* library_path, char* err, size_t len) {
 int symm_torch_profile(char* out, size_t len) {
 #ifdef SYMM_TORCH_PROFILE
   std::string s = symm_torch::prof::take_all();
-  if (out && len) std::snprintf(out, len, "%s", s.c_str());
-  return s.size() < len ? 0 : 1;
+  if (s.size() >= len)
+    return fail(out, len, "the profile (" + std::to_string(s.size()) + " bytes) does not fit in " +
+                              std::to_string(len) + " bytes");
+  std::snprintf(out, len, "%s", s.c_str());
+  return 0;
 #else
-  return fail(out, len, "this build of the C++ allocator does not profile: build it with "
-                        "-DSYMM_TORCH_PROFILE (bench/step_probe.py --ext-profile)");
+  return fail(out, len, kNotProfiling);
 #endif
 }
 
@@ -526,8 +534,7 @@ int symm_torch_profile_trace(int on, const char* path, char* err, size_t len) {
 #else
   (void)on;
   (void)path;
-  return fail(err, len, "this build of the C++ allocator does not profile: build it with "
-                        "-DSYMM_TORCH_PROFILE (bench/step_probe.py --ext-profile)");
+  return fail(err, len, kNotProfiling);
 #endif
 }
 
@@ -535,7 +542,8 @@ int symm_torch_profile_trace(int on, const char* path, char* err, size_t len) {
 // routes, caching): for diagnosis. 1 when no allocator was made.
 int symm_torch_history_state(char* out, size_t len) {
   if (!instance()) return fail(out, len, "no allocator was made");
-  return fail(out, len, instance()->history_state()) - 1;
+  if (out && len) std::snprintf(out, len, "%s", instance()->history_state().c_str());
+  return 0;
 }
 
 // Whether symmalloc is the allocator PyTorch calls now.
