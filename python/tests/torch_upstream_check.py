@@ -278,7 +278,7 @@ _cycles_per_ms = None
 
 def _where_named(ss, name, context, stacks):
     """port: where `name` occurs in snapshot `ss` (segments, blocks, trace entries), for the
-    failure message of test_memory_plots."""
+    failure messages of test_memory_plots and test_memory_plots_free_stack."""
     def has(frames):
         return name in json.dumps(frames, default=str)
     found = []
@@ -1507,9 +1507,13 @@ class TestCudaMallocAsync(Case):
 
                 thealloc()
                 thefree()
-                ss = json.dumps(torch.cuda.memory._snapshot())
-                self.assertEqual(("thefree" in ss), (context == "all"))
-                self.assertEqual(("thealloc" in ss), (context != "state"))
+                snap = torch.cuda.memory._snapshot()
+                ss = json.dumps(snap)
+                # port: a failure names where the frames were found (built only then).
+                for name, want in (("thefree", context == "all"), ("thealloc", context != "state")):
+                    if (name in ss) != want:
+                        self.assertEqual((name in ss), want,
+                                         _where_named(snap, name, context, "python"))
             finally:
                 torch.cuda.memory._record_memory_history(None)
 

@@ -172,6 +172,25 @@ impl Allocator {
         self.drain_where(heap, device, whose, |_| true)
     }
 
+    /// As `drain_caches`, for the calling thread's own cache only: reached through its
+    /// thread-local handle, not the registry (a large request's miss does this each time:
+    /// walking the registry cost as much as the rest of the miss).
+    pub(super) fn drain_own(
+        &self,
+        heap: &mut DeviceHeap,
+        device: i32,
+        which: impl Fn(&tcache::Key) -> bool,
+    ) -> Result<()> {
+        let back = self
+            .with_cache(device, |c| c.drain(&which))
+            .unwrap_or_default();
+        for k in back {
+            heap.untrack(k.ptr, k.recorded)?;
+            heap.free(self.backend.as_ref(), k.ptr, k.recorded, k.key.1)?;
+        }
+        Ok(())
+    }
+
     pub(super) fn drain_where(
         &self,
         heap: &mut DeviceHeap,

@@ -234,7 +234,7 @@ impl Allocator {
             let large = |k: &tcache::Key| {
                 k.0 == pool && device_heap::class_of(k.2) == device_heap::Class::Large
             };
-            self.drain_where(&mut heap, device, is_mine, large)?;
+            self.drain_own(&mut heap, device, large)?;
         }
         let be = self.backend.as_ref();
         // The escalation, each step only when the one before found nothing: the heap without

@@ -48,7 +48,10 @@ impl Hasher for AddrHasher {
         }
     }
     fn write_u64(&mut self, x: u64) {
-        self.0 = (x >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        // The high bits folded down: the table indexes by the low bits, and segment starts
+        // (multiples of the 2 MiB granularity) would otherwise all share them.
+        let h = (x >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = h ^ (h >> 32);
     }
     fn finish(&self) -> u64 {
         self.0
@@ -311,11 +314,18 @@ impl ThreadCache {
             // The common case of a large request's miss (mod.rs): nothing of the class kept.
             return Vec::new();
         }
-        let (out, stay): (Vec<Kept>, Vec<Kept>) = self.kept.drain(..).partition(|k| which(&k.key));
-        self.kept = stay;
-        for k in &out {
-            self.kept_bytes -= k.size;
-            self.kept_recorded -= k.recorded;
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.kept.len() {
+            if which(&self.kept[i].key) {
+                // In order: the kept blocks' order is the heap's order of frees (determinism).
+                let k = self.kept.remove(i);
+                self.kept_bytes -= k.size;
+                self.kept_recorded -= k.recorded;
+                out.push(k);
+            } else {
+                i += 1;
+            }
         }
         out
     }

@@ -11,11 +11,9 @@ impl DeviceHeap {
     /// bounds.
     pub fn segment_of(&self, ptr: u64) -> Result<(Vec<SegmentInfo>, u64, u64)> {
         let off = ptr.wrapping_sub(self.base);
-        let (&boff, b) = self
-            .blocks
-            .range(..=off)
-            .next_back()
-            .filter(|(&o, b)| off < o + b.size && b.requested().is_some())
+        let (boff, b) = self
+            .block_holding(off)
+            .filter(|(_, b)| b.requested().is_some())
             .ok_or_else(|| {
                 Error::invalid(format!(
                     "address {ptr:#x} is not inside a live symm_malloc block"

@@ -61,7 +61,7 @@ impl DeviceHeap {
                 continue;
             }
             let end = soff + seg.size;
-            let Some((&toff, t)) = self.blocks.range(..end).next_back() else {
+            let Some((toff, t)) = self.segment_blocks(soff).last() else {
                 continue;
             };
             if !t.is_free()

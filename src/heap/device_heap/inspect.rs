@@ -46,7 +46,7 @@ impl DeviceHeap {
             if pool.is_some_and(|p| p != s.pool) {
                 continue;
             }
-            for (&boff, b) in self.blocks.range(soff..soff + s.size) {
+            for (boff, b) in self.segment_blocks(soff) {
                 let (state, requested) = match b.state {
                     State::Live(r) => (1, r),
                     State::Free => (0, 0),
@@ -97,10 +97,8 @@ impl DeviceHeap {
     ) -> Result<()> {
         let off = ptr.wrapping_sub(self.base);
         let found = self
-            .blocks
-            .range(..=off)
-            .next_back()
-            .map(|(&o, b)| (o, b.size, b.is_free(), b.pool));
+            .block_holding(off)
+            .map(|(o, b)| (o, b.size, b.is_free(), b.pool));
         let Some((boff, bsize, free, bpool)) = found else {
             return Err(Error::invalid(format!(
                 "checkpoint block {ptr:#x} lies outside every segment of device {}",
@@ -119,18 +117,20 @@ impl DeviceHeap {
             self.unlist_free(boff);
             let b = self.blocks.get_mut(&boff).expect("free block");
             b.size = off - boff;
-            let (segment, streams) = (b.segment, b.streams.clone());
+            let (segment, class, streams) = (b.segment, b.class, b.streams.clone());
             self.blocks.insert(
                 off,
                 Block {
                     size: bsize - (off - boff),
                     segment,
                     pool,
+                    class,
+                    prev: boff,
                     state: State::Free,
                     streams,
                 },
             );
-            let class = self.segments[&segment].class;
+            self.relink_next(off);
             self.counters.blocks[slot(class)] += 1;
             self.list_free(boff);
             self.list_free(off);

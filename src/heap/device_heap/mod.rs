@@ -11,11 +11,13 @@
 //! - the chunks of a segment tile it exactly, in address order, each a multiple of the
 //!   granularity with its own generation (a segment has more than one only if it grew in
 //!   place: grow.rs);
-//! - the blocks of a segment tile it exactly, in address order, and carry its pool; no two
+//! - the blocks of a segment tile it exactly, in address order, and carry its pool and class;
+//!   each links back to the block before it (`prev`; `NO_PREV` for the first), and every block
+//!   listed is reached by walking its segment; no two
 //!   neighbouring free blocks of a segment wait on the same set of streams (those are merged on
 //!   free; blocks with different pending streams stay apart, so stream sets never grow by
 //!   merging);
-//! - every free block is in its pool's `free_any` and `free_by_stream` sets, under its first
+//! - every free block is in its pool's free lists (free_lists.rs), under its class and first
 //!   stream (under `UNUSED` when it has never been used), and nothing else is; every parked block waits on exactly one stream and is in the
 //!   parked LIFO of (pool, that stream, its last rounded request), and nothing else is; its
 //!   pool and size pass `keeps_whole`;
@@ -48,12 +50,14 @@
 //! deterministic offsets, merging on free); `grow.rs` segments that grow in place by a chunk;
 //! `release.rs` memory going back (parked drains, segment release, `empty_cache`, pools);
 //! `export.rs` what peers need of a segment (its chunks); `validate.rs` the check of every
-//! invariant above; `tracked.rs` live blocks lent to thread caches. Each released chunk is
+//! invariant above; `tracked.rs` live blocks lent to thread caches; `free_lists.rs` a pool's
+//! free blocks ordered for best fit. Each released chunk is
 //! recorded in the heap's `ReleaseLog` (shared memory its peers read, to unmap their mappings
 //! of it). Statistics are the `Stats` of `stats.rs`, kept here as blocks change state.
 
 mod arena;
 mod export;
+mod free_lists;
 mod grow;
 mod inspect;
 mod placement;
@@ -70,14 +74,16 @@ use super::release_log::ReleaseLog;
 use super::stats::Stats;
 use crate::error::{Error, Result, Status};
 pub use inspect::BlockView;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 pub use super::size_class::{
     class_of, round_request, Class, HUGE_MIN, LARGE_SEGMENT, ROUND, SMALL_MAX, SMALL_SEGMENT,
 };
+/// `Block::prev` of a segment's first block.
+const NO_PREV: u64 = u64::MAX;
 /// A large block is split only when the remainder is bigger than this.
 const LARGE_SPLIT_MIN: u64 = SMALL_MAX;
-/// The `free_by_stream` key of never-used memory, which waits on no stream (no CUDA stream
+/// The free lists' stream of never-used memory, which waits on no stream (no CUDA stream
 /// handle has this value; the legacy default stream is 0).
 pub const UNUSED: Stream = u64::MAX;
 
@@ -95,8 +101,12 @@ enum State {
 struct Block {
     size: u64,
     segment: u64,
-    /// The segment's pool (copied here so the fast path needs no segment lookup).
+    /// The segment's pool and class (copied here so the paths need no segment lookup).
     pool: PoolId,
+    class: Class,
+    /// The offset of the block before it in its segment; `NO_PREV` for the segment's first.
+    /// (The one after it starts at `offset + size`, when that is still inside the segment.)
+    prev: u64,
     state: State,
     /// Streams whose work must finish before the memory is reused; the first is the stream of
     /// the last allocation or free.
@@ -139,8 +149,8 @@ struct Segment {
 
 #[derive(Default, Debug)]
 struct Pool {
-    free_any: BTreeSet<(Class, u64, u64)>,
-    free_by_stream: BTreeSet<(Class, Stream, u64, u64)>,
+    /// Free blocks by (class, first stream), best fit first (free_lists.rs).
+    free: free_lists::FreeLists,
     segments: u64,
     releasing: bool,
     /// Routes begun to the pool and not yet released (`hold_pool`, `unhold_pool`).
@@ -162,7 +172,10 @@ pub struct DeviceHeap {
     ranges: Ranges,
     gran: u64,
     segments: BTreeMap<u64, Segment>,
-    blocks: BTreeMap<u64, Block>,
+    /// Every block by offset. A segment's blocks are reached in address order from its offset
+    /// (`segment_blocks`), a block's neighbours through `prev` and `offset + size`: no ordered
+    /// map on the allocation and free paths (bench/NOTES.md, "Global mode's host cost").
+    blocks: crate::heap::tcache::AddrMap<Block>,
     pools: BTreeMap<PoolId, Pool>,
     parked: Parked,
     releasing_pools: usize,
@@ -220,7 +233,67 @@ pub fn keeps_whole(pool: PoolId, rounded: u64) -> bool {
     pool == DEFAULT_POOL || class_of(rounded) == Class::Small
 }
 
+/// A segment's blocks in address order (`DeviceHeap::segment_blocks`).
+struct SegmentBlocks<'a> {
+    blocks: &'a crate::heap::tcache::AddrMap<Block>,
+    at: u64,
+    end: u64,
+}
+
+impl<'a> Iterator for SegmentBlocks<'a> {
+    type Item = (u64, &'a Block);
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.at >= self.end {
+            return None;
+        }
+        let off = self.at;
+        let b = self.blocks.get(&off)?;
+        self.at += b.size.max(1);
+        Some((off, b))
+    }
+}
+
 impl DeviceHeap {
+    /// The blocks of the segment at `seg`, in address order. (A gap in the tiling ends the walk
+    /// early; `validate` reports it.)
+    fn segment_blocks(&self, seg: u64) -> SegmentBlocks<'_> {
+        let end = self.segments.get(&seg).map_or(seg, |s| seg + s.size);
+        SegmentBlocks {
+            blocks: &self.blocks,
+            at: seg,
+            end,
+        }
+    }
+
+    /// The block that holds offset `off`, anywhere in it.
+    fn block_holding(&self, off: u64) -> Option<(u64, &Block)> {
+        if let Some(b) = self.blocks.get(&off) {
+            return Some((off, b));
+        }
+        let (&soff, s) = self.segments.range(..=off).next_back()?;
+        if off >= soff + s.size {
+            return None;
+        }
+        self.segment_blocks(soff).find(|&(o, b)| off < o + b.size)
+    }
+
+    /// The block after the one at `off` in its segment, if any.
+    fn next_block(&self, off: u64) -> Option<u64> {
+        let b = &self.blocks[&off];
+        let next = off + b.size;
+        self.blocks
+            .get(&next)
+            .is_some_and(|n| n.segment == b.segment)
+            .then_some(next)
+    }
+
+    /// Points the block after the one at `off` (if any) back at `off`.
+    fn relink_next(&mut self, off: u64) {
+        if let Some(n) = self.next_block(off) {
+            self.blocks.get_mut(&n).expect("next block").prev = off;
+        }
+    }
+
     pub fn new(backend: &dyn Backend, device: i32, size: u64) -> Result<Self> {
         let gran = backend.granularity(device)?;
         let size = size.next_multiple_of(gran);
@@ -231,7 +304,7 @@ impl DeviceHeap {
             ranges: Ranges::new(size, gran),
             gran,
             segments: BTreeMap::new(),
-            blocks: BTreeMap::new(),
+            blocks: Default::default(),
             pools: BTreeMap::new(),
             parked: Parked::default(),
             releasing_pools: 0,
@@ -282,13 +355,10 @@ impl DeviceHeap {
     /// The largest free block of the default pool, in bytes (PyTorch's `cacheInfo`, which
     /// cuDNN's benchmark mode reads to size its workspace).
     pub fn largest_free_block(&self) -> u64 {
-        let free = self.pools.get(&DEFAULT_POOL).map_or(0, |p| {
-            p.free_any
-                .iter()
-                .map(|&(_, size, _)| size)
-                .max()
-                .unwrap_or(0)
-        });
+        let free = self
+            .pools
+            .get(&DEFAULT_POOL)
+            .map_or(0, |p| p.free.largest());
         let parked = self
             .parked
             .entries()
@@ -459,9 +529,11 @@ impl DeviceHeap {
             return Ok(());
         }
         block.state = State::Free;
-        let mut streams = vec![stream];
-        streams.extend(block.streams.iter().copied().filter(|&s| s != stream));
-        block.streams = streams;
+        // The freeing stream first, the others after it in their order.
+        match block.streams.iter().position(|&s| s == stream) {
+            Some(i) => block.streams[..=i].rotate_right(1),
+            None => block.streams.insert(0, stream),
+        }
         let seg = block.segment;
         let segment = self.segments.get_mut(&seg).expect("segment");
         segment.live -= 1;

@@ -22,8 +22,8 @@
 //! the call sequence only.
 //!
 //! Invariants kept (mod.rs lists them all): the blocks of a segment tile it in address order;
-//! a free block is listed once in `free_any` and once in `free_by_stream`, under its first
-//! stream (`UNUSED` if it has none); neighbours waiting on the same streams never stay apart; a segment moves only
+//! a free block is listed once in its pool's free lists, under its class and first stream
+//! (`UNUSED` if it has none); a block links back to the one before it; neighbours waiting on the same streams never stay apart; a segment moves only
 //! whole and free, and `Pool::segments` counts each pool's segments.
 
 use super::*;
@@ -121,15 +121,14 @@ impl DeviceHeap {
         let mut capturing: Option<bool> = None;
         let mut usable =
             |off: u64| self.reusable(backend, &self.blocks[&off].streams, stream, &mut capturing);
-        let fits = |s: Stream| (class, s, rounded, 0)..=(class, s, u64::MAX, u64::MAX);
         let mut best: Option<(u64, u64)> = None;
-        for &(_, _, size, off) in p.free_by_stream.range(fits(stream)) {
+        for (size, off) in p.free.fits(class, stream, rounded) {
             if usable(off)? {
                 best = Some((size, off));
                 break;
             }
         }
-        if let Some(&(_, _, size, off)) = p.free_by_stream.range(fits(UNUSED)).next() {
+        if let Some((size, off)) = p.free.fits(class, UNUSED, rounded).next() {
             // Waits on no stream: usable by any, capturing or not.
             if best.is_none_or(|b| (size, off) < b) {
                 best = Some((size, off));
@@ -138,15 +137,23 @@ impl DeviceHeap {
         if let Some((_, off)) = best {
             return Ok(Some(off));
         }
-        for &(c, _, off) in p.free_any.range((class, rounded, 0)..) {
-            if c != class {
-                break;
+        // Then any stream's: the best fit over all of them is the best of each stream's first
+        // usable fit (streams are few).
+        for s in p.free.streams(class) {
+            if s == stream || s == UNUSED {
+                continue;
             }
-            if usable(off)? {
-                return Ok(Some(off));
+            for (size, off) in p.free.fits(class, s, rounded) {
+                if best.is_some_and(|b| b < (size, off)) {
+                    break;
+                }
+                if usable(off)? {
+                    best = Some((size, off));
+                    break;
+                }
             }
         }
-        Ok(None)
+        Ok(best.map(|(_, off)| off))
     }
 
     /// Whether memory that waits on `streams` may go to `stream` now: at once when only `stream`
@@ -230,7 +237,7 @@ impl DeviceHeap {
         let mut capturing = None;
         for (size, seg) in fits {
             let mut ok = true;
-            for (_, b) in self.blocks.range(seg..seg + size) {
+            for (_, b) in self.segment_blocks(seg) {
                 if !self.reusable(backend, &b.streams, stream, &mut capturing)? {
                     ok = false;
                     break;
@@ -259,7 +266,8 @@ impl DeviceHeap {
             debug_assert_eq!(s.live, 0);
             (s.size, s.pool)
         };
-        let offs: Vec<u64> = self.blocks.range(seg..seg + len).map(|(&o, _)| o).collect();
+        let offs: Vec<u64> = self.segment_blocks(seg).map(|(o, _)| o).collect();
+        debug_assert_eq!(offs.iter().map(|o| self.blocks[o].size).sum::<u64>(), len);
         let class = self.segments[&seg].class;
         self.counters.blocks[slot(class)] -= offs.len() as i64 - 1;
         let mut streams: Vec<Stream> = Vec::new();
@@ -279,6 +287,8 @@ impl DeviceHeap {
                 size: len,
                 segment: seg,
                 pool: taker,
+                class,
+                prev: NO_PREV,
                 state: State::Free,
                 streams,
             },
@@ -403,14 +413,15 @@ impl DeviceHeap {
                 size: len,
                 segment: off,
                 pool,
+                class,
+                prev: NO_PREV,
                 state: State::Free,
                 streams: vec![],
             },
         );
         let p = self.pools.entry(pool).or_default();
         p.segments += 1;
-        p.free_any.insert((class, len, off));
-        p.free_by_stream.insert((class, UNUSED, len, off));
+        p.free.insert(class, UNUSED, len, off);
         self.stats.physical_creates += 1;
         self.stats.segments += 1;
         self.stats.reserved_bytes += len;
@@ -433,10 +444,9 @@ impl DeviceHeap {
 
     pub(super) fn free_key(&self, off: u64) -> (PoolId, Class, Stream, u64) {
         let b = &self.blocks[&off];
-        let seg = &self.segments[&b.segment];
         (
-            seg.pool,
-            seg.class,
+            b.pool,
+            b.class,
             b.streams.first().copied().unwrap_or(UNUSED),
             b.size,
         )
@@ -445,15 +455,13 @@ impl DeviceHeap {
     pub(super) fn unlist_free(&mut self, off: u64) {
         let (pool, class, stream, size) = self.free_key(off);
         let p = self.pools.get_mut(&pool).expect("pool of a segment exists");
-        p.free_any.remove(&(class, size, off));
-        p.free_by_stream.remove(&(class, stream, size, off));
+        p.free.remove(class, stream, size, off);
     }
 
     pub(super) fn list_free(&mut self, off: u64) {
         let (pool, class, stream, size) = self.free_key(off);
         let p = self.pools.get_mut(&pool).expect("pool of a segment exists");
-        p.free_any.insert((class, size, off));
-        p.free_by_stream.insert((class, stream, size, off));
+        p.free.insert(class, stream, size, off);
     }
 
     /// Turns the free block at `off` into a live one of `rounded` bytes for `stream`.
@@ -492,55 +500,51 @@ impl DeviceHeap {
     ) -> Result<()> {
         // Order the new user after every other stream that used the memory. On error the
         // block stays free and listed.
-        let waits: Vec<Stream> = self.blocks[&off]
-            .streams
-            .iter()
-            .copied()
-            .filter(|&s| s != stream)
-            .collect();
-        for s in waits {
-            backend.order(self.device, stream, s)?;
+        let b = &self.blocks[&off];
+        if b.streams.iter().any(|&s| s != stream) {
+            let waits: Vec<Stream> = b.streams.iter().copied().filter(|&s| s != stream).collect();
+            for s in waits {
+                backend.order(self.device, stream, s)?;
+            }
         }
         self.unlist_free(off);
         let block = self.blocks.get_mut(&off).expect("free block exists");
-        let class = self.segments[&block.segment].class;
+        let (class, seg) = (block.class, block.segment);
         let rest = block.size - rounded;
         let split = match class {
             _ if exact => rest > 0,
             Class::Small => rest >= ROUND,
             Class::Large => rest > LARGE_SPLIT_MIN,
         };
-        let seg_live = self.segments[&block.segment].live;
-        if seg_live == 0 {
-            let w = &mut self.counters.whole_free[slot(class)];
-            w.0 -= 1;
-            w.1 -= self.segments[&block.segment].size as i64;
-        }
-        let block = self.blocks.get_mut(&off).expect("free block exists");
-        if split {
-            self.counters.blocks[slot(class)] += 1;
-            let streams = block.streams.clone();
+        let remainder = split.then(|| {
             block.size = rounded;
-            let (segment, pool) = (block.segment, block.pool);
-            self.blocks.insert(
-                off + rounded,
-                Block {
-                    size: rest,
-                    segment,
-                    pool,
-                    state: State::Free,
-                    streams,
-                },
-            );
-            self.list_free(off + rounded);
-        }
-        let block = self.blocks.get_mut(&off).expect("block exists");
+            Block {
+                size: rest,
+                segment: seg,
+                pool: block.pool,
+                class,
+                prev: off,
+                state: State::Free,
+                streams: block.streams.clone(),
+            }
+        });
         let size = block.size;
         block.state = State::Live(requested);
         block.streams.clear();
         block.streams.push(stream);
-        let seg = block.segment;
-        self.segments.get_mut(&seg).expect("segment exists").live += 1;
+        let segment = self.segments.get_mut(&seg).expect("segment exists");
+        if segment.live == 0 {
+            let w = &mut self.counters.whole_free[slot(class)];
+            w.0 -= 1;
+            w.1 -= segment.size as i64;
+        }
+        segment.live += 1;
+        if let Some(r) = remainder {
+            self.counters.blocks[slot(class)] += 1;
+            self.blocks.insert(off + rounded, r);
+            self.relink_next(off + rounded);
+            self.list_free(off + rounded);
+        }
         self.count_live(size, requested);
         Ok(())
     }
@@ -548,15 +552,18 @@ impl DeviceHeap {
     /// Merges the free block at `off` with free neighbours in its segment that wait on the same
     /// streams; returns the offset of the merged block (not yet listed as free).
     pub(super) fn merge_neighbours(&mut self, mut off: u64) -> u64 {
-        let seg = self.blocks[&off].segment;
-        let k = slot(self.segments[&seg].class);
         // Never-used memory (no streams) merges with anything; used memory only with memory
         // that waits on the same streams.
         let same = |a: &[Stream], b: &[Stream]| {
             a.is_empty() || b.is_empty() || (a.len() == b.len() && a.iter().all(|s| b.contains(s)))
         };
-        if let Some((&prev, pb)) = self.blocks.range(..off).next_back() {
-            if pb.segment == seg && pb.is_free() && same(&pb.streams, &self.blocks[&off].streams) {
+        let (k, prev) = {
+            let b = &self.blocks[&off];
+            (slot(b.class), b.prev)
+        };
+        if prev != NO_PREV {
+            let pb = &self.blocks[&prev];
+            if pb.is_free() && same(&pb.streams, &self.blocks[&off].streams) {
                 self.unlist_free(prev);
                 let b = self.blocks.remove(&off).expect("block");
                 self.counters.blocks[k] -= 1;
@@ -570,24 +577,23 @@ impl DeviceHeap {
                 }
                 p.streams = streams;
                 off = prev;
+                self.relink_next(off);
             }
         }
-        let next = off + self.blocks[&off].size;
-        let mine = self.blocks[&off].streams.clone();
-        if self
-            .blocks
-            .get(&next)
-            .is_some_and(|n| n.segment == seg && n.is_free() && same(&n.streams, &mine))
-        {
-            self.unlist_free(next);
-            let n = self.blocks.remove(&next).expect("next");
-            self.counters.blocks[k] -= 1;
-            let b = self.blocks.get_mut(&off).expect("block");
-            b.size += n.size;
-            for s in n.streams {
-                if !b.streams.contains(&s) {
-                    b.streams.push(s);
+        if let Some(next) = self.next_block(off) {
+            let (n, b) = (&self.blocks[&next], &self.blocks[&off]);
+            if n.is_free() && same(&n.streams, &b.streams) {
+                self.unlist_free(next);
+                let n = self.blocks.remove(&next).expect("next");
+                self.counters.blocks[k] -= 1;
+                let b = self.blocks.get_mut(&off).expect("block");
+                b.size += n.size;
+                for s in n.streams {
+                    if !b.streams.contains(&s) {
+                        b.streams.push(s);
+                    }
                 }
+                self.relink_next(off);
             }
         }
         off

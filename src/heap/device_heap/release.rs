@@ -133,7 +133,7 @@ impl DeviceHeap {
         debug_assert_eq!(s.live, 0);
         let (len, pool) = (s.size, s.pool);
         // A free segment may still hold several free blocks (different pending streams).
-        let offs: Vec<u64> = self.blocks.range(seg..seg + len).map(|(&o, _)| o).collect();
+        let offs: Vec<u64> = self.segment_blocks(seg).map(|(o, _)| o).collect();
         let offs_len = offs.len() as i64;
         // Chunk by chunk: each was mapped on its own (a segment that grew in place has several).
         for c in &s.chunks {

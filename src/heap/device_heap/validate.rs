@@ -26,13 +26,14 @@ impl DeviceHeap {
         let mut free_count: BTreeMap<PoolId, usize> = BTreeMap::new();
         let mut seg_count: BTreeMap<PoolId, u64> = BTreeMap::new();
         let mut parked_seen = 0;
+        let mut blocks_walked = 0;
         // (segments, reserved, blocks, whole free, their bytes) per class: device_stats.rs.
         let mut counted = [(0i64, 0i64, 0i64, 0i64, 0i64); 2];
         for (&soff, s) in &self.segments {
             let k = &mut counted[slot(s.class)];
             k.0 += 1;
             k.1 += s.size as i64;
-            k.2 += self.blocks.range(soff..soff + s.size).count() as i64;
+            k.2 += self.segment_blocks(soff).count() as i64;
             if s.live == 0 {
                 k.3 += 1;
                 k.4 += s.size as i64;
@@ -66,13 +67,27 @@ impl DeviceHeap {
             let mut at = soff;
             let mut live = 0;
             let mut prev_free: Option<&Vec<Stream>> = None;
-            for (&boff, b) in self.blocks.range(soff..soff + s.size) {
-                if boff != at || b.segment != soff || b.size == 0 || b.pool != s.pool {
+            let mut prev = NO_PREV;
+            for (boff, b) in self.segment_blocks(soff) {
+                if boff != at
+                    || b.segment != soff
+                    || b.size == 0
+                    || b.pool != s.pool
+                    || b.class != s.class
+                {
                     return Err(format!(
                         "blocks of segment {soff:#x} do not tile it at {boff:#x}"
                     ));
                 }
+                if b.prev != prev {
+                    return Err(format!(
+                        "block {boff:#x} links back to {:#x}, the block before it is {prev:#x}",
+                        b.prev
+                    ));
+                }
+                prev = boff;
                 at += b.size;
+                blocks_walked += 1;
                 match b.state {
                     State::Live(req) => {
                         live += 1;
@@ -102,9 +117,7 @@ impl DeviceHeap {
                         *free_count.entry(s.pool).or_default() += 1;
                         let p = self.pools.get(&s.pool).ok_or("segment's pool is missing")?;
                         let stream = b.streams.first().copied().unwrap_or(UNUSED);
-                        if !p.free_any.contains(&(s.class, b.size, boff))
-                            || !p.free_by_stream.contains(&(s.class, stream, b.size, boff))
-                        {
+                        if !p.free.contains(s.class, stream, b.size, boff) {
                             return Err(format!("free block {boff:#x} is not in its free lists"));
                         }
                     }
@@ -119,6 +132,12 @@ impl DeviceHeap {
                     s.live
                 ));
             }
+        }
+        if blocks_walked != self.blocks.len() {
+            return Err(format!(
+                "{} blocks are listed, the segments' walks reach {blocks_walked}",
+                self.blocks.len()
+            ));
         }
         self.counters.check(counted)?;
         let mut parked_listed = 0;
@@ -179,10 +198,11 @@ impl DeviceHeap {
                 ));
             }
             let n = free_count.get(id).copied().unwrap_or(0);
-            if p.free_any.len() != n || p.free_by_stream.len() != n {
+            p.free.validate()?;
+            if p.free.len() != n {
                 return Err(format!(
                     "pool {id:?} lists {} free blocks, has {n}",
-                    p.free_any.len()
+                    p.free.len()
                 ));
             }
         }
