@@ -11,15 +11,16 @@
 //! released.
 //!
 //! Invariants (checked by `DeviceHeap::validate`): each parked block is in exactly one LIFO,
-//! under its pool, its single stream and the rounded size it was last allocated with; `len()`
-//! counts them all. An emptied LIFO is kept (popping the last block and parking it again
-//! must not free and allocate its vector) until the next drain.
+//! under its pool, its single stream and the rounded size it was last allocated with, in the
+//! map of that size's class; `len()` counts them all. No LIFO is empty (`pop` removes the key
+//! of the last block).
 //!
 //! Determinism: what is parked and popped depends only on the call sequence; drains return
 //! offsets in ascending order, never in hash order.
 
 use super::backend::Stream;
 use super::pools::PoolId;
+use super::size_class::{class_of, Class};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -46,15 +47,27 @@ impl Hasher for IntHasher {
     }
 }
 
+type Lifos = HashMap<Key, Vec<u64>, BuildHasherDefault<IntHasher>>;
+
+/// The LIFOs by the class of their size: a large request's miss drains the large ones alone,
+/// without walking the small sizes' map.
 #[derive(Default)]
 pub struct Parked {
-    lifo: HashMap<Key, Vec<u64>, BuildHasherDefault<IntHasher>>,
+    small: Lifos,
+    large: Lifos,
     count: usize,
 }
 
 impl Parked {
+    fn map(&mut self, rounded: u64) -> &mut Lifos {
+        match class_of(rounded) {
+            Class::Small => &mut self.small,
+            Class::Large => &mut self.large,
+        }
+    }
+
     pub fn push(&mut self, key: Key, off: u64) {
-        self.lifo.entry(key).or_default().push(off);
+        self.map(key.2).entry(key).or_default().push(off);
         self.count += 1;
     }
 
@@ -62,10 +75,11 @@ impl Parked {
     /// `drain` visits parked blocks only (keys left empty made each large request's drain walk
     /// every size the step had parked since: bench/NOTES.md, "Global mode's host cost").
     pub fn pop(&mut self, key: &Key) -> Option<u64> {
-        let v = self.lifo.get_mut(key)?;
+        let map = self.map(key.2);
+        let v = map.get_mut(key)?;
         let off = v.pop()?;
         if v.is_empty() {
-            self.lifo.remove(key);
+            map.remove(key);
         }
         self.count -= 1;
         Some(off)
@@ -79,18 +93,26 @@ impl Parked {
         self.count == 0
     }
 
-    /// Removes and returns the parked blocks of `pool` (every pool with `None`) whose rounded
-    /// size `sizes` accepts, ascending.
-    pub fn drain(&mut self, pool: Option<PoolId>, sizes: impl Fn(u64) -> bool) -> Vec<u64> {
+    /// Removes and returns the parked blocks of `pool` (every pool with `None`) of `class`
+    /// (every class with `None`), ascending.
+    pub fn drain(&mut self, pool: Option<PoolId>, class: Option<Class>) -> Vec<u64> {
         let mut out = Vec::new();
-        self.lifo.retain(|&(p, _, rounded), v| {
-            if pool.is_none_or(|want| want == p) && sizes(rounded) {
-                out.append(v);
-                false
-            } else {
-                true
+        for (c, map) in [
+            (Class::Small, &mut self.small),
+            (Class::Large, &mut self.large),
+        ] {
+            if class.is_some_and(|want| want != c) || map.is_empty() {
+                continue;
             }
-        });
+            map.retain(|&(p, _, _), v| {
+                if pool.is_none_or(|want| want == p) {
+                    out.append(v);
+                    false
+                } else {
+                    true
+                }
+            });
+        }
         self.count -= out.len();
         out.sort_unstable();
         out
@@ -98,8 +120,9 @@ impl Parked {
 
     /// Every (key, offset) parked, for validation.
     pub fn entries(&self) -> impl Iterator<Item = (&Key, u64)> {
-        self.lifo
+        self.small
             .iter()
+            .chain(self.large.iter())
             .flat_map(|(k, v)| v.iter().map(move |&o| (k, o)))
     }
 }
@@ -120,11 +143,12 @@ mod tests {
         assert_eq!(p.pop(&(a, 7, 512)), Some(1024), "last parked comes first");
         assert_eq!(p.pop(&(a, 7, 1024)), None, "sizes do not mix");
         p.push((a, 9, 4 << 20), 8192);
-        assert_eq!(p.drain(Some(a), |r| r > 1024), vec![8192]);
-        assert_eq!(p.drain(Some(a), |_| true), vec![512, 4096]);
+        assert_eq!(p.drain(Some(a), Some(Class::Large)), vec![8192]);
+        assert_eq!(p.drain(Some(a), None), vec![512, 4096]);
         assert_eq!(p.len(), 1);
         assert_eq!(p.pop(&(a, 7, 512)), None);
-        assert_eq!(p.drain(None, |_| true), vec![2048]);
+        assert_eq!(p.drain(None, Some(Class::Large)), vec![], "b's is small");
+        assert_eq!(p.drain(None, None), vec![2048]);
         assert!(p.is_empty());
     }
 }

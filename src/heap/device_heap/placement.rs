@@ -70,10 +70,10 @@ impl DeviceHeap {
         if class == Class::Large {
             // Large sizes vary (sequence lengths, packing): give best fit every large parked
             // block of the pool, merged, rather than splitting fresh memory around them.
-            self.drain_parked(Some(pool), |r| class_of(r) == Class::Large);
+            self.drain_parked(Some(pool), Some(Class::Large));
         }
         let mut found = self.find_free(backend, req)?;
-        if found.is_none() && self.drain_parked(Some(pool), |_| true) > 0 {
+        if found.is_none() && self.drain_parked(Some(pool), None) > 0 {
             // Parked blocks merged back with their neighbours may fit now.
             found = self.find_free(backend, req)?;
         }
@@ -216,7 +216,7 @@ impl DeviceHeap {
             return Ok(None);
         }
         for &d in &donors {
-            self.drain_parked(Some(d), |r| class_of(r) == class);
+            self.drain_parked(Some(d), Some(class));
         }
         let most = match class {
             Class::Small => segment_size(class, rounded, self.gran),

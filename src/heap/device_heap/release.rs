@@ -24,17 +24,14 @@ use super::*;
 const TRIM_RATIO: f64 = 1.05;
 
 impl DeviceHeap {
-    /// Returns the parked blocks of `pool` (all pools with `None`) to the free lists, merged
+    /// Returns the parked blocks of `pool` (all pools with `None`) of `class` (all with `None`)
+    /// to the free lists, merged
     /// with their free neighbours; returns how many there were.
-    pub(super) fn drain_parked(
-        &mut self,
-        pool: Option<PoolId>,
-        sizes: impl Fn(u64) -> bool,
-    ) -> usize {
+    pub(super) fn drain_parked(&mut self, pool: Option<PoolId>, class: Option<Class>) -> usize {
         if self.parked.is_empty() {
             return 0;
         }
-        let offs = self.parked.drain(pool, sizes);
+        let offs = self.parked.drain(pool, class);
         for &off in &offs {
             let b = self.blocks.get_mut(&off).expect("parked block exists");
             debug_assert_eq!(b.state, State::Parked);
@@ -273,7 +270,7 @@ impl DeviceHeap {
             .filter(|&p| self.is_cache_pool(p))
             .collect();
         for p in cached {
-            self.drain_parked(Some(p), |_| true);
+            self.drain_parked(Some(p), None);
         }
         self.release_free_segments(backend, None)?;
         crate::trace!("empty_cache: {}", self.pools_summary());
@@ -309,7 +306,7 @@ impl DeviceHeap {
             return Ok(());
         };
         p.uses = 0;
-        self.drain_parked(Some(pool), |_| true);
+        self.drain_parked(Some(pool), None);
         self.set_releasing(pool, true);
         self.release_free_segments(backend, Some(pool))?;
         if self.pools.get(&pool).is_some_and(|p| p.segments == 0) {
