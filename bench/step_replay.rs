@@ -175,12 +175,15 @@ fn main() {
     let st = a.stats(0).expect("stats");
     println!(
         "{} events, {} threads, {reps} repetitions (the first untimed); the heap at the end: \
-         {:.1} MiB reserved, {} segments, peak allocated {:.1} MiB\n",
+         {:.1} MiB reserved, {} segments, peak allocated {:.1} MiB; segments made {}, given \
+         back {}\n",
         events.len(),
         tids.len(),
         st.reserved_bytes as f64 / 1048576.0,
         st.segments,
-        st.peak_allocated_bytes as f64 / 1048576.0
+        st.peak_allocated_bytes as f64 / 1048576.0,
+        st.physical_creates,
+        st.physical_releases
     );
     println!(
         "thread   | call  | calls/rep | us/rep  | device us | mean us | p50 us | p99 us | max us"

@@ -196,6 +196,9 @@ pub struct DeviceHeap {
     pub counters: HeapCounters,
     /// Most bytes the heap may hold in segments (`symm_set_memory_limit`); 0: no limit.
     limit: u64,
+    /// The most allocated since the last `empty_cache` (release.rs, `trim_before_growing`); not
+    /// reset with the statistics' peaks, so a statistics call never changes placement.
+    working_set: u64,
 }
 
 /// One allocation request as the placement chain (placement.rs, `place`) and its steps see it:
@@ -321,6 +324,7 @@ impl DeviceHeap {
             },
             counters: HeapCounters::default(),
             limit: 0,
+            working_set: 0,
         })
     }
 
@@ -472,6 +476,7 @@ impl DeviceHeap {
             .stats
             .peak_allocated_bytes
             .max(self.stats.allocated_bytes);
+        self.working_set = self.working_set.max(self.stats.allocated_bytes);
     }
 
     /// The offset and requested size of the live block at `ptr`.

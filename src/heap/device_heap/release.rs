@@ -200,10 +200,15 @@ impl DeviceHeap {
     }
 
     /// Before the heap grows by a segment for `rounded` bytes of `class`: when reserved memory
-    /// would then exceed `TRIM_RATIO` times what is allocated, gives back idle segments of the
-    /// pool and class that are too small for the request (largest first) until it would not.
-    /// Varying large sizes otherwise leave such segments idle for good (the trace replay's
-    /// reserved/allocated went from 1.17 to 1.07). It waits once for the device's work before it
+    /// would then exceed `TRIM_RATIO` times the working set (the most allocated since the last
+    /// `empty_cache`, or what is allocated with this request, if more), gives back idle segments
+    /// of the pool and class that are too small for the request (largest first) until it would
+    /// not. Varying large sizes otherwise leave such segments idle for good (the trace replay's
+    /// reserved/allocated went from 1.17 to 1.07). Measured against what is allocated at the
+    /// moment instead, a training step's own rise and fall made it give back segments each
+    /// step needs again: the recorded ResNet-50 step gave back 210 and made 290 over its first
+    /// 20 steps, each given back after a wait for the device (bench/NOTES.md, "Global mode's
+    /// host cost"). It waits once for the device's work before it
     /// releases (release_segment says why), so it runs only where memory would otherwise be
     /// wasted.
     pub(super) fn trim_before_growing(
@@ -220,8 +225,8 @@ impl DeviceHeap {
         } = *req;
         let len = segment_size(class, rounded, self.gran);
         let wanted = |h: &DeviceHeap| {
-            (h.stats.reserved_bytes + len) as f64
-                > TRIM_RATIO * (h.stats.allocated_bytes + rounded) as f64
+            let working_set = (h.stats.allocated_bytes + rounded).max(h.working_set);
+            (h.stats.reserved_bytes + len) as f64 > TRIM_RATIO * working_set as f64
         };
         // Never while a pool is open (PyTorch opens one around each graph capture) or this
         // stream is capturing: waiting for the device there would break the capture.
@@ -273,6 +278,7 @@ impl DeviceHeap {
             self.drain_parked(Some(p), None);
         }
         self.release_free_segments(backend, None)?;
+        self.working_set = self.stats.allocated_bytes;
         crate::trace!("empty_cache: {}", self.pools_summary());
         Ok(())
     }
