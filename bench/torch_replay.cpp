@@ -8,7 +8,8 @@
 // when the one before has finished (spinning between), calling
 // CUDACachingAllocator::raw_alloc_with_stream / raw_delete and timing the call alone. Blocks
 // allocated before the recording began are not freed; those still live at the end of a
-// repetition are freed then by the first thread, untimed. Repetition 0 is not timed.
+// repetition are freed then by the first thread, untimed. The first `warmup` repetitions (at
+// least 1) are not timed.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime_api.h>
@@ -42,7 +43,9 @@ double pct(std::vector<double> v, double p) {
 
 }  // namespace
 
-extern "C" int torch_replay(const char* csv, int reps, char* out, size_t len) {
+extern "C" int torch_replay(const char* csv, int reps, int warmup, char* out, size_t len) {
+  warmup = std::max(warmup, 1);
+  if (reps <= warmup) return std::snprintf(out, len, "reps %d must exceed warmup %d", reps, warmup), 1;
   std::ifstream in(csv);
   if (!in) return std::snprintf(out, len, "cannot read %s", csv), 1;
   std::string line;
@@ -98,14 +101,14 @@ extern "C" int torch_replay(const char* csv, int reps, char* out, size_t len) {
             auto t0 = std::chrono::steady_clock::now();
             void* p = alloc->raw_alloc_with_stream(e.size, (cudaStream_t)e.stream);
             auto t1 = std::chrono::steady_clock::now();
-            if (rep > 0) times[k].push_back({true, std::chrono::duration<double>(t1 - t0).count()});
+            if (rep >= warmup) times[k].push_back({true, std::chrono::duration<double>(t1 - t0).count()});
             addr[i] = p;
           } else if (e.alloc_of >= 0) {
             void* p = addr[e.alloc_of];
             auto t0 = std::chrono::steady_clock::now();
             alloc->raw_delete(p);
             auto t1 = std::chrono::steady_clock::now();
-            if (rep > 0) times[k].push_back({false, std::chrono::duration<double>(t1 - t0).count()});
+            if (rep >= warmup) times[k].push_back({false, std::chrono::duration<double>(t1 - t0).count()});
           }
           next.store(rep * n + i + 1, std::memory_order_release);
         }
@@ -119,7 +122,7 @@ extern "C" int torch_replay(const char* csv, int reps, char* out, size_t len) {
   }
   for (auto& t : threads) t.join();
   std::string r = "{";
-  double timed = std::max(reps - 1, 1);
+  double timed = reps - warmup;
   for (size_t k = 0; k < tids.size(); k++) {
     for (bool a : {true, false}) {
       std::vector<double> v;

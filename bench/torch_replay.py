@@ -2,7 +2,7 @@
 through PyTorch's allocator interface, with their threads: PyTorch's own allocator against
 symmalloc's C++ allocator, the same sequence and harness (bench/torch_replay.cpp).
 
-    python3 bench/torch_replay.py default|global TRACE.csv [--reps 30] [--lib torch_replay.so]
+    python3 bench/torch_replay.py default|global TRACE.csv [--reps 30] [--warmup 1] [--lib torch_replay.so]
 
 One GPU. Prints one JSON row: per recorded thread and call, calls and µs per repetition (the
 trace's steps), mean, p50, p99 and max µs per call. Run each mode in fresh processes,
@@ -17,6 +17,8 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("mode", choices=["default", "global"])
 ap.add_argument("trace")
 ap.add_argument("--reps", type=int, default=30)
+ap.add_argument("--warmup", type=int, default=1,
+                help="repetitions not timed (the heap settles over the first few: segments made and given back)")
 ap.add_argument("--lib", default=None, help="a prebuilt torch_replay .so")
 ap.add_argument("--build", metavar="DIR", help="only build the harness into DIR and print its path")
 a = ap.parse_args()
@@ -50,8 +52,8 @@ torch.cuda.init()
 torch.empty(1, device="cuda")  # the allocator and the context exist before the replay
 lib = ctypes.CDLL(a.lib or build(os.path.join(os.path.expanduser("~/.cache/symmalloc"), "torch_replay")))
 buf = ctypes.create_string_buffer(1 << 16)
-if lib.torch_replay(a.trace.encode(), a.reps, buf, ctypes.sizeof(buf)) != 0:
+if lib.torch_replay(a.trace.encode(), a.reps, a.warmup, buf, ctypes.sizeof(buf)) != 0:
     raise SystemExit(f"torch_replay.py: {buf.value.decode()}")
-row = {"mode": a.mode, "reps": a.reps, "per_thread": json.loads(buf.value.decode())}
+row = {"mode": a.mode, "reps": a.reps, "warmup": a.warmup, "per_thread": json.loads(buf.value.decode())}
 row["total_us_per_rep"] = round(sum(v["us_per_rep"] for v in row["per_thread"].values()), 1)
 print("ROW " + json.dumps(row), flush=True)

@@ -227,8 +227,7 @@ class History {
       }
       last_reserved_[device] = reserved;
     }
-    push_trace(TraceEntry::ALLOC, device, (uint64_t)p, n, stream,
-               when_ >= CCA::RecordContext::ALLOC ? ctx : nullptr);
+    push_trace(TraceEntry::ALLOC, device, (uint64_t)p, n, stream, ctx);
     update_recording();
   }
 
@@ -283,6 +282,9 @@ class History {
                                   "segment_alloc", "segment_free",   "segment_map",
                                   "segment_unmap", "snapshot",       "oom"};
     if ((size_t)action < sizeof names / sizeof *names && skip_.count(names[action])) return;
+    // As PyTorch's record_trace: an entry carries frames only when contexts are recorded at
+    // allocations or more (context="state" keeps them with live blocks and segments only).
+    if (when_ < CCA::RecordContext::ALLOC) ctx = nullptr;
     TraceEntry te(action, (c10::DeviceIndex)device, addr, size, (void*)stream, {0, 0},
                   c10::getApproximateTime(), std::move(ctx),
                   // PyTorch's allocator writes "N/A" outside a compiled region (the

@@ -200,6 +200,14 @@ std::string selftest(Allocator& a, int device) {
                   CCA::RecordContext::STATE, true, {});
   void* g1 = a.malloc_on(device, 30 << 20, nullptr);
   EXPECT(segment_context_at(g1, &found) != nullptr && found, "a new segment has its context");
+  bool framed = false, segment_traced = false;
+  for (const auto& tr : a.snapshot({0, 0}, true).device_traces)
+    for (const auto& te : tr) {
+      framed |= te.context_ != nullptr;
+      segment_traced |= te.action_ == TraceEntry::SEGMENT_ALLOC;
+    }
+  EXPECT(segment_traced && !framed,
+         "context=state: trace entries (the segment_alloc among them) carry no frames");
   a.raw_delete(g1);
   a.recordHistory(true, [] { return std::make_shared<c10::GatheredContext>(); }, 100,
                   CCA::RecordContext::NEVER, true, {});
