@@ -184,6 +184,12 @@ impl Allocator {
         let back = self
             .with_cache(device, |c| c.drain(&which))
             .unwrap_or_default();
+        self.give_back(heap, back)
+    }
+
+    /// Blocks drained from caches, back to the heap (its parked path takes them, as if freed
+    /// there).
+    fn give_back(&self, heap: &mut DeviceHeap, back: Vec<tcache::Kept>) -> Result<()> {
         for k in back {
             heap.untrack(k.ptr, k.recorded)?;
             heap.free(self.backend.as_ref(), k.ptr, k.recorded, k.key.1)?;
@@ -211,10 +217,6 @@ impl Allocator {
             !(c.orphan && c.is_empty())
         });
         drop(reg);
-        for k in back {
-            heap.untrack(k.ptr, k.recorded)?;
-            heap.free(self.backend.as_ref(), k.ptr, k.recorded, k.key.1)?;
-        }
-        Ok(())
+        self.give_back(heap, back)
     }
 }

@@ -152,4 +152,19 @@ mod tests {
         assert_eq!(f.len(), 4);
         f.validate().unwrap();
     }
+
+    #[test]
+    fn validate_names_a_broken_list() {
+        let mut f = FreeLists::default();
+        f.insert(Class::Large, 7, 8 << 20, 0);
+        f.len = 2;
+        assert!(f.validate().unwrap_err().contains("count 2"));
+        f.len = 1;
+        f.lists.push(((Class::Small, 7), BTreeSet::new()));
+        assert!(f.validate().unwrap_err().contains("empty"));
+        f.lists.pop();
+        f.lists.push(f.lists[0].clone());
+        f.len = 2;
+        assert!(f.validate().unwrap_err().contains("twice"));
+    }
 }

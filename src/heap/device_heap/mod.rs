@@ -51,11 +51,12 @@
 //! `release.rs` memory going back (parked drains, segment release, `empty_cache`, pools);
 //! `export.rs` what peers need of a segment (its chunks); `validate.rs` the check of every
 //! invariant above; `tracked.rs` live blocks lent to thread caches; `free_lists.rs` a pool's
-//! free blocks ordered for best fit. Each released chunk is
+//! free blocks ordered for best fit; `blocks.rs` the way through a segment's blocks. Each released chunk is
 //! recorded in the heap's `ReleaseLog` (shared memory its peers read, to unmap their mappings
 //! of it). Statistics are the `Stats` of `stats.rs`, kept here as blocks change state.
 
 mod arena;
+mod blocks;
 mod export;
 mod free_lists;
 mod grow;
@@ -236,67 +237,7 @@ pub fn keeps_whole(pool: PoolId, rounded: u64) -> bool {
     pool == DEFAULT_POOL || class_of(rounded) == Class::Small
 }
 
-/// A segment's blocks in address order (`DeviceHeap::segment_blocks`).
-struct SegmentBlocks<'a> {
-    blocks: &'a crate::heap::tcache::AddrMap<Block>,
-    at: u64,
-    end: u64,
-}
-
-impl<'a> Iterator for SegmentBlocks<'a> {
-    type Item = (u64, &'a Block);
-    fn next(&mut self) -> Option<Self::Item> {
-        if self.at >= self.end {
-            return None;
-        }
-        let off = self.at;
-        let b = self.blocks.get(&off)?;
-        self.at += b.size.max(1);
-        Some((off, b))
-    }
-}
-
 impl DeviceHeap {
-    /// The blocks of the segment at `seg`, in address order. (A gap in the tiling ends the walk
-    /// early; `validate` reports it.)
-    fn segment_blocks(&self, seg: u64) -> SegmentBlocks<'_> {
-        let end = self.segments.get(&seg).map_or(seg, |s| seg + s.size);
-        SegmentBlocks {
-            blocks: &self.blocks,
-            at: seg,
-            end,
-        }
-    }
-
-    /// The block that holds offset `off`, anywhere in it.
-    fn block_holding(&self, off: u64) -> Option<(u64, &Block)> {
-        if let Some(b) = self.blocks.get(&off) {
-            return Some((off, b));
-        }
-        let (&soff, s) = self.segments.range(..=off).next_back()?;
-        if off >= soff + s.size {
-            return None;
-        }
-        self.segment_blocks(soff).find(|&(o, b)| off < o + b.size)
-    }
-
-    /// The block after the one at `off` in its segment, if any.
-    fn next_block(&self, off: u64) -> Option<u64> {
-        let b = &self.blocks[&off];
-        let next = off + b.size;
-        self.blocks
-            .get(&next)
-            .is_some_and(|n| n.segment == b.segment)
-            .then_some(next)
-    }
-
-    /// Points the block after the one at `off` (if any) back at `off`.
-    fn relink_next(&mut self, off: u64) {
-        if let Some(n) = self.next_block(off) {
-            self.blocks.get_mut(&n).expect("next block").prev = off;
-        }
-    }
-
     pub fn new(backend: &dyn Backend, device: i32, size: u64) -> Result<Self> {
         let gran = backend.granularity(device)?;
         let size = size.next_multiple_of(gran);

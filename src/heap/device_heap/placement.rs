@@ -21,10 +21,11 @@
 //! allowed); outside capture, only if none of those streams is capturing. The choice reads
 //! the call sequence only.
 //!
-//! Invariants kept (mod.rs lists them all): the blocks of a segment tile it in address order;
-//! a free block is listed once in its pool's free lists, under its class and first stream
-//! (`UNUSED` if it has none); a block links back to the one before it; neighbours waiting on the same streams never stay apart; a segment moves only
-//! whole and free, and `Pool::segments` counts each pool's segments.
+//! Invariants kept (mod.rs lists them all): the blocks of a segment tile it in address order,
+//! each linked back to the one before it; a free block is listed once in its pool's free lists,
+//! under its class and first stream (`UNUSED` if it has none); neighbours waiting on the same
+//! streams never stay apart; a segment moves only whole and free, and `Pool::segments` counts
+//! each pool's segments.
 
 use super::*;
 use crate::heap::pools;
