@@ -33,7 +33,6 @@ impl DeviceHeap {
             let k = &mut counted[slot(s.class)];
             k.0 += 1;
             k.1 += s.size as i64;
-            k.2 += self.segment_blocks(soff).count() as i64;
             if s.live == 0 {
                 k.3 += 1;
                 k.4 += s.size as i64;
@@ -68,6 +67,7 @@ impl DeviceHeap {
             let mut live = 0;
             let mut prev_free: Option<&Vec<Stream>> = None;
             let mut prev = NO_PREV;
+            let walked_before = blocks_walked;
             for (boff, b) in self.segment_blocks(soff) {
                 if boff != at
                     || b.segment != soff
@@ -123,6 +123,7 @@ impl DeviceHeap {
                     }
                 }
             }
+            counted[slot(s.class)].2 += (blocks_walked - walked_before) as i64;
             if at != soff + s.size {
                 return Err(format!("blocks of segment {soff:#x} end at {at:#x}"));
             }
