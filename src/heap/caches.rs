@@ -152,7 +152,8 @@ impl Allocator {
     }
 
     /// Returns the kept blocks of `device`'s caches that `which` selects to the heap (the heap's
-    /// parked path takes them, as if freed there); drops orphaned caches left empty.
+    /// frees them as if freed there: small ones parked, large ones merged); drops orphaned
+    /// caches left empty.
     pub(super) fn drain_caches(
         &self,
         heap: &mut DeviceHeap,
@@ -187,8 +188,8 @@ impl Allocator {
         self.give_back(heap, back)
     }
 
-    /// Blocks drained from caches, back to the heap (its parked path takes them, as if freed
-    /// there).
+    /// Blocks drained from caches, back to the heap (freed as if freed there: small ones
+    /// parked, large ones merged).
     fn give_back(&self, heap: &mut DeviceHeap, back: Vec<tcache::Kept>) -> Result<()> {
         for k in back {
             heap.untrack(k.ptr, k.recorded)?;

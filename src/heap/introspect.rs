@@ -52,8 +52,8 @@ impl Allocator {
 
     /// The largest block a request to `device`'s default pool could get from the cache
     /// (PyTorch's `cacheInfo`, which cuDNN's benchmark mode reads to size its workspace). As a
-    /// large request does first, this thread's kept large blocks and the pool's parked large
-    /// blocks go back to the free lists, merged with their neighbours.
+    /// large request does first, this thread's kept large blocks go back to the free lists, merged
+    /// with their neighbours.
     pub fn largest_free_block(&self, device: i32) -> Result<u64> {
         let mut heap = self.heap(device)?;
         let mine = self.with_cache(device, |c| c.id);
@@ -63,7 +63,6 @@ impl Allocator {
             |c| Some(c.id) == mine,
             |k| k.0 == DEFAULT_POOL && class_of(k.2) == Class::Large,
         )?;
-        heap.drain_parked_large(DEFAULT_POOL);
         let most = heap.largest_free_block();
         heap.debug_validate();
         Ok(most)

@@ -229,8 +229,8 @@ impl Allocator {
         let mine = self.with_cache(device, |c| c.id); // this thread's cache, if caches are on
         let is_mine = |c: &ThreadCache| Some(c.id) == mine;
         if device_heap::class_of(key.2) == device_heap::Class::Large {
-            // As the heap does with its parked blocks: large sizes vary, so best fit gets
-            // this thread's kept large blocks of the pool rather than fresh memory.
+            // Large sizes vary (sequence lengths, packing): best fit gets this thread's kept
+            // large blocks of the pool, merged, rather than fresh memory.
             let large = |k: &tcache::Key| {
                 k.0 == pool && device_heap::class_of(k.2) == device_heap::Class::Large
             };

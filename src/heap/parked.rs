@@ -1,26 +1,23 @@
-//! The allocator's fast path: blocks freed whole and kept for the next request of the same
-//! rounded size, on the same stream, in the same pool (a LIFO per key).
+//! The allocator's fast path for small blocks: blocks freed whole and kept for the next request
+//! of the same rounded size, on the same stream, in the same pool (a LIFO per key).
 //!
-//! A freed block whose only pending stream is the freeing stream is *parked* here instead of
-//! being merged with its neighbours and listed in the pool's best-fit sets: freeing is one
+//! A freed small block whose only pending stream is the freeing stream is *parked* here instead
+//! of being merged with its neighbours and listed in the pool's best-fit sets: freeing is one
 //! map push, and the next `malloc` of that size on that stream is one map pop, with no
 //! ordering to add (the block waits on nothing but the requesting stream). Parked blocks go
-//! back to the best-fit sets (`drain`) when a request finds nothing there, when a large
-//! request misses the fast path (large sizes vary between steps, and best fit over merged
-//! blocks keeps reserved memory close to allocated), on `empty_cache`, and when their pool is
-//! released.
+//! back to the best-fit sets (`drain`) when a request finds nothing there, on `empty_cache`,
+//! and when their pool is released. Large blocks are never parked (`device_heap::parks` says
+//! why); the thread caches keep those.
 //!
-//! Invariants (checked by `DeviceHeap::validate`): each parked block is in exactly one LIFO,
-//! under its pool, its single stream and the rounded size it was last allocated with, in the
-//! map of that size's class; `len()` counts them all. No LIFO is empty (`pop` removes the key
-//! of the last block).
+//! Invariants (checked by `DeviceHeap::validate`): each parked block is small and in exactly one
+//! LIFO, under its pool, its single stream and the rounded size it was last allocated with;
+//! `len()` counts them all. No LIFO is empty (`pop` removes the key of the last block).
 //!
 //! Determinism: what is parked and popped depends only on the call sequence; drains return
 //! offsets in ascending order, never in hash order.
 
 use super::backend::Stream;
 use super::pools::PoolId;
-use super::size_class::{class_of, Class};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -47,39 +44,26 @@ impl Hasher for IntHasher {
     }
 }
 
-type Lifos = HashMap<Key, Vec<u64>, BuildHasherDefault<IntHasher>>;
-
-/// The LIFOs by the class of their size: a large request's miss drains the large ones alone,
-/// without walking the small sizes' map.
 #[derive(Default)]
 pub struct Parked {
-    small: Lifos,
-    large: Lifos,
+    lifo: HashMap<Key, Vec<u64>, BuildHasherDefault<IntHasher>>,
     count: usize,
 }
 
 impl Parked {
-    fn map(&mut self, rounded: u64) -> &mut Lifos {
-        match class_of(rounded) {
-            Class::Small => &mut self.small,
-            Class::Large => &mut self.large,
-        }
-    }
-
     pub fn push(&mut self, key: Key, off: u64) {
-        self.map(key.2).entry(key).or_default().push(off);
+        self.lifo.entry(key).or_default().push(off);
         self.count += 1;
     }
 
     /// The block parked last under `key`, if any. A key whose last block goes is removed, so
-    /// `drain` visits parked blocks only (keys left empty made each large request's drain walk
-    /// every size the step had parked since: bench/NOTES.md, "Global mode's host cost").
+    /// `drain` visits parked blocks only (keys left empty made each drain walk every size the
+    /// step had parked since: bench/NOTES.md, "Global mode's host cost").
     pub fn pop(&mut self, key: &Key) -> Option<u64> {
-        let map = self.map(key.2);
-        let v = map.get_mut(key)?;
+        let v = self.lifo.get_mut(key)?;
         let off = v.pop()?;
         if v.is_empty() {
-            map.remove(key);
+            self.lifo.remove(key);
         }
         self.count -= 1;
         Some(off)
@@ -93,26 +77,17 @@ impl Parked {
         self.count == 0
     }
 
-    /// Removes and returns the parked blocks of `pool` (every pool with `None`) of `class`
-    /// (every class with `None`), ascending.
-    pub fn drain(&mut self, pool: Option<PoolId>, class: Option<Class>) -> Vec<u64> {
+    /// Removes and returns the parked blocks of `pool` (every pool with `None`), ascending.
+    pub fn drain(&mut self, pool: Option<PoolId>) -> Vec<u64> {
         let mut out = Vec::new();
-        for (c, map) in [
-            (Class::Small, &mut self.small),
-            (Class::Large, &mut self.large),
-        ] {
-            if class.is_some_and(|want| want != c) || map.is_empty() {
-                continue;
+        self.lifo.retain(|&(p, _, _), v| {
+            if pool.is_none_or(|want| want == p) {
+                out.append(v);
+                false
+            } else {
+                true
             }
-            map.retain(|&(p, _, _), v| {
-                if pool.is_none_or(|want| want == p) {
-                    out.append(v);
-                    false
-                } else {
-                    true
-                }
-            });
-        }
+        });
         self.count -= out.len();
         out.sort_unstable();
         out
@@ -120,9 +95,8 @@ impl Parked {
 
     /// Every (key, offset) parked, for validation.
     pub fn entries(&self) -> impl Iterator<Item = (&Key, u64)> {
-        self.small
+        self.lifo
             .iter()
-            .chain(self.large.iter())
             .flat_map(|(k, v)| v.iter().map(move |&o| (k, o)))
     }
 }
@@ -142,13 +116,13 @@ mod tests {
         assert_eq!(p.len(), 4);
         assert_eq!(p.pop(&(a, 7, 512)), Some(1024), "last parked comes first");
         assert_eq!(p.pop(&(a, 7, 1024)), None, "sizes do not mix");
-        p.push((a, 9, 4 << 20), 8192);
-        assert_eq!(p.drain(Some(a), Some(Class::Large)), vec![8192]);
-        assert_eq!(p.drain(Some(a), None), vec![512, 4096]);
+        p.push((a, 9, 8192), 8192);
+        assert_eq!(p.drain(Some(a)), vec![512, 4096, 8192]);
         assert_eq!(p.len(), 1);
         assert_eq!(p.pop(&(a, 7, 512)), None);
-        assert_eq!(p.drain(None, Some(Class::Large)), vec![], "b's is small");
-        assert_eq!(p.drain(None, None), vec![2048]);
+        assert_eq!(p.drain(Some(a)), vec![], "a has none left");
+        assert_eq!(p.drain(None), vec![2048]);
         assert!(p.is_empty());
+        assert_eq!(p.entries().count(), 0);
     }
 }

@@ -185,7 +185,7 @@ impl DeviceHeap {
         let before = self.arenas.get(&id).map_or(0, |a| a.segments);
         for internal in [false, true] {
             let p = arena_pool(id, internal);
-            self.drain_parked(Some(p), None);
+            self.drain_parked(Some(p));
             self.release_free_segments(backend, Some(p))?;
         }
         Ok(self.arenas.get(&id).map_or(0, |a| a.segments) < before)

@@ -68,14 +68,9 @@ impl DeviceHeap {
         out
     }
 
-    /// Returns `pool`'s parked large blocks to its free lists (as a large request does).
-    pub fn drain_parked_large(&mut self, pool: PoolId) {
-        self.drain_parked(Some(pool), Some(Class::Large));
-    }
-
     /// Returns `pool`'s parked blocks to its free lists.
     pub fn drain_parked_of(&mut self, pool: PoolId) {
-        self.drain_parked(Some(pool), None);
+        self.drain_parked(Some(pool));
     }
 
     /// Uses taken on `pool` (`hold_pool`) and not given back.

@@ -9,7 +9,7 @@
 //! segments stay only while the device could not be waited for, e.g. during a capture). Never
 //! the internal pool (the communicator's own, which neither gives nor takes), never a live user
 //! pool (a captured graph replays into its pool's free blocks; a MemPool keeps what it holds).
-//! The donors' parked blocks of the class are drained first. Rule: best fit by (size, offset)
+//! The donors' parked blocks are drained first (for a small request; large ones never park). Rule: best fit by (size, offset)
 //! among donor segments of the request's class whose size is at least the rounded request and
 //! at most the size a new segment would have plus `LARGE_SEGMENT` (larger ones stay with the
 //! donor: a segment moved into a live pool comes back only when that pool is released). The
@@ -43,8 +43,8 @@ impl DeviceHeap {
     /// The placement chain: where a request's memory comes from, tried in this order, each step
     /// only when the ones before found nothing.
     /// 1. the parked block kept whole for (pool, stream, rounded size);
-    /// 2. best fit over the pool's free blocks (large requests first merge the pool's parked
-    ///    large blocks back; then, if nothing fit, every parked block of the pool);
+    /// 2. best fit over the pool's free blocks (then, if nothing fit, again after every parked
+    ///    block of the pool is merged back);
     /// 3. (with `grow` only, from here) a whole free segment adopted from a donor pool;
     /// 4. a segment of the pool grown in place by what the request lacks (grow.rs);
     /// 5. idle segments of the pool trimmed (release.rs), then a new segment (which, out of
@@ -59,7 +59,6 @@ impl DeviceHeap {
     ) -> Result<Placed> {
         let Request {
             pool,
-            class,
             rounded,
             stream,
             ..
@@ -68,13 +67,8 @@ impl DeviceHeap {
             return Ok(Placed::Parked(off));
         }
         self.set_releasing(pool, false);
-        if class == Class::Large {
-            // Large sizes vary (sequence lengths, packing): give best fit every large parked
-            // block of the pool, merged, rather than splitting fresh memory around them.
-            self.drain_parked(Some(pool), Some(Class::Large));
-        }
         let mut found = self.find_free(backend, req)?;
-        if found.is_none() && self.drain_parked(Some(pool), None) > 0 {
+        if found.is_none() && self.drain_parked(Some(pool)) > 0 {
             // Parked blocks merged back with their neighbours may fit now.
             found = self.find_free(backend, req)?;
         }
@@ -216,8 +210,11 @@ impl DeviceHeap {
         if donors.is_empty() {
             return Ok(None);
         }
-        for &d in &donors {
-            self.drain_parked(Some(d), Some(class));
+        if class == Class::Small {
+            // (Large blocks are never parked.)
+            for &d in &donors {
+                self.drain_parked(Some(d));
+            }
         }
         let most = match class {
             Class::Small => segment_size(class, rounded, self.gran),

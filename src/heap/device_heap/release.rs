@@ -27,11 +27,11 @@ impl DeviceHeap {
     /// Returns the parked blocks of `pool` (all pools with `None`) of `class` (all with `None`)
     /// to the free lists, merged
     /// with their free neighbours; returns how many there were.
-    pub(super) fn drain_parked(&mut self, pool: Option<PoolId>, class: Option<Class>) -> usize {
+    pub(super) fn drain_parked(&mut self, pool: Option<PoolId>) -> usize {
         if self.parked.is_empty() {
             return 0;
         }
-        let offs = self.parked.drain(pool, class);
+        let offs = self.parked.drain(pool);
         for &off in &offs {
             let b = self.blocks.get_mut(&off).expect("parked block exists");
             debug_assert_eq!(b.state, State::Parked);
@@ -275,7 +275,7 @@ impl DeviceHeap {
             .filter(|&p| self.is_cache_pool(p))
             .collect();
         for p in cached {
-            self.drain_parked(Some(p), None);
+            self.drain_parked(Some(p));
         }
         self.release_free_segments(backend, None)?;
         self.working_set = self.stats.allocated_bytes;
@@ -312,7 +312,7 @@ impl DeviceHeap {
             return Ok(());
         };
         p.uses = 0;
-        self.drain_parked(Some(pool), None);
+        self.drain_parked(Some(pool));
         self.set_releasing(pool, true);
         self.release_free_segments(backend, Some(pool))?;
         if self.pools.get(&pool).is_some_and(|p| p.segments == 0) {

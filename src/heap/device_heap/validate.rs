@@ -165,9 +165,10 @@ impl DeviceHeap {
                     "block {off:#x} is parked in pool {pool:?}, which is released"
                 ));
             }
-            if !keeps_whole(pool, rounded) {
+            if !parks(rounded) {
                 return Err(format!(
-                    "parked block {off:#x} of {rounded} bytes is of pool {pool:?}, whose blocks                      that large are merged at once (keeps_whole)"
+                    "parked block {off:#x} of {rounded} bytes is large; large blocks are merged \
+                     at once (parks)"
                 ));
             }
         }
