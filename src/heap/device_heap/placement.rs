@@ -9,10 +9,10 @@
 //! segments stay only while the device could not be waited for, e.g. during a capture). Never
 //! the internal pool (the communicator's own, which neither gives nor takes), never a live user
 //! pool (a captured graph replays into its pool's free blocks; a MemPool keeps what it holds).
-//! The donors' parked blocks are drained first (for a small request; large ones never park). Rule: best fit by (size, offset)
-//! among donor segments of the request's class whose size is at least the rounded request and
-//! at most the size a new segment would have plus `LARGE_SEGMENT` (larger ones stay with the
-//! donor: a segment moved into a live pool comes back only when that pool is released). The
+//! For a small request the donors' parked blocks are drained first (large ones never park).
+//! Rule: best fit by (size, offset) among donor segments of the request's class whose size is
+//! at least the rounded request and at most the size a new segment would have plus
+//! `LARGE_SEGMENT` (larger ones stay with the donor: a segment moved into a live pool comes back only when that pool is released). The
 //! segment keeps its offset, size, generation and physical memory (peers' mappings stay valid);
 //! its blocks are merged into one free block of the taker that waits on every stream they
 //! waited on, so `take` orders the requesting stream after each (`cuStreamWaitEvent`).

@@ -24,8 +24,7 @@ use super::*;
 const TRIM_RATIO: f64 = 1.05;
 
 impl DeviceHeap {
-    /// Returns the parked blocks of `pool` (all pools with `None`) of `class` (all with `None`)
-    /// to the free lists, merged
+    /// Returns the parked blocks of `pool` (all pools with `None`) to the free lists, merged
     /// with their free neighbours; returns how many there were.
     pub(super) fn drain_parked(&mut self, pool: Option<PoolId>) -> usize {
         if self.parked.is_empty() {
