@@ -12,10 +12,11 @@
 //! For a small request the donors' parked blocks are drained first (large ones never park).
 //! Rule: best fit by (size, offset) among donor segments of the request's class whose size is
 //! at least the rounded request and at most the size a new segment would have plus
-//! `LARGE_SEGMENT` (larger ones stay with the donor: a segment moved into a live pool comes back only when that pool is released). The
-//! segment keeps its offset, size, generation and physical memory (peers' mappings stay valid);
-//! its blocks are merged into one free block of the taker that waits on every stream they
-//! waited on, so `take` orders the requesting stream after each (`cuStreamWaitEvent`).
+//! `LARGE_SEGMENT` (larger ones stay with the donor: a segment moved into a live pool comes
+//! back only when that pool is released). The segment keeps its offset, size, generation and
+//! physical memory (peers' mappings stay valid); its blocks are merged into one free block of
+//! the taker that waits on every stream they waited on, so `take` orders the requesting stream
+//! after each (`cuStreamWaitEvent`).
 //! Under capture, a segment qualifies only if none of its blocks waits on a stream other than
 //! the capturing one (an eager stream cannot be joined into a capture, and polling it is not
 //! allowed); outside capture, only if none of those streams is capturing. The choice reads
