@@ -3,11 +3,13 @@ change_current_allocator) against PyTorch's own caching allocator and against th
 pluggable allocator (bench/bump_alloc.c: a bump pointer, a free that does nothing), one GPU.
 
     python3 bench/torch_global.py [--pairs 10] [--steps 120] [--model transformer|resnet50]
-                                  [--bump PATH] [--out DIR]
+                                  [--batch 64] [--bump PATH] [--out DIR]
 
 Modes: default (PyTorch's allocator), global (symmalloc.install_global(): the C++ allocator for
-PyTorch), floor (the bump allocator), and optionally global-pluggable (install_global's
-CUDAPluggableAllocator path), global-tc0, global-old.
+PyTorch), floor (the bump allocator), and optionally default-b (PyTorch's allocator again, in
+processes of its own: an A/A control, so the table shows the spread the harness gives two equal
+allocators beside global's), global-pluggable (install_global's CUDAPluggableAllocator path),
+global-tc0, global-old.
 
 Every mode runs in fresh processes (the allocator is chosen before CUDA starts), in rounds that
 alternate the modes' order; a round is one process per mode. Rows:
@@ -161,9 +163,9 @@ def train(torch, steps, port):
     return statistics.median(times[10:]), used / float(1 << 30), losses[-1]
 
 
-def resnet_step(torch):
+def resnet_step(torch, batch=64):
     """The ResNet-50 training step (timm's, else bench/global_memory.py's; bf16 autocast, batch
-    64, SGD with momentum) as a function of no arguments that returns the loss. Also
+    64 unless told, SGD with momentum) as a function of no arguments that returns the loss. Also
     bench/step_probe.py's."""
     sys.path.insert(0, HERE)
     import global_memory
@@ -179,8 +181,8 @@ def resnet_step(torch):
         model = global_memory.resnet50(nn).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator(device="cuda").manual_seed(100)
-    x = torch.randn(64, 3, 224, 224, device="cuda", generator=gen)
-    y = torch.randint(0, 1000, (64,), device="cuda", generator=gen)
+    x = torch.randn(batch, 3, 224, 224, device="cuda", generator=gen)
+    y = torch.randint(0, 1000, (batch,), device="cuda", generator=gen)
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -193,8 +195,8 @@ def resnet_step(torch):
     return step
 
 
-def train_resnet(torch, steps):
-    step = resnet_step(torch)
+def train_resnet(torch, steps, batch=64):
+    step = resnet_step(torch, batch)
     total = torch.cuda.mem_get_info()[1]
     times, gpu, enq, used, loss = [], [], [], 0, None
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -262,7 +264,7 @@ ENQUEUE_MS = []  # the ResNet step's host time to issue it (until opt.step() ret
 PIPELINED_MS = []  # the ResNet step back to back, as a training loop runs it (mean of a window)
 
 
-def child(mode, bump, steps, port, core, old_lib=None, model="transformer", micro=True):
+def child(mode, bump, steps, port, core, old_lib=None, model="transformer", micro=True, batch=64):
     if core >= 0:  # every process on the same core: placement differs between processes otherwise
         os.sched_setaffinity(0, {core})
     t_start = time.perf_counter()
@@ -296,7 +298,7 @@ def child(mode, bump, steps, port, core, old_lib=None, model="transformer", micr
         row["side stream"] = side_stream_us(torch)
     phases.append(("micro", time.perf_counter() - t_start))
     if steps and mode != "floor":  # the floor hands memory out again once it wraps: no training
-        fn = train_resnet if model == "resnet50" else (lambda t, n: train(t, n, port))
+        fn = (lambda t, n: train_resnet(t, n, batch)) if model == "resnet50" else (lambda t, n: train(t, n, port))
         row["probe py ms"], row["probe launch us"] = host_probe(torch)
         t_train = time.time()
         row["train step ms"], row["train used GiB"], row["loss"] = fn(torch, steps)
@@ -321,18 +323,22 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     ap.add_argument("--child")
     ap.add_argument("--modes", default=",".join(MODES),
-                    help="default,global,floor and optionally global-tc0, global-old (needs --old-lib)")
+                    help="default,global,floor and optionally default-b (PyTorch's allocator again: "
+                    "an A/A control, the spread the harness gives two equal allocators), global-tc0, "
+                    "global-old (needs --old-lib)")
     ap.add_argument("--old-lib", default=None, help="the libraries of another build, for mode global-old")
     ap.add_argument("--port", type=int, default=29800)
     ap.add_argument("--model", default="transformer", choices=["transformer", "resnet50"])
     ap.add_argument("--no-micro", action="store_true", help="the training step alone (no floor rows)")
     ap.add_argument("--core", type=int, default=2, help="the core every process runs on (-1: any)")
+    ap.add_argument("--batch", type=int, default=64, help="--model resnet50's batch (64; a small one "
+                    "makes the step host-bound, so the host's cost sets it)")
     a = ap.parse_args()
     for k, v in NO_MULTICAST.items():
         os.environ[k] = v
     os.environ.pop("SYMMALLOC_ENABLE_MULTICAST", None)
     if a.child:
-        return child(a.child, a.bump, a.steps, a.port, a.core, a.old_lib, a.model, not a.no_micro)
+        return child(a.child, a.bump, a.steps, a.port, a.core, a.old_lib, a.model, not a.no_micro, a.batch)
     os.makedirs(a.out, exist_ok=True)
     modes = a.modes.split(",")
     rounds = []
@@ -342,7 +348,7 @@ def main():
         for j, mode in enumerate(order):
             p = subprocess.run([sys.executable, __file__, "--child", mode, "--bump", a.bump, "--steps", str(a.steps),
                                 "--port", str(a.port + len(modes) * i + j), "--core", str(a.core),
-                                "--model", a.model] + (["--no-micro"] if a.no_micro else [])
+                                "--model", a.model, "--batch", str(a.batch)] + (["--no-micro"] if a.no_micro else [])
                                + (["--old-lib", a.old_lib] if a.old_lib else []),
                                capture_output=True, text=True, timeout=600)
             line = next((l for l in p.stdout.splitlines() if l.startswith("ROW ")), None)

@@ -71,10 +71,14 @@ class StreamUses {
       return false;  // no CUDA device
     }
     bool ok = true;
+    int cur = prev;  // cudaSetDevice only where a stream is on another device (it costs a call)
     for (const auto& u : uses) {
-      if (cudaSetDevice(u.device) != cudaSuccess) {
-        ok = false;
-        break;
+      if (u.device != cur) {
+        if (cudaSetDevice(u.device) != cudaSuccess) {
+          ok = false;
+          break;
+        }
+        cur = u.device;
       }
       Event ev{u.device, take_event(u.device)};
       if (ev.event == nullptr) {
@@ -87,7 +91,7 @@ class StreamUses {
         break;
       }
     }
-    (void)cudaSetDevice(prev);
+    if (cur != prev) (void)cudaSetDevice(prev);
     if (!ok) {
       (void)cudaGetLastError();
       for (auto e : events) give_event(e);
