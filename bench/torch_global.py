@@ -12,7 +12,8 @@ allocators beside global's), global-pluggable (install_global's CUDAPluggableAll
 global-tc0, global-old.
 
 Every mode runs in fresh processes (the allocator is chosen before CUDA starts), in rounds that
-alternate the modes' order; a round is one process per mode. Rows:
+alternate the modes' order (rotated, or shuffled with --shuffle SEED); a round is one process
+per mode. Rows:
   empty+del N     torch.empty(N bytes) then del, us per pair (median of 5 x 3000)
   p99 N           the p99 of 5000 such pairs timed one by one
   mixed 64        64 live tensors of mixed sizes, then all freed, us per tensor
@@ -36,6 +37,7 @@ every round; train step median within 2% of default; memory <= 0.97x default.
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -331,6 +333,10 @@ def main():
     ap.add_argument("--model", default="transformer", choices=["transformer", "resnet50"])
     ap.add_argument("--no-micro", action="store_true", help="the training step alone (no floor rows)")
     ap.add_argument("--core", type=int, default=2, help="the core every process runs on (-1: any)")
+    ap.add_argument("--shuffle", type=int, default=None, metavar="SEED",
+                    help="each round's order a random permutation (seeded) rather than a rotation: with "
+                    "3 modes a rotation always runs them in one cycle, so a process's mode and the mode "
+                    "of the process before it cannot be told apart")
     ap.add_argument("--batch", type=int, default=64, help="--model resnet50's batch (64; a small one "
                     "makes the step host-bound, so the host's cost sets it)")
     a = ap.parse_args()
@@ -342,8 +348,11 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     modes = a.modes.split(",")
     rounds = []
+    rng = random.Random(a.shuffle)
     for i in range(a.pairs):
         order = modes[i % len(modes):] + modes[:i % len(modes)]
+        if a.shuffle is not None:
+            order = rng.sample(modes, len(modes))
         got = {}
         for j, mode in enumerate(order):
             p = subprocess.run([sys.executable, __file__, "--child", mode, "--bump", a.bump, "--steps", str(a.steps),
@@ -355,6 +364,7 @@ def main():
             if line is None:
                 sys.exit(f"round {i} {mode} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
             got[mode] = json.loads(line[4:])
+            got[mode]["position"] = j  # where in the round it ran
         rounds.append(got)
         json.dump(rounds, open(os.path.join(a.out, "torch_global.json"), "w"))
         print(f"round {i}: " + "  ".join(
@@ -362,7 +372,7 @@ def main():
             for m in modes), flush=True)
     import torch
 
-    keys = [k for k in rounds[0]["default"] if k not in ("mode", "loss", "phases s", "installed") and not k.startswith(("train", "probe"))]
+    keys = [k for k in rounds[0]["default"] if k not in ("mode", "loss", "phases s", "installed", "position") and not k.startswith(("train", "probe"))]
     if "train gpu ms" in rounds[0]["default"]:
         for m in modes:
             if "train gpu ms" in rounds[0][m]:
@@ -410,6 +420,12 @@ def main():
                     print(f"  {m} per process: " + " ".join(f"{r[m][k]:.2f}" for r in rounds))
         print(f"train step: global / default = {st['global'] / st['default']:.3f} (target <= 1.00); "
               f"memory global / default = {mem['global'] / mem['default']:.3f} (target <= 0.97)")
+        if "default-b" in tm:  # the A/A control: how far apart the harness puts two equal allocators
+            for m in ("default-b", "global"):
+                r = [x[m]["train step ms"] / x["default"]["train step ms"] for x in rounds]
+                print(f"  per-pair {m} / default: median {statistics.median(r):.3f}, "
+                      f"range {min(r):.3f}-{max(r):.3f}, slower in {sum(v > 1 for v in r)} of {len(r)}"
+                      + (" (the A/A control: the same allocator)" if m == "default-b" else ""))
     for m in modes if keys and "floor" in modes else []:
         if m not in MODES:
             d = [r[m][k] - r["floor"][k] for r in rounds for k in keys if k.startswith("empty+del")]
