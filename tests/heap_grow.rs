@@ -1,4 +1,4 @@
-//! Segments that grow in place (device_heap/placement.rs, `grow_in_place`), on real host
+//! Segments that grow in place (device_heap/grow.rs, `grow_in_place`), on real host
 //! memory: a pool that keeps its segments (a capture's, a MemPool) maps what a request lacks
 //! right after a segment's free tail instead of making a whole new segment; the default pool
 //! and symmalloc's own pools never do; growth needs the next address range free, takes only a

@@ -1,4 +1,4 @@
-//! Free segments moving between pools (device_heap/placement.rs, `adopt_segment`) and what
+//! Free segments moving between pools (device_heap/donors.rs, `adopt_segment`) and what
 //! `empty_cache` gives back (device_heap/release.rs), on real host memory: a pool about to grow
 //! takes a whole free segment of the default pool or of a released pool; live user pools and
 //! the internal pool never give one; under capture only segments no other stream used move,

@@ -28,8 +28,8 @@
 //!   last use's `release_pool`); `releasing_pools` counts the pools being released;
 //! - every segment's pool is listed in `pools`, and `Pool::segments` counts its segments; a
 //!   segment changes pool only whole and free (no live or parked block), from a donor (the
-//!   default pool or a pool being released) to another pool other than the internal one
-//!   (placement.rs, `adopt_segment`); the internal pool and live user pools never give one;
+//!   default pool or a pool being released) to another pool, neither of them reserved (the
+//!   internal pool, an arena's: donors.rs, `adopt_segment`); live user pools never give one;
 //! - `empty_cache` gives back the free segments of the default and internal pools and of pools
 //!   being released; a live user pool keeps its own (a captured graph replays into its pool's
 //!   free blocks), as PyTorch's `empty_cache` does;
@@ -47,7 +47,8 @@
 //! The layer's jobs, a file each: this file holds the structures, the allocation and free
 //! paths and stream reuse (`record_stream`, the parked fast path's accounting); `placement.rs`
 //! where a block comes from (best fit over the free sets, splitting, new segments at
-//! deterministic offsets, merging on free); `grow.rs` segments that grow in place by a chunk;
+//! deterministic offsets, merging on free); `donors.rs` whole free segments taken from donor
+//! pools; `grow.rs` segments that grow in place by a chunk;
 //! `release.rs` memory going back (parked drains, segment release, `empty_cache`, pools);
 //! `export.rs` what peers need of a segment (its chunks); `validate.rs` the check of every
 //! invariant above; `tracked.rs` live blocks lent to thread caches; `free_lists.rs` a pool's
@@ -57,6 +58,7 @@
 
 mod arena;
 mod blocks;
+mod donors;
 mod export;
 mod free_lists;
 mod grow;
@@ -185,7 +187,7 @@ pub struct DeviceHeap {
     release_log: ReleaseLog,
     /// Live blocks lent to thread caches: offset -> cache id (tracked.rs).
     tracked: crate::heap::tcache::AddrMap<u64>,
-    /// Whole free segments moved from a donor pool to another pool (placement.rs).
+    /// Whole free segments moved from a donor pool to another pool (donors.rs).
     adopted_segments: u64,
     /// Segments grown in place by a chunk (grow.rs).
     grown_in_place: u64,
