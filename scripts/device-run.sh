@@ -98,7 +98,8 @@ elif [ "${1:-tests}" = global ]; then
   # Global mode on one GPU (issues #35, #32), PARTS of: checks (python/tests/global_capture_check.py
   # for PyTorch's allocator and symmalloc), memory (bench/global_memory.py, RUNS pairs), host
   # (bench/torch_global.py, PAIRS rounds, STEPS training steps, MODES; with .device/old present
-  # the mode global-old runs that build; MODEL=resnet50 for the ResNet-50 step), alloc
+  # the mode global-old runs that build; MODEL=resnet50 for the ResNet-50 step, BATCH its batch,
+  # MODES=default,default-b,global with SHUFFLE=seed for an A/A control in shuffled rounds), alloc
   # (t_gpu_alloc), api (python/tests/global_api_check.py), build (the C++ allocator built on
   # first use), upstream (python/tests/torch_upstream_check.py: PyTorch's own tests ported).
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -110,7 +111,7 @@ elif [ "${1:-tests}" = global ]; then
       host) old=(); [ -f "$D/old/libsymmalloc.so" ] && old=(--old-lib "$D/old")
             T=${T_HOST:-400} TAILN=24 run torch_global python3 bench/torch_global.py --pairs "${PAIRS:-6}" --steps "${STEPS:-0}" \
               --modes "${MODES:-default,global,floor${old:+,global-old}}" "${old[@]}" --model "${MODEL:-transformer}" \
-              --bump "$D/libbump_alloc.so" --out "$OUT" ;;
+              --batch "${BATCH:-64}" ${SHUFFLE:+--shuffle "$SHUFFLE"} --bump "$D/libbump_alloc.so" --out "$OUT" ;;
       alloc) T=200 TAILN=6 run gpu_alloc $D/t_gpu_alloc --include-ignored --test-threads=1 --nocapture ;;
       api) # PyTorch's memory API row by row (the C++ allocator; PyTorch's as the control), then
            # torch.compile(reduce-overhead) under both, compared.
