@@ -3,11 +3,14 @@ through PyTorch's allocator interface, with their threads: PyTorch's own allocat
 symmalloc's C++ allocator, the same sequence and harness (bench/torch_replay.cpp).
 
     python3 bench/torch_replay.py default|global TRACE.csv [--reps 30] [--warmup 1] [--lib torch_replay.so]
+                                  [--symm-lib DIR]
 
 One GPU. Prints one JSON row: per recorded thread and call, calls and µs per repetition (the
 trace's steps), mean, p50, p99 and max µs per call. Run each mode in fresh processes,
 alternating. `--lib` names a prebuilt harness; without it the harness is built here with
-torch.utils.cpp_extension (a compiler and the CUDA headers are needed)."""
+torch.utils.cpp_extension (a compiler and the CUDA headers are needed). `--symm-lib DIR` runs mode
+global on the libsymmalloc.so in DIR (another build: `scripts/stage-device.sh --old` puts one in
+.device/old), for an A/B between builds, which resolves less than one against PyTorch's."""
 import argparse
 import ctypes
 import json
@@ -20,6 +23,7 @@ ap.add_argument("--reps", type=int, default=30)
 ap.add_argument("--warmup", type=int, default=1,
                 help="repetitions not timed (the heap settles over the first few: segments made and given back)")
 ap.add_argument("--lib", default=None, help="a prebuilt torch_replay .so")
+ap.add_argument("--symm-lib", metavar="DIR", help="mode global on the libsymmalloc.so in DIR (another build)")
 ap.add_argument("--build", metavar="DIR", help="only build the harness into DIR and print its path")
 a = ap.parse_args()
 
@@ -45,6 +49,12 @@ def build(out_dir):
 if a.build:
     print(build(a.build))
     raise SystemExit(0)
+if a.symm_lib and a.mode != "global":
+    raise SystemExit("torch_replay.py: --symm-lib names a symmalloc build: it needs mode global")
+if a.symm_lib:
+    if not os.path.isfile(os.path.join(a.symm_lib, "libsymmalloc.so")):
+        raise SystemExit(f"torch_replay.py: --symm-lib {a.symm_lib}: no libsymmalloc.so there")
+    os.environ["SYMMALLOC_LIBRARY_DIR"] = os.path.abspath(a.symm_lib)
 if a.mode == "global":
     import symmalloc
     symmalloc.install_global()
@@ -54,6 +64,7 @@ lib = ctypes.CDLL(a.lib or build(os.path.join(os.path.expanduser("~/.cache/symma
 buf = ctypes.create_string_buffer(1 << 16)
 if lib.torch_replay(a.trace.encode(), a.reps, a.warmup, buf, ctypes.sizeof(buf)) != 0:
     raise SystemExit(f"torch_replay.py: {buf.value.decode()}")
-row = {"mode": a.mode, "reps": a.reps, "warmup": a.warmup, "per_thread": json.loads(buf.value.decode())}
+row = {"mode": a.mode, "reps": a.reps, "warmup": a.warmup, "symm_lib": a.symm_lib,
+       "per_thread": json.loads(buf.value.decode())}
 row["total_us_per_rep"] = round(sum(v["us_per_rep"] for v in row["per_thread"].values()), 1)
 print("ROW " + json.dumps(row), flush=True)
