@@ -7,7 +7,8 @@
 //! segment. The default pool keeps its blocks whole (the eager fast path).
 //!
 //! And where never-used memory stands in best fit: with the requesting stream's own blocks, on
-//! every stream (it waits on none), not only on the legacy default stream 0.
+//! every stream (it waits on none), not only on the legacy default stream 0. And best fit in a
+//! pool fragmented past a free-list set's vector form.
 
 use symmalloc::heap::host_backend::HostBackend;
 use symmalloc::heap::pools::{PoolId, DEFAULT_POOL};
@@ -125,4 +126,55 @@ fn never_used_memory_is_a_best_fit_candidate_on_every_stream() {
             "stream {stream:#x}: empty_cache returns the 100 MiB segment"
         );
     }
+}
+
+/// A pool fragmented into more free blocks than a free-list set holds as a sorted vector
+/// (device_heap/free_lists.rs: a B-tree past 256 entries, a vector again under 64): the
+/// validator checks each set's form after every step, best fit still takes the lowest-addressed
+/// block of the smallest size, and the set comes back to a vector as the blocks merge.
+#[test]
+fn a_fragmented_pool_spills_its_free_list_and_comes_back() {
+    let a = host();
+    let (d, s, dp) = (0, 0x31, DEFAULT_POOL);
+    let n = 1200;
+    let blocks: Vec<u64> = (0..n)
+        .map(|_| a.malloc_in(512, d, s, dp).unwrap())
+        .collect();
+    // Every other block freed: 600 free blocks, none next to another.
+    for &p in blocks.iter().step_by(2) {
+        a.free(p, 512, d, s).unwrap();
+    }
+    // The thread cache's and the heap's parked blocks go to the free lists (the segments hold
+    // live blocks, so nothing is given back).
+    a.empty_cache().unwrap();
+    a.validate(d).unwrap();
+    let free_before = a.stats(d).unwrap().reserved_bytes;
+    let again = a.malloc_in(512, d, s, dp).unwrap();
+    let lowest = *blocks.iter().step_by(2).min().unwrap();
+    assert_eq!(
+        again, lowest,
+        "best fit: the smallest size, then the lowest offset"
+    );
+    assert_eq!(
+        a.stats(d).unwrap().reserved_bytes,
+        free_before,
+        "no new segment"
+    );
+    a.validate(d).unwrap();
+    a.free(again, 512, d, s).unwrap();
+    // The rest freed: the free blocks merge, the set shrinks back under the bound.
+    for (i, &p) in blocks.iter().enumerate().skip(1).step_by(2) {
+        a.free(p, 512, d, s).unwrap();
+        if i % 97 == 1 {
+            a.empty_cache().unwrap();
+            a.validate(d).unwrap();
+        }
+    }
+    a.empty_cache().unwrap();
+    a.validate(d).unwrap();
+    assert_eq!(
+        a.stats(d).unwrap().reserved_bytes,
+        0,
+        "every segment given back"
+    );
 }
