@@ -293,7 +293,7 @@ mod tests {
             let grow = phase % 2 == 0;
             for _ in 0..SPILL * 6 {
                 let r = next();
-                let (size, off) = ((r % 97 + 1) << 12, (r >> 8) % 4096 << 21);
+                let (size, off) = ((r % 97 + 1) << 12, ((r >> 8) % 4096) << 21);
                 let insert = if grow { r % 3 != 0 } else { r % 3 == 0 };
                 if insert {
                     f.insert(Class::Large, 5, size, off);
