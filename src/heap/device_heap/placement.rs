@@ -353,18 +353,25 @@ impl DeviceHeap {
         stream: Stream,
         exact: bool,
     ) -> Result<()> {
+        // One lookup of the block, of its pool and of its segment: this runs at every request
+        // the thread caches miss (bench/NOTES.md, "Global mode's host cost").
+        let device = self.device;
+        let block = self.blocks.get_mut(&off).expect("free block exists");
         // Order the new user after every other stream that used the memory. On error the
         // block stays free and listed.
-        let b = &self.blocks[&off];
-        if b.streams.iter().any(|&s| s != stream) {
-            let waits: Vec<Stream> = b.streams.iter().copied().filter(|&s| s != stream).collect();
-            for s in waits {
-                backend.order(self.device, stream, s)?;
+        if block.streams.iter().any(|&s| s != stream) {
+            for &s in block.streams.iter().filter(|&&s| s != stream) {
+                backend.order(device, stream, s)?;
             }
         }
-        self.unlist_free(off);
-        let block = self.blocks.get_mut(&off).expect("free block exists");
-        let (class, seg) = (block.class, block.segment);
+        let (class, seg, pool) = (block.class, block.segment, block.pool);
+        let first = block.streams.first().copied().unwrap_or(UNUSED);
+        let free = &mut self
+            .pools
+            .get_mut(&pool)
+            .expect("pool of a segment exists")
+            .free;
+        free.remove(class, first, block.size, off);
         let rest = block.size - rounded;
         let split = match class {
             _ if exact => rest > 0,
@@ -376,7 +383,7 @@ impl DeviceHeap {
             Block {
                 size: rest,
                 segment: seg,
-                pool: block.pool,
+                pool,
                 class,
                 prev: off,
                 state: State::Free,
@@ -395,10 +402,15 @@ impl DeviceHeap {
         }
         segment.live += 1;
         if let Some(r) = remainder {
+            // Listed under the same pool, class and first stream as the block it came from.
+            free.insert(class, first, rest, off + rounded);
             self.counters.blocks[slot(class)] += 1;
             self.blocks.insert(off + rounded, r);
-            self.relink_next(off + rounded);
-            self.list_free(off + rounded);
+            if let Some(n) = self.blocks.get_mut(&(off + rounded + rest)) {
+                if n.segment == seg {
+                    n.prev = off + rounded;
+                }
+            }
         }
         self.count_live(size, requested);
         Ok(())
