@@ -55,6 +55,9 @@ is combined by its handle or, eagerly, by ``combine(expert_out)``; after a compi
 ``combine(expert_out)`` needs a new dispatch.
 Without torch (the host backend), inputs may be any objects with ``data_ptr()``, ``shape``,
 ``dtype``, ``is_contiguous()`` and ``get_device()``; the results are then ``HostView`` objects.
+
+This module owns the ``Moe`` object (its lifetime, calls, refusals) and the custom ops; the
+argument checks and the views (``HostView``) are in _moe_args.py, and importable from here.
 """
 
 import ctypes
@@ -64,88 +67,19 @@ import weakref
 from typing import NamedTuple, Optional, Tuple
 
 from ._lib import (
-    _INDEX_DTYPES, _MOE_CONFIG_VERSION, _MOE_DTYPES, _MOE_LAYOUT_VERSION, SymmallocError, _check, _invalid,
-    _moe_library, _MoeConfig, _MoeLayout,
+    _MOE_CONFIG_VERSION, _MOE_LAYOUT_VERSION, SymmallocError, _check, _invalid, _moe_library, _MoeConfig, _MoeLayout,
+)
+from ._moe_args import _CTYPES  # noqa: F401 (symmalloc.moe._CTYPES: the host tests read raw elements with it)
+from ._moe_args import (
+    HostView, _check_combine, _check_dispatch, _device_name, _fmt, _is_torch, _payload_code, _torch_view, _uint,
 )
 
 __all__ = ["Moe", "MoeDispatch", "MoeHandle", "HostView", "moe"]
 
 _VOIDP = ctypes.c_void_p
 _PAYLOAD_NAMES = ("bfloat16", "float8_e4m3fn")  # by SYMM_MOE_* code
-_SIZES = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4, "int32": 4, "int64": 8}
-_CTYPES = {"bfloat16": ctypes.c_uint16, "float8_e4m3fn": ctypes.c_uint8, "float32": ctypes.c_float,
-           "int32": ctypes.c_int32, "int64": ctypes.c_int64}
 _MOES: "weakref.WeakValueDictionary[int, Moe]" = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
-
-
-def _dname(dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _fmt(shape) -> str:
-    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
-
-
-def _device_name(dev: int) -> str:
-    return "cpu" if dev < 0 else f"cuda:{dev}"
-
-
-def _uint(what: str, v, lo: int, hi: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise _invalid(f"moe: {what} {v!r}; expected an int in [{lo}, {hi}]")
-    return v
-
-
-def _payload_code(dtype) -> int:
-    code = _MOE_DTYPES.get(_dname(dtype)) if dtype is not None else None
-    if code is None:
-        raise _invalid(f"moe: dtype {dtype!r}; expected torch.bfloat16 or torch.float8_e4m3fn (or 'bf16' / 'fp8')")
-    return code
-
-
-class HostView:
-    """A tensor-like view of host memory, what ``Moe`` returns to callers without torch (the
-    host backend): ``data_ptr()``, ``shape``, ``dtype`` (its name), ``numel()``,
-    ``element_size()``, ``is_contiguous()``, ``get_device()`` (-1) and ``tolist()`` (flat;
-    bfloat16 and float8 elements as their raw bits). ``HostView.empty(shape, dtype)`` owns its
-    memory (16-byte aligned)."""
-
-    def __init__(self, ptr: int, shape, dtype: str, owner=None):
-        self.ptr, self.shape, self.dtype, self._owner = ptr, tuple(int(s) for s in shape), dtype, owner
-
-    @classmethod
-    def empty(cls, shape, dtype: str) -> "HostView":
-        n = 1
-        for s in shape:
-            n *= int(s)
-        buf = (ctypes.c_uint8 * max(16, n * _SIZES[dtype] + 16))()
-        ptr = (ctypes.addressof(buf) + 15) & ~15  # 16-byte aligned, as the library wants
-        return cls(ptr, shape, dtype, owner=buf)
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    def element_size(self) -> int:
-        return _SIZES[self.dtype]
-
-    def is_contiguous(self) -> bool:
-        return True
-
-    def get_device(self) -> int:
-        return -1
-
-    def tolist(self) -> list:
-        return list((_CTYPES[self.dtype] * self.numel()).from_address(self.ptr)) if self.numel() else []
-
-    def __repr__(self):
-        return f"HostView({_fmt(self.shape)}, {self.dtype}, 0x{self.ptr:x})"
 
 
 class MoeHandle(NamedTuple):
@@ -187,80 +121,6 @@ def moe(handle: int) -> "Moe":
     if m is None or not m._ptr:
         raise _invalid(f"moe handle {handle} is not a live Moe of this process (closed, collected, or never made)")
     return m
-
-
-def _is_torch(t) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(t, torch.Tensor)
-
-
-# Shape and dtype rules, on shapes and dtype names only, so that the custom ops' fake
-# implementations apply the same ones.
-
-def _check_dispatch(m: "Moe", x, idx, w, scales) -> Tuple[int, int, int]:
-    """(num_tokens, k, index dtype code) of a dispatch's arguments (shapes and dtype names),
-    or the error naming this rank, the value and what was expected."""
-    what = f"moe.dispatch: rank {m.rank}"
-    H, T = m.hidden, m.max_tokens_per_rank
-    xs, dt = tuple(x.shape), _dname(x.dtype)
-    if dt != m.dtype:
-        raise _invalid(f"{what}: x has dtype {dt}; expected {m.dtype} (the object's payload dtype)")
-    if len(xs) != 2 or xs[1] != H:
-        raise _invalid(f"{what}: x has shape {_fmt(xs)}; expected [num_tokens, {H}] (hidden {H})")
-    n = xs[0]
-    if n > T:
-        raise _invalid(f"{what}: x has {n} tokens; expected at most {T} (max_tokens_per_rank)")
-    ish, idt = tuple(idx.shape), _dname(idx.dtype)
-    if idt not in _INDEX_DTYPES:
-        raise _invalid(f"{what}: topk_idx has dtype {idt}; expected int32 or int64")
-    if len(ish) != 2 or ish[0] != n or not 1 <= ish[1] <= m.topk:
-        raise _invalid(f"{what}: topk_idx has shape {_fmt(ish)}; expected [{n}, k] (x's {n} tokens) "
-                       f"with 1 <= k <= {m.topk} (topk)")
-    k = ish[1]
-    wsh, wdt = tuple(w.shape), _dname(w.dtype)
-    if wdt != "float32" or wsh != (n, k):
-        raise _invalid(f"{what}: topk_weights is {wdt} {_fmt(wsh)}; expected float32 [{n}, {k}] (topk_idx's shape)")
-    if m.dtype == "bfloat16":
-        if scales is not None:
-            raise _invalid(f"{what}: x_scales given ({_fmt(scales.shape)}) for a bfloat16 payload; expected None "
-                           "(scales go with float8_e4m3fn only)")
-    else:
-        if scales is None:
-            raise _invalid(f"{what}: x_scales is None; expected float32 [{n}, {H // 128}] (one scale per 128 "
-                           "elements of a float8_e4m3fn row)")
-        ssh, sdt = tuple(scales.shape), _dname(scales.dtype)
-        if sdt != "float32" or ssh != (n, H // 128):
-            raise _invalid(f"{what}: x_scales is {sdt} {_fmt(ssh)}; expected float32 [{n}, {H // 128}] "
-                           "(one scale per 128 elements of a row)")
-    return n, k, _INDEX_DTYPES[idt]
-
-
-def _check_combine(m: "Moe", expert_out, num_tokens: int, out) -> None:
-    what = f"moe.combine: rank {m.rank}"
-    want = (m.local_experts, m.max_recv, m.hidden)
-    es, edt = tuple(expert_out.shape), _dname(expert_out.dtype)
-    if edt != "bfloat16" or es != want:
-        raise _invalid(f"{what}: expert_out is {edt} {_fmt(es)}; expected bfloat16 {_fmt(want)} "
-                       "([local_experts, max_recv, hidden], the dispatch layout)")
-    if out is not None:
-        os_, odt = tuple(out.shape), _dname(out.dtype)
-        if odt != "bfloat16" or os_ != (num_tokens, m.hidden):
-            raise _invalid(f"{what}: out is {odt} {_fmt(os_)}; expected bfloat16 [{num_tokens}, {m.hidden}] "
-                           "(the dispatch's tokens x hidden)")
-
-
-def _torch_view(torch, ptr: int, shape, dtype, device):
-    """A torch tensor of ``shape`` and ``dtype`` over memory at ``ptr`` it does not own."""
-    n = 1
-    for s in shape:
-        n *= int(s)
-    nbytes = n * torch.empty(0, dtype=dtype).element_size()
-    storage = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(s), 1)
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, tuple(shape), tuple(reversed(strides)))
 
 
 class Moe:
@@ -572,7 +432,7 @@ def _register_ops(torch) -> None:
     # Expert parallelism (symmalloc/moe.py). The results of moe_dispatch are views of the Moe's
     # symmetric buffer (fresh tensor objects each call, over the same memory): valid until the next
     # dispatch of that Moe, which is what the graph's order (dispatch -> experts -> combine) gives.
-    # The fakes apply moe.py's shape and dtype rules, naming the rank.
+    # The fakes apply the eager calls' shape and dtype rules (_moe_args.py), naming the rank.
 
     @torch.library.custom_op("symmalloc::moe_dispatch", mutates_args=())
     def _moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, x_scales: Optional[torch.Tensor],
