@@ -406,11 +406,7 @@ impl DeviceHeap {
             free.insert(class, first, rest, off + rounded);
             self.counters.blocks[slot(class)] += 1;
             self.blocks.insert(off + rounded, r);
-            if let Some(n) = self.blocks.get_mut(&(off + rounded + rest)) {
-                if n.segment == seg {
-                    n.prev = off + rounded;
-                }
-            }
+            self.relink_next(off + rounded);
         }
         self.count_live(size, requested);
         Ok(())
