@@ -23,7 +23,7 @@ pub(super) fn segment_size(class: Class, rounded: u64, gran: u64) -> u64 {
 impl DeviceHeap {
     /// The placement chain: where a request's memory comes from, tried in this order, each step
     /// only when the ones before found nothing.
-    /// 1. the parked block kept whole for (pool, stream, rounded size);
+    /// 1. the parked block kept whole for (pool, stream, rounded size) (small requests: `parks`);
     /// 2. best fit over the pool's free blocks (then, if nothing fit, again after every parked
     ///    block of the pool is merged back);
     /// 3. (with `grow` only, from here) a whole free segment adopted from a donor pool;
@@ -44,8 +44,11 @@ impl DeviceHeap {
             stream,
             ..
         } = *req;
-        if let Some(off) = self.parked.pop(&(pool, stream, rounded)) {
-            return Ok(Placed::Parked(off));
+        // Only what `parks` admits is ever parked: a large request has no parked block to find.
+        if parks(rounded) {
+            if let Some(off) = self.parked.pop(&(pool, stream, rounded)) {
+                return Ok(Placed::Parked(off));
+            }
         }
         self.set_releasing(pool, false);
         let mut found = self.find_free(backend, req)?;
