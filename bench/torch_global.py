@@ -8,11 +8,13 @@ pluggable allocator (bench/bump_alloc.c: a bump pointer, a free that does nothin
 Modes: default (PyTorch's allocator), global (symmalloc.install_global(): the C++ allocator for
 PyTorch), floor (the bump allocator), and optionally default-b (PyTorch's allocator again, in
 processes of its own: an A/A control, so the table shows the spread the harness gives two equal
-allocators beside global's), global-pluggable (install_global's CUDAPluggableAllocator path),
-global-tc0, global-old.
+allocators beside global's), floor-reuse (the step's floor: bench/bump_alloc.c's exact-size
+stacks, which a step with repeating shapes can train on), global-pluggable (install_global's
+CUDAPluggableAllocator path), global-tc0, global-old.
 
 Every mode runs in fresh processes (the allocator is chosen before CUDA starts), in rounds that
-alternate the modes' order (rotated, or shuffled with --shuffle SEED); a round is one process
+alternate the modes' order (rotated, or with --shuffle SEED in blocks of len(modes) rounds that put
+every mode once at every position, a random permutation's rotations); a round is one process
 per mode. Rows:
   empty+del N     torch.empty(N bytes) then del, us per pair (median of 5 x 3000)
   p99 N           the p99 of 5000 such pairs timed one by one
@@ -25,7 +27,8 @@ per mode. Rows:
                   sequence 64..512, AdamW; --model resnet50: timm's ResNet-50 (else
                   bench/global_memory.py's), bf16 autocast, batch 64, SGD with momentum. Not the
                   floor (its bump pointer wraps within a few steps, and PyTorch's pluggable
-                  wrapper refuses the address handed out again): its rows are the per-pair ones.
+                  wrapper refuses the address handed out again): its rows are the per-pair ones;
+                  the step's floor is floor-reuse (a free stack per exact size, one spin lock).
                   Step p50 (ms) with a sync after each step, and the driver's used-memory
                   peak (GiB); for resnet50 also the host's time to issue a step (enqueue, p50)
                   and the step back to back as a training loop runs it (pipelined: one sync
@@ -281,8 +284,9 @@ def child(mode, bump, steps, port, core, old_lib=None, model="transformer", micr
 
         symmalloc.install_global(allocator="pluggable" if mode == "global-pluggable" else "auto")
         row_installed = symmalloc.memory.installed()
-    elif mode == "floor":
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(bump, "bump_malloc", "bump_free")
+    elif mode in ("floor", "floor-reuse"):
+        fns = ("bump_malloc", "bump_free") if mode == "floor" else ("reuse_malloc", "reuse_free")
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(bump, *fns)
         torch.cuda.memory.change_current_allocator(alloc)
     torch.cuda.init()
     torch.empty(1, device="cuda")
@@ -317,6 +321,18 @@ def child(mode, bump, steps, port, core, old_lib=None, model="transformer", micr
     print("ROW " + json.dumps(row), flush=True)
 
 
+def balanced_block(rng, modes):
+    """len(modes) round orders, in a random order, in which every mode runs once at every position:
+    the rotations of a random permutation. A shuffle of each round on its own left positions
+    unbalanced (session 28: global ran second in 6 of 9 rounds, and second ran 2% slower in the
+    other call), a rotation of the same permutation always ran the modes in one cycle; blocks
+    of a new permutation each keep positions balanced and vary the mode run before."""
+    perm = rng.sample(modes, len(modes))
+    block = [perm[k:] + perm[:k] for k in range(len(modes))]
+    rng.shuffle(block)
+    return block
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=10)
@@ -326,20 +342,24 @@ def main():
     ap.add_argument("--child")
     ap.add_argument("--modes", default=",".join(MODES),
                     help="default,global,floor and optionally default-b (PyTorch's allocator again: "
-                    "an A/A control, the spread the harness gives two equal allocators), global-tc0, "
-                    "global-old (needs --old-lib)")
+                    "an A/A control, the spread the harness gives two equal allocators), floor-reuse "
+                    "(the training step's floor), global-tc0, global-old (needs --old-lib)")
     ap.add_argument("--old-lib", default=None, help="the libraries of another build, for mode global-old")
     ap.add_argument("--port", type=int, default=29800)
     ap.add_argument("--model", default="transformer", choices=["transformer", "resnet50"])
     ap.add_argument("--no-micro", action="store_true", help="the training step alone (no floor rows)")
     ap.add_argument("--core", type=int, default=2, help="the core every process runs on (-1: any)")
     ap.add_argument("--shuffle", type=int, default=None, metavar="SEED",
-                    help="each round's order a random permutation (seeded) rather than a rotation: with "
-                    "3 modes a rotation always runs them in one cycle, so a process's mode and the mode "
-                    "of the process before it cannot be told apart")
+                    help="rounds in blocks of len(modes), each block the rotations of a new random "
+                    "permutation (seeded) in random order: every mode once at every position per block, "
+                    "and the mode run before each varies (a plain rotation of 3 modes always runs them in "
+                    "one cycle)")
     ap.add_argument("--batch", type=int, default=64, help="--model resnet50's batch (64; a small one "
                     "makes the step host-bound, so the host's cost sets it)")
     a = ap.parse_args()
+    if a.model == "resnet50" and 0 < a.steps <= 10:
+        ap.error(f"--steps {a.steps}: the resnet50 step times the steps after its first 10 (warm-up); "
+                 "give more than 10, or 0 for no training")
     for k, v in NO_MULTICAST.items():
         os.environ[k] = v
     os.environ.pop("SYMMALLOC_ENABLE_MULTICAST", None)
@@ -349,10 +369,13 @@ def main():
     modes = a.modes.split(",")
     rounds = []
     rng = random.Random(a.shuffle)
+    block = []
     for i in range(a.pairs):
         order = modes[i % len(modes):] + modes[:i % len(modes)]
         if a.shuffle is not None:
-            order = rng.sample(modes, len(modes))
+            if not block:
+                block = balanced_block(rng, modes)
+            order = block.pop()
         got = {}
         for j, mode in enumerate(order):
             p = subprocess.run([sys.executable, __file__, "--child", mode, "--bump", a.bump, "--steps", str(a.steps),
@@ -420,12 +443,14 @@ def main():
                     print(f"  {m} per process: " + " ".join(f"{r[m][k]:.2f}" for r in rounds))
         print(f"train step: global / default = {st['global'] / st['default']:.3f} (target <= 1.00); "
               f"memory global / default = {mem['global'] / mem['default']:.3f} (target <= 0.97)")
-        if "default-b" in tm:  # the A/A control: how far apart the harness puts two equal allocators
-            for m in ("default-b", "global"):
+        if "default-b" in tm or "floor-reuse" in tm:  # the A/A control: how far apart the harness
+            # puts two equal allocators; the floor: how far under PyTorch's any allocator can go
+            for m in [m for m in ("default-b", "global", "floor-reuse") if m in tm]:
                 r = [x[m]["train step ms"] / x["default"]["train step ms"] for x in rounds]
                 print(f"  per-pair {m} / default: median {statistics.median(r):.3f}, "
                       f"range {min(r):.3f}-{max(r):.3f}, slower in {sum(v > 1 for v in r)} of {len(r)}"
-                      + (" (the A/A control: the same allocator)" if m == "default-b" else ""))
+                      + {"default-b": " (the A/A control: the same allocator)",
+                         "floor-reuse": " (the floor: exact-size stacks)"}.get(m, ""))
     for m in modes if keys and "floor" in modes else []:
         if m not in MODES:
             d = [r[m][k] - r["floor"][k] for r in rounds for k in keys if k.startswith("empty+del")]

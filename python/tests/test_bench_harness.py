@@ -5,6 +5,7 @@ harness's own code runs as on the device: the order of each round (rotated, or s
 the summary. A device session lost to a harness bug costs a tenth of its budget."""
 import importlib.util
 import json
+import re
 import os
 import sys
 import types
@@ -31,7 +32,7 @@ def run(tmp_path, monkeypatch, capsys, *args):
     def fake_run(cmd, capture_output, text, timeout):
         mode = cmd[cmd.index("--child") + 1]
         calls.append(cmd)
-        step = {"default": 30.0, "default-b": 31.0, "global": 29.0}[mode] + len(calls) * 1e-3
+        step = {"default": 30.0, "default-b": 31.0, "global": 29.0, "floor-reuse": 27.0}[mode] + len(calls) * 1e-3
         row = {"mode": mode, "probe py ms": 2.0, "probe launch us": 4.3, "train step ms": step,
                "train used GiB": 4.0, "loss": 6.9, "train at": [0, 1], "train gpu ms": step,
                "train enqueue ms": 19.0, "train pipelined ms": step, "probe after py ms": 2.0,
@@ -80,5 +81,27 @@ def test_shuffle_is_seeded_and_not_a_rotation(tmp_path, monkeypatch, capsys):
     assert any(o not in rotations for o in orders(first, 3)), "a shuffle leaves the fixed cycle"
     for o in orders(first, 3):
         assert sorted(o) == sorted(modes.split(",")), "each round runs every mode once"
+    for b in range(0, 6, 3):  # each block of 3 rounds puts every mode once at every position
+        block = orders(first, 3)[b:b + 3]
+        for pos in range(3):
+            assert sorted(o[pos] for o in block) == sorted(modes.split(",")), (b, block)
+    assert orders(first, 3)[0:3] != orders(first, 3)[3:6], "a new permutation per block"
     for r, order in zip(rounds, orders(again, 3)):
         assert [m for m, _ in sorted(r.items(), key=lambda kv: kv[1]["position"])] == order
+
+
+def test_the_step_floor_trains_and_gets_its_line(tmp_path, monkeypatch, capsys):
+    calls, rounds, out = run(tmp_path, monkeypatch, capsys, "--pairs", "2",
+                             "--modes", "default,global,floor-reuse")
+    assert sorted(o for o in orders(calls, 3)[0]) == ["default", "floor-reuse", "global"]
+    assert all("train step ms" in r["floor-reuse"] for r in rounds)
+    assert re.search(r"train step \(resnet50\) p50 ms.*floor-reuse 27\.00 \(0\.900x\)", out), out
+    assert "per-pair floor-reuse / default: median 0.900" in out
+    assert "(the floor: exact-size stacks)" in out
+    assert "per-pair global / default: median 0.967" in out
+
+
+def test_too_few_resnet_steps_is_refused_up_front(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        run(tmp_path, monkeypatch, capsys, "--pairs", "1", "--steps", "5")
+    assert "--steps 5: the resnet50 step times the steps after its first 10" in capsys.readouterr().err
