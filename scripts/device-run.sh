@@ -99,7 +99,8 @@ elif [ "${1:-tests}" = global ]; then
   # for PyTorch's allocator and symmalloc), memory (bench/global_memory.py, RUNS pairs), host
   # (bench/torch_global.py, PAIRS rounds, STEPS training steps, MODES; with .device/old present
   # the mode global-old runs that build; MODEL=resnet50 for the ResNet-50 step, BATCH its batch,
-  # MODES=default,default-b,global with SHUFFLE=seed for an A/A control in shuffled rounds), alloc
+  # MODES=default,default-b,global with SHUFFLE=seed for an A/A control in position-balanced
+  # shuffled rounds; floor-reuse in MODES for the step's floor), alloc
   # (t_gpu_alloc), api (python/tests/global_api_check.py), build (the C++ allocator built on
   # first use), upstream (python/tests/torch_upstream_check.py: PyTorch's own tests ported).
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
