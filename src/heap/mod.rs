@@ -11,6 +11,7 @@
 //! every cache of the device; `validate` checks the heap and that heap and caches agree on
 //! every lent block.
 
+mod addr_map;
 pub mod backend;
 mod caches;
 pub mod cuda_backend;

@@ -28,37 +28,11 @@
 //! which nobody else takes but a drain, statistics, validation or another thread's free of a
 //! block this cache lent (under the heap's lock, as the order says).
 
+use super::addr_map::AddrMap;
 use super::backend::Stream;
 use super::device_heap::keeps_whole;
 use super::pools::{PoolId, DEFAULT_POOL};
 use super::stats::Stats;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
-/// Hashes a block address (512-byte aligned) with one multiply: the fast path does a lookup per
-/// call, and std's SipHash cost as much as the rest of the path. (The heap's tracked blocks use
-/// it too: device_heap/tracked.rs.)
-#[derive(Default)]
-pub(crate) struct AddrHasher(u64);
-
-impl Hasher for AddrHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u64(&mut self, x: u64) {
-        // The high bits folded down: the table indexes by the low bits, and segment starts
-        // (multiples of the 2 MiB granularity) would otherwise all share them.
-        let h = (x >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        self.0 = h ^ (h >> 32);
-    }
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-pub(crate) type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
 
 /// Blocks handed out by a cache, by address. The most recently handed out (at most
 /// RECENT_LENT) sit in a small array searched first: a block is usually freed soon after it was

@@ -9,7 +9,7 @@ use super::*;
 
 /// A segment's blocks in address order (`DeviceHeap::segment_blocks`).
 pub(super) struct SegmentBlocks<'a> {
-    blocks: &'a crate::heap::tcache::AddrMap<Block>,
+    blocks: &'a crate::heap::addr_map::AddrMap<Block>,
     at: u64,
     end: u64,
 }

@@ -179,7 +179,7 @@ pub struct DeviceHeap {
     /// Every block by offset. A segment's blocks are reached in address order from its offset
     /// (`segment_blocks`), a block's neighbours through `prev` and `offset + size`: no ordered
     /// map on the allocation and free paths (bench/NOTES.md, "Global mode's host cost").
-    blocks: crate::heap::tcache::AddrMap<Block>,
+    blocks: crate::heap::addr_map::AddrMap<Block>,
     pools: BTreeMap<PoolId, Pool>,
     parked: Parked,
     releasing_pools: usize,
@@ -187,7 +187,7 @@ pub struct DeviceHeap {
     /// Every segment given back, for the peers that mapped it (release_log.rs).
     release_log: ReleaseLog,
     /// Live blocks lent to thread caches: offset -> cache id (tracked.rs).
-    tracked: crate::heap::tcache::AddrMap<u64>,
+    tracked: crate::heap::addr_map::AddrMap<u64>,
     /// Whole free segments moved from a donor pool to another pool (donors.rs).
     adopted_segments: u64,
     /// Segments grown in place by a chunk (grow.rs).
