@@ -362,10 +362,8 @@ impl DeviceHeap {
         let block = self.blocks.get_mut(&off).expect("free block exists");
         // Order the new user after every other stream that used the memory. On error the
         // block stays free and listed.
-        if block.streams.iter().any(|&s| s != stream) {
-            for &s in block.streams.iter().filter(|&&s| s != stream) {
-                backend.order(device, stream, s)?;
-            }
+        for &s in block.streams.iter().filter(|&&s| s != stream) {
+            backend.order(device, stream, s)?;
         }
         let (class, seg, pool) = (block.class, block.segment, block.pool);
         let first = block.streams.first().copied().unwrap_or(UNUSED);
