@@ -371,10 +371,10 @@ def main():
     rng = random.Random(a.shuffle)
     block = []
     for i in range(a.pairs):
-        order = modes[i % len(modes):] + modes[:i % len(modes)]
-        if a.shuffle is not None:
-            if not block:
-                block = balanced_block(rng, modes)
+        if a.shuffle is None:
+            order = modes[i % len(modes):] + modes[:i % len(modes)]
+        else:
+            block = block or balanced_block(rng, modes)
             order = block.pop()
         got = {}
         for j, mode in enumerate(order):
