@@ -1,5 +1,5 @@
 """Device memory of a training step in PyTorch's global mode, symmalloc against PyTorch's own
-allocator measured in the same run (issue #35's targets).
+allocator measured in the same run (the targets for memory that PyTorch gives back).
 
     SYMMALLOC_LIBRARY_DIR=target/release python3 bench/global_memory.py [--runs 3] [--scale 1]
 
