@@ -2693,8 +2693,8 @@ class TestMemPool(Case):
 
         # port: PyTorch's allocator caches over a MemPool's own allocator (it packs 1 MB tensors
         # into 2 MB buffers it asks that allocator for, and the pool's snapshot lists them);
-        # symmalloc hands every block of such a pool to that allocator as it comes (README,
-        # global mode), so the segment counts below are PyTorch's policy, checked only there.
+        # symmalloc hands every block of such a pool to that allocator as it comes
+        # (docs/global-mode.md), so the segment counts below are PyTorch's policy, checked only there.
         packs = MODE != "symmalloc"
         if not packs:
             self.skip_part(FOREIGN_POOL_UNPACKED)
