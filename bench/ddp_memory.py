@@ -1,5 +1,5 @@
 """Device memory of a real DDP training run with symmalloc as PyTorch's global allocator, against
-PyTorch's own allocator on the same run (issue 17's first target).
+PyTorch's own allocator on the same run (the allocator's first target under real load).
 
     python3 bench/ddp_memory.py [--steps 120] [--out DIR]      (2 GPUs)
 

@@ -1,4 +1,4 @@
-"""Where an eager all-reduce from Python spends its host time (issue 13's eager target).
+"""Where an eager all-reduce from Python spends its host time (the eager call's latency target).
 
     python3 bench/eager_probe.py        (2 GPUs; starts one process per GPU)
 
@@ -9,7 +9,7 @@ both ranks in step), 8 KiB bf16 AUTO in place, for:
   fastcall     symmalloc._fastcall.all_reduce with those values precomputed: the library's own
                host path plus the compiled caller
   ctypes       the same through the ctypes function object
-  method       the Python method Communicator.all_reduce (what users called until session 6)
+  method       the Python method Communicator.all_reduce (what users called until 7511c6d)
   caller       comm.all_reduce: the compiled caller (symmalloc._fastcall.eager) when built,
                which reads the tensor in C and falls back to the method for anything unusual
 The C ABI's eager time for the same call comes from bench/allreduce_c.rs.

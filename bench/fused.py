@@ -1,4 +1,4 @@
-"""All-reduce fused with residual add + RMSNorm (issue 15): symmalloc's fused call against the
+"""All-reduce fused with residual add + RMSNorm: symmalloc's fused call against the
 same work unfused (symmalloc all-reduce, then torch add + rms_norm) and against NCCL all-reduce +
 the same torch ops; and a tensor-parallel decoder step built each way.
 

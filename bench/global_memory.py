@@ -1,5 +1,5 @@
 """Device memory of a training step in PyTorch's global mode, symmalloc against PyTorch's own
-allocator measured in the same run (issue #35's targets).
+allocator measured in the same run (the targets for memory that PyTorch gives back).
 
     SYMMALLOC_LIBRARY_DIR=target/release python3 bench/global_memory.py [--runs 3] [--scale 1]
 
@@ -241,7 +241,7 @@ def child(alloc, args):
     info["capture_added"] = used() - before
     # The same moment in absolute terms (over the context): capture_added counts from the eager
     # cache that torch.cuda.graph's empty_cache then returns, so a smaller eager cache reads as
-    # more added (bench/history/NOTES-session-18-and-before.md, "The allocator").
+    # more added (bench/history/NOTES-2026-11-22-to-11-28.md, "The allocator").
     info["capture_end_used"] = used() - base_used
     if recording:
         write_trace(args.record_capture, marks)

@@ -1,5 +1,5 @@
-//! Groups (issue 36): what `symm_comm_split` costs against a fresh `symm_comm_init` of the same
-//! ranks, and an all-reduce on a child against the same all-reduce on a standalone communicator
+//! Groups (several communicators per GPU): what `symm_comm_split` costs against a fresh
+//! `symm_comm_init` of the same ranks, and an all-reduce on a child against the same all-reduce on a standalone communicator
 //! over the same ranks. Starts its ranks itself; rank 0's tables go to stdout with each target's
 //! verdict (bench/RESULTS.md, "Groups").
 //!

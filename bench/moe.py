@@ -764,7 +764,7 @@ def report(runs, link, args, world):
 
 
 def targets(s, args, world, lbw, shared):
-    print("\nTargets (issue 47)")
+    print("\nTargets (EP8, 128 tokens)")
     out = {}
     # 1. decode dispatch+combine vs the NCCL baseline, >= 3x at 2 ranks.
     for shape in [x for x in args.shapes if SHAPES[x] < PREFILL_MIN_TOKENS]:

@@ -15,7 +15,7 @@ place) and one_shot_all_reduce (out of place); NCCL (in place).
 
 After the runs it prints, per row, the median over runs of p50 / p99 / max and the worst run,
 and counts stalled rows: a row whose p50 in a run is more than 1.5x that row's best p50 over
-all runs. Targets (issue 13), every symmalloc row of every run: p99 <= 1.1x p50, max <= p50 +
+all runs. Targets, every symmalloc row of every run: p99 <= 1.1x p50, max <= p50 +
 50 us, no stalled row.
 
 With --ab-lib DIR, every run is a pair of fresh jobs, this build's and DIR's libraries (with
@@ -23,7 +23,7 @@ DIR/python's package when there is one: `scripts/stage-device.sh --old` puts it 
 alternating order, and each build gets its table.
 
 With --c-bench, the eager section compares one eager call from Python (this package's
-Communicator.all_reduce, and the wrapper as it was before session 4, kept below as
+Communicator.all_reduce, and the wrapper as it was before 010ab24 (2026-11-23/24), kept below as
 `legacy_all_reduce`) with the same call from C (bench/allreduce_c.rs), AUTO in place, 8 KiB to
 1 MiB. An eager call is bound by the host's CPU, which drifts on a shared machine, so Python and
 C jobs alternate (--eager-pairs, default 3) and each pair's difference is reported. With
@@ -72,7 +72,7 @@ def ll_capacity(world):
 
 
 def legacy_all_reduce(comm, tensor, op="sum", algo="auto", out=None):
-    """The package's all_reduce as it was before session 4 (for the eager before/after)."""
+    """The package's all_reduce as it was before 010ab24 (for the eager before/after)."""
     import symmalloc as s
 
     try:
@@ -277,12 +277,12 @@ def worker(rank, world, port, out_path, mode):
             held._all_reduce.restype = ctypes.c_int
             held._fast = None
             # The package's wrapper with its compiled caller turned off: calls through ctypes,
-            # as every call did before session 5.
+            # as every call did before 6268cc7 (2026-11-24).
             plain = _borrowed_class().__new__(_borrowed_class())
             plain.__dict__.update(comm.__dict__)
             plain.__dict__.pop("all_reduce", None)
             plain._fast = None
-            # The Python method with the int-level compiled entry: every call before session 6.
+            # The Python method with the int-level compiled entry: every call before 7511c6d.
             method = _borrowed_class().__new__(_borrowed_class())
             method.__dict__.update(comm.__dict__)
             method.__dict__.pop("all_reduce", None)
@@ -376,8 +376,8 @@ def report(runs, pairs):
               "and a C job (bench/allreduce_c.rs), alternating")
         print("(python: comm.all_reduce(x), the compiled caller of symmalloc._fastcall.eager when built "
               f"(compiled: {[p['python'][EAGER_SIZES[0]].get('compiled_caller') for p in pairs]}); python method: "
-              "the Python method with the int-level compiled entry (session 5); python ctypes: the method through "
-              "ctypes (before session 5); legacy: the wrapper before session 4; all on a non-blocking "
+              "the Python method with the int-level compiled entry (6268cc7); python ctypes: the method through "
+              "ctypes (before 6268cc7); legacy: the wrapper before 010ab24; all on a non-blocking "
               "side stream, as C; python default: torch's legacy default stream)")
         print(f"{'size':>7} | {'python':>17} | {'python method':>17} | {'python ctypes':>17} | {'legacy python':>17} | "
               f"{'python default':>17} | {'C ABI':>17} | python - C per pair")
@@ -464,7 +464,7 @@ def main():
         return one_run(a.one_run, a.port, a.mode)
     os.makedirs(a.out, exist_ok=True)
     paths = [os.path.join(a.out, f"tail_run{i}.json") for i in range(a.runs)]
-    # --ab-lib: the other build's runs, alternating with this build's (the A/B issue 29 asks for).
+    # --ab-lib: the other build's runs, alternating with this build's (the 2-GPU run's A/B).
     other = [os.path.join(a.out, f"tail_ab_run{i}.json") for i in range(a.runs)] if a.ab_lib else []
     pairs_path = os.path.join(a.out, "tail_eager_pairs.json")
     pairs = []

@@ -324,7 +324,7 @@ def child(mode, bump, steps, port, core, old_lib=None, model="transformer", micr
 def balanced_block(rng, modes):
     """len(modes) round orders, in a random order, in which every mode runs once at every position:
     the rotations of a random permutation. A shuffle of each round on its own left positions
-    unbalanced (session 28: global ran second in 6 of 9 rounds, and second ran 2% slower in the
+    unbalanced (bc43e23: global ran second in 6 of 9 rounds, and second ran 2% slower in the
     other call), a rotation of the same permutation always ran the modes in one cycle; blocks
     of a new permutation each keep positions balanced and vary the mode run before."""
     perm = rng.sample(modes, len(modes))

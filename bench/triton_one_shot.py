@@ -7,7 +7,7 @@ sum, 8 KiB to 1 MiB, in the same processes:
 One process per GPU (default: every GPU). Both are checked first against a float64 reference on
 fresh random data (outputs poisoned). Timing as bench/fused.py: a CUDA graph of 20 calls,
 replayed 200 times, each replay between events: p50 / p99 / max µs per call, the two variants'
-replays interleaved. At world 1 it times local work only (a filter); the figure the README
+replays interleaved. At world 1 it times local work only (a filter); the figure docs/p2p.md
 quotes needs 2 GPUs. Multicast stays off."""
 import argparse
 import importlib.util

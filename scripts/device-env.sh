@@ -1,4 +1,4 @@
-# Sourced by the scripts that run on a lent GPU machine (device-run.sh, device-profile.sh).
+# Sourced by the scripts that run on a GPU machine (device-run.sh, device-profile.sh).
 # Safety: NVLink multicast stays off. The three disabling variables are forced on and
 # SYMMALLOC_ENABLE_MULTICAST is removed, so nothing started from here can create a multicast
 # object. Also sets D (the prebuilt artifacts in .device/) and OUT (where logs go).

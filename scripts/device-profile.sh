@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reads what limits the large all-reduce on a lent 2-GPU machine, from prebuilt artifacts in
+# Reads what limits the large all-reduce on a 2-GPU machine, from prebuilt artifacts in
 # .device/ (scripts/stage-device.sh). Logs go to $OUT.
 #   probe: bench/link_probe.cu, the NVLink traffic patterns without symmalloc
 #   ncu:   Nsight Compute on the two-shot kernel at 64 MiB; rank 0 alone runs under ncu and

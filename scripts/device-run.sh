@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a lent GPU machine, from
+# Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a GPU machine, from
 # prebuilt artifacts in .device/ (docs/development.md, "GPU runs"). Logs go to $OUT.
 #   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab | p2p | fp8 | groups | moe | global | atp | hier | x2
-#   x2: the 2-GPU runs of issue 29 (PARTS; see the branch), each part within what is left of BUDGET s.
+#   x2: the 2-GPU runs first made on 2026-11-27 (PARTS; see the branch), each part within what is left of BUDGET s.
 #   fused: bench/fused.py (all-reduce + residual add + RMSNorm, fused vs unfused vs NCCL, and a
 #          16-layer decoder step).
 #   native: the PyTorch-native checks (torch.compile over the custom ops at 2 ranks; the wheel
@@ -19,12 +19,12 @@
 #   moe: expert parallelism (docs/moe.md): tests/gpu_moe.rs at RANKS (default "2 4 8") ranks
 #        sharing the machine's GPUs (FILTER: a test name filter).
 #   global: global mode on one GPU (PARTS="checks memory host alloc"; see the branch below).
-#   fp8: the FP8 output of the fused call (issue 31): t_fused_quant at RANKS (default "2 4 8")
+#   fp8: the FP8 output of the fused call: t_fused_quant at RANKS (default "2 4 8")
 #        ranks sharing the GPUs, t_bitwise at 2, python/tests/fp8_check.py at 2 (torchrun; gloo
 #        reference, torch.compile reduce-overhead), then bench/fused.py --world 1 --fp8
 #        (HIDDEN, TOKENS; LIB=DIR: the libraries in DIR; SKIP_BENCH=1 leaves it out, SKIP_TESTS=1
 #        runs the benchmark alone, BITWISE=0 and CHECK=0 leave out t_bitwise and fp8_check).
-#   atp: async TP (issue 27): python/tests/async_tp_check.py at RANKS (default "2 4 8") ranks
+#   atp: async TP: python/tests/async_tp_check.py at RANKS (default "2 4 8") ranks
 #        sharing the GPUs and its dying-rank case at 3, then bench/async_tp.py --world 1
 #        (SKIP_BENCH=1 leaves it out).
 #   hier: the hierarchical communicator's GPU tests (pytest python/tests/test_hier.py -k gpu:
@@ -82,7 +82,7 @@ elif [ "${1:-tests}" = fused ]; then
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   T=560 TAILN=${TAILN:-60} run fused python3 bench/fused.py --out "$OUT"
 elif [ "${1:-tests}" = p2p ]; then
-  # Symmetric memory you program yourself (issue 26): the signal/wait/put benchmark at 1 rank and
+  # Symmetric memory you program yourself: the signal/wait/put benchmark at 1 rank and
   # at 2 ranks sharing the GPU; the GPU tests at 1 rank and at RANKS (default "2 4 8") sharing it;
   # the CUDA example over the device helpers; the Python/Triton check at TRITON_RANKS.
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -95,7 +95,7 @@ elif [ "${1:-tests}" = p2p ]; then
   [ -x $D/p2p_allreduce ] && for n in ${EXAMPLE_RANKS:-2 4}; do T=90 TAILN=5 run p2p_example_$n env SYMMALLOC_SHARED_GPU=1 LD_LIBRARY_PATH=$D $D/p2p_allreduce $n; done
   T=${T_TRITON:-300} TAILN=8 run triton_p2p python3 python/tests/triton_p2p_check.py --world ${TRITON_RANKS:-2 4 8}
 elif [ "${1:-tests}" = global ]; then
-  # Global mode on one GPU (issues #35, #32), PARTS of: checks (python/tests/global_capture_check.py
+  # Global mode on one GPU (memory given back, host cost), PARTS of: checks (python/tests/global_capture_check.py
   # for PyTorch's allocator and symmalloc), memory (bench/global_memory.py, RUNS pairs), host
   # (bench/torch_global.py, PAIRS rounds, STEPS training steps, MODES; with .device/old present
   # the mode global-old runs that build; MODEL=resnet50 for the ResNet-50 step, BATCH its batch,
@@ -146,7 +146,7 @@ elif [ "${1:-tests}" = atp ]; then
   T=${T_CHECK:-400} TAILN=6 run atp_check python3 python/tests/async_tp_check.py --world ${RANKS:-2 4 8} --dying 3
   [ -n "${SKIP_BENCH:-}" ] || T=${T_BENCH:-400} TAILN=24 run atp_bench python3 bench/async_tp.py --world 1 --out "$OUT"
 elif [ "${1:-tests}" = x2 ]; then
-  # The 2-GPU verdicts of issue 29, PARTS of: tail (bench/tail.py, RUNS fresh processes, with the
+  # The 2-GPU verdicts (first run on 2026-11-27), PARTS of: tail (bench/tail.py, RUNS fresh processes, with the
   # eager Python-vs-C table), tailab (tail.py --ab-lib .device/old: RUNS, default 5, pairs of
   # fresh jobs of this build and the old one, alternating), fused (bench/fused.py --fp8 at every GPU: HIDDEN, TOKENS,
   # STEP_TOKENS; LIB=DIR: the libraries in DIR), atpcheck (python/tests/async_tp_check.py at RANKS, default "2 4", and its

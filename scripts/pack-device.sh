@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For a helper working in another git worktree: the device tool sends only the session's main
+# For a helper working in another git worktree: the device tool sends only the main
 # checkout, so this stages the current worktree (scripts/stage-device.sh) and copies its files
 # (tracked and untracked-not-ignored) plus the staged .device/ into MAIN/.hx-NAME/, a folder the
 # main checkout's .git/info/exclude ignores. Run on the device with carry [".hx-NAME"] and a

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 2-GPU run (issue 29: this wave's 2-rank verdicts), batched for a lent nvidia-h200-x2.
+# The 2-GPU run (the 2-rank verdicts, first made on 2026-11-27), batched for an nvidia-h200-x2.
 # Multicast stays off (scripts/device-env.sh, sourced by device-run.sh).
 #
 # Here, before the first call (no GPU needed):

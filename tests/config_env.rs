@@ -2,8 +2,8 @@
 //! an empty, garbage, negative, huge, NaN and infinite value, one child process per value (the
 //! environment is process-global, and the allocator reads its settings once). A bad value makes
 //! the entry point that reads it return SYMM_ERR_INVALID_ARGUMENT naming the variable and the
-//! value, never SYMM_ERR_INTERNAL; empty means the default. And the README's environment table
-//! lists every `SYMMALLOC_*` variable of the source, with no stale rows.
+//! value, never SYMM_ERR_INTERNAL; empty means the default. And docs/environment.md's table lists
+//! every `SYMMALLOC_*` variable of the source, with no stale rows.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -187,7 +187,7 @@ fn good_values_pass_through_the_same_calls() {
     }
 }
 
-// --- The README's table ---------------------------------------------------------------------
+// --- docs/environment.md's table --------------------------------------------------------------
 
 /// `SYMMALLOC_*` names in the source that are not environment variables: the C header's version
 /// constants, and the fatbin path build.rs hands the compiler (`cargo:rustc-env`, read by
@@ -230,14 +230,14 @@ fn source_text(dir: &Path, out: &mut String) {
     }
 }
 
-/// The rows of the README's "Environment" table: (names in the first cell, the other cells).
-fn readme_rows() -> Vec<(Vec<String>, Vec<String>)> {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let start = readme
-        .find("\n## Environment\n")
-        .expect("README has an Environment section");
-    let section = &readme[start + 1..];
+/// The rows of docs/environment.md's table: (names in the first cell, the other cells).
+fn table_rows() -> Vec<(Vec<String>, Vec<String>)> {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/environment.md"))
+        .unwrap();
+    let start = page
+        .find("\n## The variables\n")
+        .expect("docs/environment.md has a section \"The variables\"");
+    let section = &page[start + 1..];
     let section = &section[..section[3..].find("\n## ").map_or(section.len(), |i| i + 3)];
     let mut rows = Vec::new();
     for line in section.lines().filter(|l| l.starts_with('|')) {
@@ -262,12 +262,12 @@ fn readme_rows() -> Vec<(Vec<String>, Vec<String>)> {
 }
 
 #[test]
-fn the_readme_table_lists_every_variable_with_its_default_and_accepted_values() {
+fn the_environment_table_lists_every_variable_with_its_default_and_accepted_values() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut src = String::new();
     source_text(&root.join("src"), &mut src);
     src.push_str(&std::fs::read_to_string(root.join("build.rs")).unwrap());
-    let rows = readme_rows();
+    let rows = table_rows();
     let mut table = BTreeSet::new();
     for (vars, cells) in &rows {
         assert_eq!(
@@ -294,7 +294,7 @@ fn the_readme_table_lists_every_variable_with_its_default_and_accepted_values() 
         };
         assert!(
             listed,
-            "{name} appears in the source but not in the README's environment table"
+            "{name} appears in the source but not in docs/environment.md's table"
         );
     }
 
@@ -304,7 +304,7 @@ fn the_readme_table_lists_every_variable_with_its_default_and_accepted_values() 
     for name in &table {
         assert!(
             src.contains(&format!("\"{name}\"")),
-            "the README's environment table lists {name}, which nothing reads"
+            "docs/environment.md's table lists {name}, which nothing reads"
         );
     }
     for name in NOT_SETTINGS {

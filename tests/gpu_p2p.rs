@@ -1,5 +1,5 @@
 //! Symmetric memory you program yourself, on GPUs (run on the device machine; `#[ignore]`d, see
-//! the README's "GPU runs"): rendezvous and peer views, put/signal/wait around a ring with fresh
+//! docs/development.md, "GPU runs"): rendezvous and peer views, put/signal/wait around a ring with fresh
 //! data every round (destinations poisoned before each), the same captured into CUDA graphs,
 //! the device view, and bounded waits: alone on one rank and on a peer that died (the stream is
 //! released and the next call names the slot and the peer). Every rank on its own GPU, or

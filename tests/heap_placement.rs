@@ -108,8 +108,8 @@ fn never_used_memory_on(a: &Allocator, stream: u64) -> (u64, u64) {
 /// own free blocks whatever the stream (device_heap/placement.rs, `find_free`). It was listed
 /// under stream 0, the legacy default stream, so on any other stream the 9 MiB went into the
 /// freed 100 MiB block of its own stream, and `empty_cache` kept that whole segment for it. Replaying
-/// issue #35's ResNet-50 trace with its eager stream as a non-zero id, the default pool kept
-/// 656 MiB after `torch.cuda.graph`'s `empty_cache` against 440 on stream 0.
+/// the capture-memory targets' ResNet-50 trace with its eager stream as a non-zero id, the default
+/// pool kept 656 MiB after `torch.cuda.graph`'s `empty_cache` against 440 on stream 0.
 #[test]
 fn never_used_memory_is_a_best_fit_candidate_on_every_stream() {
     for stream in [0, 0x21] {

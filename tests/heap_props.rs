@@ -414,7 +414,7 @@ fn thread_caches_keep_blocks_for_their_thread_and_give_them_back() {
     elsewhere(&a, move |a| a.free(p, 4000, 0, s1).unwrap());
     a.validate(0).unwrap();
     assert_eq!(a.stats(0).unwrap().active_blocks, 0);
-    // A block lent by this thread's cache and freed by another thread (autograd's backward
+    // A block handed out by this thread's cache and freed by another thread (autograd's backward
     // frees what the forward allocated): the lending cache keeps it for its own thread.
     let r = a.malloc_in(6000, 0, s1, dp).unwrap();
     elsewhere(&a, move |a| a.free(r, 6000, 0, s1).unwrap());

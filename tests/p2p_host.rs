@@ -1,7 +1,7 @@
 //! Symmetric memory you program yourself, on the host backend (CI, no GPU), through the C ABI:
 //! rendezvous and peer views, `symm_comm_device`, put/signal/wait ordering around a ring, a slot
 //! reused 10^4 times, a wait on a dead peer (bounded, naming slot and peer), and every bad input
-//! of issue 26 (pointer outside the heap, range not rendezvoused, peer out of range, slot past
+//! (pointer outside the heap, range not rendezvoused, peer out of range, slot past
 //! the pad, a put leaving the range, asymmetric rendezvous on every rank, segments released
 //! after the rendezvous), each leaving the communicator usable.
 

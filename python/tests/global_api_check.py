@@ -1,4 +1,4 @@
-"""PyTorch's memory API in global mode on one GPU, row by row (README, "Global mode"): run once
+"""PyTorch's memory API in global mode on one GPU, row by row (docs/global-mode.md): run once
 with symmalloc's C++ allocator installed and once with PyTorch's own, same checks.
 
     python3 python/tests/global_api_check.py symmalloc|torch|pluggable [CHECK ...]

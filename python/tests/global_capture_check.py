@@ -7,7 +7,7 @@ Each check captures a small MLP training step (forward and backward: PyTorch run
 on its autograd device thread, not the capturing one), replays it, and compares the replayed
 loss and gradient with the same step run eagerly before the capture, on the same weights and
 inputs. Live eager tensors filled with a sentinel are held during the replays: a graph whose
-memory overlaps them overwrites the sentinel. The checks (issue #35's GPU tests):
+memory overlaps them overwrites the sentinel. The checks:
   backward_in_pool      the backward's temporaries belong to the capture's pool, not to the
                         default pool that later eager work reuses;
   shared_pool           four graphs of decreasing batch captured into one pool, each after an
@@ -26,7 +26,7 @@ memory overlaps them overwrites the sentinel. The checks (issue #35's GPU tests)
                         correctly;
   record_stream_reuse   a block recorded on a side stream (Tensor.record_stream) and freed is
                         not reused by the main stream before the side stream's work is done
-                        (global mode's record_stream hook; issue #32).
+                        (global mode's record_stream hook).
 Prints PASS/FAIL per check; exits 1 if any failed."""
 import gc
 import os

@@ -2,7 +2,7 @@
 stubbed (each returns a ROW as a real child prints it) and torch is a stand-in module, so the
 harness's own code runs as on the device: the order of each round (rotated, or shuffled with
 --shuffle), each row's position, the arguments passed to the children, and the A/A lines of
-the summary. A device session lost to a harness bug costs a tenth of its budget."""
+the summary. A GPU run lost to a harness bug costs a tenth of its device time."""
 import importlib.util
 import json
 import re

@@ -1,4 +1,4 @@
-"""Global mode and CUDA graphs on one GPU (global_capture_check.py, issue #35's GPU tests), for
+"""Global mode and CUDA graphs on one GPU (global_capture_check.py's checks), for
 symmalloc and for PyTorch's own allocator as the control, each in a fresh process (the
 allocator is chosen before CUDA starts). Skips, visibly, without torch or a GPU; run on the
 device machine (`scripts/device-run.sh global`)."""

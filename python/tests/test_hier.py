@@ -1,5 +1,5 @@
 """Across nodes (symmalloc.hier) with simulated hosts: each rank is a process whose host comes
-from SYMMALLOC_HOST_ID (README, "Across nodes"), host backend + gloo between "hosts". 2 hosts x
+from SYMMALLOC_HOST_ID (docs/across-nodes.md), host backend + gloo between "hosts". 2 hosts x
 2 ranks and 3 x 2: every collective and path against a float64 reference, the custom ops and
 torch.compile; a group over two hosts refused by Communicator.from_process_group; an uneven
 split (3 + 1) refused; one rank per host (the group's own collectives); hosts whose ranks are

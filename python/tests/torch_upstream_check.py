@@ -635,7 +635,7 @@ class TestCuda(Case):
                 self.assertEqual(tmp3.data_ptr(), ptr[0], msg="allocation not reused")
 
     def test_record_stream_on_shifted_view(self):
-        # See issue #27366
+        # See pytorch/pytorch#27366
 
         # This test detects unexpected block reallocation. For reliable test,
         # the stream to allocate tensors is isolated. The allocator will not
@@ -668,7 +668,7 @@ class TestCuda(Case):
 
     def test_caching_allocator_record_stream_oom(self):
         """allocations delayed by a record_stream call should still be freed on
-        an out-of-memory in cuda_malloc_retry. see issue #19219"""
+        an out-of-memory in cuda_malloc_retry. see pytorch/pytorch#19219"""
         stream = torch.cuda.Stream()
 
         with torch.cuda.stream(stream):
@@ -2693,8 +2693,8 @@ class TestMemPool(Case):
 
         # port: PyTorch's allocator caches over a MemPool's own allocator (it packs 1 MB tensors
         # into 2 MB buffers it asks that allocator for, and the pool's snapshot lists them);
-        # symmalloc hands every block of such a pool to that allocator as it comes (README,
-        # global mode), so the segment counts below are PyTorch's policy, checked only there.
+        # symmalloc hands every block of such a pool to that allocator as it comes
+        # (docs/global-mode.md), so the segment counts below are PyTorch's policy, checked only there.
         packs = MODE != "symmalloc"
         if not packs:
             self.skip_part(FOREIGN_POOL_UNPACKED)
