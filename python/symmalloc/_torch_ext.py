@@ -368,7 +368,12 @@ def load(verbose=False):
                 lib = cand
                 break
         if lib is None:
-            lib = _open(_build_cached(torch, verbose=verbose))
+            try:
+                built = _build_cached(torch, verbose=verbose)
+            except OSError as e:  # the cache cannot be written (a read-only home, say)
+                raise _unavailable(torch, f"the build cache {_cache_root()} cannot be used: {e} "
+                                          "(SYMMALLOC_CACHE_DIR names another)") from None
+            lib = _open(built)
     _loaded = lib
     for name in ("symm_torch_install", "symm_torch_selftest", "symm_torch_installed"):
         getattr(_loaded, name).restype = ctypes.c_int
