@@ -7,7 +7,8 @@ from typing import Dict, Optional
 
 from ._lib import _STATS, SymmallocError, _check, _find, _invalid, _library, _Stats, library_path
 
-__all__ = ["memory_stats", "pluggable_path", "mem_pool", "install_global", "installed", "alloc_conf"]
+__all__ = ["memory_stats", "pluggable_path", "mem_pool", "install_global", "installed",
+           "alloc_conf"]
 
 
 def memory_stats(device: int = 0) -> Dict[str, int]:

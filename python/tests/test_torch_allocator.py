@@ -110,8 +110,8 @@ else:
 
 
 def _load_in_process(cache, how="load", wait=True, **env):
-    env = {k: v for k, v in dict(os.environ, SYMMALLOC_BACKEND="host", SYMMALLOC_CACHE_DIR=str(cache),
-                                 **env).items() if v is not None}
+    env = dict(os.environ, SYMMALLOC_BACKEND="host", SYMMALLOC_CACHE_DIR=str(cache), **env)
+    env = {k: v for k, v in env.items() if v is not None}
     env.pop("SYMMALLOC_TORCH_EXT", None)
     p = subprocess.Popen([sys.executable, "-W", "ignore", "-c", _LOAD, how], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -276,7 +276,8 @@ def test_an_unsupported_torch_gets_the_short_error(monkeypatch):
 def test_symmalloc_torch_ext_naming_nothing_is_an_error(monkeypatch, tmp_path):
     monkeypatch.setattr(_torch_ext, "_loaded", None)
     monkeypatch.setenv("SYMMALLOC_TORCH_EXT", str(tmp_path / "none.so"))
-    with pytest.raises(_torch_ext.TorchExtUnavailable, match="SYMMALLOC_TORCH_EXT=.*none.so: no such file"):
+    with pytest.raises(_torch_ext.TorchExtUnavailable,
+                       match="SYMMALLOC_TORCH_EXT=.*none.so: no such file"):
         _torch_ext.load()
 
 
@@ -308,7 +309,8 @@ def test_alloc_conf_honours_the_fraction_caching_off_and_pyTorchs_own_keys():
     ("backend:cudaMallocAsync", "backend:cudaMallocAsync"),
     ("garbage_collection_threshold:0.6", "garbage_collection_threshold:0.6"),
     ("roundup_power2_divisions:[256:1,512:2],max_non_split_rounding_mb:4",
-     "roundup_power2_divisions:[256:1,512:2], PYTORCH_CUDA_ALLOC_CONF's max_non_split_rounding_mb:4"),
+     "roundup_power2_divisions:[256:1,512:2], "
+     "PYTORCH_CUDA_ALLOC_CONF's max_non_split_rounding_mb:4"),
     ("throw_on_cudamalloc_oom:True", "throw_on_cudamalloc_oom:True"),
     ("large_segment_size_mb:64", "large_segment_size_mb:64"),
     ("no_such_key:1", "no_such_key:1"),
@@ -317,7 +319,8 @@ def test_alloc_conf_refuses_every_other_key_by_name(text, named):
     with pytest.raises(symmalloc.SymmallocError) as e:
         memory.alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": text})
     msg = str(e.value)
-    assert msg.startswith("SYMM_ERR_UNSUPPORTED: ") and f"PYTORCH_CUDA_ALLOC_CONF's {named}" in msg, msg
+    assert msg.startswith("SYMM_ERR_UNSUPPORTED: "), msg
+    assert f"PYTORCH_CUDA_ALLOC_CONF's {named}" in msg, msg
     assert "not honoured" in msg
 
 
@@ -345,7 +348,8 @@ def test_install_global_applies_the_fraction_and_caching_off():
     out = _run_on_host(code, PYTORCH_CUDA_ALLOC_CONF="per_process_memory_fraction:0.25",
                        PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     line = next(x for x in out.splitlines() if x.startswith("STATE "))
-    assert line.startswith("STATE cpp ") and "caching 0" in line and "conf fraction 0.25" in line, line
+    assert line.startswith("STATE cpp "), line
+    assert "caching 0" in line and "conf fraction 0.25" in line, line
     code = ("import symmalloc, symmalloc._torch_ext as t\n"
             "try:\n    symmalloc.install_global()\n"
             "except symmalloc.SymmallocError as e:\n    print('REFUSED', e)\n"

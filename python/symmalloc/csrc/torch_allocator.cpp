@@ -400,7 +400,8 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     check(api.pool_hold(device, id.first, id.second), "createOrIncrefPool");
   }
 
-  void setUseOnOOM(c10::DeviceIndex device, MempoolId id, bool use_on_oom) SYMM_OVERRIDE_SINCE_2_11 {
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId id,
+                   bool use_on_oom) SYMM_OVERRIDE_SINCE_2_11 {
     (void)device;
     (void)id;
     TORCH_CHECK(!use_on_oom,
