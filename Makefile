@@ -11,7 +11,7 @@ CUDA_INCLUDE := $(CURDIR)/.toolchain/nvidia/cu13/include
 # test-wheel's torch venv and the C++ allocator's build (below).
 TORCH_VENV ?= $(CURDIR)/.toolchain/torch-venv-2.11.0
 
-.PHONY: all run build toolchain test test-rust test-c test-python test-torch torch-ext test-install test-wheel wheel lint header kernels install python-install clean
+.PHONY: all run build toolchain test test-rust test-c test-python test-torch test-torch-range torch-ext test-install test-wheel wheel lint header kernels install python-install clean
 
 all: run
 
@@ -34,7 +34,7 @@ run: build
 	./target/release/symmalloc-demo
 
 # The C harness first: it builds the release .so files that tests/exports.rs inspects.
-test: toolchain lint test-c test-rust test-python test-torch test-install test-wheel
+test: toolchain lint test-c test-rust test-python test-torch test-torch-range test-install test-wheel
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -58,9 +58,13 @@ test-python: build target/release/_fastcall.abi3.so
 # the pinned torch venv against the toolchain's CUDA headers, beside the library (where the
 # package looks for it in a checkout; the wheel carries it in symmalloc/lib/). test-torch runs its
 # host-side tests there: the prebuilt is found, a build from source works, its selftest passes on
-# the host backend, and install_global()'s fallback warns.
-TORCH_ENV = CUDA_HOME=$(CURDIR)/.toolchain/nvidia/cu13 PATH=$(TORCH_VENV)/bin:$$PATH
+# the host backend, install_global() raises a short error when no C++ allocator can be had (no
+# fallback), the build on first use is locked and remembered, PYTORCH_CUDA_ALLOC_CONF's keys are
+# honoured or refused.
+# No PATH: the package finds the venv's ninja beside its python, as for a user without activation.
+TORCH_ENV = CUDA_HOME=$(CURDIR)/.toolchain/nvidia/cu13
 target/release/libsymmalloc_torch.so: python/symmalloc/csrc/torch_allocator.cpp $(wildcard python/symmalloc/csrc/*.h) python/symmalloc/_torch_ext.py $(TORCH_VENV)/.installed
+	rm -rf build/torch-ext  # a build killed there leaves cpp_extension's lock, which would wait forever
 	cd python && $(TORCH_ENV) $(TORCH_VENV)/bin/python -m symmalloc._torch_ext --build $(CURDIR)/build/torch-ext >/dev/null
 	cp build/torch-ext/libsymmalloc_torch.so $@
 torch-ext: target/release/libsymmalloc_torch.so
@@ -69,6 +73,13 @@ test-torch: build target/release/_fastcall.abi3.so target/release/libsymmalloc_t
 	cd python && $(TORCH_ENV) SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release \
 	  SYMMALLOC_TORCH_EXT=$(CURDIR)/target/release/libsymmalloc_torch.so \
 	  $(TORCH_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests/test_torch_allocator.py
+
+# Every other supported torch minor (2.10 to 2.15): torch_allocator.cpp compiled against each
+# one's headers (PyPI's wheel, downloaded once into .toolchain/torch-range/), and the latest
+# (2.15) built, linked against its torch/lib and self-tested on the host backend in a venv kept
+# there (scripts/check-torch-range.sh; about 1 minute once cached, 3 to 4 the first time).
+test-torch-range: build $(TORCH_VENV)/.installed
+	bash scripts/check-torch-range.sh $(TORCH_VENV)
 
 # With the toolchain's nvcc the harness also builds examples/cpp/p2p_allreduce.cu (its libraries
 # are in lib/, where nvcc's profile does not look).

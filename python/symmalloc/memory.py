@@ -7,7 +7,8 @@ from typing import Dict, Optional
 
 from ._lib import _STATS, SymmallocError, _check, _find, _invalid, _library, _Stats, library_path
 
-__all__ = ["memory_stats", "pluggable_path", "mem_pool", "install_global", "installed"]
+__all__ = ["memory_stats", "pluggable_path", "mem_pool", "install_global", "installed",
+           "alloc_conf"]
 
 
 def memory_stats(device: int = 0) -> Dict[str, int]:
@@ -69,12 +70,87 @@ def _wrap_empty_cache(cuda, symm_empty_cache) -> bool:
 
 
 _installed = None  # "cpp" or "pluggable" once install_global() has run
-_FALLBACK_LACKS = (
-    "memory statistics (torch.cuda.memory_allocated, memory_stats, max_memory_allocated, "
-    "reset_peak_memory_stats), memory snapshots (_record_memory_history, _dump_snapshot), "
-    "cuDNN benchmark mode, torch.compile(mode='reduce-overhead') (CUDA-graph trees), "
-    "torch.OutOfMemoryError (a failed allocation hands PyTorch a NULL pointer) and an "
-    "enforced set_per_process_memory_fraction")
+# PYTORCH_CUDA_ALLOC_CONF keys (PYTORCH_ALLOC_CONF's too) that ask for nothing when they have
+# PyTorch's default value; any other value asks for a behaviour symmalloc's heap does not have.
+_CONF_DEFAULTS = {
+    "backend": "native",
+    "expandable_segments": "false",
+    "release_lock_on_cudamalloc": "false",
+    "throw_on_cudamalloc_oom": "false",
+    "graph_capture_record_stream_reuse": "false",
+}
+_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def _conf_items(text):
+    """PyTorch's allocator configuration string as (key, value) pairs: "k:v,k2:[a:1,b:2]"."""
+    items, depth, cur = [], 0, ""
+    for ch in text + ",":
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            if cur.strip():
+                key, _, value = cur.partition(":")
+                items.append((key.strip(), value.strip()))
+            cur = ""
+        else:
+            cur += ch
+    return items
+
+
+def _bool_text(value):
+    v = value.strip().lower()
+    return {"1": "true", "0": "false"}.get(v, v)
+
+
+def alloc_conf(environ=None, allocator="cpp"):
+    """What install_global() does with PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF and
+    PYTORCH_NO_CUDA_MEMORY_CACHING (``environ``: os.environ): returns (fraction, caching) for the
+    C++ allocator (``allocator="cpp"``), or raises naming every key it cannot honour.
+
+    Honoured: ``per_process_memory_fraction`` (each device's cap, as
+    ``set_per_process_memory_fraction``), ``PYTORCH_NO_CUDA_MEMORY_CACHING`` (set at all, as
+    PyTorch reads it: caching off, cudaMalloc and cudaFree per tensor), the ``pinned_*`` keys
+    (PyTorch's pinned host memory allocator reads them; symmalloc does not replace it), and the
+    keys of _CONF_DEFAULTS at their default value. Every other key or value is refused. The
+    pluggable path honours none of the first two."""
+    env = os.environ if environ is None else environ
+    fraction, caching, refused = 1.0, True, []
+    for var in _CONF_VARS:
+        for key, value in _conf_items(env.get(var, "")):
+            if key.startswith("pinned_"):
+                continue
+            if key in _CONF_DEFAULTS:
+                if _bool_text(value) != _CONF_DEFAULTS[key] and value != _CONF_DEFAULTS[key]:
+                    refused.append(f"{var}'s {key}:{value}")
+                continue
+            if key == "per_process_memory_fraction" and allocator == "cpp":
+                try:
+                    fraction = float(value)
+                except ValueError:
+                    fraction = -1.0
+                if not 0.0 <= fraction <= 1.0:
+                    raise _invalid(f"{var}'s per_process_memory_fraction:{value}: expected a "
+                                   "fraction in [0, 1]")
+                continue
+            refused.append(f"{var}'s {key}" + (f":{value}" if value else ""))
+    if "PYTORCH_NO_CUDA_MEMORY_CACHING" in env:
+        if allocator == "cpp":
+            caching = False
+        else:
+            refused.append("PYTORCH_NO_CUDA_MEMORY_CACHING")
+    if refused:
+        what = ("symmalloc's heap has no such setting"
+                if allocator == "cpp" else "the pluggable path cannot apply it")
+        raise SymmallocError(
+            "SYMM_ERR_UNSUPPORTED",
+            f"install_global(): {', '.join(refused)}: not honoured ({what}). Unset it for "
+            "global mode, or leave PyTorch's allocator in place. symmalloc's C++ allocator "
+            "honours per_process_memory_fraction, the pinned_* keys and "
+            "PYTORCH_NO_CUDA_MEMORY_CACHING (docs/memory.md, \"Global mode's settings\").")
+    return fraction, caching
 
 
 def installed() -> Optional[str]:
@@ -87,23 +163,25 @@ def install_global(allocator: str = "auto") -> None:
     """Make symmalloc PyTorch's CUDA allocator. Must run before CUDA allocates anything, and
     before ``torch.cuda.set_device`` (which sets up PyTorch's own allocator).
 
-    ``allocator="auto"`` (the default) installs symmalloc's C++ allocator for PyTorch
-    (csrc/torch_allocator.cpp): every method of PyTorch's ``CUDAAllocator`` over
-    libsymmalloc's C ABI, so statistics, snapshots, cuDNN benchmark mode, CUDA-graph trees
-    (``torch.compile(mode="reduce-overhead")``), ``torch.OutOfMemoryError`` and
+    ``allocator="auto"`` (the default; ``"cpp"`` is the same) installs symmalloc's C++ allocator
+    for PyTorch (csrc/torch_allocator.cpp, torch 2.10 to 2.15): every method of PyTorch's
+    ``CUDAAllocator`` over libsymmalloc's C ABI, so statistics, snapshots, cuDNN benchmark mode,
+    CUDA-graph trees (``torch.compile(mode="reduce-overhead")``), ``torch.OutOfMemoryError`` and
     ``set_per_process_memory_fraction`` work (README, "Global mode"). It is the wheel's build
-    for the torch it pins, or one built on first use with ``torch.utils.cpp_extension`` and
-    cached (symmalloc._torch_ext). When it cannot be had (no compiler, say), one warning names
-    what will not work and the pluggable path below is used. ``"cpp"`` raises instead of
-    falling back; ``"pluggable"`` takes the pluggable path directly.
+    when that fits the running torch, or one built on first use with
+    ``torch.utils.cpp_extension`` and cached (symmalloc._torch_ext). When it cannot be had (an
+    unsupported torch, no compiler), this raises a short error naming the torch, the supported
+    range, what to install, the compiler's log and the limited path; it never falls back by
+    itself. PYTORCH_CUDA_ALLOC_CONF's keys are honoured or refused (``alloc_conf``).
 
-    The pluggable path: PyTorch's ``CUDAPluggableAllocator`` over libsymmalloc_pluggable.so,
-    with every hook setter PyTorch 2.11 exposes (``set_begin_allocate_to_pool``,
-    ``set_end_allocate_to_pool_fn``, ``set_release_pool``, ``set_record_stream_fn``,
-    ``set_reset_fn``) set to its ``symm_*`` function, the begin hook to the shim's
-    ``begin_allocate_to_pool`` (which keeps PyTorch's capture filter), and
-    ``torch.cuda.empty_cache`` wrapped to also run ``symm_empty_cache()``. Each capture takes
-    a use of its pool and each graph deleted gives one back."""
+    ``"pluggable"`` takes the limited path on purpose: PyTorch's ``CUDAPluggableAllocator`` over
+    libsymmalloc_pluggable.so, without memory statistics, snapshots, CUDA-graph trees or
+    ``torch.OutOfMemoryError`` (a failed allocation hands PyTorch a NULL pointer), with every
+    hook setter PyTorch exposes (``set_begin_allocate_to_pool``, ``set_end_allocate_to_pool_fn``,
+    ``set_release_pool``, ``set_record_stream_fn``, ``set_reset_fn``) set to its ``symm_*``
+    function, the begin hook to the shim's ``begin_allocate_to_pool`` (which keeps PyTorch's
+    capture filter), and ``torch.cuda.empty_cache`` wrapped to also run ``symm_empty_cache()``.
+    Each capture takes a use of its pool and each graph deleted gives one back."""
     global _installed
     import torch
 
@@ -114,32 +192,27 @@ def install_global(allocator: str = "auto") -> None:
         return
     if torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
         raise _invalid("install_global() must run before any CUDA tensor is allocated")
-    if allocator != "pluggable":
-        from . import _torch_ext
+    if allocator == "pluggable":
+        alloc_conf(allocator="pluggable")
+        _install_pluggable(torch)
+        _installed = "pluggable"
+        return
+    fraction, caching = alloc_conf(allocator="cpp")
+    from . import _torch_ext
 
-        try:
-            _torch_ext.load()
-        except (RuntimeError, OSError) as e:
-            if allocator == "cpp":
-                raise SymmallocError("SYMM_ERR_UNSUPPORTED", str(e)) from None
-            import warnings
-
-            warnings.warn(
-                f"symmalloc: {e}. install_global() falls back to CUDAPluggableAllocator, "
-                f"under which these do not work: {_FALLBACK_LACKS}. Install a C++ compiler and "
-                "ninja (pip install ninja), or the symmalloc wheel built for this torch.",
-                RuntimeWarning, stacklevel=2)
-        else:
-            why = _torch_ext.install(library_path())
-            if why is not None:
-                raise SymmallocError(
-                    "SYMM_ERR_INVALID_ARGUMENT",
-                    "install_global() must run before any CUDA use in this process, "
-                    f"torch.cuda.set_device included: {why}")
-            _installed = "cpp"
-            return
-    _install_pluggable(torch)
-    _installed = "pluggable"
+    try:
+        _torch_ext.load()
+    except (_torch_ext.TorchExtUnavailable, OSError) as e:
+        raise SymmallocError("SYMM_ERR_UNSUPPORTED", str(e)) from None
+    why = _torch_ext.install(library_path())
+    if why is not None:
+        raise SymmallocError(
+            "SYMM_ERR_INVALID_ARGUMENT",
+            "install_global() must run before any CUDA use in this process, "
+            f"torch.cuda.set_device included: {why}")
+    if fraction < 1.0 or not caching:
+        _torch_ext.configure(fraction, caching)
+    _installed = "cpp"
 
 
 def _install_pluggable(torch) -> None:

@@ -2,8 +2,10 @@
 found built for the running torch (the wheel's, or SYMMALLOC_TORCH_EXT), it builds from source
 with torch.utils.cpp_extension, and its own checks pass against libsymmalloc's host backend
 (statistics, resets, out of memory as torch.OutOfMemoryError, cacheInfo, pools checked and
-restored as CUDA-graph trees do, snapshots and the trace, the refusals). install_global()'s
-fallback warning names what will not work. The GPU side: global_api_check.py (device runs)."""
+restored as CUDA-graph trees do, snapshots and the trace, the refusals). When it cannot be had,
+install_global() raises a short error (no fallback); the build on first use is locked, keyed,
+remembered when it fails; PYTORCH_CUDA_ALLOC_CONF's keys are honoured or refused. The GPU side:
+global_api_check.py (device runs)."""
 
 import os
 import subprocess
@@ -21,7 +23,7 @@ def _have_prebuilt():
     try:
         _torch_ext.load()
         return True
-    except RuntimeError:
+    except (RuntimeError, OSError):
         return False
 
 
@@ -60,53 +62,301 @@ def test_selftest_on_the_host_backend():
 def test_builds_from_source(tmp_path):
     """torch.utils.cpp_extension builds csrc/torch_allocator.cpp against this torch (what
     install_global() does on first use with a torch the wheel was not built for)."""
-    from torch.utils import cpp_extension
-
-    try:
-        cpp_extension.verify_ninja_availability()
-    except RuntimeError:
-        pytest.skip("ninja is not installed: install_global() would warn and fall back")
-    try:
-        _torch_ext._cuda_paths(torch)
-    except RuntimeError as e:
-        pytest.skip(f"no CUDA runtime headers here ({e})")
+    why = _can_build()
+    if why:
+        pytest.skip(f"cannot build the C++ allocator here ({why})")
     path = _torch_ext.build(str(tmp_path))
     lib, version = _torch_ext._built_for(path)
     assert version == torch.__version__
     assert lib.symm_torch_installed() == 0
 
 
-def test_fallback_warns_once_naming_what_will_not_work(monkeypatch):
-    def no_compiler(verbose=False):
-        raise RuntimeError("the C++ allocator for torch X could not be built: no compiler")
+def test_no_cpp_allocator_raises_instead_of_falling_back(monkeypatch):
+    """allocator="auto" (and "cpp") never falls back to the pluggable path by itself: the short
+    error comes through as SYMM_ERR_UNSUPPORTED and nothing is installed."""
+    def unavailable(verbose=False):
+        raise _torch_ext.TorchExtUnavailable("no compiler")
 
     calls = []
-    monkeypatch.setattr(_torch_ext, "load", no_compiler)
+    monkeypatch.setattr(_torch_ext, "load", unavailable)
     monkeypatch.setattr(memory, "_install_pluggable", lambda t: calls.append(t))
     monkeypatch.setattr(memory, "_installed", None)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    with pytest.warns(RuntimeWarning) as w:
-        symmalloc.install_global()
-    assert len(w) == 1
-    msg = str(w[0].message)
-    for what in ("memory_stats", "_dump_snapshot", "cuDNN benchmark", "reduce-overhead",
-                 "OutOfMemoryError", "no compiler"):
-        assert what in msg, msg
-    assert calls, "the pluggable path was installed"
-    assert memory.installed() == "pluggable"
-
-
-def test_cpp_only_raises_instead_of_falling_back(monkeypatch):
-    def no_compiler(verbose=False):
-        raise RuntimeError("no compiler")
-
-    monkeypatch.setattr(_torch_ext, "load", no_compiler)
-    monkeypatch.setattr(memory, "_installed", None)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    with pytest.raises(symmalloc.SymmallocError, match="SYMM_ERR_UNSUPPORTED: no compiler"):
-        symmalloc.install_global(allocator="cpp")
+    for allocator in ("auto", "cpp"):
+        with pytest.raises(symmalloc.SymmallocError, match="SYMM_ERR_UNSUPPORTED: no compiler"):
+            symmalloc.install_global(allocator=allocator)
+    assert not calls and memory.installed() is None
     with pytest.raises(symmalloc.SymmallocError, match="expected 'auto', 'cpp' or 'pluggable'"):
         symmalloc.install_global(allocator="cuda")
+
+
+# ---- the build on first use: the short error, the remembered failure, the lock ----
+
+# Run in a fresh process: the package and libsymmalloc.so as in the checkout, no prebuilt C++
+# allocator anywhere (the wheel's and the one beside the library are not looked at), the build
+# cache in the given folder. Prints RESULT <lib path> <inode> or ERROR <message>.
+_LOAD = """
+import os, sys, symmalloc
+from symmalloc import _torch_ext as t
+t._candidates = lambda: iter(())
+try:
+    symmalloc.install_global() if sys.argv[1] == "install" else t.load()
+except (symmalloc.SymmallocError, t.TorchExtUnavailable) as e:
+    print("ERROR", str(e).replace(chr(10), " | "))
+else:
+    p = t.load()._name
+    print("RESULT", p, os.stat(p).st_ino)
+"""
+
+
+def _load_in_process(cache, how="load", wait=True, **env):
+    env = dict(os.environ, SYMMALLOC_BACKEND="host", SYMMALLOC_CACHE_DIR=str(cache), **env)
+    env = {k: v for k, v in env.items() if v is not None}
+    env.pop("SYMMALLOC_TORCH_EXT", None)
+    p = subprocess.Popen([sys.executable, "-W", "ignore", "-c", _LOAD, how], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return _finish(p) if wait else p
+
+
+def _finish(p, timeout=600):
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, out + err
+    line = next((x for x in out.splitlines() if x.startswith(("RESULT ", "ERROR "))), None)
+    assert line, out + err
+    return line
+
+
+def _key_dir(cache):
+    return cache / _torch_ext.cache_key(torch)
+
+
+def _can_build():
+    try:
+        _torch_ext._check_tools()
+        _torch_ext._cuda_paths(torch)
+        return None
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_no_compiler_gives_the_short_error_and_is_remembered(tmp_path):
+    """CXX naming a compiler that is not there: install_global() raises a few lines (not the
+    compiler's log) naming the torch, the range, what to install, the log file and the
+    pluggable path; the failure is kept in the cache key's folder, so the next process raises
+    at once, with a working compiler too, until FAILED is deleted."""
+    line = _load_in_process(tmp_path, "install", CXX="/nonexistent/bin/c++")
+    assert line.startswith("ERROR SYMM_ERR_UNSUPPORTED: "), line
+    msg = line[len("ERROR "):]
+    parts = msg.split(" | ")
+    assert len(parts) <= 6 and len(msg) < 1200, msg
+    for what in (f"torch {torch.__version__}", "2.10 to 2.15", "/nonexistent/bin/c++ not found",
+                 "pip install ninja", 'install_global(allocator="pluggable")', "build.log",
+                 "FAILED to try again"):
+        assert what in msg, (what, msg)
+    key = _key_dir(tmp_path)
+    assert (key / "build.log").is_file() and (key / "FAILED").is_file()
+    assert "/nonexistent/bin/c++" in (key / "build.log").read_text()
+    assert not (key / _torch_ext.LIBRARY).exists()
+
+    # Remembered: no build is tried again (the log stays as it was), whatever the compiler.
+    before = (key / "build.log").stat().st_mtime_ns
+    again = _load_in_process(tmp_path, "load", CXX=None)
+    assert again.startswith("ERROR ") and "FAILED to try again" in again, again
+    assert (key / "build.log").stat().st_mtime_ns == before
+    assert not (key / _torch_ext.LIBRARY).exists()
+
+    # Deleting FAILED (what the message says) tries again.
+    (key / "FAILED").unlink()
+    third = _load_in_process(tmp_path, "load", CXX="false")
+    assert third.startswith("ERROR ") and (key / "FAILED").is_file(), third
+    assert (key / "build.log").stat().st_mtime_ns != before
+
+
+def test_two_processes_building_at_once_end_on_the_same_library(tmp_path):
+    """Two processes with an empty cache build at once: one builds, the other waits on the lock
+    and loads the very file it published (same inode: nothing replaced it). ninja and the
+    compiler are found beside sys.executable: PATH does not hold the venv."""
+    why = _can_build()
+    if why:
+        pytest.skip(f"cannot build the C++ allocator here ({why})")
+    path = "/usr/local/bin:/usr/bin:/bin"
+    procs = [_load_in_process(tmp_path, "load", wait=False, PATH=path) for _ in range(2)]
+    lines = [_finish(p) for p in procs]
+    assert all(x.startswith("RESULT ") for x in lines), lines
+    assert lines[0] == lines[1], lines
+    key = _key_dir(tmp_path)
+    assert lines[0].split()[1] == str(key / _torch_ext.LIBRARY)
+    assert sorted(os.listdir(key)) == [_torch_ext.LIBRARY], "no build folder or log is left"
+
+
+def test_a_killed_builder_never_blocks_the_next(tmp_path):
+    """A process holding the build lock is killed mid-build (its build folder left behind): the
+    kernel drops its lock, the next process builds (here: tries, and fails on CXX=false) and
+    removes the dead build's folder."""
+    import signal
+
+    key = _key_dir(tmp_path)
+    key.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, os, sys, time; f = open(sys.argv[1], 'a+'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); os.mkdir(sys.argv[2]); print('locked', flush=True); "
+         "time.sleep(600)", str(key) + ".lock", str(key / "build-999999")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        waiting = _load_in_process(tmp_path, "load", wait=False, CXX="false")
+        # The lock is held: it waits, trying no build (CXX=false fails within seconds of
+        # starting, writing FAILED).
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=15)
+        assert not (key / "FAILED").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    line = _finish(waiting, timeout=120)
+    assert line.startswith("ERROR ") and "FAILED to try again" in line, line
+    assert not (key / "build-999999").exists()
+
+
+def test_the_cache_key_names_symmalloc_csrc_and_torch(monkeypatch, tmp_path):
+    key = _torch_ext.cache_key(torch)
+    assert f"symmalloc-{symmalloc.__version__}-" in key
+    assert torch.__version__.replace("+", "_") in key
+    monkeypatch.setattr(symmalloc, "__version__", "9.9.9")
+    assert _torch_ext.cache_key(torch) != key and "symmalloc-9.9.9-" in _torch_ext.cache_key(torch)
+    monkeypatch.undo()
+    # A change to any csrc file changes it (a copy of csrc with one byte more in one header).
+    import shutil as sh
+
+    copy = tmp_path / "csrc"
+    sh.copytree(_torch_ext.CSRC, copy)
+    monkeypatch.setattr(_torch_ext, "CSRC", str(copy))
+    assert _torch_ext.cache_key(torch) == key
+    with open(copy / "uncached.h", "a") as fh:
+        fh.write("\n")
+    assert _torch_ext.cache_key(torch) != key
+
+
+class _FakeLib:
+    def __init__(self, version, cuda, abi):
+        self.symm_torch_built_for = lambda: version.encode()
+        self.symm_torch_built_cuda = lambda: cuda.encode()
+        self.symm_torch_abi = lambda: abi.encode()
+
+
+def test_a_prebuilt_library_fits_the_same_minor_cuda_major_and_headers(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.11.1+cu130")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(_torch_ext, "_abi_hash", lambda t: "abc")
+    fits = lambda v, c, a: _torch_ext._fits(_FakeLib(v, c, a), torch)  # noqa: E731
+    assert fits("2.11.1+cu130", "", "") is None  # the exact version
+    assert fits("2.11.0+cu130", "13.0", "abc") is None  # another patch release, same headers
+    assert fits("2.11.0+cu132", "13.2", "abc") is None  # another CUDA 13 build
+    assert "built for torch 2.12.0" in fits("2.12.0+cu130", "13.0", "abc")
+    assert "CUDA 12.8" in fits("2.11.0+cu128", "12.8", "abc")
+    assert "other allocator headers" in fits("2.11.0+cu130", "13.0", "abd")
+    assert "other allocator headers" in fits("2.11.0+cu130", "13.0", "")
+
+
+def test_an_unsupported_torch_gets_the_short_error(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.16.0+cu132")
+    monkeypatch.setattr(_torch_ext, "_loaded", None)
+    monkeypatch.delenv("SYMMALLOC_TORCH_EXT", raising=False)
+    with pytest.raises(_torch_ext.TorchExtUnavailable) as e:
+        _torch_ext.load()
+    msg = str(e.value)
+    for what in ("torch 2.16.0+cu132", "2.10 to 2.15", "pip install 'torch>=2.10,<2.16'",
+                 'allocator="pluggable"'):
+        assert what in msg, (what, msg)
+    assert [_torch_ext.supported(v) for v in ("2.9.1", "2.10.0", "2.15.0+cu132", "2.16.0")] == [
+        False, True, True, False]
+
+
+def test_symmalloc_torch_ext_naming_nothing_is_an_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(_torch_ext, "_loaded", None)
+    monkeypatch.setenv("SYMMALLOC_TORCH_EXT", str(tmp_path / "none.so"))
+    with pytest.raises(_torch_ext.TorchExtUnavailable,
+                       match="SYMMALLOC_TORCH_EXT=.*none.so: no such file"):
+        _torch_ext.load()
+
+
+def test_ninja_and_the_compiler_are_looked_for_beside_this_python(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    path = _torch_ext._tool_path().split(os.pathsep)
+    assert path[0] == os.path.dirname(os.path.abspath(sys.executable)), path
+    assert path[-1] == "/nonexistent"
+
+
+# ---- PYTORCH_CUDA_ALLOC_CONF and PYTORCH_NO_CUDA_MEMORY_CACHING ----
+
+def test_alloc_conf_honours_the_fraction_caching_off_and_pyTorchs_own_keys():
+    conf = memory.alloc_conf
+    assert conf({}) == (1.0, True)
+    assert conf({"PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:0.25"}) == (0.25, True)
+    assert conf({"PYTORCH_ALLOC_CONF": "per_process_memory_fraction:0.5"}) == (0.5, True)
+    assert conf({"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}) == (1.0, False)
+    # Pinned host memory is PyTorch's allocator still; defaults ask for nothing.
+    ok = ("pinned_use_cuda_host_register:True,pinned_num_register_threads:8,backend:native,"
+          "expandable_segments:False,release_lock_on_cudamalloc:False,"
+          "throw_on_cudamalloc_oom:False,graph_capture_record_stream_reuse:False")
+    assert conf({"PYTORCH_CUDA_ALLOC_CONF": ok}) == (1.0, True)
+
+
+@pytest.mark.parametrize("text,named", [
+    ("max_split_size_mb:128", "max_split_size_mb:128"),
+    ("expandable_segments:True", "expandable_segments:True"),
+    ("backend:cudaMallocAsync", "backend:cudaMallocAsync"),
+    ("garbage_collection_threshold:0.6", "garbage_collection_threshold:0.6"),
+    ("roundup_power2_divisions:[256:1,512:2],max_non_split_rounding_mb:4",
+     "roundup_power2_divisions:[256:1,512:2], "
+     "PYTORCH_CUDA_ALLOC_CONF's max_non_split_rounding_mb:4"),
+    ("throw_on_cudamalloc_oom:True", "throw_on_cudamalloc_oom:True"),
+    ("large_segment_size_mb:64", "large_segment_size_mb:64"),
+    ("no_such_key:1", "no_such_key:1"),
+])
+def test_alloc_conf_refuses_every_other_key_by_name(text, named):
+    with pytest.raises(symmalloc.SymmallocError) as e:
+        memory.alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": text})
+    msg = str(e.value)
+    assert msg.startswith("SYMM_ERR_UNSUPPORTED: "), msg
+    assert f"PYTORCH_CUDA_ALLOC_CONF's {named}" in msg, msg
+    assert "not honoured" in msg
+
+
+def test_alloc_conf_checks_the_fraction_and_the_pluggable_path_refuses_both():
+    with pytest.raises(symmalloc.SymmallocError, match="per_process_memory_fraction:1.5: expected"):
+        memory.alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:1.5"})
+    with pytest.raises(symmalloc.SymmallocError, match="per_process_memory_fraction:half"):
+        memory.alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:half"})
+    for env, named in (({"PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:0.5"},
+                        "per_process_memory_fraction:0.5"),
+                       ({"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, "PYTORCH_NO_CUDA_MEMORY_CACHING")):
+        with pytest.raises(symmalloc.SymmallocError, match="pluggable path cannot apply") as e:
+            memory.alloc_conf(env, allocator="pluggable")
+        assert named in str(e.value)
+
+
+def test_install_global_applies_the_fraction_and_caching_off():
+    """On the host backend: install_global() installs the C++ allocator with the conf's fraction
+    (set on each device at its first allocation) and caching off, as history_state() reads
+    them; a refused key fails before anything is installed."""
+    if not _have_prebuilt():
+        pytest.skip("no C++ allocator built for this torch (test_builds_from_source says why)")
+    code = ("import symmalloc, symmalloc._torch_ext as t; symmalloc.install_global(); "
+            "print('STATE', symmalloc.memory.installed(), t.history_state())")
+    out = _run_on_host(code, PYTORCH_CUDA_ALLOC_CONF="per_process_memory_fraction:0.25",
+                       PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    line = next(x for x in out.splitlines() if x.startswith("STATE "))
+    assert line.startswith("STATE cpp "), line
+    assert "caching 0" in line and "conf fraction 0.25" in line, line
+    code = ("import symmalloc, symmalloc._torch_ext as t\n"
+            "try:\n    symmalloc.install_global()\n"
+            "except symmalloc.SymmallocError as e:\n    print('REFUSED', e)\n"
+            "print('INSTALLED', symmalloc.memory.installed(), t.load().symm_torch_installed())")
+    out = _run_on_host(code, PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64")
+    assert "REFUSED SYMM_ERR_UNSUPPORTED" in out and "max_split_size_mb:64" in out, out
+    assert "INSTALLED None 0" in out, out
 
 
 def test_profiling_entry_points_refuse_in_the_default_build():
@@ -136,13 +386,9 @@ def test_history_state_names_what_is_recorded():
 def test_profiling_build_times_and_traces_the_allocation_path(tmp_path):
     """A build with profile=True (csrc/profile.h) counts and times every allocation and free per
     thread, and writes the calls as CSV while tracing (bench/step_probe.py --ext-profile)."""
-    from torch.utils import cpp_extension
-
-    try:
-        cpp_extension.verify_ninja_availability()
-        _torch_ext._cuda_paths(torch)
-    except RuntimeError as e:
-        pytest.skip(f"cannot build the C++ allocator here ({e})")
+    why = _can_build()
+    if why:
+        pytest.skip(f"cannot build the C++ allocator here ({why})")
     path = _torch_ext.build(str(tmp_path / "build"), profile=True)
     csv = tmp_path / "trace.csv"
     code = (

@@ -19,6 +19,8 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include "torch_compat.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -28,8 +30,7 @@ namespace symm_torch {
 namespace {  // internal linkage, as in the one translation unit that includes this
 
 using c10::CachingDeviceAllocator::DeviceStats;
-using c10::CachingDeviceAllocator::Stat;
-using c10::CachingDeviceAllocator::TraceEntry;
+using c10::CachingDeviceAllocator::Stat;  // TraceEntry and the other moved names: torch_compat.h
 namespace CCA = c10::cuda::CUDACachingAllocator;
 using MempoolId = c10::MempoolId_t;
 

@@ -58,14 +58,14 @@ class History {
           seg->device = (c10::DeviceIndex)d;
           seg->address = b.segment_address;
           seg->total_size = b.segment_size;
-          seg->stream = (void*)(uintptr_t)(b.stream == UINT64_MAX ? 0 : b.stream);
+          seg->stream = (TraceStream)(uintptr_t)(b.stream == UINT64_MAX ? 0 : b.stream);
           seg->is_large = b.is_large != 0;
           seg->is_expandable = false;
           seg->owner_private_pool_id = {b.pool_first, b.pool_second};
           auto sc = segment_ctx_.find(b.segment_address);
           if (sc != segment_ctx_.end()) seg->context_when_allocated = sc->second;
         }
-        c10::CachingDeviceAllocator::BlockInfo bi;
+        BlockInfo bi;
         bi.size = b.size;
         bi.requested_size = b.requested;
         bi.allocated = b.state == kBlockLive;
@@ -285,7 +285,7 @@ class History {
     // As PyTorch's record_trace: an entry carries frames only when contexts are recorded at
     // allocations or more (context="state" keeps them with live blocks and segments only).
     if (when_ < CCA::RecordContext::ALLOC) ctx = nullptr;
-    TraceEntry te(action, (c10::DeviceIndex)device, addr, size, (void*)stream, {0, 0},
+    TraceEntry te(action, (c10::DeviceIndex)device, addr, size, (TraceStream)stream, {0, 0},
                   c10::getApproximateTime(), std::move(ctx),
                   // PyTorch's allocator writes "N/A" outside a compiled region (the
                   // snapshot's readers, test_memory_compile_regions among them, skip it).

@@ -1,5 +1,6 @@
 // symmalloc as PyTorch's CUDA allocator: every virtual method of
-// c10::cuda::CUDACachingAllocator::CUDAAllocator (torch 2.11), over libsymmalloc's C ABI.
+// c10::cuda::CUDACachingAllocator::CUDAAllocator (torch 2.10 to 2.15: torch_compat.h), over
+// libsymmalloc's C ABI.
 //
 // Owns: the allocator object that `symm_torch_install` hands to PyTorch
 // (torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator), the memory fraction per device,
@@ -35,7 +36,6 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
-#include <torch/headeronly/version.h>
 
 #include <algorithm>
 #include <atomic>
@@ -96,6 +96,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   // Allocation on an explicit device (also the host tests' way in: no CUDA runtime needed).
   void* malloc_on(c10::DeviceIndex device, size_t n, cudaStream_t stream) {
     if (n == 0) return nullptr;
+    if (conf_pending_.load(std::memory_order_relaxed) != 0) apply_conf_fraction(device);
     SYMM_PROF_ALLOC(p, n, stream);
     if (foreign_.routes() > 0) {
       if (void* q = foreign_.malloc(device, n, stream)) return q;
@@ -173,7 +174,38 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     device_count_ = device_count;
     fraction_.assign(std::max(device_count, 1), 1.0);
     initialized_ = true;
+    if (conf_fraction_ < 1.0) configure(conf_fraction_, caching_.load());
   }
+
+  // PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction and PYTORCH_NO_CUDA_MEMORY_CACHING
+  // (install_global() parses them; symm_torch_configure). PyTorch caps each device at its
+  // allocator's creation; here each device's cap is set at its first allocation (setting it
+  // earlier would make a heap, and a CUDA context, on every visible device), from the
+  // device's total memory as PyTorch takes it (cudaGetDeviceProperties). An explicit
+  // set_per_process_memory_fraction on a device before that wins, as it does in PyTorch.
+  void configure(double fraction, bool caching) {
+    conf_fraction_ = fraction;
+    caching_.store(caching);
+    if (!initialized_ || fraction >= 1.0) return;
+    uint64_t all = device_count_ >= 64 ? ~0ull : (1ull << std::max(device_count_, 1)) - 1;
+    for (auto& f : fraction_) f = fraction;
+    conf_pending_.store(all);
+  }
+
+  void apply_conf_fraction(c10::DeviceIndex device) {
+    uint64_t bit = device >= 0 && device < 64 ? 1ull << device : 0;
+    if ((conf_pending_.fetch_and(~bit) & bit) == 0) return;
+    cudaDeviceProp prop;
+    cudaError_t e = cudaGetDeviceProperties(&prop, device);
+    if (e != cudaSuccess) {  // no CUDA device (the host backend): no total to take a share of
+      (void)cudaGetLastError();
+      TORCH_WARN_ONCE("symmalloc: per_process_memory_fraction ", conf_fraction_,
+                      " not applied on device ", int(device), ": ", cudaGetErrorString(e));
+      return;
+    }
+    set_limit(device, conf_fraction_, prop.totalGlobalMem);
+  }
+  double conf_fraction() const { return conf_fraction_; }
   bool initialized() override { return initialized_; }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
@@ -198,6 +230,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     uint64_t limit = fraction >= 1.0 ? 0 : (uint64_t)(fraction * (double)total);
     if (fraction < 1.0 && limit == 0) limit = 1;  // 0 would lift the cap
     check(api.set_memory_limit(device, limit), "set_per_process_memory_fraction");
+    if (device >= 0 && device < 64) conf_pending_.fetch_and(~(1ull << device));
     if ((size_t)device >= fraction_.size()) fraction_.resize(device + 1, 1.0);
     fraction_[device] = fraction;
   }
@@ -274,7 +307,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   }
 
   // ---- snapshots and history ----
-  CCA::SnapshotInfo snapshot(MempoolId mempool_id, bool include_traces) override {
+  CCA::SnapshotInfo snapshot(MempoolId mempool_id, bool include_traces) SYMM_OVERRIDE_SINCE_2_11 {
     return hist_.snapshot(device_count_, mempool_id, include_traces);
   }
   bool isHistoryEnabled() override { return hist_.isHistoryEnabled(); }
@@ -282,11 +315,12 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     return hist_.state() + ", device count " + std::to_string(device_count_) + ", routes open " +
            std::to_string(routes_open_.load()) +
            ", foreign routes " + std::to_string(foreign_.routes()) + ", caching " +
-           std::to_string(caching_.load());
+           std::to_string(caching_.load()) + ", conf fraction " + std::to_string(conf_fraction_) +
+           " (pending on devices " + std::to_string(conf_pending_.load()) + " as a mask)";
   }
   void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
                      size_t alloc_trace_max_entries, CCA::RecordContext when, bool clearHistory,
-                     const std::vector<std::string>& skip_actions) override {
+                     const std::vector<std::string>& skip_actions) SYMM_OVERRIDE_SINCE_2_11 {
     hist_.recordHistory(enabled, context_recorder, alloc_trace_max_entries, when, clearHistory,
                         skip_actions);
   }
@@ -300,6 +334,20 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) override {
     hist_.attachAllocatorTraceTracker(std::move(tracker));
   }
+#if SYMM_TORCH_AT_LEAST(2, 12)
+  // PyTorch calls these observers when its throw_on_cudamalloc_oom policy rejects a request
+  // before cudaMalloc. symmalloc has no such policy (install_global() refuses the key), so none
+  // is ever called: kept for the process, as PyTorch keeps them.
+  void attachOomRejectionObserver(CCA::OomRejectionObserver observer) override {
+    oom_rejection_observers_.push_back(std::move(observer));
+  }
+#endif
+#if SYMM_TORCH_AT_LEAST(2, 14)
+  // setUserMetadata's string goes onto every trace entry (history.h), so say so
+  // (torch._C._cuda_memoryMetadataSupported()). annotateMemory keeps PyTorch's default: a
+  // warning that the annotation is ignored (no "annotate" trace entry; docs/memory.md).
+  bool supportsUserMetadata() override { return true; }
+#endif
 
   // ---- pools and graph capture ----
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId id,
@@ -341,7 +389,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   }
 
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId id,
-                          std::shared_ptr<CCA::CUDAAllocator> allocator) override {
+                          std::shared_ptr<CCA::CUDAAllocator> allocator) SYMM_OVERRIDE_SINCE_2_11 {
     // A MemPool in global mode: with no allocator of its own its blocks come from symmalloc's
     // heap, in a pool of its own; with one (a MemPool(allocator=...), NCCL's for buffer
     // registration, say) its blocks come from that allocator, as PyTorch's allocator does it.
@@ -352,7 +400,8 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     check(api.pool_hold(device, id.first, id.second), "createOrIncrefPool");
   }
 
-  void setUseOnOOM(c10::DeviceIndex device, MempoolId id, bool use_on_oom) override {
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId id,
+                   bool use_on_oom) SYMM_OVERRIDE_SINCE_2_11 {
     (void)device;
     (void)id;
     TORCH_CHECK(!use_on_oom,
@@ -418,6 +467,31 @@ class SymmAllocator final : public CCA::CUDAAllocator {
 
   std::string name() override { return "symmalloc"; }
 
+#if !SYMM_TORCH_AT_LEAST(2, 11)
+  // torch 2.10's signatures of the methods 2.11 changed: each calls the 2.11 form above.
+  CCA::SnapshotInfo snapshot(MempoolId mempool_id) override {
+    return snapshot(mempool_id, /*include_traces=*/true);
+  }
+  void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, CCA::RecordContext when,
+                     bool clearHistory) override {
+    recordHistory(enabled, context_recorder, alloc_trace_max_entries, when, clearHistory, {});
+  }
+  // 2.10's MemPool keeps its allocator alive and passes it by pointer (PyTorch's allocator keeps
+  // the pointer): held here without owning it, as there.
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId id,
+                          CCA::CUDAAllocator* allocator) override {
+    createOrIncrefPool(device, id,
+                       allocator ? std::shared_ptr<CCA::CUDAAllocator>(
+                                       allocator, [](CCA::CUDAAllocator*) {})
+                                 : nullptr);
+  }
+  // 2.10's MemPool calls it only for use_on_oom=True.
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId id) override {
+    setUseOnOOM(device, id, /*use_on_oom=*/true);
+  }
+#endif
+
   int device_count() const { return device_count_; }
 
  private:
@@ -440,8 +514,13 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   int device_count_ = 0;
   bool initialized_ = false;
   std::vector<double> fraction_ = std::vector<double>(64, 1.0);
+  double conf_fraction_ = 1.0;              // per_process_memory_fraction (configure)
+  std::atomic<uint64_t> conf_pending_{0};   // devices whose cap is still to be set from it
 
   symm_torch::History hist_;
+#if SYMM_TORCH_AT_LEAST(2, 12)
+  std::vector<CCA::OomRejectionObserver> oom_rejection_observers_;
+#endif
   std::atomic<bool> caching_{true};
   symm_torch::Uncached uncached_;
   symm_torch::StreamUses uses_;
@@ -492,6 +571,31 @@ extern "C" {
 #define SYMM_TORCH_FULL_VERSION TORCH_VERSION
 #endif
 const char* symm_torch_built_for() { return SYMM_TORCH_FULL_VERSION; }
+
+// The running torch's headers this file was built against, as a hash (SYMM_TORCH_ABI, given by
+// _torch_ext.build: the c10/ and torch/ headers csrc includes, version.h aside), and the CUDA
+// version of that torch (SYMM_TORCH_CUDA). The package accepts a library built for another
+// patch release of the same minor only when both match (docs/memory.md, "Torch versions").
+#ifndef SYMM_TORCH_ABI
+#define SYMM_TORCH_ABI ""
+#endif
+#ifndef SYMM_TORCH_CUDA
+#define SYMM_TORCH_CUDA ""
+#endif
+const char* symm_torch_abi() { return SYMM_TORCH_ABI; }
+const char* symm_torch_built_cuda() { return SYMM_TORCH_CUDA; }
+
+// Sets PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction (1: none) and whether caching is
+// on (PYTORCH_NO_CUDA_MEMORY_CACHING: off) on the allocator symm_torch_install made. 0 on
+// success; 1 with a message in err (no allocator made, a fraction outside [0, 1]).
+int symm_torch_configure(double fraction, int caching, char* err, size_t len) {
+  if (!instance()) return fail(err, len, "no allocator was made (symm_torch_install first)");
+  if (!(fraction >= 0.0 && fraction <= 1.0))
+    return fail(err, len, "per_process_memory_fraction " + std::to_string(fraction) +
+                              ": expected a fraction in [0, 1]");
+  instance()->configure(fraction, caching != 0);
+  return 0;
+}
 
 // Makes the allocator over the library at `library_path` and installs it as PyTorch's CUDA
 // allocator. 0 on success; otherwise 1 and a message in err (PyTorch's allocator already in
