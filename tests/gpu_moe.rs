@@ -5,7 +5,7 @@
 //! child, every error, create arguments, a dead peer), where the kernels report what only the
 //! routing shows at the next call or `symm_moe_check` after a stream sync. Then CUDA graphs:
 //! dispatch, an expert on the device (the rows copied, each element pair read as fp32 doubled
-//! 1 + e % 3 times: tests/common/moe.rs `Expert::Pairs`) and combine captured once and
+//! 1 + e % 3 times: tests/common/moe/mod.rs `Expert::Pairs`) and combine captured once and
 //! replayed with new routing written into the same buffers before each replay.
 
 mod common;
@@ -158,7 +158,7 @@ fn graph_rank(c: &Child) {
         assert_eq!(symm_moe_check(o.moe), OK, "replay {i}: {}", err());
         let what = format!("rank {r} replay {i}");
         check_recv(&o, &c, &all, &read_recv(&o), &what);
-        check_y(&o, &c, Expert::Pairs, me, &y.get(), &what);
+        check_y(&o, &c, Expert::Pairs(0), me, &y.get(), &what);
     }
     drop(graph);
     for i in 0..4 {
