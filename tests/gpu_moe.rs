@@ -201,7 +201,11 @@ fn gpu_moe_repeated_combines_and_a_refused_one_retried() {
         println!("rank {r}: {made} repeated combines and {rounds} refused ones retried correct");
         return;
     }
-    run_gpu("gpu_moe_repeated_combines_and_a_refused_one_retried", &[], 0);
+    run_gpu(
+        "gpu_moe_repeated_combines_and_a_refused_one_retried",
+        &[],
+        0,
+    );
 }
 
 /// Captures one dispatch and two combines of it (the pair expert with shifts 0 and 1 on the
@@ -269,5 +273,9 @@ fn gpu_moe_graph_replays_of_two_combines_of_one_dispatch() {
     if let Some(c) = child() {
         return graph_repeat_rank(&c);
     }
-    run_gpu("gpu_moe_graph_replays_of_two_combines_of_one_dispatch", &[], 0);
+    run_gpu(
+        "gpu_moe_graph_replays_of_two_combines_of_one_dispatch",
+        &[],
+        0,
+    );
 }
