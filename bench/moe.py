@@ -470,7 +470,7 @@ def rank_main(rank, world, port, args, job, out_path):
                 try:
                     moe = make_moe(comm, T, H, K, E, R)
                 except Exception as e:  # noqa: BLE001
-                    need = L * (R or world * T) * H * 2 + T * K * H * 2
+                    need = L * (R or world * T) * H * 2 + 2 * T * K * H * 2  # recv_x, two cbufs
                     note(f"symmalloc {shape}: create refused (max_recv_per_expert {R or world * T}, recv_x + cbuf "
                          f"alone {need / 2**20:.0f} MiB; SYMMALLOC_COMM_ARENA_SIZE sizes the communicator's arena): "
                          f"{type(e).__name__}: {e}")

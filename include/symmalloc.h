@@ -800,6 +800,10 @@ symm_status_t symm_moe_dispatch(symm_moe_t *moe, const void *x, const float *x_s
  * the last dispatch) = sum over k of `topk_weights[t][k] * expert_out(token t, slot k)`, in
  * fp32 with fma in increasing k, rounded once: bitwise the same on every run and rank count.
  * Collective. Refused before any dispatch (and, on the host backend, after a failed one).
+ * Any number of combines may follow one dispatch, back to back on the stream (e.g. with other
+ * expert outputs): each writes its own `y`, none disturbs another's. A combine one rank
+ * refused (its own arguments) fails on every other rank naming it, with `y` zeros there, and
+ * may simply be retried.
  */
 symm_status_t symm_moe_combine(symm_moe_t *moe, const void *expert_out, void *y, struct CUstream_st *stream);
 

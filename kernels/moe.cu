@@ -14,7 +14,11 @@
 // Epochs: a call's epoch is the rank's count of earlier calls of its kind plus one, read from
 // the control words at kernel start; block 0 stores it at the end, after every block of the grid
 // has counted itself in (so none reads it late). Flags are monotonic (`>= epoch`), so graph
-// replays need no reset and nothing is ever cleared. Count rows alternate by the epoch's parity.
+// replays need no reset and nothing is ever cleared. Count rows alternate by the dispatch epoch's
+// parity; the combine's flag row and landing buffer (cbuf) by the combine epoch's (moe_cbuf), so
+// combines of one dispatch may follow each other back to back: a rank reaches combine c + 2 only
+// after every rank raised its flag of c + 1, i.e. after every rank's kernel of c finished reading
+// its cbuf and flags; a combine's wait therefore sees exactly its own value, never a later call's.
 //
 // Determinism: each (token, slot)'s row within (this rank, its expert) follows token order (one
 // warp walks the entries in order; `__match_any_sync` ranks equal experts inside a group of 32),
@@ -40,7 +44,7 @@
 #define MOE_CTRL_OK_EPOCH 4
 #define MOE_CTRL_ROUTED 5
 #define MOE_CTRL_FAILED 6
-// Flag rows (layout.rs FLAG_*).
+// Flag rows (layout.rs FLAG_*); the combine has two, one per parity of its epoch.
 #define MOE_FLAG_COUNTS 0
 #define MOE_FLAG_DATA 1
 #define MOE_FLAG_COMBINE 2
@@ -99,6 +103,13 @@ __device__ __forceinline__ uint64_t* moe_flag(const MoeArgs& a, int d, int which
 __device__ __forceinline__ int32_t* moe_row(const MoeArgs& a, int d, uint64_t epoch, int src) {
   const uint64_t words = (uint64_t)a.experts + MOE_ROW_EXTRA;
   return (int32_t*)(a.blocks[d] + a.off_counts) + ((epoch & 1) * a.s.world + src) * words;
+}
+
+// The landing buffer of combine `epoch` in rank `d`'s block: two [T][K][H] bf16 buffers, one per
+// parity of the combine epoch (layout.rs cbuf_at).
+__device__ __forceinline__ uint8_t* moe_cbuf(const MoeArgs& a, int d, uint64_t epoch) {
+  const uint64_t slot = a.max_tokens * (uint64_t)a.topk * a.hidden * 2;
+  return (uint8_t*)(a.blocks[d] + a.off_cbuf) + (epoch & 1) * slot;
 }
 
 // Stores `v` into flag `which` of this rank on every rank (one thread; after the caller's fence).
@@ -428,8 +439,9 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
 }
 
 // Combine: every block sends its share of the received rows' expert outputs back to their
-// tokens' ranks (cbuf[t][k] there); the grid's last block raises the combine flags; every block
-// waits for every source, then sums its share of this rank's tokens in k order.
+// tokens' ranks (cbuf[parity][t][k] there); the grid's last block raises the combine flags of the
+// parity; every block waits for every source, then sums its share of this rank's tokens in k
+// order. Any number of combines may follow one dispatch (header: the parity alternation).
 __device__ void moe_combine_body(const MoeArgs& a) {
   __shared__ uint64_t epoch_s;
   __shared__ int live_s, dispatched_s;
@@ -445,6 +457,7 @@ __device__ void moe_combine_body(const MoeArgs& a) {
   __syncthreads();
   if (!live_s) return;
   const uint64_t epoch = epoch_s;
+  const int flag = MOE_FLAG_COMBINE + (int)(epoch & 1);
   const bool refused = a.refuse_code != 0;
   const bool dispatched = dispatched_s != 0;
   const uint64_t K = a.topk, T = a.max_tokens, H = a.hidden, R = a.max_recv;
@@ -489,7 +502,7 @@ __device__ void moe_combine_body(const MoeArgs& a) {
       const uint64_t slot = (uint64_t)lo * R + (q - (uint64_t)pre_s[lo]);
       const uint64_t code = (uint64_t)src[slot];
       const uint64_t s = code / (T * K), t = (code / K) % T, j = code % K;
-      moe_copy_row((uint8_t*)(a.blocks[s] + a.off_cbuf) + (t * K + j) * row_bytes,
+      moe_copy_row(moe_cbuf(a, (int)s, epoch) + (t * K + j) * row_bytes,
                    (const uint8_t*)a.expert_out + slot * row_bytes, row_bytes, lane);
     }
   }
@@ -497,18 +510,19 @@ __device__ void moe_combine_body(const MoeArgs& a) {
   if (tid == 0) {
     __threadfence_system();
     const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_C_SENT], 1ull);
-    if (old + 1 == epoch * gridDim.x) moe_raise(a, MOE_FLAG_COMBINE, 2 * epoch + (refused ? 1 : 0));
+    if (old + 1 == epoch * gridDim.x) moe_raise(a, flag, 2 * epoch + (refused ? 1 : 0));
   }
 
-  // Step 2: every source's rows are here (a flag is 2 * epoch, plus one when it refused).
+  // Step 2: every source's rows are here (a flag is 2 * epoch, plus one when it refused; no
+  // source can be two combines ahead, so the value is exactly this combine's).
   __shared__ int other_s;
   if (tid == 0) other_s = W;
   __syncthreads();
   int ok = 1;
   if (tid < W) {
-    const uint64_t v = moe_wait(a, MOE_FLAG_COMBINE, tid, 2 * epoch);
+    const uint64_t v = moe_wait(a, flag, tid, 2 * epoch);
     ok = v != 0;
-    if (ok && (v & 1) && v == 2 * epoch + 1) atomicMin(&other_s, tid);
+    if (ok && v == 2 * epoch + 1) atomicMin(&other_s, tid);
   }
   if (!__syncthreads_and(ok)) return;
   if (!refused) {
@@ -516,7 +530,7 @@ __device__ void moe_combine_body(const MoeArgs& a) {
     const uint64_t n = a.num_tokens, vecs = H / 8;
     const int32_t* idx = (const int32_t*)(a.blocks[me] + a.off_idx);
     const float* wts = (const float*)(a.blocks[me] + a.off_weights);
-    const uint8_t* cbuf = (const uint8_t*)(a.blocks[me] + a.off_cbuf);
+    const uint8_t* cbuf = moe_cbuf(a, me, epoch);
     const uint64_t step = (uint64_t)gridDim.x * MOE_THREADS;
     for (uint64_t q = (uint64_t)blockIdx.x * MOE_THREADS + tid; q < n * vecs; q += step) {
       const uint64_t t = q / vecs, v = q % vecs;

@@ -5,12 +5,16 @@
 //! child, every error, create arguments, a dead peer), where the kernels report what only the
 //! routing shows at the next call or `symm_moe_check` after a stream sync. Then CUDA graphs:
 //! dispatch, an expert on the device (the rows copied, each element pair read as fp32 doubled
-//! 1 + e % 3 times: tests/common/moe.rs `Expert::Pairs`) and combine captured once and
-//! replayed with new routing written into the same buffers before each replay.
+//! 1 + e % 3 times: tests/common/moe/mod.rs `Expert::Pairs`) and combine captured once and
+//! replayed with new routing written into the same buffers before each replay. Repeated
+//! combines of one dispatch (tests/common/moe/repeat.rs) eagerly, back to back on the stream,
+//! and a refused combine retried; and in a graph, one dispatch and two combines with different
+//! device experts, both ys checked after every replay.
 
 mod common;
 use common::moe::cases::*;
 use common::moe::errors::*;
+use common::moe::repeat::*;
 use common::moe::*;
 use common::*;
 use std::ptr::null_mut;
@@ -104,6 +108,22 @@ fn gpu_moe_a_dead_peer_times_out_naming_it() {
     run_gpu("gpu_moe_a_dead_peer_times_out_naming_it", &env, 1);
 }
 
+/// The pair expert on the device (`Expert::Pairs(shift)`): the landed rows copied into `eo`, then
+/// each local expert's part doubled 1 + (e + shift) % 3 times as fp32 words (stream-ordered).
+fn pairs_on_device(o: &Obj, eo: &Buf, shift: usize) {
+    let (dev, s) = (o.dev, o.s);
+    let bytes = (o.l * o.r * s.row()) as u64;
+    mem::copy_async(dev.device, eo.p, o.lay.recv_x as u64, bytes, dev.stream).unwrap();
+    for le in 0..o.l {
+        let e = o.rank * o.l + le;
+        let part = eo.p + (le * o.r * s.h * 2) as u64;
+        let words = (o.r * s.h / 2) as u64;
+        for _ in 0..1 + (e + shift) % 3 {
+            util::saxpy(dev.device, dev.stream, 1.0, part, part, words).unwrap();
+        }
+    }
+}
+
 /// Captures dispatch + the pair expert + combine once, then replays it with new inputs and
 /// routing written into the same buffers each time; every replay's receive buffers and y are
 /// checked as an eager call's. Eager calls after the replays still work (the device's call
@@ -129,16 +149,7 @@ fn graph_rank(c: &Child) {
         k,
     };
     assert_eq!(dispatch(&o, &a), OK, "captured dispatch: {}", err());
-    let bytes = (rows * s.row()) as u64;
-    mem::copy_async(dev.device, eo.p, o.lay.recv_x as u64, bytes, dev.stream).unwrap();
-    for le in 0..o.l {
-        let e = r * o.l + le;
-        let part = eo.p + (le * o.r * s.h * 2) as u64;
-        let words = (o.r * s.h / 2) as u64;
-        for _ in 0..1 + e % 3 {
-            util::saxpy(dev.device, dev.stream, 1.0, part, part, words).unwrap();
-        }
-    }
+    pairs_on_device(&o, &eo, 0);
     let st = symm_moe_combine(o.moe, eo.ptr(), y.ptr(), dev.s());
     assert_eq!(st, OK, "captured combine: {}", err());
     let graph = util::capture_end(dev.device, dev.stream).unwrap();
@@ -158,7 +169,7 @@ fn graph_rank(c: &Child) {
         assert_eq!(symm_moe_check(o.moe), OK, "replay {i}: {}", err());
         let what = format!("rank {r} replay {i}");
         check_recv(&o, &c, &all, &read_recv(&o), &what);
-        check_y(&o, &c, Expert::Pairs, me, &y.get(), &what);
+        check_y(&o, &c, Expert::Pairs(0), me, &y.get(), &what);
     }
     drop(graph);
     for i in 0..4 {
@@ -177,4 +188,94 @@ fn gpu_moe_graph_replays_follow_new_routing() {
         return graph_rank(&c);
     }
     run_gpu("gpu_moe_graph_replays_follow_new_routing", &[], 0);
+}
+
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_repeated_combines_and_a_refused_one_retried() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::cuda);
+        let made = repeated_combines(comm, dev, w, seed, reps(48));
+        let rounds = refused_combine_retried(comm, dev, w, seed, reps(24));
+        destroy(comm);
+        println!("rank {r}: {made} repeated combines and {rounds} refused ones retried correct");
+        return;
+    }
+    run_gpu(
+        "gpu_moe_repeated_combines_and_a_refused_one_retried",
+        &[],
+        0,
+    );
+}
+
+/// Captures one dispatch and two combines of it (the pair expert with shifts 0 and 1 on the
+/// device, between them nothing but the second expert) once, replays it with new routing; both
+/// ys are checked after every replay (the second combine must not reach the first's landing
+/// buffer or flags on a slower rank), then eager calls still work.
+fn graph_repeat_rank(c: &Child) {
+    let (comm, dev, w, r, seed) = rank_setup(c, Dev::cuda);
+    let s = repeat_shape(w);
+    let o = create(comm, s, dev);
+    let (n, k, rows) = (s.t, s.topk, o.l * o.r);
+    let x = Buf::new(dev, n * s.row());
+    let idx = Buf::new(dev, n * k as usize * 4);
+    let wts = Buf::new(dev, n * k as usize * 4);
+    let eo = [Buf::new(dev, rows * s.h * 2), Buf::new(dev, rows * s.h * 2)];
+    let y = [Buf::new(dev, n * s.h * 2), Buf::new(dev, n * s.h * 2)];
+    util::capture_begin(dev.device, dev.stream).unwrap();
+    let a = Args {
+        x: x.ptr(),
+        sc: null_mut(),
+        idx: idx.ptr(),
+        it: SYMM_INDEX_INT32,
+        w: wts.ptr() as _,
+        n,
+        k,
+    };
+    assert_eq!(dispatch(&o, &a), OK, "captured dispatch: {}", err());
+    pairs_on_device(&o, &eo[0], 0);
+    pairs_on_device(&o, &eo[1], 1);
+    for i in 0..2 {
+        let st = symm_moe_combine(o.moe, eo[i].ptr(), y[i].ptr(), dev.s());
+        assert_eq!(st, OK, "captured combine {i}: {}", err());
+    }
+    let graph = util::capture_end(dev.device, dev.stream).unwrap();
+    let routes = [Route::Random, Route::Holes, Route::Hot(1), Route::Sparse];
+    let replays = reps(40);
+    for i in 0..replays {
+        let c = Case::new(seed ^ (i << 16) ^ 0x9e9, n, k, routes[i as usize % 4]);
+        let all: Vec<Inputs> = (0..w).map(|src| rank_inputs(&s, &c, w, src)).collect();
+        let me = &all[r];
+        dev.put(x.p, &me.x);
+        dev.put(idx.p, &me.idx_bytes(false));
+        dev.put(wts.p, &f32_bytes(&me.w));
+        for b in &y {
+            dev.fill(b.p, b.bytes, POISON);
+        }
+        graph.launch(dev.stream).unwrap();
+        dev.sync();
+        assert_eq!(symm_moe_check(o.moe), OK, "replay {i}: {}", err());
+        for (j, b) in y.iter().enumerate() {
+            let what = format!("rank {r} replay {i} combine {j}");
+            check_y(&o, &c, Expert::Pairs(j as u32), me, &b.get(), &what);
+        }
+    }
+    drop(graph);
+    let made = repeated_combines(comm, dev, w, seed ^ 0x51, 4);
+    drop(o);
+    destroy(comm);
+    println!("rank {r}: {replays} graph replays of two combines and {made} eager ones after them correct");
+}
+
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_graph_replays_of_two_combines_of_one_dispatch() {
+    if let Some(c) = child() {
+        return graph_repeat_rank(&c);
+    }
+    run_gpu(
+        "gpu_moe_graph_replays_of_two_combines_of_one_dispatch",
+        &[],
+        0,
+    );
 }

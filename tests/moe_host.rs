@@ -4,12 +4,14 @@
 //! sum and within bf16 rounding of the float64 one), over shapes, routings, token counts and
 //! index types; many epochs of changing routing; arrival order; a split child as the EP group;
 //! every error (naming the rank and the value, the object usable after); bad and mismatched
-//! create arguments; a dead peer. The scenarios: tests/common/moe/ (tests/gpu_moe.rs
+//! create arguments; a dead peer; repeated combines of one dispatch and a refused combine
+//! retried. The scenarios: tests/common/moe/ (tests/gpu_moe.rs
 //! runs them on GPUs).
 
 mod common;
 use common::moe::cases::*;
 use common::moe::errors::*;
+use common::moe::repeat::*;
 use common::moe::*;
 use common::*;
 use std::ptr::null_mut;
@@ -92,6 +94,44 @@ fn every_error_names_the_rank_and_the_value_and_leaves_the_object_usable() {
         "every_error_names_the_rank_and_the_value_and_leaves_the_object_usable",
         &[],
     );
+}
+
+/// Several combines of one dispatch back to back, each y its own (docs/moe.md, "Repeated
+/// combines"); the whole run three times per world, as a race shows in some runs only.
+#[test]
+fn repeated_combines_of_one_dispatch_each_give_their_own_result() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
+        let made = repeated_combines(comm, dev, w, seed, 12);
+        destroy(comm);
+        println!("rank {r}: {made} combines correct");
+        return;
+    }
+    for _ in 0..3 {
+        at_2_4_8(
+            "repeated_combines_of_one_dispatch_each_give_their_own_result",
+            &[],
+        );
+    }
+}
+
+/// A combine one rank refuses, then retried at once: every other rank names the refusing rank,
+/// then the retry succeeds everywhere; three runs per world.
+#[test]
+fn a_refused_combine_names_the_rank_everywhere_and_a_retry_succeeds() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
+        let rounds = refused_combine_retried(comm, dev, w, seed, 12);
+        destroy(comm);
+        println!("rank {r}: {rounds} refused combines named and retried");
+        return;
+    }
+    for _ in 0..3 {
+        at_2_4_8(
+            "a_refused_combine_names_the_rank_everywhere_and_a_retry_succeeds",
+            &[],
+        );
+    }
 }
 
 /// Host backend only: a combine after a dispatch that failed is refused on every rank (the

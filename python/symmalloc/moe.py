@@ -357,7 +357,9 @@ class Moe:
         ``recv_counts`` are not read) back to its token's rank and returns ``y`` [num_tokens, H]
         bfloat16 (into ``out`` when given): each token's weighted sum over its top-k experts.
         Combines the latest dispatch; ``handle`` (its ``MoeDispatch`` or handle) may name it,
-        and an older one is refused. Collective, on the current stream, no host
+        and an older one is refused. A dispatch may be combined any number of times (other
+        expert outputs, back to back), each ``y`` its own; a combine a rank refused (naming it
+        on every rank) may be retried. Collective, on the current stream, no host
         synchronization."""
         if self._compiling():
             h = self._handle_of(handle)

@@ -19,7 +19,9 @@ Cases, bf16 and FP8: k = 1, 2, 8 x 1, 7, 128 and max_tokens_per_rank tokens (int
 indices); ragged token counts (0 on some ranks) with experts and ranks that receive nothing;
 every token of every rank to one expert (exactly full); a CUDA graph of dispatch -> experts ->
 combine replayed with new routing, weights and payload copied into its static inputs before
-each replay; errors (an expert out of range, a duplicate, a full expert, a rank's Python-side
+each replay; repeated combines of one dispatch back to back with different experts and a
+combine refused on one rank then retried, eagerly, and two combines of one dispatch in a CUDA
+graph; errors (an expert out of range, a duplicate, a full expert, a rank's Python-side
 refusal, a combine refused on one rank) raised on every rank naming the rank, the object
 usable after; a split child as the EP group; torch.compile(fullgraph=True) and
 mode="reduce-overhead" against eager. Prints a PASS / FAIL / SKIP line per case and world and
@@ -80,17 +82,18 @@ def expert_fn(rows, scales, experts):
     return (v * torch.where(m == 0, 1.0, torch.where(m == 1, 0.5, 0.25))).to(BF16)
 
 
-def combine_reference(x, scales, idx, w):
+def combine_reference(x, scales, idx, w, shift=0):
     """This rank's ``y`` by the contract, from its own inputs (CPU): ``(y_exact bf16, y64
     float64, bound)``: fmaf over k in increasing order from 0 then one bf16 rounding; the float64
-    sum; and the tolerance of ``|y - y64|`` (half a bf16 step plus fp32 sums' error)."""
+    sum; and the tolerance of ``|y - y64|`` (half a bf16 step plus fp32 sums' error). ``shift``:
+    the experts of ids shifted by it (2^-((e + shift) % 3): three different experts)."""
     n, k = idx.shape
     h = x.shape[1]
     idx = idx.long()
     e = idx.clamp_min(0).reshape(-1)
     rows = x.repeat_interleave(k, 0) if n else x.new_empty((0, h))
     sc = None if scales is None else scales.repeat_interleave(k, 0)
-    eo = expert_fn(rows, sc, e).float().view(n, k, h)
+    eo = expert_fn(rows, sc, e + shift).float().view(n, k, h)
     acc = torch.zeros(n, h, dtype=torch.float32)
     y64 = torch.zeros(n, h, dtype=torch.float64)
     sabs = torch.zeros(n, h, dtype=torch.float64)
@@ -247,15 +250,16 @@ def check_layout(ck, ctx, moe, d, lay, all_x, all_s, what):
         ck(torch.equal(srows, all_s.to(ctx.dev).index_select(0, src.to(ctx.dev))), f"{what}: recv_scales differ")
 
 
-def expert_out(moe, d, lay, dev):
-    """The test's experts on the counted rows (``lay``'s), every other row NaN."""
+def expert_out(moe, d, lay, dev, shift=0):
+    """The test's experts (ids shifted by ``shift``) on the counted rows (``lay``'s), every other
+    row NaN."""
     L, R, H = moe.local_experts, moe.max_recv, moe.hidden
     _, flat, _, _, le = lay
     eo = torch.full((L * R, H), float("nan"), dtype=BF16, device=dev)
     flat_d = flat.to(dev)
     rows = d.recv_x.reshape(L * R, H).index_select(0, flat_d)
     sc = None if d.recv_scales is None else d.recv_scales.reshape(L * R, -1).index_select(0, flat_d)
-    eo.index_copy_(0, flat_d, expert_fn(rows, sc, (moe.first_expert + le).to(dev)))
+    eo.index_copy_(0, flat_d, expert_fn(rows, sc, (moe.first_expert + le + shift).to(dev)))
     return eo.view(L, R, H)
 
 
@@ -379,6 +383,91 @@ def graph_case(ctx, moe, name, k, n, replays=6):
                     ck(torch.equal(bits(y.cpu()), bits(first)), f"{name}: the same replay gave another y")
     del g
     return ck.done(f"{replays} replays with new routing")
+
+
+def repeat_case(ctx, moe, rounds=6):
+    """Repeated combines of one dispatch (docs/moe.md, "Repeated combines"): each round
+    dispatches new routing, combines it 2 or 3 times back to back with different experts (no
+    synchronization between; every y checked after), then a combine that rank ``i % W`` refuses
+    (a float32 expert_out) raises on every rank naming it, and two more combines at once are
+    exact."""
+    ck = Check()
+    W, r = ctx.world, ctx.rank
+    payload = BF16 if moe.dtype == "bfloat16" else FP8
+    L, R, H = moe.local_experts, moe.max_recv, moe.hidden
+    for i in range(rounds):
+        n = moe.max_tokens_per_rank if i % 2 else 7
+        x, scales, idx, w = make_inputs(seed_of("repeat", r, i), n, H, 4, moe.num_experts, payload,
+                                        idx_dtype=torch.int64 if i % 2 else torch.int32)
+        all_x, all_s, all_idx, all_n = ctx.gather_inputs(x, scales, idx, moe.max_tokens_per_rank)
+        lay = expected_layout(all_idx, all_n, moe.rank, L, R, moe.max_tokens_per_rank, moe.topk)
+        sd = None if scales is None else scales.to(ctx.dev)
+        d = moe.dispatch(x.to(ctx.dev), idx.to(ctx.dev), w.to(ctx.dev), sd)
+
+        def combines(shifts, what):
+            eos = [expert_out(moe, d, lay, ctx.dev, s) for s in shifts]  # first: the combines go back to back
+            ys = [moe.combine(eo, d) for eo in eos]
+            ctx.sync()
+            for s, y in zip(shifts, ys):
+                check_y(ck, y, combine_reference(x, scales, idx, w, s), f"round {i} {what} (expert shift {s})")
+            if n:
+                yb = [bits(y.cpu()) for y in ys]
+                ck(not any(torch.equal(yb[a], yb[b]) for a in range(len(yb)) for b in range(a)),
+                   f"round {i} {what}: two combines gave the same y; the check cannot tell them apart")
+
+        combines([(i + j) % 3 for j in range(2 + i % 2)], "repeated combines")
+        bad = i % W
+        eo = expert_out(moe, d, lay, ctx.dev, i % 3)
+        if r == bad:
+            eo = eo.float()
+        err = error_of(lambda: (moe.combine(eo, d), moe.check()))
+        want = f"expert_out is float32 [{L}, {R}, {H}]" if r == bad else f"rank {bad} refused the combine"
+        ck(err is not None and want in err, lambda: f"round {i}: rank {bad} refused the combine; rank {r} got {err!r}, "
+           f"expected {want!r}")
+        combines([(i + 1) % 3, (i + 2) % 3], f"retry after rank {bad} refused")
+    return ck.done(f"{rounds} rounds of 2-3 combines, a refused one and 2 retries")
+
+
+def graph_repeat_case(ctx, moe, n, replays=6):
+    """One dispatch and two combines of it (experts shifted by 0 and 1) captured in one CUDA
+    graph, replayed with new routing; both ys checked after every replay."""
+    ck = Check()
+    payload = BF16 if moe.dtype == "bfloat16" else FP8
+    L, R, H, k = moe.local_experts, moe.max_recv, moe.hidden, 4
+    inputs = [make_inputs(seed_of("graph repeat", ctx.rank, i), n, H, k, moe.num_experts, payload) for i in range(replays)]
+    x, scales, idx, w = (None if t is None else t.to(ctx.dev) for t in inputs[0])
+    experts = (moe.first_expert + torch.arange(L, device=ctx.dev)).repeat_interleave(R)
+
+    def layer():
+        d = moe.dispatch(x, idx, w, scales)
+        sc = None if d.recv_scales is None else d.recv_scales.reshape(L * R, -1)
+        rows = d.recv_x.reshape(L * R, H)
+        eos = [expert_fn(rows, sc, experts + s).view(L, R, H) for s in (0, 1)]
+        return [moe.combine(eo, d) for eo in eos]
+
+    s = torch.cuda.Stream(ctx.dev)
+    s.wait_stream(torch.cuda.current_stream(ctx.dev))
+    with torch.cuda.stream(s):
+        layer()  # warm-up, eager
+    torch.cuda.current_stream(ctx.dev).wait_stream(s)
+    ctx.sync()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ys = layer()
+    for i, (xi, si, ii, wi) in enumerate(inputs):
+        x.copy_(xi)
+        idx.copy_(ii)
+        w.copy_(wi)
+        if scales is not None:
+            scales.copy_(si)
+        for y in ys:
+            y.view(torch.uint8).fill_(0xFF)
+        g.replay()
+        ctx.sync()
+        for sh, y in enumerate(ys):
+            check_y(ck, y, combine_reference(xi, si, ii, wi, sh), f"replay {i} combine {sh}")
+    del g
+    return ck.done(f"{replays} replays of a dispatch and two combines")
 
 
 def errors_case(ctx, moe):
@@ -592,6 +681,10 @@ def rank_main(rank, world, uid, init, q, args):
                 cases.append((f"graph {tag} k=8 tokens=128, routing new each replay",
                               lambda m=m, tag=tag: graph_case(ctx, m, f"graph {tag}", 8, min(128, T))))
                 cases.append((f"graph {tag} k=2 tokens=1", lambda m=m, tag=tag: graph_case(ctx, m, f"graph1 {tag}", 2, 1)))
+                cases.append((f"graph {tag} two combines of one dispatch, tokens=128",
+                               lambda m=m: graph_repeat_case(ctx, m, min(128, T))))
+        cases.append(("repeated combines bf16, a refused one retried", lambda: repeat_case(ctx, mb)))
+        cases.append(("repeated combines fp8, a refused one retried", lambda: repeat_case(ctx, mf)))
         cases.append(("errors bf16", lambda: errors_case(ctx, mb)))
         cases.append(("errors fp8", lambda: errors_case(ctx, mf)))
         cases.append(("capacity error", lambda: capacity_case(ctx, comm, H)))

@@ -15,8 +15,9 @@ scales against the layout they give; ``y`` bit for bit against fmaf k-ascending 
 rounding (computed exactly) and within bf16 tolerance of float64, bitwise the same over 3
 runs; k = 1, 2, 8 x 1, 7, 128, max tokens, int32 and int64 indices, bf16 and FP8; ragged
 token counts with empty experts and ranks; every token to one expert (exactly full); errors
-raised on every rank naming the rank; a full expert; a split child as the EP group; and
-``torch.compile(fullgraph=True)`` with 0 graph breaks, the same bits as eager."""
+raised on every rank naming the rank; a full expert; repeated combines of one dispatch back to
+back and a refused combine retried (HostView too, three runs at 2, 4 and 8 ranks); a split
+child as the EP group; and ``torch.compile(fullgraph=True)`` with 0 graph breaks, the same bits as eager."""
 import ctypes
 import functools
 import multiprocessing as mp
@@ -164,16 +165,17 @@ def gen(case, seed, rank):
     return x, scales, idx, w
 
 
-def expert_fn(e: int, payload, scales, H: int, fp8: bool):
+def expert_fn(e: int, payload, scales, H: int, fp8: bool, shift: int = 0):
     """What the test's expert e does to a row (bf16 bits out): the row (FP8: dequantized with
-    its scales, rounded to fp32) times 2^-(e % 3), rounded to bf16."""
-    f = 2.0 ** -(e % 3)
+    its scales, rounded to fp32) times 2^-((e + shift) % 3), rounded to bf16 (three shifts: three
+    different experts)."""
+    f = 2.0 ** -((e + shift) % 3)
     if fp8:
         return [bf16_bits(f32(E4M3[payload[j]] * scales[j // 128]) * f) for j in range(H)]
     return [bf16_bits(bf16_value(b) * f) for b in payload]
 
 
-def reference_y(x, scales, idx, w, H, fp8):
+def reference_y(x, scales, idx, w, H, fp8, shift=0):
     """y (bf16 bits, flat) by the contract: fmaf over k in increasing order, one rounding."""
     y = []
     for t, row in enumerate(idx):
@@ -181,7 +183,8 @@ def reference_y(x, scales, idx, w, H, fp8):
         for kk, e in enumerate(row):
             if e < 0:
                 continue
-            out = expert_fn(e, x[t * H:(t + 1) * H], None if scales is None else scales[t * (H // 128):(t + 1) * (H // 128)], H, fp8)
+            out = expert_fn(e, x[t * H:(t + 1) * H], None if scales is None else scales[t * (H // 128):(t + 1) * (H // 128)], H, fp8,
+                            shift)
             wk = w[t][kk]
             acc = [fmaf(wk, bf16_value(o), a) for o, a in zip(out, acc)]
         y.extend(bf16_bits(a) for a in acc)
@@ -338,6 +341,68 @@ def test_dispatch_combine_exact_hostview(world):
     """The layout and y exactly, through HostView tensors (what callers without torch use)."""
     got = _spawn(_cases_rank, world)
     assert len(got) == world and all(set(r) == {c.name for c in CASES} for r in got.values())
+
+
+# Repeated and retried combines (docs/moe.md, "Repeated combines") ------------------------------
+
+def _repeat_rank(rank, world, uid, q, rounds):
+    """``rounds`` dispatches, each combined 2 or 3 times back to back with different experts
+    (every y checked exactly once all were issued), then a combine that rank ``i % world``
+    refuses (a float32 expert_out): it raises its own error, every other rank raises naming it;
+    at once two more combines, both exact."""
+    try:
+        _child_env()
+        comm = symmalloc.Communicator(rank, world, uid)
+        case = Case("repeat", "bf16", 4, T_MAX)
+        H, report = H_BF16, []
+        with comm.moe(T_MAX, H, TOPK, NUM_EXPERTS) as moe:
+            L, R, first = moe.local_experts, moe.max_recv, moe.first_expert
+            for i in range(rounds):
+                x, _, idx, w = data = gen(case, 5000 + i, rank)
+                xt, it, wt, _ = inputs(case, data)
+                recv_x, _, counts, h = moe.dispatch(xt, it, wt)
+                pay, cnt = recv_x.tolist(), counts.tolist()
+
+                def expert_out(shift):
+                    out = [0xFFFF] * (L * R * H)  # NaN past the counts
+                    for le in range(L):
+                        for j in range(cnt[le]):
+                            b = (le * R + j) * H
+                            out[b:b + H] = expert_fn(first + le, pay[b:b + H], None, H, False, shift)
+                    return make((L, R, H), "bfloat16", out)
+
+                def combines(shifts):
+                    eos = [expert_out(s) for s in shifts]  # made first: the combines go back to back
+                    ys = [moe.combine(eo) for eo in eos]
+                    for s, y in zip(shifts, ys):
+                        got, want = y.tolist(), reference_y(x, None, idx, w, H, False, s)
+                        assert got == want, f"round {i}: combine with expert shift {s} is not the reference"
+                    assert len({tuple(y.tolist()) for y in ys}) == len(ys), "the combines' y are not all different"
+
+                combines([(i + j) % 3 for j in range(2 + i % 2)])
+                bad = i % world
+                eo = expert_out(i % 3)
+                if rank == bad:
+                    eo = make((L, R, H), "float32", None)
+                msg = error_of(lambda: moe.combine(eo, h))
+                want = "expert_out is float32" if rank == bad else f"rank {bad} refused the combine"
+                assert msg is not None and want in msg, f"round {i}: {msg!r} lacks {want!r}"
+                combines([(i + 1) % 3, (i + 2) % 3])
+                report.append(i)
+        comm.barrier()
+        comm.close()
+        q.put((rank, report, None))
+    except Exception:
+        q.put((rank, None, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_repeated_combines_each_their_own_and_a_refused_one_retried(world):
+    """Combines of one dispatch back to back, each y exact; a refused combine named on every
+    rank, then retried. Three runs: a race shows in some runs only."""
+    for _ in range(3):
+        got = _spawn(_repeat_rank, world, 6)
+        assert all(r == list(range(6)) for r in got.values())
 
 
 # Bad inputs ----------------------------------------------------------------------------------
@@ -557,6 +622,8 @@ def _torch_rank(rank, world, uid, q, init, sections):
         if "errors" in sections:
             cases += [("errors: bf16", lambda: g.errors_case(ctx, mb)), ("errors: fp8", lambda: g.errors_case(ctx, mf)),
                       ("errors: capacity", lambda: g.capacity_case(ctx, comm, 128))]
+        if "repeat" in sections:
+            cases += [("repeat: bf16", lambda: g.repeat_case(ctx, mb)), ("repeat: fp8", lambda: g.repeat_case(ctx, mf))]
         if "split" in sections:
             cases.append(("split: a child as the EP group", lambda: g.split_case(ctx, comm, 128, "gloo")))
         if "compile" in sections:
@@ -573,7 +640,8 @@ def _torch_rank(rank, world, uid, q, init, sections):
 
 
 # World -> the sections its run holds (one spawn per world serves its tests).
-SECTIONS = {2: ("cases", "errors", "split", "compile"), 4: ("cases", "errors", "split"), 8: ("cases", "errors")}
+SECTIONS = {2: ("cases", "errors", "repeat", "split", "compile"), 4: ("cases", "errors", "repeat", "split"),
+            8: ("cases", "errors", "repeat")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -617,6 +685,12 @@ def test_torch_layout_and_y_against_gathered_reference(world):
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_torch_errors_raise_on_every_rank_naming_it(world):
     _section(world, "errors")
+
+
+@needs_torch
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_torch_repeated_combines_and_a_refused_one_retried(world):
+    assert _section(world, "repeat") == {"repeat: bf16", "repeat: fp8"}
 
 
 @needs_torch

@@ -242,7 +242,7 @@ impl Request {
             .filter(|&x| x < 1 << 56);
         let cbuf = self
             .tokens
-            .checked_mul(self.topk as u64 * self.hidden * 2)
+            .checked_mul(2 * self.topk as u64 * self.hidden * 2)
             .filter(|&x| x < 1 << 56);
         if recv.is_none() || cbuf.is_none() {
             return Err(bad(format!(

@@ -4,7 +4,11 @@
 //! `f32::mul_add` from 0, rounded to bf16 once (what `fmaf` gives on the GPU).
 //!
 //! Flags are `u64` words stored with release and read with acquire (monotonic: a call's epoch,
-//! or for the combine `2 * epoch + refused`); counts rows alternate by the epoch's parity.
+//! or for the combine `2 * epoch + refused`); counts rows alternate by the dispatch epoch's
+//! parity, and the combine's flag row and landing buffer (`cbuf`) by the combine epoch's
+//! (layout.rs `combine_flag`), so any number of combines of one dispatch may follow each other:
+//! the next combine writes into the other buffer and row, and the one after it waits, through
+//! the next one's flags, until every rank has finished reading this one.
 //! Every wait is bounded by the communicator's timeout and names the rank it waited for.
 //!
 //! Invariant: every rank runs every step of every call whatever it found (a refusal publishes
@@ -260,7 +264,8 @@ pub fn dispatch(
     }
 }
 
-/// The host backend's `symm_moe_combine` after a dispatch that succeeded (`last`).
+/// The host backend's `symm_moe_combine` after a dispatch that succeeded (`last`); any number
+/// of combines may follow one dispatch (module header).
 pub fn combine(
     m: &mut Moe,
     a: &Combine,
@@ -275,6 +280,7 @@ pub fn combine(
     let (kk, h) = (c.topk as u64, c.hidden);
     let l = c.local_experts(w);
     let row_bytes = h * 2;
+    let (flag, cbuf) = (combine_flag(epoch), m.layout.cbuf_at(epoch));
     if !refused {
         for le in 0..l {
             let rows = rd_i32(m.at(me, m.layout.recv_counts) + 4 * le) as u64;
@@ -283,19 +289,20 @@ pub fn combine(
                 let code = rd_i32(m.at(me, m.layout.recv_src) + 4 * slot) as u64;
                 let (s, t, j) = (code / (c.tokens * kk), (code / kk) % c.tokens, code % kk);
                 copy(
-                    m.at(s as usize, m.layout.cbuf) + (t * kk + j) * row_bytes,
+                    m.at(s as usize, cbuf) + (t * kk + j) * row_bytes,
                     a.expert_out + slot * row_bytes,
                     row_bytes,
                 );
             }
         }
     }
-    raise(m, FLAG_COMBINE, 2 * epoch + refused as u64);
-    let seen = wait_all(m, FLAG_COMBINE, 2 * epoch, timeout, "symm_moe_combine")?;
+    raise(m, flag, 2 * epoch + refused as u64);
+    let seen = wait_all(m, flag, 2 * epoch, timeout, "symm_moe_combine")?;
     if refused {
         return Ok(()); // the caller returns this rank's own message
     }
-    let other = seen.iter().position(|&v| v & 1 == 1);
+    // Exactly this combine's value (no peer can be two combines ahead: layout.rs).
+    let other = seen.iter().position(|&v| v == 2 * epoch + 1);
     let mut acc = vec![0f32; h as usize];
     for t in 0..last.tokens {
         acc.iter_mut().for_each(|v| *v = 0.0);
@@ -306,7 +313,7 @@ pub fn combine(
                     continue;
                 }
                 let wgt = rd_f32(m.at(me, m.layout.weights) + 4 * at);
-                let src = m.at(me, m.layout.cbuf) + at * row_bytes;
+                let src = m.at(me, cbuf) + at * row_bytes;
                 for (i, v) in acc.iter_mut().enumerate() {
                     // SAFETY: src is row (t, j) of this rank's cbuf, h bf16 values.
                     let x = unsafe { std::ptr::read_volatile((src as *const u16).add(i)) };

@@ -28,10 +28,22 @@ pub const CTRL_FAILED: u64 = 6;
 /// `i32` words after a source rank's counts in a counts row: status, then token, k, value (low
 /// and high halves) of its first offending entry (status.rs has the codes), then padding.
 pub const ROW_EXTRA: u64 = 8;
-/// The three flag rows: counts ready, data done (dispatch), combine done.
+/// The four flag rows: counts ready, data done (dispatch), then combine done twice, one row
+/// per parity of the combine's epoch (`FLAG_COMBINE + (epoch & 1)`, see `combine_flag`).
 pub const FLAG_COUNTS: u64 = 0;
 pub const FLAG_DATA: u64 = 1;
 pub const FLAG_COMBINE: u64 = 2;
+/// Flag rows in all.
+pub const FLAG_ROWS: u64 = 4;
+
+/// The flag row of combine `epoch`. Combines alternate between two rows and two landing
+/// buffers (`Layout::cbuf_at`): a rank reaches combine `c + 2` only after every rank raised its
+/// flag of combine `c + 1`, which a rank does only after it finished reading combine `c`; so a
+/// later combine never writes into a row or buffer a peer still reads, and the value a rank
+/// waits for is exactly `2 * c` or `2 * c + 1` (refused), never a later call's.
+pub fn combine_flag(epoch: u64) -> u64 {
+    FLAG_COMBINE + (epoch & 1)
+}
 
 /// Byte offsets of the parts in the block, and the block's size.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -47,7 +59,10 @@ pub struct Layout {
     pub weights: u64,
     /// `[T][K]` int32: each of this rank's (t, k) position within (this rank, its expert).
     pub pos: u64,
+    /// Two `[T][K][H]` bf16 landing buffers, one per combine parity (`cbuf_at`).
     pub cbuf: u64,
+    /// Bytes of one landing buffer.
+    pub cbuf_slot: u64,
     pub bytes: u64,
 }
 
@@ -75,7 +90,7 @@ impl Layout {
         };
         let _ctrl = part(CTRL_BYTES);
         let counts = part(2 * world * row_words(e) * 4);
-        let flags = part(3 * world * 8);
+        let flags = part(FLAG_ROWS * world * 8);
         let recv_counts = part(l * 4);
         let recv_src = part(l * r * 4);
         let recv_x = part(l * r * h * c.dtype.bytes());
@@ -87,7 +102,8 @@ impl Layout {
         let idx = part(t * k * 4);
         let weights = part(t * k * 4);
         let pos = part(t * k * 4);
-        let cbuf = part(t * k * h * 2);
+        let cbuf_slot = t * k * h * 2;
+        let cbuf = part(2 * cbuf_slot);
         Layout {
             counts,
             flags,
@@ -99,6 +115,7 @@ impl Layout {
             weights,
             pos,
             cbuf,
+            cbuf_slot,
             bytes: at,
         }
     }
@@ -111,6 +128,11 @@ impl Layout {
     /// Flag `which` (FLAG_*) of source `src`.
     pub fn flag(&self, world: u64, which: u64, src: u64) -> u64 {
         self.flags + (which * world + src) * 8
+    }
+
+    /// The landing buffer of combine `epoch` (its parity's; `combine_flag` says why two).
+    pub fn cbuf_at(&self, epoch: u64) -> u64 {
+        self.cbuf + (epoch & 1) * self.cbuf_slot
     }
 
     /// Bytes at the start of the block that create zeroes (ctrl, counts, flags).

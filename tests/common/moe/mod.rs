@@ -4,11 +4,13 @@
 //! (`rank_inputs`: each rank regenerates every other rank's from the case's seed, the
 //! all-gather reference) and the experts the tests apply. check.rs: one checked dispatch +
 //! expert + combine (`run_case`) and what a rank learns of a failed call (`outcome`). cases.rs
-//! and errors.rs: the scenarios both backends run.
+//! and errors.rs: the scenarios both backends run; repeat.rs: repeated and retried combines of
+//! one dispatch.
 
 pub mod cases;
 mod check;
 pub mod errors;
+pub mod repeat;
 pub use check::*;
 
 use super::{err, init, Child, Comm, Rng, OK};
@@ -512,9 +514,10 @@ pub fn rank_inputs(s: &Shape, c: &Case, world: usize, rank: usize) -> Inputs {
 pub enum Expert {
     /// bf16(x * (1 + e / 16)) (FP8: x is the e4m3 value times its scale), computed on the host.
     Scale,
-    /// Even elements as they came, odd ones times 2^(1 + e % 3) (bf16 payloads): what doubling
-    /// each element pair read as one fp32 does (tests/gpu_moe.rs runs it on the device).
-    Pairs,
+    /// Even elements as they came, odd ones times 2^(1 + (e + shift) % 3) (bf16 payloads): what
+    /// doubling each element pair read as one fp32 does (tests/gpu_moe.rs runs it on the
+    /// device). Three shifts give three different experts.
+    Pairs(u32),
 }
 
 /// Expert `e`'s output row (bf16 bits) for a payload row and its scales.
@@ -530,9 +533,9 @@ pub fn expert_row(kind: Expert, s: &Shape, e: usize, row: &[u8], scales: &[f32])
         Expert::Scale => (0..s.h)
             .map(|i| bf16(x(i) * (1.0 + e as f32 / 16.0)))
             .collect(),
-        Expert::Pairs => {
+        Expert::Pairs(shift) => {
             assert!(!s.fp8, "the pair expert is for bf16 payloads");
-            let f = (1u32 << (1 + e % 3)) as f32;
+            let f = (1u32 << (1 + (e + shift as usize) % 3)) as f32;
             (0..s.h)
                 .map(|i| bf16(if i % 2 == 1 { x(i) * f } else { x(i) }))
                 .collect()
