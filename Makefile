@@ -68,7 +68,7 @@ torch-ext: target/release/libsymmalloc_torch.so
 test-torch: build target/release/_fastcall.abi3.so target/release/libsymmalloc_torch.so
 	cd python && $(TORCH_ENV) SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release \
 	  SYMMALLOC_TORCH_EXT=$(CURDIR)/target/release/libsymmalloc_torch.so \
-	  $(TORCH_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests/test_torch_allocator.py
+	  $(TORCH_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests/test_torch_allocator.py tests/test_torch_history.py
 
 # With the toolchain's nvcc the harness also builds examples/cpp/p2p_allreduce.cu (its libraries
 # are in lib/, where nvcc's profile does not look).

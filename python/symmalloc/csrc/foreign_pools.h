@@ -3,9 +3,10 @@
 //
 // Owns: the pools whose MemPool named its own allocator (MemPool(allocator=...), NCCL's for
 // buffer registration, say: createOrIncrefPool) with their use counts, the routes open to them
-// (beginAllocateToPool .. endAllocateToPool), and the allocator of each live block they gave.
-// Their blocks come from that allocator, never from symmalloc's heap, as PyTorch's allocator
-// does it.
+// (beginAllocateToPool .. endAllocateToPool), and each live block they gave (its allocator,
+// device, size, stream and pool), which snapshots list as segments of their pool (NCCL's
+// register_mem_pool registers what the pool's snapshot lists). Their blocks come from that
+// allocator, never from symmalloc's heap, as PyTorch's allocator does it.
 //
 // Invariants:
 // - Everything is under `foreign_mu_` but the two counters, `foreign_routes_` (routes open) and
@@ -106,11 +107,13 @@ class ForeignPools {
   // The allocation, when an open route of `device` takes `stream` (nullptr when none does).
   void* malloc(c10::DeviceIndex device, size_t n, cudaStream_t stream) {
     std::shared_ptr<CCA::CUDAAllocator> alloc;
+    MempoolId pool{0, 0};
     {
       std::lock_guard<std::mutex> g(foreign_mu_);
       for (auto it = routes_.rbegin(); it != routes_.rend(); ++it)
         if (it->device == device && it->filter(stream)) {
           alloc = it->allocator;
+          pool = it->pool;
           break;
         }
     }
@@ -120,7 +123,7 @@ class ForeignPools {
     TORCH_CHECK_WITH(OutOfMemoryError, p != nullptr, "CUDA out of memory. Tried to allocate ",
                      bytes_str(n), " from the MemPool's own allocator (", alloc->name(), ")");
     std::lock_guard<std::mutex> g(foreign_mu_);
-    foreign_ptrs_[p] = std::move(alloc);
+    foreign_ptrs_[p] = ForeignBlock{std::move(alloc), device, n, stream, pool};
     foreign_live_.fetch_add(1);
     return p;
   }
@@ -132,12 +135,37 @@ class ForeignPools {
       std::lock_guard<std::mutex> g(foreign_mu_);
       auto it = foreign_ptrs_.find(p);
       if (it == foreign_ptrs_.end()) return false;
-      alloc = std::move(it->second);
+      alloc = std::move(it->second.allocator);
       foreign_ptrs_.erase(it);
       foreign_live_.fetch_sub(1);
     }
     alloc->raw_delete(p);
     return true;
+  }
+
+  // The live blocks of pools with their own allocator, into a snapshot's segments (those of
+  // `pool` alone unless it is {0, 0}, as snapshot(mempool_id) asks): each a segment of its own,
+  // one live block filling it, owned by its pool, as PyTorch lists a MemPool's segments.
+  void add_segments(CCA::SnapshotInfo* out, MempoolId pool) {
+    if (live() == 0) return;
+    bool one_pool = pool.first != 0 || pool.second != 0;
+    std::lock_guard<std::mutex> g(foreign_mu_);
+    for (const auto& [p, b] : foreign_ptrs_) {
+      if (one_pool && b.pool != pool) continue;
+      CCA::SegmentInfo seg;
+      seg.device = b.device;
+      seg.address = (size_t)(uintptr_t)p;
+      seg.total_size = seg.allocated_size = seg.active_size = seg.requested_size = b.size;
+      seg.stream = (void*)b.stream;
+      seg.is_large = b.size > ((size_t)1 << 20);
+      seg.is_expandable = false;
+      seg.owner_private_pool_id = b.pool;
+      c10::CachingDeviceAllocator::BlockInfo bi;
+      bi.size = bi.requested_size = b.size;
+      bi.allocated = bi.active = true;
+      seg.blocks.push_back(std::move(bi));
+      out->segments.push_back(std::move(seg));
+    }
   }
 
  private:
@@ -152,6 +180,14 @@ class ForeignPools {
     std::shared_ptr<CCA::CUDAAllocator> allocator;
     int uses = 0;
   };
+  // A live block from a pool's own allocator.
+  struct ForeignBlock {
+    std::shared_ptr<CCA::CUDAAllocator> allocator;
+    c10::DeviceIndex device;
+    size_t size;
+    cudaStream_t stream;
+    MempoolId pool;
+  };
   struct MempoolHash {
     size_t operator()(const MempoolId& id) const {
       return std::hash<uint64_t>()(id.first) * 31 + std::hash<uint64_t>()(id.second);
@@ -161,7 +197,7 @@ class ForeignPools {
   std::mutex foreign_mu_;
   std::unordered_map<MempoolId, ForeignPool, MempoolHash> foreign_pools_;
   std::vector<ForeignRoute> routes_;
-  std::unordered_map<void*, std::shared_ptr<CCA::CUDAAllocator>> foreign_ptrs_;
+  std::unordered_map<void*, ForeignBlock> foreign_ptrs_;
   std::atomic<int> foreign_routes_{0};
   std::atomic<int> foreign_live_{0};
 };
