@@ -5,7 +5,8 @@
 // buffer registration, say: createOrIncrefPool) with their use counts, the routes open to them
 // (beginAllocateToPool .. endAllocateToPool), and each live block they gave (its allocator,
 // device, size, stream and pool), which snapshots list as segments of their pool (NCCL's
-// register_mem_pool registers what the pool's snapshot lists). Their blocks come from that
+// register_mem_pool registers what the pool's snapshot lists, and its allocator hook the
+// segment entries of later ones, which the history records here). Their blocks come from that
 // allocator, never from symmalloc's heap, as PyTorch's allocator does it.
 //
 // Invariants:
@@ -34,6 +35,7 @@
 #include <vector>
 
 #include "api.h"
+#include "history.h"
 #include "oom.h"
 
 namespace symm_torch {
@@ -104,8 +106,9 @@ class ForeignPools {
     return false;
   }
 
-  // The allocation, when an open route of `device` takes `stream` (nullptr when none does).
-  void* malloc(c10::DeviceIndex device, size_t n, cudaStream_t stream) {
+  // The allocation, when an open route of `device` takes `stream` (nullptr when none does),
+  // recorded in `hist` while it is active (frames gathered with no lock held).
+  void* malloc(c10::DeviceIndex device, size_t n, cudaStream_t stream, History& hist) {
     std::shared_ptr<CCA::CUDAAllocator> alloc;
     MempoolId pool{0, 0};
     {
@@ -118,28 +121,36 @@ class ForeignPools {
         }
     }
     if (!alloc) return nullptr;
+    auto ctx = hist.active() ? hist.gather(CCA::RecordContext::STATE) : nullptr;
     c10::cuda::CUDAGuard guard(device);
     void* p = alloc->raw_alloc_with_stream(n, stream);
     TORCH_CHECK_WITH(OutOfMemoryError, p != nullptr, "CUDA out of memory. Tried to allocate ",
                      bytes_str(n), " from the MemPool's own allocator (", alloc->name(), ")");
-    std::lock_guard<std::mutex> g(foreign_mu_);
-    foreign_ptrs_[p] = ForeignBlock{std::move(alloc), device, n, stream, pool};
-    foreign_live_.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> g(foreign_mu_);
+      foreign_ptrs_[p] = ForeignBlock{std::move(alloc), device, n, stream, pool};
+      foreign_live_.fetch_add(1);
+    }
+    if (hist.active()) hist.note_foreign(true, device, p, n, stream, pool, std::move(ctx));
     return p;
   }
 
-  // True when `p` came from a pool of its own allocator (then given back to it).
-  bool free(void* p) {
-    std::shared_ptr<CCA::CUDAAllocator> alloc;
+  // True when `p` came from a pool of its own allocator (then given back to it, recorded in
+  // `hist` first while it is active).
+  bool free(void* p, History& hist) {
+    ForeignBlock b;
     {
       std::lock_guard<std::mutex> g(foreign_mu_);
       auto it = foreign_ptrs_.find(p);
       if (it == foreign_ptrs_.end()) return false;
-      alloc = std::move(it->second.allocator);
+      b = std::move(it->second);
       foreign_ptrs_.erase(it);
       foreign_live_.fetch_sub(1);
     }
-    alloc->raw_delete(p);
+    if (hist.active())
+      hist.note_foreign(false, b.device, p, b.size, b.stream, b.pool,
+                        hist.gather(CCA::RecordContext::ALL));
+    b.allocator->raw_delete(p);
     return true;
   }
 
@@ -183,10 +194,10 @@ class ForeignPools {
   // A live block from a pool's own allocator.
   struct ForeignBlock {
     std::shared_ptr<CCA::CUDAAllocator> allocator;
-    c10::DeviceIndex device;
-    size_t size;
-    cudaStream_t stream;
-    MempoolId pool;
+    c10::DeviceIndex device = 0;
+    size_t size = 0;
+    cudaStream_t stream = nullptr;
+    MempoolId pool{0, 0};
   };
   struct MempoolHash {
     size_t operator()(const MempoolId& id) const {

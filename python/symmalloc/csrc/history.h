@@ -24,6 +24,9 @@
 //   segment keeps its context until it is given back (the event log stays on while any does).
 // - Switching history off empties the trace ring only (PyTorch's `recordHistory`).
 // - Nothing here places memory: it reads the heap's blocks, statistics and segment events.
+// - Segment events are taken in the heap's order, by whichever thread comes next (an
+//   allocation, a free, emptyCache, releasePool, an out of memory): with several threads
+//   allocating at once, a segment entry may carry another thread's stream and frames.
 #pragma once
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -104,7 +107,9 @@ class History {
     CCA::SnapshotInfo out;
     bool one_pool = mempool_id.first != 0 || mempool_id.second != 0;
     std::lock_guard<std::mutex> g(history_mu_);
-    drain_segments(nullptr, nullptr);  // segment contexts as of now
+    // Segment contexts as of now. While active, the allocating or freeing thread takes its
+    // events itself (with its stream and frames), right after its call into the heap.
+    if (!active_.load()) drain_segments(nullptr, nullptr);
     for_each_heap(device_count, one_pool ? &mempool_id : nullptr,
                   [&](int d, const std::vector<SymmBlock>& blocks) {
       CCA::SegmentInfo* seg = nullptr;
@@ -278,7 +283,8 @@ class History {
       tracked_.fetch_add(1, std::memory_order_relaxed);
     }
     push_trace(TraceEntry::ALLOC, device, (uint64_t)p, n, stream, ctx);
-    live_.emplace(p, Live{device, n, stream, std::move(ctx)});
+    // Switched off since the caller looked: only a context outlives recording.
+    if (active_.load() || ctx) live_.emplace(p, Live{device, n, stream, std::move(ctx)});
   }
 
   // Before the free of `p` (wants_free): its free entries, the block's context dropped. Called
@@ -304,6 +310,24 @@ class History {
     std::lock_guard<std::mutex> g(history_mu_);
     if (active_.load()) record_free(p, b, std::move(ctx));
     *device = b.device;
+  }
+
+  // A block of a MemPool with its own allocator (foreign_pools.h), a segment of its own: its
+  // segment_alloc and alloc entries after the allocation (`alloc`), or its free entries and
+  // segment_free before the free, while active; each carries the pool (NCCL's allocator hook
+  // registers the segments of the pools it was given).
+  void note_foreign(bool alloc, int device, void* p, size_t n, cudaStream_t stream,
+                    MempoolId pool, std::shared_ptr<c10::GatheredContext> ctx) {
+    std::lock_guard<std::mutex> g(history_mu_);
+    if (!active_.load()) return;
+    if (alloc) {
+      push_trace(TraceEntry::SEGMENT_ALLOC, device, (uint64_t)p, n, stream, ctx, pool);
+      push_trace(TraceEntry::ALLOC, device, (uint64_t)p, n, stream, ctx, pool);
+    } else {
+      push_trace(TraceEntry::FREE_REQUESTED, device, (uint64_t)p, n, stream, ctx, pool);
+      push_trace(TraceEntry::FREE_COMPLETED, device, (uint64_t)p, n, stream, ctx, pool);
+      push_trace(TraceEntry::SEGMENT_FREE, device, (uint64_t)p, n, stream, ctx, pool);
+    }
   }
 
   // After a free, emptyCache, releasePool or anything else that may give segments back: their

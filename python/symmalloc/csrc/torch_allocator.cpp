@@ -101,7 +101,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     if (n == 0) return nullptr;
     SYMM_PROF_ALLOC(p, n, stream);
     if (foreign_.routes() > 0) {
-      if (void* q = foreign_.malloc(device, n, stream)) return q;
+      if (void* q = foreign_.malloc(device, n, stream, hist_)) return q;
     }
     if (!caching_.load(std::memory_order_relaxed)) {
       cudaError_t cst = cudaSuccess;
@@ -140,7 +140,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   void free_ptr(void* ptr) {
     if (ptr == nullptr) return;
     SYMM_PROF_FREE(ptr);
-    if (foreign_.live() > 0 && foreign_.free(ptr)) return;
+    if (foreign_.live() > 0 && foreign_.free(ptr, hist_)) return;
     if (uncached_.free(ptr)) return;
     std::vector<symm_torch::StreamUses::Use> uses;
     if (uses_.take(ptr, &uses)) {
