@@ -164,7 +164,8 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     int device = 0;
     if (profiling) block_request(ptr, &device, &size);
     bool noted = hist_.wants_free(ptr);
-    if (noted) hist_.note_free(ptr, hist_.gather(CCA::RecordContext::ALL), &device);
+    auto ctx = noted ? hist_.gather(CCA::RecordContext::ALL) : nullptr;  // before any lock
+    if (noted) hist_.note_free(ptr, ctx, &device);
     int st = api.free_block(ptr);
     if (st != kSuccess) {
       // A deleter cannot throw (it runs in destructors): say it, never abort.
@@ -173,7 +174,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     }
     if (profiling) report_to_profiler(device, ptr, -(int64_t)size);
     if (!caching_.load(std::memory_order_relaxed)) api.empty_cache();
-    if (noted) hist_.note_segments(nullptr);  // segments the free gave back
+    if (noted) hist_.note_segments(std::move(ctx));  // segments the free gave back
   }
 
   // ---- setup ----
