@@ -125,6 +125,45 @@ fn segment_events_name_made_grown_and_freed_ranges() {
             (SYMM_SEGMENT_FREED, seg, 14 << 20, seg),
         ]
     );
+    // A trim before growth (device_heap/release.rs) is a segment given back too: an idle 24
+    // MiB segment too small for 30 MiB goes back (heap_trim.rs's first case), on an allocator
+    // of its own (in this test, not beside it: trims wait while any pool is open).
+    {
+        use symmalloc::heap::device_stats::SegmentEvent;
+        use symmalloc::heap::{host_backend::HostBackend, pools, Allocator};
+        const MIB: u64 = 1 << 20;
+        let a = Allocator::new(Box::new(HostBackend)).unwrap();
+        let (dp, s) = (pools::DEFAULT_POOL, 0x1000);
+        let live = a.malloc_in(100 * MIB, 0, s, dp).unwrap();
+        let x = a.malloc_in(20 * MIB, 0, s, dp).unwrap();
+        let y = a.malloc_in(24 * MIB, 0, s, dp).unwrap();
+        let w = a.malloc_in(56 * MIB, 0, s, dp).unwrap();
+        a.free(x, 20 * MIB, 0, s).unwrap();
+        a.free(y, 24 * MIB, 0, s).unwrap();
+        let _ = a.segment_events(Some(0), usize::MAX).unwrap();
+        let z = a.malloc_in(30 * MIB, 0, s, dp).unwrap();
+        let got: Vec<_> = a
+            .segment_events(Some(0), usize::MAX)
+            .unwrap()
+            .into_iter()
+            .map(|(d, e, base)| {
+                assert_eq!(d, 0);
+                match e {
+                    SegmentEvent::Freed { offset, size, .. } => ("freed", base + offset, size),
+                    SegmentEvent::Made { offset, size, .. } => ("made", base + offset, size),
+                    other => panic!("unexpected {other:?}"),
+                }
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![("freed", y, 24 * MIB), ("made", z, 30 * MIB)],
+            "the trimmed segment's free, then the new one"
+        );
+        for (p, n) in [(live, 100 * MIB), (w, 56 * MIB), (z, 30 * MIB)] {
+            a.free(p, n, 0, s).unwrap();
+        }
+    }
     // Off: nothing more is logged.
     ok(symm_segment_log(0));
     let c = alloc(16 << 20, d);
