@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "api.h"
+#include "oom.h"
 
 namespace symm_torch {
 namespace {  // internal linkage, as in the one translation unit that includes this
