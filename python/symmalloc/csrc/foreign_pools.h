@@ -24,6 +24,7 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -128,7 +129,7 @@ class ForeignPools {
                      bytes_str(n), " from the MemPool's own allocator (", alloc->name(), ")");
     {
       std::lock_guard<std::mutex> g(foreign_mu_);
-      foreign_ptrs_[p] = ForeignBlock{std::move(alloc), device, n, stream, pool};
+      foreign_ptrs_[p] = ForeignBlock{std::move(alloc), device, n, stream, pool, next_seq_++};
       foreign_live_.fetch_add(1);
     }
     if (hist.active()) hist.note_foreign(true, device, p, n, stream, pool, std::move(ctx));
@@ -156,13 +157,20 @@ class ForeignPools {
 
   // The live blocks of pools with their own allocator, into a snapshot's segments (those of
   // `pool` alone unless it is {0, 0}, as snapshot(mempool_id) asks): each a segment of its own,
-  // one live block filling it, owned by its pool, as PyTorch lists a MemPool's segments.
+  // one live block filling it, owned by its pool, as PyTorch lists a MemPool's segments, in
+  // allocation order with that order as registration_counter (NCCL's symmetric registration
+  // walks a pool's segments in that order on every rank).
   void add_segments(CCA::SnapshotInfo* out, MempoolId pool) {
     if (live() == 0) return;
     bool one_pool = pool.first != 0 || pool.second != 0;
     std::lock_guard<std::mutex> g(foreign_mu_);
-    for (const auto& [p, b] : foreign_ptrs_) {
-      if (one_pool && b.pool != pool) continue;
+    std::vector<std::pair<void*, const ForeignBlock*>> blocks;
+    for (const auto& [p, b] : foreign_ptrs_)
+      if (!one_pool || b.pool == pool) blocks.push_back({p, &b});
+    std::sort(blocks.begin(), blocks.end(),
+              [](const auto& x, const auto& y) { return x.second->seq < y.second->seq; });
+    for (const auto& [p, bp] : blocks) {
+      const ForeignBlock& b = *bp;
       CCA::SegmentInfo seg;
       seg.device = b.device;
       seg.address = (size_t)(uintptr_t)p;
@@ -171,6 +179,7 @@ class ForeignPools {
       seg.is_large = b.size > ((size_t)1 << 20);
       seg.is_expandable = false;
       seg.owner_private_pool_id = b.pool;
+      seg.registration_counter = (int32_t)b.seq;
       c10::CachingDeviceAllocator::BlockInfo bi;
       bi.size = bi.requested_size = b.size;
       bi.allocated = bi.active = true;
@@ -198,6 +207,7 @@ class ForeignPools {
     size_t size = 0;
     cudaStream_t stream = nullptr;
     MempoolId pool{0, 0};
+    uint64_t seq = 0;  // allocation order
   };
   struct MempoolHash {
     size_t operator()(const MempoolId& id) const {
@@ -209,6 +219,7 @@ class ForeignPools {
   std::unordered_map<MempoolId, ForeignPool, MempoolHash> foreign_pools_;
   std::vector<ForeignRoute> routes_;
   std::unordered_map<void*, ForeignBlock> foreign_ptrs_;
+  uint64_t next_seq_ = 0;
   std::atomic<int> foreign_routes_{0};
   std::atomic<int> foreign_live_{0};
 };

@@ -124,6 +124,9 @@ class History {
           seg->is_large = b.is_large != 0;
           seg->is_expandable = false;
           seg->owner_private_pool_id = {b.pool_first, b.pool_second};
+          // Address order: the same on every rank (symmetric placement), as NCCL's symmetric
+          // registration needs when it walks a pool's segments by this counter.
+          seg->registration_counter = (int32_t)out.segments.size() - 1;
           auto sc = segment_ctx_.find(b.segment_address);
           if (sc != segment_ctx_.end()) seg->context_when_allocated = sc->second;
         }
