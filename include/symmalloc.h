@@ -116,6 +116,26 @@ struct CUstream_st;
 #define SYMM_BLOCK_KEPT 3
 
 /**
+ * Events were dropped (the log was full); `size` counts them.
+ */
+#define SYMM_SEGMENT_LOST 0
+
+/**
+ * A new segment was mapped.
+ */
+#define SYMM_SEGMENT_MADE 1
+
+/**
+ * A segment grew in place: a range mapped right after it.
+ */
+#define SYMM_SEGMENT_MAPPED 2
+
+/**
+ * A segment was given back whole.
+ */
+#define SYMM_SEGMENT_FREED 3
+
+/**
  * Ranks of a communicator, at most (the length of the per-rank arrays below).
  */
 #define SYMM_MAX_RANKS 8
@@ -181,6 +201,11 @@ struct CUstream_st;
 #define SMALL 1
 
 #define LARGE 2
+
+/**
+ * Events a heap's log holds at most.
+ */
+#define LOG_CAP (1 << 16)
 
 /**
  * Result of every status-returning function.
@@ -529,6 +554,35 @@ typedef struct {
    */
   uint32_t is_large;
 } symm_block_info_t;
+
+/**
+ * A segment event (`symm_segment_events`): what happened to a segment, with absolute addresses.
+ */
+typedef struct {
+  /**
+   * `SYMM_SEGMENT_*`.
+   */
+  uint32_t kind;
+  /**
+   * The device whose heap it happened in.
+   */
+  int device;
+  /**
+   * The segment's address (MADE, FREED), or of the range mapped (MAPPED).
+   */
+  uint64_t address;
+  /**
+   * The segment's bytes (MADE; FREED: all of them, grown chunks too), or the range's
+   * (MAPPED); for LOST, how many events were dropped before the next one.
+   */
+  uint64_t size;
+  /**
+   * The address of the segment the event belongs to (0 for LOST).
+   */
+  uint64_t segment_address;
+  uint64_t pool_first;
+  uint64_t pool_second;
+} symm_segment_event_t;
 
 #define SYMM_BF16 0
 
@@ -1008,6 +1062,28 @@ symm_status_t symm_pool_uses(int device, uint64_t pool_first, uint64_t pool_seco
  * with SYMM_ERR_INVALID_ARGUMENT, naming it (blocks before it stay live).
  */
 symm_status_t symm_pool_restore(int device, uint64_t pool_first, uint64_t pool_second, const symm_block_info_t *blocks, size_t n);
+
+/**
+ * Logs every segment made, grown in place or given back, on every device, from now (`on`
+ * nonzero) or stops (events logged already stay until taken). For a memory history (PyTorch's
+ * `_record_memory_history`, trace trackers): `symm_segment_events` takes them.
+ */
+symm_status_t symm_segment_log(int on);
+
+/**
+ * Takes up to `capacity` of `device`'s logged segment events (every device's with -1), oldest
+ * first (per device), into `out`, and their number into `*count` (call again while it equals
+ * `capacity`). A device without a heap has none (none is made).
+ */
+symm_status_t symm_segment_events(int device, symm_segment_event_t *out, size_t capacity, size_t *count);
+
+/**
+ * The device, the request and the allocation stream of the live block at `ptr`, without a walk
+ * over blocks (a memory history's free of a block it did not see allocated, the profiler's
+ * report of a free). A pointer that is not a live block of symmalloc's fails with
+ * SYMM_ERR_INVALID_ARGUMENT and writes nothing.
+ */
+symm_status_t symm_block_request(void *ptr, int *device, uint64_t *requested, struct CUstream_st **stream);
 
 /**
  * Routes the calling thread's allocations on `device` to pool (first, second) until the

@@ -2,7 +2,9 @@
 //! python/symmalloc/csrc (and any framework with the same needs): PyTorch's statistics and
 //! their resets, a memory cap, the largest cached block, an allocation that reports its status
 //! (so out of memory is told from a bad argument), a free by address alone, the blocks of a
-//! snapshot, pool uses, and a pool put back to a checkpoint. Heap semantics:
+//! snapshot, pool uses, a pool put back to a checkpoint, a live block's request by address, and
+//! the segment events of a memory history (PyTorch's SEGMENT_ALLOC, SEGMENT_MAP, SEGMENT_FREE).
+//! Heap semantics:
 //! heap/introspect.rs, heap/device_stats.rs, heap/device_heap/inspect.rs.
 //!
 //! Each entry point checks its arguments, runs inside the panic guard and reports failure as a
@@ -15,7 +17,7 @@ use super::guard::guard_status;
 use super::types::*;
 use crate::error::{Error, Result};
 use crate::heap::device_heap::BlockView;
-use crate::heap::device_stats::DeviceStats;
+use crate::heap::device_stats::{self, DeviceStats, SegmentEvent};
 use crate::heap::{self, pools::PoolId};
 use std::ffi::{c_int, c_void};
 
@@ -278,5 +280,131 @@ pub extern "C" fn symm_pool_restore(
         heap::global()?
             .restore_pool(device, PoolId(pool_first, pool_second), &list)
             .map(|_| ())
+    })
+}
+
+/// A segment event (`symm_segment_events`): what happened to a segment, with absolute addresses.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct symm_segment_event_t {
+    /// `SYMM_SEGMENT_*`.
+    pub kind: u32,
+    /// The device whose heap it happened in.
+    pub device: c_int,
+    /// The segment's address (MADE, FREED), or of the range mapped (MAPPED).
+    pub address: u64,
+    /// The segment's bytes (MADE; FREED: all of them, grown chunks too), or the range's
+    /// (MAPPED); for LOST, how many events were dropped before the next one.
+    pub size: u64,
+    /// The address of the segment the event belongs to (0 for LOST).
+    pub segment_address: u64,
+    pub pool_first: u64,
+    pub pool_second: u64,
+}
+
+/// Events were dropped (the log was full); `size` counts them.
+pub const SYMM_SEGMENT_LOST: u32 = 0;
+/// A new segment was mapped.
+pub const SYMM_SEGMENT_MADE: u32 = 1;
+/// A segment grew in place: a range mapped right after it.
+pub const SYMM_SEGMENT_MAPPED: u32 = 2;
+/// A segment was given back whole.
+pub const SYMM_SEGMENT_FREED: u32 = 3;
+
+fn event_of(device: c_int, e: SegmentEvent, base: u64) -> symm_segment_event_t {
+    let (kind, address, size, segment, pool) = match e {
+        SegmentEvent::Made { offset, size, pool } => {
+            (SYMM_SEGMENT_MADE, base + offset, size, base + offset, pool)
+        }
+        SegmentEvent::Grown {
+            segment,
+            offset,
+            size,
+            pool,
+        } => (
+            SYMM_SEGMENT_MAPPED,
+            base + offset,
+            size,
+            base + segment,
+            pool,
+        ),
+        SegmentEvent::Freed { offset, size, pool } => {
+            (SYMM_SEGMENT_FREED, base + offset, size, base + offset, pool)
+        }
+        SegmentEvent::Lost { count } => (SYMM_SEGMENT_LOST, 0, count, 0, PoolId(0, 0)),
+    };
+    symm_segment_event_t {
+        kind,
+        device,
+        address,
+        size,
+        segment_address: segment,
+        pool_first: pool.0,
+        pool_second: pool.1,
+    }
+}
+
+/// Logs every segment made, grown in place or given back, on every device, from now (`on`
+/// nonzero) or stops (events logged already stay until taken). For a memory history (PyTorch's
+/// `_record_memory_history`, trace trackers): `symm_segment_events` takes them.
+#[no_mangle]
+pub extern "C" fn symm_segment_log(on: c_int) -> symm_status_t {
+    guard_status("symm_segment_log", || {
+        device_stats::set_segment_log(on != 0);
+        Ok(())
+    })
+}
+
+/// Takes up to `capacity` of `device`'s logged segment events (every device's with -1), oldest
+/// first (per device), into `out`, and their number into `*count` (call again while it equals
+/// `capacity`). A device without a heap has none (none is made).
+#[no_mangle]
+pub extern "C" fn symm_segment_events(
+    device: c_int,
+    out: *mut symm_segment_event_t,
+    capacity: usize,
+    count: *mut usize,
+) -> symm_status_t {
+    guard_status("symm_segment_events", || {
+        let count = out_ref(count, "symm_segment_events", "count")?;
+        *count = 0;
+        if out.is_null() && capacity > 0 {
+            return Err(Error::invalid(format!(
+                "symm_segment_events: out is NULL with capacity {capacity}; expected an array \
+                 of that many symm_segment_event_t"
+            )));
+        }
+        let device = (device >= 0).then_some(device);
+        let events = heap::global()?.segment_events(device, capacity)?;
+        for (i, (d, e, base)) in events.into_iter().enumerate() {
+            // SAFETY: out holds `capacity` entries (the caller's contract); segment_events
+            // returned at most that many.
+            unsafe { *out.add(i) = event_of(d, e, base) };
+            *count = i + 1;
+        }
+        Ok(())
+    })
+}
+
+/// The device, the request and the allocation stream of the live block at `ptr`, without a walk
+/// over blocks (a memory history's free of a block it did not see allocated, the profiler's
+/// report of a free). A pointer that is not a live block of symmalloc's fails with
+/// SYMM_ERR_INVALID_ARGUMENT and writes nothing.
+#[no_mangle]
+pub extern "C" fn symm_block_request(
+    ptr: *mut c_void,
+    device: *mut c_int,
+    requested: *mut u64,
+    stream: *mut *mut CUstream_st,
+) -> symm_status_t {
+    guard_status("symm_block_request", || {
+        let device = out_ref(device, "symm_block_request", "device")?;
+        let requested = out_ref(requested, "symm_block_request", "requested")?;
+        let stream = out_ref(stream, "symm_block_request", "stream")?;
+        let (d, r, s) = heap::global()?.block_request(ptr as u64)?;
+        *device = d;
+        *requested = r;
+        *stream = s as *mut CUstream_st;
+        Ok(())
     })
 }

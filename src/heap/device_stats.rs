@@ -17,10 +17,21 @@
 //! caches and parked blocks count there, as PyTorch counts its cached split blocks. Its peak
 //! is the highest value a read has seen.
 //!
+//! The aggregate (all classes) of segments and reserved bytes is kept as a statistic of its own,
+//! so its peak is the highest total ever held (PyTorch's `max_memory_reserved`), not the larger
+//! of the two class peaks (which misses a peak held by both classes at once).
+//!
+//! Segment events: while `set_segment_log(true)` (the C++ allocator's memory history and trace
+//! trackers), every segment made, grown in place or given back is also written to its heap's
+//! log, which `take_events` drains (PyTorch's SEGMENT_ALLOC, SEGMENT_MAP and SEGMENT_FREE trace
+//! entries). A log holds at most `LOG_CAP` events: past that the oldest go, counted in one
+//! `SegmentEvent::Lost` at the front.
+//!
 //! Invariants (`HeapCounters::check`, from `validate`): every heap counter equals its sum over
-//! the segments and blocks.
+//! the segments and blocks; the aggregates equal the sums of the classes' current values.
 
-use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use super::pools::PoolId;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::Relaxed};
 
 /// One statistic as PyTorch keeps it.
 #[repr(C)]
@@ -165,11 +176,63 @@ impl Plain {
     }
 }
 
+/// What happened to a segment (module header): offsets are from the heap's base.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SegmentEvent {
+    /// A new segment of `size` bytes at `offset`.
+    Made {
+        offset: u64,
+        size: u64,
+        pool: PoolId,
+    },
+    /// The segment at `segment` grew in place: `size` bytes mapped at `offset`.
+    Grown {
+        segment: u64,
+        offset: u64,
+        size: u64,
+        pool: PoolId,
+    },
+    /// The segment at `offset`, `size` bytes in all (its grown chunks too), given back whole.
+    Freed {
+        offset: u64,
+        size: u64,
+        pool: PoolId,
+    },
+    /// This many events before the next ones were dropped (the log was full).
+    Lost { count: u64 },
+}
+
+/// Whether segment events are logged (module header); off until the C++ allocator asks.
+static SEGMENT_LOG: AtomicBool = AtomicBool::new(false);
+/// Events logged and not yet taken, over every heap of the process: lets a drain with nothing
+/// to take return without a lock.
+static PENDING: AtomicU64 = AtomicU64::new(0);
+/// Events a heap's log holds at most.
+pub const LOG_CAP: usize = 1 << 16;
+
+/// Turns the segment event log on or off for every heap (events already logged stay).
+pub fn set_segment_log(on: bool) {
+    SEGMENT_LOG.store(on, Relaxed);
+}
+
+/// Whether any heap holds segment events not yet taken.
+pub fn events_pending() -> bool {
+    PENDING.load(Relaxed) > 0
+}
+
 /// The heap's own counters (module header). Indexed by class: 0 small, 1 large.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct HeapCounters {
-    pub segment: [Plain; 2],
-    pub reserved_bytes: [Plain; 2],
+    /// Per class; changed only through `segment_made`, `segment_grown` and `segment_freed`,
+    /// which keep the aggregates beside them.
+    segment: [Plain; 2],
+    reserved_bytes: [Plain; 2],
+    /// The aggregates (all classes), with their own peaks.
+    segment_all: Plain,
+    reserved_all: Plain,
+    /// The segment event log (module header) and the events dropped from its front.
+    events: std::collections::VecDeque<SegmentEvent>,
+    lost: u64,
     /// Blocks of the heap (live, parked, free), per class.
     pub blocks: [i64; 2],
     /// Segments without a live or parked block (one free block each, or a few that wait on
@@ -193,11 +256,80 @@ pub fn slot(class: super::size_class::Class) -> usize {
 }
 
 impl HeapCounters {
+    /// A new segment of class slot `k`: `len` bytes at `offset` for `pool`.
+    pub fn segment_made(&mut self, k: usize, offset: u64, len: u64, pool: PoolId) {
+        self.segment[k].up(1);
+        self.segment_all.up(1);
+        self.reserved_up(k, len);
+        self.log(SegmentEvent::Made {
+            offset,
+            size: len,
+            pool,
+        });
+    }
+
+    /// The segment at `segment` (class slot `k`) grew in place by `len` bytes at `offset`.
+    pub fn segment_grown(&mut self, k: usize, segment: u64, offset: u64, len: u64, pool: PoolId) {
+        self.reserved_up(k, len);
+        self.log(SegmentEvent::Grown {
+            segment,
+            offset,
+            size: len,
+            pool,
+        });
+    }
+
+    /// The segment at `offset` (class slot `k`, `len` bytes in all) was given back.
+    pub fn segment_freed(&mut self, k: usize, offset: u64, len: u64, pool: PoolId) {
+        self.segment[k].down(1);
+        self.segment_all.down(1);
+        self.reserved_bytes[k].down(len as i64);
+        self.reserved_all.down(len as i64);
+        self.log(SegmentEvent::Freed {
+            offset,
+            size: len,
+            pool,
+        });
+    }
+
+    fn reserved_up(&mut self, k: usize, len: u64) {
+        self.reserved_bytes[k].up(len as i64);
+        self.reserved_all.up(len as i64);
+    }
+
+    fn log(&mut self, e: SegmentEvent) {
+        if !SEGMENT_LOG.load(Relaxed) {
+            return;
+        }
+        if self.events.len() >= LOG_CAP {
+            self.events.pop_front();
+            self.lost += 1;
+        } else {
+            PENDING.fetch_add(1, Relaxed);
+        }
+        self.events.push_back(e);
+    }
+
+    /// Takes up to `max` of the logged segment events, oldest first (a `Lost` first when some
+    /// were dropped; it counts as one of the `max`).
+    pub fn take_events(&mut self, max: usize) -> Vec<SegmentEvent> {
+        let mut out = Vec::new();
+        if max > 0 && self.lost > 0 {
+            out.push(SegmentEvent::Lost { count: self.lost });
+            self.lost = 0;
+        }
+        let n = (max - out.len()).min(self.events.len());
+        out.extend(self.events.drain(..n));
+        PENDING.fetch_sub(n as u64, Relaxed);
+        out
+    }
+
     pub fn reset_peak(&mut self, users: &UserCounters) {
         for p in self
             .segment
             .iter_mut()
             .chain(self.reserved_bytes.iter_mut())
+            .chain([&mut self.segment_all, &mut self.reserved_all])
         {
             p.0.peak = p.0.current;
         }
@@ -210,6 +342,7 @@ impl HeapCounters {
             .segment
             .iter_mut()
             .chain(self.reserved_bytes.iter_mut())
+            .chain([&mut self.segment_all, &mut self.reserved_all])
         {
             p.0.allocated = 0;
             p.0.freed = 0;
@@ -225,22 +358,9 @@ impl HeapCounters {
     /// PyTorch's statistics from these counters and the users' (module header).
     pub fn read(&mut self, users: &UserCounters) -> DeviceStats {
         let [count, bytes, requested] = users.read();
-        let agg = |a: &[Plain; 2]| {
-            let (s, l) = (a[0].0, a[1].0);
-            [
-                Stat {
-                    current: s.current + l.current,
-                    // The aggregate's own peak is not kept: the larger class peak is a floor.
-                    peak: (s.peak.max(l.peak)).max(s.current + l.current),
-                    allocated: s.allocated + l.allocated,
-                    freed: s.freed + l.freed,
-                },
-                s,
-                l,
-            ]
-        };
-        let segment = agg(&self.segment);
-        let reserved = agg(&self.reserved_bytes);
+        let agg = |all: &Plain, a: &[Plain; 2]| [all.0, a[0].0, a[1].0];
+        let segment = agg(&self.segment_all, &self.segment);
+        let reserved = agg(&self.reserved_all, &self.reserved_bytes);
         let mut split = [Stat::default(); 3];
         let mut split_bytes = [Stat::default(); 3];
         for i in [SMALL, LARGE] {
@@ -298,6 +418,17 @@ impl HeapCounters {
                 ));
             }
         }
+        let sums = (
+            self.segment[0].0.current + self.segment[1].0.current,
+            self.reserved_bytes[0].0.current + self.reserved_bytes[1].0.current,
+        );
+        let all = (self.segment_all.0.current, self.reserved_all.0.current);
+        if sums != all {
+            return Err(format!(
+                "device statistics: aggregate (segments, reserved) {all:?}; the classes sum to \
+                 {sums:?}"
+            ));
+        }
         Ok(())
     }
 }
@@ -347,8 +478,7 @@ mod tests {
         let u = UserCounters::default();
         let mut h = HeapCounters::default();
         // One small segment of 2 MiB split into a live 512-byte block and a free rest.
-        h.segment[0].up(1);
-        h.reserved_bytes[0].up(2 << 20);
+        h.segment_made(0, 0, 2 << 20, PoolId(0, 0));
         h.blocks[0] = 2;
         u.alloc(512, 512);
         let s = h.read(&u);
@@ -364,5 +494,97 @@ mod tests {
         assert_eq!(s.inactive_split_bytes[SMALL].current, 0);
         assert_eq!(s.inactive_split_bytes[SMALL].peak, (2 << 20) - 512);
         assert_eq!(s.max_split_size, -1);
+    }
+
+    #[test]
+    fn max_reserved_is_the_highest_total_not_the_larger_class_peak() {
+        let u = UserCounters::default();
+        let mut h = HeapCounters::default();
+        let pool = PoolId(0, 0);
+        // 2 MiB small, then 20 MiB large while the small one is held: 22 MiB at once; then the
+        // small segment goes back.
+        h.segment_made(0, 0, 2 << 20, pool);
+        h.segment_made(1, 2 << 20, 20 << 20, pool);
+        h.segment_freed(0, 0, 2 << 20, pool);
+        let s = h.read(&u);
+        assert_eq!(s.reserved_bytes[AGGREGATE].current, 20 << 20);
+        assert_eq!(s.reserved_bytes[SMALL].peak, 2 << 20);
+        assert_eq!(s.reserved_bytes[LARGE].peak, 20 << 20);
+        assert_eq!(
+            s.reserved_bytes[AGGREGATE].peak,
+            22 << 20,
+            "both classes were held at once: the peak is their sum then"
+        );
+        assert_eq!(s.segment[AGGREGATE].peak, 2);
+        assert_eq!(s.segment[AGGREGATE].current, 1);
+        assert_eq!(
+            (
+                s.reserved_bytes[AGGREGATE].allocated,
+                s.reserved_bytes[AGGREGATE].freed
+            ),
+            (22 << 20, 2 << 20)
+        );
+        // Growth in place counts in the aggregate too; a reset brings the peak to the current.
+        h.segment_grown(1, 2 << 20, 22 << 20, 4 << 20, pool);
+        assert_eq!(h.read(&u).reserved_bytes[AGGREGATE].peak, 24 << 20);
+        h.segment_freed(1, 2 << 20, 24 << 20, pool);
+        h.reset_peak(&u);
+        let s = h.read(&u);
+        assert_eq!(s.reserved_bytes[AGGREGATE].peak, 0);
+        assert_eq!(s.segment[AGGREGATE].peak, 0);
+        h.reset_accumulated(&u);
+        assert_eq!(h.read(&u).reserved_bytes[AGGREGATE].allocated, 0);
+    }
+
+    #[test]
+    fn segment_events_are_logged_in_order_while_on_and_drained() {
+        let mut h = HeapCounters::default();
+        let pool = PoolId(0, 7);
+        set_segment_log(true);
+        h.segment_made(1, 0, 20 << 20, pool);
+        h.segment_grown(1, 0, 20 << 20, 2 << 20, pool);
+        h.segment_freed(1, 0, 22 << 20, pool);
+        let first = h.take_events(2);
+        let rest = h.take_events(10);
+        assert_eq!(
+            first,
+            vec![
+                SegmentEvent::Made {
+                    offset: 0,
+                    size: 20 << 20,
+                    pool
+                },
+                SegmentEvent::Grown {
+                    segment: 0,
+                    offset: 20 << 20,
+                    size: 2 << 20,
+                    pool
+                },
+            ]
+        );
+        assert_eq!(
+            rest,
+            vec![SegmentEvent::Freed {
+                offset: 0,
+                size: 22 << 20,
+                pool
+            }]
+        );
+        assert!(h.take_events(10).is_empty());
+        // A full log drops its oldest events and says how many.
+        for i in 0..LOG_CAP as u64 + 3 {
+            h.segment_made(0, i << 21, 2 << 20, pool);
+        }
+        let all = h.take_events(usize::MAX);
+        assert_eq!(all[0], SegmentEvent::Lost { count: 3 });
+        assert_eq!(all.len(), LOG_CAP + 1);
+        assert_eq!(
+            all[1],
+            SegmentEvent::Made {
+                offset: 3 << 21,
+                size: 2 << 20,
+                pool
+            }
+        );
     }
 }

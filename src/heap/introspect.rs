@@ -6,12 +6,15 @@
 //! trees).
 //!
 //! Invariants: reads leave placement untouched (placement stays a function of the calls, the
-//! same on every rank); blocks that thread caches keep are free to their users and shown so.
+//! same on every rank); blocks that thread caches keep are free to their users and shown so;
+//! reads (statistics and their resets, the largest cached block, blocks, pool uses, segment
+//! events, a block by address) never make a heap: a device the process never allocated on
+//! answers as an empty heap, and gets no address space and, on CUDA, no context.
 
-use super::device_heap::BlockView;
-use super::device_heap::{class_of, Class};
-use super::device_stats::DeviceStats;
+use super::device_heap::{class_of, BlockView, Class, DeviceHeap};
+use super::device_stats::{self, DeviceStats, HeapCounters, SegmentEvent};
 use super::pools::{PoolId, DEFAULT_POOL};
+use super::spin_lock::SpinGuard;
 use super::{Allocator, Stream};
 use crate::error::{Error, Result};
 use std::collections::HashSet;
@@ -21,27 +24,85 @@ use std::sync::atomic::Ordering;
 pub type LiveBlock = (u64, u64, u64, Stream);
 
 impl Allocator {
+    /// The device's heap, locked, when one was made; `None` otherwise (module header: reads
+    /// never make one).
+    fn made_heap(&self, device: i32) -> Result<Option<SpinGuard<'_, DeviceHeap>>> {
+        self.check_device(device)?;
+        Ok(self.heaps[device as usize].get().map(|h| h.lock()))
+    }
+
+    /// Whether `device`'s heap was made (by an allocation, a pool or a memory cap on it).
+    pub fn heap_made(&self, device: i32) -> bool {
+        self.check_device(device).is_ok() && self.heaps[device as usize].get().is_some()
+    }
+
     /// PyTorch's statistics of `device` (device_stats.rs): from counters, no walk over blocks.
     pub fn device_stats(&self, device: i32) -> Result<DeviceStats> {
-        let mut heap = self.heap(device)?;
-        Ok(heap.counters.read(&self.users[device as usize]))
+        let heap = self.made_heap(device)?;
+        let users = &self.users[device as usize];
+        Ok(match heap {
+            Some(mut heap) => heap.counters.read(users),
+            None => HeapCounters::default().read(users),
+        })
     }
 
     /// PyTorch's `resetPeakStats`: every peak becomes the current value.
     pub fn reset_peak_stats(&self, device: i32) -> Result<()> {
-        let mut heap = self.heap(device)?;
-        heap.counters.reset_peak(&self.users[device as usize]);
-        heap.stats.peak_allocated_bytes = heap.stats.allocated_bytes;
+        if let Some(mut heap) = self.made_heap(device)? {
+            heap.counters.reset_peak(&self.users[device as usize]);
+            heap.stats.peak_allocated_bytes = heap.stats.allocated_bytes;
+        }
         Ok(())
     }
 
     /// PyTorch's `resetAccumulatedStats`: the allocated and freed totals and the event counts
     /// start again from zero.
     pub fn reset_accumulated_stats(&self, device: i32) -> Result<()> {
-        let mut heap = self.heap(device)?;
-        heap.counters
-            .reset_accumulated(&self.users[device as usize]);
+        if let Some(mut heap) = self.made_heap(device)? {
+            heap.counters
+                .reset_accumulated(&self.users[device as usize]);
+        }
         Ok(())
+    }
+
+    /// Takes up to `max` of the logged segment events (device_stats.rs) of `device`, or of every
+    /// device in turn with `None`, oldest first per device, as (device, event, heap base): none,
+    /// without a lock, when no heap holds any.
+    pub fn segment_events(
+        &self,
+        device: Option<i32>,
+        max: usize,
+    ) -> Result<Vec<(i32, SegmentEvent, u64)>> {
+        if let Some(d) = device {
+            self.check_device(d)?;
+        }
+        let mut out = Vec::new();
+        if !device_stats::events_pending() {
+            return Ok(out);
+        }
+        for d in device.map_or(0..self.device_count(), |d| d..d + 1) {
+            if out.len() >= max {
+                break;
+            }
+            if let Some(mut heap) = self.made_heap(d)? {
+                let base = heap.base();
+                let events = heap.counters.take_events(max - out.len());
+                out.extend(events.into_iter().map(|e| (d, e, base)));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The device, request and allocation stream of the live block at `ptr` (PyTorch's lookup
+    /// of a block by address, for a free's trace entry), without a walk.
+    pub fn block_request(&self, ptr: u64) -> Result<(i32, u64, Stream)> {
+        let Some(device) = self.device_by_address(ptr) else {
+            return Err(Error::invalid(format!(
+                "symm_block_request({ptr:#x}): pointer was not returned by symm_malloc"
+            )));
+        };
+        let (requested, stream) = self.live_info(device, ptr)?;
+        Ok((device, requested, stream))
     }
 
     /// Caps the bytes `device`'s heap holds in segments (0: no cap; device_heap `set_limit`).
@@ -55,7 +116,9 @@ impl Allocator {
     /// large request does first, this thread's kept large blocks go back to the free lists, merged
     /// with their neighbours.
     pub fn largest_free_block(&self, device: i32) -> Result<u64> {
-        let mut heap = self.heap(device)?;
+        let Some(mut heap) = self.made_heap(device)? else {
+            return Ok(0);
+        };
         let mine = self.with_cache(device, |c| c.id);
         self.drain_where(
             &mut heap,
@@ -138,7 +201,9 @@ impl Allocator {
     /// thread caches keep shown free to users (state 3).
     pub fn walk(&self, device: i32, pool: Option<PoolId>) -> Result<Vec<BlockView>> {
         let kept = self.kept(device);
-        let heap = self.heap(device)?;
+        let Some(heap) = self.made_heap(device)? else {
+            return Ok(Vec::new());
+        };
         let mut blocks = heap.walk(pool);
         drop(heap);
         for b in &mut blocks {
@@ -176,7 +241,7 @@ impl Allocator {
 
     /// Uses of `pool` not given back (PyTorch's `getPoolUseCount`).
     pub fn pool_uses(&self, device: i32, pool: PoolId) -> Result<u64> {
-        Ok(self.heap(device)?.pool_uses(pool))
+        Ok(self.made_heap(device)?.map_or(0, |h| h.pool_uses(pool)))
     }
 
     /// At the end of a route into `pool` (a graph capture or a MemPool context ends): the

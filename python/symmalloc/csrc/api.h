@@ -5,13 +5,14 @@
 // the path the Python package gives), the C ABI's structs as include/symmalloc.h lays them out,
 // and the helpers over them every part of the allocator uses: check() and last_error() (a
 // failed call as a c10::Error), the statistics as PyTorch's types, and the blocks of the heaps
-// (list_blocks, for_each_heap, and a block or segment found by address).
+// (list_blocks, for_each_heap, a segment found by address, a live block's request by address).
 //
 // Invariants:
 // - The structs match include/symmalloc.h byte for byte (symm_device_stats_t is checked by size).
 // - `api` is filled before the allocator object exists (torch_allocator.cpp's make) and never
 //   changes after; nothing here keeps state of its own.
-// - list_blocks and the lookups over it only read the heaps: they never place or free memory.
+// - list_blocks and the lookups over it only read the heaps: they never place or free memory,
+//   and never make a heap (a device the process did not allocate on lists no blocks).
 #pragma once
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -57,6 +58,14 @@ struct SymmBlock {
 };
 constexpr uint32_t kBlockLive = 1;
 
+// symm_segment_event_t: a segment made, grown in place (a range mapped after it) or given back.
+struct SymmSegmentEvent {
+  uint32_t kind;
+  int32_t device;
+  uint64_t address, size, segment_address, pool_first, pool_second;
+};
+constexpr uint32_t kSegmentLost = 0, kSegmentMade = 1, kSegmentMapped = 2, kSegmentFreed = 3;
+
 using FilterFn = int (*)(void*, cudaStream_t);
 using DropFn = void (*)(void*);
 
@@ -77,6 +86,9 @@ struct Api {
   int (*begin_pool_filtered)(int, uint64_t, uint64_t, FilterFn, void*, DropFn);
   void (*end_pool)(int, uint64_t, uint64_t);
   void (*release_pool)(int, uint64_t, uint64_t);
+  int (*segment_log)(int);
+  int (*segment_events)(int, SymmSegmentEvent*, size_t, size_t*);
+  int (*block_request)(void*, int*, uint64_t*, cudaStream_t*);
   const char* (*last_error)();
 };
 
@@ -176,17 +188,17 @@ inline int device_of(int device_count, void* ptr) {
   return found;
 }
 
-// The device and request of the live block at `p` (0, 0 when not found).
-inline void find_live(int device_count, void* p, int* device, size_t* size) {
-  for_each_heap(device_count, nullptr, [&](int d, const std::vector<SymmBlock>& blocks) {
-    for (const auto& b : blocks)
-      if (b.address == (uint64_t)p && b.state == kBlockLive) {
-        *device = d;
-        *size = b.requested;
-        return true;
-      }
-    return false;
-  });
+// The device and request of the live block at `p`, looked up by address (no walk): false, with
+// nothing written, when `p` is not a live block of the heap.
+inline bool block_request(void* p, int* device, size_t* size, cudaStream_t* stream = nullptr) {
+  int d = 0;
+  uint64_t requested = 0;
+  cudaStream_t s = nullptr;
+  if (api.block_request(p, &d, &requested, &s) != kSuccess) return false;
+  *device = d;
+  *size = (size_t)requested;
+  if (stream) *stream = s;
+  return true;
 }
 
 // Fills `api` from the library at `path`: "" on success, else why not.
@@ -216,6 +228,9 @@ inline std::string load_api(const char* path) {
   SYMM_LOAD(begin_pool_filtered, "symm_begin_pool_filtered");
   SYMM_LOAD(end_pool, "symm_end_pool");
   SYMM_LOAD(release_pool, "symm_release_pool");
+  SYMM_LOAD(segment_log, "symm_segment_log");
+  SYMM_LOAD(segment_events, "symm_segment_events");
+  SYMM_LOAD(block_request, "symm_block_request");
   SYMM_LOAD(last_error, "symm_last_error");
 #undef SYMM_LOAD
   if (!missing.empty()) return std::string(path) + " lacks " + missing + " (an older library)";

@@ -2,19 +2,31 @@
 // Included by torch_allocator.cpp only.
 //
 // Owns: the memory history (torch.cuda.memory._record_memory_history: the trace ring, the
-// context of each live block and segment, the reserved bytes note_alloc last saw per device),
-// the allocator trace trackers and out-of-memory observers, the compile context and user
-// metadata each trace entry carries, and the snapshot (torch.cuda.memory._snapshot) assembled
-// from the heap's blocks and these.
+// live blocks seen allocated while recording with their contexts, the context of each
+// segment), the allocator trace trackers and out-of-memory observers, the memory cap each
+// device's observers are told, the compile context and user metadata each trace entry carries,
+// and the snapshot (torch.cuda.memory._snapshot) assembled from the heap's blocks and these.
+// Segment entries (SEGMENT_ALLOC, SEGMENT_MAP, SEGMENT_FREE) come from libsymmalloc's segment
+// event log (symm_segment_events), on while it is needed.
 //
 // Invariants:
-// - Everything here but `recording_` is read and written under `history_mu_` only.
-// - `recording_` is true while history is recorded, a tracker is attached, or a live block or
-//   segment still holds a context recorded earlier (as PyTorch's, a block keeps its context
-//   until it is freed, history on or off); the allocation and free paths read it with one
-//   relaxed atomic load and call in here only when it is.
+// - Frames are gathered (`gather`, the recorder: PyTorch's takes the GIL) with no lock of the
+//   allocator held, neither `history_mu_` nor a heap's, as PyTorch's allocator does: a thread
+//   holding the GIL may wait on `history_mu_` (a snapshot) while another allocates.
+// - Everything here but the atomics is read and written under `history_mu_`; nothing under it
+//   calls Python. Trackers are called under it, as PyTorch calls them under its own lock.
+// - `active_` is true while history is recorded or a tracker listens: then every allocation
+//   and free is an event. The allocation path reads it with one relaxed load; the free path
+//   reads it and, when it is false, `tracked_` (live blocks holding a context): with none, a
+//   free costs that one more load; with some, a load of the address filter's slot, and only a
+//   free whose slot is taken comes in here (a hash lookup). No path walks the heap's blocks.
+// - As PyTorch's, a live block keeps its context until it is freed, history on or off; a
+//   segment keeps its context until it is given back (the event log stays on while any does).
 // - Switching history off empties the trace ring only (PyTorch's `recordHistory`).
-// - Nothing here places memory: it reads the heap's blocks and statistics, never changes them.
+// - Nothing here places memory: it reads the heap's blocks, statistics and segment events.
+// - Segment events are taken in the heap's order, by whichever thread comes next (an
+//   allocation, a free, emptyCache, releasePool, an out of memory): with several threads
+//   allocating at once, a segment entry may carry another thread's stream and frames.
 #pragma once
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -39,15 +51,65 @@
 namespace symm_torch {
 namespace {  // internal linkage, as in the one translation unit that includes this
 
+// A counting filter over block addresses: `may_hold(p)` is true for every address added and not
+// yet removed, and false for most others (those that share a slot with one: about n / 65536 of
+// them for n added). Slots are made at the first add and never freed (the allocator is never
+// destroyed); reads are lock-free, writes under the history lock.
+class AddressFilter {
+ public:
+  bool may_hold(const void* p) const {
+    auto* s = slots_.load(std::memory_order_acquire);
+    return s != nullptr && s[slot(p)].load(std::memory_order_relaxed) != 0;
+  }
+  void add(const void* p) {
+    auto* s = slots_.load(std::memory_order_relaxed);
+    if (s == nullptr) {
+      s = new std::atomic<uint32_t>[kSlots]();
+      slots_.store(s, std::memory_order_release);
+    }
+    s[slot(p)].fetch_add(1, std::memory_order_relaxed);
+  }
+  void remove(const void* p) {
+    slots_.load(std::memory_order_relaxed)[slot(p)].fetch_sub(1, std::memory_order_relaxed);
+  }
+
+ private:
+  static constexpr size_t kBits = 16, kSlots = size_t(1) << kBits;
+  static size_t slot(const void* p) {
+    // Blocks are 512-byte aligned: mix the bits above.
+    return (size_t)((((uintptr_t)p >> 9) * 0x9E3779B97F4A7C15ull) >> (64 - kBits));
+  }
+  std::atomic<std::atomic<uint32_t>*> slots_{nullptr};
+};
+
 class History {
  public:
-  bool recording() const { return recording_.load(std::memory_order_relaxed); }
+  // Every allocation and free is an event (history recorded, or a tracker listening).
+  bool active() const { return active_.load(std::memory_order_relaxed); }
+
+  // Whether the free of `p` must call note_free: active, or `p` may hold a recorded context.
+  bool wants_free(const void* p) const {
+    if (active_.load(std::memory_order_relaxed)) return true;
+    return tracked_.load(std::memory_order_relaxed) > 0 && filter_.may_hold(p);
+  }
+
+  // Frames for an event recorded at `at_least` or finer (PyTorch's maybeGatherContext). Call
+  // with no lock of the allocator held: the recorder may take the GIL.
+  std::shared_ptr<c10::GatheredContext> gather(CCA::RecordContext at_least) const {
+    CCA::CreateContextFn recorder = recorder_.load(std::memory_order_acquire);
+    if (recorder == nullptr || when_.load(std::memory_order_relaxed) < (int)at_least)
+      return nullptr;
+    return recorder();
+  }
 
   // ---- snapshots and history (the allocator's methods of the same names) ----
   CCA::SnapshotInfo snapshot(int device_count, MempoolId mempool_id, bool include_traces) {
     CCA::SnapshotInfo out;
     bool one_pool = mempool_id.first != 0 || mempool_id.second != 0;
     std::lock_guard<std::mutex> g(history_mu_);
+    // Segment contexts as of now. While active, the allocating or freeing thread takes its
+    // events itself (with its stream and frames), right after its call into the heap.
+    if (!active_.load()) drain_segments(nullptr, nullptr);
     for_each_heap(device_count, one_pool ? &mempool_id : nullptr,
                   [&](int d, const std::vector<SymmBlock>& blocks) {
       CCA::SegmentInfo* seg = nullptr;
@@ -62,6 +124,9 @@ class History {
           seg->is_large = b.is_large != 0;
           seg->is_expandable = false;
           seg->owner_private_pool_id = {b.pool_first, b.pool_second};
+          // Address order: the same on every rank (symmetric placement), as NCCL's symmetric
+          // registration needs when it walks a pool's segments by this counter.
+          seg->registration_counter = (int32_t)out.segments.size() - 1;
           auto sc = segment_ctx_.find(b.segment_address);
           if (sc != segment_ctx_.end()) seg->context_when_allocated = sc->second;
         }
@@ -70,9 +135,9 @@ class History {
         bi.requested_size = b.requested;
         bi.allocated = b.state == kBlockLive;
         bi.active = bi.allocated;
-        auto c = contexts_.find((void*)b.address);
-        if (bi.allocated && c != contexts_.end()) bi.context_when_allocated = c->second;
         if (bi.allocated) {
+          auto c = live_.find((void*)b.address);
+          if (c != live_.end()) bi.context_when_allocated = c->second.ctx;
           seg->allocated_size += b.size;
           seg->active_size += b.size;
           seg->requested_size += b.requested;
@@ -82,12 +147,12 @@ class History {
       return false;
     });
     if (!one_pool) {
-      // Entries of segments that are gone (given back outside emptyCache) go with them.
+      // Entries of segments that are gone (given back while nothing was logged) go with them.
       std::set<uint64_t> present;
       for (const auto& s : out.segments) present.insert(s.address);
       for (auto it = segment_ctx_.begin(); it != segment_ctx_.end();)
         it = present.count(it->first) ? std::next(it) : segment_ctx_.erase(it);
-      update_recording();
+      update_state();
     }
     auto to_us = clock_.makeConverter();
     if (include_traces) {
@@ -128,33 +193,33 @@ class History {
     for (const auto& [d, n] : per_device)
       devices += (devices.empty() ? "" : " ") + std::to_string(d) + ":" + std::to_string(n);
     return "history " + std::to_string(history_) + ", recording " +
-           std::to_string(recording_.load()) + ", when " + std::to_string((int)when_) +
-           ", recorder " + std::to_string(recorder_ != nullptr) + ", ring " +
+           std::to_string(active_.load()) + ", when " + std::to_string(when_.load()) +
+           ", recorder " + std::to_string(recorder_.load() != nullptr) + ", ring " +
            std::to_string(ring_.size()) + " of " + std::to_string(max_entries_) +
            " (by device " + devices + ")" +
            ", skip [" + skip + "], trackers " + std::to_string(trackers_.size()) +
-           ", contexts " + std::to_string(contexts_.size()) + ", segment contexts " +
-           std::to_string(segment_ctx_.size());
+           ", live " + std::to_string(live_.size()) + ", contexts " +
+           std::to_string(tracked_.load()) + ", segment contexts " +
+           std::to_string(segment_ctx_.size()) + ", segment log " + std::to_string(log_on_);
   }
 
   void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
                      size_t alloc_trace_max_entries, CCA::RecordContext when, bool clearHistory,
                      const std::vector<std::string>& skip_actions) {
     std::lock_guard<std::mutex> g(history_mu_);
+    // Events logged before this belong to the old setting: taken now, under it.
+    drain_segments(nullptr, nullptr);
     // As PyTorch's allocator: switching off (or clearHistory) empties the trace ring; the
     // contexts of live blocks and segments stay with them until they are freed (CUDA-graph
     // trees switch history off after a capture, then name a leaked block by its frames).
-    recorder_ = enabled ? context_recorder : nullptr;
+    recorder_.store(enabled ? context_recorder : nullptr, std::memory_order_release);
     max_entries_ = std::max<size_t>(alloc_trace_max_entries, 1);
-    when_ = enabled ? when : CCA::RecordContext::NEVER;
+    when_.store(enabled ? (int)when : (int)CCA::RecordContext::NEVER);
     skip_.clear();
     for (const auto& a : skip_actions) skip_.insert(a);
     if (clearHistory || !enabled) ring_.clear();
     history_ = enabled;
-    update_recording();
-    // Segments made or given back while nothing was recorded must not hide the next one:
-    // note_alloc names a segment_alloc by the growth of the reserved bytes since this.
-    refresh_reserved();
+    update_state();
   }
 
   void pushCompileContext(std::string& md) {
@@ -181,111 +246,240 @@ class History {
 
   void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) {
     std::lock_guard<std::mutex> g(history_mu_);
+    drain_segments(nullptr, nullptr);
     trackers_.push_back(std::move(tracker));
-    update_recording();  // trackers hear every event, as PyTorch's do
+    update_state();  // trackers hear every event, as PyTorch's do
   }
 
-  // ---- the events: note_alloc, note_free and note_segments_freed only while recording() ----
-  // Out of memory (oom.h): the oom trace entry, and the observers to call (outside the lock).
+  // The memory cap of `device` in bytes (0: none), as set_per_process_memory_fraction set it:
+  // what PyTorch's out-of-memory observers are told instead of the device's total.
+  void set_allowed(int device, uint64_t bytes) {
+    std::lock_guard<std::mutex> g(history_mu_);
+    allowed_[device] = bytes;
+  }
+
+  // ---- the events ----
+  // Out of memory (oom.h): the oom trace entry, the observers to call (outside the lock) and
+  // the device's memory cap (0: none) in *allowed.
   std::vector<CCA::OutOfMemoryObserver> note_oom(int device, uint64_t free_b, size_t n,
-                                                 cudaStream_t stream) {
-    std::vector<CCA::OutOfMemoryObserver> observers;
+                                                 cudaStream_t stream,
+                                                 std::shared_ptr<c10::GatheredContext> ctx,
+                                                 uint64_t* allowed) {
     std::lock_guard<std::mutex> g(history_mu_);
-    observers = oom_observers_;
-    if (history_ || !trackers_.empty()) push_trace(TraceEntry::OOM, device, free_b, n, stream, nullptr);
-    return observers;
+    auto a = allowed_.find(device);
+    *allowed = a == allowed_.end() ? 0 : a->second;
+    drain_segments(stream, ctx);  // the cache emptied before giving up
+    if (active_.load()) push_trace(TraceEntry::OOM, device, free_b, n, stream, ctx);
+    return oom_observers_;
   }
 
-  void note_alloc(int device, void* p, size_t n, cudaStream_t stream) {
-    // Segment events: the heap's reserved bytes moved under this allocation.
-    SymmDeviceStats s{};
-    bool have = api.device_stats(device, &s, sizeof s) == kSuccess;
+  // After an allocation while active(): its segment events, then the alloc entry. `ctx` was
+  // gathered before the allocation, with no lock held.
+  void note_alloc(int device, void* p, size_t n, cudaStream_t stream,
+                  std::shared_ptr<c10::GatheredContext> ctx) {
     std::lock_guard<std::mutex> g(history_mu_);
-    auto ctx = gather(CCA::RecordContext::STATE);
-    if (ctx)
-      contexts_[p] = ctx;
-    else
-      contexts_.erase(p);
-    if (have) {
-      int64_t reserved = s.reserved_bytes[0].current;
-      if (reserved > last_reserved_[device]) {
-        uint64_t seg = (uint64_t)p;
-        uint64_t size = (uint64_t)(reserved - last_reserved_[device]);
-        for (const auto& b : list_blocks(device, nullptr))
-          if ((uint64_t)p >= b.segment_address && (uint64_t)p < b.segment_address + b.segment_size) {
-            seg = b.segment_address;
-            break;
-          }
-        // Set or cleared: a segment given back outside emptyCache (the heap's trim before it
-        // grows, a released pool, caching off) leaves its entry, and a new segment at the same
-        // address must not inherit those frames.
-        if (ctx)
-          segment_ctx_[seg] = ctx;
-        else
-          segment_ctx_.erase(seg);
-        push_trace(TraceEntry::SEGMENT_ALLOC, device, seg, size, stream, ctx);
-      }
-      last_reserved_[device] = reserved;
+    drain_segments(stream, ctx);
+    auto it = live_.find(p);
+    if (it != live_.end()) forget(it);  // a free this history did not hear (a restore)
+    if (ctx) {
+      filter_.add(p);
+      tracked_.fetch_add(1, std::memory_order_relaxed);
     }
     push_trace(TraceEntry::ALLOC, device, (uint64_t)p, n, stream, ctx);
-    update_recording();
+    // Switched off since the caller looked: only a context outlives recording.
+    if (active_.load() || ctx) live_.emplace(p, Live{device, n, stream, std::move(ctx)});
   }
 
-  void note_free(void* p, int device, size_t size) {
-    std::lock_guard<std::mutex> g(history_mu_);
-    contexts_.erase(p);
-    auto ctx = gather(CCA::RecordContext::ALL);
-    push_trace(TraceEntry::FREE_REQUESTED, device, (uint64_t)p, size, nullptr, ctx);
-    push_trace(TraceEntry::FREE_COMPLETED, device, (uint64_t)p, size, nullptr, ctx);
-    update_recording();
-  }
-
-  // emptyCache: a segment_free for each segment of `before` (segments_now) not in `after`.
-  void note_segments_freed(const std::map<std::pair<int, uint64_t>, uint64_t>& before,
-                           const std::map<std::pair<int, uint64_t>, uint64_t>& after) {
-    std::lock_guard<std::mutex> g(history_mu_);
-    auto ctx = gather(CCA::RecordContext::ALL);
-    for (const auto& [key, size] : before) {
-      if (after.count(key)) continue;
-      segment_ctx_.erase(key.second);
-      push_trace(TraceEntry::SEGMENT_FREE, key.first, key.second, size, nullptr, ctx);
+  // Before the free of `p` (wants_free): its free entries, the block's context dropped. Called
+  // before the heap frees it, so that no allocation at its address can come first. The device
+  // of the block in *device (-1 when nothing was recorded).
+  void note_free(void* p, std::shared_ptr<c10::GatheredContext> ctx, int* device) {
+    *device = -1;
+    Live b;
+    {
+      std::lock_guard<std::mutex> g(history_mu_);
+      auto it = live_.find(p);
+      if (it != live_.end()) {
+        b = it->second;
+        forget(it);
+        record_free(p, b, std::move(ctx));
+        *device = b.device;
+        return;
+      }
+      if (!active_.load()) return;  // a slot shared with a tracked block: nothing to drop
     }
-    update_recording();
+    // Allocated before this history saw it: looked up by address, outside the lock.
+    if (!block_request(p, &b.device, &b.size, &b.stream)) return;
+    std::lock_guard<std::mutex> g(history_mu_);
+    if (active_.load()) record_free(p, b, std::move(ctx));
+    *device = b.device;
   }
 
-  // After emptyCache gave segments back, recorded or not: refresh_reserved under the lock.
-  void reserved_changed() {
+  // A block of a MemPool with its own allocator (foreign_pools.h), a segment of its own: its
+  // segment_alloc and alloc entries after the allocation (`alloc`), or its free entries and
+  // segment_free before the free, while active; each carries the pool (NCCL's allocator hook
+  // registers the segments of the pools it was given).
+  void note_foreign(bool alloc, int device, void* p, size_t n, cudaStream_t stream,
+                    MempoolId pool, std::shared_ptr<c10::GatheredContext> ctx) {
     std::lock_guard<std::mutex> g(history_mu_);
-    refresh_reserved();
+    if (!active_.load()) return;
+    if (alloc) {
+      push_trace(TraceEntry::SEGMENT_ALLOC, device, (uint64_t)p, n, stream, ctx, pool);
+      push_trace(TraceEntry::ALLOC, device, (uint64_t)p, n, stream, ctx, pool);
+    } else {
+      push_trace(TraceEntry::FREE_REQUESTED, device, (uint64_t)p, n, stream, ctx, pool);
+      push_trace(TraceEntry::FREE_COMPLETED, device, (uint64_t)p, n, stream, ctx, pool);
+      push_trace(TraceEntry::SEGMENT_FREE, device, (uint64_t)p, n, stream, ctx, pool);
+    }
+  }
+
+  // After a free, emptyCache, releasePool or anything else that may give segments back: their
+  // segment_free entries (with `ctx`), when the log is on.
+  void note_segments(std::shared_ptr<c10::GatheredContext> ctx) {
+    if (!log_on_.load(std::memory_order_relaxed)) return;
+    std::lock_guard<std::mutex> g(history_mu_);
+    drain_segments(nullptr, std::move(ctx));
   }
 
  private:
-  // Under history_mu_: the reserved bytes now of every device note_alloc has seen (the base
-  // it compares with; a device never seen has 0 and is not touched, so no heap is made here).
-  void refresh_reserved() {
-    for (auto& [d, last] : last_reserved_) {
-      SymmDeviceStats s{};
-      if (api.device_stats(d, &s, sizeof s) == kSuccess) last = s.reserved_bytes[0].current;
+  struct Live {
+    int device = 0;
+    size_t size = 0;
+    cudaStream_t stream = nullptr;
+    std::shared_ptr<c10::GatheredContext> ctx;
+  };
+
+  // Under history_mu_.
+  void forget(std::unordered_map<void*, Live>::iterator it) {
+    if (it->second.ctx) {
+      filter_.remove(it->first);
+      tracked_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    live_.erase(it);
+  }
+
+  // Under history_mu_: free_requested and free_completed of block `b` at `p`.
+  void record_free(void* p, const Live& b, std::shared_ptr<c10::GatheredContext> ctx) {
+    if (!active_.load()) return;
+    push_trace(TraceEntry::FREE_REQUESTED, b.device, (uint64_t)p, b.size, b.stream, ctx);
+    push_trace(TraceEntry::FREE_COMPLETED, b.device, (uint64_t)p, b.size, b.stream, ctx);
+  }
+
+  // Under history_mu_: takes every logged segment event, sets or drops segment contexts, and
+  // records the entries while active (a new segment's context is `ctx`, the allocation's).
+  void drain_segments(cudaStream_t stream, std::shared_ptr<c10::GatheredContext> ctx) {
+    if (!log_on_.load(std::memory_order_relaxed)) return;
+    SymmSegmentEvent ev[64];
+    for (;;) {
+      size_t n = 0;
+      if (api.segment_events(-1, ev, 64, &n) != kSuccess) return;
+      for (size_t i = 0; i < n; ++i) segment_event(ev[i], stream, ctx);
+      if (n < 64) break;
+    }
+    update_state();
+  }
+
+  // Under history_mu_. A segment that grew in place goes back as PyTorch's expandable segments
+  // do: segment_unmap for each range mapped after it, then segment_free of what
+  // segment_alloc named, so that every range a tracker registered is deregistered as such.
+  void segment_event(const SymmSegmentEvent& e, cudaStream_t stream,
+                     const std::shared_ptr<c10::GatheredContext>& ctx) {
+    MempoolId pool{e.pool_first, e.pool_second};
+    bool active = active_.load();
+    switch (e.kind) {
+      case kSegmentMade:
+        // Set or cleared: a new segment never inherits the frames of one given back at its
+        // address.
+        if (ctx)
+          segment_ctx_[e.address] = ctx;
+        else
+          segment_ctx_.erase(e.address);
+        grown_.erase(e.address);
+        if (active)
+          push_trace(TraceEntry::SEGMENT_ALLOC, e.device, e.address, e.size, stream, ctx, pool);
+        break;
+      case kSegmentMapped:
+        grown_[e.segment_address].push_back({e.address, e.size});
+        if (active)
+          push_trace(TraceEntry::SEGMENT_MAP, e.device, e.address, e.size, stream, ctx, pool);
+        break;
+      case kSegmentFreed: {
+        segment_ctx_.erase(e.address);
+        uint64_t size = e.size;
+        auto g = grown_.find(e.address);
+        if (g != grown_.end()) {
+          for (const auto& [addr, len] : g->second) {
+            if (active)
+              push_trace(TraceEntry::SEGMENT_UNMAP, e.device, addr, len, stream, ctx, pool);
+            size -= std::min<uint64_t>(size, len);
+          }
+          grown_.erase(g);
+        }
+        if (active)
+          push_trace(TraceEntry::SEGMENT_FREE, e.device, e.address, size, stream, ctx, pool);
+        break;
+      }
+      default:
+        // Events were dropped (the log was full): contexts of segments gone are dropped at the
+        // next snapshot.
+        break;
     }
   }
 
-  // Under history_mu_: the allocation paths call note_* while history is on, a tracker
-  // listens, or a live block or segment still holds a context (its free must drop it).
-  void update_recording() {
-    recording_.store(history_ || !trackers_.empty() || !contexts_.empty() || !segment_ctx_.empty());
+  // Under history_mu_: active while history is on or a tracker listens; the segment event log
+  // on while active or a segment holds a context. Once inactive, live blocks without a context
+  // are dropped (only contexts outlive recording).
+  void update_state() {
+    bool active = history_ || !trackers_.empty();
+    if (active_.load() && !active) {
+      for (auto it = live_.begin(); it != live_.end();)
+        it = it->second.ctx ? std::next(it) : live_.erase(it);
+    }
+    active_.store(active);
+    bool log = active || !segment_ctx_.empty();
+    if (log != log_on_.load()) {
+      // A log switched off is drained first (its events change contexts); on, it starts empty.
+      if (!log) drain_off();
+      api.segment_log(log ? 1 : 0);
+      log_on_.store(log);
+      if (log) discard_events();
+      if (!log) grown_.clear();
+    }
+  }
+
+  void drain_off() {
+    SymmSegmentEvent ev[64];
+    size_t n = 0;
+    do {
+      if (api.segment_events(-1, ev, 64, &n) != kSuccess) return;
+      for (size_t i = 0; i < n; ++i)
+        if (ev[i].kind == kSegmentFreed || ev[i].kind == kSegmentMade) {
+          segment_ctx_.erase(ev[i].address);
+          grown_.erase(ev[i].address);
+        }
+    } while (n == 64);
+  }
+
+  void discard_events() {
+    SymmSegmentEvent ev[64];
+    size_t n = 0;
+    do {
+      if (api.segment_events(-1, ev, 64, &n) != kSuccess) return;
+    } while (n == 64);
   }
 
   // Under history_mu_.
   void push_trace(TraceEntry::Action action, int device, uint64_t addr, size_t size,
-                  cudaStream_t stream, std::shared_ptr<c10::GatheredContext> ctx) {
+                  cudaStream_t stream, std::shared_ptr<c10::GatheredContext> ctx,
+                  MempoolId pool = {0, 0}) {
     static const char* names[] = {"alloc",         "free_requested", "free_completed",
                                   "segment_alloc", "segment_free",   "segment_map",
                                   "segment_unmap", "snapshot",       "oom"};
     if ((size_t)action < sizeof names / sizeof *names && skip_.count(names[action])) return;
     // As PyTorch's record_trace: an entry carries frames only when contexts are recorded at
     // allocations or more (context="state" keeps them with live blocks and segments only).
-    if (when_ < CCA::RecordContext::ALLOC) ctx = nullptr;
-    TraceEntry te(action, (c10::DeviceIndex)device, addr, size, (TraceStream)stream, {0, 0},
+    if (when_.load() < (int)CCA::RecordContext::ALLOC) ctx = nullptr;
+    TraceEntry te(action, (c10::DeviceIndex)device, addr, size, (TraceStream)stream, pool,
                   c10::getApproximateTime(), std::move(ctx),
                   // PyTorch's allocator writes "N/A" outside a compiled region (the
                   // snapshot's readers, test_memory_compile_regions among them, skip it).
@@ -297,21 +491,21 @@ class History {
     while (ring_.size() > max_entries_) ring_.pop_front();
   }
 
-  std::shared_ptr<c10::GatheredContext> gather(CCA::RecordContext at_least) {
-    if (!recorder_ || when_ < at_least) return nullptr;
-    return recorder_();
-  }
-
-  std::atomic<bool> recording_{false};
+  std::atomic<bool> active_{false};
+  std::atomic<bool> log_on_{false};
+  std::atomic<int64_t> tracked_{0};
+  AddressFilter filter_;
+  std::atomic<CCA::CreateContextFn> recorder_{nullptr};
+  std::atomic<int> when_{(int)CCA::RecordContext::NEVER};
   std::mutex history_mu_;
-  CCA::CreateContextFn recorder_ = nullptr;
-  CCA::RecordContext when_ = CCA::RecordContext::NEVER;
   size_t max_entries_ = 1;
   std::set<std::string> skip_;
   std::deque<TraceEntry> ring_;
-  std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> contexts_;
+  std::unordered_map<void*, Live> live_;
   std::map<uint64_t, std::shared_ptr<c10::GatheredContext>> segment_ctx_;
-  std::map<int, int64_t> last_reserved_;
+  // The ranges mapped after each segment that grew in place while the log was on.
+  std::map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>> grown_;
+  std::map<int, uint64_t> allowed_;
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
   std::vector<CCA::AllocatorTraceTracker> trackers_;
   bool history_ = false;
@@ -319,16 +513,6 @@ class History {
   std::string user_metadata_;
   c10::ApproximateClockToUnixTimeConverter clock_;
 };
-
-// (device, segment address) -> size of every segment now.
-inline std::map<std::pair<int, uint64_t>, uint64_t> segments_now(int device_count) {
-  std::map<std::pair<int, uint64_t>, uint64_t> out;
-  for_each_heap(device_count, nullptr, [&](int d, const std::vector<SymmBlock>& blocks) {
-    for (const auto& b : blocks) out[{d, b.segment_address}] = b.segment_size;
-    return false;
-  });
-  return out;
-}
 
 }  // namespace
 }  // namespace symm_torch

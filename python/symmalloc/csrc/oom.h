@@ -3,11 +3,16 @@
 //
 // Owns: the c10::OutOfMemoryError a failed allocation raises (PyTorch's words, with symmalloc's
 // reason at the end), the out-of-memory observers' call and the oom trace entry on the way
-// (history.h keeps both), and bytes_str, the sizes in those messages.
+// (history.h keeps both), bytes_str, the sizes in those messages, allocation_size, the
+// segment size PyTorch's allocator would have asked the driver for, and cache_info, PyTorch's
+// cacheInfo (the free memory and cached blocks a cuDNN workspace may take).
 //
 // Invariants:
 // - out_of_memory always throws c10::OutOfMemoryError and changes nothing in the heap; the
-//   observers are called outside the history lock.
+//   frames are gathered and the observers called outside every allocator lock.
+// - The observers get PyTorch's arguments: (device, the allocation size PyTorch's allocator
+//   would have made for the request, the memory cap set by set_per_process_memory_fraction or
+//   else the device's total, the device's free memory).
 // - A request past any device's size says "more than 1EB", as PyTorch's allocator does.
 #pragma once
 
@@ -15,6 +20,7 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -38,6 +44,42 @@ inline std::string bytes_str(uint64_t b) {
   return o.str();
 }
 
+// The segment PyTorch's allocator asks the driver for to serve `n` bytes (its round_size, then
+// get_allocation_size with default settings: small requests share 2 MiB, those under 10 MiB
+// take 20 MiB, larger ones their size rounded to 2 MiB). The heap's own segments are sized the
+// same (heap/size_class.rs) at the 2 MiB granularity of current GPUs.
+inline size_t allocation_size(size_t n) {
+  constexpr size_t kMinBlock = 512, kSmallSize = 1 << 20, kSmallBuffer = 2 << 20,
+                   kMinLargeAlloc = 10 << 20, kLargeBuffer = 20 << 20, kRoundLarge = 2 << 20;
+  if (n >= (size_t)1 << 60) return n;  // past any device (the message says so)
+  size_t size = n < kMinBlock ? kMinBlock : kMinBlock * ((n + kMinBlock - 1) / kMinBlock);
+  if (size <= kSmallSize) return kSmallBuffer;
+  if (size < kMinLargeAlloc) return kLargeBuffer;
+  return kRoundLarge * ((size + kRoundLarge - 1) / kRoundLarge);
+}
+
+// PyTorch's cacheInfo (which cuDNN's benchmark mode reads to size its workspace), computed as
+// PyTorch's allocator computes it: from *largest, or when that is 0 from the free memory of the
+// current device (cudaMemGetInfo, as PyTorch: no device is switched to), the largest free
+// block cached in any pool of `device`, private pools (graph captures, MemPools) included. The
+// default pool's large blocks this thread's cache keeps are merged first, as a large request
+// would (symm_cache_info); blocks thread caches keep count as free (a large request or an out
+// of memory takes them back). Without a CUDA device (the host backend) the free memory is 0.
+inline void cache_info(int device, size_t* largest) {
+  if (*largest == 0) {
+    size_t free_b = 0, total = 0;
+    if (cudaMemGetInfo(&free_b, &total) == cudaSuccess)
+      *largest = free_b;
+    else
+      (void)cudaGetLastError();
+  }
+  uint64_t most = 0;
+  check(api.cache_info(device, &most), "cacheInfo");
+  *largest = std::max<size_t>(*largest, (size_t)most);
+  for (const auto& b : list_blocks(device, nullptr))
+    if (b.state != kBlockLive) *largest = std::max<size_t>(*largest, b.size);
+}
+
 // ---- the out-of-memory path ----
 [[noreturn]] inline void out_of_memory(History& history, c10::DeviceIndex device, size_t n,
                                        cudaStream_t stream, const std::string& why) {
@@ -50,8 +92,12 @@ inline std::string bytes_str(uint64_t b) {
   (void)api.device_stats(device, &s, sizeof s);
   uint64_t allocated = s.allocated_bytes[0].current;
   uint64_t reserved = s.reserved_bytes[0].current;
-  std::vector<CCA::OutOfMemoryObserver> observers = history.note_oom(device, free_b, n, stream);
-  for (const auto& obs : observers) obs(device, allocated, total, free_b);
+  auto ctx = history.active() ? history.gather(CCA::RecordContext::STATE) : nullptr;
+  uint64_t allowed = 0;
+  std::vector<CCA::OutOfMemoryObserver> observers =
+      history.note_oom(device, free_b, n, stream, std::move(ctx), &allowed);
+  for (const auto& obs : observers)
+    obs(device, allocation_size(n), allowed > 0 ? allowed : total, free_b);
   std::ostringstream msg;
   if (n >= (size_t)1 << 60) {  // PyTorch's words for a request larger than any device
     msg << "CUDA out of memory. Tried to allocate more than 1EB memory. (symmalloc: " << why

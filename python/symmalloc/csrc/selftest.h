@@ -3,8 +3,11 @@
 //
 // Owns: the checks of the allocator object's methods that take a device, run against
 // libsymmalloc on host memory without installing it (no CUDA runtime is needed): statistics,
-// DataPtrs and the raw deleter, out of memory, a private pool's checkpoint and restore,
-// snapshot and history, caching off, and what is refused by name.
+// DataPtrs and the raw deleter, out of memory (the observers' arguments), cacheInfo, a private
+// pool's checkpoint and restore, snapshot and history (segment entries of grown segments,
+// released pools and trims), history under threads (a stand-in GIL that a recorder called
+// under an allocator lock deadlocks on), caching off, and what is refused by name; and the
+// cost of a free before, during and after recording (time_frees, printed on request).
 //
 // Invariants:
 // - Each check is named by the failure it reports; the first failure ends the run.
@@ -16,15 +19,191 @@
 #include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "api.h"
+#include "oom.h"
 
 namespace symm_torch {
 namespace {  // internal linkage, as in the one translation unit that includes this
+
+// `iters` allocations of 512 bytes to 3 MiB (small and large) on `device`, a few held at a time
+// and freed in a pseudo-random order given by `seed`, then the rest freed: the host tests' load
+// (symm_torch_host_churn). "" or what was thrown.
+template <typename Allocator>
+std::string churn(Allocator& a, int device, int iters, uint64_t seed) {
+  std::vector<void*> held;
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  try {
+    for (int i = 0; i < iters; ++i) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      held.push_back(a.malloc_on(device, 512 + (size_t)((x >> 33) % (3 << 20)), nullptr));
+      if (held.size() > 8 || ((x >> 17) & 1)) {
+        size_t k = (size_t)((x >> 20) % held.size());
+        a.raw_delete(held[k]);
+        held.erase(held.begin() + (long)k);
+      }
+    }
+  } catch (const std::exception& e) {
+    for (void* p : held) a.raw_delete(p);
+    return std::string("churn: ") + e.what();
+  }
+  for (void* p : held) a.raw_delete(p);
+  return "";
+}
+
+// A stand-in for the GIL: the recorder below takes it, as PyTorch's Python recorder takes the
+// GIL, and the snapshot thread of selftest_threads holds it while it takes a snapshot, as
+// torch.cuda.memory._snapshot holds the GIL.
+inline std::mutex& gil() {
+  static auto* m = new std::mutex();
+  return *m;
+}
+inline std::shared_ptr<c10::GatheredContext> gil_recorder() {
+  std::lock_guard<std::mutex> g(gil());
+  return std::make_shared<c10::GatheredContext>();
+}
+
+// A recorder for host tests that calls `host_hook()` (a Python callback through ctypes, which
+// takes the GIL as PyTorch's Python recorder does), then returns an empty context.
+using HostHook = void (*)();
+inline std::atomic<HostHook>& host_hook() {
+  static auto* h = new std::atomic<HostHook>(nullptr);
+  return *h;
+}
+inline std::shared_ptr<c10::GatheredContext> hook_recorder() {
+  if (HostHook h = host_hook().load()) h();
+  return std::make_shared<c10::GatheredContext>();
+}
+
+// A snapshot with its trace, counted: (segments, allocations in the trace with frames).
+template <typename Allocator>
+std::pair<size_t, size_t> snapshot_counts(Allocator& a) {
+  auto snap = a.snapshot({0, 0}, true);
+  size_t allocs = 0;
+  for (const auto& tr : snap.device_traces)
+    for (const auto& te : tr) allocs += te.action_ == TraceEntry::ALLOC && te.context_ != nullptr;
+  return {snap.segments.size(), allocs};
+}
+
+// History under threads: two threads allocate and free (at least `iters` each, and on until
+// the third has taken 20 snapshots, at most 50 times `iters`) while a third takes snapshots holding the stand-in GIL,
+// history recorded with the recorder that takes it. A recorder called under an allocator lock
+// deadlocks here. "" when all finish within
+// `timeout_s` and the trace holds their events; else why (the threads then stay behind,
+// detached: the caller's process must end).
+template <typename Allocator>
+std::string selftest_threads(Allocator& a, int device, int iters, double timeout_s) {
+  struct State {
+    std::atomic<int> workers_done{0};
+    std::atomic<int64_t> allocations{0};
+    std::atomic<bool> stop{false}, snapper_done{false};
+    std::atomic<size_t> snapshots{0};
+    std::mutex mu;
+    std::string failure;
+  };
+  auto st = std::make_shared<State>();  // shared with the threads: outlives a timeout
+  a.recordHistory(true, &gil_recorder, (size_t)1 << 22, CCA::RecordContext::ALL, true, {});
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 2; ++w)
+    threads.emplace_back([&a, st, device, iters, w] {
+      // At most 50 times `iters`: the trace ring below holds them all.
+      for (int done = 0, round = 0;
+           done < 50 * iters && (done < iters || st->snapshots.load() < 20); done += 50) {
+        std::string f = churn(a, device, 50, (uint64_t)(w * 100000 + round++));
+        st->allocations += 50;
+        if (!f.empty()) {
+          std::lock_guard<std::mutex> g(st->mu);
+          st->failure = f;
+          break;
+        }
+      }
+      st->workers_done++;
+    });
+  threads.emplace_back([&a, st] {
+    while (!st->stop.load()) {
+      std::lock_guard<std::mutex> g(gil());
+      (void)a.snapshot({0, 0}, true);
+      st->snapshots++;
+    }
+    st->snapper_done = true;
+  });
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::milliseconds((int64_t)(timeout_s * 1000));
+  while (st->workers_done.load() < 2 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  st->stop = true;
+  while (!st->snapper_done.load() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  if (st->workers_done.load() < 2 || !st->snapper_done.load()) {
+    for (auto& t : threads) t.detach();
+    return "selftest: history under threads: " + std::to_string(st->workers_done.load()) +
+           " of 2 allocating threads and " + (st->snapper_done ? "the" : "not the") +
+           " snapshot thread finished in " + std::to_string(timeout_s) +
+           " s (a deadlock: frames gathered under an allocator lock?)";
+  }
+  for (auto& t : threads) t.join();
+  size_t allocs = 0, frees = 0;
+  for (const auto& tr : a.snapshot({0, 0}, true).device_traces)
+    for (const auto& te : tr) {
+      allocs += te.action_ == TraceEntry::ALLOC && te.context_ != nullptr;
+      frees += te.action_ == TraceEntry::FREE_COMPLETED && te.context_ != nullptr;
+    }
+  a.recordHistory(false, nullptr, 0, CCA::RecordContext::NEVER, true, {});
+  if (!st->failure.empty()) return "selftest: history under threads: " + st->failure;
+  if (st->snapshots.load() == 0) return "selftest: history under threads: no snapshot taken";
+  size_t want = (size_t)st->allocations.load();
+  if (allocs != want || frees != want)
+    return "selftest: history under threads: the trace holds " + std::to_string(allocs) +
+           " allocations and " + std::to_string(frees) + " frees with frames; expected " +
+           std::to_string(want) + " of each";
+  return "";
+}
+
+// The cost of a free before, during and after recording, on the host backend: ns per free
+// (malloc of 4 KiB outside the timing), a line for the report (SYMM_TORCH_SELFTEST_TIMING).
+template <typename Allocator>
+std::string time_frees(Allocator& a, int device) {
+  constexpr int kBatch = 1000, kRounds = 200;
+  auto per_free = [&] {
+    std::vector<void*> v(kBatch);
+    double best = 1e30;
+    for (int r = 0; r < kRounds; ++r) {
+      for (auto& p : v) p = a.malloc_on(device, 4096, nullptr);
+      auto t0 = std::chrono::steady_clock::now();
+      for (void* p : v) a.raw_delete(p);
+      auto t1 = std::chrono::steady_clock::now();
+      best = std::min(best, std::chrono::duration<double, std::nano>(t1 - t0).count() / kBatch);
+    }
+    return best;
+  };
+  double before = per_free();
+  a.recordHistory(true, [] { return std::make_shared<c10::GatheredContext>(); }, 1 << 20,
+                  CCA::RecordContext::STATE, true, {});
+  double during = per_free();
+  std::vector<void*> kept;  // 1000 blocks with contexts, alive after recording stops
+  for (int i = 0; i < 1000; ++i) kept.push_back(a.malloc_on(device, 4096, nullptr));
+  a.recordHistory(false, nullptr, 0, CCA::RecordContext::NEVER, true, {});
+  double after_live = per_free();
+  for (void* p : kept) a.raw_delete(p);
+  double after = per_free();
+  char line[256];
+  std::snprintf(line, sizeof line,
+                "free of 4 KiB, ns (best of %d rounds of %d): before recording %.1f, during "
+                "(state contexts) %.1f, after with 1000 recorded blocks alive %.1f, after %.1f",
+                kRounds, kBatch, before, during, after_live, after);
+  return line;
+}
 
 // The checks on `device` of `a` (torch_allocator.cpp's SymmAllocator, a template only so that
 // this file needs nothing of it): "" when every one held, else the first failure. Throws what
@@ -59,12 +238,21 @@ std::string selftest(Allocator& a, int device) {
   size_t largest = 0;
   a.cacheInfo(device, &largest);
   EXPECT(largest >= (3u << 20), "cacheInfo sees the cached large block");
+  largest = 1;  // nonzero: PyTorch's cacheInfo starts from it instead of the free memory
+  a.cacheInfo(device, &largest);
+  EXPECT(largest >= (3u << 20) && largest < (64u << 20), "cacheInfo starts from *largest");
+  largest = (size_t)1 << 40;
+  a.cacheInfo(device, &largest);
+  EXPECT(largest == (size_t)1 << 40, "cacheInfo never lowers *largest");
 
   // Out of memory: PyTorch's error type, counted, observers called, nothing lost.
   void* keep = a.malloc_on(device, 4096, nullptr);
   std::memset(keep, 0x5A, 4096);
-  int observed = 0;
-  a.attachOutOfMemoryObserver([&](int64_t, size_t, size_t, size_t) { ++observed; });
+  // The observer stays attached after the checks: what it writes outlives them.
+  auto oom_args = std::make_shared<std::vector<int64_t>>();
+  a.attachOutOfMemoryObserver([oom_args](int64_t d, size_t alloc, size_t total, size_t free_b) {
+    oom_args->insert(oom_args->end(), {d, (int64_t)alloc, (int64_t)total, (int64_t)free_b});
+  });
   a.set_limit(device, 0.5, (size_t)64 << 20);  // 32 MiB of a pretend 64 MiB device
   bool threw = false;
   try {
@@ -74,7 +262,18 @@ std::string selftest(Allocator& a, int device) {
             std::string::npos;
   }
   EXPECT(threw, "a request past the memory fraction raises OutOfMemoryError");
-  EXPECT(observed == 1, "the out-of-memory observer was called once");
+  EXPECT(oom_args->size() == 4, "the out-of-memory observer was called once");
+  // PyTorch's arguments: device, the segment its allocator would have asked for (48 MiB,
+  // rounded to 2 MiB), the cap set_per_process_memory_fraction set (32 MiB) rather than the
+  // device's total, and the device's free memory (none known on the host backend).
+  EXPECT((*oom_args)[0] == device && (*oom_args)[1] == (48 << 20) && (*oom_args)[2] == (32 << 20) &&
+             (*oom_args)[3] == 0,
+         "the observer gets (device, allocation size, allowed bytes, free bytes): got (" +
+             std::to_string((*oom_args)[0]) + ", " + std::to_string((*oom_args)[1]) + ", " +
+             std::to_string((*oom_args)[2]) + ", " + std::to_string((*oom_args)[3]) + ")");
+  EXPECT(allocation_size(1000) == (2 << 20) && allocation_size(3 << 20) == (20 << 20) &&
+             allocation_size((10 << 20) + 1) == (12 << 20),
+         "allocation sizes as PyTorch's allocator makes them");
   EXPECT(a.getDeviceStats(device).num_ooms == 1,
          "num_ooms counts it: " + std::to_string(a.getDeviceStats(device).num_ooms));
   EXPECT(a.getMemoryFraction(device) == 0.5, "the fraction is kept");
@@ -107,6 +306,19 @@ std::string selftest(Allocator& a, int device) {
            "restored DataPtrs carry the raw deleter");
   delta.dataptrs_allocd.clear();  // frees x and y through the deleter
   EXPECT(a.checkPoolLiveAllocations(device, pool, {}), "restored blocks freed");
+  {
+    // PyTorch's cacheInfo counts the free blocks of private pools too: a 40 MiB free block
+    // of this pool, larger than anything the default pool caches.
+    a.beginAllocateToPool(device, pool, [](cudaStream_t) { return true; });
+    void* big = a.malloc_on(device, 40 << 20, nullptr);
+    a.endAllocateToPool(device, pool);
+    a.raw_delete(big);
+    size_t most = 1;
+    a.cacheInfo(device, &most);
+    EXPECT(most >= (40u << 20), "cacheInfo counts a private pool's free block: " +
+                                    std::to_string(most));
+    a.releasePool(device, pool);  // the begin's use
+  }
   a.setUseOnOOM(device, pool, false);
   // A MemPool's destructor: releasePool, then emptyCache of that pool alone; the default
   // pool's cached segment (of `z`, freed) stays until an emptyCache of the whole cache.
@@ -127,6 +339,10 @@ std::string selftest(Allocator& a, int device) {
   void* h = a.malloc_on(device, 8 << 20, nullptr);
   auto snap = a.snapshot({0, 0}, true);
   bool seen = false;
+  for (size_t i = 0; i < snap.segments.size(); ++i)
+    EXPECT(snap.segments[i].registration_counter == (int32_t)i &&
+               (i == 0 || snap.segments[i].address > snap.segments[i - 1].address),
+           "segments in address order, counted so (registration_counter)");
   for (const auto& seg : snap.segments) {
     size_t sum = 0, at = 0;
     for (const auto& b : seg.blocks) {
@@ -219,6 +435,47 @@ std::string selftest(Allocator& a, int device) {
   a.recordHistory(false, nullptr, 0, CCA::RecordContext::NEVER, true, {});
   a.enable(true);
 
+  // Segment entries as PyTorch emits them: a segment made (segment_alloc), grown in place
+  // (segment_map of the range mapped after it), given back at a pool's release (segment_unmap
+  // of that range, then segment_free of what segment_alloc named); and an emptyCache trim.
+  {
+    a.emptyCache({0, 0});  // no cached segment for the pool to adopt
+    a.recordHistory(true, nullptr, 1000, CCA::RecordContext::NEVER, true, {});
+    MempoolId grown_pool{0, 9002};
+    a.createOrIncrefPool(device, grown_pool, nullptr);
+    a.beginAllocateToPool(device, grown_pool, [](cudaStream_t) { return true; });
+    void* s1 = a.malloc_on(device, 12 << 20, nullptr);
+    a.raw_delete(s1);
+    void* s2 = a.malloc_on(device, 14 << 20, nullptr);
+    a.endAllocateToPool(device, grown_pool);
+    EXPECT(s2 == s1, "the pool's segment grew in place");
+    a.raw_delete(s2);
+    a.releasePool(device, grown_pool);
+    a.releasePool(device, grown_pool);
+    void* t1 = a.malloc_on(device, 16 << 20, nullptr);
+    a.raw_delete(t1);
+    a.emptyCache({0, 0});
+    std::vector<std::string> got;
+    uint64_t seg = (uint64_t)s1;
+    for (const auto& tr : a.snapshot({0, 0}, true).device_traces)
+      for (const auto& te : tr) {
+        if (te.action_ < TraceEntry::SEGMENT_ALLOC || te.action_ > TraceEntry::SEGMENT_UNMAP)
+          continue;
+        std::string at = te.addr_ == (uint64_t)t1 && te.size_ == (16 << 20) ? "t1"
+                         : te.addr_ == seg                                   ? "seg"
+                         : te.addr_ == seg + (12 << 20)                      ? "seg+12M"
+                                                                             : std::to_string(te.addr_);
+        got.push_back(std::to_string((int)te.action_) + "@" + at + ":" +
+                      std::to_string(te.size_ >> 20) + "M");
+      }
+    std::string want = "3@seg:12M 5@seg+12M:2M 6@seg+12M:2M 4@seg:12M 3@t1:16M 4@t1:16M";
+    std::string have;
+    for (const auto& g : got) have += (have.empty() ? "" : " ") + g;
+    EXPECT(have == want, "segment entries (3 alloc, 4 free, 5 map, 6 unmap): want " + want +
+                             ", got " + have);
+    a.recordHistory(false, nullptr, 0, CCA::RecordContext::NEVER, true, {});
+  }
+
   // Caching off: every free gives the memory back.
   a.enable(false);
   EXPECT(!a.isEnabled(), "caching reported off");
@@ -245,6 +502,9 @@ std::string selftest(Allocator& a, int device) {
   EXPECT(named, "setNoSplit names the option");
   EXPECT(a.name() == "symmalloc", "name");
 #undef EXPECT
+  std::string threads = selftest_threads(a, device, 400, 60.0);
+  if (!threads.empty()) return threads;
+  if (std::getenv("SYMM_TORCH_SELFTEST_TIMING")) std::fprintf(stderr, "%s\n", time_frees(a, device).c_str());
   return "";
 }
 

@@ -19,7 +19,9 @@
 //   them: CUDA-graph trees compare deleters with raw_deleter() and swap them; the deleter frees
 //   by address alone (symm_free_block: the block's own size and allocation stream).
 // - The allocation path holds no lock of these files and calls no Python: one call into
-//   libsymmalloc each way. History (a mutex, a map of contexts) is touched only while recorded.
+//   libsymmalloc each way. History (a mutex, a map of live blocks) is touched only while
+//   recorded, or by the free of a block that still holds a recorded context (history.h); its
+//   frames are gathered before any lock is taken.
 // - No NULL ever reaches PyTorch: a failed allocation throws c10::OutOfMemoryError (out of
 //   memory, after libsymmalloc emptied its cache and retried) or c10::Error (anything else),
 //   and changes no existing allocation.
@@ -45,6 +47,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -99,7 +102,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     if (conf_pending_.load(std::memory_order_relaxed) != 0) apply_conf_fraction(device);
     SYMM_PROF_ALLOC(p, n, stream);
     if (foreign_.routes() > 0) {
-      if (void* q = foreign_.malloc(device, n, stream)) return q;
+      if (void* q = foreign_.malloc(device, n, stream, hist_)) return q;
     }
     if (!caching_.load(std::memory_order_relaxed)) {
       cudaError_t cst = cudaSuccess;
@@ -110,6 +113,9 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     }
     bool open = routes_open_.load(std::memory_order_relaxed) > 0;
     if (uses_.any_held() && !open) free_held(false);
+    // Frames before any lock is taken (history.h): the recorder may take the GIL.
+    bool recording = hist_.active();
+    auto ctx = recording ? hist_.gather(CCA::RecordContext::STATE) : nullptr;
     void* p = nullptr;
     int st;
     {
@@ -122,7 +128,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     }
     if (st == kSuccess && p != nullptr) {
       SYMM_PROF_RESULT(p);
-      if (hist_.recording()) hist_.note_alloc(device, p, n, stream);
+      if (recording) hist_.note_alloc(device, p, n, stream, std::move(ctx));
       if (c10::memoryProfilingEnabled()) report_to_profiler(device, p, (int64_t)n);
       return p;
     }
@@ -135,7 +141,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   void free_ptr(void* ptr) {
     if (ptr == nullptr) return;
     SYMM_PROF_FREE(ptr);
-    if (foreign_.live() > 0 && foreign_.free(ptr)) return;
+    if (foreign_.live() > 0 && foreign_.free(ptr, hist_)) return;
     if (uncached_.free(ptr)) return;
     std::vector<symm_torch::StreamUses::Use> uses;
     if (uses_.take(ptr, &uses)) {
@@ -157,8 +163,10 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     bool profiling = c10::memoryProfilingEnabled();
     size_t size = 0;
     int device = 0;
-    if (hist_.recording() || profiling) find_live(device_count_, ptr, &device, &size);
-    if (hist_.recording()) hist_.note_free(ptr, device, size);
+    if (profiling) block_request(ptr, &device, &size);
+    bool noted = hist_.wants_free(ptr);
+    auto ctx = noted ? hist_.gather(CCA::RecordContext::ALL) : nullptr;  // before any lock
+    if (noted) hist_.note_free(ptr, ctx, &device);
     int st = api.free_block(ptr);
     if (st != kSuccess) {
       // A deleter cannot throw (it runs in destructors): say it, never abort.
@@ -167,6 +175,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     }
     if (profiling) report_to_profiler(device, ptr, -(int64_t)size);
     if (!caching_.load(std::memory_order_relaxed)) api.empty_cache();
+    if (noted) hist_.note_segments(std::move(ctx));  // segments the free gave back
   }
 
   // ---- setup ----
@@ -231,6 +240,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     if (fraction < 1.0 && limit == 0) limit = 1;  // 0 would lift the cap
     check(api.set_memory_limit(device, limit), "set_per_process_memory_fraction");
     if (device >= 0 && device < 64) conf_pending_.fetch_and(~(1ull << device));
+    hist_.set_allowed(device, limit);  // what the out-of-memory observers are told
     if ((size_t)device >= fraction_.size()) fraction_.resize(device + 1, 1.0);
     fraction_[device] = fraction;
   }
@@ -246,18 +256,12 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     // segments went back at its last releasePool (symm_release_pool), and the default pool's
     // cache stays (test_mempool_empty_cache: it emptied the whole cache, one H200, 2026-12-03).
     if (mempool_id.first != 0 || mempool_id.second != 0) return;
-    bool tracing = hist_.recording();
-    std::map<std::pair<int, uint64_t>, uint64_t> before;
-    if (tracing) before = segments_now(device_count_);
+    auto ctx = hist_.active() ? hist_.gather(CCA::RecordContext::ALL) : nullptr;
     if (uses_.any_held() && routes_open_.load(std::memory_order_relaxed) == 0) free_held(true);
     api.empty_cache();
     std::string e = last_error();
+    hist_.note_segments(std::move(ctx));  // segment_free of each segment given back
     TORCH_CHECK(e.empty(), "symmalloc: empty_cache failed: ", e);
-    if (tracing) {
-      auto after = segments_now(device_count_);
-      hist_.note_segments_freed(before, after);
-    }
-    hist_.reserved_changed();
   }
 
   // Off: allocations come from cudaMalloc and go back with cudaFree (uncached.h), as with
@@ -266,9 +270,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   bool isEnabled() const override { return caching_.load(); }
 
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
-    uint64_t largest = 0;
-    check(api.cache_info(device, &largest), "cacheInfo");
-    *largestBlock = largest;
+    cache_info(device, largestBlock);  // as PyTorch's allocator computes it (oom.h)
   }
 
   void* getBaseAllocation(void* ptr, size_t* size) override {
@@ -308,7 +310,9 @@ class SymmAllocator final : public CCA::CUDAAllocator {
 
   // ---- snapshots and history ----
   CCA::SnapshotInfo snapshot(MempoolId mempool_id, bool include_traces) SYMM_OVERRIDE_SINCE_2_11 {
-    return hist_.snapshot(device_count_, mempool_id, include_traces);
+    CCA::SnapshotInfo s = hist_.snapshot(device_count_, mempool_id, include_traces);
+    foreign_.add_segments(&s, mempool_id);  // MemPools with their own allocator
+    return s;
   }
   bool isHistoryEnabled() override { return hist_.isHistoryEnabled(); }
   std::string history_state() {
@@ -374,8 +378,10 @@ class SymmAllocator final : public CCA::CUDAAllocator {
 
   void releasePool(c10::DeviceIndex device, MempoolId id) override {
     if (foreign_.release(id)) return;
+    auto ctx = hist_.active() ? hist_.gather(CCA::RecordContext::ALL) : nullptr;
     api.release_pool(device, id.first, id.second);
     std::string e = last_error();
+    hist_.note_segments(std::move(ctx));  // segment_free of the pool's free segments
     // Called from CUDAGraph::reset (a destructor): warn, never throw there.
     if (!e.empty()) TORCH_WARN("symmalloc: releasePool failed: ", e);
   }
@@ -666,6 +672,37 @@ int symm_torch_selftest(const char* library_path, int device, char* err, size_t 
     return 0;
   } catch (const std::exception& e) {
     return fail(err, len, std::string("selftest: ") + e.what());
+  }
+}
+
+// For host tests that drive the allocator symm_torch_selftest or symm_torch_install made from
+// Python threads (selftest.h), each 0, or 1 with the failure in err:
+// - symm_torch_host_churn: `iters` allocations and frees on `device` (call it with the GIL
+//   released: ctypes.CDLL);
+// - symm_torch_host_history: history recorded (context "all") with a recorder that calls `hook`
+//   (a ctypes callback: it takes the GIL, as PyTorch's Python recorder does), or off;
+// - symm_torch_host_snapshot: a snapshot with its trace, as torch.cuda.memory._snapshot takes
+//   it (call it holding the GIL: ctypes.PyDLL), its segments and framed allocations counted.
+int symm_torch_host_churn(int device, int iters, uint64_t seed, char* err, size_t len) {
+  if (!instance()) return fail(err, len, "no allocator was made");
+  std::string failure = symm_torch::churn(*instance(), device, iters, seed);
+  return failure.empty() ? 0 : fail(err, len, failure);
+}
+int symm_torch_host_history(int on, void (*hook)(), char* err, size_t len) {
+  if (!instance()) return fail(err, len, "no allocator was made");
+  symm_torch::host_hook().store(on ? hook : nullptr);
+  instance()->recordHistory(on != 0, on ? &symm_torch::hook_recorder : nullptr, 1 << 20,
+                            on ? CCA::RecordContext::ALL : CCA::RecordContext::NEVER, true, {});
+  return 0;
+}
+int symm_torch_host_snapshot(size_t* segments, size_t* allocs, char* err, size_t len) {
+  if (!instance()) return fail(err, len, "no allocator was made");
+  if (!segments || !allocs) return fail(err, len, "segments or allocs is NULL");
+  try {
+    std::tie(*segments, *allocs) = symm_torch::snapshot_counts(*instance());
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(err, len, e.what());
   }
 }
 

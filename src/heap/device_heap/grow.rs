@@ -97,7 +97,7 @@ impl DeviceHeap {
         if seg.live == 0 {
             self.counters.whole_free[k].1 += len as i64;
         }
-        self.counters.reserved_bytes[k].up(len as i64);
+        self.counters.segment_grown(k, soff, end, len, pool);
         self.counters.num_device_alloc += 1;
         self.list_free(toff);
         self.grown_in_place += 1;

@@ -284,8 +284,7 @@ impl DeviceHeap {
         self.stats.segments += 1;
         self.stats.reserved_bytes += len;
         let k = slot(class);
-        self.counters.segment[k].up(1);
-        self.counters.reserved_bytes[k].up(len as i64);
+        self.counters.segment_made(k, off, len, pool);
         self.counters.blocks[k] += 1;
         self.counters.whole_free[k].0 += 1;
         self.counters.whole_free[k].1 += len as i64;

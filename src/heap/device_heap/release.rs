@@ -143,8 +143,7 @@ impl DeviceHeap {
         self.counters.blocks[k] -= offs_len;
         let s = self.segments.remove(&seg).expect("segment");
         let chunks = s.chunks.len() as u64;
-        self.counters.segment[k].down(1);
-        self.counters.reserved_bytes[k].down(len as i64);
+        self.counters.segment_freed(k, seg, len, pool);
         self.counters.whole_free[k].0 -= 1;
         self.counters.whole_free[k].1 -= len as i64;
         self.counters.num_device_free += chunks as i64;
