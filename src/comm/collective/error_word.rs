@@ -23,12 +23,12 @@ pub enum ErrorWords {
 }
 
 impl ErrorWords {
-    pub fn new(host: bool, device: i32) -> Result<Self> {
-        Ok(if host {
-            ErrorWords::Host
-        } else {
-            ErrorWords::Device(cuda::mem::MappedWord::new(device)?)
-        })
+    /// The words in `word` (the executor's host-mapped block), or none on the host backend.
+    pub fn new(word: Option<cuda::mem::MappedWord>) -> Self {
+        match word {
+            Some(w) => ErrorWords::Device(w),
+            None => ErrorWords::Host,
+        }
     }
 
     /// (recoverable, fatal).
@@ -253,7 +253,7 @@ mod tests {
 
     #[test]
     fn the_host_backend_never_reports_through_words() {
-        let w = ErrorWords::new(true, 0).unwrap();
+        let w = ErrorWords::new(None);
         assert_eq!(w.device_ptr(), 0);
         assert!(w.take(0, T).is_none());
     }

@@ -31,46 +31,36 @@ pub mod fused_shape;
 pub mod host_norm;
 pub mod host_reduce;
 pub mod kernel_args;
+mod kernel_id;
 pub mod kernels;
 mod launch;
 mod place;
 mod plan;
 pub mod shape;
-pub mod streams;
+/// The stream order moved to the execution layer, which applies it to every launch.
+pub use crate::comm::exec::streams;
 
 use crate::comm::Communicator;
-use crate::cuda::module::Function;
 use crate::error::{Error, Result, Status};
-use algo::{Algo, DType, Kernel, Quant, ReduceOp};
+use algo::{Algo, DType, ReduceOp};
 use call::{Call, Coll, Rms};
 use error_word::ErrorWords;
-use std::collections::{HashMap, HashSet};
-use streams::StreamOrder;
+use std::collections::HashSet;
 
 /// What the collectives keep between calls: the error words kernels report into and the error
-/// that broke the communicator, the order across streams, the host backend's barrier epoch, the
-/// scratch, and what was looked up once (kernels, occupancy, AUTO's choices).
+/// that broke the communicator, the host backend's barrier epoch, the scratch, and AUTO's
+/// choices already reported. (The stream order, the kernels and their occupancy are the
+/// executor's: comm/exec/.)
 pub(in crate::comm) struct Collectives {
     pub errors: ErrorWords,
     /// A fatal error: every later call reports it (the communicator must be destroyed).
     pub sticky: Option<Error>,
-    /// The previous call's stream, to order a call on another stream after it.
-    pub streams: StreamOrder,
     /// The host backend's barrier epoch (host_reduce.rs).
     pub host_epoch: u32,
     /// The staging scratch (address, size; place.rs).
     pub scratch: Option<(u64, u64)>,
     /// Message sizes AUTO has chosen for already (kept only under SYMMALLOC_DEBUG=INFO).
     pub auto_seen: HashSet<u64>,
-    /// Kernels already looked up in the device's module, so a call does no name formatting,
-    /// module lock or hash of a string.
-    pub kernels: HashMap<(Kernel, DType, ReduceOp, bool), Function>,
-    /// The fused kernels' FP8-output instances already looked up (as `kernels`).
-    pub quant_kernels: HashMap<(Kernel, DType, Quant), Function>,
-    /// Blocks per SM of a fused LL kernel at a block size, by (algo, dtype, threads): the
-    /// driver's occupancy answer, asked once (plan.rs, `resident_blocks`); by output format too
-    /// (an FP8 instance may hold more registers).
-    pub resident: HashMap<(Kernel, DType, u32, Option<Quant>), u32>,
 }
 
 impl Collectives {
@@ -79,13 +69,9 @@ impl Collectives {
         Collectives {
             errors,
             sticky: None,
-            streams: StreamOrder::default(),
             host_epoch: 0,
             scratch: None,
             auto_seen: HashSet::new(),
-            kernels: HashMap::new(),
-            quant_kernels: HashMap::new(),
-            resident: HashMap::new(),
         }
     }
 }

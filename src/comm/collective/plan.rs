@@ -18,10 +18,10 @@ use super::algo::{self, DType, Kernel, Quant};
 use super::call::{Call, Coll, Extents};
 use super::desc::{CallDesc, DescKind, RANK_LOCAL};
 use super::fused_shape::{self, FusedShape};
-use super::place::Copy;
+use super::kernel_id::{fused_kernel_id, kernel_id_name};
 use super::shape;
+use crate::comm::exec::Copy;
 use crate::comm::Communicator;
-use crate::cuda;
 use crate::error::{Error, Result};
 
 /// Everything a launch needs, decided once.
@@ -82,7 +82,8 @@ impl Communicator {
                 0,
             ),
             Coll::AddRmsNorm(r) => {
-                let kernel = if self.host {
+                // The host backend runs the fused call's CPU twin, which has no grid.
+                let kernel = if !self.exec.has_grid() {
                     Kernel::AddRmsNorm
                 } else {
                     // The LL all-reduce's spread for a message of this size.
@@ -128,7 +129,7 @@ impl Communicator {
             _ => &[desc.send_off, recv_off],
         };
         let vec = shape::vectors(kernel, shared, ext.slice);
-        let (grid, threads, cluster) = if self.host {
+        let (grid, threads, cluster) = if !self.exec.has_grid() {
             (0, 0, 1)
         } else if let Some(s) = fused {
             (s.grid, s.threads, s.cluster)
@@ -193,8 +194,8 @@ impl Communicator {
     /// MULTIMEM runs only past the multicast gate, on its own terms (algo.rs,
     /// `check_multimem_call`; its window: peer/mc_window.rs).
     fn check_multimem(&self, call: &Call) -> Result<()> {
-        let supports = !self.host && cuda::driver()?.device(self.device)?.multicast;
-        cuda::multicast_gate::multicast_gate_from_env(supports)
+        let supports = self.exec.multicast()?;
+        crate::cuda::multicast_gate::multicast_gate_from_env(supports)
             .map_err(|why| Error::unsupported(format!("SYMM_ALGO_MULTIMEM refused: {why}")))?;
         algo::check_multimem_call(call.send, call.recv, call.count, call.dtype, call.op)
     }
@@ -240,16 +241,8 @@ impl Communicator {
         dtype: DType,
         quant: Option<Quant>,
     ) -> Result<u64> {
-        let key = (s.kernel, dtype, s.threads, quant);
-        let per_sm = match self.coll.resident.get(&key) {
-            Some(&n) => n,
-            None => {
-                let f = self.fused_kernel_fn(s.kernel, dtype, quant)?;
-                let n = cuda::module::blocks_per_sm(self.device, f, s.threads)?;
-                self.coll.resident.insert(key, n);
-                n
-            }
-        };
+        let id = fused_kernel_id(s.kernel, dtype, quant);
+        let per_sm = self.exec.blocks_per_sm(id, kernel_id_name, s.threads)?;
         Ok(per_sm as u64 * self.settings.fewest_sms as u64)
     }
 }

@@ -1,7 +1,8 @@
-//! The CUDA side of dispatch and combine: the kernels' names (kernels/moe.cu, looked up once
-//! per object), the argument struct `MoeArgs` (mirrored field by field with the CUDA source,
-//! checked by tests/kernel_table.rs), the launch, and the host-mapped status words the kernels
-//! store a recorded error into (status.rs has the codes).
+//! The plans of dispatch and combine: the kernels' names (kernels/moe.cu, looked up once in the
+//! executor's kernel cache), the argument struct `MoeArgs` (mirrored field by field with the
+//! CUDA source, checked by tests/kernel_table.rs), the plan submitted to the executor
+//! (comm/exec/; its CPU twin on the host backend is host.rs), and the host-mapped status words
+//! the kernels store a recorded error into (status.rs has the codes).
 //!
 //! Invariants: a launch reads nothing from the device and waits for nothing, so both calls are
 //! capturable; the kernels of the object run after the communicator's earlier kernels (the
@@ -12,11 +13,10 @@
 use super::config::{IndexType, Payload};
 use super::layout::Layout;
 use super::status::{self, Found, Refusal};
-use super::{Combine, Dispatch, Last, Moe, THREADS};
+use super::{host, Combine, Dispatch, Last, Moe, THREADS};
 use crate::comm::collective::kernel_args::{SymmArgs, COUNTERS_OFFSET, MAX_RANKS};
+use crate::comm::exec::{self, ArgBlock, Family, KernelId};
 use crate::comm::Communicator;
-use crate::cuda;
-use crate::cuda::module::Function;
 use crate::error::{Error, Result};
 
 /// The kernels, by payload and index type, then the combine (kernels/moe.cu).
@@ -40,11 +40,25 @@ pub fn dispatch_kernel(p: Payload, it: IndexType) -> &'static str {
     MOE_KERNELS[i]
 }
 
-/// The kernels of one object, looked up in the device's module once.
-#[derive(Clone, Copy)]
-pub struct Kernels {
-    dispatch: [Function; 4],
-    combine: Function,
+/// The name of a moe kernel id (its index in `MOE_KERNELS`).
+fn kernel_name(id: KernelId) -> Result<String> {
+    MOE_KERNELS
+        .get(id.key() as usize)
+        .map(|n| n.to_string())
+        .ok_or_else(|| Error::internal(format!("no moe kernel {:#x}", id.0)))
+}
+
+/// The launch of `MOE_KERNELS[index]` with `args` on the object's grid.
+fn launch(m: &Moe, index: usize, args: &MoeArgs) -> exec::Launch {
+    exec::Launch {
+        id: KernelId::new(Family::Moe, index as u64),
+        name: kernel_name,
+        grid: m.grid,
+        block: THREADS,
+        cluster: 1,
+        shared: 0,
+        args: ArgBlock::of(args),
+    }
 }
 
 /// The argument of the moe kernels (kernels/moe.cu `MoeArgs`).
@@ -85,6 +99,12 @@ pub struct MoeArgs {
 
 const _: () = assert!(std::mem::size_of::<MoeArgs>() == 256 + 64 + 22 * 8 + 6 * 4);
 
+/// The host backend's combine after a dispatch that failed (the kernels keep their own word,
+/// so only the CPU twin refuses it).
+pub(super) const NOTHING_TO_COMBINE: &str =
+    "symm_moe_combine: the last dispatch failed (its error \
+     said why), so there is nothing to combine; dispatch again";
+
 impl Moe {
     fn args(&self, c: &Communicator, l: &Layout) -> MoeArgs {
         let mut s = SymmArgs {
@@ -120,24 +140,6 @@ impl Moe {
         }
     }
 
-    fn kernels(&mut self) -> Result<Kernels> {
-        if let Some(k) = self.kernels {
-            return Ok(k);
-        }
-        let f = |n: &str| cuda::module::function(self.device, n);
-        let k = Kernels {
-            dispatch: [
-                f(MOE_KERNELS[0])?,
-                f(MOE_KERNELS[1])?,
-                f(MOE_KERNELS[2])?,
-                f(MOE_KERNELS[3])?,
-            ],
-            combine: f(MOE_KERNELS[4])?,
-        };
-        self.kernels = Some(k);
-        Ok(k)
-    }
-
     /// The error the kernels recorded since the last call (cleared: reported once).
     pub fn take_status(&mut self) -> Option<Error> {
         let w = self.status.as_ref()?;
@@ -169,7 +171,6 @@ impl Communicator {
         it: IndexType,
         refusal: Option<&Refusal>,
     ) -> Result<()> {
-        let k = m.kernels()?;
         let mut args = m.args(self, &m.layout);
         match refusal {
             Some(r) => {
@@ -192,8 +193,17 @@ impl Communicator {
             (Payload::Fp8, IndexType::I32) => 2,
             (Payload::Fp8, IndexType::I64) => 3,
         };
-        self.coll.streams.before_launch(self.device, a.stream)?;
-        cuda::module::launch(self.device, k.dispatch[i], m.grid, THREADS, a.stream, &args)
+        let l = launch(m, i, &args);
+        let timeout = self.settings.timeout;
+        let mut twin = || host::dispatch(m, a, it, refusal, timeout);
+        self.exec.submit(exec::Plan {
+            stream: a.stream,
+            ordered: true,
+            copy_in: None,
+            device: exec::Device::Kernel(l),
+            cpu: Some(&mut twin),
+            copy_out: None,
+        })
     }
 
     pub(super) fn moe_launch_combine(
@@ -203,7 +213,6 @@ impl Communicator {
         last: Last,
         refused: bool,
     ) -> Result<()> {
-        let k = m.kernels()?;
         let mut args = m.args(self, &m.layout);
         args.num_tokens = last.tokens;
         args.k = last.k as i32;
@@ -213,7 +222,21 @@ impl Communicator {
             args.expert_out = a.expert_out;
             args.y = a.y;
         }
-        self.coll.streams.before_launch(self.device, a.stream)?;
-        cuda::module::launch(self.device, k.combine, m.grid, THREADS, a.stream, &args)
+        let l = launch(m, 4, &args);
+        let timeout = self.settings.timeout;
+        let mut twin = || {
+            if !last.ok {
+                return Err(Error::invalid(NOTHING_TO_COMBINE));
+            }
+            host::combine(m, a, last, refused, timeout)
+        };
+        self.exec.submit(exec::Plan {
+            stream: a.stream,
+            ordered: true,
+            copy_in: None,
+            device: exec::Device::Kernel(l),
+            cpu: Some(&mut twin),
+            copy_out: None,
+        })
     }
 }

@@ -16,7 +16,10 @@
 //! - a rank whose arguments are bad still takes part in the rendezvous exchange (as "invalid"),
 //!   so every rank fails together (NOT_SYMMETRIC on the others) instead of waiting for it;
 //! - p2p calls are not ordered against the communicator's collectives on other streams (they
-//!   share no state with the collective kernels): only stream order holds.
+//!   share no state with the collective kernels): only stream order holds. Their plans say so
+//!   (`ordered: false`, comm/exec/): ordering them against the communicator's other streams
+//!   would serialize the overlap they exist for (compute on one stream, puts and waits on
+//!   another; docs/DESIGN.md, "Streams").
 
 pub mod device_comm;
 pub mod signal_pad;
@@ -24,8 +27,8 @@ pub mod signal_pad;
 use crate::comm::collective::algo::{DType, Kernel, ReduceOp};
 use crate::comm::collective::desc::{CallDesc, DescKind};
 use crate::comm::collective::kernel_args::ABORT_OFFSET;
+use crate::comm::exec::{self, ArgBlock, Family, KernelId};
 use crate::comm::Communicator;
-use crate::cuda;
 use crate::error::{Error, Result, Status};
 use crate::heap::device_heap::SegmentInfo;
 use device_comm::*;
@@ -35,6 +38,31 @@ use std::collections::BTreeMap;
 /// The p2p kernels' names (kernels/p2p.cu).
 pub const P2P_WAIT_KERNEL: &str = "symm_p2p_wait";
 pub const P2P_SIGNAL_KERNEL: &str = "symm_p2p_signal";
+
+const WAIT: KernelId = KernelId::new(Family::P2p, 0);
+const SIGNAL: KernelId = KernelId::new(Family::P2p, 1);
+
+fn kernel_name(id: KernelId) -> Result<String> {
+    Ok(if id == WAIT {
+        P2P_WAIT_KERNEL
+    } else {
+        P2P_SIGNAL_KERNEL
+    }
+    .to_string())
+}
+
+/// A p2p kernel on one warp, with `args`.
+fn launch(id: KernelId, args: &P2pArgs) -> exec::Device {
+    exec::Device::Kernel(exec::Launch {
+        id,
+        name: kernel_name,
+        grid: 1,
+        block: 32,
+        cluster: 1,
+        shared: 0,
+        args: ArgBlock::of(args),
+    })
+}
 
 /// A range every rank passed to `symm_rendezvous`: [start, end) in this rank's heap, and the
 /// segments under it as they were then.
@@ -53,8 +81,6 @@ pub(in crate::comm) struct P2p {
     pub pads: Vec<u64>,
     /// Rendezvoused ranges by start address.
     table: BTreeMap<u64, Range>,
-    /// The wait and signal kernels, looked up on first use.
-    kernels: Option<(cuda::module::Function, cuda::module::Function)>,
 }
 
 impl P2p {
@@ -64,7 +90,6 @@ impl P2p {
             pad_seg: 0,
             pads: Vec::new(),
             table: BTreeMap::new(),
-            kernels: None,
         }
     }
 }
@@ -304,16 +329,21 @@ impl Communicator {
         }
         end_of("symm_put (src)", src, bytes)?;
         self.begin_call(stream)?;
+        // `to` spans `bytes` bytes of a mapped, rendezvoused range (checked here); src is the
+        // caller's buffer of `bytes` bytes; they may overlap (a put to self).
         let to = self.peer_range("symm_put", dst, bytes, peer)?;
-        if self.host {
-            // SAFETY: `to` spans `bytes` bytes of a mapped, rendezvoused range (checked above);
-            // src is the caller's buffer of `bytes` bytes; they may overlap (a put to self), so
-            // copy as memmove does.
-            unsafe { std::ptr::copy(src as *const u8, to as *mut u8, bytes as usize) };
-            Ok(())
-        } else {
-            cuda::mem::copy_async(self.device, to, src, bytes, stream)
-        }
+        self.exec.submit(exec::Plan {
+            stream,
+            ordered: false,
+            copy_in: Some(exec::Copy {
+                dst: to,
+                src,
+                bytes,
+            }),
+            device: exec::Device::Nothing,
+            cpu: None,
+            copy_out: None,
+        })
     }
 
     fn p2p_args(&self, slot: u32, value: u64, peer: usize) -> P2pArgs {
@@ -323,18 +353,6 @@ impl Communicator {
             slot,
             peer: peer as i32,
         }
-    }
-
-    fn p2p_kernels(&mut self) -> Result<(cuda::module::Function, cuda::module::Function)> {
-        if let Some(k) = self.p2p.kernels {
-            return Ok(k);
-        }
-        let k = (
-            cuda::module::function(self.device, P2P_WAIT_KERNEL)?,
-            cuda::module::function(self.device, P2P_SIGNAL_KERNEL)?,
-        );
-        self.p2p.kernels = Some(k);
-        Ok(k)
     }
 
     /// The peer's pad, unless the peer destroyed its communicator (released the pad).
@@ -368,25 +386,28 @@ impl Communicator {
         Self::check_slot("symm_signal", slot)?;
         self.begin_call(stream)?;
         let pad = self.peer_pad("symm_signal", peer)?;
-        if self.host {
-            signal_pad::host_signal(pad, slot, self.rank, peer == self.rank, value);
-            return Ok(());
-        }
-        match via {
-            SignalVia::StreamWrite => cuda::stream_ops::write_u32_then_u64(
-                self.device,
-                stream,
-                signal_pad::writer_addr(pad, slot),
-                self.rank as u32 + 1,
-                signal_pad::value_addr(pad, slot),
+        let device = match via {
+            SignalVia::StreamWrite => exec::Device::StreamWrite {
+                word_addr: signal_pad::writer_addr(pad, slot),
+                word: self.rank as u32 + 1,
+                value_addr: signal_pad::value_addr(pad, slot),
                 value,
-            ),
-            SignalVia::Kernel => {
-                let (_, f) = self.p2p_kernels()?;
-                let args = self.p2p_args(slot, value, peer);
-                cuda::module::launch(self.device, f, 1, 32, stream, &args)
-            }
-        }
+            },
+            SignalVia::Kernel => launch(SIGNAL, &self.p2p_args(slot, value, peer)),
+        };
+        let rank = self.rank;
+        let mut twin = || {
+            signal_pad::host_signal(pad, slot, rank, peer == rank, value);
+            Ok(())
+        };
+        self.exec.submit(exec::Plan {
+            stream,
+            ordered: false,
+            copy_in: None,
+            device,
+            cpu: Some(&mut twin),
+            copy_out: None,
+        })
     }
 
     /// `symm_wait`: holds the stream until this rank's slot `slot` is >= `value`. Bounded: past
@@ -400,36 +421,33 @@ impl Communicator {
     pub fn wait_via(&mut self, via: WaitVia, slot: u32, value: u64, stream: u64) -> Result<()> {
         Self::check_slot("symm_wait", slot)?;
         self.begin_call(stream)?;
-        if self.host {
-            return match signal_pad::host_wait(self.p2p.pad, slot, value, self.settings.timeout) {
-                Ok(()) => Ok(()),
-                Err((seen, writer)) => {
-                    let e = crate::comm::collective::error_word::timeout_error(
-                        self.rank,
-                        slot,
-                        value,
-                        seen,
-                        writer,
-                        self.settings.timeout,
-                    );
-                    self.coll.sticky = Some(e.clone());
-                    Err(e)
-                }
-            };
-        }
-        match via {
-            WaitVia::Kernel => {
-                let (f, _) = self.p2p_kernels()?;
-                let args = self.p2p_args(slot, value, self.rank);
-                cuda::module::launch(self.device, f, 1, 32, stream, &args)
-            }
-            WaitVia::StreamWait => cuda::stream_ops::wait_geq_u64(
-                self.device,
-                stream,
-                signal_pad::value_addr(self.p2p.pad, slot),
+        let device = match via {
+            WaitVia::Kernel => launch(WAIT, &self.p2p_args(slot, value, self.rank)),
+            WaitVia::StreamWait => exec::Device::StreamWait {
+                addr: signal_pad::value_addr(self.p2p.pad, slot),
                 value,
-            ),
-        }
+            },
+        };
+        let (rank, pad, timeout) = (self.rank, self.p2p.pad, self.settings.timeout);
+        let sticky = &mut self.coll.sticky;
+        let mut twin = || match signal_pad::host_wait(pad, slot, value, timeout) {
+            Ok(()) => Ok(()),
+            Err((seen, writer)) => {
+                let e = crate::comm::collective::error_word::timeout_error(
+                    rank, slot, value, seen, writer, timeout,
+                );
+                *sticky = Some(e.clone());
+                Err(e)
+            }
+        };
+        self.exec.submit(exec::Plan {
+            stream,
+            ordered: false,
+            copy_in: None,
+            device,
+            cpu: Some(&mut twin),
+            copy_out: None,
+        })
     }
 
     /// `symm_comm_device`: the communicator as device code sees it (`struct_size` left for the

@@ -17,7 +17,6 @@
 //! which the child's round told every peer (group/internal.rs), and that record counts the same.
 
 use crate::comm::Communicator;
-use crate::cuda;
 use crate::error::{Error, Result};
 
 /// How many of each peer's release-log records this communicator handled (the logs are the
@@ -75,11 +74,8 @@ impl Communicator {
         if !pending {
             return Ok(());
         }
-        if !self.host {
-            if cuda::driver::is_capturing(self.device, stream)? {
-                return Ok(()); // a later, uncaptured call retires them
-            }
-            cuda::mem::sync_device(self.device)?;
+        if !self.exec.quiesce(stream)? {
+            return Ok(()); // capturing: a later, uncaptured call retires them
         }
         let mut records = Vec::new();
         let mut broken = None;
