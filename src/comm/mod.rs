@@ -17,18 +17,21 @@
 //!   one kernel cache. Nothing else asks which backend runs.
 //!
 //! Each folder's header says what it owns and its invariants. This file holds the
-//! `Communicator` and its `destroy`. A communicator is its rank, world, device, allocator,
+//! `Communicator` and its `destroy`; calls.rs its collective front ends, `begin_call` and the
+//! collective pipeline's view (`ctx`). A communicator is its rank, world, device, allocator,
 //! executor and bootstrap mesh, and one part per stage: `settings` (`CollSettings`, what shapes
 //! every collective, built by group/init.rs), `group` (`Group`), `peer` (`PeerView`), `coll`
 //! (`Collectives`) and `p2p` (`P2p`), each defined by its stage. Imports between the stages
-//! point one way: `group` -> `p2p` -> `collective`, and `group` -> `peer`; `collective` and
-//! `peer` import no other stage.
+//! point one way: `group` -> `p2p` -> `collective` -> `peer` -> `exec`; `collective`, `peer`
+//! and `exec` never see the `Communicator` (they work on views: `collective::Ctx`,
+//! `peer::Who`, `exec::Plan`), while `group` and `p2p` still implement parts of it.
 //!
 //! Invariants: every rank has the same collective settings (read once at init and compared
 //! there); every rank calls collectives in the same order with symmetric buffers; segments a
 //! call touches are shared with the peers (once per segment generation) before any kernel
 //! reads them; `destroy` waits for the device's queued work before it unmaps anything.
 
+mod calls;
 pub mod collective;
 pub mod exec;
 pub mod group;
@@ -44,8 +47,8 @@ pub use p2p::{device_comm, signal_pad};
 use crate::error::Result;
 use crate::heap::Allocator;
 use crate::ipc::Mesh;
+use collective::CollSettings;
 use collective::Collectives;
-use group::init::CollSettings;
 use group::{slots, Group};
 use kernel_args::*;
 use peer::PeerView;
@@ -82,7 +85,7 @@ impl Communicator {
         );
         // Kernels in flight still use the pad and the peers' mappings.
         let _ = self.exec.sync();
-        self.destroy_multicast_windows();
+        self.peer.destroy_multicast_windows(self.device);
         self.peer.windows.destroy(self.alloc);
         if let Some((p, size)) = self.coll.scratch.take() {
             let _ = self.alloc.free(p, size, self.device, 0);

@@ -11,7 +11,7 @@
 use super::kernel_args::{
     ERR_ASYMMETRIC, ERR_LL_ASYMMETRIC, ERR_NO_MULTIMEM, ERR_SIGNAL_TIMEOUT, ERR_TIMEOUT,
 };
-use crate::comm::Communicator;
+use super::Collectives;
 use crate::cuda;
 use crate::error::{Error, Result};
 use std::time::Duration;
@@ -182,18 +182,22 @@ pub fn timeout_error(
     ))
 }
 
-impl Communicator {
+impl Collectives {
     /// Reports what a kernel of this communicator wrote into the error words since the last
     /// call; a fatal error stays and is reported by every later call.
-    pub(super) fn check_error_word(&mut self) -> Result<()> {
-        if let Some(e) = &self.coll.sticky {
+    pub(in crate::comm) fn check_error_word(
+        &mut self,
+        rank: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        if let Some(e) = &self.sticky {
             return Err(e.clone());
         }
-        match self.coll.errors.take(self.rank, self.settings.timeout) {
+        match self.errors.take(rank, timeout) {
             None => Ok(()),
             Some(r) => {
                 if r.fatal {
-                    self.coll.sticky = Some(r.error.clone());
+                    self.sticky = Some(r.error.clone());
                 }
                 Err(r.error)
             }

@@ -15,26 +15,24 @@ use super::host_reduce::{self, HostCall, HostRms};
 use super::kernel_args::*;
 use super::kernel_id::{fused_kernel_id, kernel_id, kernel_id_name};
 use super::plan::Plan;
-use super::Collectives;
+use super::{CollSettings, Collectives, Ctx};
 use crate::comm::exec::{self, ArgBlock};
-use crate::comm::group::init::CollSettings;
-use crate::comm::Communicator;
 use crate::error::{Result, Status};
 
-impl Communicator {
+impl Ctx<'_> {
     /// Submits the plan on its call's stream (runs it, on the host backend).
-    pub(super) fn launch(&mut self, plan: &Plan) -> Result<()> {
+    pub(in crate::comm) fn launch(&mut self, plan: &Plan) -> Result<()> {
         self.trace_plan(plan);
         let (inputs, outputs) = buffers(&self.peer.windows.bases, &plan.desc);
         let view = View {
             rank: self.rank,
             world: self.world,
-            settings: &self.settings,
+            settings: self.settings,
             pads: &self.peer.pads,
-            internal: self.group.internal,
+            internal: self.internal,
         };
-        let launch = kernel_launch(plan, &view, &self.coll, inputs, outputs);
-        let coll = &mut self.coll;
+        let launch = kernel_launch(plan, &view, self.coll, inputs, outputs);
+        let coll = &mut *self.coll;
         let mut twin = || host_twin(plan, &view, coll, &inputs, &outputs);
         let r = self.exec.submit(exec::Plan {
             stream: plan.call.stream,

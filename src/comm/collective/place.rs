@@ -18,11 +18,25 @@ use super::call::{Call, Coll, Extents};
 use super::desc::meeting_word;
 use super::exchange::add_chunks;
 use super::host_reduce;
-use crate::comm::Communicator;
+use super::Ctx;
 use crate::error::{Error, Result};
 use crate::heap::device_heap::{DeviceHeap, SegmentInfo};
+use crate::heap::Allocator;
 
-/// `Communicator::locate` in a heap the caller holds locked.
+/// The chunks of the segment of `device`'s heap holding `ptr..ptr+bytes` (one, unless the
+/// segment grew in place under the block), `None` when `ptr` is outside the heap, an error
+/// when it is inside the heap but not inside one live block.
+pub(in crate::comm) fn locate(
+    alloc: &Allocator,
+    device: i32,
+    ptr: u64,
+    bytes: u64,
+) -> Result<Option<Vec<SegmentInfo>>> {
+    let heap = alloc.heap(device)?;
+    locate_in(&heap, ptr, bytes)
+}
+
+/// `locate` in a heap the caller holds locked.
 fn locate_in(heap: &DeviceHeap, ptr: u64, bytes: u64) -> Result<Option<Vec<SegmentInfo>>> {
     if !heap.contains(ptr) {
         return Ok(None);
@@ -66,7 +80,7 @@ pub(super) struct Placement {
     pub staged: bool,
 }
 
-impl Communicator {
+impl Ctx<'_> {
     /// Where a checked call's kernel reads and writes (`place`), meeting the peers first where
     /// this rank is about to make or share a segment (host backend), then making the scratch
     /// when the call is staged (`stage`). Collective.
@@ -226,7 +240,13 @@ impl Communicator {
             self.alloc.free(p, old, self.device, 0)?;
             self.coll.scratch = None;
         }
-        let p = self.own_malloc(size)?;
+        // One of the communicator's own blocks of its arena (as group/arena.rs, `own_malloc`).
+        let p = self.alloc.malloc_in(
+            size,
+            self.device,
+            0,
+            crate::heap::pools::arena_pool(self.arena, true),
+        )?;
         self.coll.scratch = Some((p, size));
         Ok(p)
     }
@@ -234,9 +254,8 @@ impl Communicator {
     /// The chunks of the segment holding `ptr..ptr+bytes` (one, unless the segment grew in
     /// place under the block), `None` when `ptr` is outside the heap, an error when it is
     /// inside the heap but not inside one live block.
-    pub(in crate::comm) fn locate(&self, ptr: u64, bytes: u64) -> Result<Option<Vec<SegmentInfo>>> {
-        let heap = self.alloc.heap(self.device)?;
-        locate_in(&heap, ptr, bytes)
+    fn locate(&self, ptr: u64, bytes: u64) -> Result<Option<Vec<SegmentInfo>>> {
+        locate(self.alloc, self.device, ptr, bytes)
     }
 
     /// Before this rank makes a scratch segment or shares a segment (`staged`: it stages the

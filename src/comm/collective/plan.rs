@@ -20,12 +20,12 @@ use super::desc::{CallDesc, DescKind, RANK_LOCAL};
 use super::fused_shape::{self, FusedShape};
 use super::kernel_id::{fused_kernel_id, kernel_id_name};
 use super::shape;
+use super::Ctx;
 use crate::comm::exec::Copy;
-use crate::comm::Communicator;
 use crate::error::{Error, Result};
 
 /// Everything a launch needs, decided once.
-pub(super) struct Plan {
+pub(in crate::comm) struct Plan {
     pub call: Call,
     pub kernel: Kernel,
     /// The working buffers' offsets (the caller's, or the scratch's when staged).
@@ -43,11 +43,11 @@ pub(super) struct Plan {
     pub mc_out: u64,
 }
 
-impl Communicator {
+impl Ctx<'_> {
     /// Places a checked call's buffers (`ext`: `Call::check`), picks its kernel and grid,
     /// exchanges its segments and compares its descriptor with the peers'. Collective (every
     /// rank calls it in the same order).
-    pub(super) fn prepare(&mut self, call: &Call, ext: Extents) -> Result<Plan> {
+    pub(in crate::comm) fn prepare(&mut self, call: &Call, ext: Extents) -> Result<Plan> {
         // The all-reduce's kernel depends only on the message; the others' on where it lies.
         let asked = match call.coll {
             Coll::AllReduce(a) => {
@@ -157,7 +157,14 @@ impl Communicator {
                         ext.recv
                     ))
                 })?;
-            self.multicast_window(seg)? + (at - seg.offset)
+            let who = crate::comm::peer::Who {
+                rank: self.rank,
+                world: self.world,
+                device: self.device,
+                alloc: self.alloc,
+                mesh: self.mesh,
+            };
+            self.peer.multicast_window(&who, seg)? + (at - seg.offset)
         } else {
             0
         };

@@ -15,7 +15,7 @@ use super::Group;
 use crate::comm::collective::algo;
 use crate::comm::collective::error_word::ErrorWords;
 use crate::comm::collective::kernel_args::*;
-use crate::comm::collective::Collectives;
+use crate::comm::collective::{CollSettings, Collectives};
 use crate::comm::exec::{self, Executor};
 use crate::comm::p2p::P2p;
 use crate::comm::peer::peers::{self, PeerHeap, PeerIdent};
@@ -115,29 +115,6 @@ impl Settings {
             self.split_slots,
         ]
     }
-}
-
-/// What shapes every collective of a communicator, fixed at init (`build`): the settings every
-/// rank agreed on (read at init and compared there; a split's child reads its own and compares
-/// them too) and what the ranks' GPUs hold.
-pub(in crate::comm) struct CollSettings {
-    /// Bytes per sender slot of the LL buffers (`SYMMALLOC_LL_BYTES`, equal on all ranks).
-    pub ll_slot: u64,
-    /// The LL kernel's (blocks, threads), fixed for the communicator's life.
-    pub ll_grid: (u32, u32),
-    /// AUTO's thresholds and `SYMMALLOC_CHECK_SYMMETRY`: read at init, equal on all ranks.
-    pub auto: algo::AutoThresholds,
-    pub check_symmetry: bool,
-    /// `SYMMALLOC_TIMEOUT_S`: every wait's bound.
-    pub timeout: Duration,
-    /// This rank's GPU's SMs (the barrier kernels' grid).
-    pub sms: u32,
-    /// Every rank's GPU runs thread-block clusters (sm_90+): the fused call may split wide rows
-    /// over a cluster (collective/plan.rs). Equal on every rank: read from every rank's device.
-    pub clusters: bool,
-    /// The fewest SMs of any rank's GPU: an LL grid must be resident at once on every rank
-    /// (collective/fused_shape.rs, `fit_resident`). Equal on every rank, as `clusters`.
-    pub fewest_sms: u32,
 }
 
 /// What `build` needs to make a communicator, from `init` or from a split.

@@ -18,6 +18,7 @@ use super::slots::{self, Internal, Plan, SlotBlock, SlotHold};
 use crate::comm::collective::algo::{DType, Kernel, ReduceOp};
 use crate::comm::collective::desc::{CallDesc, DescKind};
 use crate::comm::collective::kernel_args::*;
+use crate::comm::collective::place::locate;
 use crate::comm::p2p::device_comm::SYMM_SIGNAL_PAD_BYTES;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -144,9 +145,9 @@ impl Communicator {
         self.p2p.pads = self.peer.windows.at_every_rank(pad);
         let made = started.elapsed();
         if pad_seg.offset == seg.offset {
-            self.exchange(&[seg], desc, true)?;
+            self.ctx().exchange(&[seg], desc, true)?;
         } else {
-            self.exchange(&[seg, pad_seg], desc, true)?;
+            self.ctx().exchange(&[seg, pad_seg], desc, true)?;
         }
         // The peers' generations of their internal blocks' segments: their release names the
         // peer's destroy (peer/retire.rs).
@@ -324,7 +325,7 @@ impl Communicator {
         bytes: u64,
         what: &str,
     ) -> Result<SegmentInfo> {
-        match self.locate(ptr, bytes)?.as_deref() {
+        match locate(self.alloc, self.device, ptr, bytes)?.as_deref() {
             Some(&[one]) => Ok(one),
             other => Err(Error::internal(format!(
                 "the {what} at {ptr:#x} lies in {} chunks of the heap; expected one",

@@ -183,7 +183,7 @@ impl Communicator {
             staged: false,
         };
         let segs = local.as_ref().map(|s| s.as_slice()).unwrap_or(&[]);
-        let shared = self.exchange(segs, desc, true);
+        let shared = self.ctx().exchange(segs, desc, true);
         let segs = local?;
         shared.map_err(|e| {
             if e.status == Status::ErrNotSymmetric {
@@ -358,7 +358,10 @@ impl Communicator {
     /// The peer's pad, unless the peer destroyed its communicator (released the pad).
     fn peer_pad(&self, what: &str, peer: usize) -> Result<u64> {
         if peer != self.rank
-            && (self.released_by(peer, self.p2p.pad_seg) || self.internal_released_by(peer))
+            && (self.released_by(peer, self.p2p.pad_seg)
+                || self
+                    .peer
+                    .internal_released_by(peer, self.group.internal_seg))
         {
             return Err(Error::peer(format!(
                 "{what}: rank {peer} destroyed its communicator (its signal pad was released)"

@@ -1,0 +1,190 @@
+//! The communicator's calls: the collectives' front ends (`all_reduce`, `reduce_scatter`,
+//! `all_gather`, `all_reduce_add_rms_norm`, `barrier`), what every call does first
+//! (`begin_call`: the error words, then the peers' released segments) and the view the
+//! collective pipeline works on (`ctx`, collective/ `Ctx`). A call: check (collective/call.rs),
+//! begin, plan (collective/plan.rs), launch (collective/launch.rs, through the executor:
+//! comm/exec/).
+//!
+//! Invariants: every operation of a communicator (collective, p2p, MoE) begins with
+//! `begin_call`, so an error a kernel recorded surfaces at the next call and released peer
+//! segments are unmapped before anything maps or launches; a call with nothing to do returns
+//! before it (earlier errors wait for the next call that does something).
+
+use crate::comm::collective::algo::{Algo, DType, ReduceOp};
+use crate::comm::collective::call::{Call, Coll, Rms};
+use crate::comm::collective::Ctx;
+use crate::comm::Communicator;
+use crate::error::{Error, Result, Status};
+
+impl Communicator {
+    /// The collective pipeline's view of this communicator (collective/, `Ctx`).
+    pub(in crate::comm) fn ctx(&mut self) -> Ctx<'_> {
+        Ctx {
+            rank: self.rank,
+            world: self.world,
+            device: self.device,
+            alloc: self.alloc,
+            mesh: &self.mesh,
+            settings: &self.settings,
+            exec: &mut *self.exec,
+            coll: &mut self.coll,
+            peer: &mut self.peer,
+            internal: self.group.internal,
+            arena: self.group.arena,
+        }
+    }
+
+    /// What every call does first: report a kernel's error, then unmap the peer segments
+    /// released since the last call (peer/retire.rs).
+    pub(in crate::comm) fn begin_call(&mut self, stream: u64) -> Result<()> {
+        self.coll
+            .check_error_word(self.rank, self.settings.timeout)?;
+        let who = crate::comm::peer::Who {
+            rank: self.rank,
+            world: self.world,
+            device: self.device,
+            alloc: self.alloc,
+            mesh: &self.mesh,
+        };
+        let segs = (self.group.internal_seg, self.p2p.pad_seg);
+        self.peer
+            .retire_released(&who, &*self.exec, stream, segs, &mut self.coll.sticky)
+    }
+
+    /// One collective call through the pipeline: report earlier errors, plan, launch.
+    /// A call with nothing to do returns at once (earlier errors wait for the next call that
+    /// does something); a call's own arguments are checked next (they need no peer, so a bad one
+    /// is reported as such whatever the peers did since); then earlier errors, then the plan.
+    fn collective(&mut self, call: Call) -> Result<()> {
+        if call.is_empty() {
+            return Ok(());
+        }
+        let ext = call.check(self.rank, self.world)?;
+        self.begin_call(call.stream)
+            .and_then(|()| {
+                let mut ctx = self.ctx();
+                let plan = ctx.prepare(&call, ext)?;
+                ctx.launch(&plan)
+            })
+            .map_err(|e| self.name_ranks(e))
+    }
+
+    /// All-reduce of `count` elements, in place when `send == recv`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce(
+        &mut self,
+        algo: Algo,
+        send: u64,
+        recv: u64,
+        count: u64,
+        dtype: DType,
+        op: ReduceOp,
+        stream: u64,
+    ) -> Result<()> {
+        self.collective(Call {
+            coll: Coll::AllReduce(algo),
+            send,
+            recv,
+            count,
+            dtype,
+            op,
+            stream,
+        })
+    }
+
+    /// Reduce-scatter: rank r gets elements [r * recv_count, (r + 1) * recv_count) of the
+    /// reduction of every rank's `send` (world * recv_count elements).
+    pub fn reduce_scatter(
+        &mut self,
+        send: u64,
+        recv: u64,
+        recv_count: u64,
+        dtype: DType,
+        op: ReduceOp,
+        stream: u64,
+    ) -> Result<()> {
+        self.collective(Call {
+            coll: Coll::ReduceScatter,
+            send,
+            recv,
+            count: recv_count,
+            dtype,
+            op,
+            stream,
+        })
+    }
+
+    /// All-gather: rank r's `send_count` elements land at r * send_count of every `recv`.
+    pub fn all_gather(
+        &mut self,
+        send: u64,
+        recv: u64,
+        send_count: u64,
+        dtype: DType,
+        stream: u64,
+    ) -> Result<()> {
+        self.collective(Call {
+            coll: Coll::AllGather,
+            send,
+            recv,
+            count: send_count,
+            dtype,
+            op: ReduceOp::Sum,
+            stream,
+        })
+    }
+
+    /// All-reduce of `x` ([tokens, hidden]) + residual, then RMSNorm: `residual` is updated in
+    /// place and `out = rms_norm(residual) * weight` (kernels/rms_norm.cuh). Only `x` is read
+    /// by peers; `residual`, `weight` and `out` are this rank's own.
+    pub fn all_reduce_add_rms_norm(
+        &mut self,
+        x: u64,
+        rms: Rms,
+        dtype: DType,
+        stream: u64,
+    ) -> Result<()> {
+        self.collective(Call {
+            coll: Coll::AddRmsNorm(rms),
+            send: x,
+            recv: 0,
+            count: rms.tokens.saturating_mul(rms.hidden),
+            dtype,
+            op: ReduceOp::Sum,
+            stream,
+        })
+    }
+
+    /// All ranks meet; stream-ordered on CUDA (a kernel), immediate on the host backend.
+    pub fn barrier(&mut self, stream: u64) -> Result<()> {
+        self.collective(Call {
+            coll: Coll::Barrier,
+            send: 0,
+            recv: 0,
+            count: 0,
+            dtype: DType::Fp32,
+            op: ReduceOp::Sum,
+            stream,
+        })
+    }
+
+    /// Names the processes behind rank numbers in a child's peer and timeout errors.
+    pub(in crate::comm) fn name_ranks(&self, mut e: Error) -> Error {
+        if matches!(e.status, Status::ErrPeer | Status::ErrTimeout) {
+            match &self.group.lineage {
+                Some(l) => {
+                    e.message = format!(
+                        "{} (in a communicator of {} ranks split from another: {l})",
+                        e.message, self.world
+                    )
+                }
+                None => {
+                    let pids: Vec<u32> = self.group.members.iter().map(|m| m.pid).collect();
+                    e.message =
+                        format!("{} (ranks 0..{} are pids {pids:?})", e.message, self.world);
+                }
+            }
+        }
+        e
+    }
+}
