@@ -1,7 +1,8 @@
 //! The communicator's calls: the collectives' front ends (`all_reduce`, `reduce_scatter`,
-//! `all_gather`, `all_reduce_add_rms_norm`, `barrier`), what every call does first
-//! (`begin_call`: the error words, then the peers' released segments) and the view the
-//! collective pipeline works on (`ctx`, collective/ `Ctx`). A call: check (collective/call.rs),
+//! `all_gather`, `all_reduce_add_rms_norm`, `barrier`), the p2p ones (`rendezvous`, `peer_ptr`,
+//! `put`, `signal`, `wait`, `device_view`), what every call does first (`begin_call`: the error
+//! words, then the peers' released segments) and the views the stages work on (`ctx`:
+//! collective/ `Ctx`; `p2p_view`: p2p/ `View`). A call: check (collective/call.rs),
 //! begin, plan (collective/plan.rs), launch (collective/launch.rs, through the executor:
 //! comm/exec/).
 //!
@@ -13,25 +14,45 @@
 use crate::comm::collective::algo::{Algo, DType, ReduceOp};
 use crate::comm::collective::call::{Call, Coll, Rms};
 use crate::comm::collective::Ctx;
+use crate::comm::p2p::{self, device_comm::DeviceComm, signal_pad::SignalVia, signal_pad::WaitVia};
 use crate::comm::Communicator;
 use crate::error::{Error, Result, Status};
 
 impl Communicator {
     /// The collective pipeline's view of this communicator (collective/, `Ctx`).
     pub(in crate::comm) fn ctx(&mut self) -> Ctx<'_> {
-        Ctx {
-            rank: self.rank,
-            world: self.world,
-            device: self.device,
-            alloc: self.alloc,
-            mesh: &self.mesh,
-            settings: &self.settings,
-            exec: &mut *self.exec,
-            coll: &mut self.coll,
-            peer: &mut self.peer,
-            internal: self.group.internal,
-            arena: self.group.arena,
+        self.views().0
+    }
+
+    /// p2p's view of this communicator (p2p/, `View`).
+    fn p2p_view(&mut self) -> p2p::View<'_> {
+        let internal_seg = self.group.internal_seg;
+        let (c, p2p) = self.views();
+        p2p::View {
+            c,
+            p2p,
+            internal_seg,
         }
+    }
+
+    /// The collective view and the p2p state, borrowed apart.
+    fn views(&mut self) -> (Ctx<'_>, &mut p2p::P2p) {
+        (
+            Ctx {
+                rank: self.rank,
+                world: self.world,
+                device: self.device,
+                alloc: self.alloc,
+                mesh: &self.mesh,
+                settings: &self.settings,
+                exec: &mut *self.exec,
+                coll: &mut self.coll,
+                peer: &mut self.peer,
+                internal: self.group.internal,
+                arena: self.group.arena,
+            },
+            &mut self.p2p,
+        )
     }
 
     /// What every call does first: report a kernel's error, then unmap the peer segments
@@ -186,5 +207,75 @@ impl Communicator {
             }
         }
         e
+    }
+
+    /// `symm_rendezvous`: collective. Every rank passes the same offset and size; maps every
+    /// peer's segments under the range and records it. Idempotent.
+    pub fn rendezvous(&mut self, ptr: u64, bytes: u64) -> Result<()> {
+        self.begin_call(0)?;
+        self.p2p_view().rendezvous(ptr, bytes)
+    }
+
+    /// `symm_peer_ptr`: local; the address, in this process, of `ptr`'s offset in `peer`'s heap.
+    pub fn peer_ptr(&mut self, ptr: u64, peer: i64) -> Result<u64> {
+        self.p2p_view().peer_ptr(ptr, peer)
+    }
+
+    /// `symm_put`: after the stream's earlier work, copies `bytes` from `src` into `peer`'s
+    /// buffer at `dst`'s offset (copy engine; on the host backend, now).
+    pub fn put(&mut self, peer: i64, dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
+        let peer = p2p::check_peer("symm_put", peer, self.world)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        p2p::check_src(src, bytes)?;
+        self.begin_call(stream)?;
+        self.p2p_view().put(peer, dst, src, bytes, stream)
+    }
+
+    /// `symm_signal`: after the stream's earlier work (puts included), stores `value` into
+    /// `peer`'s slot `slot`.
+    pub fn signal(&mut self, peer: i64, slot: u32, value: u64, stream: u64) -> Result<()> {
+        self.signal_via(p2p::signal_pad::DEFAULT_SIGNAL, peer, slot, value, stream)
+    }
+
+    /// `signal` by a chosen mechanism (the benchmark compares them).
+    pub fn signal_via(
+        &mut self,
+        via: SignalVia,
+        peer: i64,
+        slot: u32,
+        value: u64,
+        stream: u64,
+    ) -> Result<()> {
+        let peer = p2p::check_peer("symm_signal", peer, self.world)?;
+        p2p::check_slot("symm_signal", slot)?;
+        self.begin_call(stream)?;
+        self.p2p_view().signal_via(via, peer, slot, value, stream)
+    }
+
+    /// `symm_wait`: holds the stream until this rank's slot `slot` is >= `value`. Bounded: past
+    /// the timeout the stream goes on and the next call reports a timeout naming the slot and
+    /// the rank that raised it last (on the host backend, this call does).
+    pub fn wait(&mut self, slot: u32, value: u64, stream: u64) -> Result<()> {
+        self.wait_via(WaitVia::Kernel, slot, value, stream)
+    }
+
+    /// `wait` by a chosen mechanism; `StreamWait` is unbounded (benchmark only).
+    pub fn wait_via(&mut self, via: WaitVia, slot: u32, value: u64, stream: u64) -> Result<()> {
+        p2p::check_slot("symm_wait", slot)?;
+        self.begin_call(stream)?;
+        self.p2p_view().wait_via(via, slot, value, stream)
+    }
+
+    /// `symm_comm_device`: the communicator as device code sees it (`struct_size` left for the
+    /// caller's layer to set).
+    pub fn device_view(&mut self) -> DeviceComm {
+        self.p2p_view().device_view()
+    }
+
+    /// Rendezvoused ranges held (for tests).
+    pub fn rendezvoused_ranges(&self) -> usize {
+        self.p2p.ranges()
     }
 }

@@ -22,9 +22,10 @@
 //! executor and bootstrap mesh, and one part per stage: `settings` (`CollSettings`, what shapes
 //! every collective, built by group/init.rs), `group` (`Group`), `peer` (`PeerView`), `coll`
 //! (`Collectives`) and `p2p` (`P2p`), each defined by its stage. Imports between the stages
-//! point one way: `group` -> `p2p` -> `collective` -> `peer` -> `exec`; `collective`, `peer`
-//! and `exec` never see the `Communicator` (they work on views: `collective::Ctx`,
-//! `peer::Who`, `exec::Plan`), while `group` and `p2p` still implement parts of it.
+//! point one way: `group` -> `p2p` -> `collective` -> `peer` -> `exec`; `p2p`, `collective`,
+//! `peer` and `exec` never see the `Communicator` (they work on views: `p2p::View`,
+//! `collective::Ctx`, `peer::Who`, `exec::Plan`); `group` makes communicators, and `moe` builds
+//! its objects over one.
 //!
 //! Invariants: every rank has the same collective settings (read once at init and compared
 //! there); every rank calls collectives in the same order with symmetric buffers; segments a

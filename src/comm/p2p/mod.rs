@@ -2,10 +2,13 @@
 //! under a range and checks that every rank passed the same one), `peer_ptr` (local), and the
 //! stream-ordered `put` (copy engine), `signal` and `wait` over the communicator's signal pads
 //! (signal_pad.rs), plus `device_view` for device code (device_comm.rs). docs/DESIGN.md,
-//! "Programming symmetric memory", states the ordering semantics.
+//! "Programming symmetric memory", states the ordering semantics. Each is a method of `View`, a
+//! per-call view of the communicator (comm/calls.rs checks the arguments that need no state,
+//! begins the call and builds it); put, signal and wait build an executor plan (comm/exec/:
+//! the copy, the kernel or stream operation, and the CPU twin of the host backend).
 //!
-//! Owned by the communicator (nothing here is per device or per process): the rendezvous table,
-//! the signal pads, the p2p kernels looked up for this communicator.
+//! Owned by the communicator (nothing here is per device or per process): the rendezvous table
+//! and the signal pads (`P2p`).
 //!
 //! Invariants:
 //! - a peer address is handed out (peer_ptr, put) only for a range inside one rendezvoused
@@ -27,8 +30,8 @@ pub mod signal_pad;
 use crate::comm::collective::algo::{DType, Kernel, ReduceOp};
 use crate::comm::collective::desc::{CallDesc, DescKind};
 use crate::comm::collective::kernel_args::ABORT_OFFSET;
+use crate::comm::collective::Ctx;
 use crate::comm::exec::{self, ArgBlock, Family, KernelId};
-use crate::comm::Communicator;
 use crate::error::{Error, Result, Status};
 use crate::heap::device_heap::SegmentInfo;
 use device_comm::*;
@@ -103,29 +106,49 @@ fn end_of(what: &str, ptr: u64, bytes: u64) -> Result<u64> {
     })
 }
 
-impl Communicator {
-    fn check_peer(&self, what: &str, peer: i64) -> Result<usize> {
-        usize::try_from(peer)
-            .ok()
-            .filter(|&p| p < self.world)
-            .ok_or_else(|| {
-                Error::invalid(format!(
-                    "{what}: peer {peer} is out of range; expected 0..{} (world size {})",
-                    self.world, self.world
-                ))
-            })
-    }
+/// `peer` as a rank of a world of `world`, or an error naming the call.
+pub(in crate::comm) fn check_peer(what: &str, peer: i64, world: usize) -> Result<usize> {
+    usize::try_from(peer)
+        .ok()
+        .filter(|&p| p < world)
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "{what}: peer {peer} is out of range; expected 0..{world} (world size {world})"
+            ))
+        })
+}
 
-    fn check_slot(what: &str, slot: u32) -> Result<()> {
-        if slot >= SYMM_SIGNAL_SLOTS {
-            return Err(Error::invalid(format!(
-                "{what}: slot {slot} is past the signal pad; expected 0..{SYMM_SIGNAL_SLOTS} \
-                 (SYMM_SIGNAL_SLOTS slots per rank)"
-            )));
-        }
-        Ok(())
+/// A signal slot, or an error naming the call.
+pub(in crate::comm) fn check_slot(what: &str, slot: u32) -> Result<()> {
+    if slot >= SYMM_SIGNAL_SLOTS {
+        return Err(Error::invalid(format!(
+            "{what}: slot {slot} is past the signal pad; expected 0..{SYMM_SIGNAL_SLOTS} \
+             (SYMM_SIGNAL_SLOTS slots per rank)"
+        )));
     }
+    Ok(())
+}
 
+/// `symm_put`'s checks of what it copies from, before the call begins.
+pub(in crate::comm) fn check_src(src: u64, bytes: u64) -> Result<()> {
+    if src == 0 {
+        return Err(Error::invalid("symm_put: src is NULL"));
+    }
+    end_of("symm_put (src)", src, bytes)?;
+    Ok(())
+}
+
+/// What p2p reads and writes of its communicator for one call: the collective pipeline's view
+/// (`Ctx`: place, settings, executor, error words, the peers' memory; the rendezvous exchanges
+/// through it), the p2p state, and the segment of the internal block (a peer's release of it
+/// is its destroy). Built by comm/calls.rs after the call began (`begin_call`).
+pub(in crate::comm) struct View<'a> {
+    pub c: Ctx<'a>,
+    pub p2p: &'a mut P2p,
+    pub internal_seg: u64,
+}
+
+impl View<'_> {
     /// The segments under [ptr, ptr + bytes), every byte of which must lie in a live block of
     /// this rank's heap.
     fn live_segments(&self, ptr: u64, bytes: u64) -> Result<Vec<SegmentInfo>> {
@@ -135,12 +158,12 @@ impl Communicator {
             )));
         }
         let end = end_of("symm_rendezvous", ptr, bytes)?;
-        let heap = self.alloc.heap(self.device)?;
+        let heap = self.c.alloc.heap(self.c.device)?;
         if !heap.contains(ptr) || end > heap.base() + heap.size() {
             return Err(Error::invalid(format!(
                 "symm_rendezvous: range {ptr:#x} + {bytes} bytes is not inside the symmetric heap \
                  of device {} ([{:#x}, {:#x})); expected memory from symm_malloc",
-                self.device,
+                self.c.device,
                 heap.base(),
                 heap.base() + heap.size()
             )));
@@ -162,9 +185,9 @@ impl Communicator {
 
     /// `symm_rendezvous`: collective. Every rank passes the same offset and size; maps every
     /// peer's segments under the range and records it. Idempotent.
+    /// (The call began: comm/calls.rs.)
     pub fn rendezvous(&mut self, ptr: u64, bytes: u64) -> Result<()> {
-        self.begin_call(0)?;
-        let heap_base = self.peer.windows.bases[self.rank];
+        let heap_base = self.c.peer.windows.bases[self.c.rank];
         let local = self.live_segments(ptr, bytes);
         let (off, count) = match &local {
             Ok(_) => (ptr - heap_base, bytes),
@@ -183,7 +206,7 @@ impl Communicator {
             staged: false,
         };
         let segs = local.as_ref().map(|s| s.as_slice()).unwrap_or(&[]);
-        let shared = self.ctx().exchange(segs, desc, true);
+        let shared = self.c.exchange(segs, desc, true);
         let segs = local?;
         shared.map_err(|e| {
             if e.status == Status::ErrNotSymmetric {
@@ -191,14 +214,14 @@ impl Communicator {
                     "symm_rendezvous: rank {} passed offset {off:#x} and {bytes} bytes; every rank \
                      must pass the same offset and size (a rank whose descriptor shows offset \
                      0xffffffffffffffff passed an invalid range)",
-                    self.rank
+                    self.c.rank
                 ))
             } else {
                 e.context("symm_rendezvous")
             }
         })?;
         // Ranges whose segments went back since are dropped, so the table stays small.
-        let heap = self.alloc.heap(self.device)?;
+        let heap = self.c.alloc.heap(self.c.device)?;
         self.p2p.table.retain(|_, r| {
             r.segs
                 .iter()
@@ -214,8 +237,8 @@ impl Communicator {
         }
         crate::info!(
             "rank {}/{}: rendezvous of {bytes} bytes at offset {off:#x}",
-            self.rank,
-            self.world
+            self.c.rank,
+            self.c.world
         );
         Ok(())
     }
@@ -223,15 +246,15 @@ impl Communicator {
     /// Whether `peer` has released (its release log says so) the generation of its segment at
     /// `offset` that this rank maps, including records peer/retire.rs has not handled yet.
     fn released_by(&self, peer: usize, offset: u64) -> bool {
-        let Some(generation) = self.peer.windows.mapped_generation(peer, offset) else {
+        let Some(generation) = self.c.peer.windows.mapped_generation(peer, offset) else {
             return true;
         };
-        let Some(heap) = &self.peer.windows.peers[peer] else {
+        let Some(heap) = &self.c.peer.windows.peers[peer] else {
             return false;
         };
         let mut records = Vec::new();
         heap.log
-            .read_since(self.peer.releases.seen[peer], &mut records);
+            .read_since(self.c.peer.releases.seen[peer], &mut records);
         records.contains(&(offset, generation))
     }
 
@@ -240,14 +263,14 @@ impl Communicator {
     fn peer_range(&self, what: &str, ptr: u64, bytes: u64, peer: usize) -> Result<u64> {
         let end = end_of(what, ptr, bytes.max(1))?;
         let (heap_base, heap_end, valid) = {
-            let heap = self.alloc.heap(self.device)?;
+            let heap = self.c.alloc.heap(self.c.device)?;
             let (base, size) = (heap.base(), heap.size());
             if !heap.contains(ptr) {
                 return Err(Error::invalid(format!(
                     "{what}: pointer {ptr:#x} is outside the symmetric heap of device {} \
                      ([{base:#x}, {:#x})); expected memory from symm_malloc passed to \
                      symm_rendezvous",
-                    self.device,
+                    self.c.device,
                     base + size
                 )));
             }
@@ -291,7 +314,7 @@ impl Communicator {
             (base, base + size, r.segs.clone())
         };
         debug_assert!(end <= heap_end);
-        if peer != self.rank {
+        if peer != self.c.rank {
             for s in valid
                 .iter()
                 .filter(|s| heap_base + s.offset < end && ptr < heap_base + s.offset + s.size)
@@ -305,13 +328,13 @@ impl Communicator {
                 }
             }
         }
-        Ok(self.peer.windows.bases[peer] + (ptr - heap_base))
+        Ok(self.c.peer.windows.bases[peer] + (ptr - heap_base))
     }
 
     /// `symm_peer_ptr`: local; the address, in this process, of `ptr`'s offset in `peer`'s heap.
     pub fn peer_ptr(&self, ptr: u64, peer: i64) -> Result<u64> {
-        let peer = self.check_peer("symm_peer_ptr", peer)?;
-        if let Some(e) = &self.coll.sticky {
+        let peer = check_peer("symm_peer_ptr", peer, self.c.world)?;
+        if let Some(e) = &self.c.coll.sticky {
             return Err(e.clone());
         }
         self.peer_range("symm_peer_ptr", ptr, 1, peer)
@@ -319,20 +342,12 @@ impl Communicator {
 
     /// `symm_put`: after the stream's earlier work, copies `bytes` from `src` into `peer`'s
     /// buffer at `dst`'s offset (copy engine; on the host backend, now).
-    pub fn put(&mut self, peer: i64, dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
-        let peer = self.check_peer("symm_put", peer)?;
-        if bytes == 0 {
-            return Ok(());
-        }
-        if src == 0 {
-            return Err(Error::invalid("symm_put: src is NULL"));
-        }
-        end_of("symm_put (src)", src, bytes)?;
-        self.begin_call(stream)?;
+    /// (The call checked `peer`, `src` and a non-zero `bytes`, and began: comm/calls.rs.)
+    pub fn put(&mut self, peer: usize, dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
         // `to` spans `bytes` bytes of a mapped, rendezvoused range (checked here); src is the
         // caller's buffer of `bytes` bytes; they may overlap (a put to self).
         let to = self.peer_range("symm_put", dst, bytes, peer)?;
-        self.exec.submit(exec::Plan {
+        self.c.exec.submit(exec::Plan {
             stream,
             ordered: false,
             copy_in: Some(exec::Copy {
@@ -357,11 +372,9 @@ impl Communicator {
 
     /// The peer's pad, unless the peer destroyed its communicator (released the pad).
     fn peer_pad(&self, what: &str, peer: usize) -> Result<u64> {
-        if peer != self.rank
+        if peer != self.c.rank
             && (self.released_by(peer, self.p2p.pad_seg)
-                || self
-                    .peer
-                    .internal_released_by(peer, self.group.internal_seg))
+                || self.c.peer.internal_released_by(peer, self.internal_seg))
         {
             return Err(Error::peer(format!(
                 "{what}: rank {peer} destroyed its communicator (its signal pad was released)"
@@ -370,40 +383,32 @@ impl Communicator {
         Ok(self.p2p.pads[peer])
     }
 
-    /// `symm_signal`: after the stream's earlier work (puts included), stores `value` into
-    /// `peer`'s slot `slot`.
-    pub fn signal(&mut self, peer: i64, slot: u32, value: u64, stream: u64) -> Result<()> {
-        self.signal_via(signal_pad::DEFAULT_SIGNAL, peer, slot, value, stream)
-    }
-
     /// `signal` by a chosen mechanism (the benchmark compares them).
+    /// (The call checked `peer` and `slot`, and began: comm/calls.rs.)
     pub fn signal_via(
         &mut self,
         via: SignalVia,
-        peer: i64,
+        peer: usize,
         slot: u32,
         value: u64,
         stream: u64,
     ) -> Result<()> {
-        let peer = self.check_peer("symm_signal", peer)?;
-        Self::check_slot("symm_signal", slot)?;
-        self.begin_call(stream)?;
         let pad = self.peer_pad("symm_signal", peer)?;
         let device = match via {
             SignalVia::StreamWrite => exec::Device::StreamWrite {
                 word_addr: signal_pad::writer_addr(pad, slot),
-                word: self.rank as u32 + 1,
+                word: self.c.rank as u32 + 1,
                 value_addr: signal_pad::value_addr(pad, slot),
                 value,
             },
             SignalVia::Kernel => launch(SIGNAL, &self.p2p_args(slot, value, peer)),
         };
-        let rank = self.rank;
+        let rank = self.c.rank;
         let mut twin = || {
             signal_pad::host_signal(pad, slot, rank, peer == rank, value);
             Ok(())
         };
-        self.exec.submit(exec::Plan {
+        self.c.exec.submit(exec::Plan {
             stream,
             ordered: false,
             copy_in: None,
@@ -413,26 +418,18 @@ impl Communicator {
         })
     }
 
-    /// `symm_wait`: holds the stream until this rank's slot `slot` is >= `value`. Bounded: past
-    /// the timeout the stream goes on and the next call reports a timeout naming the slot and
-    /// the rank that raised it last (on the host backend, this call does).
-    pub fn wait(&mut self, slot: u32, value: u64, stream: u64) -> Result<()> {
-        self.wait_via(WaitVia::Kernel, slot, value, stream)
-    }
-
     /// `wait` by a chosen mechanism; `StreamWait` is unbounded (benchmark only).
+    /// (The call checked `slot` and began: comm/calls.rs.)
     pub fn wait_via(&mut self, via: WaitVia, slot: u32, value: u64, stream: u64) -> Result<()> {
-        Self::check_slot("symm_wait", slot)?;
-        self.begin_call(stream)?;
         let device = match via {
-            WaitVia::Kernel => launch(WAIT, &self.p2p_args(slot, value, self.rank)),
+            WaitVia::Kernel => launch(WAIT, &self.p2p_args(slot, value, self.c.rank)),
             WaitVia::StreamWait => exec::Device::StreamWait {
                 addr: signal_pad::value_addr(self.p2p.pad, slot),
                 value,
             },
         };
-        let (rank, pad, timeout) = (self.rank, self.p2p.pad, self.settings.timeout);
-        let sticky = &mut self.coll.sticky;
+        let (rank, pad, timeout) = (self.c.rank, self.p2p.pad, self.c.settings.timeout);
+        let sticky = &mut self.c.coll.sticky;
         let mut twin = || match signal_pad::host_wait(pad, slot, value, timeout) {
             Ok(()) => Ok(()),
             Err((seen, writer)) => {
@@ -443,7 +440,7 @@ impl Communicator {
                 Err(e)
             }
         };
-        self.exec.submit(exec::Plan {
+        self.c.exec.submit(exec::Plan {
             stream,
             ordered: false,
             copy_in: None,
@@ -459,21 +456,23 @@ impl Communicator {
         let mut d = DeviceComm {
             struct_size: std::mem::size_of::<DeviceComm>() as u64,
             version: SYMM_DEVICE_COMM_VERSION,
-            world: self.world as i32,
-            rank: self.rank as i32,
+            world: self.c.world as i32,
+            rank: self.c.rank as i32,
             signal_slots: SYMM_SIGNAL_SLOTS,
-            timeout_ns: self.settings.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            abort_word: self.group.internal + ABORT_OFFSET,
-            error_word: self.coll.errors.device_ptr(),
+            timeout_ns: self.c.settings.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            abort_word: self.c.internal + ABORT_OFFSET,
+            error_word: self.c.coll.errors.device_ptr(),
             ..DeviceComm::default()
         };
-        d.heap_bases[..self.world].copy_from_slice(&self.peer.windows.bases);
-        d.signal_pads[..self.world].copy_from_slice(&self.p2p.pads);
+        d.heap_bases[..self.c.world].copy_from_slice(&self.c.peer.windows.bases);
+        d.signal_pads[..self.c.world].copy_from_slice(&self.p2p.pads);
         d
     }
+}
 
+impl P2p {
     /// Rendezvoused ranges held (for tests).
-    pub fn rendezvoused_ranges(&self) -> usize {
-        self.p2p.table.len()
+    pub fn ranges(&self) -> usize {
+        self.table.len()
     }
 }
