@@ -19,7 +19,24 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result, Status};
 
 impl Communicator {
-    /// The collective pipeline's view of this communicator (collective/, `Ctx`).
+    /// Begins a call on `stream` (`begin_call`) and returns the view its stages build plans
+    /// in, with the executor they submit them to: every operation that launches (collectives,
+    /// p2p, MoE) reaches the executor through here, so none skips the error words or the
+    /// retirement of released peer segments (the executor adds the stream order).
+    pub(in crate::comm) fn begin(&mut self, stream: u64) -> Result<Ctx<'_>> {
+        self.begin_call(stream)?;
+        Ok(self.ctx())
+    }
+
+    /// `begin` for p2p's view.
+    fn begin_p2p(&mut self, stream: u64) -> Result<p2p::View<'_>> {
+        self.begin_call(stream)?;
+        Ok(self.p2p_view())
+    }
+
+    /// The collective pipeline's view of this communicator (collective/, `Ctx`), without
+    /// beginning a call: for making a communicator (group/internal.rs exchanges its internal
+    /// block before any call).
     pub(in crate::comm) fn ctx(&mut self) -> Ctx<'_> {
         self.views().0
     }
@@ -57,7 +74,7 @@ impl Communicator {
 
     /// What every call does first: report a kernel's error, then unmap the peer segments
     /// released since the last call (peer/retire.rs).
-    pub(in crate::comm) fn begin_call(&mut self, stream: u64) -> Result<()> {
+    fn begin_call(&mut self, stream: u64) -> Result<()> {
         self.coll
             .check_error_word(self.rank, self.settings.timeout)?;
         let who = crate::comm::peer::Who {
@@ -81,9 +98,8 @@ impl Communicator {
             return Ok(());
         }
         let ext = call.check(self.rank, self.world)?;
-        self.begin_call(call.stream)
-            .and_then(|()| {
-                let mut ctx = self.ctx();
+        self.begin(call.stream)
+            .and_then(|mut ctx| {
                 let plan = ctx.prepare(&call, ext)?;
                 ctx.launch(&plan)
             })
@@ -212,8 +228,7 @@ impl Communicator {
     /// `symm_rendezvous`: collective. Every rank passes the same offset and size; maps every
     /// peer's segments under the range and records it. Idempotent.
     pub fn rendezvous(&mut self, ptr: u64, bytes: u64) -> Result<()> {
-        self.begin_call(0)?;
-        self.p2p_view().rendezvous(ptr, bytes)
+        self.begin_p2p(0)?.rendezvous(ptr, bytes)
     }
 
     /// `symm_peer_ptr`: local; the address, in this process, of `ptr`'s offset in `peer`'s heap.
@@ -229,8 +244,7 @@ impl Communicator {
             return Ok(());
         }
         p2p::check_src(src, bytes)?;
-        self.begin_call(stream)?;
-        self.p2p_view().put(peer, dst, src, bytes, stream)
+        self.begin_p2p(stream)?.put(peer, dst, src, bytes, stream)
     }
 
     /// `symm_signal`: after the stream's earlier work (puts included), stores `value` into
@@ -250,8 +264,8 @@ impl Communicator {
     ) -> Result<()> {
         let peer = p2p::check_peer("symm_signal", peer, self.world)?;
         p2p::check_slot("symm_signal", slot)?;
-        self.begin_call(stream)?;
-        self.p2p_view().signal_via(via, peer, slot, value, stream)
+        self.begin_p2p(stream)?
+            .signal_via(via, peer, slot, value, stream)
     }
 
     /// `symm_wait`: holds the stream until this rank's slot `slot` is >= `value`. Bounded: past
@@ -264,8 +278,7 @@ impl Communicator {
     /// `wait` by a chosen mechanism; `StreamWait` is unbounded (benchmark only).
     pub fn wait_via(&mut self, via: WaitVia, slot: u32, value: u64, stream: u64) -> Result<()> {
         p2p::check_slot("symm_wait", slot)?;
-        self.begin_call(stream)?;
-        self.p2p_view().wait_via(via, slot, value, stream)
+        self.begin_p2p(stream)?.wait_via(via, slot, value, stream)
     }
 
     /// `symm_comm_device`: the communicator as device code sees it (`struct_size` left for the

@@ -15,8 +15,8 @@ use super::layout::Layout;
 use super::status::{self, Found, Refusal};
 use super::{host, Combine, Dispatch, Last, Moe, THREADS};
 use crate::comm::collective::kernel_args::{SymmArgs, COUNTERS_OFFSET, MAX_RANKS};
+use crate::comm::collective::Ctx;
 use crate::comm::exec::{self, ArgBlock, Family, KernelId};
-use crate::comm::Communicator;
 use crate::error::{Error, Result};
 
 /// The kernels, by payload and index type, then the combine (kernels/moe.cu).
@@ -106,12 +106,12 @@ pub(super) const NOTHING_TO_COMBINE: &str =
      said why), so there is nothing to combine; dispatch again";
 
 impl Moe {
-    fn args(&self, c: &Communicator, l: &Layout) -> MoeArgs {
+    fn args(&self, c: &Ctx, l: &Layout) -> MoeArgs {
         let mut s = SymmArgs {
             timeout_ns: c.settings.timeout.as_nanos().min(u64::MAX as u128) as u64,
             rank: self.rank as i32,
             world: self.world as i32,
-            counters: c.group.internal + COUNTERS_OFFSET,
+            counters: c.internal + COUNTERS_OFFSET,
             error_word: c.coll.errors.device_ptr(),
             ..SymmArgs::default()
         };
@@ -163,80 +163,80 @@ impl Moe {
     }
 }
 
-impl Communicator {
-    pub(super) fn moe_launch_dispatch(
-        &mut self,
-        m: &mut Moe,
-        a: &Dispatch,
-        it: IndexType,
-        refusal: Option<&Refusal>,
-    ) -> Result<()> {
-        let mut args = m.args(self, &m.layout);
-        match refusal {
-            Some(r) => {
-                args.refuse_code = r.code as i32;
-                args.refuse_value = r.value;
-                args.k = 1;
-            }
-            None => {
-                args.x = a.x;
-                args.x_scales = a.x_scales;
-                args.topk_idx = a.idx;
-                args.topk_weights = a.weights;
-                args.num_tokens = a.tokens;
-                args.k = a.k as i32;
-            }
+/// The dispatch's plan, submitted in a begun call (`c`).
+pub(super) fn dispatch(
+    c: &mut Ctx,
+    m: &mut Moe,
+    a: &Dispatch,
+    it: IndexType,
+    refusal: Option<&Refusal>,
+) -> Result<()> {
+    let mut args = m.args(c, &m.layout);
+    match refusal {
+        Some(r) => {
+            args.refuse_code = r.code as i32;
+            args.refuse_value = r.value;
+            args.k = 1;
         }
-        let i = match (m.cfg.dtype, it) {
-            (Payload::Bf16, IndexType::I32) => 0,
-            (Payload::Bf16, IndexType::I64) => 1,
-            (Payload::Fp8, IndexType::I32) => 2,
-            (Payload::Fp8, IndexType::I64) => 3,
-        };
-        let l = launch(m, i, &args);
-        let timeout = self.settings.timeout;
-        let mut twin = || host::dispatch(m, a, it, refusal, timeout);
-        self.exec.submit(exec::Plan {
-            stream: a.stream,
-            ordered: true,
-            copy_in: None,
-            device: exec::Device::Kernel(l),
-            cpu: Some(&mut twin),
-            copy_out: None,
-        })
+        None => {
+            args.x = a.x;
+            args.x_scales = a.x_scales;
+            args.topk_idx = a.idx;
+            args.topk_weights = a.weights;
+            args.num_tokens = a.tokens;
+            args.k = a.k as i32;
+        }
     }
+    let i = match (m.cfg.dtype, it) {
+        (Payload::Bf16, IndexType::I32) => 0,
+        (Payload::Bf16, IndexType::I64) => 1,
+        (Payload::Fp8, IndexType::I32) => 2,
+        (Payload::Fp8, IndexType::I64) => 3,
+    };
+    let l = launch(m, i, &args);
+    let timeout = c.settings.timeout;
+    let mut twin = || host::dispatch(m, a, it, refusal, timeout);
+    c.exec.submit(exec::Plan {
+        stream: a.stream,
+        ordered: true,
+        copy_in: None,
+        device: exec::Device::Kernel(l),
+        cpu: Some(&mut twin),
+        copy_out: None,
+    })
+}
 
-    pub(super) fn moe_launch_combine(
-        &mut self,
-        m: &mut Moe,
-        a: &Combine,
-        last: Last,
-        refused: bool,
-    ) -> Result<()> {
-        let mut args = m.args(self, &m.layout);
-        args.num_tokens = last.tokens;
-        args.k = last.k as i32;
-        if refused {
-            args.refuse_code = status::ST_COMBINE_REFUSED as i32;
-        } else {
-            args.expert_out = a.expert_out;
-            args.y = a.y;
-        }
-        let l = launch(m, 4, &args);
-        let timeout = self.settings.timeout;
-        let mut twin = || {
-            if !last.ok {
-                return Err(Error::invalid(NOTHING_TO_COMBINE));
-            }
-            host::combine(m, a, last, refused, timeout)
-        };
-        self.exec.submit(exec::Plan {
-            stream: a.stream,
-            ordered: true,
-            copy_in: None,
-            device: exec::Device::Kernel(l),
-            cpu: Some(&mut twin),
-            copy_out: None,
-        })
+/// The combine's plan, submitted in a begun call (`c`).
+pub(super) fn combine(
+    c: &mut Ctx,
+    m: &mut Moe,
+    a: &Combine,
+    last: Last,
+    refused: bool,
+) -> Result<()> {
+    let mut args = m.args(c, &m.layout);
+    args.num_tokens = last.tokens;
+    args.k = last.k as i32;
+    if refused {
+        args.refuse_code = status::ST_COMBINE_REFUSED as i32;
+    } else {
+        args.expert_out = a.expert_out;
+        args.y = a.y;
     }
+    let l = launch(m, 4, &args);
+    let timeout = c.settings.timeout;
+    let mut twin = || {
+        if !last.ok {
+            return Err(Error::invalid(NOTHING_TO_COMBINE));
+        }
+        host::combine(m, a, last, refused, timeout)
+    };
+    c.exec.submit(exec::Plan {
+        stream: a.stream,
+        ordered: true,
+        copy_in: None,
+        device: exec::Device::Kernel(l),
+        cpu: Some(&mut twin),
+        copy_out: None,
+    })
 }

@@ -211,7 +211,7 @@ impl Communicator {
     /// part in the agreement, so every rank fails at once naming it instead of waiting for the
     /// bootstrap timeout, and this rank returns `why`.
     pub fn moe_create(&mut self, req: std::result::Result<&Request, Error>) -> Result<Moe> {
-        self.begin_call(0)?;
+        self.begin(0)?;
         let world = self.world as u64;
         let unread = req.is_err();
         let asked = req.as_ref().map_or(Request::UNREADABLE, |r| **r);
@@ -384,7 +384,7 @@ impl Communicator {
 
     /// `symm_moe_dispatch` (docs/moe.md, "Protocol").
     pub fn moe_dispatch(&mut self, m: &mut Moe, a: &Dispatch) -> Result<()> {
-        self.begin_call(a.stream)?;
+        let mut c = self.begin(a.stream)?;
         let pending = m.take_status();
         let checked = m.check_dispatch(a);
         let (it, refusal) = match checked {
@@ -394,8 +394,7 @@ impl Communicator {
         let tokens = if refusal.is_some() { 0 } else { a.tokens };
         // The kernel, or on the host backend its CPU twin (host.rs); an error the kernels
         // recorded since the last call after a launch that went well.
-        let r = self
-            .moe_launch_dispatch(m, a, it, refusal.as_ref())
+        let r = launch::dispatch(&mut c, m, a, it, refusal.as_ref())
             .map_err(|e| self.moe_fatal(e))
             .and_then(|()| pending.map_or(Ok(()), Err));
         m.last = Some(Last {
@@ -411,7 +410,7 @@ impl Communicator {
 
     /// `symm_moe_combine`.
     pub fn moe_combine(&mut self, m: &mut Moe, a: &Combine) -> Result<()> {
-        self.begin_call(a.stream)?;
+        let mut c = self.begin(a.stream)?;
         let Some(last) = m.last else {
             return Err(Error::invalid(
                 "symm_moe_combine: no dispatch on this object yet; expected symm_moe_dispatch \
@@ -420,8 +419,7 @@ impl Communicator {
         };
         let pending = m.take_status();
         let refusal = m.check_combine(a, last.tokens).err();
-        let r = self
-            .moe_launch_combine(m, a, last, refusal.is_some())
+        let r = launch::combine(&mut c, m, a, last, refusal.is_some())
             .map_err(|e| self.moe_fatal(e))
             .and_then(|()| pending.map_or(Ok(()), Err));
         match (r, refusal) {
@@ -435,7 +433,7 @@ impl Communicator {
 
     /// `symm_moe_check`: the error a kernel of this object (or of the communicator) recorded.
     pub fn moe_check(&mut self, m: &mut Moe) -> Result<()> {
-        self.begin_call(0)?;
+        self.begin(0)?;
         m.take_status().map_or(Ok(()), Err)
     }
 }
