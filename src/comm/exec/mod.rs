@@ -10,7 +10,9 @@
 //! stream order, and the CPU twin (what the host backend runs instead). The stages build plans
 //! (collective/plan.rs and launch.rs, p2p/, moe/launch.rs); the executor applies what every
 //! launch needs: the order after the communicator's previous launch (streams.rs), the kernel
-//! looked up once (one cache for every kernel), the copies, the launch.
+//! looked up once (one cache for every kernel), the copies, the launch. A stage reaches the
+//! executor only through a begun call (comm/calls.rs, `begin`: the error words read, the
+//! peers' released segments retired), so every launch gets those too.
 //!
 //! Owns: the executor (the communicator's `exec`), its kernel cache, occupancy answers and
 //! stream order. Imports nothing of the stages: a kernel is an opaque id here, its arguments
@@ -69,8 +71,10 @@ impl KernelId {
     }
 }
 
-/// Bytes an argument block holds (the largest argument struct, MoE's, is 520).
-pub const ARG_BYTES: usize = 1024;
+/// Bytes an argument block holds: the largest argument struct, MoE's 520, rounded up to the
+/// block's alignment (`ArgBlock::of` refuses a larger one at compile time). Kept tight: a plan
+/// is built and moved on every call.
+pub const ARG_BYTES: usize = 528;
 
 /// A kernel's argument struct, as bytes: the kernels take one struct by value, and the driver
 /// copies as many bytes as the kernel's parameter has from the start of the block.
@@ -196,5 +200,97 @@ pub fn for_backend(name: &str, device: i32) -> Box<dyn Executor> {
     match name {
         "host" => Box::new(cpu::CpuExec),
         _ => Box::new(gpu::GpuExec::new(device)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Args {
+        a: u64,
+        b: u32,
+        c: i32,
+        d: [u64; 3],
+    }
+
+    #[test]
+    fn an_arg_block_starts_with_the_struct_bytes() {
+        let v = Args {
+            a: 0x0102_0304_0506_0708,
+            b: 7,
+            c: -1,
+            d: [1, 2, 3],
+        };
+        let b = ArgBlock::of(&v);
+        // SAFETY: Args is plain data without padding (8 + 4 + 4 + 24 bytes).
+        let raw = unsafe {
+            std::slice::from_raw_parts(&v as *const Args as *const u8, std::mem::size_of::<Args>())
+        };
+        assert_eq!(&b.bytes[..raw.len()], raw);
+        assert!(b.bytes[raw.len()..].iter().all(|&x| x == 0));
+        assert_eq!(&b as *const ArgBlock as usize % 16, 0);
+    }
+
+    #[test]
+    fn the_cpu_runs_copy_in_twin_copy_out_in_order() {
+        let src = [1u8, 2, 3, 4];
+        let mut mid = [0u8; 4];
+        let mut out = [0u8; 4];
+        let (src_p, mid_p, out_p) = (
+            src.as_ptr() as u64,
+            mid.as_mut_ptr() as u64,
+            out.as_mut_ptr() as u64,
+        );
+        let mut seen = None;
+        let mut twin = || {
+            // SAFETY: mid is a live 4-byte buffer; the copy in wrote it before the twin runs.
+            seen = Some(unsafe { *(mid_p as *const [u8; 4]) });
+            // SAFETY: as above; the twin doubles what the copy in brought.
+            unsafe {
+                for i in 0..4 {
+                    *(mid_p as *mut u8).add(i) *= 2;
+                }
+            }
+            Ok(())
+        };
+        let mut e = for_backend("host", 0);
+        assert_eq!(e.backend(), "host");
+        e.submit(Plan {
+            stream: 0,
+            ordered: true,
+            copy_in: Some(Copy {
+                dst: mid_p,
+                src: src_p,
+                bytes: 4,
+            }),
+            device: Device::Nothing,
+            cpu: Some(&mut twin),
+            copy_out: Some(Copy {
+                dst: out_p,
+                src: mid_p,
+                bytes: 4,
+            }),
+        })
+        .unwrap();
+        assert_eq!(seen, Some([1, 2, 3, 4]));
+        assert_eq!(out, [2, 4, 6, 8]);
+        let mut failing = || Err(crate::error::Error::invalid("twin refused"));
+        let e2 = e.submit(Plan {
+            stream: 0,
+            ordered: false,
+            copy_in: None,
+            device: Device::Nothing,
+            cpu: Some(&mut failing),
+            copy_out: Some(Copy {
+                dst: out_p,
+                src: src_p,
+                bytes: 4,
+            }),
+        });
+        assert!(e2.is_err());
+        assert_eq!(out, [2, 4, 6, 8], "no copy out after a failed twin");
     }
 }
