@@ -15,7 +15,7 @@ def test_paths_exist_and_sit_together():
 
 
 def test_missing_library_dir_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("SYMMALLOC_LIBRARY_DIR", str(tmp_path))
+    monkeypatch.delenv("SYMMALLOC_LIBRARY_DIR", raising=False)
     monkeypatch.setattr(symmalloc._lib, "_candidates", lambda: iter([str(tmp_path)]))
     with pytest.raises(symmalloc.SymmallocError) as e:
         symmalloc.library_path()
