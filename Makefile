@@ -98,7 +98,8 @@ install: build
 
 # `make install` into build/prefix, then a consumer project finds it with
 # find_package(symmalloc VERSION), links it by SONAME and runs; a newer version is refused. The
-# device helpers' header is found through the CMake package and through pkg-config.
+# device helpers' header is found through the CMake package and through pkg-config, and the
+# pkg-config build runs without LD_LIBRARY_PATH (symmalloc.pc sets the run path).
 test-install:
 	rm -rf build/prefix build/consumer build/consumer-newer
 	$(MAKE) --no-print-directory install PREFIX=$(CURDIR)/build/prefix >/dev/null
@@ -114,7 +115,7 @@ test-install:
 	  $$(PKG_CONFIG_PATH=$(CURDIR)/build/prefix/lib/pkgconfig pkg-config --cflags symmalloc) \
 	  tests/install/consumer_device.cpp -o build/consumer/consumer_device_pc \
 	  $$(PKG_CONFIG_PATH=$(CURDIR)/build/prefix/lib/pkgconfig pkg-config --libs symmalloc)
-	SYMMALLOC_BACKEND=host LD_LIBRARY_PATH=$(CURDIR)/build/prefix/lib build/consumer/consumer_device_pc
+	env -u LD_LIBRARY_PATH SYMMALLOC_BACKEND=host build/consumer/consumer_device_pc
 	! $(CMAKE) -S tests/install -B build/consumer-newer -DCMAKE_PREFIX_PATH=$(CURDIR)/build/prefix \
 	  -DWANT_VERSION=$(VMAJOR).$(shell echo $$(($(VMINOR) + 1))) >/dev/null 2>&1
 	@echo "test-install: find_package($(VMAJOR).$(VMINOR)) links libsymmalloc.so.$(SOVERSION) and runs; $(VMAJOR).$$(($(VMINOR) + 1)) is refused"
