@@ -1,10 +1,10 @@
 //! Build script: compiles every `kernels/*.cu` into one fatbin with nvcc and hands its path to
 //! the crate (`SYMMALLOC_FATBIN`), which embeds it with `include_bytes!`.
 //!
-//! nvcc is looked up in `NVCC`, then `SYMMALLOC_PIP_NVCC` (set by python/setup.py: the pinned
-//! nvcc that `pip install ./python` installs from PyPI as a build requirement), `$CUDA_HOME/bin`,
-//! `PATH`, then the project's own toolchain folder `.toolchain/` (filled by
-//! `scripts/setup-toolchain.sh`). Target architectures come from
+//! nvcc is looked up in `NVCC`, `$CUDA_HOME/bin`, `PATH`, then the project's own toolchain
+//! folder `.toolchain/` (filled by `scripts/setup-toolchain.sh`). `pip install ./python` needs
+//! none of them: python/setup.py sets `NVCC` (unless the user did) to the pinned nvcc that the
+//! package's build requirements install from PyPI. Target architectures come from
 //! `SYMMALLOC_CUDA_ARCHS` (comma-separated compute capabilities, default `80,90`): SASS for each,
 //! plus PTX for the last so newer GPUs can JIT it.
 
@@ -20,13 +20,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels");
     // kernels/p2p.cu uses the public device helpers (and symmalloc.h, their types).
     println!("cargo:rerun-if-changed=include");
-    for var in [
-        "NVCC",
-        "SYMMALLOC_PIP_NVCC",
-        "CUDA_HOME",
-        "SYMMALLOC_CUDA_ARCHS",
-        "PATH",
-    ] {
+    for var in ["NVCC", "CUDA_HOME", "SYMMALLOC_CUDA_ARCHS", "PATH"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
 
@@ -46,9 +40,9 @@ fn main() {
 
     let nvcc = find_nvcc(&root).unwrap_or_else(|| {
         panic!(
-            "\n\nsymmalloc: nvcc not found (looked at $NVCC, $SYMMALLOC_PIP_NVCC, \
-             $CUDA_HOME/bin/nvcc, PATH and {}/.toolchain).\nInstall the pinned toolchain with:\n    \
-             bash scripts/setup-toolchain.sh\n(or `make toolchain`), or point NVCC at an nvcc >= 12.3.\n",
+            "\n\nsymmalloc: nvcc not found (looked at $NVCC, $CUDA_HOME/bin/nvcc, PATH and \
+             {}/.toolchain).\nInstall the pinned toolchain with:\n    bash scripts/setup-toolchain.sh\n\
+             (or `make toolchain`), or point NVCC at an nvcc >= 12.3.\n",
             root.display()
         )
     });
@@ -112,11 +106,6 @@ fn find_nvcc(root: &Path) -> Option<PathBuf> {
     let is_file = |p: &Path| p.is_file();
     if let Ok(p) = env::var("NVCC") {
         return Some(PathBuf::from(p)).filter(|p| is_file(p));
-    }
-    if let Some(p) = env::var_os("SYMMALLOC_PIP_NVCC").map(PathBuf::from) {
-        if is_file(&p) {
-            return Some(p);
-        }
     }
     if let Ok(home) = env::var("CUDA_HOME") {
         let p = Path::new(&home).join("bin/nvcc");

@@ -6,7 +6,7 @@ extension (``<name>.abi3.so``) and has no option for a plain library name, so it
 Two checks before anything is built: Rust's cargo must be there (a one-line error says so, not
 a failure deep in the build), and the kernels' nvcc is the pinned one that pyproject.toml's build
 requirements install from PyPI (the ``nvidia-cuda-nvcc`` wheel and its companions), handed to
-build.rs in ``SYMMALLOC_PIP_NVCC``; so no CUDA toolkit is needed. Everything else is in
+build.rs in ``NVCC`` unless the user set it; so no CUDA toolkit is needed. Everything else is in
 pyproject.toml."""
 
 import os
@@ -20,7 +20,7 @@ if "sdist" not in sys.argv:  # a source archive builds nothing
     for _base in sys.path:
         _nvcc = os.path.join(_base or ".", "nvidia", "cu13", "bin", "nvcc")
         if os.path.isfile(_nvcc) and os.access(_nvcc, os.X_OK):
-            os.environ["SYMMALLOC_PIP_NVCC"] = os.path.abspath(_nvcc)
+            os.environ.setdefault("NVCC", os.path.abspath(_nvcc))
             break
 
 from setuptools import setup  # noqa: E402

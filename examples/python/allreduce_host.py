@@ -60,7 +60,7 @@ def rank_main(rank: int, unique_id: bytes) -> None:
     bad = [i for i, v in enumerate(buf.values) if v != (i % 7) * total]
     if bad:
         sys.exit(f"rank {rank}: element {bad[0]} = {buf.values[bad[0]]}, expected {(bad[0] % 7) * total}")
-    print(f"rank {rank}: fp32 sum of {N} elements across {WORLD} processes correct")
+    print(f"rank {rank}: fp32 sum of {N} elements across {WORLD} processes correct", flush=True)
     buf.free()
     comm.close()
 
