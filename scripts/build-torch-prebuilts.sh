@@ -28,12 +28,13 @@
 # venv and runs the host selftest (needs target/release/libsymmalloc.so).
 # Usage: scripts/build-torch-prebuilts.sh OUT           build the six into OUT
 #        scripts/build-torch-prebuilts.sh OUT --verify  check OUT's 2.11 and 2.15 (no build)
+#        scripts/build-torch-prebuilts.sh --fetch VERSION  print VERSION's folder (torch/include)
 # (PINNED_VENV: the 2.11 venv.)
 set -euo pipefail
 shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-OUT=${1:?usage: build-torch-prebuilts.sh OUT [--verify]}
+OUT=${1:?usage: build-torch-prebuilts.sh OUT [--verify] | --fetch VERSION}
 VERIFY=${2:-}
 PYTHON=${PYTHON:-python3}
 PINNED_VENV=${PINNED_VENV:-$ROOT/.toolchain/torch-venv-2.11.0}
@@ -47,8 +48,8 @@ VERSIONS="2.10.0 2.11.0 2.12.1 2.13.0 2.14.1 2.15.0"
 LATEST=2.15.0
 PIP="pip --disable-pip-version-check --quiet"
 TORCH_LIBS="libc10.so libc10_cuda.so libtorch_cpu.so libtorch_cuda.so"
-mkdir -p "$CACHE" "$OUT"
-OUT=$(cd "$OUT" && pwd)
+mkdir -p "$CACHE"
+[ "$OUT" = --fetch ] || { mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd); }
 
 # dynsyms LIBDIR DIR: for each of torch's four libraries in LIBDIR, DIR/LIB.txt lists the
 # dynamic symbols it defines ("TYPE NAME" a line, as nm -D prints them; no version suffix).
@@ -130,6 +131,11 @@ EOF
   fi
 }
 
+if [ "$OUT" = --fetch ]; then  # check-torch-range.sh's headers: one download for both
+  torch_dir "$VERIFY"
+  exit 0
+fi
+
 # needed LIB: its NEEDED entries, sorted, space-separated.
 needed() { readelf -d "$1" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p' | LC_ALL=C sort | tr '\n' ' '; }
 
@@ -195,12 +201,19 @@ verify() {
   mm=$(echo "$v" | cut -d. -f1,2)
   lib=$OUT/torch-$mm/libsymmalloc_torch.so
   [ -f "$lib" ] || { echo "build-torch-prebuilts: no $lib (build it first)"; exit 1; }
+  if [ "$v" = "$LATEST" ] && [ -z "$(venv_site "$v")" ]; then  # as check-torch-range.sh makes it
+    local nv=$CACHE/venv-$LATEST
+    rm -rf "$nv" && $PYTHON -m venv "$nv"
+    "$nv/bin/python" -m $PIP install "torch==$LATEST" ninja==1.13.0
+    touch "$nv/.installed"
+  fi
   site=$(venv_site "$v")
   [ -n "$site" ] || { echo "build-torch-prebuilts: no venv with torch $v to verify in (make test-torch-range keeps 2.15's, make test-torch the pinned 2.11)"; exit 1; }
   venv=${site%/lib/python3*}
   real=$(mktemp -d)
-  (cd python && CUDA_HOME=$CU13 nice "$venv/bin/python" -W ignore -m symmalloc._torch_ext \
-    --build "$real" >/dev/null)
+  local log
+  log=$(cd python && CUDA_HOME=$CU13 nice "$venv/bin/python" -W ignore -m symmalloc._torch_ext \
+    --build "$real" 2>&1) || { echo "$log"; exit 1; }
   [ "$(needed "$lib")" = "$(needed "$real/libsymmalloc_torch.so")" ] || { echo \
     "build-torch-prebuilts: NEEDED differ for torch $v: prebuilt $(needed "$lib"), real build $(needed "$real/libsymmalloc_torch.so")"; exit 1; }
   rm -rf "$real"
