@@ -21,9 +21,9 @@
 #   versioned: the same version needs as a real build). Torch has loaded them all by the time
 #   the allocator is opened, so nothing needs an RPATH. Only small files are kept: the wheels'
 #   libraries (over 1 GB) are read for their symbol tables and deleted.
-# Checks on every prebuilt: readelf -d lists exactly those NEEDED entries, and every undefined
-# unversioned symbol is defined by that minor's torch libraries (their dynamic symbols, from
-# the wheel), so it loads in that torch. --verify also builds 2.11 and 2.15 for real
+# Checks on every prebuilt: readelf -d lists only torch's libraries, its libcudart, libstdc++,
+# libgcc_s and libc as NEEDED, and every undefined unversioned symbol is defined by that
+# minor's torch libraries (their dynamic symbols, from the wheel), so it loads in that torch. --verify also builds 2.11 and 2.15 for real
 # (cpp_extension, in their venvs), compares NEEDED sets, and loads each prebuilt in its real
 # venv and runs the host selftest (needs target/release/libsymmalloc.so).
 # Usage: scripts/build-torch-prebuilts.sh OUT           build the six into OUT
