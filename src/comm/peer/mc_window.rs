@@ -9,7 +9,7 @@
 //! segment's offset and generation; a new generation at that offset tears the old one down.
 //!
 //! Safety rule: `build` runs only after `cuda::multicast_gate::multicast_gate_from_env` allowed it, and
-//! every driver call in `cuda::multicast` checks the gate again. On the lent machines the gate
+//! every driver call in `cuda::multicast` checks the gate again. On machines that disable multicast the gate
 //! refuses, so none of this runs there: it is written to be correct, not exercised.
 //!
 //! Invariants: a window's handle is bound (this rank's segment, `bound` bytes at offset 0) and
