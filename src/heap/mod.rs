@@ -51,8 +51,10 @@ pub(crate) type Registry =
 pub struct Allocator {
     backend: Box<dyn Backend>,
     heaps: Vec<OnceLock<SpinLock<DeviceHeap>>>,
-    /// Serialises heap creation (reserving address space) per device.
-    init_lock: Mutex<()>,
+    /// Serialises heap creation (reserving address space) per device, and holds, per device
+    /// whose heap is not made yet, the peers granted access to it (`grant_peer_access`), which
+    /// the heap takes when it is made.
+    init_lock: Mutex<Vec<Vec<i32>>>,
     /// Tells this allocator's thread caches from another instance's (tests build several).
     id: u64,
     /// `SYMMALLOC_THREAD_CACHE`: whether threads cache blocks at all.
@@ -104,7 +106,7 @@ impl Allocator {
         Ok(Allocator {
             backend,
             heaps: (0..n).map(|_| OnceLock::new()).collect(),
-            init_lock: Mutex::new(()),
+            init_lock: Mutex::new(vec![Vec::new(); n as usize]),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             thread_caches: config::thread_cache()?,
             caches: Mutex::new(Default::default()),
@@ -140,7 +142,7 @@ impl Allocator {
         self.check_device(device)?;
         let slot = &self.heaps[device as usize];
         if slot.get().is_none() {
-            let _g = self.init_lock.lock().unwrap_or_else(|p| p.into_inner());
+            let mut pending = self.init_lock.lock().unwrap_or_else(|p| p.into_inner());
             if slot.get().is_none() {
                 let size = match config::heap_size()? {
                     Some(s) => s,
@@ -151,7 +153,8 @@ impl Allocator {
                         "SYMMALLOC_HEAP_SIZE=0; expected a positive size",
                     ));
                 }
-                let heap = DeviceHeap::new(self.backend.as_ref(), device, size)?;
+                let mut heap = DeviceHeap::new(self.backend.as_ref(), device, size)?;
+                heap.adopt_peers(&std::mem::take(&mut pending[device as usize]));
                 let span = &self.spans[device as usize];
                 span.0.store(heap.base(), Ordering::Release);
                 span.1.store(heap.base() + heap.size(), Ordering::Release);
@@ -164,6 +167,63 @@ impl Allocator {
             }
         }
         Ok(slot.get().expect("initialised above").lock())
+    }
+
+    /// Grants `peer` read/write access to every segment of `device`'s heap, present and future
+    /// (device_heap/peers.rs), as PyTorch's `enablePeerAccess(peer, device)` does for its
+    /// segments. Idempotent; `device == peer` needs nothing. A heap not made yet is not made
+    /// here: the grant waits for it (no address space and no context on a device the process
+    /// does not use). On error nothing changes for any allocation.
+    pub fn grant_peer_access(&self, device: i32, peer: i32) -> Result<()> {
+        let n = self.device_count();
+        for (what, d) in [("device", device), ("peer", peer)] {
+            if !(0..n).contains(&d) {
+                return Err(Error::invalid(format!(
+                    "{what} {d} does not exist; expected 0..{n} ({} backend)",
+                    self.backend.name()
+                )));
+            }
+        }
+        if device == peer {
+            return Ok(());
+        }
+        self.backend.check_peer(device, peer)?;
+        let slot = &self.heaps[device as usize];
+        if slot.get().is_none() {
+            let mut pending = self.init_lock.lock().unwrap_or_else(|p| p.into_inner());
+            if slot.get().is_none() {
+                let p = &mut pending[device as usize];
+                if !p.contains(&peer) {
+                    p.push(peer);
+                }
+                return Ok(());
+            }
+        }
+        let mut heap = slot.get().expect("checked above").lock();
+        let r = heap.grant_peer(self.backend.as_ref(), peer);
+        heap.debug_validate();
+        r
+    }
+
+    /// The peers granted access to `device`'s heap, in the order granted, whether the heap is
+    /// made or not (none is made here).
+    pub fn peers_of(&self, device: i32) -> Result<Vec<i32>> {
+        self.check_device(device)?;
+        if let Some(h) = self.heaps[device as usize].get() {
+            return Ok(h.lock().peers().to_vec());
+        }
+        let pending = self.init_lock.lock().unwrap_or_else(|p| p.into_inner());
+        match self.heaps[device as usize].get() {
+            Some(h) => Ok(h.lock().peers().to_vec()),
+            None => Ok(pending[device as usize].clone()),
+        }
+    }
+
+    /// Whether `device`'s heap has been made (address space reserved).
+    pub fn has_heap(&self, device: i32) -> bool {
+        self.heaps
+            .get(device as usize)
+            .is_some_and(|h| h.get().is_some())
     }
 
     /// The device whose heap contains `ptr`, among heaps already created.

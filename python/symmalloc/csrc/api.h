@@ -76,6 +76,7 @@ struct Api {
   int (*begin_pool_filtered)(int, uint64_t, uint64_t, FilterFn, void*, DropFn);
   void (*end_pool)(int, uint64_t, uint64_t);
   void (*release_pool)(int, uint64_t, uint64_t);
+  int (*grant_peer_access)(int, int);
   const char* (*last_error)();
 };
 
@@ -215,6 +216,7 @@ inline std::string load_api(const char* path) {
   SYMM_LOAD(begin_pool_filtered, "symm_begin_pool_filtered");
   SYMM_LOAD(end_pool, "symm_end_pool");
   SYMM_LOAD(release_pool, "symm_release_pool");
+  SYMM_LOAD(grant_peer_access, "symm_grant_peer_access");
   SYMM_LOAD(last_error, "symm_last_error");
 #undef SYMM_LOAD
   if (!missing.empty()) return std::string(path) + " lacks " + missing + " (an older library)";

@@ -33,7 +33,8 @@
 //! - `empty_cache` gives back the free segments of the default and internal pools and of pools
 //!   being released; a live user pool keeps its own (a captured graph replays into its pool's
 //!   free blocks), as PyTorch's `empty_cache` does;
-//! - segments and the range allocator's free ranges partition the heap.
+//! - segments and the range allocator's free ranges partition the heap;
+//! - every chunk is granted to every peer device the heap was granted to (peers.rs).
 //!
 //! Determinism: a placement decision reads only the call sequence (sizes, pools, which calls
 //! used the same stream, capture state), never the clock or the progress of the GPU; so does
@@ -50,7 +51,8 @@
 //! deterministic offsets, merging on free); `donors.rs` whole free segments taken from donor
 //! pools; `grow.rs` segments that grow in place by a chunk;
 //! `release.rs` memory going back (parked drains, segment release, `empty_cache`, pools);
-//! `export.rs` what peers need of a segment (its chunks); `validate.rs` the check of every
+//! `export.rs` what peers need of a segment (its chunks); `peers.rs` other devices of the process
+//! granted access to every chunk; `validate.rs` the check of every
 //! invariant above; `tracked.rs` live blocks lent to thread caches; `free_lists.rs` a pool's
 //! free blocks ordered for best fit; `blocks.rs` the way through a segment's blocks. Each released chunk is
 //! recorded in the heap's `ReleaseLog` (shared memory its peers read, to unmap their mappings
@@ -64,6 +66,7 @@ mod free_lists;
 mod grow;
 mod inspect;
 mod live;
+mod peers;
 mod placement;
 mod release;
 mod tracked;
@@ -139,6 +142,8 @@ struct Chunk {
     len: u64,
     generation: u64,
     phys: Phys,
+    /// The peer devices granted access to it (peers.rs): every grant of the heap, at least.
+    granted: Vec<i32>,
 }
 
 #[derive(Debug)]
@@ -203,6 +208,9 @@ pub struct DeviceHeap {
     /// The most allocated since the last `empty_cache` (release.rs, `trim_before_growing`); not
     /// reset with the statistics' peaks, so a statistics call never changes placement.
     working_set: u64,
+    /// Peer devices granted access to every segment, present and future (peers.rs), in the
+    /// order granted.
+    peers: Vec<i32>,
 }
 
 /// One allocation request as the placement chain (placement.rs, `place`) and its steps see it:
@@ -279,6 +287,7 @@ impl DeviceHeap {
             counters: HeapCounters::default(),
             limit: 0,
             working_set: 0,
+            peers: Vec::new(),
         })
     }
 

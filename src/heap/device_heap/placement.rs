@@ -201,7 +201,8 @@ impl DeviceHeap {
 
     /// Physical memory of `len` bytes mapped at `off`, whose address range `pool` has taken
     /// (`range_alloc`, or `Ranges::take_at` for a segment that grows): a chunk with a fresh
-    /// generation. On failure nothing is left: the memory goes back and the range is freed.
+    /// generation, granted to the heap's peers (peers.rs). On failure nothing is left: the
+    /// memory goes back and the range is freed.
     pub(super) fn new_chunk(
         &mut self,
         backend: &dyn Backend,
@@ -229,11 +230,21 @@ impl DeviceHeap {
             self.range_free(pool, off, len);
             return Err(e);
         }
+        let granted = match self.grant_new_chunk(backend, off, len) {
+            Ok(g) => g,
+            Err(e) => {
+                let _ = backend.unmap(self.device, self.base + off, len);
+                let _ = backend.release(phys);
+                self.range_free(pool, off, len);
+                return Err(e);
+            }
+        };
         Ok(Chunk {
             off,
             len,
             generation: self.fresh_generation(),
             phys,
+            granted,
         })
     }
 
