@@ -74,15 +74,6 @@ pub struct Allocator {
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-/// The steps of a request that the heap could not place without new memory (`malloc_in`).
-#[derive(Clone, Copy)]
-enum Escalate {
-    /// This thread's kept blocks (and exited threads') back to the heap, which may then grow.
-    OwnCaches,
-    /// Out of memory after that: every thread's kept blocks back, and the heap once more.
-    AllCaches,
-}
-
 static GLOBAL: OnceLock<std::result::Result<Allocator, Error>> = OnceLock::new();
 
 /// The process's allocator, created on first use with the backend `SYMMALLOC_BACKEND` names.
@@ -240,7 +231,7 @@ impl Allocator {
     }
 
     pub fn malloc_in(&self, size: u64, device: i32, stream: Stream, pool: PoolId) -> Result<u64> {
-        let r = self.malloc_escalating(size, device, stream, pool);
+        let r = self.malloc_cached(size, device, stream, pool);
         if let Err(e) = &r {
             if e.status == crate::error::Status::ErrOutOfMemory {
                 // Once per request that failed, as PyTorch counts `num_ooms`.
@@ -252,19 +243,15 @@ impl Allocator {
         r
     }
 
-    fn malloc_escalating(
-        &self,
-        size: u64,
-        device: i32,
-        stream: Stream,
-        pool: PoolId,
-    ) -> Result<u64> {
+    /// `malloc_in` through the thread caches: a hit there, or the heap's growth ladder
+    /// (device_heap/placement.rs, `place`) with the caches' rungs.
+    fn malloc_cached(&self, size: u64, device: i32, stream: Stream, pool: PoolId) -> Result<u64> {
         if pools::arena_of(pool).is_some() {
             // A communicator arena's blocks never pass through the thread caches: a cache's
             // drains follow other pools' traffic, which differs between ranks
             // (device_heap/arena.rs).
             let mut heap = self.heap(device)?;
-            let r = heap.malloc(self.backend.as_ref(), size, stream, pool);
+            let r = heap.malloc(self.backend.as_ref(), size, stream, pool, None);
             if let Ok(p) = r {
                 self.count_alloc(&heap, device, p, size);
             }
@@ -279,7 +266,7 @@ impl Allocator {
         else {
             // Larger than any heap: the heap names the size.
             let mut heap = self.heap(device)?;
-            return heap.malloc(self.backend.as_ref(), size, stream, pool);
+            return heap.malloc(self.backend.as_ref(), size, stream, pool, None);
         };
         let key = (pool, stream, rounded);
         if let Some(Some((p, bsize))) = self.with_cache(device, |c| c.take_sized(key, size)) {
@@ -297,31 +284,24 @@ impl Allocator {
             };
             self.drain_own(&mut heap, device, large)?;
         }
-        let be = self.backend.as_ref();
-        // The escalation, each step only when the one before found nothing: the heap without
-        // new memory; this thread's kept blocks (and exited threads') back, then the heap with
-        // new memory; out of memory there, every thread's kept blocks back and the heap once
-        // more. Other threads' blocks go back only at the last step: taking every thread's
-        // blocks at each growth made them all miss next, and their misses grew the heap in turn.
-        let mut r = heap.malloc_without_growing(be, size, stream, pool);
-        for step in [Escalate::OwnCaches, Escalate::AllCaches] {
-            r = match (step, r) {
-                (_, Ok(Some(p))) => Ok(Some(p)),
-                (Escalate::OwnCaches, Ok(None)) => self
-                    .drain_caches_of(&mut heap, device, |c| is_mine(c) || c.orphan)
-                    .and_then(|()| heap.malloc(be, size, stream, pool))
-                    .map(Some),
-                (Escalate::AllCaches, Err(e))
-                    if e.status == crate::error::Status::ErrOutOfMemory =>
-                {
-                    self.drain_caches(&mut heap, device, |_| true)
-                        .and_then(|()| heap.malloc(be, size, stream, pool))
-                        .map(Some)
-                }
-                (_, r) => r,
-            };
-        }
-        let r = r.map(|p| p.expect("the heap places every request it may grow for, or fails"));
+        // The ladder (device_heap/placement.rs, `place`) takes cached blocks back at its two
+        // rungs for them: this thread's (and exited threads') before new memory, every
+        // thread's when out of memory.
+        let mut reclaim = |heap: &mut DeviceHeap, step: device_heap::Reclaim| match step {
+            device_heap::Reclaim::OwnCaches => {
+                self.drain_caches_of(heap, device, |c| is_mine(c) || c.orphan)
+            }
+            device_heap::Reclaim::AllCaches => {
+                self.drain_caches(heap, device, |_| true).map(|()| 0)
+            }
+        };
+        let r = heap.malloc(
+            self.backend.as_ref(),
+            size,
+            stream,
+            pool,
+            Some(&mut reclaim),
+        );
         let r = r.and_then(|p| {
             if let Some(id) = mine {
                 let bsize = heap.track(p, id)?;

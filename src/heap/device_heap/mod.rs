@@ -213,7 +213,7 @@ pub struct DeviceHeap {
     peers: Vec<i32>,
 }
 
-/// One allocation request as the placement chain (placement.rs, `place`) and its steps see it:
+/// One allocation request as the growth ladder (placement.rs, `place`) and its rungs see it:
 /// the pool it is routed to, its size class, the request rounded to `ROUND`, the request itself
 /// and the stream it is for.
 #[derive(Clone, Copy, Debug)]
@@ -225,15 +225,27 @@ pub(super) struct Request {
     pub stream: Stream,
 }
 
-/// Where the placement chain found a request's memory.
+/// Where the placement ladder found a request's memory.
 pub(super) enum Placed {
     /// A parked block kept whole for this (pool, stream, size): live at once.
     Parked(u64),
     /// A free block (found, adopted, grown or new) that `take` splits and makes live.
     Free(u64),
-    /// Nothing without a new segment, and the caller did not allow one.
-    Nothing,
 }
+
+/// The rungs of the ladder (placement.rs, `place`) that take blocks back from the thread
+/// caches in front of the heap, which only the allocator reaches (heap/caches.rs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reclaim {
+    /// Before the heap takes new memory: this thread's kept blocks (and exited threads').
+    OwnCaches,
+    /// Out of memory: every thread's kept blocks.
+    AllCaches,
+}
+
+/// The allocator's hook for those rungs: takes blocks back from caches into the heap and says
+/// how many went back.
+pub type Reclaimer<'a> = &'a mut dyn FnMut(&mut DeviceHeap, Reclaim) -> Result<usize>;
 
 /// Whether a freed block of `rounded` bytes of `pool` may be kept whole for the next request of
 /// its size (parked here, or kept by a thread cache) rather than merged with its free neighbours
@@ -356,39 +368,22 @@ impl DeviceHeap {
         self.release_log.export()
     }
 
-    /// Allocates `size` bytes for `stream` in `pool`; returns the address.
+    /// Allocates `size` bytes for `stream` in `pool`; returns the address. With `caches`, the
+    /// ladder takes blocks back from the thread caches at its two rungs for them (placement.rs,
+    /// `place`); without, it never does (a communicator arena's blocks, which caches never hold).
     pub fn malloc(
         &mut self,
         backend: &dyn Backend,
         size: u64,
         stream: Stream,
         pool: PoolId,
+        caches: Option<Reclaimer<'_>>,
     ) -> Result<u64> {
-        self.malloc_or_grow(backend, size, stream, pool, true)
-            .map(|p| p.expect("a heap that may grow places every request or fails"))
-    }
-
-    /// As `malloc`, but `None` where it would need a new segment (the allocator then first
-    /// takes back what thread caches keep).
-    pub fn malloc_without_growing(
-        &mut self,
-        backend: &dyn Backend,
-        size: u64,
-        stream: Stream,
-        pool: PoolId,
-    ) -> Result<Option<u64>> {
-        self.malloc_or_grow(backend, size, stream, pool, false)
-    }
-
-    fn malloc_or_grow(
-        &mut self,
-        backend: &dyn Backend,
-        size: u64,
-        stream: Stream,
-        pool: PoolId,
-        grow: bool,
-    ) -> Result<Option<u64>> {
         if size > self.size() {
+            // Out of memory: the caches' blocks go back as for any other (no use to this one).
+            if let Some(reclaim) = caches {
+                reclaim(self, Reclaim::AllCaches)?;
+            }
             return Err(Error::oom(format!(
                 "out of memory: size {size} exceeds the heap of device {} ({} bytes; set \
                  SYMMALLOC_HEAP_SIZE)",
@@ -405,18 +400,7 @@ impl DeviceHeap {
             size,
             stream,
         };
-        match self.place(backend, &req, grow)? {
-            Placed::Parked(off) => {
-                crate::trace!("malloc {size} at {off:#x} pool {pool} stream {stream:#x} (parked)");
-                self.unpark_live(off, size);
-                Ok(Some(self.base + off))
-            }
-            Placed::Free(off) => {
-                self.take(backend, off, rounded, size, stream)?;
-                crate::trace!("malloc {size} at {off:#x} pool {pool} stream {stream:#x}");
-                Ok(Some(self.base + off))
-            }
-            Placed::Nothing => Ok(None),
-        }
+        let off = self.place(backend, &req, caches)?;
+        Ok(self.base + off)
     }
 }
