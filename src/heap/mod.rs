@@ -20,6 +20,7 @@ pub mod device_stats;
 pub mod host_backend;
 mod introspect;
 pub mod parked;
+pub mod policy;
 pub mod pools;
 pub mod ranges;
 pub mod release_log;

@@ -88,8 +88,7 @@ pub use super::size_class::{
 };
 /// `Block::prev` of a segment's first block.
 const NO_PREV: u64 = u64::MAX;
-/// A large block is split only when the remainder is bigger than this.
-const LARGE_SPLIT_MIN: u64 = SMALL_MAX;
+use super::policy::LARGE_SPLIT_MIN;
 /// The free lists' stream of never-used memory, which waits on no stream (no CUDA stream
 /// handle has this value; the legacy default stream is 0).
 pub const UNUSED: Stream = u64::MAX;
