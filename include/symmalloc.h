@@ -928,6 +928,18 @@ symm_status_t symm_wait(symm_comm_t *comm, uint32_t slot, uint64_t value, struct
 symm_status_t symm_comm_device(symm_comm_t *comm, symm_device_comm_t *out, size_t size);
 
 /**
+ * Grants device `peer` read/write access to every segment of `device`'s heap, present and
+ * future (segments made or grown later are granted as they are mapped). Idempotent; `device ==
+ * peer` succeeds and does nothing. A heap the process has not made yet is not made: the grant
+ * is kept for it. This is `enablePeerAccess(peer, device)` in PyTorch's terms (`peer` reads
+ * and writes memory of `device`); it does not enable peer access between the CUDA contexts
+ * (`cudaDeviceEnablePeerAccess`), which the caller does. Fails with SYMM_ERR_INVALID_ARGUMENT
+ * for a device or peer that does not exist and SYMM_ERR_UNSUPPORTED where `peer` cannot reach
+ * `device` directly.
+ */
+symm_status_t symm_grant_peer_access(int device, int peer);
+
+/**
  * Routes the calling thread's allocations on `device` to pool (first, second) until the
  * matching `symm_end_pool`. Pools nest. Each begin takes a use of the pool that
  * `symm_release_pool` gives back. ABI-compatible with PyTorch's begin-allocate-to-pool hook,

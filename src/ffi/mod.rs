@@ -10,6 +10,7 @@ pub mod groups;
 pub mod guard;
 pub mod moe;
 pub mod p2p;
+pub mod peer_access;
 pub mod pool_calls;
 pub mod quant;
 pub mod torch_alloc;

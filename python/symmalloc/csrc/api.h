@@ -89,6 +89,7 @@ struct Api {
   int (*segment_log)(int);
   int (*segment_events)(int, SymmSegmentEvent*, size_t, size_t*);
   int (*block_request)(void*, int*, uint64_t*, cudaStream_t*);
+  int (*grant_peer_access)(int, int);
   const char* (*last_error)();
 };
 
@@ -231,6 +232,7 @@ inline std::string load_api(const char* path) {
   SYMM_LOAD(segment_log, "symm_segment_log");
   SYMM_LOAD(segment_events, "symm_segment_events");
   SYMM_LOAD(block_request, "symm_block_request");
+  SYMM_LOAD(grant_peer_access, "symm_grant_peer_access");
   SYMM_LOAD(last_error, "symm_last_error");
 #undef SYMM_LOAD
   if (!missing.empty()) return std::string(path) + " lacks " + missing + " (an older library)";
