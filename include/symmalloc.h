@@ -194,20 +194,6 @@ struct CUstream_st;
 #define SYMM_DEVICE_ERR_SEEN 6
 
 /**
- * Index into a `StatArray`: all pools, then small (blocks up to 1 MiB) and large.
- */
-#define AGGREGATE 0
-
-#define SMALL 1
-
-#define LARGE 2
-
-/**
- * Events a heap's log holds at most.
- */
-#define LOG_CAP (1 << 16)
-
-/**
  * Result of every status-returning function.
  */
 typedef enum {
