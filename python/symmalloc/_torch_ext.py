@@ -101,7 +101,7 @@ def _csrc_files():
 def _abi_include():
     """The folder of symmalloc.h, the C ABI csrc/api.h includes: the package's copy (the
     wheel's symmalloc/include/), else a checkout's include/."""
-    here = os.path.dirname(CSRC)
+    here = os.path.dirname(os.path.abspath(__file__))
     for d in (os.path.join(here, "include"), os.path.join(here, "..", "..", "include")):
         if os.path.isfile(os.path.join(d, "symmalloc.h")):
             return os.path.normpath(d)
