@@ -310,3 +310,19 @@ def test_every_bound_prototype_is_the_headers(header):
         checked.append(name)
     for want in ("symm_malloc", "symm_all_reduce_algo", "symm_comm_info", "symm_signal", "symm_moe_dispatch"):
         assert want in checked, f"{want} not bound: {checked}"
+
+
+def test_the_compiled_callers_prototype_is_the_headers(header):
+    """symmalloc/_fastcall.c calls symm_all_reduce_algo through its own typedef (it links
+    nothing and includes only Python.h): the same argument types, by ctypes equivalence."""
+    src = os.path.join(os.path.dirname(os.path.abspath(symmalloc.__file__)), "_fastcall.c")
+    if not os.path.isfile(src):
+        pytest.skip("symmalloc/_fastcall.c is not installed (the wheel carries only its build)")
+    with open(src) as f:
+        m = re.search(r"typedef int \(\*all_reduce_fn\)\((.*?)\);", f.read(), re.S)
+    assert m, "_fastcall.c has no all_reduce_fn typedef"
+    ours = [_c_arg(re.sub(r"\w+\s*$", "", a), {}) for a in m.group(1).split(",")]
+    flat = re.sub(r"/\*.*?\*/", "", header, flags=re.S)
+    theirs = re.search(r"^symm_status_t symm_all_reduce_algo\((.*?)\);", flat, re.M | re.S).group(1)
+    want = [_c_arg(re.sub(r"\w+\s*$", "", a), {}) for a in theirs.split(",")]
+    assert ours == want, f"_fastcall.c: {ours}, header: {want}"
