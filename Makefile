@@ -72,7 +72,7 @@ test-python: build target/release/_fastcall.abi3.so
 # honoured or refused.
 # No PATH: the package finds the venv's ninja beside its python, as for a user without activation.
 TORCH_ENV = CUDA_HOME=$(CURDIR)/.toolchain/nvidia/cu13
-target/release/libsymmalloc_torch.so: python/symmalloc/csrc/torch_allocator.cpp $(wildcard python/symmalloc/csrc/*.h) python/symmalloc/_torch_ext.py $(TORCH_VENV)/.installed
+target/release/libsymmalloc_torch.so: python/symmalloc/csrc/torch_allocator.cpp $(wildcard python/symmalloc/csrc/*.h) include/symmalloc.h python/symmalloc/_torch_ext.py $(TORCH_VENV)/.installed
 	rm -rf build/torch-ext  # a build killed there leaves cpp_extension's lock, which would wait forever
 	cd python && $(TORCH_ENV) $(TORCH_VENV)/bin/python -m symmalloc._torch_ext --build $(CURDIR)/build/torch-ext >/dev/null
 	cp build/torch-ext/libsymmalloc_torch.so $@

@@ -1,6 +1,7 @@
 """Loading libsymmalloc: where the shared objects are, the ctypes signatures, and the status
 codes and errors. The tables below mirror include/symmalloc.h; python/tests/test_header_tables.py
-compares them with the header of the checkout."""
+compares them, and the other modules' ctypes structs and prototypes, with the header field by
+field."""
 
 import ctypes
 import os

@@ -101,11 +101,22 @@ def _csrc_files():
     return sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "*.h")))
 
 
+def _abi_include():
+    """The folder of symmalloc.h, the C ABI csrc/api.h includes: the package's copy (the
+    wheel's symmalloc/include/), else a checkout's include/."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (os.path.join(here, "include"), os.path.join(here, "..", "..", "include")):
+        if os.path.isfile(os.path.join(d, "symmalloc.h")):
+            return os.path.normpath(d)
+    raise RuntimeError(f"symmalloc.h not found in {here}/include or a checkout's include/: "
+                       "reinstall the package")
+
+
 def _source_hash():
     """A hash of csrc/ (every file, by name and content) and of this file (how build() compiles
     it)."""
     h = hashlib.sha256()
-    for f in _csrc_files() + [os.path.abspath(__file__)]:
+    for f in _csrc_files() + [os.path.join(_abi_include(), "symmalloc.h"), os.path.abspath(__file__)]:
         h.update(os.path.basename(f).encode() + b"\0")
         with open(f, "rb") as fh:
             h.update(fh.read() + b"\0")
@@ -185,7 +196,7 @@ def build(out_dir, verbose=False, profile=False):
                           f'-DSYMM_TORCH_ABI=\\"{_abi_hash(torch)}\\"',
                           f'-DSYMM_TORCH_CUDA=\\"{torch.version.cuda or ""}\\"']
             + (["-DSYMM_TORCH_PROFILE"] if profile else []),
-            extra_include_paths=incs,
+            extra_include_paths=incs + [_abi_include()],
             extra_ldflags=[f"-L{torch_lib}", "-lc10_cuda", "-ltorch_cuda", f"-L{libdir}",
                            f"-l:{cudart}", "-ldl"],
             build_directory=out_dir,
