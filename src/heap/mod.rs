@@ -414,6 +414,10 @@ impl Allocator {
     /// Gives back one use of `pool` (`begin_pool`); at the last (or for a pool never begun) its
     /// memory goes: free segments now, the others at their last free.
     pub fn release_pool(&self, device: i32, pool: PoolId) -> Result<()> {
+        self.check_device(device)?;
+        if !self.has_heap(device) {
+            return Ok(()); // nothing was ever allocated there: no pool to release
+        }
         let mut heap = self.heap(device)?;
         if !heap.unhold_pool(pool) {
             return Ok(()); // other graphs still replay into it
@@ -438,7 +442,13 @@ impl Allocator {
     /// The device's statistics: the heap's, with the blocks threads keep counted as free.
     /// (`peak_allocated_bytes` is the heap's: it counts kept blocks as allocated, at most
     /// `tcache::KEEP_BYTES` per thread.)
+    /// A device whose heap was never made reads as an empty heap: a read never makes a heap (nor,
+    /// on the CUDA backend, a context).
     pub fn stats(&self, device: i32) -> Result<Stats> {
+        self.check_device(device)?;
+        if !self.has_heap(device) {
+            return Ok(Stats::default());
+        }
         let heap = self.heap(device)?;
         let mut s = heap.stats;
         for c in self.caches_of(device) {
