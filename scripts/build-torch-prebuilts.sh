@@ -161,7 +161,7 @@ build() {
   local o=$OUT/torch-$mm t0=$SECONDS
   rm -rf "$o" && mkdir -p "$o"
   nice c++ -DTORCH_EXTENSION_NAME=symmalloc_torch -DTORCH_API_INCLUDE_EXTENSION_H \
-    "${cudainc[@]}" -isystem "$inc" -isystem "$inc/torch/csrc/api/include" -fPIC -std=$std \
+    -I"$ROOT/include" "${cudainc[@]}" -isystem "$inc" -isystem "$inc/torch/csrc/api/include" -fPIC -std=$std \
     -O2 -Wall -Wextra -Werror -Wno-unused-parameter -DSYMM_TORCH_FULL_VERSION=\""$ver"\" \
     -DSYMM_TORCH_ABI=\""$abi"\" -DSYMM_TORCH_CUDA=\""$cuda"\" -c "$SRC" -o "$o/torch_allocator.o"
   # Stubs of torch's four libraries defining the symbols the object needs that each defines

@@ -37,7 +37,7 @@ compile() {
   case $v in 2.10.*|2.11.*) std=c++17 ;; esac
   local t0=$SECONDS
   nice c++ -fsyntax-only -std=$std -O2 -Wall -Wextra -Werror -Wno-unused-parameter \
-    -I"$CUDA_INCLUDE" -isystem "$inc" -isystem "$inc/torch/csrc/api/include" "$SRC"
+    -I"$ROOT/include" -I"$CUDA_INCLUDE" -isystem "$inc" -isystem "$inc/torch/csrc/api/include" "$SRC"
   echo "check-torch-range: torch $v: torch_allocator.cpp compiles ($std, -Werror, $((SECONDS - t0)) s)"
 }
 
