@@ -12,7 +12,8 @@
 // out-of-memory error), checkpoint.h (a pool's checkpoints, CUDA-graph trees), foreign_pools.h
 // (MemPools with an allocator of their own), stream_uses.h (record_stream), uncached.h (caching
 // off), profile.h (a build that times the allocation path) and selftest.h (the host backend's
-// checks).
+// checks), pool_stats.h (each private pool's reserved bytes) and settings.h (settings changed at
+// run time).
 //
 // Invariants:
 // - A DataPtr is (ptr, ctx = ptr, raw_deleter_fn, device), as PyTorch's own allocator makes
@@ -57,8 +58,10 @@
 #include "foreign_pools.h"
 #include "history.h"
 #include "oom.h"
+#include "pool_stats.h"
 #include "profile.h"
 #include "selftest.h"
+#include "settings.h"
 #include "stream_uses.h"
 #include "uncached.h"
 
@@ -196,6 +199,14 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     conf_fraction_ = fraction;
     caching_.store(caching);
     if (!initialized_ || fraction >= 1.0) return;
+    set_conf_fraction(fraction);
+  }
+
+  // per_process_memory_fraction set at run time (settings.h) or at install: each device's cap
+  // becomes `fraction` of its memory at its next allocation (1 lifts it).
+  void set_conf_fraction(double fraction) {
+    conf_fraction_ = fraction;
+    if (!initialized_) return;  // init() applies it
     uint64_t all = device_count_ >= 64 ? ~0ull : (1ull << std::max(device_count_, 1)) - 1;
     for (auto& f : fraction_) f = fraction;
     conf_pending_.store(all);
@@ -299,13 +310,24 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     SymmDeviceStats s{};
     check(api.device_stats(device, &s, sizeof s), "getDeviceStats");
-    return to_device_stats(s);
+    DeviceStats out = to_device_stats(s);
+#if SYMM_TORCH_HAS_PRIVATE_POOL_STATS
+    for (auto& [id, st] : pool_stats_.read(device)) out.reserved_bytes_by_private_pools[id] = st;
+#endif
+    return out;
   }
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     check(api.reset_accumulated(device), "resetAccumulatedStats");
+    pool_stats_.reset_accumulated(device);
   }
   void resetPeakStats(c10::DeviceIndex device) override {
     check(api.reset_peak(device), "resetPeakStats");
+    pool_stats_.reset_peak(device);
+  }
+  // Each private pool's reserved bytes (pool_stats.h): what getDeviceStats gives torch 2.13+.
+  std::vector<std::pair<MempoolId, c10::CachingAllocator::StatArray>> private_pool_reserved(
+      c10::DeviceIndex device) {
+    return pool_stats_.read(device);
   }
 
   // ---- snapshots and history ----
@@ -315,6 +337,17 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     return s;
   }
   bool isHistoryEnabled() override { return hist_.isHistoryEnabled(); }
+  // The context recorded for the live block at `ptr` (its base address), as PyTorch's
+  // getContextForPointer (torch 2.12+, torch.cuda.memory._allocation_traceback): nullptr when
+  // none was recorded.
+  std::shared_ptr<c10::GatheredContext> context_for(const void* ptr) {
+    return hist_.context_of(ptr);
+  }
+#if SYMM_TORCH_HAS_CONTEXT_FOR_POINTER
+  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) override {
+    return context_for(ptr);
+  }
+#endif
   std::string history_state() {
     return hist_.state() + ", device count " + std::to_string(device_count_) + ", routes open " +
            std::to_string(routes_open_.load()) +
@@ -357,6 +390,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId id,
                            std::function<bool(cudaStream_t)> filter) override {
     if (foreign_.begin(device, id, filter, routes_open_)) return;
+    pool_stats_.note(device, id);
     auto* ctx = new std::function<bool(cudaStream_t)>(std::move(filter));
     int st = api.begin_pool_filtered(
         device, id.first, id.second,
@@ -404,6 +438,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
       return;
     }
     check(api.pool_hold(device, id.first, id.second), "createOrIncrefPool");
+    pool_stats_.note(device, id);
   }
 
   void setUseOnOOM(c10::DeviceIndex device, MempoolId id,
@@ -525,6 +560,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   std::atomic<uint64_t> conf_pending_{0};   // devices whose cap is still to be set from it
 
   symm_torch::History hist_;
+  symm_torch::PoolStats pool_stats_;
 #if SYMM_TORCH_AT_LEAST(2, 12)
   std::vector<CCA::OomRejectionObserver> oom_rejection_observers_;
 #endif
@@ -611,6 +647,8 @@ int symm_torch_install(const char* library_path, char* err, size_t len) {
   try {
     if (int r = make(library_path, err, len)) return r;
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(instance());
+    // _set_allocator_settings: honoured or refused by name at the call (settings.h).
+    symm_torch::install_settings_hook([](double f) { instance()->set_conf_fraction(f); });
     // torch.accelerator's memory API reads c10::GetAllocator(kCUDA): the same object.
     c10::SetAllocator(c10::DeviceType::CUDA, instance().get(), /*priority=*/255);
     return 0;
