@@ -60,8 +60,8 @@ inline std::vector<std::pair<std::string, std::string>> conf_items(const std::st
     if (ch == ',' && depth == 0) {
       if (!trim(cur).empty()) {
         size_t colon = cur.find(':');
-        items.emplace_back(trim(cur.substr(0, colon)),
-                           colon == std::string::npos ? std::string() : trim(cur.substr(colon + 1)));
+        std::string value = colon == std::string::npos ? "" : trim(cur.substr(colon + 1));
+        items.emplace_back(trim(cur.substr(0, colon)), value);
       }
       cur.clear();
     } else {
@@ -126,7 +126,8 @@ inline void install_settings_hook(std::function<void(double)> apply) {
   (void)AcceleratorAllocatorConfig::instance();
   (void)c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::instance();
 #if SYMM_TORCH_HAS_CONFIG_HOOK_GETTER
-  std::function<void(const std::string&)> cuda_parser = AcceleratorAllocatorConfig::getConfigParserHook();
+  std::function<void(const std::string&)> cuda_parser =
+      AcceleratorAllocatorConfig::getConfigParserHook();
 #else
   std::function<void(const std::string&)> cuda_parser = [](const std::string& env) {
     c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::instance().parseArgs(env);

@@ -186,7 +186,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     device_count_ = device_count;
     fraction_.assign(std::max(device_count, 1), 1.0);
     initialized_ = true;
-    if (conf_fraction_ < 1.0) configure(conf_fraction_, caching_.load());
+    if (conf_fraction_.load() < 1.0) configure(conf_fraction_.load(), caching_.load());
   }
 
   // PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction and PYTORCH_NO_CUDA_MEMORY_CACHING
@@ -196,7 +196,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   // device's total memory as PyTorch takes it (cudaGetDeviceProperties). An explicit
   // set_per_process_memory_fraction on a device before that wins, as it does in PyTorch.
   void configure(double fraction, bool caching) {
-    conf_fraction_ = fraction;
+    conf_fraction_.store(fraction);
     caching_.store(caching);
     if (!initialized_ || fraction >= 1.0) return;
     set_conf_fraction(fraction);
@@ -205,7 +205,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   // per_process_memory_fraction set at run time (settings.h) or at install: each device's cap
   // becomes `fraction` of its memory at its next allocation (1 lifts it).
   void set_conf_fraction(double fraction) {
-    conf_fraction_ = fraction;
+    conf_fraction_.store(fraction);
     if (!initialized_) return;  // init() applies it
     uint64_t all = device_count_ >= 64 ? ~0ull : (1ull << std::max(device_count_, 1)) - 1;
     for (auto& f : fraction_) f = fraction;
@@ -219,13 +219,13 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     cudaError_t e = cudaGetDeviceProperties(&prop, device);
     if (e != cudaSuccess) {  // no CUDA device (the host backend): no total to take a share of
       (void)cudaGetLastError();
-      TORCH_WARN_ONCE("symmalloc: per_process_memory_fraction ", conf_fraction_,
+      TORCH_WARN_ONCE("symmalloc: per_process_memory_fraction ", conf_fraction_.load(),
                       " not applied on device ", int(device), ": ", cudaGetErrorString(e));
       return;
     }
-    set_limit(device, conf_fraction_, prop.totalGlobalMem);
+    set_limit(device, conf_fraction_.load(), prop.totalGlobalMem);
   }
-  double conf_fraction() const { return conf_fraction_; }
+  double conf_fraction() const { return conf_fraction_.load(); }
   bool initialized() override { return initialized_; }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
@@ -352,7 +352,8 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     return hist_.state() + ", device count " + std::to_string(device_count_) + ", routes open " +
            std::to_string(routes_open_.load()) +
            ", foreign routes " + std::to_string(foreign_.routes()) + ", caching " +
-           std::to_string(caching_.load()) + ", conf fraction " + std::to_string(conf_fraction_) +
+           std::to_string(caching_.load()) + ", conf fraction " +
+           std::to_string(conf_fraction_.load()) +
            " (pending on devices " + std::to_string(conf_pending_.load()) + " as a mask)";
   }
   void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
@@ -556,7 +557,8 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   int device_count_ = 0;
   bool initialized_ = false;
   std::vector<double> fraction_ = std::vector<double>(64, 1.0);
-  double conf_fraction_ = 1.0;              // per_process_memory_fraction (configure)
+  // per_process_memory_fraction (configure, set_conf_fraction: install or run time)
+  std::atomic<double> conf_fraction_{1.0};
   std::atomic<uint64_t> conf_pending_{0};   // devices whose cap is still to be set from it
 
   symm_torch::History hist_;
