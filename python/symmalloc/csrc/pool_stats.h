@@ -10,8 +10,11 @@
 // - `current` is exact at each read: the bytes of the pool's segments, per class (a segment's
 //   class is its blocks'), from the heap's listing of that pool's blocks (symm_heap_blocks; it
 //   walks the segments and the pool's blocks only). The heap keeps no per-pool counters, so
-//   `peak` is the highest `current` a read has seen, and `allocated` / `freed` add up the
-//   rises and falls between reads (the way device_stats.rs reports inactive_split's peak).
+//   `peak` is the highest `current` seen, and `allocated` / `freed` add up the rises and falls
+//   seen. Seen: at each read, and (torch 2.13+, where PyTorch reads them) at the end of each
+//   route to the pool and around its release (`sample`). A live pool only grows while a route
+//   to it is open (a live pool keeps its segments; they go at its release), so these are
+//   exact unless a read falls inside a route.
 // - A pool stays listed after it is released, with `current` 0 (PyTorch's: "current drops to 0
 //   when a pool is deleted, while peak/allocated/freed are preserved until reset"); the resets
 //   drop a released pool whose statistic is then all zero.
@@ -55,30 +58,19 @@ class PoolStats {
     auto d = seen_.find(device);
     if (d == seen_.end()) return out;
     for (auto& [id, st] : d->second) {
-      int64_t now[3] = {0, 0, 0};
-      std::vector<SymmBlock> blocks;
-      try {
-        blocks = list_blocks(device, &id);
-      } catch (const c10::Error&) {
-        // No heap on this device (nothing allocated there): the pool holds nothing.
-      }
-      uint64_t last_segment = UINT64_MAX;
-      for (const auto& b : blocks) {
-        if (b.segment_address == last_segment) continue;
-        last_segment = b.segment_address;
-        now[0] += (int64_t)b.segment_size;
-        now[b.is_large ? 2 : 1] += (int64_t)b.segment_size;
-      }
-      for (int i = 0; i < 3; ++i) {
-        auto& s = st[i];
-        if (now[i] > s.current) s.allocated += now[i] - s.current;
-        if (now[i] < s.current) s.freed += s.current - now[i];
-        s.current = now[i];
-        s.peak = std::max(s.peak, s.current);
-      }
+      update(device, id, st);
       out.emplace_back(id, st);
     }
     return out;
+  }
+
+  // The pool's statistic brought up to date now (the end of a route to it, its release).
+  void sample(int device, MempoolId id) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto d = seen_.find(device);
+    if (d == seen_.end()) return;
+    auto p = d->second.find(id);
+    if (p != d->second.end()) update(device, id, p->second);
   }
 
   // resetPeakStats / resetAccumulatedStats of `device`, for its pools.
@@ -90,6 +82,31 @@ class PoolStats {
   }
 
  private:
+  // Under mu_.
+  static void update(int device, MempoolId id, StatArray& st) {
+    int64_t now[3] = {0, 0, 0};
+    std::vector<SymmBlock> blocks;
+    try {
+      blocks = list_blocks(device, &id);
+    } catch (const c10::Error&) {
+      // No heap on this device (nothing allocated there): the pool holds nothing.
+    }
+    uint64_t last_segment = UINT64_MAX;
+    for (const auto& b : blocks) {
+      if (b.segment_address == last_segment) continue;
+      last_segment = b.segment_address;
+      now[0] += (int64_t)b.segment_size;
+      now[b.is_large ? 2 : 1] += (int64_t)b.segment_size;
+    }
+    for (int i = 0; i < 3; ++i) {
+      auto& s = st[i];
+      if (now[i] > s.current) s.allocated += now[i] - s.current;
+      if (now[i] < s.current) s.freed += s.current - now[i];
+      s.current = now[i];
+      s.peak = std::max(s.peak, s.current);
+    }
+  }
+
   template <typename Fn>
   void reset(int device, Fn fn) {
     read(device);  // `current` as of now, so that peak = current holds after

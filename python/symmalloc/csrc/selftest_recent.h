@@ -103,6 +103,22 @@ std::string selftest_recent(Allocator& a, int device) {
   a.resetAccumulatedStats(device);
   stat_of(pool, &found);
   EXPECT(!found, "a released pool with nothing left to report goes at the resets");
+#if SYMM_TORCH_HAS_PRIVATE_POOL_STATS
+  {
+    // No read while the pool lived: its route's end and its release were seen all the same.
+    MempoolId unread{0, 9102};
+    a.createOrIncrefPool(device, unread, nullptr);
+    a.beginAllocateToPool(device, unread, [](cudaStream_t) { return true; });
+    void* b = a.malloc_on(device, 6 << 20, nullptr);
+    a.endAllocateToPool(device, unread);
+    a.raw_delete(b);
+    a.releasePool(device, unread);
+    a.releasePool(device, unread);
+    auto u = stat_of(unread, &found);
+    EXPECT(found && u[0].current == 0 && u[0].peak >= (6 << 20) && u[0].freed == u[0].peak,
+           "a pool never read while it lived reports its peak and freed bytes");
+  }
+#endif
 
   // The rules for _set_allocator_settings (settings.h), as install_global() applies them.
   double f = 0;

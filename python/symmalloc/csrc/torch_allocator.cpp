@@ -409,14 +409,23 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     if (routes_open_.load() > 0) routes_open_.fetch_sub(1);
     std::string e = last_error();
     TORCH_CHECK(e.empty(), "symmalloc: endAllocateToPool failed: ", e);
+#if SYMM_TORCH_HAS_PRIVATE_POOL_STATS
+    pool_stats_.sample(device, id);  // what the route added (pool_stats.h)
+#endif
   }
 
   void releasePool(c10::DeviceIndex device, MempoolId id) override {
     if (foreign_.release(id)) return;
     auto ctx = hist_.active() ? hist_.gather(CCA::RecordContext::ALL) : nullptr;
+#if SYMM_TORCH_HAS_PRIVATE_POOL_STATS
+    pool_stats_.sample(device, id);  // its peak before its segments go (pool_stats.h)
+#endif
     api.release_pool(device, id.first, id.second);
     std::string e = last_error();
     hist_.note_segments(std::move(ctx));  // segment_free of the pool's free segments
+#if SYMM_TORCH_HAS_PRIVATE_POOL_STATS
+    pool_stats_.sample(device, id);
+#endif
     // Called from CUDAGraph::reset (a destructor): warn, never throw there.
     if (!e.empty()) TORCH_WARN("symmalloc: releasePool failed: ", e);
   }
