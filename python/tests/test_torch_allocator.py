@@ -4,7 +4,8 @@ with torch.utils.cpp_extension, and its own checks pass against libsymmalloc's h
 (statistics, resets, out of memory as torch.OutOfMemoryError, cacheInfo, pools checked and
 restored as CUDA-graph trees do, snapshots and the trace, the refusals). When it cannot be had,
 install_global() raises a short error (no fallback); the build on first use is locked, keyed,
-remembered when it fails; PYTORCH_CUDA_ALLOC_CONF's keys are honoured or refused. The GPU side:
+remembered when it fails; PYTORCH_CUDA_ALLOC_CONF's keys are honoured or refused, at install and
+through _set_allocator_settings at run time. The GPU side:
 global_api_check.py (device runs)."""
 
 import os
