@@ -20,6 +20,10 @@ Checks:
                  raises, naming what to do (symmalloc) / works (torch)
   graphs         torch.cuda.graph capture and replay, record_stream, empty_cache giving memory
                  back, a MemPool with use_mem_pool
+  recent         what newer torch adds: _allocation_traceback (2.12+) names the allocating
+                 function, memory_stats' reserved_bytes_by_private_pools (2.13+) holds a
+                 MemPool's segment; symmalloc: _set_allocator_settings refuses
+                 max_split_size_mb by name and enforces a per_process_memory_fraction set there
   compile        torch.compile(mode="reduce-overhead") training (8 steps) and inference (4
                  shapes): prints the losses and outputs' checksums for `compare`
 Prints PASS/FAIL per check; exits 1 if any failed."""
@@ -255,6 +259,53 @@ def check_graphs():
     del p
     del pool
     gc.collect()
+
+
+def check_recent():
+    version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    if version >= (2, 12) and ALLOC != "pluggable":
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+
+        def allocating_here():
+            return torch.empty(MiB, device="cuda")
+
+        x = allocating_here()
+        frames = torch.cuda.memory._allocation_traceback(x.untyped_storage().data_ptr())
+        assert frames and any(f["name"] == "allocating_here" for f in frames), frames
+        torch.cuda.memory._record_memory_history(enabled=None)
+        y = torch.empty(MiB, device="cuda")
+        assert torch.cuda.memory._allocation_traceback(y.untyped_storage().data_ptr()) is None
+        del x, y
+    if version >= (2, 13) and ALLOC != "pluggable":
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            p = torch.ones(8 * MiB, dtype=torch.uint8, device="cuda")
+        pools = torch.cuda.memory_stats_as_nested_dict()["reserved_bytes_by_private_pools"]
+        assert pools[pool.id]["all"]["current"] >= 8 * MiB, pools
+        assert pools[pool.id]["large_pool"]["current"] >= 8 * MiB, pools
+        del p
+    if ALLOC == "symmalloc":
+        import warnings
+
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            torch.cuda.memory._set_allocator_settings("max_split_size_mb:64")
+        except RuntimeError as e:
+            assert "max_split_size_mb:64" in str(e), e
+        else:
+            raise AssertionError("max_split_size_mb was not refused")
+        free, total = torch.cuda.mem_get_info()
+        torch.cuda.empty_cache()
+        torch.cuda.memory._set_allocator_settings("per_process_memory_fraction:0.05")
+        try:
+            torch.empty(int(total * 0.1), dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError:
+            pass
+        else:
+            raise AssertionError("the fraction set at run time was not enforced")
+        torch.cuda.memory._set_allocator_settings("per_process_memory_fraction:1.0")
+        x = torch.empty(int(total * 0.1), dtype=torch.uint8, device="cuda")
+        del x
 
 
 def check_compile():

@@ -4,7 +4,8 @@ with torch.utils.cpp_extension, and its own checks pass against libsymmalloc's h
 (statistics, resets, out of memory as torch.OutOfMemoryError, cacheInfo, pools checked and
 restored as CUDA-graph trees do, snapshots and the trace, the refusals). When it cannot be had,
 install_global() raises a short error (no fallback); the build on first use is locked, keyed,
-remembered when it fails; PYTORCH_CUDA_ALLOC_CONF's keys are honoured or refused. The GPU side:
+remembered when it fails; PYTORCH_CUDA_ALLOC_CONF's keys are honoured or refused, at install and
+through _set_allocator_settings at run time. The GPU side:
 global_api_check.py (device runs)."""
 
 import os
@@ -357,6 +358,51 @@ def test_install_global_applies_the_fraction_and_caching_off():
     out = _run_on_host(code, PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64")
     assert "REFUSED SYMM_ERR_UNSUPPORTED" in out and "max_split_size_mb:64" in out, out
     assert "INSTALLED None 0" in out, out
+
+
+_SETTINGS = """
+import warnings, symmalloc, symmalloc._torch_ext as t, torch
+symmalloc.install_global()
+def attempt(text):
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.cuda.memory._set_allocator_settings(text)
+        return "OK"
+    except (RuntimeError, ValueError) as e:
+        return "RAISED " + type(e).__name__ + " " + str(e).splitlines()[0]
+for text in ["pinned_num_register_threads:2,expandable_segments:False",
+             "per_process_memory_fraction:0.5", "expandable_segments:True",
+             "max_split_size_mb:64,roundup_power2_divisions:[256:1,>:4]",
+             "per_process_memory_fraction:2", "no_such_key:1"]:
+    print("SET", text, "->", attempt(text))
+print("STATE", t.history_state())
+"""
+
+
+def test_settings_changed_at_run_time_are_honoured_or_refused_by_name():
+    """torch.cuda.memory._set_allocator_settings after install_global() (settings.h): the keys
+    install_global() honours are applied (the fraction becomes each device's cap at its next
+    allocation), every other key raises at the call naming it, and a key PyTorch does not know
+    still raises PyTorch's own error."""
+    if not _have_prebuilt():
+        pytest.skip("no C++ allocator built for this torch (test_builds_from_source says why)")
+    out = _run_on_host(_SETTINGS)
+    got = {x.split(" -> ")[0][4:]: x.split(" -> ")[1] for x in out.splitlines()
+           if x.startswith("SET ")}
+    assert got["pinned_num_register_threads:2,expandable_segments:False"] == "OK", got
+    assert got["per_process_memory_fraction:0.5"] == "OK", got
+    for text, named in [("expandable_segments:True", "expandable_segments:True"),
+                        ("max_split_size_mb:64,roundup_power2_divisions:[256:1,>:4]",
+                         "max_split_size_mb:64, roundup_power2_divisions:[256:1,>:4]"),
+                        ("per_process_memory_fraction:2", "expected a fraction in [0, 1]")]:
+        assert got[text].startswith("RAISED RuntimeError symmalloc: _set_allocator_settings"), \
+            got[text]
+        assert named in got[text], (named, got[text])
+    assert got["no_such_key:1"].startswith("RAISED ValueError") and \
+        "no_such_key" in got["no_such_key:1"], got
+    state = next(x for x in out.splitlines() if x.startswith("STATE "))
+    assert "conf fraction 0.5" in state, state
 
 
 def test_profiling_entry_points_refuse_in_the_default_build():

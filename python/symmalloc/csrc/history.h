@@ -179,6 +179,15 @@ class History {
     return out;
   }
 
+  // The context recorded for the live block at `p` (its base address, as PyTorch's
+  // getContextForPointer looks it up), or nullptr: none recorded, or `p` not a block's base.
+  std::shared_ptr<c10::GatheredContext> context_of(const void* p) {
+    if (tracked_.load(std::memory_order_relaxed) == 0 || !filter_.may_hold(p)) return nullptr;
+    std::lock_guard<std::mutex> g(history_mu_);
+    auto it = live_.find(const_cast<void*>(p));
+    return it == live_.end() ? nullptr : it->second.ctx;
+  }
+
   bool isHistoryEnabled() {
     std::lock_guard<std::mutex> g(history_mu_);
     return history_;

@@ -6,7 +6,8 @@
 // DataPtrs and the raw deleter, out of memory (the observers' arguments), cacheInfo, a private
 // pool's checkpoint and restore, snapshot and history (segment entries of grown segments,
 // released pools and trims), history under threads (a stand-in GIL that a recorder called
-// under an allocator lock deadlocks on), caching off, and what is refused by name; and the
+// under an allocator lock deadlocks on), caching off, and what is refused by name (what newer
+// torch minors add: selftest_recent.h); and the
 // cost of a free before, during and after recording (time_frees, printed on request).
 //
 // Invariants:
@@ -33,6 +34,7 @@
 
 #include "api.h"
 #include "oom.h"
+#include "selftest_recent.h"
 
 namespace symm_torch {
 namespace {  // internal linkage, as in the one translation unit that includes this
@@ -506,6 +508,8 @@ std::string selftest(Allocator& a, int device) {
   EXPECT(named, "setNoSplit names the option");
   EXPECT(a.name() == "symmalloc", "name");
 #undef EXPECT
+  std::string recent = selftest_recent(a, device);  // selftest_recent.h
+  if (!recent.empty()) return recent;
   std::string threads = selftest_threads(a, device, 400, 60.0);
   if (!threads.empty()) return threads;
   if (std::getenv("SYMM_TORCH_SELFTEST_TIMING")) std::fprintf(stderr, "%s\n", time_frees(a, device).c_str());

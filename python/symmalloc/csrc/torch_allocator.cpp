@@ -12,7 +12,8 @@
 // out-of-memory error), checkpoint.h (a pool's checkpoints, CUDA-graph trees), foreign_pools.h
 // (MemPools with an allocator of their own), stream_uses.h (record_stream), uncached.h (caching
 // off), profile.h (a build that times the allocation path) and selftest.h (the host backend's
-// checks).
+// checks), pool_stats.h (each private pool's reserved bytes) and settings.h (settings changed at
+// run time).
 //
 // Invariants:
 // - A DataPtr is (ptr, ctx = ptr, raw_deleter_fn, device), as PyTorch's own allocator makes
@@ -57,8 +58,10 @@
 #include "foreign_pools.h"
 #include "history.h"
 #include "oom.h"
+#include "pool_stats.h"
 #include "profile.h"
 #include "selftest.h"
+#include "settings.h"
 #include "stream_uses.h"
 #include "uncached.h"
 
@@ -183,7 +186,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     device_count_ = device_count;
     fraction_.assign(std::max(device_count, 1), 1.0);
     initialized_ = true;
-    if (conf_fraction_ < 1.0) configure(conf_fraction_, caching_.load());
+    if (conf_fraction_.load() < 1.0) configure(conf_fraction_.load(), caching_.load());
   }
 
   // PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction and PYTORCH_NO_CUDA_MEMORY_CACHING
@@ -193,9 +196,17 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   // device's total memory as PyTorch takes it (cudaGetDeviceProperties). An explicit
   // set_per_process_memory_fraction on a device before that wins, as it does in PyTorch.
   void configure(double fraction, bool caching) {
-    conf_fraction_ = fraction;
+    conf_fraction_.store(fraction);
     caching_.store(caching);
     if (!initialized_ || fraction >= 1.0) return;
+    set_conf_fraction(fraction);
+  }
+
+  // per_process_memory_fraction set at run time (settings.h) or at install: each device's cap
+  // becomes `fraction` of its memory at its next allocation (1 lifts it).
+  void set_conf_fraction(double fraction) {
+    conf_fraction_.store(fraction);
+    if (!initialized_) return;  // init() applies it
     uint64_t all = device_count_ >= 64 ? ~0ull : (1ull << std::max(device_count_, 1)) - 1;
     for (auto& f : fraction_) f = fraction;
     conf_pending_.store(all);
@@ -208,13 +219,13 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     cudaError_t e = cudaGetDeviceProperties(&prop, device);
     if (e != cudaSuccess) {  // no CUDA device (the host backend): no total to take a share of
       (void)cudaGetLastError();
-      TORCH_WARN_ONCE("symmalloc: per_process_memory_fraction ", conf_fraction_,
+      TORCH_WARN_ONCE("symmalloc: per_process_memory_fraction ", conf_fraction_.load(),
                       " not applied on device ", int(device), ": ", cudaGetErrorString(e));
       return;
     }
-    set_limit(device, conf_fraction_, prop.totalGlobalMem);
+    set_limit(device, conf_fraction_.load(), prop.totalGlobalMem);
   }
-  double conf_fraction() const { return conf_fraction_; }
+  double conf_fraction() const { return conf_fraction_.load(); }
   bool initialized() override { return initialized_; }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
@@ -299,13 +310,24 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     SymmDeviceStats s{};
     check(api.device_stats(device, &s, sizeof s), "getDeviceStats");
-    return to_device_stats(s);
+    DeviceStats out = to_device_stats(s);
+#if SYMM_TORCH_HAS_PRIVATE_POOL_STATS
+    for (auto& [id, st] : pool_stats_.read(device)) out.reserved_bytes_by_private_pools[id] = st;
+#endif
+    return out;
   }
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     check(api.reset_accumulated(device), "resetAccumulatedStats");
+    pool_stats_.reset_accumulated(device);
   }
   void resetPeakStats(c10::DeviceIndex device) override {
     check(api.reset_peak(device), "resetPeakStats");
+    pool_stats_.reset_peak(device);
+  }
+  // Each private pool's reserved bytes (pool_stats.h): what getDeviceStats gives torch 2.13+.
+  std::vector<std::pair<MempoolId, c10::CachingAllocator::StatArray>> private_pool_reserved(
+      c10::DeviceIndex device) {
+    return pool_stats_.read(device);
   }
 
   // ---- snapshots and history ----
@@ -315,11 +337,23 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     return s;
   }
   bool isHistoryEnabled() override { return hist_.isHistoryEnabled(); }
+  // The context recorded for the live block at `ptr` (its base address), as PyTorch's
+  // getContextForPointer (torch 2.12+, torch.cuda.memory._allocation_traceback): nullptr when
+  // none was recorded.
+  std::shared_ptr<c10::GatheredContext> context_for(const void* ptr) {
+    return hist_.context_of(ptr);
+  }
+#if SYMM_TORCH_HAS_CONTEXT_FOR_POINTER
+  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) override {
+    return context_for(ptr);
+  }
+#endif
   std::string history_state() {
     return hist_.state() + ", device count " + std::to_string(device_count_) + ", routes open " +
            std::to_string(routes_open_.load()) +
            ", foreign routes " + std::to_string(foreign_.routes()) + ", caching " +
-           std::to_string(caching_.load()) + ", conf fraction " + std::to_string(conf_fraction_) +
+           std::to_string(caching_.load()) + ", conf fraction " +
+           std::to_string(conf_fraction_.load()) +
            " (pending on devices " + std::to_string(conf_pending_.load()) + " as a mask)";
   }
   void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
@@ -357,6 +391,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId id,
                            std::function<bool(cudaStream_t)> filter) override {
     if (foreign_.begin(device, id, filter, routes_open_)) return;
+    pool_stats_.note(device, id);
     auto* ctx = new std::function<bool(cudaStream_t)>(std::move(filter));
     int st = api.begin_pool_filtered(
         device, id.first, id.second,
@@ -374,14 +409,23 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     if (routes_open_.load() > 0) routes_open_.fetch_sub(1);
     std::string e = last_error();
     TORCH_CHECK(e.empty(), "symmalloc: endAllocateToPool failed: ", e);
+#if SYMM_TORCH_HAS_PRIVATE_POOL_STATS
+    pool_stats_.sample(device, id);  // what the route added (pool_stats.h)
+#endif
   }
 
   void releasePool(c10::DeviceIndex device, MempoolId id) override {
     if (foreign_.release(id)) return;
     auto ctx = hist_.active() ? hist_.gather(CCA::RecordContext::ALL) : nullptr;
+#if SYMM_TORCH_HAS_PRIVATE_POOL_STATS
+    pool_stats_.sample(device, id);  // its peak before its segments go (pool_stats.h)
+#endif
     api.release_pool(device, id.first, id.second);
     std::string e = last_error();
     hist_.note_segments(std::move(ctx));  // segment_free of the pool's free segments
+#if SYMM_TORCH_HAS_PRIVATE_POOL_STATS
+    pool_stats_.sample(device, id);
+#endif
     // Called from CUDAGraph::reset (a destructor): warn, never throw there.
     if (!e.empty()) TORCH_WARN("symmalloc: releasePool failed: ", e);
   }
@@ -404,6 +448,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
       return;
     }
     check(api.pool_hold(device, id.first, id.second), "createOrIncrefPool");
+    pool_stats_.note(device, id);
   }
 
   void setUseOnOOM(c10::DeviceIndex device, MempoolId id,
@@ -521,10 +566,12 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   int device_count_ = 0;
   bool initialized_ = false;
   std::vector<double> fraction_ = std::vector<double>(64, 1.0);
-  double conf_fraction_ = 1.0;              // per_process_memory_fraction (configure)
+  // per_process_memory_fraction (configure, set_conf_fraction: install or run time)
+  std::atomic<double> conf_fraction_{1.0};
   std::atomic<uint64_t> conf_pending_{0};   // devices whose cap is still to be set from it
 
   symm_torch::History hist_;
+  symm_torch::PoolStats pool_stats_;
 #if SYMM_TORCH_AT_LEAST(2, 12)
   std::vector<CCA::OomRejectionObserver> oom_rejection_observers_;
 #endif
@@ -611,6 +658,8 @@ int symm_torch_install(const char* library_path, char* err, size_t len) {
   try {
     if (int r = make(library_path, err, len)) return r;
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(instance());
+    // _set_allocator_settings: honoured or refused by name at the call (settings.h).
+    symm_torch::install_settings_hook([](double f) { instance()->set_conf_fraction(f); });
     // torch.accelerator's memory API reads c10::GetAllocator(kCUDA): the same object.
     c10::SetAllocator(c10::DeviceType::CUDA, instance().get(), /*priority=*/255);
     return 0;

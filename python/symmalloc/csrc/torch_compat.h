@@ -42,6 +42,22 @@
 // segments in) exists from torch 2.11.
 #define SYMM_TORCH_HAS_REGISTRATION_COUNTER SYMM_TORCH_AT_LEAST(2, 11)
 
+// CUDAAllocator::getContextForPointer (torch.cuda.memory._allocation_traceback) exists from
+// torch 2.12.
+#define SYMM_TORCH_HAS_CONTEXT_FOR_POINTER SYMM_TORCH_AT_LEAST(2, 12)
+
+// DeviceStats::reserved_bytes_by_private_pools (memory_stats' nested dict keyed by MempoolId)
+// exists from torch 2.13.
+#define SYMM_TORCH_HAS_PRIVATE_POOL_STATS SYMM_TORCH_AT_LEAST(2, 13)
+
+// The device hook that c10::CachingAllocator::setAllocatorSettings (torch.cuda.memory.
+// _set_allocator_settings, torch._C._accelerator_setAllocatorSettings) calls after the generic
+// parse: readable through the public AcceleratorAllocatorConfig::getConfigParserHook() from
+// torch 2.11 (an inline function's static up to 2.12, a function of libc10 from 2.13; either
+// way one object in the process: the inline one is a GNU unique symbol). torch 2.10 keeps it
+// in a private member: settings.h then replaces it without reading it.
+#define SYMM_TORCH_HAS_CONFIG_HOOK_GETTER SYMM_TORCH_AT_LEAST(2, 11)
+
 namespace symm_torch {
 namespace {  // internal linkage, as in the one translation unit that includes this
 
