@@ -1,9 +1,9 @@
 // Test only: the multimem all-reduce body (kernels/multimem.cuh) with its memory operation done
 // through unicast pointers, so its slicing, indexing and barriers run where no multicast object
 // may exist. Never part of the library: build.rs compiles kernels/*.cu only, and nothing there
-// includes this file. Built by the Makefile into build/mm-unicast/ (the test program
-// tests/multimem_unicast/multimem_unicast.cu, and the PTX that `make test-multimem-unicast`
-// checks for the absence of multimem instructions).
+// includes this file. The test program tests/multimem_unicast/multimem_unicast.cu instantiates
+// it (its kernels live there, outside the kernel table that tests/kernel_table.rs checks), and
+// `make test-multimem-unicast` checks that program's PTX for the absence of multimem instructions.
 //
 // UnicastOp::sum_item<DT>(a, i) stands for one multimem.ld_reduce + multimem.st on item i: it
 // loads item i (16 bytes) from every rank's buffer through this rank's pointers to them, sums in
@@ -51,13 +51,3 @@ struct UnicastOp {
       if (r < a.world) ((uint4*)a.out[r])[i] = out;
   }
 };
-
-extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_test_multimem_unicast_bf16(SymmArgs a) {
-  multimem_body<0, UnicastOp>(a);
-}
-extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_test_multimem_unicast_fp16(SymmArgs a) {
-  multimem_body<1, UnicastOp>(a);
-}
-extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_test_multimem_unicast_fp32(SymmArgs a) {
-  multimem_body<2, UnicastOp>(a);
-}

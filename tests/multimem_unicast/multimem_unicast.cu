@@ -53,6 +53,17 @@
     return 1;                                                                                \
   } while (0)
 
+// The unicast instantiations of the multimem body, one per element type (multimem_body's DT).
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_test_multimem_unicast_bf16(SymmArgs a) {
+  multimem_body<0, UnicastOp>(a);
+}
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_test_multimem_unicast_fp16(SymmArgs a) {
+  multimem_body<1, UnicastOp>(a);
+}
+extern "C" __global__ void __launch_bounds__(SYMM_THREADS) symm_test_multimem_unicast_fp32(SymmArgs a) {
+  multimem_body<2, UnicastOp>(a);
+}
+
 static const char* kNames[3] = {"bf16", "fp16", "fp32"};
 static const size_t kGuard = 256;                  // poisoned bytes past each output
 static const size_t kCtlBytes = 32 << 10;          // pads and the abort word, as the internal block's
