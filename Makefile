@@ -19,7 +19,7 @@ CUDA_INCLUDE := $(CURDIR)/.toolchain/nvidia/cu13/include
 TORCH_VENV ?= $(CURDIR)/.toolchain/torch-venv-2.11.0
 
 .PHONY: all run build toolchain test test-rust test-c test-python test-torch test-torch-range torch-ext test-install test-wheel wheel lint header kernels install python-install clean
-.PHONY: check test-examples test-examples-cpp test-pip-install
+.PHONY: check test-examples test-examples-cpp test-pip-install test-multimem-unicast
 
 all: run
 
@@ -101,9 +101,9 @@ test-c: build
 	$(CTEST) --test-dir build/c --output-on-failure
 
 # The inner loop: no torch venv, no wheel, no install; `make test` runs all of it and more.
-check: toolchain lint test-rust test-c test-python test-examples
+check: toolchain lint test-rust test-c test-python test-examples test-multimem-unicast
 
-test: test-examples test-examples-cpp test-pip-install
+test: test-examples test-examples-cpp test-pip-install test-multimem-unicast
 
 # The examples that run on any machine, on host memory: the demo as `make` runs it (on a machine
 # without a GPU it must pick host memory and pass), its host form, and the C and Python examples.
@@ -131,6 +131,40 @@ test-examples-cpp: build
 	  echo "$$out" | grep -q '^rank [01]: [a-zA-Z_]*(.*) failed: ' \
 	  || { echo "examples/cpp/allreduce failed without naming the failed call"; exit 1; }; \
 	  echo "test-examples-cpp: built; without two GPUs it names the CUDA call that failed"; }
+
+# The multimem kernel's logic without a multicast object (docs/multicast.md, "How its logic is
+# tested"): tests/multimem_unicast/multimem_unicast.cu runs the body of kernels/multimem.cuh with
+# the unicast operation of kernels/multimem_unicast.cuh (on a GPU: scripts/device-run.sh
+# multimem). Here, in seconds: the test program builds; its PTX holds the three unicast kernels,
+# their peer loads and barriers, and no multimem instruction; its binary references no multicast
+# function; and the production instantiations (kernels/instances.cu's symm_multimem_* lines,
+# compiled alone) still hold multimem.ld_reduce and multimem.st, so the sm_90 gate did not
+# remove them.
+MM_DIR := build/mm-unicast
+MM_FLAGS := -std=c++17 -O3 --expt-relaxed-constexpr -Ikernels -Iinclude -Xcompiler -Wall,-Wextra,-Werror
+MM_DEPS := kernels/multimem_unicast.cuh kernels/multimem.cuh kernels/common.cuh kernels/symm_constants.cuh include/symmalloc.h
+$(MM_DIR)/multimem_unicast: tests/multimem_unicast/multimem_unicast.cu $(MM_DEPS) target/release/libsymmalloc.so
+	@mkdir -p $(MM_DIR)
+	$(NVCC) $(MM_FLAGS) "-gencode=arch=compute_90,code=[sm_90,compute_90]" $< -o $@ -L$(CURDIR)/.toolchain/nvidia/cu13/lib \
+	  -Ltarget/release -lsymmalloc -Xlinker -rpath,'$$ORIGIN' -Xlinker -rpath,$(CURDIR)/target/release
+test-multimem-unicast: build $(MM_DIR)/multimem_unicast
+	$(NVCC) $(MM_FLAGS) -ptx -arch=compute_90 tests/multimem_unicast/multimem_unicast.cu -o $(MM_DIR)/unicast.ptx
+	@{ echo '#include "multimem.cuh"'; grep '^extern "C" .* symm_multimem_' kernels/instances.cu; } > $(MM_DIR)/production.cu
+	$(NVCC) $(MM_FLAGS) -ptx -arch=compute_90 $(MM_DIR)/production.cu -o $(MM_DIR)/production.ptx
+	@set -e; u=$(MM_DIR)/unicast.ptx; p=$(MM_DIR)/production.ptx; \
+	for t in bf16 fp16 fp32; do \
+	  grep -q "^\.visible \.entry symm_test_multimem_unicast_$$t(" $$u || { echo "$$u: no kernel symm_test_multimem_unicast_$$t"; exit 1; }; \
+	  awk "/^\.visible \.entry symm_multimem_$${t}_sum_vec\(/{f=1} f&&/^}/{exit} f" $$p > $(MM_DIR)/prod_$$t.ptx; \
+	  grep -q 'multimem\.ld_reduce' $(MM_DIR)/prod_$$t.ptx && grep -q 'multimem\.st' $(MM_DIR)/prod_$$t.ptx \
+	    || { echo "production symm_multimem_$${t}_sum_vec lost its multimem instructions ($(MM_DIR)/prod_$$t.ptx)"; exit 1; }; \
+	done; \
+	if grep -vE '^\s*\.(file|loc)' $$u | grep -nE '(^|[^_a-z])multimem\.'; then echo "$$u: a multimem instruction in the unicast test"; exit 1; fi; \
+	grep -q 'ld\.global\.v4' $$u && grep -q 'st\.global\.v4' $$u && grep -q 'ld\.acquire\.sys' $$u \
+	  || { echo "$$u: the peer loads/stores or the barriers are missing"; exit 1; }; \
+	if nm -D --undefined-only $(MM_DIR)/multimem_unicast | grep -i multicast; then echo "the test binary references a multicast function"; exit 1; fi; \
+	if grep -aiE 'cuMulticast|cudaMulticast' $(MM_DIR)/multimem_unicast; then echo "the test binary names a multicast function"; exit 1; fi; \
+	nm -D --undefined-only $(MM_DIR)/multimem_unicast | grep -q ' symm_peer_ptr$$' || { echo "the test binary does not use symm_peer_ptr"; exit 1; }; \
+	echo "test-multimem-unicast: unicast PTX has no multimem instruction, the binary no multicast function; production PTX keeps multimem.ld_reduce/st"
 
 # `pip install ./python` as a user without a CUDA toolkit runs it: the checkout's files (git's
 # view: no .toolchain, no target) in build/pip-src, a fresh venv, nvcc and the toolchain off PATH

@@ -5,6 +5,13 @@
 // safety rule"; src/cuda/multicast_gate.rs).
 // In place only (the multicast object covers the output). Items are 16-byte vectors; the
 // count must be a multiple of 8 bf16/fp16 elements or 4 fp32 elements.
+//
+// The body is a template over its memory operation (`Op::template sum_item<DT>(a, i)`: reduce
+// item i over every rank and store the result to every rank). Production instantiates only
+// MultimemOp, the PTX above; kernels/multimem_unicast.cuh supplies UnicastOp, the same reduction
+// through each rank's unicast pointers to its peers' buffers, so a test runs this body's
+// slicing, indexing and barriers with no multicast object (docs/multicast.md, "How its logic is
+// tested").
 #pragma once
 #include "common.cuh"
 
@@ -35,7 +42,16 @@ __device__ __forceinline__ void multimem_sum_item(uint64_t addr) {
 #endif
 }
 
-template <int DT>
+// The real memory operation: one multimem.ld_reduce and one multimem.st on the output's
+// multicast address.
+struct MultimemOp {
+  template <int DT>
+  static __device__ __forceinline__ void sum_item(const SymmArgs& a, uint64_t i) {
+    multimem_sum_item<DT>(a.mc_out + i * 16);
+  }
+};
+
+template <int DT, class Op = MultimemOp>
 __device__ __forceinline__ void multimem_body(const SymmArgs& a) {
 #ifdef SYMM_HAS_MULTIMEM
   uint32_t e;
@@ -48,7 +64,7 @@ __device__ __forceinline__ void multimem_body(const SymmArgs& a) {
   const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   if (ok) {
     for (uint64_t i = begin + (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < end; i += stride)
-      multimem_sum_item<DT>(a.mc_out + i * 16);
+      Op::template sum_item<DT>(a, i);
   }
   barrier_close(a, e, ok);
 #else

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Runs symmalloc's GPU checks (and, with "bench", the benchmarks) on a GPU machine, from
 # prebuilt artifacts in .device/ (docs/development.md, "GPU runs"). Logs go to $OUT.
-#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab | p2p | fp8 | groups | moe | global | atp | hier | x2
+#   bash scripts/device-run.sh tests | gpu | bench | alloc | tail | native | fused | ab | p2p | fp8 | groups | moe | global | atp | hier | x2 | multimem
+#   multimem: the multimem all-reduce's body with unicast peer loads and stores, no multicast
+#             object (tests/multimem_unicast; docs/multicast.md) at RANKS (default "2 4 8") ranks
+#             sharing the machine's GPUs (SYMMALLOC_SHARED_GPU=1). Exit 77 in its log: skipped.
 #   x2: the 2-GPU runs first made on 2026-11-27 (PARTS; see the branch), each part within what is left of BUDGET s.
 #   fused: bench/fused.py (all-reduce + residual add + RMSNorm, fused vs unfused vs NCCL, and a
 #          16-layer decoder step).
@@ -173,6 +176,11 @@ elif [ "${1:-tests}" = x2 ]; then
       global) CUDA_VISIBLE_DEVICES=0 T=$(left 300) TAILN=16 run global_memory python3 bench/global_memory.py \
                 --runs "${RUNS_GLOBAL:-1}" --replays "${REPLAYS:-100}" --out "$OUT/global_memory.json" ;;
     esac
+  done
+elif [ "${1:-tests}" = multimem ]; then
+  step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  for n in ${RANKS:-2 4 8}; do
+    SYMMALLOC_SHARED_GPU=1 T=${T:-300} TAILN=6 run multimem_unicast_$n env LD_LIBRARY_PATH=$D $D/multimem_unicast $n
   done
 elif [ "${1:-tests}" = hier ]; then
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

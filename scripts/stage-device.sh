@@ -55,6 +55,7 @@ if [ -x .toolchain/nvidia/cu13/bin/nvcc ]; then
   .toolchain/nvidia/cu13/bin/nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 -Iinclude \
     examples/cpp/p2p_allreduce.cu -o .device/p2p_allreduce -L.toolchain/nvidia/cu13/lib -Ltarget/release -lsymmalloc
 fi
+make --no-print-directory build/mm-unicast/multimem_unicast >/dev/null && cp build/mm-unicast/multimem_unicast .device/  # device-run.sh multimem
 strip .device/t_* .device/alloc_bench .device/allreduce_c .device/p2p_bench .device/groups_bench .device/symmalloc-demo
 strip --strip-debug .device/*.so  # keeps the dynamic symbols; the tree travels under 64 MiB
 link_soname .device
