@@ -132,7 +132,7 @@ class Moe:
     _ptr = None
 
     def __init__(self, comm, max_tokens_per_rank: int, hidden: int, topk: int, num_experts: int,
-                 dtype="bf16", max_recv_per_expert: Optional[int] = 0):
+                 dtype="bf16", max_recv_per_expert: Optional[int] = 0, num_sms: Optional[int] = 0):
         refused = None
         cfg = _MoeConfig()
         try:
@@ -144,6 +144,7 @@ class Moe:
             cfg.num_experts = _uint("num_experts", num_experts, 1, (1 << 32) - 1)
             cfg.dtype, cfg.flags = code, 0
             cfg.max_recv_per_expert = _uint("max_recv_per_expert", max_recv_per_expert or 0, 0, (1 << 63) - 1)
+            cfg.num_sms = _uint("num_sms", num_sms or 0, 0, (1 << 32) - 1)
         except SymmallocError as e:
             refused = e
         lib = _moe_library()

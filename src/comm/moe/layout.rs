@@ -13,9 +13,9 @@ use super::config::Config;
 
 /// Alignment of every part.
 pub const PART_ALIGN: u64 = 256;
-/// Bytes of the control part: the kernels' monotonic counters (dispatch done and blocks
-/// counted in, combine done and blocks counted in, the last dispatch that succeeded), as `u64`
-/// words. Only this rank's kernels touch its control part.
+/// Bytes of the control part: the kernels' monotonic counters (dispatch done, blocks counted
+/// in before its counts row and at its end; the same for the combine; the last dispatch that
+/// succeeded), as `u64` words. Only this rank's kernels touch its control part.
 pub const CTRL_BYTES: u64 = 4096;
 /// `u64` words of the control part (word indices).
 pub const CTRL_D_DONE: u64 = 0;
@@ -23,6 +23,8 @@ pub const CTRL_D_SENT: u64 = 1;
 pub const CTRL_C_DONE: u64 = 2;
 pub const CTRL_C_SENT: u64 = 3;
 pub const CTRL_OK_EPOCH: u64 = 4;
+pub const CTRL_D_FIN: u64 = 5;
+pub const CTRL_C_FIN: u64 = 6;
 /// Words after a source rank's counts in a counts row: status, then token, k, value (low and
 /// high halves) of its first offending entry (status.rs has the codes), then padding.
 pub const ROW_EXTRA: u64 = 8;
@@ -117,6 +119,7 @@ impl Layout {
             off
         };
         let _ctrl = part(CTRL_BYTES);
+        // At CTRL_BYTES: the kernels take it from there (kernels/moe.cu MOE_CTRL_BYTES).
         let counts = part(2 * world * row_words(e) * 8);
         let flags = part(FLAG_ROWS * world * 8);
         let recv_counts = part(l * 4);

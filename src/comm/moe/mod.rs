@@ -217,8 +217,12 @@ impl Communicator {
         let asked = req.as_ref().map_or(Request::UNREADABLE, |r| **r);
         let checked = req.and_then(|r| r.check(world));
         let req = &asked;
-        // One block on the host backend, whose device has one SM.
-        let grid = self.settings.fewest_sms.clamp(1, MAX_GRID);
+        // One block on the host backend, whose device has one SM; `num_sms` caps it.
+        let cap = match asked.num_sms {
+            0 => MAX_GRID,
+            n => n.min(MAX_GRID),
+        };
+        let grid = self.settings.fewest_sms.min(cap).clamp(1, MAX_GRID);
         // The agreement: refusal text, the requested words, the grid.
         let mut msg = Vec::new();
         let text = checked
@@ -249,7 +253,7 @@ impl Communicator {
             let n = u64::from_le_bytes(m.get(..8).ok_or_else(bad)?.try_into().unwrap()) as usize;
             let t = m.get(8..8 + n).ok_or_else(bad)?;
             let rest = m.get((8 + n).next_multiple_of(8)..).ok_or_else(bad)?;
-            if rest.len() != 8 * 8 {
+            if rest.len() != 9 * 8 {
                 return Err(bad());
             }
             let w: Vec<u64> = rest
@@ -258,12 +262,12 @@ impl Communicator {
                 .collect();
             if n > 0 {
                 refusals.push(format!("rank {r}: {}", String::from_utf8_lossy(t)));
-                if w[..7] == Request::UNREADABLE.words() {
+                if w[..8] == Request::UNREADABLE.words() {
                     unreadable.push(format!("rank {r}: {}", String::from_utf8_lossy(t)));
                 }
             }
-            g = g.min(w[7] as u32);
-            words.push(w[..7].to_vec());
+            g = g.min(w[8] as u32);
+            words.push(w[..8].to_vec());
         }
         if let (true, Err(e)) = (unread, &checked) {
             return Err(e.clone()); // this rank's own reason
@@ -348,7 +352,8 @@ impl Communicator {
         }
         let status = self.exec.mapped_word()?;
         crate::info!(
-            "rank {}/{}: moe object of {} bytes (T {}, H {}, K {}, E {}, R {}, {}), grid {grid}",
+            "rank {}/{}: moe object of {} bytes (T {}, H {}, K {}, E {}, R {}, {}), grid {grid} \
+             (num_sms {})",
             self.rank,
             self.world,
             layout.bytes,
@@ -357,7 +362,8 @@ impl Communicator {
             cfg.topk,
             cfg.experts,
             cfg.max_recv,
-            cfg.dtype.name()
+            cfg.dtype.name(),
+            cfg.num_sms
         );
         Ok(Moe {
             cfg: *cfg,

@@ -348,7 +348,7 @@ fn capacity(comm: Comm, dev: Dev, w: usize, seed: u64) {
 
 /// One `symm_moe_create` (or `_config` with `cfg`) that every rank must see fail with `want`
 /// and every needle; `*out` stays NULL.
-fn refuse(
+pub fn refuse(
     comm: Comm,
     s: Shape,
     cfg: Option<symm_moe_config_t>,
