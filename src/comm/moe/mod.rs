@@ -8,7 +8,7 @@
 //! The object does not live in the communicator: the C handle keeps both, and every call
 //! passes the communicator in (its mesh, arena, peer windows, settings and error words are
 //! what this folder reads). Creating one is collective: the ranks compare configurations
-//! (NOT_SYMMETRIC on every rank otherwise), agree on the grid, allocate the block (the same
+//! (NOT_SYMMETRIC on every rank otherwise), agree on the grid (`num_sms` caps it), allocate the block (the same
 //! offset on every rank), zero its control parts and share it (a rendezvous), so dispatch and
 //! combine map nothing and are capturable.
 //!
@@ -31,7 +31,10 @@ use config::{Config, IndexType, Payload, Request};
 use layout::Layout;
 use status::{Bounds, Refusal};
 
-/// The most blocks of a dispatch or combine grid.
+/// The most blocks of a dispatch or combine grid. The grid is the communicator's fewest SMs,
+/// capped by this and by the config's `num_sms` (its SM budget), agreed at create (the least
+/// over the ranks): one block per SM, all resident at once (the blocks wait for each other's
+/// counting-in, kernels/moe.cu).
 pub const MAX_GRID: u32 = 132;
 /// Threads per block of the kernels (kernels/moe.cu `MOE_THREADS`).
 pub const THREADS: u32 = 512;
