@@ -59,6 +59,37 @@ pub fn edges(comm: Comm, dev: Dev, w: usize, seed: u64) -> usize {
     ran
 }
 
+/// The last rank refuses a dispatch (k = 0): every rank fails naming it, nothing lands; the
+/// same call then goes through everywhere, and so does the pair after it.
+fn refused_then_retried(o: &Obj, seed: u64) -> usize {
+    let (w, me, last) = (o.w, o.rank, o.w - 1);
+    let c = Case::new(seed, o.s.t, 4, Route::Random);
+    let all: Vec<Inputs> = (0..w).map(|r| rank_inputs(&o.s, &c, w, r)).collect();
+    let staged = stage(o, &all[me], c.k, c.idx64);
+    let mut bad = staged.a;
+    if me == last {
+        bad.k = 0;
+    }
+    let own = "k = 0".to_string();
+    let named = format!("rank {last} passed k = 0");
+    let needle = if me == last { own } else { named };
+    expect(
+        o,
+        dispatch(o, &bad),
+        INVALID,
+        &[needle],
+        "a refused dispatch",
+    );
+    assert!(
+        read_recv(o).counts.iter().all(|&n| n == 0),
+        "rank {me}: a refused dispatch leaves no rows"
+    );
+    let d = dispatch_checked(o, &c, 0);
+    drop(d);
+    run_case(o, &c, Expert::Scale, [0, 0]);
+    2
+}
+
 /// A version 1 `symm_moe_config_t` (without `num_sms`) is read as `num_sms` 0; a nonzero
 /// reserved word and a `num_sms` that differs between ranks fail on every rank.
 fn create_edges(comm: Comm, dev: Dev, w: usize) {
