@@ -371,7 +371,8 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   // Step 2: the grid's last block to count itself in stores this rank's row, every word tagged
   // with the epoch, into every rank (the blocks' fences release their lists and staged rows).
   if (tid == 0) {
-    __threadfence_system();
+    // Peers read the list and the staged rows (system scope); at world 1 only this GPU does.
+    if (W > 1) __threadfence_system(); else __threadfence();
     const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_D_SENT], 1ull);
     last_s = old + 1 == epoch * gridDim.x;
     if (last_s) __threadfence_system();
@@ -604,7 +605,7 @@ __device__ void moe_combine_body(const MoeArgs& a) {
   }
   __syncthreads();
   if (tid == 0) {
-    __threadfence_system();
+    if (W > 1) __threadfence_system();  // the rows this block pushed into peers' cbuf
     const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_C_SENT], 1ull);
     if (old + 1 == epoch * gridDim.x) moe_raise(a, flag, 2 * epoch + (refused ? 1 : 0));
   }
