@@ -604,8 +604,8 @@ __device__ void moe_combine_body(const MoeArgs& a) {
     }
   }
   __syncthreads();
-  if (tid == 0) {
-    if (W > 1) __threadfence_system();  // the rows this block pushed into peers' cbuf
+  if (tid == 0 && W > 1) {  // at world 1 nobody waits for this rank's flag
+    __threadfence_system();  // the rows this block pushed into peers' cbuf
     const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_C_SENT], 1ull);
     if (old + 1 == epoch * gridDim.x) moe_raise(a, flag, 2 * epoch + (refused ? 1 : 0));
   }
