@@ -14,7 +14,9 @@ handle)`` with ``recv_src`` and ``num_tokens`` as attributes too. ``L = num_expe
 local experts (this rank holds global experts ``first_expert .. first_expert + L - 1``), ``R =
 max_recv`` rows per local expert (``world * max_tokens_per_rank`` unless
 ``max_recv_per_expert`` is given: then a routing that sends more rows to one expert is an
-error, never a drop). A local expert's rows are ordered by source rank, then source token, so
+error, never a drop). ``num_sms`` (0: every SM, at most 132) caps the SMs the dispatch and
+combine kernels use, leaving the rest to other work; the results do not depend on it. A local
+expert's rows are ordered by source rank, then source token, so
 the layout and ``y`` are bitwise the same every run. ``recv_src[le, row]`` is ``(src_rank *
 max_tokens_per_rank + token) * topk + k`` of each row. ``recv_counts`` stays on the device:
 nothing here synchronizes with the host.
