@@ -117,6 +117,22 @@ __device__ __forceinline__ uint64_t* moe_row(const MoeArgs& a, int d, uint64_t e
   return (uint64_t*)(a.blocks[d] + MOE_CTRL_BYTES) + ((epoch & 1) * a.s.world + src) * words;
 }
 
+// A counts-row word's store and load: system scope when peers take part, GPU scope at world 1
+// (nothing then leaves this GPU, and the GPU-scope fences are the cheaper ones).
+__device__ __forceinline__ void moe_st_release(uint64_t* p, uint64_t v, bool peers) {
+  if (peers)
+    st_release_sys_u64(p, v);
+  else
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t moe_ld_acquire(const uint64_t* p, bool peers) {
+  if (peers) return ld_acquire_sys_u64(p);
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ uint64_t moe_tagged(uint64_t epoch, int32_t v) {
   return ((epoch & 0xffffffffull) << 32) | (uint64_t)(uint32_t)v;
 }
@@ -375,7 +391,9 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     if (W > 1) __threadfence_system(); else __threadfence();
     const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_D_SENT], 1ull);
     last_s = old + 1 == epoch * gridDim.x;
-    if (last_s) __threadfence_system();
+    if (last_s) {
+      if (W > 1) __threadfence_system(); else __threadfence();
+    }
   }
   __syncthreads();
   if (last_s) {
@@ -394,7 +412,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
             : x == 4 ? (int32_t)(uint32_t)((uint64_t)found_v >> 32)
                      : 0;
       }
-      st_release_sys_u64(moe_row(a, d, epoch, me) + w, moe_tagged(epoch, v));
+      moe_st_release(moe_row(a, d, epoch, me) + w, moe_tagged(epoch, v), W > 1);
     }
   }
 
@@ -408,7 +426,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     for (int q = tid; q < W * words && ok; q += MOE_THREADS) {
       const int s = q / words;
       const uint64_t* w = moe_row(a, me, epoch, s) + q % words;
-      while ((uint32_t)(ld_acquire_sys_u64(w) >> 32) != tag) {
+      while ((uint32_t)(moe_ld_acquire(w, W > 1) >> 32) != tag) {
         if (give_up(a.s, spins, start, s)) {
           ok = 0;
           break;
