@@ -3,6 +3,8 @@ measured in the same run:
 
     python3 bench/moe.py [--ranks 2] [--shapes decode1,decode128,prefill4096] [--runs 3] [--json OUT]
     python3 bench/moe.py --shared-gpu --ranks 2 --quick      # N ranks on GPU 0: a filter only
+    python3 bench/moe.py --ranks 1 --shapes decode1,decode128 --impls symmalloc --no-link
+                                                             # world 1: the kernels' own latency
     python3 bench/moe.py --selftest                          # CPU, gloo, 2 processes: no GPU
 
 One process per rank (started here), one GPU per rank, or with --shared-gpu every rank on GPU 0
@@ -364,10 +366,10 @@ def link_bandwidth(nbytes=256 << 20, reps=10):
 
 # ---------------------------------------------------------------- one rank
 
-def make_moe(comm, T, H, K, E, max_recv):
-    """comm.moe (python/symmalloc/moe.py); max_recv 0 = the default W*T."""
+def make_moe(comm, T, H, K, E, max_recv, num_sms=0):
+    """comm.moe (python/symmalloc/moe.py); max_recv 0 = the default W*T; num_sms 0 = every SM."""
     return comm.moe(max_tokens_per_rank=T, hidden=H, topk=K, num_experts=E, dtype=torch.bfloat16,
-                    max_recv_per_expert=max_recv or None)
+                    max_recv_per_expert=max_recv or None, num_sms=num_sms)
 
 
 def rel_err(got, ref):
@@ -468,7 +470,7 @@ def rank_main(rank, world, port, args, job, out_path):
                 R = recv_capacity(T, K, E, world, args.slack) if T >= PREFILL_MIN_TOKENS else 0
                 moe = None
                 try:
-                    moe = make_moe(comm, T, H, K, E, R)
+                    moe = make_moe(comm, T, H, K, E, R, args.num_sms)
                 except Exception as e:  # noqa: BLE001
                     need = L * (R or world * T) * H * 2 + 2 * T * K * H * 2  # recv_x, two cbufs
                     note(f"symmalloc {shape}: create refused (max_recv_per_expert {R or world * T}, recv_x + cbuf "
@@ -763,9 +765,29 @@ def report(runs, link, args, world):
     return targets(summary, args, world, lbw, shared), summary, others
 
 
+# World-1 latency targets (one GPU, every expert local, graphed p50 in us): what the kernels
+# themselves cost, with no peer to wait for.
+WORLD1_TARGETS = {("decode1", "dispatch"): 5.0, ("decode1", "combine"): 5.0,
+                  ("decode128", "dispatch"): 12.0, ("decode128", "combine"): 10.0}
+
+
 def targets(s, args, world, lbw, shared):
     print("\nTargets (EP8, 128 tokens)")
     out = {}
+    # 0. world 1: the kernels' latency, graphed p50 (p99 printed beside it).
+    for (shape, op), limit in WORLD1_TARGETS.items():
+        if shape not in args.shapes:
+            continue
+        r = s.get((shape, "symmalloc", op, "graph"))
+        if world != 1:
+            verdict, text = "n/a (target is at 1 rank)", ""
+        elif not r:
+            verdict, text = "n/a", "missing row"
+        else:
+            text = f"p50 {r['p50']:.2f} us, p99 {r['p99']:.2f} us"
+            verdict = "MET" if r["p50"] <= limit else "MISSED"
+        out[f"world1_{shape}_{op}"] = verdict
+        print(f"  world 1 {shape} {op} graphed p50 <= {limit:g} us: {text} -> {verdict}")
     # 1. decode dispatch+combine vs the NCCL baseline, >= 3x at 2 ranks.
     for shape in [x for x in args.shapes if SHAPES[x] < PREFILL_MIN_TOKENS]:
         sg = s.get((shape, "symmalloc", "dispatch+combine", "graph"))
@@ -916,6 +938,7 @@ def main():
     ap.add_argument("--no-link", dest="link", action="store_false", help="skip the GPU0<->GPU1 copy bandwidth")
     ap.add_argument("--quick", action="store_true", help="1 run, 50 replays, 30 eager iterations")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--num-sms", type=int, default=0, help="comm.moe(num_sms=): the kernels' SM cap (0: all)")
     ap.add_argument("--json", help="write the raw numbers (every run's rows and per-call times) to this file")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"), help="folder for per-run JSON")
     ap.add_argument("--port", type=int, default=29600)

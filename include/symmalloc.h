@@ -73,9 +73,10 @@ struct CUstream_st;
 #define SYMM_INDEX_INT64 1
 
 /**
- * The `symm_moe_config_t` layout this library reads (`version`).
+ * The `symm_moe_config_t` layout this library writes in its header (`version`): 2 added
+ * `num_sms`. Version 1 (`size` 48, without `num_sms`) is still read, as `num_sms` 0.
  */
-#define SYMM_MOE_CONFIG_VERSION 1
+#define SYMM_MOE_CONFIG_VERSION 2
 
 /**
  * The `symm_moe_layout_t` layout this library writes (`version`).
@@ -356,6 +357,15 @@ typedef struct {
    * R: rows per local expert; 0 = world * max_tokens_per_rank (no routing overflows it).
    */
   uint64_t max_recv_per_expert;
+  /**
+   * Version 2: the most SMs (blocks) a dispatch or combine kernel uses; 0 = as many as the
+   * communicator's GPUs have (at most 132). Every rank passes the same value.
+   */
+  uint32_t num_sms;
+  /**
+   * Version 2: 0 (reserved; anything else is refused).
+   */
+  uint32_t reserved;
 } symm_moe_config_t;
 
 /**

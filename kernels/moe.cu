@@ -6,28 +6,37 @@
 // kernel (routing, counts exchange, rows to the experts' ranks) and the combine kernel (rows back
 // to their tokens' ranks, the weighted sum in a fixed order).
 //
-// One kernel per call. Block 0 routes; every block sends. The other blocks wait for block 0's
-// route on a control word of this rank's own block (this GPU's memory, never host memory), so
-// the grid must be resident at once: it is at most one block per SM (moe/mod.rs `MAX_GRID`,
-// the communicator's fewest SMs) and every block fits an SM (`__launch_bounds__`).
+// One kernel per call, and every block does the same work on its share: there is no routing
+// block. Dispatch: each block reads the whole routing once (counts per expert, warp-aggregated
+// shared atomics: a sum, so the order does not matter), ranks the entries of its own chunk of
+// tokens in token order (a warp walks the chunk's entries 32 at a time, `__match_any_sync`),
+// writes their list (CSR by expert) and stages its tokens' rows (world > 1). The grid's last
+// block to count itself in then stores this rank's counts row into every rank, each word tagged
+// with the epoch: that is the call's only cross-rank wait. Every block then waits for every
+// source's tagged row and pulls its share of this rank's experts' rows from the sources
+// (rows ordered by source rank, then token: the source's list order). Blocks wait for each
+// other's counting-in, so the grid must be resident at once: at most one block per SM
+// (moe/mod.rs `MAX_GRID`, the communicator's fewest SMs, `num_sms`), each fits an SM
+// (`__launch_bounds__`).
 //
 // Epochs: a call's epoch is the rank's count of earlier calls of its kind plus one, read from
-// the control words at kernel start; block 0 stores it at the end, after every block of the grid
-// has counted itself in (so none reads it late). Flags are monotonic (`>= epoch`), so graph
-// replays need no reset and nothing is ever cleared. Count rows alternate by the dispatch epoch's
-// parity; the combine's flag row and landing buffer (cbuf) by the combine epoch's (moe_cbuf), so
-// combines of one dispatch may follow each other back to back: a rank reaches combine c + 2 only
-// after every rank raised its flag of c + 1, i.e. after every rank's kernel of c finished reading
-// its cbuf and flags; a combine's wait therefore sees exactly its own value, never a later call's.
+// the control words at kernel start; the grid's last block to count itself in at the end
+// (`D_FIN` / `C_FIN`, so none reads it late) stores it: graph replays need no reset. Counts rows,
+// entry lists and staged rows alternate by the dispatch epoch's parity: a source reaches dispatch
+// n + 2 only after every rank published its row of n + 1, i.e. finished pulling call n. The
+// combine's flag row and landing buffer (cbuf) alternate by the combine epoch's parity
+// (moe_cbuf), so combines of one dispatch may follow each other back to back: a rank reaches
+// combine c + 2 only after every rank raised its flag of c + 1, i.e. after every rank's kernel of
+// c finished reading its cbuf and flags. Only peers' rows go through cbuf: a rank sums its own
+// experts' rows straight from expert_out.
 //
-// Determinism: each (token, slot)'s row within (this rank, its expert) follows token order (one
-// warp walks the entries in order; `__match_any_sync` ranks equal experts inside a group of 32),
-// rows are placed by (source rank, token), and the combine sums k = 0..K-1 with fmaf from 0 into
-// fp32 and rounds to bf16 once: y does not depend on arrival order, grid or timing.
+// Determinism: each entry's row within (this rank, its expert) follows token order, rows are
+// placed by (source rank, token), and the combine sums k = 0..K-1 with fmaf from 0 into fp32 and
+// rounds to bf16 once: y does not depend on arrival order, grid or timing.
 //
-// Waits follow common.cuh's rule: they poll their own flag words in this GPU's memory and, once
-// per SYMM_SPIN_CHECK spins, the clock and the abort word; a timeout aborts the communicator
-// naming the rank waited for. The only host-mapped memory a kernel touches is stored to: the
+// Waits follow common.cuh's rule: they poll words in this GPU's memory and, once per
+// SYMM_SPIN_CHECK spins, the clock and the abort word; a timeout aborts the communicator naming
+// the rank waited for. The only host-mapped memory a kernel touches is stored to: the
 // communicator's error words (report_to_host) and the object's status words (moe_record).
 #include "common.cuh"
 
@@ -36,18 +45,18 @@
 #define MOE_MAX_EXPERTS 1024
 #define MOE_ROW_EXTRA 8
 #define MOE_SCALE_GROUP 128
+// Bytes of the control part at the start of a moe block; the counts rows follow it.
+#define MOE_CTRL_BYTES 4096
 // Control words (u64) at the start of a moe block (src/comm/moe/layout.rs CTRL_*).
 #define MOE_CTRL_D_DONE 0
 #define MOE_CTRL_D_SENT 1
 #define MOE_CTRL_C_DONE 2
 #define MOE_CTRL_C_SENT 3
 #define MOE_CTRL_OK_EPOCH 4
-#define MOE_CTRL_ROUTED 5
-#define MOE_CTRL_FAILED 6
-// Flag rows (layout.rs FLAG_*); the combine has two, one per parity of its epoch.
-#define MOE_FLAG_COUNTS 0
-#define MOE_FLAG_DATA 1
-#define MOE_FLAG_COMBINE 2
+#define MOE_CTRL_D_FIN 5
+#define MOE_CTRL_C_FIN 6
+// Flag rows (layout.rs FLAG_*): the combine's two, one per parity of its epoch.
+#define MOE_FLAG_COMBINE 0
 // Status codes (src/comm/moe/status.rs ST_*) and status word indices (SW_*).
 #define MOE_ST_OUT_OF_RANGE 1
 #define MOE_ST_DUPLICATE 2
@@ -67,21 +76,23 @@ struct MoeArgs {
   uint64_t expert_out;             // [L][R][H] bf16 (combine)
   uint64_t y;                      // [n][H] bf16 (combine)
   uint64_t status;                 // uint32_t[16], host-mapped, stored to only (moe_record)
-  uint64_t off_counts;             // offsets of the block's parts (layout.rs)
-  uint64_t off_flags;
-  uint64_t off_recv_counts;
+  uint64_t off_flags;              // offsets of the block's parts (layout.rs; counts at
+  uint64_t off_recv_counts;        // MOE_CTRL_BYTES)
   uint64_t off_recv_src;
   uint64_t off_recv_x;
   uint64_t off_recv_scales;
   uint64_t off_idx;
   uint64_t off_weights;
   uint64_t off_pos;
+  uint64_t off_list;
+  uint64_t off_xstage;
+  uint64_t off_xscales;
   uint64_t off_cbuf;
-  uint64_t max_tokens;             // T
-  uint64_t hidden;                 // H
   uint64_t max_recv;               // R
   uint64_t num_tokens;             // n of this call (the last dispatch's for combine)
   int64_t refuse_value;
+  uint32_t max_tokens;             // T
+  uint32_t hidden;                 // H
   int32_t k;                       // the caller's k (<= topk)
   int32_t topk;                    // K
   int32_t experts;                 // E
@@ -99,16 +110,47 @@ __device__ __forceinline__ uint64_t* moe_flag(const MoeArgs& a, int d, int which
   return (uint64_t*)(a.blocks[d] + a.off_flags) + (uint64_t)which * a.s.world + src;
 }
 
-// The counts row of source `src` for `epoch`'s parity, in rank `d`'s block.
-__device__ __forceinline__ int32_t* moe_row(const MoeArgs& a, int d, uint64_t epoch, int src) {
+// The counts row of source `src` for `epoch`'s parity, in rank `d`'s block: u64 words, the
+// epoch's low 32 bits then the value (layout.rs `tagged`).
+__device__ __forceinline__ uint64_t* moe_row(const MoeArgs& a, int d, uint64_t epoch, int src) {
   const uint64_t words = (uint64_t)a.experts + MOE_ROW_EXTRA;
-  return (int32_t*)(a.blocks[d] + a.off_counts) + ((epoch & 1) * a.s.world + src) * words;
+  return (uint64_t*)(a.blocks[d] + MOE_CTRL_BYTES) + ((epoch & 1) * a.s.world + src) * words;
+}
+
+// A counts-row word's store and load: system scope when peers take part, GPU scope at world 1
+// (nothing then leaves this GPU, and the GPU-scope fences are the cheaper ones).
+__device__ __forceinline__ void moe_st_release(uint64_t* p, uint64_t v, bool peers) {
+  if (peers)
+    st_release_sys_u64(p, v);
+  else
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t moe_ld_acquire(const uint64_t* p, bool peers) {
+  if (peers) return ld_acquire_sys_u64(p);
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t moe_tagged(uint64_t epoch, int32_t v) {
+  return ((epoch & 0xffffffffull) << 32) | (uint64_t)(uint32_t)v;
+}
+
+// The value of word `w` of source `src`'s row here (after the wait saw every word's tag).
+__device__ __forceinline__ int32_t moe_count(const MoeArgs& a, uint64_t epoch, int src, int w) {
+  return (int32_t)(uint32_t)*(volatile uint64_t*)(moe_row(a, a.s.rank, epoch, src) + w);
+}
+
+// This rank's entry list of dispatch `epoch` in rank `d`'s block ([2][T*K] int32).
+__device__ __forceinline__ int32_t* moe_list(const MoeArgs& a, int d, uint64_t epoch) {
+  return (int32_t*)(a.blocks[d] + a.off_list) + (epoch & 1) * (uint64_t)a.max_tokens * a.topk;
 }
 
 // The landing buffer of combine `epoch` in rank `d`'s block: two [T][K][H] bf16 buffers, one per
 // parity of the combine epoch (layout.rs cbuf_at).
 __device__ __forceinline__ uint8_t* moe_cbuf(const MoeArgs& a, int d, uint64_t epoch) {
-  const uint64_t slot = a.max_tokens * (uint64_t)a.topk * a.hidden * 2;
+  const uint64_t slot = (uint64_t)a.max_tokens * a.topk * a.hidden * 2;
   return (uint8_t*)(a.blocks[d] + a.off_cbuf) + (epoch & 1) * slot;
 }
 
@@ -188,40 +230,95 @@ __device__ __forceinline__ void moe_copy_row(uint8_t* dst, const uint8_t* src, u
   }
 }
 
-// Block 0 of a dispatch: steps 1-3 of docs/moe.md ("Protocol"). Leaves in this rank's block,
-// for every block of the grid: pos[i] = the destination slot (local expert * R + row) of each
-// entry, or -1; ctrl[FAILED] = epoch when the call failed; then ctrl[ROUTED] = epoch. Returns
-// false when a wait ended (the communicator is aborted).
-template <typename IDX>
-__device__ bool moe_route(const MoeArgs& a, uint64_t epoch) {
-  __shared__ int32_t counts_s[MOE_MAX_EXPERTS];
-  __shared__ int32_t base_s[MOE_MAX_EXPERTS];
+// As moe_copy_row, loading past L1 (rows another GPU or another block wrote in this kernel).
+__device__ __forceinline__ void moe_pull_row(uint8_t* dst, const uint8_t* src, uint64_t bytes, int lane) {
+  const uint64_t n = bytes / 16;
+  const uint4* s = (const uint4*)src;
+  uint4* d = (uint4*)dst;
+  constexpr int U = 4;
+  for (uint64_t v = lane; v < n; v += 32 * U) {
+    uint4 r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (v + u * 32 < n) r[u] = __ldcg(s + v + u * 32);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (v + u * 32 < n) d[v + u * 32] = r[u];
+  }
+}
+
+// Exclusive prefix sums of in[0..n) into out[0..n) by one warp, 32 at a time (no block
+// barrier); returns the total. Every lane of the warp calls it.
+__device__ __forceinline__ int64_t moe_warp_scan(const int32_t* in, int32_t* out, int n, int lane) {
+  int64_t carry = 0;
+  for (int b = 0; b < n; b += 32) {
+    const int i = b + lane;
+    const int32_t v = i < n ? in[i] : 0;
+    int32_t x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    if (i < n) out[i] = (int32_t)(carry + x - v);
+    carry += __shfl_sync(0xffffffffu, x, 31);
+  }
+  return carry;
+}
+
+// Dispatch (docs/moe.md, "Protocol"): every block runs every step on its share.
+template <int PAYLOAD_BYTES, bool SCALES, typename IDX>
+__device__ void moe_dispatch_body(const MoeArgs& a) {
+  __shared__ int32_t hist_s[MOE_MAX_EXPERTS];    // this rank's counts; then rows per source
+  __shared__ int32_t run_s[MOE_MAX_EXPERTS];     // entries before this block's chunk, per expert
+  __shared__ int32_t off_s[MOE_MAX_EXPERTS];     // list offsets; then per (source, local expert)
+  __shared__ int32_t base_s[MOE_MAX_EXPERTS];    // rows of lower sources per (source, local expert)
+  __shared__ int32_t pre_s[MOE_MAX_EXPERTS + 1]; // rows of lower local experts
+  __shared__ uint64_t epoch_s;
   __shared__ uint32_t bad_s, cap_s;
-  __shared__ int32_t found_s[5];  // code, rank, token, k, (value in found_v)
+  __shared__ int32_t found_s[4];                 // code, rank, token, k
   __shared__ int64_t found_v;
-  const int tid = threadIdx.x, lane = tid & 31;
-  const int me = a.s.rank, W = a.s.world;
-  const int E = a.experts, L = a.local;
-  const uint64_t K = a.topk, R = a.max_recv;
+  __shared__ int live_s, last_s;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int me = a.s.rank, W = a.s.world, E = a.experts, L = a.local;
+  const uint64_t K = a.topk, T = a.max_tokens, H = a.hidden, R = a.max_recv;
+  const uint64_t row_bytes = H * PAYLOAD_BYTES, S = H / MOE_SCALE_GROUP;
+  uint64_t* ctrl = moe_ctrl(a);
+  if (tid == 0) {
+    epoch_s = *(volatile uint64_t*)&ctrl[MOE_CTRL_D_DONE] + 1;
+    live_s = !aborted(a.s);
+    bad_s = 0xffffffffu;
+    cap_s = 0xffffffffu;
+  }
+  for (int e = tid; e < E; e += MOE_THREADS) {
+    hist_s[e] = 0;
+    run_s[e] = 0;
+  }
+  __syncthreads();
+  if (!live_s) return;
+  const uint64_t epoch = epoch_s;
   const uint64_t n = a.refuse_code ? 0 : a.num_tokens;
-  const uint64_t entries = n * K;
+  const uint64_t per = (n + gridDim.x - 1) / gridDim.x;
+  const uint64_t c0 = min((uint64_t)blockIdx.x * per, n), c1 = min(c0 + per, n);
   int32_t* idx = (int32_t*)(a.blocks[me] + a.off_idx);
   float* wts = (float*)(a.blocks[me] + a.off_weights);
   int32_t* pos = (int32_t*)(a.blocks[me] + a.off_pos);
-  uint64_t* ctrl = moe_ctrl(a);
 
-  // Step 1: the local copy of the routing, the first offending entry, counts and positions.
-  if (tid == 0) bad_s = 0xffffffffu;
-  for (int e = tid; e < E; e += MOE_THREADS) counts_s[e] = 0;
-  __syncthreads();
-  for (uint64_t i = tid; i < entries; i += MOE_THREADS) {
-    uint32_t code;
-    const int64_t e = moe_entry<IDX>(a, i, code);
-    const uint64_t t = i / K, j = i % K;
-    const float w = (int)j < a.k ? ((const float*)a.topk_weights)[t * a.k + j] : 0.f;
-    idx[i] = (int32_t)e;
-    wts[i] = w;
-    if (code) atomicMin(&bad_s, (uint32_t)i);
+  // Step 1a: the whole routing, a thread per token: the first offending entry, the counts per
+  // expert and those of the tokens before this block's chunk (aggregated per warp).
+  for (uint64_t b = 0; b < n; b += MOE_THREADS) {
+    const uint64_t t = b + tid;
+    for (uint64_t j = 0; j < K; ++j) {
+      uint32_t code = 0;
+      const int64_t e = t < n ? moe_entry<IDX>(a, t * K + j, code) : -1;
+      if (code) atomicMin(&bad_s, (uint32_t)(t * K + j));
+      const int key = (code == 0 && e >= 0) ? (int)e : -1;
+      const uint32_t all = __match_any_sync(0xffffffffu, key);
+      if (key >= 0 && lane == __ffs(all) - 1) atomicAdd(&hist_s[key], __popc(all));
+      const int key2 = t < c0 ? key : -1;
+      const uint32_t before = __match_any_sync(0xffffffffu, key2);
+      if (key2 >= 0 && lane == __ffs(before) - 1) atomicAdd(&run_s[key2], __popc(before));
+    }
   }
   __syncthreads();
   if (tid == 0) {
@@ -244,204 +341,235 @@ __device__ bool moe_route(const MoeArgs& a, uint64_t epoch) {
   }
   __syncthreads();
   const bool own_bad = found_s[0] != 0;
-  if (!own_bad && tid < 32) {
-    // One warp, the entries in order: each entry's row within (this rank, its expert).
-    for (uint64_t b = 0; b < entries; b += 32) {
-      const uint64_t i = b + lane;
-      const int32_t e = i < entries ? idx[i] : -1;
-      const uint32_t peers = __match_any_sync(0xffffffffu, e);
-      const uint32_t lower = peers & ((1u << lane) - 1);
-      const int32_t c0 = e >= 0 ? counts_s[e] : 0;
-      __syncwarp();
-      if (e >= 0 && lower == 0) counts_s[e] = c0 + __popc(peers);
-      __syncwarp();
-      if (i < entries) pos[i] = e >= 0 ? c0 + __popc(lower) : -1;
+
+  // Step 1b: this block's chunk of tokens: the local copy of the routing, each entry's row
+  // within (this rank, its expert) in token order, the list, the staged rows.
+  if (!own_bad) {
+    if (warp == 0) moe_warp_scan(hist_s, off_s, E, lane);
+    for (uint64_t i = c0 * K + tid; i < c1 * K; i += MOE_THREADS) {
+      const uint64_t t = i / K, j = i % K;
+      uint32_t code;
+      idx[i] = (int32_t)moe_entry<IDX>(a, i, code);
+      wts[i] = (int)j < a.k ? ((const float*)a.topk_weights)[t * a.k + j] : 0.f;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      int32_t* list = moe_list(a, me, epoch);
+      for (uint64_t b = c0 * K; b < c1 * K; b += 32) {
+        const uint64_t i = b + lane;
+        const int32_t e = i < c1 * K ? idx[i] : -1;
+        const uint32_t peers = __match_any_sync(0xffffffffu, e);
+        const uint32_t lower = peers & ((1u << lane) - 1);
+        const int32_t r0 = e >= 0 ? run_s[e] : 0;
+        __syncwarp();
+        if (e >= 0 && lower == 0) run_s[e] = r0 + __popc(peers);
+        __syncwarp();
+        if (i < c1 * K) {
+          const int32_t p = e >= 0 ? r0 + __popc(lower) : -1;
+          pos[i] = p;
+          if (e >= 0) list[off_s[e] + p] = (int32_t)i;
+        }
+      }
+    }
+    if (W > 1) {
+      uint8_t* xs = (uint8_t*)(a.blocks[me] + a.off_xstage) + (epoch & 1) * T * row_bytes;
+      for (uint64_t t = c0 + warp; t < c1; t += MOE_WARPS) {
+        moe_copy_row(xs + t * row_bytes, (const uint8_t*)a.x + t * row_bytes, row_bytes, lane);
+        if (SCALES) {
+          float* ds = (float*)(a.blocks[me] + a.off_xscales) + (epoch & 1) * T * S + t * S;
+          for (uint64_t v = lane; v < S; v += 32) ds[v] = ((const float*)a.x_scales)[t * S + v];
+        }
+      }
     }
   }
   __syncthreads();
 
-  // Step 2: this rank's row (counts, or zeros and a status) into every rank's counts.
-  const uint32_t words = E + MOE_ROW_EXTRA;
-  for (int d = 0; d < W; ++d) {
-    int32_t* row = moe_row(a, d, epoch, me);
-    for (uint32_t w = tid; w < words; w += MOE_THREADS) {
-      int32_t v;
-      if (w < (uint32_t)E) {
-        v = own_bad ? 0 : counts_s[w];
-      } else {
-        const uint32_t x = w - E;
+  // Step 2: the grid's last block to count itself in stores this rank's row, every word tagged
+  // with the epoch, into every rank (the blocks' fences release their lists and staged rows).
+  if (tid == 0) {
+    // Peers read the list and the staged rows (system scope); at world 1 only this GPU does.
+    if (W > 1) __threadfence_system(); else __threadfence();
+    const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_D_SENT], 1ull);
+    last_s = old + 1 == epoch * gridDim.x;
+    if (last_s) {
+      if (W > 1) __threadfence_system(); else __threadfence();
+    }
+  }
+  __syncthreads();
+  if (last_s) {
+    const int words = E + MOE_ROW_EXTRA;
+    for (int q = tid; q < W * words; q += MOE_THREADS) {
+      const int d = q / words, w = q % words;
+      int32_t v = 0;
+      if (w < E) {
+        v = own_bad ? 0 : hist_s[w];
+      } else if (own_bad) {
+        const int x = w - E;
         v = x == 0 ? found_s[0]
             : x == 1 ? found_s[2]
             : x == 2 ? found_s[3]
             : x == 3 ? (int32_t)(uint32_t)(uint64_t)found_v
             : x == 4 ? (int32_t)(uint32_t)((uint64_t)found_v >> 32)
                      : 0;
-        if (!own_bad && x < 5) v = 0;
       }
-      row[w] = v;
+      moe_st_release(moe_row(a, d, epoch, me) + w, moe_tagged(epoch, v), W > 1);
     }
   }
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence_system();
-    moe_raise(a, MOE_FLAG_COUNTS, epoch);
-  }
 
-  // Step 3: every source's row; the first status (lowest rank), else capacity.
+  // Step 3, the one wait: every word of every source's row carries this epoch's tag.
   int ok = 1;
-  if (tid < W) ok = moe_wait(a, MOE_FLAG_COUNTS, tid, epoch) != 0;
-  if (!__syncthreads_and(ok)) return false;
+  {
+    const int words = E + MOE_ROW_EXTRA;
+    const uint64_t start = globaltimer();
+    uint32_t spins = 0;
+    const uint32_t tag = (uint32_t)epoch;
+    for (int q = tid; q < W * words && ok; q += MOE_THREADS) {
+      const int s = q / words;
+      const uint64_t* w = moe_row(a, me, epoch, s) + q % words;
+      while ((uint32_t)(moe_ld_acquire(w, W > 1) >> 32) != tag) {
+        if (give_up(a.s, spins, start, s)) {
+          ok = 0;
+          break;
+        }
+      }
+    }
+  }
+  if (!__syncthreads_and(ok)) return;
+  // The first status (lowest rank), else capacity (lowest expert): the same on every rank.
   if (tid == 0) {
-    found_s[0] = 0;
     for (int s = 0; s < W; ++s) {
-      const int32_t* ex = moe_row(a, me, epoch, s) + E;
-      const int32_t code = ((volatile int32_t*)ex)[0];
+      const int32_t code = moe_count(a, epoch, s, E);
       if (code != 0) {
         found_s[0] = code;
         found_s[1] = s;
-        found_s[2] = ((volatile int32_t*)ex)[1];
-        found_s[3] = ((volatile int32_t*)ex)[2];
-        found_v = (int64_t)((uint64_t)(uint32_t)((volatile int32_t*)ex)[3] |
-                            ((uint64_t)(uint32_t)((volatile int32_t*)ex)[4] << 32));
+        found_s[2] = moe_count(a, epoch, s, E + 1);
+        found_s[3] = moe_count(a, epoch, s, E + 2);
+        found_v = (int64_t)((uint64_t)(uint32_t)moe_count(a, epoch, s, E + 3) |
+                            ((uint64_t)(uint32_t)moe_count(a, epoch, s, E + 4) << 32));
         break;
       }
     }
-    cap_s = 0xffffffffu;
   }
   __syncthreads();
   if (found_s[0] == 0) {
     for (int e = tid; e < E; e += MOE_THREADS) {
-      int64_t total = 0, below = 0;
-      for (int s = 0; s < W; ++s) {
-        const int32_t c = ((volatile int32_t*)moe_row(a, me, epoch, s))[e];
-        total += c;
-        if (s < me) below += c;
-      }
-      base_s[e] = (int32_t)below;
-      counts_s[e] = (int32_t)min(total, (int64_t)0x7fffffff);
+      int64_t total = 0;
+      for (int s = 0; s < W; ++s) total += moe_count(a, epoch, s, e);
       if (total > (int64_t)R) atomicMin(&cap_s, (uint32_t)e);
     }
     __syncthreads();
     if (tid == 0 && cap_s != 0xffffffffu) {
+      int64_t total = 0;
+      for (int s = 0; s < W; ++s) total += moe_count(a, epoch, s, cap_s);
       found_s[0] = MOE_ST_CAPACITY;
       found_s[1] = (int32_t)(cap_s / L);
       found_s[2] = (int32_t)cap_s;
       found_s[3] = 0;
-      found_v = counts_s[cap_s];
+      found_v = total;
     }
     __syncthreads();
   }
   const bool failed = found_s[0] != 0;
-  if (!failed) {
-    for (uint64_t i = tid; i < entries; i += MOE_THREADS) {
-      const int32_t e = idx[i];
-      if (e >= 0) pos[i] = (int32_t)((uint64_t)(e % L) * R + base_s[e] + pos[i]);
+  int32_t* recv_counts = (int32_t*)(a.blocks[me] + a.off_recv_counts);
+  if (failed) {
+    if (blockIdx.x == 0) {
+      for (int le = tid; le < L; le += MOE_THREADS) recv_counts[le] = 0;
+      if (tid == 0 && !(found_s[1] == me && moe_is_refusal(found_s[0])))
+        moe_record(a, found_s[0], found_s[1], found_s[2], found_s[3], found_v, 0);
     }
-  } else if (tid == 0) {
-    const uint32_t code = found_s[0];
-    if (!(found_s[1] == me && moe_is_refusal(code)))
-      moe_record(a, code, found_s[1], found_s[2], found_s[3], found_v, 0);
-  }
-  __syncthreads();
-  if (tid == 0) {
-    if (failed) ctrl[MOE_CTRL_FAILED] = epoch;
-    __threadfence();
-    *(volatile uint64_t*)&ctrl[MOE_CTRL_ROUTED] = epoch;
-  }
-  return true;
-}
-
-// Dispatch: block 0 routes (moe_route); every block sends its share of the entries' rows to the
-// experts' ranks; the grid's last block raises the data flags; block 0 waits for every source's
-// data and writes recv_counts.
-template <int PAYLOAD_BYTES, bool SCALES, typename IDX>
-__device__ void moe_dispatch_body(const MoeArgs& a) {
-  __shared__ uint64_t epoch_s;
-  __shared__ int live_s;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int me = a.s.rank, W = a.s.world;
-  uint64_t* ctrl = moe_ctrl(a);
-  if (tid == 0) {
-    epoch_s = *(volatile uint64_t*)&ctrl[MOE_CTRL_D_DONE] + 1;
-    live_s = !aborted(a.s);
-  }
-  __syncthreads();
-  if (!live_s) return;
-  const uint64_t epoch = epoch_s;
-  int ok = 1;
-  if (blockIdx.x == 0) {
-    ok = moe_route<IDX>(a, epoch);
-  } else if (tid == 0) {
-    // Block 0 waits for the peers with the communicator's timeout and names the one that did
-    // not come; this wait only backs it up (twice as long), so the error names the peer.
-    const uint64_t start = globaltimer();
-    uint32_t spins = 0;
-    while (*(volatile uint64_t*)&ctrl[MOE_CTRL_ROUTED] < epoch) {
-      if (give_up_after(a.s, spins, start, me, 2 * a.s.timeout_ns)) {
-        ok = 0;
-        break;
+  } else {
+    // Step 4: pull. Per (source, local expert) q = s * L + le: its rows (hist_s), the rows of
+    // lower sources (base_s) and its list offset at the source (off_s); per local expert the
+    // rows of lower local experts (pre_s).
+    for (int s = warp; s < W; s += MOE_WARPS) {
+      int32_t sum = 0;  // the source's entries of experts below this rank's
+      for (int e = lane; e < me * L; e += 32) sum += moe_count(a, epoch, s, e);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      int32_t carry = sum;
+      for (int b = 0; b < L; b += 32) {
+        const int le = b + lane;
+        const int32_t v = le < L ? moe_count(a, epoch, s, me * L + le) : 0;
+        int32_t x = v;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
+          if (lane >= o) x += y;
+        }
+        if (le < L) {
+          off_s[s * L + le] = carry + x - v;
+          hist_s[s * L + le] = v;
+        }
+        carry += __shfl_sync(0xffffffffu, x, 31);
       }
     }
-    __threadfence();
-  }
-  if (!__syncthreads_and(ok)) return;
-  const bool failed = *(volatile uint64_t*)&ctrl[MOE_CTRL_FAILED] == epoch;
-
-  // Step 4: this block's entries, a warp per row.
-  if (!failed) {
-    const uint64_t K = a.topk, T = a.max_tokens, H = a.hidden;
-    const uint64_t row_bytes = H * PAYLOAD_BYTES, S = H / MOE_SCALE_GROUP;
-    const uint64_t entries = a.num_tokens * K;
-    const int32_t* idx = (const int32_t*)(a.blocks[me] + a.off_idx);
-    const int32_t* pos = (const int32_t*)(a.blocks[me] + a.off_pos);
+    __syncthreads();
+    for (int le = tid; le < L; le += MOE_THREADS) {
+      int32_t below = 0;
+      for (int s = 0; s < W; ++s) {
+        base_s[s * L + le] = below;
+        below += hist_s[s * L + le];
+      }
+      run_s[le] = below;
+      if (blockIdx.x == 0) recv_counts[le] = below;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      const int64_t total = moe_warp_scan(run_s, pre_s, L, lane);
+      if (lane == 0) pre_s[L] = (int32_t)total;
+    }
+    __syncthreads();
+    const uint64_t total = (uint64_t)pre_s[L];
     const uint64_t nwarps = (uint64_t)gridDim.x * MOE_WARPS;
-    for (uint64_t i = (uint64_t)blockIdx.x * MOE_WARPS + warp; i < entries; i += nwarps) {
-      // Written by block 0 in this kernel: loaded past L1 (ld.global.cg).
-      const int32_t slot = __ldcg(pos + i);
-      if (slot < 0) continue;
-      const int d = __ldcg(idx + i) / a.local;
-      const uint64_t t = i / K, j = i % K;
-      moe_copy_row((uint8_t*)(a.blocks[d] + a.off_recv_x) + (uint64_t)slot * row_bytes,
-                   (const uint8_t*)a.x + t * row_bytes, row_bytes, lane);
+    for (uint64_t q = (uint64_t)blockIdx.x * MOE_WARPS + warp; q < total; q += nwarps) {
+      int lo = 0, hi = L;  // the local expert with pre_s[lo] <= q < pre_s[lo + 1]
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if ((uint64_t)pre_s[mid] <= q) lo = mid; else hi = mid;
+      }
+      const int32_t row = (int32_t)(q - (uint64_t)pre_s[lo]);
+      int s = 0;
+      while (s + 1 < W && base_s[(s + 1) * L + lo] <= row) ++s;
+      const int32_t entry = __ldcg(moe_list(a, s, epoch) + off_s[s * L + lo] + (row - base_s[s * L + lo]));
+      const uint64_t t = (uint64_t)entry / K, slot = (uint64_t)lo * R + row;
+      const uint8_t* src = s == me ? (const uint8_t*)a.x
+                                   : (const uint8_t*)(a.blocks[s] + a.off_xstage) + (epoch & 1) * T * row_bytes;
+      moe_pull_row((uint8_t*)(a.blocks[me] + a.off_recv_x) + slot * row_bytes, src + t * row_bytes, row_bytes, lane);
       if (SCALES) {
-        float* ds = (float*)(a.blocks[d] + a.off_recv_scales) + (uint64_t)slot * S;
-        const float* ss = (const float*)a.x_scales + t * S;
-        for (uint64_t v = lane; v < S; v += 32) ds[v] = ss[v];
+        const float* ss = s == me ? (const float*)a.x_scales
+                                  : (const float*)(a.blocks[s] + a.off_xscales) + (epoch & 1) * T * S;
+        float* ds = (float*)(a.blocks[me] + a.off_recv_scales) + slot * S;
+        for (uint64_t v = lane; v < S; v += 32) ds[v] = __ldcg(ss + t * S + v);
       }
       if (lane == 0)
-        ((int32_t*)(a.blocks[d] + a.off_recv_src))[slot] = (int32_t)(((uint64_t)me * T + t) * K + j);
+        ((int32_t*)(a.blocks[me] + a.off_recv_src))[slot] = (int32_t)((uint64_t)s * T * K + (uint64_t)entry);
+    }
+    // Each of this chunk's entries' row in its expert's rank (the combine reads this rank's own
+    // experts' rows in place).
+    for (uint64_t i = c0 * K + tid; i < c1 * K; i += MOE_THREADS) {
+      const int32_t e = idx[i];
+      if (e < 0) continue;
+      int32_t below = 0;
+      for (int s = 0; s < me; ++s) below += moe_count(a, epoch, s, e);
+      pos[i] = (int32_t)((uint64_t)(e % L) * R + below + pos[i]);
     }
   }
   __syncthreads();
   if (tid == 0) {
-    __threadfence_system();
-    const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_D_SENT], 1ull);
-    if (old + 1 == epoch * gridDim.x) moe_raise(a, MOE_FLAG_DATA, epoch);
-  }
-  if (blockIdx.x != 0) return;
-
-  // Step 5 (block 0): every source's rows are here; this rank's experts' counts.
-  ok = 1;
-  if (tid < W) ok = moe_wait(a, MOE_FLAG_DATA, tid, epoch) != 0;
-  if (!__syncthreads_and(ok)) return;
-  int32_t* recv_counts = (int32_t*)(a.blocks[me] + a.off_recv_counts);
-  for (int le = tid; le < a.local; le += MOE_THREADS) {
-    int32_t total = 0;
-    if (!failed)
-      for (int s = 0; s < W; ++s) total += ((volatile int32_t*)moe_row(a, me, epoch, s))[me * a.local + le];
-    recv_counts[le] = total;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    if (!failed) ctrl[MOE_CTRL_OK_EPOCH] = epoch;
-    ctrl[MOE_CTRL_D_DONE] = epoch;
+    __threadfence();
+    const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_D_FIN], 1ull);
+    if (old + 1 == epoch * gridDim.x) {
+      if (!failed) ctrl[MOE_CTRL_OK_EPOCH] = epoch;
+      ctrl[MOE_CTRL_D_DONE] = epoch;
+    }
   }
 }
 
-// Combine: every block sends its share of the received rows' expert outputs back to their
-// tokens' ranks (cbuf[parity][t][k] there); the grid's last block raises the combine flags of the
-// parity; every block waits for every source, then sums its share of this rank's tokens in k
-// order. Any number of combines may follow one dispatch (header: the parity alternation).
+// Combine: every block sends its share of the received rows' expert outputs that belong to
+// peers' tokens back to their ranks (cbuf[parity][t][k] there); the grid's last block raises the
+// combine flags of the parity; every block waits for every peer, then sums its share of this
+// rank's tokens in k order, reading its own experts' rows in place in expert_out (pos). Any
+// number of combines may follow one dispatch (header: the parity alternation).
 __device__ void moe_combine_body(const MoeArgs& a) {
   __shared__ uint64_t epoch_s;
   __shared__ int live_s, dispatched_s;
@@ -463,33 +591,19 @@ __device__ void moe_combine_body(const MoeArgs& a) {
   const uint64_t K = a.topk, T = a.max_tokens, H = a.hidden, R = a.max_recv;
   const uint64_t row_bytes = H * 2;
 
-  // Step 1: the received rows' outputs to their sources' cbuf. The rows of all local experts
-  // are numbered through (pre_s: the counts' prefix sums) and dealt to the grid's warps, so a
+  // Step 1: the received rows' outputs to their sources' cbuf (none at world 1). The rows of all
+  // local experts are numbered through (pre_s: the counts' prefix sums) and dealt to the grid's warps, so a
   // few rows per expert still spread over every warp.
   __shared__ int32_t pre_s[MOE_MAX_EXPERTS + 1];
-  if (!refused && dispatched) {
+  if (!refused && dispatched && W > 1) {
     const int L = a.local;
     const int32_t* counts = (const int32_t*)(a.blocks[me] + a.off_recv_counts);
     const int32_t* src = (const int32_t*)(a.blocks[me] + a.off_recv_src);
-    for (int i = tid; i < L; i += MOE_THREADS) pre_s[i + 1] = counts[i];
-    if (tid == 0) pre_s[0] = 0;
-    __syncthreads();
-    // Inclusive scan of pre_s[1..L] (Hillis-Steele; L <= 2 * MOE_THREADS).
-    for (int off = 1; off < L; off <<= 1) {
-      int32_t v[2];
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int i = tid + u * MOE_THREADS + 1;
-        v[u] = (i <= L && i - off >= 1) ? pre_s[i - off] : 0;
-      }
-      __syncthreads();
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int i = tid + u * MOE_THREADS + 1;
-        if (i <= L) pre_s[i] += v[u];
-      }
-      __syncthreads();
+    if (warp == 0) {
+      const int64_t total = moe_warp_scan(counts, pre_s, L, lane);
+      if (lane == 0) pre_s[L] = (int32_t)total;
     }
+    __syncthreads();
     const uint64_t total = (uint64_t)pre_s[L];
     const uint64_t nwarps = (uint64_t)gridDim.x * MOE_WARPS;
     for (uint64_t q = (uint64_t)blockIdx.x * MOE_WARPS + warp; q < total; q += nwarps) {
@@ -502,13 +616,14 @@ __device__ void moe_combine_body(const MoeArgs& a) {
       const uint64_t slot = (uint64_t)lo * R + (q - (uint64_t)pre_s[lo]);
       const uint64_t code = (uint64_t)src[slot];
       const uint64_t s = code / (T * K), t = (code / K) % T, j = code % K;
+      if ((int)s == me) continue;  // summed in place by this rank
       moe_copy_row(moe_cbuf(a, (int)s, epoch) + (t * K + j) * row_bytes,
                    (const uint8_t*)a.expert_out + slot * row_bytes, row_bytes, lane);
     }
   }
   __syncthreads();
-  if (tid == 0) {
-    __threadfence_system();
+  if (tid == 0 && W > 1) {  // at world 1 nobody waits for this rank's flag
+    __threadfence_system();  // the rows this block pushed into peers' cbuf
     const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_C_SENT], 1ull);
     if (old + 1 == epoch * gridDim.x) moe_raise(a, flag, 2 * epoch + (refused ? 1 : 0));
   }
@@ -519,7 +634,7 @@ __device__ void moe_combine_body(const MoeArgs& a) {
   if (tid == 0) other_s = W;
   __syncthreads();
   int ok = 1;
-  if (tid < W) {
+  if (tid < W && tid != me) {
     const uint64_t v = moe_wait(a, flag, tid, 2 * epoch);
     ok = v != 0;
     if (ok && v == 2 * epoch + 1) atomicMin(&other_s, tid);
@@ -529,6 +644,7 @@ __device__ void moe_combine_body(const MoeArgs& a) {
     const bool zeros = !dispatched || other_s < W;
     const uint64_t n = a.num_tokens, vecs = H / 8;
     const int32_t* idx = (const int32_t*)(a.blocks[me] + a.off_idx);
+    const int32_t* pos = (const int32_t*)(a.blocks[me] + a.off_pos);
     const float* wts = (const float*)(a.blocks[me] + a.off_weights);
     const uint8_t* cbuf = moe_cbuf(a, me, epoch);
     const uint64_t step = (uint64_t)gridDim.x * MOE_THREADS;
@@ -539,10 +655,15 @@ __device__ void moe_combine_body(const MoeArgs& a) {
       for (int u = 0; u < 8; ++u) acc[u] = 0.f;
       if (!zeros) {
         for (uint64_t j = 0; j < K; ++j) {
-          if (idx[t * K + j] < 0) continue;
+          const int32_t e = idx[t * K + j];
+          if (e < 0) continue;
           const float w = wts[t * K + j];
-          // Written by the peers in this kernel: loaded past L1 (ld.global.cg).
-          const uint4 raw = __ldcg((const uint4*)(cbuf + (t * K + j) * row_bytes) + v);
+          // A peer's row: written by the peer in this kernel, loaded past L1 (ld.global.cg).
+          // This rank's own expert's row: where the experts left it.
+          const uint4 raw =
+              e / a.local == me
+                  ? ((const uint4*)((const uint8_t*)a.expert_out + (uint64_t)pos[t * K + j] * row_bytes))[v]
+                  : __ldcg((const uint4*)(cbuf + (t * K + j) * row_bytes) + v);
           const __nv_bfloat16* b = (const __nv_bfloat16*)&raw;
 #pragma unroll
           for (int u = 0; u < 8; ++u) acc[u] = fmaf(w, __bfloat162float(b[u]), acc[u]);
@@ -557,9 +678,10 @@ __device__ void moe_combine_body(const MoeArgs& a) {
     if (blockIdx.x == 0 && tid == 0 && dispatched && other_s < W)
       moe_record(a, MOE_ST_COMBINE_REFUSED, other_s, 0, 0, 0, 1);
   }
-  if (blockIdx.x == 0) {
-    __syncthreads();
-    if (tid == 0) ctrl[MOE_CTRL_C_DONE] = epoch;
+  __syncthreads();
+  if (tid == 0) {
+    const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_C_FIN], 1ull);
+    if (old + 1 == epoch * gridDim.x) ctrl[MOE_CTRL_C_DONE] = epoch;
   }
 }
 

@@ -13,6 +13,7 @@
 
 mod common;
 use common::moe::cases::*;
+use common::moe::edges::*;
 use common::moe::errors::*;
 use common::moe::repeat::*;
 use common::moe::*;
@@ -93,6 +94,22 @@ fn gpu_moe_errors_are_reported_on_every_rank_and_leave_it_usable() {
     }
     let name = "gpu_moe_errors_are_reported_on_every_rank_and_leave_it_usable";
     run_gpu(name, &[], 0);
+}
+
+/// The one-wait protocol's edges on GPUs (tests/common/moe/edges.rs): grids capped by
+/// `num_sms` to 1 and 3 blocks (many tokens per block, blocks with none), one expert receiving
+/// every row, zero tokens, dispatches back to back before one combine, create's config words.
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_protocol_edges_and_num_sms() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::cuda);
+        let cases = edges(comm, dev, w, seed);
+        destroy(comm);
+        println!("rank {r}: {cases} edge cases correct");
+        return;
+    }
+    run_gpu("gpu_moe_protocol_edges_and_num_sms", &[], 0);
 }
 
 #[test]

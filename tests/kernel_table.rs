@@ -248,11 +248,7 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
     let src = std::fs::read_to_string(path).unwrap();
     let mut u64s = vec!["uint64_t x", "uint64_t x_scales", "uint64_t topk_idx"];
     u64s.extend(["uint64_t topk_weights", "uint64_t expert_out", "uint64_t y"]);
-    u64s.extend([
-        "uint64_t status",
-        "uint64_t off_counts",
-        "uint64_t off_flags",
-    ]);
+    u64s.extend(["uint64_t status", "uint64_t off_flags"]);
     u64s.extend([
         "uint64_t off_recv_counts",
         "uint64_t off_recv_src",
@@ -265,18 +261,21 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
     ]);
     u64s.extend([
         "uint64_t off_pos",
-        "uint64_t off_cbuf",
-        "uint64_t max_tokens",
+        "uint64_t off_list",
+        "uint64_t off_xstage",
     ]);
     u64s.extend([
-        "uint64_t hidden",
+        "uint64_t off_xscales",
+        "uint64_t off_cbuf",
         "uint64_t max_recv",
-        "uint64_t num_tokens",
     ]);
+    u64s.push("uint64_t num_tokens");
     let mut want = vec!["SymmArgs s", "uint64_t blocks[SYMM_MAX_RANKS]"];
     want.extend(u64s);
     want.extend([
         "int64_t refuse_value",
+        "uint32_t max_tokens",
+        "uint32_t hidden",
         "int32_t k",
         "int32_t topk",
         "int32_t experts",
@@ -289,7 +288,7 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
     );
     assert_eq!(
         std::mem::size_of::<launch::MoeArgs>(),
-        256 + 64 + 22 * 8 + 6 * 4
+        256 + 64 + 22 * 8 + 8 * 4
     );
     let define = |name: &str| -> u64 {
         let at = src
@@ -298,7 +297,7 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
         let rest = &src[at + name.len() + 9..];
         rest.split_whitespace().next().unwrap().parse().unwrap()
     };
-    let pairs: [(&str, u64); 21] = [
+    let pairs: [(&str, u64); 20] = [
         ("MOE_THREADS", symmalloc::comm::moe::THREADS as u64),
         ("MOE_MAX_EXPERTS", config::MAX_EXPERTS as u64),
         ("MOE_ROW_EXTRA", l::ROW_EXTRA),
@@ -308,10 +307,9 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
         ("MOE_CTRL_C_DONE", l::CTRL_C_DONE),
         ("MOE_CTRL_C_SENT", l::CTRL_C_SENT),
         ("MOE_CTRL_OK_EPOCH", l::CTRL_OK_EPOCH),
-        ("MOE_CTRL_ROUTED", l::CTRL_ROUTED),
-        ("MOE_CTRL_FAILED", l::CTRL_FAILED),
-        ("MOE_FLAG_COUNTS", l::FLAG_COUNTS),
-        ("MOE_FLAG_DATA", l::FLAG_DATA),
+        ("MOE_CTRL_D_FIN", l::CTRL_D_FIN),
+        ("MOE_CTRL_BYTES", l::CTRL_BYTES),
+        ("MOE_CTRL_C_FIN", l::CTRL_C_FIN),
         ("MOE_FLAG_COMBINE", l::FLAG_COMBINE),
         ("MOE_ST_OUT_OF_RANGE", st::ST_OUT_OF_RANGE as u64),
         ("MOE_ST_DUPLICATE", st::ST_DUPLICATE as u64),

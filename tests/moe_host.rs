@@ -10,6 +10,7 @@
 
 mod common;
 use common::moe::cases::*;
+use common::moe::edges::*;
 use common::moe::errors::*;
 use common::moe::repeat::*;
 use common::moe::*;
@@ -132,6 +133,21 @@ fn a_refused_combine_names_the_rank_everywhere_and_a_retry_succeeds() {
             &[],
         );
     }
+}
+
+/// The one-wait protocol's edges and `num_sms` (tests/common/moe/edges.rs): grids of 1 and 3
+/// blocks, one expert receiving every row, zero tokens, dispatches back to back before one
+/// combine, a version 1 config struct, a nonzero reserved word, mismatched `num_sms`.
+#[test]
+fn protocol_edges_and_num_sms_at_2_4_8_ranks() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
+        let cases = edges(comm, dev, w, seed);
+        destroy(comm);
+        println!("rank {r}: {cases} edge cases correct");
+        return;
+    }
+    at_2_4_8("protocol_edges_and_num_sms_at_2_4_8_ranks", &[]);
 }
 
 /// Host backend only: a combine after a dispatch that failed is refused on every rank (the

@@ -141,7 +141,7 @@ def _library():
 _MOE_DTYPES = {"bfloat16": 0, "bf16": 0, "float8_e4m3fn": 1, "fp8": 1, "fp8_e4m3": 1}
 # index dtype name -> SYMM_INDEX_INT32 / SYMM_INDEX_INT64.
 _INDEX_DTYPES = {"int32": 0, "int64": 1}
-_MOE_CONFIG_VERSION = 1  # SYMM_MOE_CONFIG_VERSION
+_MOE_CONFIG_VERSION = 2  # SYMM_MOE_CONFIG_VERSION
 _MOE_LAYOUT_VERSION = 1  # SYMM_MOE_LAYOUT_VERSION
 _MOE_MAX_TOPK = 16  # SYMM_MOE_MAX_TOPK
 _MOE_MAX_EXPERTS = 1024  # SYMM_MOE_MAX_EXPERTS
@@ -156,6 +156,7 @@ class _MoeConfig(ctypes.Structure):
         ("topk", ctypes.c_uint32), ("num_experts", ctypes.c_uint32),
         ("dtype", ctypes.c_uint32), ("flags", ctypes.c_uint32),
         ("max_recv_per_expert", ctypes.c_uint64),
+        ("num_sms", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
     ]
 
 

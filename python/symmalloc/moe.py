@@ -14,7 +14,9 @@ handle)`` with ``recv_src`` and ``num_tokens`` as attributes too. ``L = num_expe
 local experts (this rank holds global experts ``first_expert .. first_expert + L - 1``), ``R =
 max_recv`` rows per local expert (``world * max_tokens_per_rank`` unless
 ``max_recv_per_expert`` is given: then a routing that sends more rows to one expert is an
-error, never a drop). A local expert's rows are ordered by source rank, then source token, so
+error, never a drop). ``num_sms`` (0: every SM, at most 132) caps the SMs the dispatch and
+combine kernels use, leaving the rest to other work; the results do not depend on it. A local
+expert's rows are ordered by source rank, then source token, so
 the layout and ``y`` are bitwise the same every run. ``recv_src[le, row]`` is ``(src_rank *
 max_tokens_per_rank + token) * topk + k`` of each row. ``recv_counts`` stays on the device:
 nothing here synchronizes with the host.
@@ -132,7 +134,7 @@ class Moe:
     _ptr = None
 
     def __init__(self, comm, max_tokens_per_rank: int, hidden: int, topk: int, num_experts: int,
-                 dtype="bf16", max_recv_per_expert: Optional[int] = 0):
+                 dtype="bf16", max_recv_per_expert: Optional[int] = 0, num_sms: Optional[int] = 0):
         refused = None
         cfg = _MoeConfig()
         try:
@@ -144,6 +146,7 @@ class Moe:
             cfg.num_experts = _uint("num_experts", num_experts, 1, (1 << 32) - 1)
             cfg.dtype, cfg.flags = code, 0
             cfg.max_recv_per_expert = _uint("max_recv_per_expert", max_recv_per_expert or 0, 0, (1 << 63) - 1)
+            cfg.num_sms = _uint("num_sms", num_sms or 0, 0, (1 << 32) - 1)
         except SymmallocError as e:
             refused = e
         lib = _moe_library()

@@ -113,8 +113,9 @@ def test_moe_constants_structs_and_prototypes(header):
     assert (_lib._MOE_MAX_TOPK, _lib._MOE_MAX_EXPERTS) == (d["MOE_MAX_TOPK"], d["MOE_MAX_EXPERTS"])
     for name, struct in (("symm_moe_config_t", _lib._MoeConfig), ("symm_moe_layout_t", _lib._MoeLayout)):
         assert [(n, t) for n, t in struct._fields_] == _c_fields(header, name), name
-    # On x86-64 / aarch64 (LP64): 48 and 112 bytes, no padding (the library refuses another size).
-    assert ctypes.sizeof(_lib._MoeConfig) == 48 and ctypes.sizeof(_lib._MoeLayout) == 112
+    # On x86-64 / aarch64 (LP64): 56 (version 2) and 112 bytes, no padding (the library refuses
+    # another size).
+    assert ctypes.sizeof(_lib._MoeConfig) == 56 and ctypes.sizeof(_lib._MoeLayout) == 112
 
     structs = {"symm_moe_config_t": _lib._MoeConfig, "symm_moe_layout_t": _lib._MoeLayout}
     scalars = {"size_t": ctypes.c_size_t, "uint32_t": ctypes.c_uint32}

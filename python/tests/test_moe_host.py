@@ -329,6 +329,11 @@ def _cases_rank(rank, world, uid, q):
             with comm.moe(T_MAX, H_BF16, TOPK, NUM_EXPERTS, max_recv_per_expert=16) as mc:
                 assert mc.max_recv == 16
                 run_case(mc, Case("capacity 16, 3 tokens", "bf16", 2, 3), 300, rank, world, runs=1)
+            # An SM budget (num_sms): the same results, whatever the grid.
+            with comm.moe(T_MAX, H_BF16, TOPK, NUM_EXPERTS, num_sms=1) as ms:
+                for i, case in enumerate(CASES[:5]):
+                    if case.dtype == "bf16":
+                        assert run_case(ms, case, 100 + i, rank, world, runs=1)[:8] == report[case.name]
         comm.barrier()
         comm.close()
         q.put((rank, report, None))
@@ -560,6 +565,8 @@ def _create_rank(rank, world, uid, q):
             "fp8 hidden": error_of(lambda: comm.moe(8, 64, 2, 4 * world, dtype="fp8")),
             "dtype": error_of(lambda: comm.moe(8, 128, 2, 4 * world, dtype="float16")),
             "ranks differ": error_of(lambda: comm.moe(8 + rank, 128, 2, 4 * world)),
+            "num_sms differs": error_of(lambda: comm.moe(8, 128, 2, 4 * world, num_sms=2 + rank)),
+            "num_sms negative": error_of(lambda: comm.moe(8, 128, 2, 4 * world, num_sms=-1)),
             # Refused by the package on the last rank alone: every rank fails at once.
             "one rank's topk": error_of(lambda: comm.moe(8, 128, 0 if rank == world - 1 else 2, 4 * world)),
         }
@@ -587,6 +594,9 @@ def test_create_refusals_and_lifetime():
         assert "dtype 'float16'" in errors["dtype"], errors
         assert errors["ranks differ"].startswith("SYMM_ERR_NOT_SYMMETRIC") and "rank 1" in errors["ranks differ"], errors
         assert "communicator of this Moe (rank" in errors["after the communicator closed"], errors
+        ns = errors["num_sms differs"]
+        assert ns.startswith("SYMM_ERR_NOT_SYMMETRIC") and "num_sms 2" in ns and "num_sms 3" in ns, errors
+        assert "num_sms" in errors["num_sms negative"], errors
         one = errors["one rank's topk"]
         if rank == 1:
             assert "topk 0; expected an int" in one, errors

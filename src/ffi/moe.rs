@@ -24,8 +24,9 @@ pub const SYMM_MOE_FP8_E4M3: u32 = 1;
 /// Index dtypes of `symm_moe_dispatch` (`idx_dtype`).
 pub const SYMM_INDEX_INT32: u32 = 0;
 pub const SYMM_INDEX_INT64: u32 = 1;
-/// The `symm_moe_config_t` layout this library reads (`version`).
-pub const SYMM_MOE_CONFIG_VERSION: u32 = 1;
+/// The `symm_moe_config_t` layout this library writes in its header (`version`): 2 added
+/// `num_sms`. Version 1 (`size` 48, without `num_sms`) is still read, as `num_sms` 0.
+pub const SYMM_MOE_CONFIG_VERSION: u32 = 2;
 /// The `symm_moe_layout_t` layout this library writes (`version`).
 pub const SYMM_MOE_LAYOUT_VERSION: u32 = 1;
 /// The largest configured top-k, and the most experts.
@@ -61,7 +62,15 @@ pub struct symm_moe_config_t {
     pub flags: u32,
     /// R: rows per local expert; 0 = world * max_tokens_per_rank (no routing overflows it).
     pub max_recv_per_expert: u64,
+    /// Version 2: the most SMs (blocks) a dispatch or combine kernel uses; 0 = as many as the
+    /// communicator's GPUs have (at most 132). Every rank passes the same value.
+    pub num_sms: u32,
+    /// Version 2: 0 (reserved; anything else is refused).
+    pub reserved: u32,
 }
+
+/// The size of a version 1 `symm_moe_config_t` (the fields before `num_sms`).
+const CONFIG_V1_SIZE: usize = std::mem::offset_of!(symm_moe_config_t, num_sms);
 
 /// Where a dispatch leaves its rows (written by `symm_moe_layout`; versioned like
 /// `symm_device_comm_t`: set `version` and `size`, the library writes at most `size` bytes).
@@ -178,6 +187,7 @@ pub extern "C" fn symm_moe_create(
             dtype,
             flags,
             max_recv: 0,
+            num_sms: 0,
         };
         create(comm, Ok(req), out)
     })
@@ -208,15 +218,30 @@ fn read_config(config: *const symm_moe_config_t) -> Result<Request> {
     // SAFETY: config is non-NULL; the version and size words come first in every version.
     let (version, size) = unsafe { ((*config).version, (*config).size) };
     let have = std::mem::size_of::<symm_moe_config_t>();
-    if version != SYMM_MOE_CONFIG_VERSION || size as usize != have {
+    let v1 = version == 1 && size as usize == CONFIG_V1_SIZE;
+    if !v1 && (version != SYMM_MOE_CONFIG_VERSION || size as usize != have) {
         return Err(Error::invalid(format!(
             "symm_moe_create_config: config version {version}, size {size}; expected \
              version {SYMM_MOE_CONFIG_VERSION} (SYMM_MOE_CONFIG_VERSION) and size {have} \
-             (sizeof(symm_moe_config_t))"
+             (sizeof(symm_moe_config_t)), or version 1 and size {CONFIG_V1_SIZE}"
         )));
     }
-    // SAFETY: the caller declared `size` == sizeof readable bytes.
-    let c = unsafe { *config };
+    let mut c = symm_moe_config_t::default();
+    // SAFETY: the caller declared `size` readable bytes (checked above to be a known layout);
+    // a version 1 struct ends before `num_sms`, which stays 0.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            config as *const u8,
+            &mut c as *mut symm_moe_config_t as *mut u8,
+            size as usize,
+        )
+    };
+    if c.reserved != 0 {
+        return Err(Error::invalid(format!(
+            "symm_moe_create_config: reserved {:#x}; expected 0",
+            c.reserved
+        )));
+    }
     Ok(Request {
         tokens: c.max_tokens_per_rank,
         hidden: c.hidden,
@@ -225,6 +250,7 @@ fn read_config(config: *const symm_moe_config_t) -> Result<Request> {
         dtype: c.dtype,
         flags: c.flags,
         max_recv: c.max_recv_per_expert,
+        num_sms: c.num_sms,
     })
 }
 

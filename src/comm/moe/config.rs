@@ -104,6 +104,8 @@ pub struct Request {
     pub flags: u32,
     /// 0: W * tokens.
     pub max_recv: u64,
+    /// The most SMs (blocks) of the kernels' grid; 0: no cap but the GPUs' (moe/mod.rs).
+    pub num_sms: u32,
 }
 
 /// A checked configuration (the module's invariants hold).
@@ -117,6 +119,8 @@ pub struct Config {
     pub dtype: Payload,
     /// R rows per local expert.
     pub max_recv: u64,
+    /// The grid's cap in SMs (0: none but the GPUs').
+    pub num_sms: u32,
 }
 
 fn bad(msg: String) -> Error {
@@ -134,10 +138,11 @@ impl Request {
         dtype: u32::MAX,
         flags: u32::MAX,
         max_recv: u64::MAX,
+        num_sms: u32::MAX,
     };
 
     /// The words every rank compares at create (as the caller passed them).
-    pub fn words(&self) -> [u64; 7] {
+    pub fn words(&self) -> [u64; 8] {
         [
             self.tokens,
             self.hidden,
@@ -146,6 +151,7 @@ impl Request {
             self.dtype as u64,
             self.flags as u64,
             self.max_recv,
+            self.num_sms as u64,
         ]
     }
 
@@ -153,8 +159,8 @@ impl Request {
     pub fn describe(w: &[u64]) -> String {
         format!(
             "max_tokens_per_rank {}, hidden {}, topk {}, num_experts {}, dtype {}, flags {}, \
-             max_recv_per_expert {}",
-            w[0], w[1], w[2], w[3], w[4], w[5], w[6]
+             max_recv_per_expert {}, num_sms {}",
+            w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]
         )
     }
 
@@ -232,6 +238,7 @@ impl Request {
             experts: self.experts,
             dtype,
             max_recv,
+            num_sms: self.num_sms,
         };
         // The two big parts, checked (the rest are smaller).
         let l = e / world;

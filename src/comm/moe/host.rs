@@ -3,12 +3,18 @@
 //! (source rank, token) order, `recv_src` codes, and the combine's sum in increasing k with
 //! `f32::mul_add` from 0, rounded to bf16 once (what `fmaf` gives on the GPU).
 //!
-//! Flags are `u64` words stored with release and read with acquire (monotonic: a call's epoch,
-//! or for the combine `2 * epoch + refused`); counts rows alternate by the dispatch epoch's
-//! parity, and the combine's flag row and landing buffer (`cbuf`) by the combine epoch's
-//! (layout.rs `combine_flag`), so any number of combines of one dispatch may follow each other:
-//! the next combine writes into the other buffer and row, and the one after it waits, through
-//! the next one's flags, until every rank has finished reading this one.
+//! Dispatch has one cross-rank wait: a rank first leaves its entry list and its staged `x` in
+//! its own block, then stores its counts row, every word tagged with the epoch
+//! (layout.rs `tagged`), into every rank; once every source's row carries the tag, each rank
+//! pulls its experts' rows from the sources' blocks (and its own from the caller's `x`). Counts
+//! rows, lists and staged rows alternate by the dispatch epoch's parity: a source reaches
+//! dispatch `n + 2` only after every rank's dispatch `n + 1` published its row, i.e. after
+//! every rank finished pulling call `n`'s.
+//! The combine's flags are `u64` words stored with release and read with acquire (monotonic:
+//! `2 * epoch + refused`); its flag row and landing buffer (`cbuf`) alternate by the combine
+//! epoch's parity (layout.rs `combine_flag`), so any number of combines of one dispatch may
+//! follow each other. Only the peers' rows go through `cbuf`: a rank sums its own experts'
+//! rows straight from `expert_out` (its entries' rows are in `pos` after the dispatch).
 //! Every wait is bounded by the communicator's timeout and names the rank it waited for.
 //!
 //! Invariant: every rank runs every step of every call whatever it found (a refusal publishes
@@ -101,8 +107,10 @@ fn load_idx(a: &Dispatch, it: IndexType, i: u64) -> i64 {
 }
 
 /// Step 1: the local copy of the routing (`idx`, `weights`, `-1`/0 past k), the first
-/// offending entry, the counts per expert and each entry's position within its expert.
-fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64) -> (Vec<i32>, Option<Found>) {
+/// offending entry, the counts per expert, each entry's position within its expert (`pos`,
+/// token order) and, when the routing is good, the entry list by expert (`list`, CSR) and the
+/// staged `x` the peers pull from.
+fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>, Option<Found>) {
     let c = &m.cfg;
     let (kk, e_max) = (c.topk as u64, c.experts as i64);
     let mut counts = vec![0i32; c.experts as usize];
@@ -146,7 +154,69 @@ fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64) -> (Vec<i32>, Option<Foun
             wr_i32(m.at(me, m.layout.pos) + 4 * at, pos);
         }
     }
+    if bad.is_some() {
+        return (counts, bad);
+    }
+    // The entries by expert, in token order: list[off[e] + pos] = t * K + k.
+    let mut off = vec![0u64; c.experts as usize];
+    let mut sum = 0u64;
+    for (o, &v) in off.iter_mut().zip(&counts) {
+        *o = sum;
+        sum += v as u64;
+    }
+    let list = m.at(me, m.layout.list_at(c.tokens, kk, epoch));
+    for at in 0..n * kk {
+        let pos = rd_i32(m.at(me, m.layout.pos) + 4 * at);
+        if pos >= 0 {
+            let e = rd_i32(m.at(me, m.layout.idx) + 4 * at) as usize;
+            wr_i32(list + 4 * (off[e] + pos as u64), at as i32);
+        }
+    }
+    if m.world > 1 && n > 0 {
+        let (xs, ss) = m.layout.xstage_at(epoch);
+        copy(m.at(me, xs), a.x, n * c.row_bytes());
+        if c.dtype.has_scales() {
+            copy(m.at(me, ss), a.x_scales, n * c.scales_per_row() * 4);
+        }
+    }
     (counts, bad)
+}
+
+/// Waits until every word of every source's counts row of `epoch` carries its tag (the one
+/// cross-rank wait of a dispatch); returns the rows' values, `[W][E + ROW_EXTRA]`.
+fn wait_rows(m: &Moe, epoch: u64, timeout: Duration) -> Result<Vec<Vec<i32>>> {
+    let (w, e_all) = (m.world as u64, m.cfg.experts as u64);
+    let start = Instant::now();
+    let mut rows = Vec::with_capacity(m.world);
+    for s in 0..w {
+        let row = m.at(m.rank, m.layout.row(e_all, w, epoch, s));
+        let mut vals = Vec::with_capacity(row_words(e_all) as usize);
+        for i in 0..row_words(e_all) {
+            let word = word(row + 8 * i);
+            let mut spins = 0u32;
+            let v = loop {
+                let v = word.load(Ordering::Acquire);
+                if tag_of(v, epoch) {
+                    break v;
+                }
+                spins = spins.wrapping_add(1);
+                if spins % 256 == 0 {
+                    if start.elapsed() > timeout {
+                        return Err(Error::timeout(format!(
+                            "symm_moe_dispatch on rank {}: rank {s} did not arrive within {:.1}                              s (waited for its counts of call {epoch}, saw call {}; it may have                              died or not made the same call); this communicator is unusable,                              destroy it",
+                            m.rank,
+                            timeout.as_secs_f64(),
+                            v >> 32
+                        )));
+                    }
+                    std::thread::yield_now();
+                }
+            };
+            vals.push(untag(v));
+        }
+        rows.push(vals);
+    }
+    Ok(rows)
 }
 
 /// The host backend's `symm_moe_dispatch`. A refusal (this rank's own bad arguments) takes
@@ -158,14 +228,13 @@ pub fn dispatch(
     refusal: Option<&Refusal>,
     timeout: Duration,
 ) -> Result<()> {
-    const F: &str = "symm_moe_dispatch";
     m.d_epoch += 1;
     let epoch = m.d_epoch;
     let (w, me) = (m.world as u64, m.rank);
     let c = m.cfg;
     let (e_all, kk) = (c.experts as u64, c.topk as u64);
     let n = if refusal.is_some() { 0 } else { a.tokens };
-    let (counts, mut found) = local(m, a, it, n);
+    let (counts, mut found) = local(m, a, it, n, epoch);
     if let Some(r) = refusal {
         found = Some(Found {
             code: r.code,
@@ -174,28 +243,30 @@ pub fn dispatch(
             ..Found::default()
         });
     }
-    // Step 2: this rank's row into every rank's counts, then the counts-ready flags.
+    // Step 2: this rank's row, tagged with the epoch, into every rank's counts (after the list
+    // and the staged x: the tags release them).
     let extra = status::row_extra(&found.unwrap_or_default());
     for d in 0..m.world {
         let row = m.at(d, m.layout.row(e_all, w, epoch, me as u64));
         for (e, &v) in counts.iter().enumerate() {
-            wr_i32(row + 4 * e as u64, if found.is_some() { 0 } else { v });
+            let v = if found.is_some() { 0 } else { v };
+            word(row + 8 * e as u64).store(tagged(epoch, v), Ordering::Release);
         }
         for (i, &v) in extra.iter().enumerate() {
-            wr_i32(row + 4 * (e_all + i as u64), v);
+            let at = row + 8 * (e_all + i as u64);
+            word(at).store(tagged(epoch, v), Ordering::Release);
+        }
+        for i in extra.len() as u64..ROW_EXTRA {
+            word(row + 8 * (e_all + i)).store(tagged(epoch, 0), Ordering::Release);
         }
     }
-    raise(m, FLAG_COUNTS, epoch);
-    // Step 3: every row; the first status (lowest rank), else capacity.
-    wait_all(m, FLAG_COUNTS, epoch, timeout, F)?;
-    let rows: Vec<u64> = (0..w)
-        .map(|s| m.at(me, m.layout.row(e_all, w, epoch, s)))
-        .collect();
-    let mut first = rows.iter().enumerate().find_map(|(s, &row)| {
-        let ex: Vec<i32> = (0..5).map(|i| rd_i32(row + 4 * (e_all + i))).collect();
-        (ex[0] != 0).then(|| status::from_row(s as u32, &ex))
+    // Step 3: the one wait; the first status (lowest rank), else capacity.
+    let rows = wait_rows(m, epoch, timeout)?;
+    let mut first = rows.iter().enumerate().find_map(|(s, row)| {
+        let ex = &row[e_all as usize..e_all as usize + 5];
+        (ex[0] != 0).then(|| status::from_row(s as u32, ex))
     });
-    let count = |s: usize, e: u64| rd_i32(rows[s] + 4 * e) as i64;
+    let count = |s: usize, e: u64| rows[s][e as usize] as i64;
     let l = c.local_experts(w);
     if first.is_none() {
         first = (0..e_all).find_map(|e| {
@@ -209,50 +280,60 @@ pub fn dispatch(
             })
         });
     }
-    // Step 4: the rows, to their experts' ranks.
-    if first.is_none() {
-        let row_bytes = c.row_bytes();
-        let scales = c.scales_per_row();
-        for t in 0..n {
-            for j in 0..a.k as u64 {
-                let at = t * kk + j;
-                let e = rd_i32(m.at(me, m.layout.idx) + 4 * at);
-                if e < 0 {
-                    continue;
-                }
-                let e = e as u64;
-                let base: i64 = (0..me).map(|s| count(s, e)).sum();
-                let pos = rd_i32(m.at(me, m.layout.pos) + 4 * at) as i64;
-                let (d, le) = ((e / l) as usize, e % l);
-                let slot = le * c.max_recv + (base + pos) as u64;
-                copy(
-                    m.at(d, m.layout.recv_x) + slot * row_bytes,
-                    a.x + t * row_bytes,
-                    row_bytes,
-                );
-                if scales > 0 {
+    let ok = first.is_none();
+    // Step 4: pull this rank's experts' rows, source by source in rank order, each source's in
+    // token order (its list), from the source's staged x (or the caller's x for this rank's own).
+    let row_bytes = c.row_bytes();
+    let scales = c.scales_per_row();
+    for le in 0..l {
+        let e = me as u64 * l + le;
+        let mut row = 0u64;
+        if ok {
+            for (s, src_row) in rows.iter().enumerate() {
+                let off: u64 = src_row[..e as usize].iter().map(|&v| v as u64).sum();
+                let list = m.at(s, m.layout.list_at(c.tokens, kk, epoch));
+                let (xs, ss) = m.layout.xstage_at(epoch);
+                for i in 0..src_row[e as usize] as u64 {
+                    let entry = rd_i32(list + 4 * (off + i)) as u64;
+                    let t = entry / kk;
+                    let slot = le * c.max_recv + row;
+                    let (x, xsc) = if s == me {
+                        (a.x, a.x_scales)
+                    } else {
+                        (m.at(s, xs), m.at(s, ss))
+                    };
                     copy(
-                        m.at(d, m.layout.recv_scales) + slot * scales * 4,
-                        a.x_scales + t * scales * 4,
-                        scales * 4,
+                        m.at(me, m.layout.recv_x) + slot * row_bytes,
+                        x + t * row_bytes,
+                        row_bytes,
                     );
+                    if scales > 0 {
+                        copy(
+                            m.at(me, m.layout.recv_scales) + slot * scales * 4,
+                            xsc + t * scales * 4,
+                            scales * 4,
+                        );
+                    }
+                    let code = (s as u64 * c.tokens * kk + entry) as i32;
+                    wr_i32(m.at(me, m.layout.recv_src) + 4 * slot, code);
+                    row += 1;
                 }
-                let code = ((me as u64 * c.tokens + t) * kk + j) as i32;
-                wr_i32(m.at(d, m.layout.recv_src) + 4 * slot, code);
             }
         }
+        wr_i32(m.at(me, m.layout.recv_counts) + 4 * le, row as i32);
     }
-    // Step 5: every rank's data is here.
-    raise(m, FLAG_DATA, epoch);
-    wait_all(m, FLAG_DATA, epoch, timeout, F)?;
-    let ok = first.is_none();
-    for le in 0..l {
-        let total: i64 = if ok {
-            (0..m.world).map(|s| count(s, me as u64 * l + le)).sum()
-        } else {
-            0
-        };
-        wr_i32(m.at(me, m.layout.recv_counts) + 4 * le, total as i32);
+    // Each of this rank's entries' row in its expert's rank (the combine reads this rank's own
+    // experts' rows there).
+    if ok {
+        for at in 0..n * kk {
+            let pos = rd_i32(m.at(me, m.layout.pos) + 4 * at);
+            if pos >= 0 {
+                let e = rd_i32(m.at(me, m.layout.idx) + 4 * at) as u64;
+                let base: i64 = (0..me).map(|s| count(s, e)).sum();
+                let slot = (e % l) * c.max_recv + (base + pos as i64) as u64;
+                wr_i32(m.at(me, m.layout.pos) + 4 * at, slot as i32);
+            }
+        }
     }
     match first {
         None => Ok(()),
@@ -265,7 +346,8 @@ pub fn dispatch(
 }
 
 /// The host backend's `symm_moe_combine` after a dispatch that succeeded (`last`); any number
-/// of combines may follow one dispatch (module header).
+/// of combines may follow one dispatch (module header). Rows of this rank's own experts are
+/// read from `expert_out` where they are; only the peers' go through the landing buffer.
 pub fn combine(
     m: &mut Moe,
     a: &Combine,
@@ -288,6 +370,9 @@ pub fn combine(
                 let slot = le * c.max_recv + row;
                 let code = rd_i32(m.at(me, m.layout.recv_src) + 4 * slot) as u64;
                 let (s, t, j) = (code / (c.tokens * kk), (code / kk) % c.tokens, code % kk);
+                if s as usize == me {
+                    continue; // read in place by this rank's own sum
+                }
                 copy(
                     m.at(s as usize, cbuf) + (t * kk + j) * row_bytes,
                     a.expert_out + slot * row_bytes,
@@ -309,13 +394,20 @@ pub fn combine(
         if other.is_none() {
             for j in 0..kk {
                 let at = t * kk + j;
-                if rd_i32(m.at(me, m.layout.idx) + 4 * at) < 0 {
+                let e = rd_i32(m.at(me, m.layout.idx) + 4 * at);
+                if e < 0 {
                     continue;
                 }
                 let wgt = rd_f32(m.at(me, m.layout.weights) + 4 * at);
-                let src = m.at(me, cbuf) + at * row_bytes;
+                let src = if e as u64 / l == me as u64 {
+                    let slot = rd_i32(m.at(me, m.layout.pos) + 4 * at) as u64;
+                    a.expert_out + slot * row_bytes
+                } else {
+                    m.at(me, cbuf) + at * row_bytes
+                };
                 for (i, v) in acc.iter_mut().enumerate() {
-                    // SAFETY: src is row (t, j) of this rank's cbuf, h bf16 values.
+                    // SAFETY: src is row (t, j) of this rank's cbuf or its row of the caller's
+                    // checked expert_out, h bf16 values.
                     let x = unsafe { std::ptr::read_volatile((src as *const u16).add(i)) };
                     *v = wgt.mul_add(bf16_to_f32(x), *v);
                 }

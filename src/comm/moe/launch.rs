@@ -74,7 +74,6 @@ pub struct MoeArgs {
     pub expert_out: u64,
     pub y: u64,
     pub status: u64,
-    pub off_counts: u64,
     pub off_flags: u64,
     pub off_recv_counts: u64,
     pub off_recv_src: u64,
@@ -83,12 +82,16 @@ pub struct MoeArgs {
     pub off_idx: u64,
     pub off_weights: u64,
     pub off_pos: u64,
+    pub off_list: u64,
+    pub off_xstage: u64,
+    pub off_xscales: u64,
     pub off_cbuf: u64,
-    pub max_tokens: u64,
-    pub hidden: u64,
     pub max_recv: u64,
     pub num_tokens: u64,
     pub refuse_value: i64,
+    /// T and H (config.rs bounds both to 2^20).
+    pub max_tokens: u32,
+    pub hidden: u32,
     pub k: i32,
     pub topk: i32,
     pub experts: i32,
@@ -97,7 +100,7 @@ pub struct MoeArgs {
     pub pad: i32,
 }
 
-const _: () = assert!(std::mem::size_of::<MoeArgs>() == 256 + 64 + 22 * 8 + 6 * 4);
+const _: () = assert!(std::mem::size_of::<MoeArgs>() == 256 + 64 + 22 * 8 + 8 * 4);
 
 /// The host backend's combine after a dispatch that failed (the kernels keep their own word,
 /// so only the CPU twin refuses it).
@@ -120,7 +123,6 @@ impl Moe {
             s,
             blocks: self.blocks,
             status: self.status.as_ref().map_or(0, |w| w.device_ptr),
-            off_counts: l.counts,
             off_flags: l.flags,
             off_recv_counts: l.recv_counts,
             off_recv_src: l.recv_src,
@@ -129,9 +131,12 @@ impl Moe {
             off_idx: l.idx,
             off_weights: l.weights,
             off_pos: l.pos,
+            off_list: l.list,
+            off_xstage: l.xstage,
+            off_xscales: l.xscales,
             off_cbuf: l.cbuf,
-            max_tokens: self.cfg.tokens,
-            hidden: self.cfg.hidden,
+            max_tokens: self.cfg.tokens as u32,
+            hidden: self.cfg.hidden as u32,
             max_recv: self.cfg.max_recv,
             topk: self.cfg.topk as i32,
             experts: self.cfg.experts as i32,

@@ -13,9 +13,9 @@ use super::config::Config;
 
 /// Alignment of every part.
 pub const PART_ALIGN: u64 = 256;
-/// Bytes of the control part: the kernels' monotonic counters (dispatch done and sent, combine
-/// done and sent, the last dispatch that succeeded, the last dispatch routed and the last that
-/// failed), as `u64` words. Only this rank's kernels touch its control part.
+/// Bytes of the control part: the kernels' monotonic counters (dispatch done, blocks counted
+/// in before its counts row and at its end; the same for the combine; the last dispatch that
+/// succeeded), as `u64` words. Only this rank's kernels touch its control part.
 pub const CTRL_BYTES: u64 = 4096;
 /// `u64` words of the control part (word indices).
 pub const CTRL_D_DONE: u64 = 0;
@@ -23,18 +23,33 @@ pub const CTRL_D_SENT: u64 = 1;
 pub const CTRL_C_DONE: u64 = 2;
 pub const CTRL_C_SENT: u64 = 3;
 pub const CTRL_OK_EPOCH: u64 = 4;
-pub const CTRL_ROUTED: u64 = 5;
-pub const CTRL_FAILED: u64 = 6;
-/// `i32` words after a source rank's counts in a counts row: status, then token, k, value (low
-/// and high halves) of its first offending entry (status.rs has the codes), then padding.
+pub const CTRL_D_FIN: u64 = 5;
+pub const CTRL_C_FIN: u64 = 6;
+/// Words after a source rank's counts in a counts row: status, then token, k, value (low and
+/// high halves) of its first offending entry (status.rs has the codes), then padding.
 pub const ROW_EXTRA: u64 = 8;
-/// The four flag rows: counts ready, data done (dispatch), then combine done twice, one row
-/// per parity of the combine's epoch (`FLAG_COMBINE + (epoch & 1)`, see `combine_flag`).
-pub const FLAG_COUNTS: u64 = 0;
-pub const FLAG_DATA: u64 = 1;
-pub const FLAG_COMBINE: u64 = 2;
+/// The combine's flag rows, one per parity of its epoch (`combine_flag`).
+pub const FLAG_COMBINE: u64 = 0;
 /// Flag rows in all.
-pub const FLAG_ROWS: u64 = 4;
+pub const FLAG_ROWS: u64 = 2;
+
+/// A counts-row word: the low 32 bits of the dispatch epoch that wrote it, then the value.
+/// A reader takes a word only once its tag is its own call's (`tag_of`): the words are the
+/// dispatch's one cross-rank wait, no separate flag. Rows alternate by the epoch's parity, so
+/// the word a reader may see instead is two calls old (another tag, even across the 2^32 wrap).
+pub fn tagged(epoch: u64, value: i32) -> u64 {
+    ((epoch & 0xffff_ffff) << 32) | value as u32 as u64
+}
+
+/// Whether counts-row word `w` was written by dispatch `epoch` (`tagged`).
+pub fn tag_of(w: u64, epoch: u64) -> bool {
+    w >> 32 == epoch & 0xffff_ffff
+}
+
+/// The value of a counts-row word (`tagged`).
+pub fn untag(w: u64) -> i32 {
+    w as u32 as i32
+}
 
 /// The flag row of combine `epoch`. Combines alternate between two rows and two landing
 /// buffers (`Layout::cbuf_at`): a rank reaches combine `c + 2` only after every rank raised its
@@ -57,16 +72,31 @@ pub struct Layout {
     pub recv_scales: u64,
     pub idx: u64,
     pub weights: u64,
-    /// `[T][K]` int32: each of this rank's (t, k) position within (this rank, its expert).
+    /// `[T][K]` int32: each of this rank's (t, k) row in its expert's rank (`le * R + row`),
+    /// or -1; the combine reads the rows of this rank's own experts straight from expert_out.
     pub pos: u64,
-    /// Two `[T][K][H]` bf16 landing buffers, one per combine parity (`cbuf_at`).
+    /// `[2][T*K]` int32, per dispatch parity: this rank's entries (`t * K + k`) grouped by
+    /// expert in token order (CSR; a source's offsets are the prefix sums of its counts row).
+    /// Peers read it to pull their rows.
+    pub list: u64,
+    /// `[2][T][H]` payload, per dispatch parity: this rank's `x`, for the peers to pull (0
+    /// bytes at world 1: a rank reads its own rows from the caller's `x`).
+    pub xstage: u64,
+    /// Bytes of one `xstage` parity.
+    pub xstage_slot: u64,
+    /// `[2][T][H/128]` fp32 (FP8 at world > 1; else 0 bytes).
+    pub xscales: u64,
+    /// Bytes of one `xscales` parity.
+    pub xscales_slot: u64,
+    /// Two `[T][K][H]` bf16 landing buffers, one per combine parity (`cbuf_at`); the rows of
+    /// peers' experts only (0 bytes at world 1).
     pub cbuf: u64,
     /// Bytes of one landing buffer.
     pub cbuf_slot: u64,
     pub bytes: u64,
 }
 
-/// `i32` words of one source rank's counts row.
+/// `u64` words (`tagged`) of one source rank's counts row.
 pub fn row_words(experts: u64) -> u64 {
     experts + ROW_EXTRA
 }
@@ -89,7 +119,8 @@ impl Layout {
             off
         };
         let _ctrl = part(CTRL_BYTES);
-        let counts = part(2 * world * row_words(e) * 4);
+        // At CTRL_BYTES: the kernels take it from there (kernels/moe.cu MOE_CTRL_BYTES).
+        let counts = part(2 * world * row_words(e) * 8);
         let flags = part(FLAG_ROWS * world * 8);
         let recv_counts = part(l * 4);
         let recv_src = part(l * r * 4);
@@ -102,7 +133,18 @@ impl Layout {
         let idx = part(t * k * 4);
         let weights = part(t * k * 4);
         let pos = part(t * k * 4);
-        let cbuf_slot = t * k * h * 2;
+        let list = part(2 * t * k * 4);
+        let peers = world > 1;
+        let xstage_slot = if peers { t * h * c.dtype.bytes() } else { 0 };
+        let xstage = part(2 * xstage_slot);
+        let xscales_slot = if peers { t * (h / 128) * 4 } else { 0 };
+        let xscales_slot = if c.dtype.has_scales() {
+            xscales_slot
+        } else {
+            0
+        };
+        let xscales = part(2 * xscales_slot);
+        let cbuf_slot = if peers { t * k * h * 2 } else { 0 };
         let cbuf = part(2 * cbuf_slot);
         Layout {
             counts,
@@ -114,6 +156,11 @@ impl Layout {
             idx,
             weights,
             pos,
+            list,
+            xstage,
+            xstage_slot,
+            xscales,
+            xscales_slot,
             cbuf,
             cbuf_slot,
             bytes: at,
@@ -122,7 +169,7 @@ impl Layout {
 
     /// The counts row of source `src` for the call of `epoch`'s parity.
     pub fn row(&self, experts: u64, world: u64, epoch: u64, src: u64) -> u64 {
-        self.counts + ((epoch & 1) * world + src) * row_words(experts) * 4
+        self.counts + ((epoch & 1) * world + src) * row_words(experts) * 8
     }
 
     /// Flag `which` (FLAG_*) of source `src`.
@@ -135,8 +182,52 @@ impl Layout {
         self.cbuf + (epoch & 1) * self.cbuf_slot
     }
 
+    /// This rank's entry list of dispatch `epoch` (its parity's).
+    pub fn list_at(&self, tokens: u64, topk: u64, epoch: u64) -> u64 {
+        self.list + (epoch & 1) * tokens * topk * 4
+    }
+
+    /// The staged `x` (and FP8 scales) of dispatch `epoch` (its parity's).
+    pub fn xstage_at(&self, epoch: u64) -> (u64, u64) {
+        (
+            self.xstage + (epoch & 1) * self.xstage_slot,
+            self.xscales + (epoch & 1) * self.xscales_slot,
+        )
+    }
+
     /// Bytes at the start of the block that create zeroes (ctrl, counts, flags).
     pub fn zeroed_bytes(&self) -> u64 {
         self.recv_counts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_tell_a_call_from_the_one_two_before_across_the_wrap() {
+        for epoch in [
+            1u64,
+            2,
+            3,
+            (1 << 32) - 2,
+            (1 << 32) - 1,
+            1 << 32,
+            (1 << 32) + 1,
+            (1 << 33) + 5,
+        ] {
+            for v in [0i32, 1, -1, i32::MAX, i32::MIN] {
+                let w = tagged(epoch, v);
+                assert!(tag_of(w, epoch), "epoch {epoch} value {v}");
+                assert_eq!(untag(w), v);
+                // The word a reader may find instead (same parity, two calls older) and the
+                // zeroed word of a fresh block are never taken as this call's.
+                assert!(!tag_of(tagged(epoch.wrapping_sub(2), v), epoch));
+                if epoch & 0xffff_ffff != 0 {
+                    assert!(!tag_of(0, epoch));
+                }
+            }
+        }
     }
 }

@@ -8,7 +8,7 @@
 //! The object does not live in the communicator: the C handle keeps both, and every call
 //! passes the communicator in (its mesh, arena, peer windows, settings and error words are
 //! what this folder reads). Creating one is collective: the ranks compare configurations
-//! (NOT_SYMMETRIC on every rank otherwise), agree on the grid, allocate the block (the same
+//! (NOT_SYMMETRIC on every rank otherwise), agree on the grid (`num_sms` caps it), allocate the block (the same
 //! offset on every rank), zero its control parts and share it (a rendezvous), so dispatch and
 //! combine map nothing and are capturable.
 //!
@@ -31,7 +31,10 @@ use config::{Config, IndexType, Payload, Request};
 use layout::Layout;
 use status::{Bounds, Refusal};
 
-/// The most blocks of a dispatch or combine grid.
+/// The most blocks of a dispatch or combine grid. The grid is the communicator's fewest SMs,
+/// capped by this and by the config's `num_sms` (its SM budget), agreed at create (the least
+/// over the ranks): one block per SM, all resident at once (the blocks wait for each other's
+/// counting-in, kernels/moe.cu).
 pub const MAX_GRID: u32 = 132;
 /// Threads per block of the kernels (kernels/moe.cu `MOE_THREADS`).
 pub const THREADS: u32 = 512;
@@ -217,8 +220,12 @@ impl Communicator {
         let asked = req.as_ref().map_or(Request::UNREADABLE, |r| **r);
         let checked = req.and_then(|r| r.check(world));
         let req = &asked;
-        // One block on the host backend, whose device has one SM.
-        let grid = self.settings.fewest_sms.clamp(1, MAX_GRID);
+        // One block on the host backend, whose device has one SM; `num_sms` caps it.
+        let cap = match asked.num_sms {
+            0 => MAX_GRID,
+            n => n.min(MAX_GRID),
+        };
+        let grid = self.settings.fewest_sms.min(cap).clamp(1, MAX_GRID);
         // The agreement: refusal text, the requested words, the grid.
         let mut msg = Vec::new();
         let text = checked
@@ -249,7 +256,7 @@ impl Communicator {
             let n = u64::from_le_bytes(m.get(..8).ok_or_else(bad)?.try_into().unwrap()) as usize;
             let t = m.get(8..8 + n).ok_or_else(bad)?;
             let rest = m.get((8 + n).next_multiple_of(8)..).ok_or_else(bad)?;
-            if rest.len() != 8 * 8 {
+            if rest.len() != 9 * 8 {
                 return Err(bad());
             }
             let w: Vec<u64> = rest
@@ -258,12 +265,12 @@ impl Communicator {
                 .collect();
             if n > 0 {
                 refusals.push(format!("rank {r}: {}", String::from_utf8_lossy(t)));
-                if w[..7] == Request::UNREADABLE.words() {
+                if w[..8] == Request::UNREADABLE.words() {
                     unreadable.push(format!("rank {r}: {}", String::from_utf8_lossy(t)));
                 }
             }
-            g = g.min(w[7] as u32);
-            words.push(w[..7].to_vec());
+            g = g.min(w[8] as u32);
+            words.push(w[..8].to_vec());
         }
         if let (true, Err(e)) = (unread, &checked) {
             return Err(e.clone()); // this rank's own reason
@@ -348,7 +355,8 @@ impl Communicator {
         }
         let status = self.exec.mapped_word()?;
         crate::info!(
-            "rank {}/{}: moe object of {} bytes (T {}, H {}, K {}, E {}, R {}, {}), grid {grid}",
+            "rank {}/{}: moe object of {} bytes (T {}, H {}, K {}, E {}, R {}, {}), grid {grid} \
+             (num_sms {})",
             self.rank,
             self.world,
             layout.bytes,
@@ -357,7 +365,8 @@ impl Communicator {
             cfg.topk,
             cfg.experts,
             cfg.max_recv,
-            cfg.dtype.name()
+            cfg.dtype.name(),
+            cfg.num_sms
         );
         Ok(Moe {
             cfg: *cfg,

@@ -348,7 +348,7 @@ fn capacity(comm: Comm, dev: Dev, w: usize, seed: u64) {
 
 /// One `symm_moe_create` (or `_config` with `cfg`) that every rank must see fail with `want`
 /// and every needle; `*out` stays NULL.
-fn refuse(
+pub fn refuse(
     comm: Comm,
     s: Shape,
     cfg: Option<symm_moe_config_t>,
@@ -458,14 +458,25 @@ pub fn create_errors(comm: Comm, dev: Dev, w: usize, rank: usize, seed: u64) {
         INVALID,
         &[above],
     );
-    let v = "config version 2, size".to_string();
-    refuse(comm, good, cfg(&|c| c.version = 2), INVALID, &[v]);
+    let v = "config version 3, size".to_string();
+    refuse(comm, good, cfg(&|c| c.version = 3), INVALID, &[v]);
+    // Version 1's size under version 2 (and the reverse) is another layout: refused.
+    let v1_size = std::mem::offset_of!(symm_moe_config_t, num_sms) as u32;
+    let v = format!("config version 2, size {v1_size}");
+    refuse(comm, good, cfg(&|c| c.size = v1_size), INVALID, &[v]);
+    refuse(
+        comm,
+        good,
+        cfg(&|c| c.version = 1),
+        INVALID,
+        &["config version 1, size".into()],
+    );
     refuse(
         comm,
         good,
         cfg(&|c| c.size = 8),
         INVALID,
-        &["size 8; expected version 1".into()],
+        &["size 8; expected version 2".into()],
     );
     let st = symm_moe_create_config(comm, null_mut(), &mut m);
     assert!(
@@ -476,10 +487,10 @@ pub fn create_errors(comm: Comm, dev: Dev, w: usize, rank: usize, seed: u64) {
     // One rank cannot read its request (a config of another version; `out` NULL): every rank
     // fails at once naming it (it still takes part in the agreement), none waits for a timeout.
     let last = w - 1;
-    let own_v = cfg(&|c| c.version = if rank == last { 2 } else { 1 });
-    let named = format!("rank {last}: symm_moe_create_config: config version 2");
+    let own_v = cfg(&|c| c.version = if rank == last { 3 } else { 2 });
+    let named = format!("rank {last}: symm_moe_create_config: config version 3");
     let needle = if rank == last {
-        "config version 2".to_string()
+        "config version 3".to_string()
     } else {
         named
     };

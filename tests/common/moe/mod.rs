@@ -9,6 +9,7 @@
 
 pub mod cases;
 mod check;
+pub mod edges;
 pub mod errors;
 pub mod repeat;
 pub use check::*;
@@ -164,6 +165,8 @@ pub struct Shape {
     pub e: u32,
     pub fp8: bool,
     pub max_recv: u64,
+    /// The kernels' grid cap (`num_sms`; 0: none).
+    pub num_sms: u32,
 }
 
 impl Shape {
@@ -175,6 +178,7 @@ impl Shape {
             e,
             fp8,
             max_recv: 0,
+            num_sms: 0,
         }
     }
     pub fn dtype(&self) -> u32 {
@@ -206,6 +210,8 @@ impl Shape {
             dtype: self.dtype(),
             flags: 0,
             max_recv_per_expert: self.max_recv,
+            num_sms: self.num_sms,
+            reserved: 0,
         }
     }
 }
@@ -249,7 +255,7 @@ pub struct Obj {
 /// checks its layout's fields.
 pub fn create(comm: Comm, s: Shape, dev: Dev) -> Obj {
     let mut moe = null_mut();
-    let st = if s.max_recv == 0 {
+    let st = if s.max_recv == 0 && s.num_sms == 0 {
         let (t, h) = (s.t, s.h);
         symm_moe_create(comm, t, h, s.topk, s.e, s.dtype(), 0, &mut moe)
     } else {
