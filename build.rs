@@ -2,7 +2,9 @@
 //! the crate (`SYMMALLOC_FATBIN`), which embeds it with `include_bytes!`.
 //!
 //! nvcc is looked up in `NVCC`, `$CUDA_HOME/bin`, `PATH`, then the project's own toolchain
-//! folder `.toolchain/` (filled by `scripts/setup-toolchain.sh`). Target architectures come from
+//! folder `.toolchain/` (filled by `scripts/setup-toolchain.sh`). `pip install ./python` needs
+//! none of them: python/setup.py sets `NVCC` (unless the user did) to the pinned nvcc that the
+//! package's build requirements install from PyPI. Target architectures come from
 //! `SYMMALLOC_CUDA_ARCHS` (comma-separated compute capabilities, default `80,90`): SASS for each,
 //! plus PTX for the last so newer GPUs can JIT it.
 

@@ -194,20 +194,6 @@ struct CUstream_st;
 #define SYMM_DEVICE_ERR_SEEN 6
 
 /**
- * Index into a `StatArray`: all pools, then small (blocks up to 1 MiB) and large.
- */
-#define AGGREGATE 0
-
-#define SMALL 1
-
-#define LARGE 2
-
-/**
- * Events a heap's log holds at most.
- */
-#define LOG_CAP (1 << 16)
-
-/**
  * Result of every status-returning function.
  */
 typedef enum {
@@ -963,6 +949,18 @@ symm_status_t symm_wait(symm_comm_t *comm, uint32_t slot, uint64_t value, struct
 symm_status_t symm_comm_device(symm_comm_t *comm, symm_device_comm_t *out, size_t size);
 
 /**
+ * Grants device `peer` read/write access to every segment of `device`'s heap, present and
+ * future (segments made or grown later are granted as they are mapped). Idempotent; `device ==
+ * peer` succeeds and does nothing. A heap the process has not made yet is not made: the grant
+ * is kept for it. This is `enablePeerAccess(peer, device)` in PyTorch's terms (`peer` reads
+ * and writes memory of `device`); it does not enable peer access between the CUDA contexts
+ * (`cudaDeviceEnablePeerAccess`), which the caller does. Fails with SYMM_ERR_INVALID_ARGUMENT
+ * for a device or peer that does not exist and SYMM_ERR_UNSUPPORTED where `peer` cannot reach
+ * `device` directly.
+ */
+symm_status_t symm_grant_peer_access(int device, int peer);
+
+/**
  * Routes the calling thread's allocations on `device` to pool (first, second) until the
  * matching `symm_end_pool`. Pools nest. Each begin takes a use of the pool that
  * `symm_release_pool` gives back. ABI-compatible with PyTorch's begin-allocate-to-pool hook,
@@ -1119,53 +1117,6 @@ symm_status_t symm_segment_events(int device, symm_segment_event_t *out, size_t 
  * SYMM_ERR_INVALID_ARGUMENT and writes nothing.
  */
 symm_status_t symm_block_request(void *ptr, int *device, uint64_t *requested, struct CUstream_st **stream);
-
-/**
- * Routes the calling thread's allocations on `device` to pool (first, second) until the
- * matching `symm_end_pool`. Pools nest. Each begin takes a use of the pool that
- * `symm_release_pool` gives back. ABI-compatible with PyTorch's begin-allocate-to-pool hook,
- * but it ignores that hook's filter: PyTorch's graph capture needs
- * `symm_begin_pool_filtered` (through the shim's `begin_allocate_to_pool`).
- */
-void symm_begin_pool(int device, uint64_t pool_first, uint64_t pool_second);
-
-/**
- * Routes every allocation on `device` whose stream `filter(ctx, stream)` accepts, from any
- * thread, to pool (first, second) until `symm_end_pool(device, first, second)`. This is
- * PyTorch's begin-allocate-to-pool contract: a graph capture's filter accepts the capturing
- * stream, on whichever thread allocates (the autograd engine allocates the backward from its
- * own thread). The pool takes a use, as with `symm_begin_pool`. `ctx` belongs to symmalloc
- * from this call on: `drop(ctx)` (if not NULL) runs once the route ends, or before this call
- * returns when it fails. A NULL filter is refused (SYMM_ERR_INVALID_ARGUMENT).
- */
-symm_status_t symm_begin_pool_filtered(int device, uint64_t pool_first, uint64_t pool_second, symm_pool_filter_fn filter, void *ctx, symm_pool_filter_drop_fn drop);
-
-/**
- * Ends the pool route for `device` that the calling thread opened last, which must be
- * (first, second); a thread that opened none for `device` ends the newest route to
- * (first, second) from any thread. The pool's free blocks that thread caches kept or that
- * wait parked then go back to its free lists, merged with their neighbours (heap/introspect.rs,
- * `settle_pool`).
- */
-void symm_end_pool(int device, uint64_t pool_first, uint64_t pool_second);
-
-/**
- * Gives back one use of the pool (each `symm_begin_pool` takes one; PyTorch releases a
- * graph's pool when the graph is deleted, once per graph sharing it). At the last use, or for
- * a pool never begun, its physical memory goes: free segments now, the others when their last
- * block is freed.
- */
-void symm_release_pool(int device, uint64_t pool_first, uint64_t pool_second);
-
-/**
- * The next reuse of `ptr`'s block also waits for the work submitted to `stream` so far.
- */
-void symm_record_stream(void *ptr, struct CUstream_st *stream);
-
-/**
- * Returns every cached segment without live blocks, on every device.
- */
-void symm_empty_cache(void);
 
 #ifdef __cplusplus
 }  // extern "C"

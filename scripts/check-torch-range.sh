@@ -2,7 +2,7 @@
 # The C++ allocator for PyTorch (python/symmalloc/csrc) against every torch minor it supports,
 # 2.10 to 2.15 (csrc/torch_compat.h), on a machine without a GPU:
 # - each minor's wheel from PyPI (pip download, once: its headers are kept under
-#   .toolchain/torch-range/VERSION/ and the wheel deleted), then torch_allocator.cpp compiled
+#   .toolchain/torch-range/VERSION/ and the wheel deleted; scripts/build-torch-prebuilts.sh), then torch_allocator.cpp compiled
 #   against its headers and the toolchain's CUDA headers with -Wall -Wextra -Werror
 #   (-fsyntax-only: every guard is taken and SymmAllocator is complete, since the file makes
 #   one; C++17 up to 2.11 and C++20 from 2.12, as torch.utils.cpp_extension compiles);
@@ -27,20 +27,9 @@ LATEST=2.15.0
 PIP="pip --disable-pip-version-check --quiet"
 mkdir -p "$CACHE"
 
-# headers VERSION: the folder holding torch/include for VERSION (downloaded once).
-headers() {
-  local v=$1 dir=$CACHE/$1
-  if [ ! -f "$dir/.ok" ]; then
-    rm -rf "$dir" "$CACHE/wheels-$v" && mkdir -p "$dir"
-    $PYTHON -m $PIP download --no-deps "torch==$v" -d "$CACHE/wheels-$v" >&2
-    $PYTHON -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
-      z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('torch/include/')])" \
-      "$(ls "$CACHE"/wheels-$v/torch-*.whl)" "$dir"
-    rm -rf "$CACHE/wheels-$v"
-    touch "$dir/.ok"
-  fi
-  echo "$dir"
-}
+# headers VERSION: the folder holding torch/include for VERSION (its wheel downloaded once, by
+# build-torch-prebuilts.sh, which keeps what the wheel's prebuilts need from it too).
+headers() { bash scripts/build-torch-prebuilts.sh --fetch "$1"; }
 
 # compile VERSION INCLUDE: torch_allocator.cpp against torch/include at INCLUDE, syntax only.
 compile() {
@@ -48,7 +37,7 @@ compile() {
   case $v in 2.10.*|2.11.*) std=c++17 ;; esac
   local t0=$SECONDS
   nice c++ -fsyntax-only -std=$std -O2 -Wall -Wextra -Werror -Wno-unused-parameter \
-    -I"$CUDA_INCLUDE" -isystem "$inc" -isystem "$inc/torch/csrc/api/include" "$SRC"
+    -I"$ROOT/include" -I"$CUDA_INCLUDE" -isystem "$inc" -isystem "$inc/torch/csrc/api/include" "$SRC"
   echo "check-torch-range: torch $v: torch_allocator.cpp compiles ($std, -Werror, $((SECONDS - t0)) s)"
 }
 

@@ -4,6 +4,10 @@
 //! mappings it made; `TRACE` adds a line per collective call. Each line starts with
 //! `symmalloc:PID LEVEL`, and lines about a communicator name its rank.
 //!
+//! Each line is formatted whole and written with one `write(2)`, so the lines of ranks sharing
+//! a terminal or a pipe never interleave mid-line (a pipe takes up to `PIPE_BUF`, 4 KiB, in one
+//! piece; `eprintln!` writes each formatted piece apart).
+//!
 //! Invariants: off by default, and free when off: the `info!`/`trace!` macros test the level (one
 //! relaxed atomic load once the variable has been read) before formatting anything. The variable is
 //! read once per process, through `config::debug_level` (config/settings.rs owns `Level`; the
@@ -32,10 +36,12 @@ fn read_env() -> u8 {
     // (heap::global), so this warning only shows where diagnostics are asked for first.
     let value = crate::config::var("SYMMALLOC_DEBUG");
     let level = crate::config::debug_level().unwrap_or_else(|why| {
-        eprintln!(
-            "symmalloc:{} WARN {} (diagnostics stay off)",
-            std::process::id(),
-            why.message
+        write_line(
+            &mut std::io::stderr(),
+            &line(
+                "WARN",
+                format_args!("{} (diagnostics stay off)", why.message),
+            ),
         );
         Level::Off
     });
@@ -64,7 +70,19 @@ pub fn emit(level: Level, args: std::fmt::Arguments<'_>) {
     } else {
         "INFO"
     };
-    eprintln!("symmalloc:{} {tag} {args}", std::process::id());
+    write_line(&mut std::io::stderr(), &line(tag, args));
+}
+
+/// `symmalloc:PID TAG message\n`, formatted whole.
+fn line(tag: &str, args: std::fmt::Arguments<'_>) -> String {
+    format!("symmalloc:{} {tag} {args}\n", std::process::id())
+}
+
+/// Writes `line` with one `write(2)` (std's stderr is unbuffered and `write_all` hands it the
+/// whole buffer; only a partial write, which a pipe never makes below `PIPE_BUF`, takes more).
+/// A failed write is dropped: diagnostics never fail the call that prints them.
+fn write_line(out: &mut impl std::io::Write, line: &str) {
+    let _ = out.write_all(line.as_bytes());
 }
 
 /// `info!("...", args)`: a diagnostic line at INFO, formatted only when enabled.
@@ -85,4 +103,63 @@ macro_rules! trace {
             $crate::debug::emit($crate::debug::Level::Trace, format_args!($($arg)*));
         }
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{line, write_line};
+    use std::io::Read;
+    use std::os::fd::FromRawFd;
+
+    /// Writers that share a pipe with no lock between them (as ranks share a stderr): every line
+    /// read back is one writer's whole line, so each line went out in one write.
+    #[test]
+    fn lines_from_concurrent_writers_never_interleave() {
+        let mut fds = [0; 2];
+        // SAFETY: fds is a valid array of two ints for pipe(2) to fill.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: both descriptors were just created and are owned by these Files alone.
+        let (mut rd, wr) = unsafe {
+            (
+                std::fs::File::from_raw_fd(fds[0]),
+                std::fs::File::from_raw_fd(fds[1]),
+            )
+        };
+        const WRITERS: usize = 4;
+        const LINES: usize = 500;
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|w| {
+                let mut out = wr.try_clone().unwrap();
+                std::thread::spawn(move || {
+                    for i in 0..LINES {
+                        let fill = char::from(b'a' + w as u8).to_string().repeat(100 + i % 300);
+                        let l = line("TRACE", format_args!("writer {w} line {i} {fill}"));
+                        write_line(&mut out, &l);
+                    }
+                })
+            })
+            .collect();
+        drop(wr);
+        let mut all = String::new();
+        rd.read_to_string(&mut all).unwrap();
+        for t in writers {
+            t.join().unwrap();
+        }
+        let mut seen = [0usize; WRITERS];
+        for l in all.lines() {
+            let rest = l
+                .strip_prefix(&format!("symmalloc:{} TRACE writer ", std::process::id()))
+                .unwrap_or_else(|| panic!("a line that is not whole: {l:?}"));
+            let mut f = rest.split(' ');
+            let w: usize = f.next().unwrap().parse().unwrap();
+            assert_eq!(f.next(), Some("line"), "{l:?}");
+            let i: usize = f.next().unwrap().parse().unwrap();
+            let fill = char::from(b'a' + w as u8).to_string().repeat(100 + i % 300);
+            assert_eq!(f.next(), Some(fill.as_str()), "{l:?}");
+            assert_eq!(f.next(), None, "{l:?}");
+            assert_eq!(i, seen[w], "writer {w}'s lines arrive in order");
+            seen[w] += 1;
+        }
+        assert_eq!(seen, [LINES; WRITERS]);
+    }
 }

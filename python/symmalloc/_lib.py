@@ -1,6 +1,7 @@
 """Loading libsymmalloc: where the shared objects are, the ctypes signatures, and the status
 codes and errors. The tables below mirror include/symmalloc.h; python/tests/test_header_tables.py
-compares them with the header of the checkout."""
+compares them, and the other modules' ctypes structs and prototypes, with the header field by
+field."""
 
 import ctypes
 import os
@@ -48,6 +49,7 @@ def _candidates():
     env = os.environ.get("SYMMALLOC_LIBRARY_DIR")
     if env:
         yield env
+        return  # set, it is the only place looked at: _find names it when it lacks the file
     here = os.path.dirname(os.path.abspath(__file__))
     yield os.path.join(here, "lib")
     yield os.path.normpath(os.path.join(here, "..", "..", "target", "release"))
@@ -56,7 +58,16 @@ def _candidates():
 def _find(name: str) -> str:
     """``name`` (``libsymmalloc.so``, ``libsymmalloc_pluggable.so``) in the first folder that
     has it: the override, the package's ``lib/`` (the wheel ships them there under these names)
-    or a checkout's ``target/release``."""
+    or a checkout's ``target/release``. A ``SYMMALLOC_LIBRARY_DIR`` that is set is the only
+    place looked at, so one pointing at nothing is an error naming it, not a silent fallback."""
+    env = os.environ.get("SYMMALLOC_LIBRARY_DIR")
+    if env and not os.path.isfile(os.path.join(env, name)):
+        what = "does not hold " + name if os.path.isdir(env) else "is not a folder"
+        raise SymmallocError(
+            "SYMM_ERR_INVALID_ARGUMENT",
+            f"SYMMALLOC_LIBRARY_DIR={env} {what}; point it at the folder that holds "
+            f"{name} (a checkout's target/release) or unset it",
+        )
     tried = []
     for d in _candidates():
         p = os.path.join(d, name)

@@ -3,7 +3,9 @@ built with ``torch.utils.cpp_extension`` when it is not (and cached), loaded and
 
 Supported: torch 2.10 to 2.15 (csrc/torch_compat.h guards each difference). Where it looks, in
 order: ``SYMMALLOC_TORCH_EXT`` (a path to a built library: it must exist and fit, or load()
-says why), the package's ``lib/libsymmalloc_torch.so`` (the wheel's), the folder of the
+says why), the package's ``lib/torch-2.X/libsymmalloc_torch.so`` for the running minor (the
+wheel carries one per supported minor of PyPI's default CUDA build), its
+``lib/libsymmalloc_torch.so`` (a package staged by hand), the folder of the
 libsymmalloc.so in use (a checkout's ``target/release``: ``make torch-ext``), then the build
 cache (``SYMMALLOC_CACHE_DIR``, else ``$XDG_CACHE_HOME/symmalloc``, else ``~/.cache/symmalloc``),
 one folder per key: symmalloc's version, a hash of csrc/, torch's version and Python's.
@@ -33,9 +35,10 @@ import re
 import shutil
 import sys
 
-__all__ = ["load", "build", "selftest", "SUPPORTED", "TorchExtUnavailable"]
+__all__ = ["load", "build", "selftest", "prebuilt_dir", "SUPPORTED", "TorchExtUnavailable"]
 
-CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(PACKAGE_DIR, "csrc")
 SOURCE = os.path.join(CSRC, "torch_allocator.cpp")
 LIBRARY = "libsymmalloc_torch.so"
 SUPPORTED = ((2, 10), (2, 15))  # the torch minors csrc/torch_compat.h accepts, both included
@@ -98,11 +101,22 @@ def _csrc_files():
     return sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "*.h")))
 
 
+def _abi_include():
+    """The folder of symmalloc.h, the C ABI csrc/api.h includes: the package's copy (the
+    wheel's symmalloc/include/), else a checkout's include/."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (os.path.join(here, "include"), os.path.join(here, "..", "..", "include")):
+        if os.path.isfile(os.path.join(d, "symmalloc.h")):
+            return os.path.normpath(d)
+    raise RuntimeError(f"symmalloc.h not found in {here}/include or a checkout's include/: "
+                       "reinstall the package")
+
+
 def _source_hash():
     """A hash of csrc/ (every file, by name and content) and of this file (how build() compiles
     it)."""
     h = hashlib.sha256()
-    for f in _csrc_files() + [os.path.abspath(__file__)]:
+    for f in _csrc_files() + [os.path.join(_abi_include(), "symmalloc.h"), os.path.abspath(__file__)]:
         h.update(os.path.basename(f).encode() + b"\0")
         with open(f, "rb") as fh:
             h.update(fh.read() + b"\0")
@@ -182,7 +196,7 @@ def build(out_dir, verbose=False, profile=False):
                           f'-DSYMM_TORCH_ABI=\\"{_abi_hash(torch)}\\"',
                           f'-DSYMM_TORCH_CUDA=\\"{torch.version.cuda or ""}\\"']
             + (["-DSYMM_TORCH_PROFILE"] if profile else []),
-            extra_include_paths=incs,
+            extra_include_paths=incs + [_abi_include()],
             extra_ldflags=[f"-L{torch_lib}", "-lc10_cuda", "-ltorch_cuda", f"-L{libdir}",
                            f"-l:{cudart}", "-ldl"],
             build_directory=out_dir,
@@ -243,9 +257,24 @@ def _fits(lib, torch):
     return None
 
 
-def _candidates():
-    here = os.path.dirname(os.path.abspath(__file__))
-    yield os.path.join(here, "lib", LIBRARY)
+def prebuilt_dir(version):
+    """The folder of the wheel's prebuilt for torch ``version``'s minor (``lib/torch-2.X``,
+    one per supported minor of PyPI's default CUDA build: scripts/build-torch-prebuilts.sh);
+    None outside the supported range."""
+    if not supported(version):
+        return None
+    mm = _minor(version)
+    return os.path.join(PACKAGE_DIR, "lib", f"torch-{mm[0]}.{mm[1]}")
+
+
+def _candidates(version):
+    """The libraries to try for torch ``version``, in order: the wheel's prebuilt for that
+    minor, a single ``lib/libsymmalloc_torch.so`` (a package staged by hand), then beside the
+    libsymmalloc.so in use. Each is loaded only if it fits (_fits)."""
+    folder = prebuilt_dir(version)
+    if folder:
+        yield os.path.join(folder, LIBRARY)
+    yield os.path.join(PACKAGE_DIR, "lib", LIBRARY)
     try:  # beside the libsymmalloc.so in use (a checkout's target/release, a staged folder)
         from ._lib import library_path
 
@@ -357,7 +386,7 @@ def load(verbose=False):
     elif not supported(torch.__version__):
         raise _unavailable(torch, f"torch {torch.__version__} is outside that range")
     else:
-        for path in _candidates():
+        for path in _candidates(torch.__version__):
             if not os.path.exists(path):
                 continue
             try:

@@ -15,11 +15,25 @@ def test_paths_exist_and_sit_together():
 
 
 def test_missing_library_dir_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("SYMMALLOC_LIBRARY_DIR", str(tmp_path))
+    monkeypatch.delenv("SYMMALLOC_LIBRARY_DIR", raising=False)
     monkeypatch.setattr(symmalloc._lib, "_candidates", lambda: iter([str(tmp_path)]))
     with pytest.raises(symmalloc.SymmallocError) as e:
         symmalloc.library_path()
     assert "libsymmalloc.so not found" in str(e.value) and "SYMMALLOC_LIBRARY_DIR" in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["empty folder", "no such path", "a file"])
+def test_library_dir_pointing_at_nothing_is_an_error_naming_it(monkeypatch, tmp_path, kind):
+    target = {"empty folder": tmp_path, "no such path": tmp_path / "nowhere",
+              "a file": tmp_path / "f"}[kind]
+    if kind == "a file":
+        target.write_text("")
+    monkeypatch.setenv("SYMMALLOC_LIBRARY_DIR", str(target))
+    for find in (symmalloc.library_path, symmalloc.pluggable_path):
+        with pytest.raises(symmalloc.SymmallocError) as e:
+            find()
+        assert e.value.status == "SYMM_ERR_INVALID_ARGUMENT"
+        assert f"SYMMALLOC_LIBRARY_DIR={target}" in str(e.value), str(e.value)
 
 
 def test_unique_id_is_128_random_bytes():

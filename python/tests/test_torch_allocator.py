@@ -98,7 +98,7 @@ def test_no_cpp_allocator_raises_instead_of_falling_back(monkeypatch):
 _LOAD = """
 import os, sys, symmalloc
 from symmalloc import _torch_ext as t
-t._candidates = lambda: iter(())
+t._candidates = lambda version: iter(())
 try:
     symmalloc.install_global() if sys.argv[1] == "install" else t.load()
 except (symmalloc.SymmallocError, t.TorchExtUnavailable) as e:
@@ -413,3 +413,51 @@ def test_profiling_build_times_and_traces_the_allocation_path(tmp_path):
     assert lines[0] == "t_ns,dur_ns,inner_ns,tid,op,ptr,size,stream"
     ops = [line.split(",")[4] for line in lines[1:]]
     assert ops.count("a") == allocs and ops.count("f") == frees, (len(ops), allocs, frees)
+
+
+# ---- The wheel's prebuilt per torch minor (lib/torch-2.X/) ----
+
+
+def test_the_prebuilt_for_the_running_minor_comes_first(monkeypatch, tmp_path):
+    monkeypatch.setattr(_torch_ext, "PACKAGE_DIR", str(tmp_path))
+    for version, minor in (("2.10.0", "2.10"), ("2.11.0+cu130", "2.11"), ("2.12.1", "2.12"),
+                           ("2.13.0+cu130", "2.13"), ("2.14.1", "2.14"), ("2.15.3+cu132", "2.15")):
+        paths = list(_torch_ext._candidates(version))
+        assert paths[0] == str(tmp_path / "lib" / f"torch-{minor}" / "libsymmalloc_torch.so"), paths
+        assert paths[1] == str(tmp_path / "lib" / "libsymmalloc_torch.so"), paths
+        assert not any(f"torch-{m}" in p for p in paths[1:] for m in ("2.1", "2.9")), paths
+    for version in ("2.9.1", "2.16.0", "3.0.0", "nonsense"):
+        assert _torch_ext.prebuilt_dir(version) is None
+        assert not any("/torch-" in p for p in _torch_ext._candidates(version)), version
+
+
+_PICK = """
+import os, sys, symmalloc
+from symmalloc import _torch_ext as t
+t.PACKAGE_DIR = sys.argv[1]
+p = t.load()._name
+print("RESULT", os.path.relpath(p, sys.argv[1]))
+"""
+
+
+def test_load_picks_the_running_minors_prebuilt_without_building(tmp_path):
+    """A package whose lib/ holds the built library in the running minor's folder and in
+    another minor's loads the running minor's and builds nothing (the cache stays empty)."""
+    if not _have_prebuilt():
+        pytest.skip("no C++ allocator built for this torch here (test_builds_from_source)")
+    import shutil as sh
+
+    built = _torch_ext.load()._name
+    mm = _torch_ext._minor(torch.__version__)
+    other = f"torch-{mm[0]}.{mm[1] - 1 if mm[1] > 10 else mm[1] + 1}"
+    for folder in (f"torch-{mm[0]}.{mm[1]}", other):
+        (tmp_path / "pkg" / "lib" / folder).mkdir(parents=True)
+        sh.copy(built, tmp_path / "pkg" / "lib" / folder / "libsymmalloc_torch.so")
+    cache = tmp_path / "cache"
+    env = dict(os.environ, SYMMALLOC_BACKEND="host", SYMMALLOC_CACHE_DIR=str(cache))
+    env.pop("SYMMALLOC_TORCH_EXT", None)
+    p = subprocess.run([sys.executable, "-W", "ignore", "-c", _PICK, str(tmp_path / "pkg")],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"RESULT lib/torch-{mm[0]}.{mm[1]}/libsymmalloc_torch.so" in p.stdout, p.stdout
+    assert not cache.exists() or not any(cache.iterdir()), list(cache.iterdir())

@@ -1,12 +1,18 @@
 //! symmalloc-demo: finds the GPUs, says what each can do, proves the embedded kernels run, and
 //! with two or more GPUs runs an all-reduce with one process per GPU through the C ABI.
-//! Without a GPU it says why and exits non-zero.
+//! Without a GPU (no libcuda, cuInit failing, or no device) it says so and runs on host memory
+//! instead (host.rs: two processes, an allocation, an all-reduce and a pool, checked). A
+//! `SYMMALLOC_BACKEND` the user set wins: `host` runs the host demo, `cuda` insists on a GPU.
 //!
 //! Usage: symmalloc-demo [--count N]   (children are started with --child RANK WORLD ID)
+
+#[path = "symmalloc-demo/host.rs"]
+mod host;
 
 use std::ffi::CStr;
 use std::process::{Command, ExitCode};
 use symmalloc::comm::convert::{bf16_to_f32, f32_to_bf16};
+use symmalloc::config::{self, BackendKind};
 use symmalloc::cuda::{self, util};
 use symmalloc::ffi::{self, types::*};
 
@@ -24,8 +30,48 @@ fn fail(what: &str) -> ExitCode {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
+    // The backend the user asked for, if any (an unknown value is refused here, by name).
+    let asked = match config::var("SYMMALLOC_BACKEND").filter(|v| !v.trim().is_empty()) {
+        None => None,
+        Some(_) => match config::backend_kind() {
+            Ok(kind) => Some(kind),
+            Err(e) => {
+                eprintln!("symmalloc-demo: {}", e.message);
+                return ExitCode::FAILURE;
+            }
+        },
+    };
     if args.len() == 5 && args[1] == "--child" {
-        return child(args[2].parse().unwrap(), args[3].parse().unwrap(), &args[4]);
+        let (rank, world) = (args[2].parse().unwrap(), args[3].parse().unwrap());
+        let id = parse_id(&args[4]);
+        return match asked {
+            Some(BackendKind::Host) => host::child(rank, world, &id),
+            _ => child(rank, world, &id),
+        };
+    }
+    let on_host = match asked {
+        Some(BackendKind::Host) => {
+            println!("symmalloc-demo: SYMMALLOC_BACKEND=host: running on host memory");
+            true
+        }
+        Some(BackendKind::Cuda) => false,
+        None => match cuda::driver() {
+            Ok(_) => false,
+            Err(e) => {
+                println!("symmalloc-demo: no GPU found: {}", e.message);
+                println!(
+                    "symmalloc-demo: using host memory instead (the host backend), because no \
+                     GPU was found"
+                );
+                true
+            }
+        },
+    };
+    if on_host {
+        let Some(hex) = unique_id_hex() else {
+            return fail("symm_get_unique_id");
+        };
+        return host::run(&std::env::current_exe().expect("own path"), &hex);
     }
     let count: usize = args
         .iter()
@@ -38,8 +84,8 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("symmalloc-demo: no GPU to run on: {}", e.message);
             eprintln!(
-                "symmalloc-demo: the library itself is fine (try `make test`, which runs the \
-                 whole library on host memory); this demo needs an NVIDIA GPU and driver."
+                "symmalloc-demo: SYMMALLOC_BACKEND=cuda asks for a GPU; unset it (or set it to \
+                 host) to run this demo on host memory."
             );
             return ExitCode::FAILURE;
         }
@@ -79,15 +125,9 @@ fn main() -> ExitCode {
         println!("symmalloc-demo: one GPU: an all-reduce needs two or more; done.");
         return ExitCode::SUCCESS;
     }
-    let mut id = symm_unique_id_t { internal: [0; 128] };
-    if ffi::symm_get_unique_id(&mut id) != symm_status_t::SYMM_SUCCESS {
+    let Some(hex) = unique_id_hex() else {
         return fail("symm_get_unique_id");
-    }
-    let hex: String = id
-        .internal
-        .iter()
-        .map(|&c| format!("{:02x}", c as u8))
-        .collect();
+    };
     let exe = std::env::current_exe().expect("own path");
     let children: Vec<_> = (0..world)
         .map(|r| {
@@ -109,6 +149,28 @@ fn main() -> ExitCode {
         eprintln!("symmalloc-demo: a rank failed (see above)");
         ExitCode::FAILURE
     }
+}
+
+/// A fresh unique id, as hex for a child's command line.
+fn unique_id_hex() -> Option<String> {
+    let mut id = symm_unique_id_t { internal: [0; 128] };
+    if ffi::symm_get_unique_id(&mut id) != symm_status_t::SYMM_SUCCESS {
+        return None;
+    }
+    Some(
+        id.internal
+            .iter()
+            .map(|&c| format!("{:02x}", c as u8))
+            .collect(),
+    )
+}
+
+fn parse_id(hex: &str) -> symm_unique_id_t {
+    let mut id = symm_unique_id_t { internal: [0; 128] };
+    for (i, c) in id.internal.iter_mut().enumerate() {
+        *c = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0) as _;
+    }
+    id
 }
 
 fn selftest(device: i32) -> Result<(), String> {
@@ -146,17 +208,13 @@ fn bytemuck(v: &[f32]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
 
-fn child(rank: i32, world: i32, hex: &str) -> ExitCode {
+fn child(rank: i32, world: i32, id: &symm_unique_id_t) -> ExitCode {
     let count: usize = std::env::var("SYMMALLOC_DEMO_COUNT")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1 << 20);
-    let mut id = symm_unique_id_t { internal: [0; 128] };
-    for (i, c) in id.internal.iter_mut().enumerate() {
-        *c = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0) as _;
-    }
     let mut comm: *mut ffi::symm_comm_t = std::ptr::null_mut();
-    if ffi::symm_comm_init(&mut comm, world, rank, rank, &id) != symm_status_t::SYMM_SUCCESS {
+    if ffi::symm_comm_init(&mut comm, world, rank, rank, id) != symm_status_t::SYMM_SUCCESS {
         return fail("symm_comm_init");
     }
     let bytes = count * 2;

@@ -10,22 +10,31 @@
 //! - `peer/`: the peers' memory as seen here (peer heaps shared by the process's communicators,
 //!   this communicator's windows, releases, multicast windows);
 //! - `moe/`: expert parallelism (MoE dispatch and combine), objects made over a communicator
-//!   and kept by their C handles, not by the communicator.
+//!   and kept by their C handles, not by the communicator;
+//! - `exec/`: the execution seam under all of them: the stages build plans (kernel, grid,
+//!   arguments, copies, CPU twin) and the communicator's executor (CUDA, or the CPU on the host
+//!   backend; chosen at init from the heap's backend) runs them, with the stream order and the
+//!   one kernel cache. Nothing else asks which backend runs.
 //!
 //! Each folder's header says what it owns and its invariants. This file holds the
-//! `Communicator` and its `destroy`. A communicator is its rank, world, device, allocator,
-//! backend and bootstrap mesh, and one part per stage: `settings` (`CollSettings`, what shapes
+//! `Communicator` and its `destroy`; calls.rs its collective front ends, `begin_call` and the
+//! collective pipeline's view (`ctx`). A communicator is its rank, world, device, allocator,
+//! executor and bootstrap mesh, and one part per stage: `settings` (`CollSettings`, what shapes
 //! every collective, built by group/init.rs), `group` (`Group`), `peer` (`PeerView`), `coll`
 //! (`Collectives`) and `p2p` (`P2p`), each defined by its stage. Imports between the stages
-//! point one way: `group` -> `p2p` -> `collective`, and `group` -> `peer`; `collective` and
-//! `peer` import no other stage.
+//! point one way: `group` -> `p2p` -> `collective` -> `peer` -> `exec`; `p2p`, `collective`,
+//! `peer` and `exec` never see the `Communicator` (they work on views: `p2p::View`,
+//! `collective::Ctx`, `peer::Who`, `exec::Plan`); `group` makes communicators, and `moe` builds
+//! its objects over one.
 //!
 //! Invariants: every rank has the same collective settings (read once at init and compared
 //! there); every rank calls collectives in the same order with symmetric buffers; segments a
 //! call touches are shared with the peers (once per segment generation) before any kernel
 //! reads them; `destroy` waits for the device's queued work before it unmaps anything.
 
+mod calls;
 pub mod collective;
+pub mod exec;
 pub mod group;
 pub mod moe;
 pub mod p2p;
@@ -36,12 +45,11 @@ pub use collective::{algo, call, convert, kernel_args, kernels};
 pub use group::registry;
 pub use p2p::{device_comm, signal_pad};
 
-use crate::cuda;
 use crate::error::Result;
 use crate::heap::Allocator;
 use crate::ipc::Mesh;
+use collective::CollSettings;
 use collective::Collectives;
-use group::init::CollSettings;
 use group::{slots, Group};
 use kernel_args::*;
 use peer::PeerView;
@@ -51,8 +59,8 @@ pub struct Communicator {
     pub world: usize,
     pub device: i32,
     alloc: &'static Allocator,
-    /// The host backend (memfd heaps, CPU collectives) rather than CUDA.
-    host: bool,
+    /// What runs its plans: the GPU, or the CPU on the host backend (exec/).
+    exec: Box<dyn exec::Executor>,
     /// The bootstrap connections to every rank (ipc/).
     mesh: Mesh,
     /// What shapes every collective, fixed at init (group/init.rs builds it).
@@ -76,11 +84,9 @@ impl Communicator {
             self.world,
             self.device
         );
-        if !self.host {
-            // Kernels in flight still use the pad and the peers' mappings.
-            let _ = cuda::mem::sync_device(self.device);
-            self.destroy_multicast_windows();
-        }
+        // Kernels in flight still use the pad and the peers' mappings.
+        let _ = self.exec.sync();
+        self.peer.destroy_multicast_windows(self.device);
         self.peer.windows.destroy(self.alloc);
         if let Some((p, size)) = self.coll.scratch.take() {
             let _ = self.alloc.free(p, size, self.device, 0);

@@ -127,7 +127,7 @@ mod tests {
         assert!(e.contains("share a GPU"), "{e}");
     }
 
-    /// The lent GPU machines set all three disabling variables; on them the gate must refuse.
+    /// Shared GPU machines that forbid multicast set all three disabling variables; on them the gate must refuse.
     #[test]
     fn refuses_on_this_machine_when_disabled() {
         if crate::config::var("NCCL_NVLS_ENABLE").as_deref() == Some("0") {

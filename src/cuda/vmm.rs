@@ -1,5 +1,6 @@
 //! CUDA virtual memory management: address reservations, physical allocations that can be
-//! exported as POSIX file descriptors, mapping with read/write access for one device.
+//! exported as POSIX file descriptors, mapping with read/write access for one device, and
+//! read/write access granted to a peer device of the same process (`grant`).
 
 use super::driver::{check, driver, CtxGuard};
 use crate::error::{Error, Result};
@@ -102,6 +103,27 @@ pub fn map(device: i32, addr: u64, size: u64, handle: u64) -> Result<()> {
         unsafe { sys::cuMemUnmap(addr, size as usize) };
     }
     res
+}
+
+/// Grants `peer` read/write access to `addr..addr+size`, a range mapped by `map` on `device`
+/// (what PyTorch's expandable segments do for each peer, `addPeerAccess`). Only `device`'s
+/// context is used (the mapping's, which exists); none is created on `peer`.
+pub fn grant(device: i32, peer: i32, addr: u64, size: u64) -> Result<()> {
+    let _ctx = CtxGuard::new(device)?;
+    let desc = sys::CUmemAccessDesc {
+        location: location(peer),
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: addr..addr+size is mapped (the caller's chunk); one descriptor passed.
+    check(
+        unsafe { sys::cuMemSetAccess(addr, size as usize, &desc, 1) },
+        "cuMemSetAccess (granting a peer device)",
+    )
+    .map_err(|e| {
+        e.context(format!(
+            "granting device {peer} access to memory of device {device}"
+        ))
+    })
 }
 
 pub fn unmap(device: i32, addr: u64, size: u64) -> Result<()> {

@@ -8,9 +8,11 @@
 
 pub mod groups;
 pub mod guard;
+pub mod handles;
 pub mod ipc_export;
 pub mod moe;
 pub mod p2p;
+pub mod peer_access;
 pub mod pool_calls;
 pub mod quant;
 pub mod torch_alloc;
@@ -23,9 +25,7 @@ use crate::ipc::{unique_id::ID_BYTES, UniqueId};
 use guard::{guard_ptr, guard_status, guard_void};
 pub use ipc_export::*;
 pub use pool_calls::*;
-use std::collections::HashSet;
 use std::ffi::{c_char, c_int, c_void};
-use std::sync::{LazyLock, Mutex, MutexGuard};
 pub use torch_alloc::*;
 use types::*;
 
@@ -35,12 +35,8 @@ pub struct symm_comm_t {
     inner: Option<Box<Communicator>>,
 }
 
-/// Addresses of live communicators, so a stale or foreign `symm_comm_t *` is an error, not a
-/// use after free.
-static LIVE: LazyLock<Mutex<HashSet<usize>>> = LazyLock::new(Default::default);
-
-fn live() -> MutexGuard<'static, HashSet<usize>> {
-    LIVE.lock().unwrap_or_else(|e| e.into_inner())
+impl handles::Handle for symm_comm_t {
+    const KIND: handles::Kind = handles::Kind::Comm;
 }
 
 fn stream_of(s: *mut CUstream_st) -> u64 {
@@ -182,8 +178,7 @@ pub extern "C" fn symm_get_unique_id(out: *mut symm_unique_id_t) -> symm_status_
 }
 
 fn register(comm: Box<Communicator>, out: *mut *mut symm_comm_t) -> Result<()> {
-    let p = Box::into_raw(Box::new(symm_comm_t { inner: Some(comm) }));
-    live().insert(p as usize);
+    let p = handles::give(symm_comm_t { inner: Some(comm) });
     // SAFETY: out was checked non-NULL by the caller.
     unsafe { out.write(p) };
     Ok(())
@@ -252,12 +247,12 @@ fn with_comm<T>(
     if comm.is_null() {
         return Err(Error::invalid("comm is NULL"));
     }
-    if !live().contains(&(comm as usize)) {
+    if !handles::is_live(comm) {
         return Err(Error::invalid(format!(
             "comm {comm:p} is not a live communicator (destroyed already, or never created)"
         )));
     }
-    // SAFETY: comm is in the live set, so it points at a symm_comm_t we allocated and have not
+    // SAFETY: comm is a live handle (ffi/handles.rs), so it points at a symm_comm_t we allocated and have not
     // freed; the caller must not use one communicator from two threads at once (as in NCCL).
     let c = unsafe { &mut *comm };
     f(c.inner
@@ -272,14 +267,11 @@ pub extern "C" fn symm_comm_destroy(comm: *mut symm_comm_t) -> symm_status_t {
         if comm.is_null() {
             return Err(Error::invalid("symm_comm_destroy: comm is NULL"));
         }
-        let removed = live().remove(&(comm as usize));
-        if !removed {
+        let Some(mut b) = handles::take(comm) else {
             return Err(Error::invalid(format!(
                 "symm_comm_destroy({comm:p}): not a live communicator (destroyed twice?)"
             )));
-        }
-        // SAFETY: comm was live (just removed from the set), so we own its allocation.
-        let mut b = unsafe { Box::from_raw(comm) };
+        };
         match b.inner.take() {
             Some(c) => c.destroy(),
             None => Ok(()),

@@ -9,14 +9,13 @@
 //! or foreign pointer is an error, not a use after free.
 
 use super::guard::guard_status;
+use super::handles::{self, Handle, Kind};
 use super::types::*;
 use super::{stream_of, symm_comm_t, with_comm};
 use crate::comm::moe::config::Request;
 use crate::comm::moe::{Combine, Dispatch, Moe};
 use crate::error::{Error, Result};
-use std::collections::HashSet;
 use std::ffi::c_void;
-use std::sync::{LazyLock, Mutex, MutexGuard};
 
 /// Payload dtypes of `symm_moe_create` (`dtype`).
 pub const SYMM_MOE_BF16: u32 = 0;
@@ -101,10 +100,8 @@ pub struct symm_moe_t {
     inner: Option<Moe>,
 }
 
-static LIVE: LazyLock<Mutex<HashSet<usize>>> = LazyLock::new(Default::default);
-
-fn live() -> MutexGuard<'static, HashSet<usize>> {
-    LIVE.lock().unwrap_or_else(|e| e.into_inner())
+impl Handle for symm_moe_t {
+    const KIND: Kind = Kind::Moe;
 }
 
 /// The object behind a handle that is live.
@@ -116,12 +113,12 @@ fn with_moe<T>(
     if moe.is_null() {
         return Err(Error::invalid(format!("{what}: moe is NULL")));
     }
-    if !live().contains(&(moe as usize)) {
+    if !handles::is_live(moe) {
         return Err(Error::invalid(format!(
             "{what}: moe {moe:p} is not a live moe object (destroyed already, or never created)"
         )));
     }
-    // SAFETY: moe is in the live set, so it points at a symm_moe_t we allocated and have not
+    // SAFETY: moe is a live handle (ffi/handles.rs), so it points at a symm_moe_t we allocated and have not
     // freed; one object is not used from two threads at once (as a communicator).
     let m = unsafe { &mut *moe };
     let comm = m.comm;
@@ -144,11 +141,10 @@ fn create(comm: *mut symm_comm_t, req: Result<Request>, out: *mut *mut symm_moe_
         req
     };
     let m = with_comm(comm, |c| c.moe_create(req.as_ref().map_err(Clone::clone)))?;
-    let p = Box::into_raw(Box::new(symm_moe_t {
+    let p = handles::give(symm_moe_t {
         comm,
         inner: Some(m),
-    }));
-    live().insert(p as usize);
+    });
     // SAFETY: as above.
     unsafe { out.write(p) };
     Ok(())
@@ -241,14 +237,12 @@ pub extern "C" fn symm_moe_destroy(moe: *mut symm_moe_t) -> symm_status_t {
         if moe.is_null() {
             return Ok(());
         }
-        if !live().remove(&(moe as usize)) {
+        let Some(b) = handles::take(moe) else {
             return Err(Error::invalid(format!(
                 "symm_moe_destroy: moe {moe:p} is not a live moe object (destroyed already, or \
                  never created)"
             )));
-        }
-        // SAFETY: moe was live (now removed): a Box we made, freed once here.
-        let b = unsafe { Box::from_raw(moe) };
+        };
         match b.inner {
             Some(m) => m.destroy(),
             None => Ok(()),

@@ -6,7 +6,9 @@
 //! alive while mapped or exported); `export` gives a file descriptor another process can
 //! `import`; `order` makes `waiter` wait for the work submitted to `on` so far, never by polling;
 //! `synchronize` waits for all work submitted to the device (`unmap` and `release` do not: the
-//! heap calls it before giving memory back, as PyTorch does before `cuMemUnmap`).
+//! heap calls it before giving memory back, as PyTorch does before `cuMemUnmap`); `grant` gives
+//! another device of the process access to a mapped range (`check_peer` first says whether it
+//! may), and the heap repeats it for every chunk it maps later (device_heap/peers.rs).
 
 use crate::error::Result;
 use std::os::fd::OwnedFd;
@@ -33,6 +35,11 @@ pub trait Backend: Send + Sync {
     fn create(&self, device: i32, size: u64) -> Result<Phys>;
     fn map(&self, device: i32, addr: u64, size: u64, phys: &Phys) -> Result<()>;
     fn unmap(&self, device: i32, addr: u64, size: u64) -> Result<()>;
+    /// Checks that `peer` may be granted access to `device`'s memory: both ordinals exist and
+    /// `peer` can reach `device` directly. Creates no context on either.
+    fn check_peer(&self, device: i32, peer: i32) -> Result<()>;
+    /// Grants `peer` read/write access to `addr..addr+size`, mapped on `device` by `map`.
+    fn grant(&self, device: i32, peer: i32, addr: u64, size: u64) -> Result<()>;
     fn release(&self, phys: Phys) -> Result<()>;
     fn export(&self, device: i32, phys: &Phys) -> Result<OwnedFd>;
     fn import(&self, device: i32, fd: OwnedFd) -> Result<Phys>;

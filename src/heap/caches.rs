@@ -169,8 +169,8 @@ impl Allocator {
         heap: &mut DeviceHeap,
         device: i32,
         whose: impl Fn(&ThreadCache) -> bool,
-    ) -> Result<()> {
-        self.drain_where(heap, device, whose, |_| true)
+    ) -> Result<usize> {
+        self.drain_where_counted(heap, device, whose, |_| true)
     }
 
     /// As `drain_caches`, for the calling thread's own cache only: reached through its
@@ -205,8 +205,20 @@ impl Allocator {
         whose: impl Fn(&ThreadCache) -> bool,
         which: impl Fn(&tcache::Key) -> bool,
     ) -> Result<()> {
+        self.drain_where_counted(heap, device, whose, which)
+            .map(|_| ())
+    }
+
+    /// As `drain_where`; returns how many blocks went back to the heap.
+    fn drain_where_counted(
+        &self,
+        heap: &mut DeviceHeap,
+        device: i32,
+        whose: impl Fn(&ThreadCache) -> bool,
+        which: impl Fn(&tcache::Key) -> bool,
+    ) -> Result<usize> {
         if !self.thread_caches {
-            return Ok(());
+            return Ok(0);
         }
         let mut reg = self.registry();
         let mut back = Vec::new();
@@ -218,6 +230,7 @@ impl Allocator {
             !(c.orphan && c.is_empty())
         });
         drop(reg);
-        self.give_back(heap, back)
+        let n = back.len();
+        self.give_back(heap, back).map(|()| n)
     }
 }

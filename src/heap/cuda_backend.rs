@@ -65,6 +65,21 @@ impl Backend for CudaBackend {
     fn unmap(&self, device: i32, addr: u64, size: u64) -> Result<()> {
         vmm::unmap(device, addr, size)
     }
+    fn check_peer(&self, device: i32, peer: i32) -> Result<()> {
+        let drv = cuda::driver()?;
+        let (d, p) = (drv.device(device)?, drv.device(peer)?);
+        if !drv.can_access_peer(peer, device)? {
+            return Err(Error::unsupported(format!(
+                "device {peer} ({}) cannot access memory of device {device} ({}) directly \
+                 (cuDeviceCanAccessPeer: no NVLink or PCIe peer-to-peer path)",
+                p.name, d.name
+            )));
+        }
+        Ok(())
+    }
+    fn grant(&self, device: i32, peer: i32, addr: u64, size: u64) -> Result<()> {
+        vmm::grant(device, peer, addr, size)
+    }
     fn release(&self, phys: Phys) -> Result<()> {
         vmm::release(cuda_handle(&phys)?)
     }

@@ -1,7 +1,9 @@
 //! The host backend (`SYMMALLOC_BACKEND=host`): the same heap over host memory, so the whole
 //! library runs and is tested on machines without a GPU. Address space is a `PROT_NONE`
 //! reservation; physical memory is a memfd mapped `MAP_SHARED|MAP_FIXED`, exported by `dup`.
-//! Streams do not exist here: ordering is a no-op and nothing is ever capturing.
+//! Streams do not exist here: ordering is a no-op and nothing is ever capturing. Every virtual
+//! device of the process reads host memory alike, so a peer grant only checks the ordinals
+//! (the heap keeps the grants as bookkeeping that its validator checks: device_heap/peers.rs).
 
 use super::backend::{Backend, Phys, Stream};
 use crate::error::{Error, Result, Status};
@@ -146,6 +148,13 @@ impl Backend for HostBackend {
             return Err(os_err("mmap (unmapping a host segment)"));
         }
         Ok(())
+    }
+    fn check_peer(&self, device: i32, peer: i32) -> Result<()> {
+        self.check_device(device)?;
+        self.check_device(peer)
+    }
+    fn grant(&self, device: i32, peer: i32, _addr: u64, _size: u64) -> Result<()> {
+        self.check_peer(device, peer)
     }
     fn release(&self, phys: Phys) -> Result<()> {
         drop(phys);

@@ -20,6 +20,7 @@ pub mod device_stats;
 pub mod host_backend;
 mod introspect;
 pub mod parked;
+pub mod policy;
 pub mod pools;
 pub mod ranges;
 pub mod release_log;
@@ -51,8 +52,10 @@ pub(crate) type Registry =
 pub struct Allocator {
     backend: Box<dyn Backend>,
     heaps: Vec<OnceLock<SpinLock<DeviceHeap>>>,
-    /// Serialises heap creation (reserving address space) per device.
-    init_lock: Mutex<()>,
+    /// Serialises heap creation (reserving address space) per device, and holds, per device
+    /// whose heap is not made yet, the peers granted access to it (`grant_peer_access`), which
+    /// the heap takes when it is made.
+    init_lock: Mutex<Vec<Vec<i32>>>,
     /// Tells this allocator's thread caches from another instance's (tests build several).
     id: u64,
     /// `SYMMALLOC_THREAD_CACHE`: whether threads cache blocks at all.
@@ -71,15 +74,6 @@ pub struct Allocator {
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
-/// The steps of a request that the heap could not place without new memory (`malloc_in`).
-#[derive(Clone, Copy)]
-enum Escalate {
-    /// This thread's kept blocks (and exited threads') back to the heap, which may then grow.
-    OwnCaches,
-    /// Out of memory after that: every thread's kept blocks back, and the heap once more.
-    AllCaches,
-}
 
 static GLOBAL: OnceLock<std::result::Result<Allocator, Error>> = OnceLock::new();
 
@@ -104,7 +98,7 @@ impl Allocator {
         Ok(Allocator {
             backend,
             heaps: (0..n).map(|_| OnceLock::new()).collect(),
-            init_lock: Mutex::new(()),
+            init_lock: Mutex::new(vec![Vec::new(); n as usize]),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             thread_caches: config::thread_cache()?,
             caches: Mutex::new(Default::default()),
@@ -140,7 +134,7 @@ impl Allocator {
         self.check_device(device)?;
         let slot = &self.heaps[device as usize];
         if slot.get().is_none() {
-            let _g = self.init_lock.lock().unwrap_or_else(|p| p.into_inner());
+            let mut pending = self.init_lock.lock().unwrap_or_else(|p| p.into_inner());
             if slot.get().is_none() {
                 let size = match config::heap_size()? {
                     Some(s) => s,
@@ -151,7 +145,8 @@ impl Allocator {
                         "SYMMALLOC_HEAP_SIZE=0; expected a positive size",
                     ));
                 }
-                let heap = DeviceHeap::new(self.backend.as_ref(), device, size)?;
+                let mut heap = DeviceHeap::new(self.backend.as_ref(), device, size)?;
+                heap.adopt_peers(&std::mem::take(&mut pending[device as usize]));
                 let span = &self.spans[device as usize];
                 span.0.store(heap.base(), Ordering::Release);
                 span.1.store(heap.base() + heap.size(), Ordering::Release);
@@ -164,6 +159,63 @@ impl Allocator {
             }
         }
         Ok(slot.get().expect("initialised above").lock())
+    }
+
+    /// Grants `peer` read/write access to every segment of `device`'s heap, present and future
+    /// (device_heap/peers.rs), as PyTorch's `enablePeerAccess(peer, device)` does for its
+    /// segments. Idempotent; `device == peer` needs nothing. A heap not made yet is not made
+    /// here: the grant waits for it (no address space and no context on a device the process
+    /// does not use). On error nothing changes for any allocation.
+    pub fn grant_peer_access(&self, device: i32, peer: i32) -> Result<()> {
+        let n = self.device_count();
+        for (what, d) in [("device", device), ("peer", peer)] {
+            if !(0..n).contains(&d) {
+                return Err(Error::invalid(format!(
+                    "{what} {d} does not exist; expected 0..{n} ({} backend)",
+                    self.backend.name()
+                )));
+            }
+        }
+        if device == peer {
+            return Ok(());
+        }
+        self.backend.check_peer(device, peer)?;
+        let slot = &self.heaps[device as usize];
+        if slot.get().is_none() {
+            let mut pending = self.init_lock.lock().unwrap_or_else(|p| p.into_inner());
+            if slot.get().is_none() {
+                let p = &mut pending[device as usize];
+                if !p.contains(&peer) {
+                    p.push(peer);
+                }
+                return Ok(());
+            }
+        }
+        let mut heap = slot.get().expect("checked above").lock();
+        let r = heap.grant_peer(self.backend.as_ref(), peer);
+        heap.debug_validate();
+        r
+    }
+
+    /// The peers granted access to `device`'s heap, in the order granted, whether the heap is
+    /// made or not (none is made here).
+    pub fn peers_of(&self, device: i32) -> Result<Vec<i32>> {
+        self.check_device(device)?;
+        if let Some(h) = self.heaps[device as usize].get() {
+            return Ok(h.lock().peers().to_vec());
+        }
+        let pending = self.init_lock.lock().unwrap_or_else(|p| p.into_inner());
+        match self.heaps[device as usize].get() {
+            Some(h) => Ok(h.lock().peers().to_vec()),
+            None => Ok(pending[device as usize].clone()),
+        }
+    }
+
+    /// Whether `device`'s heap has been made (address space reserved).
+    pub fn has_heap(&self, device: i32) -> bool {
+        self.heaps
+            .get(device as usize)
+            .is_some_and(|h| h.get().is_some())
     }
 
     /// The device whose heap contains `ptr`, among heaps already created.
@@ -180,7 +232,7 @@ impl Allocator {
     }
 
     pub fn malloc_in(&self, size: u64, device: i32, stream: Stream, pool: PoolId) -> Result<u64> {
-        let r = self.malloc_escalating(size, device, stream, pool);
+        let r = self.malloc_cached(size, device, stream, pool);
         if let Err(e) = &r {
             if e.status == crate::error::Status::ErrOutOfMemory {
                 // Once per request that failed, as PyTorch counts `num_ooms`.
@@ -192,19 +244,15 @@ impl Allocator {
         r
     }
 
-    fn malloc_escalating(
-        &self,
-        size: u64,
-        device: i32,
-        stream: Stream,
-        pool: PoolId,
-    ) -> Result<u64> {
+    /// `malloc_in` through the thread caches: a hit there, or the heap's growth ladder
+    /// (device_heap/placement.rs, `place`) with the caches' rungs.
+    fn malloc_cached(&self, size: u64, device: i32, stream: Stream, pool: PoolId) -> Result<u64> {
         if pools::arena_of(pool).is_some() {
             // A communicator arena's blocks never pass through the thread caches: a cache's
             // drains follow other pools' traffic, which differs between ranks
             // (device_heap/arena.rs).
             let mut heap = self.heap(device)?;
-            let r = heap.malloc(self.backend.as_ref(), size, stream, pool);
+            let r = heap.malloc(self.backend.as_ref(), size, stream, pool, None);
             if let Ok(p) = r {
                 self.count_alloc(&heap, device, p, size);
             }
@@ -219,7 +267,7 @@ impl Allocator {
         else {
             // Larger than any heap: the heap names the size.
             let mut heap = self.heap(device)?;
-            return heap.malloc(self.backend.as_ref(), size, stream, pool);
+            return heap.malloc(self.backend.as_ref(), size, stream, pool, None);
         };
         let key = (pool, stream, rounded);
         if let Some(Some((p, bsize))) = self.with_cache(device, |c| c.take_sized(key, size)) {
@@ -237,31 +285,24 @@ impl Allocator {
             };
             self.drain_own(&mut heap, device, large)?;
         }
-        let be = self.backend.as_ref();
-        // The escalation, each step only when the one before found nothing: the heap without
-        // new memory; this thread's kept blocks (and exited threads') back, then the heap with
-        // new memory; out of memory there, every thread's kept blocks back and the heap once
-        // more. Other threads' blocks go back only at the last step: taking every thread's
-        // blocks at each growth made them all miss next, and their misses grew the heap in turn.
-        let mut r = heap.malloc_without_growing(be, size, stream, pool);
-        for step in [Escalate::OwnCaches, Escalate::AllCaches] {
-            r = match (step, r) {
-                (_, Ok(Some(p))) => Ok(Some(p)),
-                (Escalate::OwnCaches, Ok(None)) => self
-                    .drain_caches_of(&mut heap, device, |c| is_mine(c) || c.orphan)
-                    .and_then(|()| heap.malloc(be, size, stream, pool))
-                    .map(Some),
-                (Escalate::AllCaches, Err(e))
-                    if e.status == crate::error::Status::ErrOutOfMemory =>
-                {
-                    self.drain_caches(&mut heap, device, |_| true)
-                        .and_then(|()| heap.malloc(be, size, stream, pool))
-                        .map(Some)
-                }
-                (_, r) => r,
-            };
-        }
-        let r = r.map(|p| p.expect("the heap places every request it may grow for, or fails"));
+        // The ladder (device_heap/placement.rs, `place`) takes cached blocks back at its two
+        // rungs for them: this thread's (and exited threads') before new memory, every
+        // thread's when out of memory.
+        let mut reclaim = |heap: &mut DeviceHeap, step: device_heap::Reclaim| match step {
+            device_heap::Reclaim::OwnCaches => {
+                self.drain_caches_of(heap, device, |c| is_mine(c) || c.orphan)
+            }
+            device_heap::Reclaim::AllCaches => {
+                self.drain_caches(heap, device, |_| true).map(|()| 0)
+            }
+        };
+        let r = heap.malloc(
+            self.backend.as_ref(),
+            size,
+            stream,
+            pool,
+            Some(&mut reclaim),
+        );
         let r = r.and_then(|p| {
             if let Some(id) = mine {
                 let bsize = heap.track(p, id)?;
@@ -373,6 +414,10 @@ impl Allocator {
     /// Gives back one use of `pool` (`begin_pool`); at the last (or for a pool never begun) its
     /// memory goes: free segments now, the others at their last free.
     pub fn release_pool(&self, device: i32, pool: PoolId) -> Result<()> {
+        self.check_device(device)?;
+        if !self.has_heap(device) {
+            return Ok(()); // nothing was ever allocated there: no pool to release
+        }
         let mut heap = self.heap(device)?;
         if !heap.unhold_pool(pool) {
             return Ok(()); // other graphs still replay into it
@@ -397,7 +442,13 @@ impl Allocator {
     /// The device's statistics: the heap's, with the blocks threads keep counted as free.
     /// (`peak_allocated_bytes` is the heap's: it counts kept blocks as allocated, at most
     /// `tcache::KEEP_BYTES` per thread.)
+    /// A device whose heap was never made reads as an empty heap: a read never makes a heap (nor,
+    /// on the CUDA backend, a context).
     pub fn stats(&self, device: i32) -> Result<Stats> {
+        self.check_device(device)?;
+        if !self.has_heap(device) {
+            return Ok(Stats::default());
+        }
         let heap = self.heap(device)?;
         let mut s = heap.stats;
         for c in self.caches_of(device) {

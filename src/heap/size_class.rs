@@ -3,17 +3,12 @@
 //! placement (device_heap/) and its statistics (device_stats.rs) both read these, so they live
 //! below both.
 //!
+//! The constants are policy (policy.rs).
+//!
 //! Invariants: `round_request` is a multiple of `ROUND` and at least `ROUND`; `class_of` is
 //! `Small` exactly for rounded sizes up to `SMALL_MAX`.
 
-/// Requests are rounded up to this (keeps every block 512-byte aligned).
-pub const ROUND: u64 = 512;
-/// Requests up to this size come from small segments.
-pub const SMALL_MAX: u64 = 1 << 20;
-pub const SMALL_SEGMENT: u64 = 2 << 20;
-pub const LARGE_SEGMENT: u64 = 20 << 20;
-/// Requests from this size get a segment of their own (rounded to the granularity).
-pub const HUGE_MIN: u64 = 10 << 20;
+pub use super::policy::{HUGE_MIN, LARGE_SEGMENT, ROUND, SMALL_MAX, SMALL_SEGMENT};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Class {

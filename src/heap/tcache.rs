@@ -89,20 +89,8 @@ impl LentSet {
 /// What a kept block is kept for: (pool, stream, rounded size).
 pub type Key = (PoolId, Stream, u64);
 
-/// Most blocks a thread keeps per device.
-pub const KEEP_BLOCKS: usize = 64;
-/// Most blocks a thread keeps when the block is another pool's than the default one (a graph
-/// capture's, a MemPool's), small ones only (`keeps_whole`). 16, as before KEEP_BLOCKS grew: the
-/// ResNet-50 capture of bench/global_memory.py added the least memory with 16 small ones
-/// (bench/history/RESULTS-session-18-and-before.md, "Global mode's memory").
-pub const KEEP_POOL_BLOCKS: usize = 16;
-/// Most bytes a thread keeps per device.
-pub const KEEP_BYTES: u64 = 256 << 20;
-/// Most bytes a cache may keep, counting the block, when the block comes back from another
-/// thread's free (`keep_remote`). Lower than KEEP_BYTES: while the lending thread is idle (the
-/// main thread during autograd's backward), what it keeps cannot serve the freeing thread's own
-/// requests, and the heap would grow for them instead (by at most this much per lending thread).
-pub const KEEP_REMOTE_BYTES: u64 = 32 << 20;
+/// How much a thread keeps: policy.rs.
+pub use super::policy::{KEEP_BLOCKS, KEEP_BYTES, KEEP_POOL_BLOCKS, KEEP_REMOTE_BYTES};
 
 #[derive(Debug)]
 pub struct Kept {

@@ -57,6 +57,12 @@ impl Backend for CaptureBackend {
     fn unmap(&self, device: i32, addr: u64, size: u64) -> Result<()> {
         self.host.unmap(device, addr, size)
     }
+    fn check_peer(&self, device: i32, peer: i32) -> Result<()> {
+        self.host.check_peer(device, peer)
+    }
+    fn grant(&self, device: i32, peer: i32, addr: u64, size: u64) -> Result<()> {
+        self.host.grant(device, peer, addr, size)
+    }
     fn release(&self, phys: Phys) -> Result<()> {
         self.host.release(phys)
     }

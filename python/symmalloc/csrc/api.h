@@ -2,13 +2,14 @@
 // Included by torch_allocator.cpp only.
 //
 // Owns: the table of libsymmalloc's functions (`api`, filled once by load_api with dlopen from
-// the path the Python package gives), the C ABI's structs as include/symmalloc.h lays them out,
-// and the helpers over them every part of the allocator uses: check() and last_error() (a
-// failed call as a c10::Error), the statistics as PyTorch's types, and the blocks of the heaps
+// the path the Python package gives, each entry typed from include/symmalloc.h's declaration),
+// short names for the header's structs, and the helpers over them every part of the allocator
+// uses: check() and last_error() (a failed call as a c10::Error), the statistics as PyTorch's
+// types, and the blocks of the heaps
 // (list_blocks, for_each_heap, a segment found by address, a live block's request by address).
 //
 // Invariants:
-// - The structs match include/symmalloc.h byte for byte (symm_device_stats_t is checked by size).
+// - The C ABI comes from include/symmalloc.h alone: no struct or prototype is declared here.
 // - `api` is filled before the allocator object exists (torch_allocator.cpp's make) and never
 //   changes after; nothing here keeps state of its own.
 // - list_blocks and the lookups over it only read the heaps: they never place or free memory,
@@ -21,6 +22,7 @@
 #include <dlfcn.h>
 
 #include "torch_compat.h"
+#include "symmalloc.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -35,62 +37,52 @@ using c10::CachingDeviceAllocator::Stat;  // TraceEntry and the other moved name
 namespace CCA = c10::cuda::CUDACachingAllocator;
 using MempoolId = c10::MempoolId_t;
 
-// ---- libsymmalloc's C ABI (include/symmalloc.h), the parts the allocator calls ----
-constexpr int kSuccess = 0;
-constexpr int kOutOfMemory = 2;
+// ---- libsymmalloc's C ABI: include/symmalloc.h itself (the wheel carries it in
+// symmalloc/include/; _torch_ext.build() puts that folder, or a checkout's include/, on the
+// include path) ----
+constexpr int kSuccess = SYMM_SUCCESS;
+constexpr int kOutOfMemory = SYMM_ERR_OUT_OF_MEMORY;
 
-struct SymmStat {
-  int64_t current, peak, allocated, freed;
-};
-struct SymmDeviceStats {
-  SymmStat allocation[3], segment[3], active[3], inactive_split[3], allocated_bytes[3],
-      reserved_bytes[3], active_bytes[3], inactive_split_bytes[3], requested_bytes[3];
-  int64_t num_alloc_retries, num_ooms;
-  SymmStat oversize_allocations, oversize_segments;
-  int64_t num_sync_all_streams, num_device_alloc, num_device_free, max_split_size;
-};
-static_assert(sizeof(SymmDeviceStats) == 976, "symm_device_stats_t v1");
+// The allocator's short names for the header's structs (aliases, not copies).
+using SymmStat = symm_stat_t;
+using SymmDeviceStats = symm_device_stats_t;
+using SymmBlock = symm_block_info_t;
+using SymmSegmentEvent = symm_segment_event_t;
+static_assert(sizeof(SymmDeviceStats) == SYMM_DEVICE_STATS_V1_SIZE, "symm_device_stats_t v1");
+constexpr uint32_t kBlockLive = SYMM_BLOCK_LIVE;
+constexpr uint32_t kSegmentLost = SYMM_SEGMENT_LOST, kSegmentMade = SYMM_SEGMENT_MADE,
+                   kSegmentMapped = SYMM_SEGMENT_MAPPED, kSegmentFreed = SYMM_SEGMENT_FREED;
 
-struct SymmBlock {
-  uint64_t address, size, requested, segment_address, segment_size, pool_first, pool_second,
-      stream;
-  uint32_t state, is_large;
-};
-constexpr uint32_t kBlockLive = 1;
+using FilterFn = symm_pool_filter_fn;
+using DropFn = symm_pool_filter_drop_fn;
 
-// symm_segment_event_t: a segment made, grown in place (a range mapped after it) or given back.
-struct SymmSegmentEvent {
-  uint32_t kind;
-  int32_t device;
-  uint64_t address, size, segment_address, pool_first, pool_second;
-};
-constexpr uint32_t kSegmentLost = 0, kSegmentMade = 1, kSegmentMapped = 2, kSegmentFreed = 3;
-
-using FilterFn = int (*)(void*, cudaStream_t);
-using DropFn = void (*)(void*);
-
+// The functions the allocator calls, each typed from its declaration in the header (dlsym fills
+// them: the library is loaded from the path the Python package gives, never linked).
+#define SYMM_FN(name) decltype(&symm_##name)
 struct Api {
-  int (*malloc_checked)(size_t, int, cudaStream_t, void**);
-  int (*free_block)(void*);
-  void (*record_stream)(void*, cudaStream_t);
-  void (*empty_cache)();
-  int (*device_stats)(int, SymmDeviceStats*, size_t);
-  int (*reset_peak)(int);
-  int (*reset_accumulated)(int);
-  int (*set_memory_limit)(int, uint64_t);
-  int (*cache_info)(int, uint64_t*);
-  int (*heap_blocks)(int, int, uint64_t, uint64_t, SymmBlock*, size_t, size_t*);
-  int (*pool_hold)(int, uint64_t, uint64_t);
-  int (*pool_uses)(int, uint64_t, uint64_t, uint64_t*);
-  int (*pool_restore)(int, uint64_t, uint64_t, const SymmBlock*, size_t);
-  int (*begin_pool_filtered)(int, uint64_t, uint64_t, FilterFn, void*, DropFn);
-  void (*end_pool)(int, uint64_t, uint64_t);
-  void (*release_pool)(int, uint64_t, uint64_t);
-  int (*segment_log)(int);
-  int (*segment_events)(int, SymmSegmentEvent*, size_t, size_t*);
-  int (*block_request)(void*, int*, uint64_t*, cudaStream_t*);
-  const char* (*last_error)();
+  SYMM_FN(malloc_checked) malloc_checked;
+  SYMM_FN(free_block) free_block;
+  SYMM_FN(record_stream) record_stream;
+  SYMM_FN(empty_cache) empty_cache;
+  SYMM_FN(device_stats) device_stats;
+  SYMM_FN(reset_peak_stats) reset_peak;
+  SYMM_FN(reset_accumulated_stats) reset_accumulated;
+  SYMM_FN(set_memory_limit) set_memory_limit;
+  SYMM_FN(cache_info) cache_info;
+  SYMM_FN(heap_blocks) heap_blocks;
+  SYMM_FN(pool_hold) pool_hold;
+  SYMM_FN(pool_uses) pool_uses;
+  SYMM_FN(pool_restore) pool_restore;
+  SYMM_FN(begin_pool_filtered) begin_pool_filtered;
+  SYMM_FN(end_pool) end_pool;
+  SYMM_FN(release_pool) release_pool;
+  SYMM_FN(segment_log) segment_log;
+  SYMM_FN(segment_events) segment_events;
+  SYMM_FN(block_request) block_request;
+  SYMM_FN(grant_peer_access) grant_peer_access;
+  SYMM_FN(last_error) last_error;
 };
+#undef SYMM_FN
 
 Api api;
 
@@ -231,6 +223,7 @@ inline std::string load_api(const char* path) {
   SYMM_LOAD(segment_log, "symm_segment_log");
   SYMM_LOAD(segment_events, "symm_segment_events");
   SYMM_LOAD(block_request, "symm_block_request");
+  SYMM_LOAD(grant_peer_access, "symm_grant_peer_access");
   SYMM_LOAD(last_error, "symm_last_error");
 #undef SYMM_LOAD
   if (!missing.empty()) return std::string(path) + " lacks " + missing + " (an older library)";

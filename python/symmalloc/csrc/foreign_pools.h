@@ -179,8 +179,10 @@ class ForeignPools {
       seg.is_large = b.size > ((size_t)1 << 20);
       seg.is_expandable = false;
       seg.owner_private_pool_id = b.pool;
+#if SYMM_TORCH_HAS_REGISTRATION_COUNTER
       seg.registration_counter = (int32_t)b.seq;
-      c10::CachingDeviceAllocator::BlockInfo bi;
+#endif
+      BlockInfo bi;
       bi.size = bi.requested_size = b.size;
       bi.allocated = bi.active = true;
       seg.blocks.push_back(std::move(bi));

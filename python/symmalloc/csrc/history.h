@@ -126,7 +126,9 @@ class History {
           seg->owner_private_pool_id = {b.pool_first, b.pool_second};
           // Address order: the same on every rank (symmetric placement), as NCCL's symmetric
           // registration needs when it walks a pool's segments by this counter.
+#if SYMM_TORCH_HAS_REGISTRATION_COUNTER
           seg->registration_counter = (int32_t)out.segments.size() - 1;
+#endif
           auto sc = segment_ctx_.find(b.segment_address);
           if (sc != segment_ctx_.end()) seg->context_when_allocated = sc->second;
         }

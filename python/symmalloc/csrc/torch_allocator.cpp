@@ -462,6 +462,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     } else {
       C10_CUDA_CHECK(err);
     }
+    check(api.grant_peer_access(dev_to_access, dev), "symm_grant_peer_access");
   }
 
   cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice,

@@ -38,6 +38,10 @@
 #define SYMM_OVERRIDE_SINCE_2_11
 #endif
 
+// SegmentInfo::registration_counter (the order NCCL's symmetric registration walks a pool's
+// segments in) exists from torch 2.11.
+#define SYMM_TORCH_HAS_REGISTRATION_COUNTER SYMM_TORCH_AT_LEAST(2, 11)
+
 namespace symm_torch {
 namespace {  // internal linkage, as in the one translation unit that includes this
 

@@ -165,7 +165,7 @@ impl Algo {
 /// catches up with one-shot at a few KiB and beats it above (bench/RESULTS.md, "All-reduce
 /// through the C ABI"; docs/DESIGN.md, "AUTO thresholds"), so one-shot keeps only the smallest
 /// messages. Wider worlds read (world-1) copies in one-shot, so the crossover drops further
-/// (not measured: no wider machine lent).
+/// (not measured: no machine of more than two GPUs was at hand).
 pub fn default_one_shot_max(world: usize) -> u64 {
     match world {
         0..=2 => 16 << 10,
@@ -177,7 +177,7 @@ pub fn default_one_shot_max(world: usize) -> u64 {
 /// Default largest message (bytes) AUTO sends with the barrier-free one-shot LL kernel.
 /// At 2 ranks LL beats two-shot up to a few MiB and loses above (bench/NOTES.md, "The LL
 /// kernels"). A rank pushes (world - 1) copies of its message, so wider worlds switch to
-/// two-shot earlier (reasoned, not measured: no wider machine was lent).
+/// two-shot earlier (reasoned, not measured: no machine of more than two GPUs was at hand).
 pub fn default_ll_max(world: usize) -> u64 {
     match world {
         0..=2 => 4 << 20,

@@ -11,7 +11,7 @@
 use super::kernel_args::{
     ERR_ASYMMETRIC, ERR_LL_ASYMMETRIC, ERR_NO_MULTIMEM, ERR_SIGNAL_TIMEOUT, ERR_TIMEOUT,
 };
-use crate::comm::Communicator;
+use super::Collectives;
 use crate::cuda;
 use crate::error::{Error, Result};
 use std::time::Duration;
@@ -23,12 +23,12 @@ pub enum ErrorWords {
 }
 
 impl ErrorWords {
-    pub fn new(host: bool, device: i32) -> Result<Self> {
-        Ok(if host {
-            ErrorWords::Host
-        } else {
-            ErrorWords::Device(cuda::mem::MappedWord::new(device)?)
-        })
+    /// The words in `word` (the executor's host-mapped block), or none on the host backend.
+    pub fn new(word: Option<cuda::mem::MappedWord>) -> Self {
+        match word {
+            Some(w) => ErrorWords::Device(w),
+            None => ErrorWords::Host,
+        }
     }
 
     /// (recoverable, fatal).
@@ -182,18 +182,22 @@ pub fn timeout_error(
     ))
 }
 
-impl Communicator {
+impl Collectives {
     /// Reports what a kernel of this communicator wrote into the error words since the last
     /// call; a fatal error stays and is reported by every later call.
-    pub(super) fn check_error_word(&mut self) -> Result<()> {
-        if let Some(e) = &self.coll.sticky {
+    pub(in crate::comm) fn check_error_word(
+        &mut self,
+        rank: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        if let Some(e) = &self.sticky {
             return Err(e.clone());
         }
-        match self.coll.errors.take(self.rank, self.settings.timeout) {
+        match self.errors.take(rank, timeout) {
             None => Ok(()),
             Some(r) => {
                 if r.fatal {
-                    self.coll.sticky = Some(r.error.clone());
+                    self.sticky = Some(r.error.clone());
                 }
                 Err(r.error)
             }
@@ -253,7 +257,7 @@ mod tests {
 
     #[test]
     fn the_host_backend_never_reports_through_words() {
-        let w = ErrorWords::new(true, 0).unwrap();
+        let w = ErrorWords::new(None);
         assert_eq!(w.device_ptr(), 0);
         assert!(w.take(0, T).is_none());
     }

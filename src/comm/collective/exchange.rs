@@ -13,7 +13,7 @@
 //! staged) fails the comparison with it at once.
 
 use super::desc::{CallDesc, DESC_WORDS, RANK_LOCAL, WORD_STAGED};
-use crate::comm::Communicator;
+use super::Ctx;
 use crate::error::{Error, Result};
 use crate::heap::device_heap::SegmentInfo;
 use std::os::fd::AsFd;
@@ -31,7 +31,7 @@ pub(in crate::comm) fn add_chunks(
     }
 }
 
-impl Communicator {
+impl Ctx<'_> {
     /// Shares `segs` (own segments) with every peer and maps theirs; checks every rank passed
     /// the same call descriptor and segments. Collective: all ranks must call it together.
     pub(in crate::comm) fn exchange(

@@ -1,232 +1,52 @@
-//! The second half of every collective call: `launch` enqueues a `Plan` (plan.rs) on the call's
-//! stream: the order after the communicator's previous call, the copy into the scratch, the
-//! kernel with its argument struct (or, on the host backend, the CPU collective), the copy out.
-//! The one place that launches a collective kernel.
+//! The second half of every collective call: `launch` turns a `Plan` (plan.rs) into the
+//! executor's plan (comm/exec/) and submits it: the copy into the scratch, the kernel with its
+//! argument struct (`SymmArgs`, or the fused call's `RmsArgs`) on the plan's grid, the copy
+//! out, ordered after the communicator's previous call; and the CPU twin the host backend runs
+//! instead (host_reduce.rs).
 //!
 //! Invariants: a plan's kernel and grid are the same on every rank (plan.rs), so block b meets
-//! block b; kernels of one communicator are ordered (streams.rs), whatever streams carry them.
+//! block b; kernels of one communicator are ordered (exec/streams.rs), whatever streams carry
+//! them; the argument structs are built here only, from views of the communicator (its peers'
+//! bases and pads, its group's internal block, its settings, its error words).
 
-use super::algo::{DType, Kernel, Quant, ReduceOp};
 use super::call::Coll;
 use super::desc::{CallDesc, RANK_LOCAL};
 use super::host_reduce::{self, HostCall, HostRms};
 use super::kernel_args::*;
-use super::kernels;
+use super::kernel_id::{fused_kernel_id, kernel_id, kernel_id_name};
 use super::plan::Plan;
-use crate::comm::Communicator;
-use crate::cuda;
-use crate::error::{Error, Result, Status};
+use super::{CollSettings, Collectives, Ctx};
+use crate::comm::exec::{self, ArgBlock};
+use crate::error::{Result, Status};
 
-impl Communicator {
-    /// Enqueues the plan on its call's stream (runs it, on the host backend).
-    pub(super) fn launch(&mut self, plan: &Plan) -> Result<()> {
-        let stream = plan.call.stream;
-        // Before the call's first work on the stream: the staged copy uses the scratch.
-        self.order_streams(stream)?;
-        if let Some(c) = plan.stage_in {
-            self.stage_in(c.dst, c.src, c.bytes, stream)?;
-        }
+impl Ctx<'_> {
+    /// Submits the plan on its call's stream (runs it, on the host backend).
+    pub(in crate::comm) fn launch(&mut self, plan: &Plan) -> Result<()> {
         self.trace_plan(plan);
-        if self.host {
-            self.run_host(plan)?;
-        } else {
-            self.run_kernel(plan)?;
-        }
-        if let Some(c) = plan.stage_out {
-            self.copy(c.dst, c.src, c.bytes, stream)?;
-        }
-        Ok(())
-    }
-
-    /// The CPU collective (host backend); a timeout leaves the communicator broken (`sticky`).
-    fn run_host(&mut self, plan: &Plan) -> Result<()> {
-        let (inputs, outputs) = self.buffers(&plan.desc);
-        let world = self.world;
-        let rms = match plan.call.coll {
-            Coll::AddRmsNorm(r) => Some(HostRms {
-                residual: r.residual,
-                weight: r.weight,
-                out: r.out,
-                hidden: r.hidden as usize,
-                eps: r.eps,
-                quant: r.quant.map(|q| (q.mode, q.scale)),
-            }),
-            _ => None,
-        };
-        let call = HostCall {
+        let (inputs, outputs) = buffers(&self.peer.windows.bases, &plan.desc);
+        let view = View {
             rank: self.rank,
-            world,
+            world: self.world,
+            settings: self.settings,
             pads: &self.peer.pads,
-            inputs: &inputs[..world],
-            outputs: &outputs[..world],
-            count: plan.desc.count as usize,
-            dtype: plan.call.dtype,
-            op: plan.call.op,
-            kernel: plan.kernel,
-            in_place: plan.desc.send_off == plan.desc.recv_off,
-            desc: plan.desc.digest(),
-            timeout: self.settings.timeout,
-            rms,
+            internal: self.internal,
         };
-        let r = host_reduce::run(&call, &mut self.coll.host_epoch);
-        if let Err(e) = &r {
-            if e.status == Status::ErrTimeout {
-                self.coll.sticky = Some(e.clone());
-            }
+        let launch = kernel_launch(plan, &view, self.coll, inputs, outputs);
+        let coll = &mut *self.coll;
+        let mut twin = || host_twin(plan, &view, coll, &inputs, &outputs);
+        if plan.stage_in.is_some() {
+            // Counted as the copy in is enqueued (made, on the host backend), as it was when
+            // the copy had its own call: whatever the kernel then reports.
+            self.alloc.heap(self.device)?.stats.staged_collectives += 1;
         }
-        r
-    }
-
-    /// The kernel, with `SymmArgs` (or the fused call's `RmsArgs`) on the plan's grid.
-    fn run_kernel(&mut self, plan: &Plan) -> Result<()> {
-        let (dtype, stream) = (plan.call.dtype, plan.call.stream);
-        let mut s = self.symm_args(&plan.desc, plan.mc_out);
-        s.in_place = (plan.desc.send_off == plan.desc.recv_off) as i32;
-        let Coll::AddRmsNorm(r) = plan.call.coll else {
-            let f = self.kernel_fn(plan.kernel, dtype, plan.call.op, plan.vec)?;
-            return cuda::module::launch(self.device, f, plan.grid, plan.threads, stream, &s);
-        };
-        let f = self.fused_kernel_fn(plan.kernel, dtype, r.quant.map(|q| q.mode))?;
-        let args = RmsArgs {
-            s,
-            residual: r.residual,
-            weight: r.weight,
-            out: r.out,
-            hidden: r.hidden,
-            tokens: r.tokens,
-            eps: r.eps,
-            push_threads: plan.push_threads,
-            scale: r.quant.map_or(0, |q| q.scale),
-        };
-        if plan.cluster > 1 {
-            return cuda::module::launch_cluster(
-                self.device,
-                f,
-                plan.grid,
-                plan.threads,
-                plan.cluster,
-                stream,
-                &args,
-            );
-        }
-        cuda::module::launch(self.device, f, plan.grid, plan.threads, stream, &args)
-    }
-
-    /// Every rank's input and output at the descriptor's offsets, in this address space
-    /// (entries past the world, and rank-local outputs, stay 0).
-    fn buffers(&self, desc: &CallDesc) -> ([u64; MAX_RANKS], [u64; MAX_RANKS]) {
-        let (mut inputs, mut outputs) = ([0u64; MAX_RANKS], [0u64; MAX_RANKS]);
-        for (r, b) in self.peer.windows.bases.iter().enumerate() {
-            inputs[r] = b + desc.send_off;
-            if desc.recv_off != RANK_LOCAL {
-                outputs[r] = b + desc.recv_off;
-            }
-        }
-        (inputs, outputs)
-    }
-
-    /// The argument struct every kernel starts with: the buffers, the pads, the call counters
-    /// and epochs, the error words.
-    fn symm_args(&self, desc: &CallDesc, mc_out: u64) -> SymmArgs {
-        let (inputs, outputs) = self.buffers(desc);
-        let mut args = SymmArgs {
-            inputs,
-            outputs,
-            count: desc.count,
-            desc: desc.digest(),
-            timeout_ns: self.settings.timeout.as_nanos() as u64,
-            rank: self.rank as i32,
-            world: self.world as i32,
-            counters: self.group.internal + COUNTERS_OFFSET,
-            error_word: self.coll.errors.device_ptr(),
-            ll_slot_kib: (self.settings.ll_slot >> 10) as i32,
-            mc_out,
-            ..SymmArgs::default()
-        };
-        args.pads[..self.world].copy_from_slice(&self.peer.pads);
-        args
-    }
-
-    /// The kernel for (kernel, type, op, vector width), looked up in the module once.
-    pub(super) fn kernel_fn(
-        &mut self,
-        kernel: Kernel,
-        dtype: DType,
-        op: ReduceOp,
-        vec: bool,
-    ) -> Result<cuda::module::Function> {
-        if let Some(&f) = self.coll.kernels.get(&(kernel, dtype, op, vec)) {
-            return Ok(f);
-        }
-        let name = kernels::kernel_name(kernel, dtype, op, vec).ok_or_else(|| {
-            Error::unsupported(format!(
-                "no {} kernel for {} {}",
-                kernel.name(),
-                dtype.name(),
-                op.name()
-            ))
-        })?;
-        let f = cuda::module::function(self.device, &name)?;
-        self.coll.kernels.insert((kernel, dtype, op, vec), f);
-        Ok(f)
-    }
-
-    /// A fused kernel: its bf16/fp16-output instance (`kernel_fn`), or its FP8 instance of
-    /// `quant`'s mode, looked up in the module once.
-    pub(super) fn fused_kernel_fn(
-        &mut self,
-        kernel: Kernel,
-        dtype: DType,
-        quant: Option<Quant>,
-    ) -> Result<cuda::module::Function> {
-        let Some(q) = quant else {
-            return self.kernel_fn(kernel, dtype, ReduceOp::Sum, true);
-        };
-        if let Some(&f) = self.coll.quant_kernels.get(&(kernel, dtype, q)) {
-            return Ok(f);
-        }
-        let name = kernels::quant_kernel_name(kernel, dtype, q).ok_or_else(|| {
-            Error::unsupported(format!(
-                "no {} kernel with {} output for {}",
-                kernel.name(),
-                q.name(),
-                dtype.name()
-            ))
-        })?;
-        let f = cuda::module::function(self.device, &name)?;
-        self.coll.quant_kernels.insert((kernel, dtype, q), f);
-        Ok(f)
-    }
-
-    /// Orders this call's work on `stream` after the communicator's previous call, when that
-    /// was on another stream (streams.rs). The host backend runs calls synchronously.
-    fn order_streams(&mut self, stream: u64) -> Result<()> {
-        if self.host {
-            return Ok(());
-        }
-        self.coll.streams.before_launch(self.device, stream)
-    }
-
-    /// Copies a caller's input from outside the heap into the scratch (stream-ordered) and
-    /// counts the call in `staged_collectives`.
-    fn stage_in(&self, scratch: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
-        self.copy(scratch, src, bytes, stream)?;
-        self.alloc.heap(self.device)?.stats.staged_collectives += 1;
-        Ok(())
-    }
-
-    /// A stream-ordered copy (immediate on the host backend).
-    fn copy(&self, dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
-        if self.host {
-            // SAFETY: both are buffers of at least `bytes` bytes (the caller's arguments and
-            // our scratch); they never overlap (the scratch is ours alone).
-            unsafe {
-                std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes as usize)
-            };
-            Ok(())
-        } else {
-            cuda::mem::copy_async(self.device, dst, src, bytes, stream)
-        }
+        self.exec.submit(exec::Plan {
+            stream: plan.call.stream,
+            ordered: true,
+            copy_in: plan.stage_in,
+            device: exec::Device::Kernel(launch),
+            cpu: Some(&mut twin),
+            copy_out: plan.stage_out,
+        })
     }
 
     /// The TRACE line of one collective call (formats nothing unless SYMMALLOC_DEBUG=TRACE).
@@ -259,4 +79,126 @@ impl Communicator {
             }
         );
     }
+}
+
+/// What a collective's launch reads of its communicator.
+struct View<'a> {
+    rank: usize,
+    world: usize,
+    settings: &'a CollSettings,
+    /// Every rank's signal pad here.
+    pads: &'a [u64],
+    /// The internal block (call counters, epochs).
+    internal: u64,
+}
+
+/// The kernel, with `SymmArgs` (or the fused call's `RmsArgs`) on the plan's grid.
+fn kernel_launch(
+    plan: &Plan,
+    v: &View,
+    coll: &Collectives,
+    inputs: [u64; MAX_RANKS],
+    outputs: [u64; MAX_RANKS],
+) -> exec::Launch {
+    let mut s = SymmArgs {
+        inputs,
+        outputs,
+        count: plan.desc.count,
+        desc: plan.desc.digest(),
+        timeout_ns: v.settings.timeout.as_nanos() as u64,
+        rank: v.rank as i32,
+        world: v.world as i32,
+        counters: v.internal + COUNTERS_OFFSET,
+        error_word: coll.errors.device_ptr(),
+        ll_slot_kib: (v.settings.ll_slot >> 10) as i32,
+        mc_out: plan.mc_out,
+        ..SymmArgs::default()
+    };
+    s.pads[..v.world].copy_from_slice(v.pads);
+    s.in_place = (plan.desc.send_off == plan.desc.recv_off) as i32;
+    let (id, args) = match plan.call.coll {
+        Coll::AddRmsNorm(r) => (
+            fused_kernel_id(plan.kernel, plan.call.dtype, r.quant.map(|q| q.mode)),
+            ArgBlock::of(&RmsArgs {
+                s,
+                residual: r.residual,
+                weight: r.weight,
+                out: r.out,
+                hidden: r.hidden,
+                tokens: r.tokens,
+                eps: r.eps,
+                push_threads: plan.push_threads,
+                scale: r.quant.map_or(0, |q| q.scale),
+            }),
+        ),
+        _ => (
+            kernel_id(plan.kernel, plan.call.dtype, plan.call.op, plan.vec),
+            ArgBlock::of(&s),
+        ),
+    };
+    exec::Launch {
+        id,
+        name: kernel_id_name,
+        grid: plan.grid,
+        block: plan.threads,
+        cluster: plan.cluster,
+        shared: 0,
+        args,
+    }
+}
+
+/// The CPU collective (host backend); a timeout leaves the communicator broken (`sticky`).
+fn host_twin(
+    plan: &Plan,
+    v: &View,
+    coll: &mut Collectives,
+    inputs: &[u64; MAX_RANKS],
+    outputs: &[u64; MAX_RANKS],
+) -> Result<()> {
+    let rms = match plan.call.coll {
+        Coll::AddRmsNorm(r) => Some(HostRms {
+            residual: r.residual,
+            weight: r.weight,
+            out: r.out,
+            hidden: r.hidden as usize,
+            eps: r.eps,
+            quant: r.quant.map(|q| (q.mode, q.scale)),
+        }),
+        _ => None,
+    };
+    let call = HostCall {
+        rank: v.rank,
+        world: v.world,
+        pads: v.pads,
+        inputs: &inputs[..v.world],
+        outputs: &outputs[..v.world],
+        count: plan.desc.count as usize,
+        dtype: plan.call.dtype,
+        op: plan.call.op,
+        kernel: plan.kernel,
+        in_place: plan.desc.send_off == plan.desc.recv_off,
+        desc: plan.desc.digest(),
+        timeout: v.settings.timeout,
+        rms,
+    };
+    let r = host_reduce::run(&call, &mut coll.host_epoch);
+    if let Err(e) = &r {
+        if e.status == Status::ErrTimeout {
+            coll.sticky = Some(e.clone());
+        }
+    }
+    r
+}
+
+/// Every rank's input and output at the descriptor's offsets, in this address space
+/// (entries past the world, and rank-local outputs, stay 0).
+fn buffers(bases: &[u64], desc: &CallDesc) -> ([u64; MAX_RANKS], [u64; MAX_RANKS]) {
+    let (mut inputs, mut outputs) = ([0u64; MAX_RANKS], [0u64; MAX_RANKS]);
+    for (r, b) in bases.iter().enumerate() {
+        inputs[r] = b + desc.send_off;
+        if desc.recv_off != RANK_LOCAL {
+            outputs[r] = b + desc.recv_off;
+        }
+    }
+    (inputs, outputs)
 }

@@ -1,18 +1,20 @@
-//! The collectives: the front ends (`all_reduce`, `reduce_scatter`, `all_gather`,
-//! `all_reduce_add_rms_norm`, `barrier`) and the one pipeline every call goes through
-//! (docs/DESIGN.md, "The collective pipeline"): a front end builds a `Call` (call.rs: what was
-//! asked, checked); `begin_call` reports earlier errors (error_word.rs) and unmaps what peers
-//! released (peer/retire.rs); `prepare` turns the call into a `Plan` (plan.rs: the kernel from
-//! algo.rs, its shape (vectors or elements, grid) from shape.rs (the fused call's: fused_shape.rs),
-//! the buffers from place.rs, the descriptor of desc.rs, the segment exchange of exchange.rs);
-//! `launch` enqueues it (launch.rs; host_reduce.rs and host_norm.rs on the host backend).
-//! `kernels.rs` and `kernel_args.rs` are what the host shares with the kernels (the generated
-//! kernels/instances.cu and kernels/symm_constants.cuh come from them); `streams.rs` orders calls
-//! across streams; `convert.rs` holds the number formats.
+//! The collectives' pipeline (docs/DESIGN.md, "The collective pipeline"), over a view of the
+//! communicator (`Ctx`, built per call by comm/calls.rs, where the front ends `all_reduce`,
+//! `reduce_scatter`, `all_gather`, `all_reduce_add_rms_norm` and `barrier` are): a front end
+//! builds a `Call` (call.rs: what was asked, checked); `begin_call` reports earlier errors
+//! (error_word.rs) and unmaps what peers released (peer/retire.rs); `prepare` turns the call
+//! into a `Plan` (plan.rs: the kernel from algo.rs, its shape (vectors or elements, grid) from
+//! shape.rs (the fused call's: fused_shape.rs), the buffers from place.rs, the descriptor of
+//! desc.rs, the segment exchange of exchange.rs); `launch` hands it to the executor as a
+//! comm/exec/ plan (launch.rs: kernel id (kernel_id.rs), grid, argument struct, copies, and the
+//! CPU twin host_reduce.rs / host_norm.rs). `kernels.rs` and `kernel_args.rs` are what the host
+//! shares with the kernels (the generated kernels/instances.cu and kernels/symm_constants.cuh
+//! come from them); `convert.rs` holds the number formats.
 //!
-//! Owns `Collectives` (the communicator's `coll`): the staging scratch, the error words and the
-//! sticky error, the stream order, the host backend's epoch, the kernels looked up in the
-//! module. Reads the communicator's `settings` (group/init.rs) and `peer` parts.
+//! Owns `CollSettings` (the communicator's `settings`: what shapes every collective, built at
+//! init) and `Collectives` (the communicator's `coll`): the staging scratch, the error words and
+//! the sticky error, the host backend's epoch, AUTO's choices already reported. Reads, through
+//! `Ctx`, the peers' memory (peer/) and the executor (exec/); never the communicator.
 //!
 //! Invariants: every rank calls collectives in the same order with symmetric buffers; every
 //! decision of a plan reads only values equal on every rank, so every rank runs the same kernel
@@ -31,46 +33,61 @@ pub mod fused_shape;
 pub mod host_norm;
 pub mod host_reduce;
 pub mod kernel_args;
+mod kernel_id;
 pub mod kernels;
 mod launch;
-mod place;
+pub(in crate::comm) mod place;
 mod plan;
 pub mod shape;
-pub mod streams;
+/// The stream order moved to the execution layer, which applies it to every launch.
+pub use crate::comm::exec::streams;
 
-use crate::comm::Communicator;
-use crate::cuda::module::Function;
-use crate::error::{Error, Result, Status};
-use algo::{Algo, DType, Kernel, Quant, ReduceOp};
-use call::{Call, Coll, Rms};
+use crate::comm::exec::Executor;
+use crate::comm::peer::PeerView;
+use crate::error::Error;
+use crate::heap::Allocator;
+use crate::ipc::Mesh;
 use error_word::ErrorWords;
-use std::collections::{HashMap, HashSet};
-use streams::StreamOrder;
+use std::collections::HashSet;
+use std::time::Duration;
+
+/// What shapes every collective of a communicator, fixed at init (group/init.rs, `build`): the settings every
+/// rank agreed on (read at init and compared there; a split's child reads its own and compares
+/// them too) and what the ranks' GPUs hold.
+pub(in crate::comm) struct CollSettings {
+    /// Bytes per sender slot of the LL buffers (`SYMMALLOC_LL_BYTES`, equal on all ranks).
+    pub ll_slot: u64,
+    /// The LL kernel's (blocks, threads), fixed for the communicator's life.
+    pub ll_grid: (u32, u32),
+    /// AUTO's thresholds and `SYMMALLOC_CHECK_SYMMETRY`: read at init, equal on all ranks.
+    pub auto: algo::AutoThresholds,
+    pub check_symmetry: bool,
+    /// `SYMMALLOC_TIMEOUT_S`: every wait's bound.
+    pub timeout: Duration,
+    /// This rank's GPU's SMs (the barrier kernels' grid).
+    pub sms: u32,
+    /// Every rank's GPU runs thread-block clusters (sm_90+): the fused call may split wide rows
+    /// over a cluster (plan.rs). Equal on every rank: read from every rank's device.
+    pub clusters: bool,
+    /// The fewest SMs of any rank's GPU: an LL grid must be resident at once on every rank
+    /// (fused_shape.rs, `fit_resident`). Equal on every rank, as `clusters`.
+    pub fewest_sms: u32,
+}
 
 /// What the collectives keep between calls: the error words kernels report into and the error
-/// that broke the communicator, the order across streams, the host backend's barrier epoch, the
-/// scratch, and what was looked up once (kernels, occupancy, AUTO's choices).
+/// that broke the communicator, the host backend's barrier epoch, the scratch, and AUTO's
+/// choices already reported. (The stream order, the kernels and their occupancy are the
+/// executor's: comm/exec/.)
 pub(in crate::comm) struct Collectives {
     pub errors: ErrorWords,
     /// A fatal error: every later call reports it (the communicator must be destroyed).
     pub sticky: Option<Error>,
-    /// The previous call's stream, to order a call on another stream after it.
-    pub streams: StreamOrder,
     /// The host backend's barrier epoch (host_reduce.rs).
     pub host_epoch: u32,
     /// The staging scratch (address, size; place.rs).
     pub scratch: Option<(u64, u64)>,
     /// Message sizes AUTO has chosen for already (kept only under SYMMALLOC_DEBUG=INFO).
     pub auto_seen: HashSet<u64>,
-    /// Kernels already looked up in the device's module, so a call does no name formatting,
-    /// module lock or hash of a string.
-    pub kernels: HashMap<(Kernel, DType, ReduceOp, bool), Function>,
-    /// The fused kernels' FP8-output instances already looked up (as `kernels`).
-    pub quant_kernels: HashMap<(Kernel, DType, Quant), Function>,
-    /// Blocks per SM of a fused LL kernel at a block size, by (algo, dtype, threads): the
-    /// driver's occupancy answer, asked once (plan.rs, `resident_blocks`); by output format too
-    /// (an FP8 instance may hold more registers).
-    pub resident: HashMap<(Kernel, DType, u32, Option<Quant>), u32>,
 }
 
 impl Collectives {
@@ -79,156 +96,30 @@ impl Collectives {
         Collectives {
             errors,
             sticky: None,
-            streams: StreamOrder::default(),
             host_epoch: 0,
             scratch: None,
             auto_seen: HashSet::new(),
-            kernels: HashMap::new(),
-            quant_kernels: HashMap::new(),
-            resident: HashMap::new(),
         }
     }
 }
 
-impl Communicator {
-    /// What every call does first: report a kernel's error, then unmap the peer segments
-    /// released since the last call (peer/retire.rs).
-    pub(in crate::comm) fn begin_call(&mut self, stream: u64) -> Result<()> {
-        self.check_error_word()?;
-        self.retire_released(stream)
-    }
-
-    /// One collective call through the pipeline: report earlier errors, plan, launch.
-    /// A call with nothing to do returns at once (earlier errors wait for the next call that
-    /// does something); a call's own arguments are checked next (they need no peer, so a bad one
-    /// is reported as such whatever the peers did since); then earlier errors, then the plan.
-    fn collective(&mut self, call: Call) -> Result<()> {
-        if call.is_empty() {
-            return Ok(());
-        }
-        let ext = call.check(self.rank, self.world)?;
-        self.begin_call(call.stream)
-            .and_then(|()| self.prepare(&call, ext))
-            .and_then(|plan| self.launch(&plan))
-            .map_err(|e| self.name_ranks(e))
-    }
-
-    /// All-reduce of `count` elements, in place when `send == recv`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn all_reduce(
-        &mut self,
-        algo: Algo,
-        send: u64,
-        recv: u64,
-        count: u64,
-        dtype: DType,
-        op: ReduceOp,
-        stream: u64,
-    ) -> Result<()> {
-        self.collective(Call {
-            coll: Coll::AllReduce(algo),
-            send,
-            recv,
-            count,
-            dtype,
-            op,
-            stream,
-        })
-    }
-
-    /// Reduce-scatter: rank r gets elements [r * recv_count, (r + 1) * recv_count) of the
-    /// reduction of every rank's `send` (world * recv_count elements).
-    pub fn reduce_scatter(
-        &mut self,
-        send: u64,
-        recv: u64,
-        recv_count: u64,
-        dtype: DType,
-        op: ReduceOp,
-        stream: u64,
-    ) -> Result<()> {
-        self.collective(Call {
-            coll: Coll::ReduceScatter,
-            send,
-            recv,
-            count: recv_count,
-            dtype,
-            op,
-            stream,
-        })
-    }
-
-    /// All-gather: rank r's `send_count` elements land at r * send_count of every `recv`.
-    pub fn all_gather(
-        &mut self,
-        send: u64,
-        recv: u64,
-        send_count: u64,
-        dtype: DType,
-        stream: u64,
-    ) -> Result<()> {
-        self.collective(Call {
-            coll: Coll::AllGather,
-            send,
-            recv,
-            count: send_count,
-            dtype,
-            op: ReduceOp::Sum,
-            stream,
-        })
-    }
-
-    /// All-reduce of `x` ([tokens, hidden]) + residual, then RMSNorm: `residual` is updated in
-    /// place and `out = rms_norm(residual) * weight` (kernels/rms_norm.cuh). Only `x` is read
-    /// by peers; `residual`, `weight` and `out` are this rank's own.
-    pub fn all_reduce_add_rms_norm(
-        &mut self,
-        x: u64,
-        rms: Rms,
-        dtype: DType,
-        stream: u64,
-    ) -> Result<()> {
-        self.collective(Call {
-            coll: Coll::AddRmsNorm(rms),
-            send: x,
-            recv: 0,
-            count: rms.tokens.saturating_mul(rms.hidden),
-            dtype,
-            op: ReduceOp::Sum,
-            stream,
-        })
-    }
-
-    /// All ranks meet; stream-ordered on CUDA (a kernel), immediate on the host backend.
-    pub fn barrier(&mut self, stream: u64) -> Result<()> {
-        self.collective(Call {
-            coll: Coll::Barrier,
-            send: 0,
-            recv: 0,
-            count: 0,
-            dtype: DType::Fp32,
-            op: ReduceOp::Sum,
-            stream,
-        })
-    }
-
-    /// Names the processes behind rank numbers in a child's peer and timeout errors.
-    pub(in crate::comm) fn name_ranks(&self, mut e: Error) -> Error {
-        if matches!(e.status, Status::ErrPeer | Status::ErrTimeout) {
-            match &self.group.lineage {
-                Some(l) => {
-                    e.message = format!(
-                        "{} (in a communicator of {} ranks split from another: {l})",
-                        e.message, self.world
-                    )
-                }
-                None => {
-                    let pids: Vec<u32> = self.group.members.iter().map(|m| m.pid).collect();
-                    e.message =
-                        format!("{} (ranks 0..{} are pids {pids:?})", e.message, self.world);
-                }
-            }
-        }
-        e
-    }
+/// What the collective pipeline reads and writes of its communicator, borrowed for one call
+/// (the communicator builds it: comm/calls.rs, `ctx`): its place, settings and bootstrap
+/// connections, its executor, the collectives' state, the peers' memory, and where its own
+/// blocks are. The pipeline's steps (plan.rs, place.rs, exchange.rs, launch.rs) are its
+/// methods; nothing here sees the communicator itself.
+pub(in crate::comm) struct Ctx<'a> {
+    pub rank: usize,
+    pub world: usize,
+    pub device: i32,
+    pub alloc: &'static Allocator,
+    pub mesh: &'a Mesh,
+    pub settings: &'a CollSettings,
+    pub exec: &'a mut dyn Executor,
+    pub coll: &'a mut Collectives,
+    pub peer: &'a mut PeerView,
+    /// The internal block (call counters, epochs: `SymmArgs::counters`).
+    pub internal: u64,
+    /// The communicator's arena (the scratch is one of its own blocks there).
+    pub arena: u64,
 }

@@ -18,17 +18,41 @@ use super::call::{Call, Coll, Extents};
 use super::desc::meeting_word;
 use super::exchange::add_chunks;
 use super::host_reduce;
-use crate::comm::Communicator;
+use super::Ctx;
 use crate::error::{Error, Result};
-use crate::heap::device_heap::SegmentInfo;
+use crate::heap::device_heap::{DeviceHeap, SegmentInfo};
+use crate::heap::Allocator;
+
+/// The chunks of the segment of `device`'s heap holding `ptr..ptr+bytes` (one, unless the
+/// segment grew in place under the block), `None` when `ptr` is outside the heap, an error
+/// when it is inside the heap but not inside one live block.
+pub(in crate::comm) fn locate(
+    alloc: &Allocator,
+    device: i32,
+    ptr: u64,
+    bytes: u64,
+) -> Result<Option<Vec<SegmentInfo>>> {
+    let heap = alloc.heap(device)?;
+    locate_in(&heap, ptr, bytes)
+}
+
+/// `locate` in a heap the caller holds locked.
+fn locate_in(heap: &DeviceHeap, ptr: u64, bytes: u64) -> Result<Option<Vec<SegmentInfo>>> {
+    if !heap.contains(ptr) {
+        return Ok(None);
+    }
+    let (segs, bstart, bsize) = heap.segment_of(ptr)?;
+    if ptr + bytes > bstart + bsize {
+        return Err(Error::invalid(format!(
+            "buffer {ptr:#x} of {bytes} bytes runs past the end of its symm_malloc block \
+             ({bsize} bytes at {bstart:#x}); expected count * element size to fit"
+        )));
+    }
+    Ok(Some(segs))
+}
 
 /// A copy between a caller's buffer and the scratch, stream-ordered around the kernel.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Copy {
-    pub dst: u64,
-    pub src: u64,
-    pub bytes: u64,
-}
+use crate::comm::exec::Copy;
 
 /// Where a call runs, decided before any scratch is made (`place`).
 enum Place {
@@ -56,7 +80,7 @@ pub(super) struct Placement {
     pub staged: bool,
 }
 
-impl Communicator {
+impl Ctx<'_> {
     /// Where a checked call's kernel reads and writes (`place`), meeting the peers first where
     /// this rank is about to make or share a segment (host backend), then making the scratch
     /// when the call is staged (`stage`). Collective.
@@ -69,7 +93,7 @@ impl Communicator {
         // and both fail at once instead of waiting for each other. Every rank meets when the
         // comparison is forced (SYMMALLOC_CHECK_SYMMETRY, equal on every rank). On CUDA there
         // is no meeting, so nothing of this is worked out on the call's path.
-        if self.host {
+        if self.exec.meets_before_sharing() {
             let make = match place {
                 Place::Scratch { len, .. } => self.scratch_to_make(len),
                 Place::Heap { .. } => None,
@@ -109,8 +133,14 @@ impl Communicator {
                 },
             }),
             _ => {
-                let a = self.locate(call.send, ext.send)?;
-                let b = self.locate(call.recv, ext.recv)?;
+                // Both buffers under one hold of the heap's lock.
+                let (a, b) = {
+                    let heap = self.alloc.heap(self.device)?;
+                    (
+                        locate_in(&heap, call.send, ext.send)?,
+                        locate_in(&heap, call.recv, ext.recv)?,
+                    )
+                };
                 if let (Some(a), Some(b)) = (a, b) {
                     let segs = match call.coll {
                         Coll::ReduceScatter => a,
@@ -210,7 +240,13 @@ impl Communicator {
             self.alloc.free(p, old, self.device, 0)?;
             self.coll.scratch = None;
         }
-        let p = self.own_malloc(size)?;
+        // One of the communicator's own blocks of its arena (as group/arena.rs, `own_malloc`).
+        let p = self.alloc.malloc_in(
+            size,
+            self.device,
+            0,
+            crate::heap::pools::arena_pool(self.arena, true),
+        )?;
         self.coll.scratch = Some((p, size));
         Ok(p)
     }
@@ -218,19 +254,8 @@ impl Communicator {
     /// The chunks of the segment holding `ptr..ptr+bytes` (one, unless the segment grew in
     /// place under the block), `None` when `ptr` is outside the heap, an error when it is
     /// inside the heap but not inside one live block.
-    pub(in crate::comm) fn locate(&self, ptr: u64, bytes: u64) -> Result<Option<Vec<SegmentInfo>>> {
-        let heap = self.alloc.heap(self.device)?;
-        if !heap.contains(ptr) {
-            return Ok(None);
-        }
-        let (segs, bstart, bsize) = heap.segment_of(ptr)?;
-        if ptr + bytes > bstart + bsize {
-            return Err(Error::invalid(format!(
-                "buffer {ptr:#x} of {bytes} bytes runs past the end of its symm_malloc block \
-                 ({bsize} bytes at {bstart:#x}); expected count * element size to fit"
-            )));
-        }
-        Ok(Some(segs))
+    fn locate(&self, ptr: u64, bytes: u64) -> Result<Option<Vec<SegmentInfo>>> {
+        locate(self.alloc, self.device, ptr, bytes)
     }
 
     /// Before this rank makes a scratch segment or shares a segment (`staged`: it stages the
@@ -243,7 +268,7 @@ impl Communicator {
     /// communicator (as in a host collective). Host backend only: CUDA has no meeting (see
     /// docs/DESIGN.md), and `placement` calls this only on the host.
     fn meet_before_sharing(&mut self, staged: bool, make: Option<u64>) -> Result<()> {
-        debug_assert!(self.host);
+        debug_assert!(self.exec.meets_before_sharing());
         let word = meeting_word(staged, make);
         let r = host_reduce::meet(
             self.rank,

@@ -18,14 +18,14 @@ use super::algo::{self, DType, Kernel, Quant};
 use super::call::{Call, Coll, Extents};
 use super::desc::{CallDesc, DescKind, RANK_LOCAL};
 use super::fused_shape::{self, FusedShape};
-use super::place::Copy;
+use super::kernel_id::{fused_kernel_id, kernel_id_name};
 use super::shape;
-use crate::comm::Communicator;
-use crate::cuda;
+use super::Ctx;
+use crate::comm::exec::Copy;
 use crate::error::{Error, Result};
 
 /// Everything a launch needs, decided once.
-pub(super) struct Plan {
+pub(in crate::comm) struct Plan {
     pub call: Call,
     pub kernel: Kernel,
     /// The working buffers' offsets (the caller's, or the scratch's when staged).
@@ -43,11 +43,11 @@ pub(super) struct Plan {
     pub mc_out: u64,
 }
 
-impl Communicator {
+impl Ctx<'_> {
     /// Places a checked call's buffers (`ext`: `Call::check`), picks its kernel and grid,
     /// exchanges its segments and compares its descriptor with the peers'. Collective (every
     /// rank calls it in the same order).
-    pub(super) fn prepare(&mut self, call: &Call, ext: Extents) -> Result<Plan> {
+    pub(in crate::comm) fn prepare(&mut self, call: &Call, ext: Extents) -> Result<Plan> {
         // The all-reduce's kernel depends only on the message; the others' on where it lies.
         let asked = match call.coll {
             Coll::AllReduce(a) => {
@@ -82,7 +82,8 @@ impl Communicator {
                 0,
             ),
             Coll::AddRmsNorm(r) => {
-                let kernel = if self.host {
+                // The host backend runs the fused call's CPU twin, which has no grid.
+                let kernel = if !self.exec.has_grid() {
                     Kernel::AddRmsNorm
                 } else {
                     // The LL all-reduce's spread for a message of this size.
@@ -128,7 +129,7 @@ impl Communicator {
             _ => &[desc.send_off, recv_off],
         };
         let vec = shape::vectors(kernel, shared, ext.slice);
-        let (grid, threads, cluster) = if self.host {
+        let (grid, threads, cluster) = if !self.exec.has_grid() {
             (0, 0, 1)
         } else if let Some(s) = fused {
             (s.grid, s.threads, s.cluster)
@@ -156,7 +157,14 @@ impl Communicator {
                         ext.recv
                     ))
                 })?;
-            self.multicast_window(seg)? + (at - seg.offset)
+            let who = crate::comm::peer::Who {
+                rank: self.rank,
+                world: self.world,
+                device: self.device,
+                alloc: self.alloc,
+                mesh: self.mesh,
+            };
+            self.peer.multicast_window(&who, seg)? + (at - seg.offset)
         } else {
             0
         };
@@ -193,8 +201,8 @@ impl Communicator {
     /// MULTIMEM runs only past the multicast gate, on its own terms (algo.rs,
     /// `check_multimem_call`; its window: peer/mc_window.rs).
     fn check_multimem(&self, call: &Call) -> Result<()> {
-        let supports = !self.host && cuda::driver()?.device(self.device)?.multicast;
-        cuda::multicast_gate::multicast_gate_from_env(supports)
+        let supports = self.exec.multicast()?;
+        crate::cuda::multicast_gate::multicast_gate_from_env(supports)
             .map_err(|why| Error::unsupported(format!("SYMM_ALGO_MULTIMEM refused: {why}")))?;
         algo::check_multimem_call(call.send, call.recv, call.count, call.dtype, call.op)
     }
@@ -240,16 +248,8 @@ impl Communicator {
         dtype: DType,
         quant: Option<Quant>,
     ) -> Result<u64> {
-        let key = (s.kernel, dtype, s.threads, quant);
-        let per_sm = match self.coll.resident.get(&key) {
-            Some(&n) => n,
-            None => {
-                let f = self.fused_kernel_fn(s.kernel, dtype, quant)?;
-                let n = cuda::module::blocks_per_sm(self.device, f, s.threads)?;
-                self.coll.resident.insert(key, n);
-                n
-            }
-        };
+        let id = fused_kernel_id(s.kernel, dtype, quant);
+        let per_sm = self.exec.blocks_per_sm(id, kernel_id_name, s.threads)?;
         Ok(per_sm as u64 * self.settings.fewest_sms as u64)
     }
 }

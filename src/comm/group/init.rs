@@ -15,7 +15,8 @@ use super::Group;
 use crate::comm::collective::algo;
 use crate::comm::collective::error_word::ErrorWords;
 use crate::comm::collective::kernel_args::*;
-use crate::comm::collective::Collectives;
+use crate::comm::collective::{CollSettings, Collectives};
+use crate::comm::exec::{self, Executor};
 use crate::comm::p2p::P2p;
 use crate::comm::peer::peers::{self, PeerHeap, PeerIdent};
 use crate::comm::peer::retire::PeerReleases;
@@ -23,7 +24,6 @@ use crate::comm::peer::windows::PeerWindows;
 use crate::comm::peer::PeerView;
 use crate::comm::Communicator;
 use crate::config;
-use crate::cuda;
 use crate::error::{Error, Result};
 use crate::heap::{self, Allocator};
 use crate::ipc::{Mesh, UniqueId};
@@ -117,36 +117,15 @@ impl Settings {
     }
 }
 
-/// What shapes every collective of a communicator, fixed at init (`build`): the settings every
-/// rank agreed on (read at init and compared there; a split's child reads its own and compares
-/// them too) and what the ranks' GPUs hold.
-pub(in crate::comm) struct CollSettings {
-    /// Bytes per sender slot of the LL buffers (`SYMMALLOC_LL_BYTES`, equal on all ranks).
-    pub ll_slot: u64,
-    /// The LL kernel's (blocks, threads), fixed for the communicator's life.
-    pub ll_grid: (u32, u32),
-    /// AUTO's thresholds and `SYMMALLOC_CHECK_SYMMETRY`: read at init, equal on all ranks.
-    pub auto: algo::AutoThresholds,
-    pub check_symmetry: bool,
-    /// `SYMMALLOC_TIMEOUT_S`: every wait's bound.
-    pub timeout: Duration,
-    /// This rank's GPU's SMs (the barrier kernels' grid).
-    pub sms: u32,
-    /// Every rank's GPU runs thread-block clusters (sm_90+): the fused call may split wide rows
-    /// over a cluster (collective/plan.rs). Equal on every rank: read from every rank's device.
-    pub clusters: bool,
-    /// The fewest SMs of any rank's GPU: an LL grid must be resident at once on every rank
-    /// (collective/fused_shape.rs, `fit_resident`). Equal on every rank, as `clusters`.
-    pub fewest_sms: u32,
-}
-
 /// What `build` needs to make a communicator, from `init` or from a split.
 pub(in crate::comm) struct Setup {
     pub rank: usize,
     pub world: usize,
     pub device: i32,
     pub alloc: &'static Allocator,
-    pub host: bool,
+    /// What runs the communicator's plans (chosen from the heap's backend at init; a split's
+    /// child gets a fresh one of its parent's kind).
+    pub exec: Box<dyn Executor>,
     pub mesh: Mesh,
     /// The settings, or why this rank could not read them (sent as its refusal).
     pub settings: std::result::Result<Settings, String>,
@@ -187,8 +166,9 @@ impl Communicator {
         }
         let alloc = heap::global()?;
         alloc.check_device(device)?;
-        let host = alloc.backend().name() == "host";
-        let setup = Self::bootstrap(world as usize, rank as usize, device, id, alloc, host)?;
+        // The executor of the heap's backend, chosen here as the heap chose its `Backend`.
+        let exec = exec::for_backend(alloc.backend().name(), device);
+        let setup = Self::bootstrap(world as usize, rank as usize, device, id, alloc, exec)?;
         Self::build(setup)
     }
 
@@ -198,14 +178,11 @@ impl Communicator {
         device: i32,
         id: &UniqueId,
         alloc: &'static Allocator,
-        host: bool,
+        exec: Box<dyn Executor>,
     ) -> Result<Setup> {
         let settings = Settings::read(world, alloc, device)?;
-        let sms = if host {
-            1
-        } else {
-            cuda::driver()?.device(device)?.sm_count as u32
-        };
+        let sms = exec.sm_count()?;
+        let backend = exec.backend();
         // Make sure the heap exists before any peer exchange.
         let heap_size = alloc.heap(device)?.size();
         // The limit is checked here and refused at the agreement (build), by every rank alike.
@@ -217,7 +194,7 @@ impl Communicator {
         // learn who every rank is.
         let words = settings.words();
         let mut hello = Vec::new();
-        for w in [device as u64, heap_size, host as u64]
+        for w in [device as u64, heap_size, backend_code(backend)]
             .iter()
             .chain(&words)
             .chain(&me.words())
@@ -238,7 +215,7 @@ impl Communicator {
                     "rank {r} sent a malformed init message"
                 )));
             }
-            let (d, hs, h) = (word(msg, 0) as i32, word(msg, 1), word(msg, 2) != 0);
+            let (d, hs, b) = (word(msg, 0) as i32, word(msg, 1), word(msg, 2));
             let theirs: Vec<u64> = (0..n).map(|i| word(msg, 3 + i)).collect();
             if theirs != words {
                 return Err(Error::invalid(format!(
@@ -247,11 +224,11 @@ impl Communicator {
                     describe_settings(&words)
                 )));
             }
-            if h != host {
+            if b != backend_code(backend) {
                 return Err(Error::invalid(format!(
-                    "rank {r} uses the {} backend, rank {rank} the {}; set SYMMALLOC_BACKEND alike",
-                    if h { "host" } else { "cuda" },
-                    if host { "host" } else { "cuda" }
+                    "rank {r} uses the {} backend, rank {rank} the {backend}; set \
+                     SYMMALLOC_BACKEND alike",
+                    backend_name(b)
                 )));
             }
             if hs != heap_size {
@@ -280,22 +257,7 @@ impl Communicator {
             devices.push(d);
             members.push(ident);
         }
-        let mut clusters = !host;
-        let mut fewest_sms = sms;
-        if !host {
-            let drv = cuda::driver()?;
-            for (r, &d) in devices.iter().enumerate() {
-                let info = drv.device(d)?;
-                clusters &= info.cc_major >= 9;
-                fewest_sms = fewest_sms.min(info.sm_count as u32);
-                if !drv.can_access_peer(device, d)? {
-                    return Err(Error::unsupported(format!(
-                        "device {device} (rank {rank}) cannot access device {d} (rank {r}) \
-                         directly; symmalloc needs NVLink or PCIe peer access between all ranks"
-                    )));
-                }
-            }
-        }
+        let (clusters, fewest_sms) = exec.check_peers(rank, &devices, sms)?;
 
         // The peers' heaps: those a live communicator of this process maps already, else new
         // windows over their release logs.
@@ -319,7 +281,7 @@ impl Communicator {
             world,
             device,
             alloc,
-            host,
+            exec,
             mesh,
             settings: Ok(settings),
             claim,
@@ -344,7 +306,7 @@ impl Communicator {
             world,
             device,
             alloc,
-            host,
+            exec,
             mesh,
             settings,
             claim,
@@ -410,7 +372,7 @@ impl Communicator {
                 "a refused communicator passed the agreement",
             ));
         };
-        let errors = match ErrorWords::new(host, device) {
+        let errors = match exec.mapped_word().map(ErrorWords::new) {
             Ok(e) => e,
             Err(e) => {
                 let _ = alloc.release_arena(device, arena);
@@ -424,7 +386,7 @@ impl Communicator {
             world,
             device,
             alloc,
-            host,
+            exec,
             mesh,
             settings: CollSettings {
                 ll_slot: settings.ll_slot,
@@ -459,5 +421,21 @@ impl Communicator {
             n => Plan::Reserve(n),
         });
         comm.finish_init(&settings, plan, started, (claimed, bet))
+    }
+}
+
+/// The backend as a word of the init agreement (the names of `Backend::name()`).
+fn backend_code(name: &str) -> u64 {
+    match name {
+        "host" => 1,
+        _ => 0,
+    }
+}
+
+/// The backend of an agreement word, for messages.
+fn backend_name(code: u64) -> &'static str {
+    match code {
+        1 => "host",
+        _ => "cuda",
     }
 }

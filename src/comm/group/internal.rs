@@ -18,9 +18,9 @@ use super::slots::{self, Internal, Plan, SlotBlock, SlotHold};
 use crate::comm::collective::algo::{DType, Kernel, ReduceOp};
 use crate::comm::collective::desc::{CallDesc, DescKind};
 use crate::comm::collective::kernel_args::*;
+use crate::comm::collective::place::locate;
 use crate::comm::p2p::device_comm::SYMM_SIGNAL_PAD_BYTES;
 use crate::comm::Communicator;
-use crate::cuda;
 use crate::error::{Error, Result};
 use crate::heap::device_heap::{SegmentInfo, ROUND, SMALL_MAX};
 use std::time::{Duration, Instant};
@@ -45,7 +45,7 @@ impl Communicator {
                     self.rank,
                     self.world,
                     self.device,
-                    if self.host { "host" } else { "cuda" },
+                    self.exec.backend(),
                     self.group.arena,
                     self.group
                         .lineage
@@ -139,20 +139,15 @@ impl Communicator {
         // them (the exchange below is the first time a peer maps them).
         let pad = self.own_malloc(SYMM_SIGNAL_PAD_BYTES)?;
         self.p2p.pad = pad;
-        if self.host {
-            // SAFETY: pad is a live block of SYMM_SIGNAL_PAD_BYTES bytes of mapped host memory.
-            unsafe { std::ptr::write_bytes(pad as *mut u8, 0, SYMM_SIGNAL_PAD_BYTES as usize) };
-        } else {
-            cuda::mem::memset_sync(device, pad, 0, SYMM_SIGNAL_PAD_BYTES)?;
-        }
+        self.exec.zero(pad, SYMM_SIGNAL_PAD_BYTES)?;
         let pad_seg = self.locate_own(pad, SYMM_SIGNAL_PAD_BYTES, "signal pad")?;
         self.p2p.pad_seg = pad_seg.offset;
         self.p2p.pads = self.peer.windows.at_every_rank(pad);
         let made = started.elapsed();
         if pad_seg.offset == seg.offset {
-            self.exchange(&[seg], desc, true)?;
+            self.ctx().exchange(&[seg], desc, true)?;
         } else {
-            self.exchange(&[seg, pad_seg], desc, true)?;
+            self.ctx().exchange(&[seg, pad_seg], desc, true)?;
         }
         // The peers' generations of their internal blocks' segments: their release names the
         // peer's destroy (peer/retire.rs).
@@ -309,19 +304,16 @@ impl Communicator {
     /// host backend's collectives (collective/host_reduce.rs) use the pad alone, never the LL
     /// buffers: those are left untouched there (no page of them is ever faulted in).
     fn reset(&self, zero_at: u64, zero_len: u64, internal: u64, internal_len: u64) -> Result<()> {
-        if self.host {
-            // SAFETY: zero_at..zero_at + zero_len lies in a live block of this rank's mapped
-            // host memory (the internal block, or the held slot: the callers).
-            unsafe { std::ptr::write_bytes(zero_at as *mut u8, 0, zero_len as usize) };
-            return Ok(());
-        }
-        cuda::mem::memset2_sync(
-            self.device,
+        // zero_at..zero_at + zero_len and the LL data lie in a live block of this rank (the
+        // internal block, or the held slot: the callers).
+        self.exec.reset_internal(
             zero_at,
             zero_len,
-            internal + LL_DATA_OFFSET,
-            LL_EMPTY_BYTE,
-            internal_len - LL_DATA_OFFSET,
+            (
+                internal + LL_DATA_OFFSET,
+                LL_EMPTY_BYTE,
+                internal_len - LL_DATA_OFFSET,
+            ),
         )
     }
 
@@ -333,7 +325,7 @@ impl Communicator {
         bytes: u64,
         what: &str,
     ) -> Result<SegmentInfo> {
-        match self.locate(ptr, bytes)?.as_deref() {
+        match locate(self.alloc, self.device, ptr, bytes)?.as_deref() {
             Some(&[one]) => Ok(one),
             other => Err(Error::internal(format!(
                 "the {what} at {ptr:#x} lies in {} chunks of the heap; expected one",

@@ -1,5 +1,5 @@
 //! Split slots: room for children's internal blocks inside a parent's own, so that a split makes no
-//! device memory and imports none (issue #36). A communicator made by `symm_comm_init` allocates
+//! device memory and imports none. A communicator made by `symm_comm_init` allocates
 //! its internal block with `SYMMALLOC_SPLIT_SLOTS` slots after it (default 2: config/settings.rs;
 //! as many as fit in a quarter of its arena): one block, one segment, exchanged with every peer at
 //! init like the internal block alone was. A split whose parent has a slot free on every parent

@@ -357,7 +357,7 @@ impl Communicator {
             world,
             device: self.device,
             alloc: self.alloc,
-            host: self.host,
+            exec: self.exec.fresh(),
             mesh,
             settings,
             claim: Ok(claim),

@@ -1,7 +1,8 @@
-//! The CUDA side of dispatch and combine: the kernels' names (kernels/moe.cu, looked up once
-//! per object), the argument struct `MoeArgs` (mirrored field by field with the CUDA source,
-//! checked by tests/kernel_table.rs), the launch, and the host-mapped status words the kernels
-//! store a recorded error into (status.rs has the codes).
+//! The plans of dispatch and combine: the kernels' names (kernels/moe.cu, looked up once in the
+//! executor's kernel cache), the argument struct `MoeArgs` (mirrored field by field with the
+//! CUDA source, checked by tests/kernel_table.rs), the plan submitted to the executor
+//! (comm/exec/; its CPU twin on the host backend is host.rs), and the host-mapped status words
+//! the kernels store a recorded error into (status.rs has the codes).
 //!
 //! Invariants: a launch reads nothing from the device and waits for nothing, so both calls are
 //! capturable; the kernels of the object run after the communicator's earlier kernels (the
@@ -12,11 +13,10 @@
 use super::config::{IndexType, Payload};
 use super::layout::Layout;
 use super::status::{self, Found, Refusal};
-use super::{Combine, Dispatch, Last, Moe, THREADS};
+use super::{host, Combine, Dispatch, Last, Moe, THREADS};
 use crate::comm::collective::kernel_args::{SymmArgs, COUNTERS_OFFSET, MAX_RANKS};
-use crate::comm::Communicator;
-use crate::cuda;
-use crate::cuda::module::Function;
+use crate::comm::collective::Ctx;
+use crate::comm::exec::{self, ArgBlock, Family, KernelId};
 use crate::error::{Error, Result};
 
 /// The kernels, by payload and index type, then the combine (kernels/moe.cu).
@@ -40,11 +40,25 @@ pub fn dispatch_kernel(p: Payload, it: IndexType) -> &'static str {
     MOE_KERNELS[i]
 }
 
-/// The kernels of one object, looked up in the device's module once.
-#[derive(Clone, Copy)]
-pub struct Kernels {
-    dispatch: [Function; 4],
-    combine: Function,
+/// The name of a moe kernel id (its index in `MOE_KERNELS`).
+fn kernel_name(id: KernelId) -> Result<String> {
+    MOE_KERNELS
+        .get(id.key() as usize)
+        .map(|n| n.to_string())
+        .ok_or_else(|| Error::internal(format!("no moe kernel {:#x}", id.0)))
+}
+
+/// The launch of `MOE_KERNELS[index]` with `args` on the object's grid.
+fn launch(m: &Moe, index: usize, args: &MoeArgs) -> exec::Launch {
+    exec::Launch {
+        id: KernelId::new(Family::Moe, index as u64),
+        name: kernel_name,
+        grid: m.grid,
+        block: THREADS,
+        cluster: 1,
+        shared: 0,
+        args: ArgBlock::of(args),
+    }
 }
 
 /// The argument of the moe kernels (kernels/moe.cu `MoeArgs`).
@@ -85,13 +99,19 @@ pub struct MoeArgs {
 
 const _: () = assert!(std::mem::size_of::<MoeArgs>() == 256 + 64 + 22 * 8 + 6 * 4);
 
+/// The host backend's combine after a dispatch that failed (the kernels keep their own word,
+/// so only the CPU twin refuses it).
+pub(super) const NOTHING_TO_COMBINE: &str =
+    "symm_moe_combine: the last dispatch failed (its error \
+     said why), so there is nothing to combine; dispatch again";
+
 impl Moe {
-    fn args(&self, c: &Communicator, l: &Layout) -> MoeArgs {
+    fn args(&self, c: &Ctx, l: &Layout) -> MoeArgs {
         let mut s = SymmArgs {
             timeout_ns: c.settings.timeout.as_nanos().min(u64::MAX as u128) as u64,
             rank: self.rank as i32,
             world: self.world as i32,
-            counters: c.group.internal + COUNTERS_OFFSET,
+            counters: c.internal + COUNTERS_OFFSET,
             error_word: c.coll.errors.device_ptr(),
             ..SymmArgs::default()
         };
@@ -120,24 +140,6 @@ impl Moe {
         }
     }
 
-    fn kernels(&mut self) -> Result<Kernels> {
-        if let Some(k) = self.kernels {
-            return Ok(k);
-        }
-        let f = |n: &str| cuda::module::function(self.device, n);
-        let k = Kernels {
-            dispatch: [
-                f(MOE_KERNELS[0])?,
-                f(MOE_KERNELS[1])?,
-                f(MOE_KERNELS[2])?,
-                f(MOE_KERNELS[3])?,
-            ],
-            combine: f(MOE_KERNELS[4])?,
-        };
-        self.kernels = Some(k);
-        Ok(k)
-    }
-
     /// The error the kernels recorded since the last call (cleared: reported once).
     pub fn take_status(&mut self) -> Option<Error> {
         let w = self.status.as_ref()?;
@@ -161,59 +163,80 @@ impl Moe {
     }
 }
 
-impl Communicator {
-    pub(super) fn moe_launch_dispatch(
-        &mut self,
-        m: &mut Moe,
-        a: &Dispatch,
-        it: IndexType,
-        refusal: Option<&Refusal>,
-    ) -> Result<()> {
-        let k = m.kernels()?;
-        let mut args = m.args(self, &m.layout);
-        match refusal {
-            Some(r) => {
-                args.refuse_code = r.code as i32;
-                args.refuse_value = r.value;
-                args.k = 1;
-            }
-            None => {
-                args.x = a.x;
-                args.x_scales = a.x_scales;
-                args.topk_idx = a.idx;
-                args.topk_weights = a.weights;
-                args.num_tokens = a.tokens;
-                args.k = a.k as i32;
-            }
+/// The dispatch's plan, submitted in a begun call (`c`).
+pub(super) fn dispatch(
+    c: &mut Ctx,
+    m: &mut Moe,
+    a: &Dispatch,
+    it: IndexType,
+    refusal: Option<&Refusal>,
+) -> Result<()> {
+    let mut args = m.args(c, &m.layout);
+    match refusal {
+        Some(r) => {
+            args.refuse_code = r.code as i32;
+            args.refuse_value = r.value;
+            args.k = 1;
         }
-        let i = match (m.cfg.dtype, it) {
-            (Payload::Bf16, IndexType::I32) => 0,
-            (Payload::Bf16, IndexType::I64) => 1,
-            (Payload::Fp8, IndexType::I32) => 2,
-            (Payload::Fp8, IndexType::I64) => 3,
-        };
-        self.coll.streams.before_launch(self.device, a.stream)?;
-        cuda::module::launch(self.device, k.dispatch[i], m.grid, THREADS, a.stream, &args)
+        None => {
+            args.x = a.x;
+            args.x_scales = a.x_scales;
+            args.topk_idx = a.idx;
+            args.topk_weights = a.weights;
+            args.num_tokens = a.tokens;
+            args.k = a.k as i32;
+        }
     }
+    let i = match (m.cfg.dtype, it) {
+        (Payload::Bf16, IndexType::I32) => 0,
+        (Payload::Bf16, IndexType::I64) => 1,
+        (Payload::Fp8, IndexType::I32) => 2,
+        (Payload::Fp8, IndexType::I64) => 3,
+    };
+    let l = launch(m, i, &args);
+    let timeout = c.settings.timeout;
+    let mut twin = || host::dispatch(m, a, it, refusal, timeout);
+    c.exec.submit(exec::Plan {
+        stream: a.stream,
+        ordered: true,
+        copy_in: None,
+        device: exec::Device::Kernel(l),
+        cpu: Some(&mut twin),
+        copy_out: None,
+    })
+}
 
-    pub(super) fn moe_launch_combine(
-        &mut self,
-        m: &mut Moe,
-        a: &Combine,
-        last: Last,
-        refused: bool,
-    ) -> Result<()> {
-        let k = m.kernels()?;
-        let mut args = m.args(self, &m.layout);
-        args.num_tokens = last.tokens;
-        args.k = last.k as i32;
-        if refused {
-            args.refuse_code = status::ST_COMBINE_REFUSED as i32;
-        } else {
-            args.expert_out = a.expert_out;
-            args.y = a.y;
-        }
-        self.coll.streams.before_launch(self.device, a.stream)?;
-        cuda::module::launch(self.device, k.combine, m.grid, THREADS, a.stream, &args)
+/// The combine's plan, submitted in a begun call (`c`).
+pub(super) fn combine(
+    c: &mut Ctx,
+    m: &mut Moe,
+    a: &Combine,
+    last: Last,
+    refused: bool,
+) -> Result<()> {
+    let mut args = m.args(c, &m.layout);
+    args.num_tokens = last.tokens;
+    args.k = last.k as i32;
+    if refused {
+        args.refuse_code = status::ST_COMBINE_REFUSED as i32;
+    } else {
+        args.expert_out = a.expert_out;
+        args.y = a.y;
     }
+    let l = launch(m, 4, &args);
+    let timeout = c.settings.timeout;
+    let mut twin = || {
+        if !last.ok {
+            return Err(Error::invalid(NOTHING_TO_COMBINE));
+        }
+        host::combine(m, a, last, refused, timeout)
+    };
+    c.exec.submit(exec::Plan {
+        stream: a.stream,
+        ordered: true,
+        copy_in: None,
+        device: exec::Device::Kernel(l),
+        cpu: Some(&mut twin),
+        copy_out: None,
+    })
 }

@@ -53,20 +53,18 @@ pub struct Moe {
     pub world: usize,
     pub rank: usize,
     pub device: i32,
-    pub host: bool,
     /// This rank's block.
     pub block: u64,
     /// Every rank's block in this address space (entries past the world are 0).
     pub blocks: [u64; MAX_RANKS],
     /// The kernels' grid, equal on every rank.
     pub grid: u32,
-    /// Host-mapped status words the kernels store into (CUDA only).
+    /// Host-mapped status words the kernels store into (where kernels run: CUDA).
     status: Option<cuda::mem::MappedWord>,
     /// The host backend's call counters (the kernels count in the block's ctrl part).
     d_epoch: u64,
     c_epoch: u64,
     last: Option<Last>,
-    kernels: Option<launch::Kernels>,
 }
 
 /// A dispatch's arguments as the caller passed them.
@@ -199,7 +197,8 @@ impl Moe {
     /// Gives the block back (after the device's work that may use it). Local: every rank's
     /// kernels that write into this block have finished once this rank's last call did.
     pub fn destroy(self) -> Result<()> {
-        if !self.host {
+        // Its kernels (those that have status words to store into) may still run.
+        if self.status.is_some() {
             cuda::mem::sync_device(self.device)?;
         }
         crate::heap::global()?.free(self.block, self.layout.bytes, self.device, 0)
@@ -212,17 +211,14 @@ impl Communicator {
     /// part in the agreement, so every rank fails at once naming it instead of waiting for the
     /// bootstrap timeout, and this rank returns `why`.
     pub fn moe_create(&mut self, req: std::result::Result<&Request, Error>) -> Result<Moe> {
-        self.begin_call(0)?;
+        self.begin(0)?;
         let world = self.world as u64;
         let unread = req.is_err();
         let asked = req.as_ref().map_or(Request::UNREADABLE, |r| **r);
         let checked = req.and_then(|r| r.check(world));
         let req = &asked;
-        let grid = if self.host {
-            1
-        } else {
-            self.settings.fewest_sms.clamp(1, MAX_GRID)
-        };
+        // One block on the host backend, whose device has one SM.
+        let grid = self.settings.fewest_sms.clamp(1, MAX_GRID);
         // The agreement: refusal text, the requested words, the grid.
         let mut msg = Vec::new();
         let text = checked
@@ -340,12 +336,8 @@ impl Communicator {
     /// builds the object.
     fn moe_share(&mut self, cfg: &Config, layout: Layout, block: u64, grid: u32) -> Result<Moe> {
         let zero = layout.zeroed_bytes();
-        if self.host {
-            // SAFETY: block..block+zero lies in the block just allocated (host memory).
-            unsafe { std::ptr::write_bytes(block as *mut u8, 0, zero as usize) };
-        } else {
-            cuda::mem::memset_sync(self.device, block, 0, zero)?;
-        }
+        // block..block+zero lies in the block just allocated.
+        self.exec.zero(block, zero)?;
         // Zeroed before this meeting: no peer writes into the block before it returns here.
         self.rendezvous(block, layout.bytes)
             .map_err(|e| e.context("symm_moe_create (sharing the buffers)"))?;
@@ -354,11 +346,7 @@ impl Communicator {
         for (r, b) in self.peer.windows.bases.iter().enumerate() {
             blocks[r] = b + (block - own);
         }
-        let status = if self.host {
-            None
-        } else {
-            Some(cuda::mem::MappedWord::new(self.device)?)
-        };
+        let status = self.exec.mapped_word()?;
         crate::info!(
             "rank {}/{}: moe object of {} bytes (T {}, H {}, K {}, E {}, R {}, {}), grid {grid}",
             self.rank,
@@ -377,7 +365,6 @@ impl Communicator {
             world: self.world,
             rank: self.rank,
             device: self.device,
-            host: self.host,
             block,
             blocks,
             grid,
@@ -385,7 +372,6 @@ impl Communicator {
             d_epoch: 0,
             c_epoch: 0,
             last: None,
-            kernels: None,
         })
     }
 
@@ -398,7 +384,7 @@ impl Communicator {
 
     /// `symm_moe_dispatch` (docs/moe.md, "Protocol").
     pub fn moe_dispatch(&mut self, m: &mut Moe, a: &Dispatch) -> Result<()> {
-        self.begin_call(a.stream)?;
+        let mut c = self.begin(a.stream)?;
         let pending = m.take_status();
         let checked = m.check_dispatch(a);
         let (it, refusal) = match checked {
@@ -406,13 +392,11 @@ impl Communicator {
             Err(r) => (IndexType::I32, Some(r)),
         };
         let tokens = if refusal.is_some() { 0 } else { a.tokens };
-        let r = if self.host {
-            let timeout = self.settings.timeout;
-            host::dispatch(m, a, it, refusal.as_ref(), timeout).map_err(|e| self.moe_fatal(e))
-        } else {
-            let e = self.moe_launch_dispatch(m, a, it, refusal.as_ref());
-            e.map(|()| pending.map_or(Ok(()), Err)).and_then(|r| r)
-        };
+        // The kernel, or on the host backend its CPU twin (host.rs); an error the kernels
+        // recorded since the last call after a launch that went well.
+        let r = launch::dispatch(&mut c, m, a, it, refusal.as_ref())
+            .map_err(|e| self.moe_fatal(e))
+            .and_then(|()| pending.map_or(Ok(()), Err));
         m.last = Some(Last {
             tokens,
             k: a.k,
@@ -426,37 +410,30 @@ impl Communicator {
 
     /// `symm_moe_combine`.
     pub fn moe_combine(&mut self, m: &mut Moe, a: &Combine) -> Result<()> {
-        self.begin_call(a.stream)?;
+        let mut c = self.begin(a.stream)?;
         let Some(last) = m.last else {
             return Err(Error::invalid(
                 "symm_moe_combine: no dispatch on this object yet; expected symm_moe_dispatch \
                  first",
             ));
         };
-        if self.host && !last.ok {
-            return Err(Error::invalid(
-                "symm_moe_combine: the last dispatch failed (its error said why), so there is \
-                 nothing to combine; dispatch again",
-            ));
-        }
         let pending = m.take_status();
         let refusal = m.check_combine(a, last.tokens).err();
-        let r = if self.host {
-            let timeout = self.settings.timeout;
-            host::combine(m, a, last, refusal.is_some(), timeout).map_err(|e| self.moe_fatal(e))
-        } else {
-            let e = self.moe_launch_combine(m, a, last, refusal.is_some());
-            e.map(|()| pending.map_or(Ok(()), Err)).and_then(|r| r)
-        };
-        match refusal {
-            Some(e) => Err(e),
-            None => r,
+        let r = launch::combine(&mut c, m, a, last, refusal.is_some())
+            .map_err(|e| self.moe_fatal(e))
+            .and_then(|()| pending.map_or(Ok(()), Err));
+        match (r, refusal) {
+            // The host backend's combine after a failed dispatch does nothing, and says so
+            // before anything else (launch.rs).
+            (Err(e), _) if e.message == launch::NOTHING_TO_COMBINE => Err(e),
+            (_, Some(e)) => Err(e),
+            (r, None) => r,
         }
     }
 
     /// `symm_moe_check`: the error a kernel of this object (or of the communicator) recorded.
     pub fn moe_check(&mut self, m: &mut Moe) -> Result<()> {
-        self.begin_call(0)?;
+        self.begin(0)?;
         m.take_status().map_or(Ok(()), Err)
     }
 }

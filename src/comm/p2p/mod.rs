@@ -2,10 +2,13 @@
 //! under a range and checks that every rank passed the same one), `peer_ptr` (local), and the
 //! stream-ordered `put` (copy engine), `signal` and `wait` over the communicator's signal pads
 //! (signal_pad.rs), plus `device_view` for device code (device_comm.rs). docs/DESIGN.md,
-//! "Programming symmetric memory", states the ordering semantics.
+//! "Programming symmetric memory", states the ordering semantics. Each is a method of `View`, a
+//! per-call view of the communicator (comm/calls.rs checks the arguments that need no state,
+//! begins the call and builds it); put, signal and wait build an executor plan (comm/exec/:
+//! the copy, the kernel or stream operation, and the CPU twin of the host backend).
 //!
-//! Owned by the communicator (nothing here is per device or per process): the rendezvous table,
-//! the signal pads, the p2p kernels looked up for this communicator.
+//! Owned by the communicator (nothing here is per device or per process): the rendezvous table
+//! and the signal pads (`P2p`).
 //!
 //! Invariants:
 //! - a peer address is handed out (peer_ptr, put) only for a range inside one rendezvoused
@@ -16,7 +19,10 @@
 //! - a rank whose arguments are bad still takes part in the rendezvous exchange (as "invalid"),
 //!   so every rank fails together (NOT_SYMMETRIC on the others) instead of waiting for it;
 //! - p2p calls are not ordered against the communicator's collectives on other streams (they
-//!   share no state with the collective kernels): only stream order holds.
+//!   share no state with the collective kernels): only stream order holds. Their plans say so
+//!   (`ordered: false`, comm/exec/): ordering them against the communicator's other streams
+//!   would serialize the overlap they exist for (compute on one stream, puts and waits on
+//!   another; docs/DESIGN.md, "Streams").
 
 pub mod device_comm;
 pub mod signal_pad;
@@ -24,8 +30,8 @@ pub mod signal_pad;
 use crate::comm::collective::algo::{DType, Kernel, ReduceOp};
 use crate::comm::collective::desc::{CallDesc, DescKind};
 use crate::comm::collective::kernel_args::ABORT_OFFSET;
-use crate::comm::Communicator;
-use crate::cuda;
+use crate::comm::collective::Ctx;
+use crate::comm::exec::{self, ArgBlock, Family, KernelId};
 use crate::error::{Error, Result, Status};
 use crate::heap::device_heap::SegmentInfo;
 use device_comm::*;
@@ -35,6 +41,31 @@ use std::collections::BTreeMap;
 /// The p2p kernels' names (kernels/p2p.cu).
 pub const P2P_WAIT_KERNEL: &str = "symm_p2p_wait";
 pub const P2P_SIGNAL_KERNEL: &str = "symm_p2p_signal";
+
+const WAIT: KernelId = KernelId::new(Family::P2p, 0);
+const SIGNAL: KernelId = KernelId::new(Family::P2p, 1);
+
+fn kernel_name(id: KernelId) -> Result<String> {
+    Ok(if id == WAIT {
+        P2P_WAIT_KERNEL
+    } else {
+        P2P_SIGNAL_KERNEL
+    }
+    .to_string())
+}
+
+/// A p2p kernel on one warp, with `args`.
+fn launch(id: KernelId, args: &P2pArgs) -> exec::Device {
+    exec::Device::Kernel(exec::Launch {
+        id,
+        name: kernel_name,
+        grid: 1,
+        block: 32,
+        cluster: 1,
+        shared: 0,
+        args: ArgBlock::of(args),
+    })
+}
 
 /// A range every rank passed to `symm_rendezvous`: [start, end) in this rank's heap, and the
 /// segments under it as they were then.
@@ -53,8 +84,6 @@ pub(in crate::comm) struct P2p {
     pub pads: Vec<u64>,
     /// Rendezvoused ranges by start address.
     table: BTreeMap<u64, Range>,
-    /// The wait and signal kernels, looked up on first use.
-    kernels: Option<(cuda::module::Function, cuda::module::Function)>,
 }
 
 impl P2p {
@@ -64,7 +93,6 @@ impl P2p {
             pad_seg: 0,
             pads: Vec::new(),
             table: BTreeMap::new(),
-            kernels: None,
         }
     }
 }
@@ -78,29 +106,49 @@ fn end_of(what: &str, ptr: u64, bytes: u64) -> Result<u64> {
     })
 }
 
-impl Communicator {
-    fn check_peer(&self, what: &str, peer: i64) -> Result<usize> {
-        usize::try_from(peer)
-            .ok()
-            .filter(|&p| p < self.world)
-            .ok_or_else(|| {
-                Error::invalid(format!(
-                    "{what}: peer {peer} is out of range; expected 0..{} (world size {})",
-                    self.world, self.world
-                ))
-            })
-    }
+/// `peer` as a rank of a world of `world`, or an error naming the call.
+pub(in crate::comm) fn check_peer(what: &str, peer: i64, world: usize) -> Result<usize> {
+    usize::try_from(peer)
+        .ok()
+        .filter(|&p| p < world)
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "{what}: peer {peer} is out of range; expected 0..{world} (world size {world})"
+            ))
+        })
+}
 
-    fn check_slot(what: &str, slot: u32) -> Result<()> {
-        if slot >= SYMM_SIGNAL_SLOTS {
-            return Err(Error::invalid(format!(
-                "{what}: slot {slot} is past the signal pad; expected 0..{SYMM_SIGNAL_SLOTS} \
-                 (SYMM_SIGNAL_SLOTS slots per rank)"
-            )));
-        }
-        Ok(())
+/// A signal slot, or an error naming the call.
+pub(in crate::comm) fn check_slot(what: &str, slot: u32) -> Result<()> {
+    if slot >= SYMM_SIGNAL_SLOTS {
+        return Err(Error::invalid(format!(
+            "{what}: slot {slot} is past the signal pad; expected 0..{SYMM_SIGNAL_SLOTS} \
+             (SYMM_SIGNAL_SLOTS slots per rank)"
+        )));
     }
+    Ok(())
+}
 
+/// `symm_put`'s checks of what it copies from, before the call begins.
+pub(in crate::comm) fn check_src(src: u64, bytes: u64) -> Result<()> {
+    if src == 0 {
+        return Err(Error::invalid("symm_put: src is NULL"));
+    }
+    end_of("symm_put (src)", src, bytes)?;
+    Ok(())
+}
+
+/// What p2p reads and writes of its communicator for one call: the collective pipeline's view
+/// (`Ctx`: place, settings, executor, error words, the peers' memory; the rendezvous exchanges
+/// through it), the p2p state, and the segment of the internal block (a peer's release of it
+/// is its destroy). Built by comm/calls.rs after the call began (`begin_call`).
+pub(in crate::comm) struct View<'a> {
+    pub c: Ctx<'a>,
+    pub p2p: &'a mut P2p,
+    pub internal_seg: u64,
+}
+
+impl View<'_> {
     /// The segments under [ptr, ptr + bytes), every byte of which must lie in a live block of
     /// this rank's heap.
     fn live_segments(&self, ptr: u64, bytes: u64) -> Result<Vec<SegmentInfo>> {
@@ -110,12 +158,12 @@ impl Communicator {
             )));
         }
         let end = end_of("symm_rendezvous", ptr, bytes)?;
-        let heap = self.alloc.heap(self.device)?;
+        let heap = self.c.alloc.heap(self.c.device)?;
         if !heap.contains(ptr) || end > heap.base() + heap.size() {
             return Err(Error::invalid(format!(
                 "symm_rendezvous: range {ptr:#x} + {bytes} bytes is not inside the symmetric heap \
                  of device {} ([{:#x}, {:#x})); expected memory from symm_malloc",
-                self.device,
+                self.c.device,
                 heap.base(),
                 heap.base() + heap.size()
             )));
@@ -137,9 +185,9 @@ impl Communicator {
 
     /// `symm_rendezvous`: collective. Every rank passes the same offset and size; maps every
     /// peer's segments under the range and records it. Idempotent.
+    /// (The call began: comm/calls.rs.)
     pub fn rendezvous(&mut self, ptr: u64, bytes: u64) -> Result<()> {
-        self.begin_call(0)?;
-        let heap_base = self.peer.windows.bases[self.rank];
+        let heap_base = self.c.peer.windows.bases[self.c.rank];
         let local = self.live_segments(ptr, bytes);
         let (off, count) = match &local {
             Ok(_) => (ptr - heap_base, bytes),
@@ -158,7 +206,7 @@ impl Communicator {
             staged: false,
         };
         let segs = local.as_ref().map(|s| s.as_slice()).unwrap_or(&[]);
-        let shared = self.exchange(segs, desc, true);
+        let shared = self.c.exchange(segs, desc, true);
         let segs = local?;
         shared.map_err(|e| {
             if e.status == Status::ErrNotSymmetric {
@@ -166,14 +214,14 @@ impl Communicator {
                     "symm_rendezvous: rank {} passed offset {off:#x} and {bytes} bytes; every rank \
                      must pass the same offset and size (a rank whose descriptor shows offset \
                      0xffffffffffffffff passed an invalid range)",
-                    self.rank
+                    self.c.rank
                 ))
             } else {
                 e.context("symm_rendezvous")
             }
         })?;
         // Ranges whose segments went back since are dropped, so the table stays small.
-        let heap = self.alloc.heap(self.device)?;
+        let heap = self.c.alloc.heap(self.c.device)?;
         self.p2p.table.retain(|_, r| {
             r.segs
                 .iter()
@@ -189,8 +237,8 @@ impl Communicator {
         }
         crate::info!(
             "rank {}/{}: rendezvous of {bytes} bytes at offset {off:#x}",
-            self.rank,
-            self.world
+            self.c.rank,
+            self.c.world
         );
         Ok(())
     }
@@ -198,15 +246,15 @@ impl Communicator {
     /// Whether `peer` has released (its release log says so) the generation of its segment at
     /// `offset` that this rank maps, including records peer/retire.rs has not handled yet.
     fn released_by(&self, peer: usize, offset: u64) -> bool {
-        let Some(generation) = self.peer.windows.mapped_generation(peer, offset) else {
+        let Some(generation) = self.c.peer.windows.mapped_generation(peer, offset) else {
             return true;
         };
-        let Some(heap) = &self.peer.windows.peers[peer] else {
+        let Some(heap) = &self.c.peer.windows.peers[peer] else {
             return false;
         };
         let mut records = Vec::new();
         heap.log
-            .read_since(self.peer.releases.seen[peer], &mut records);
+            .read_since(self.c.peer.releases.seen[peer], &mut records);
         records.contains(&(offset, generation))
     }
 
@@ -215,14 +263,14 @@ impl Communicator {
     fn peer_range(&self, what: &str, ptr: u64, bytes: u64, peer: usize) -> Result<u64> {
         let end = end_of(what, ptr, bytes.max(1))?;
         let (heap_base, heap_end, valid) = {
-            let heap = self.alloc.heap(self.device)?;
+            let heap = self.c.alloc.heap(self.c.device)?;
             let (base, size) = (heap.base(), heap.size());
             if !heap.contains(ptr) {
                 return Err(Error::invalid(format!(
                     "{what}: pointer {ptr:#x} is outside the symmetric heap of device {} \
                      ([{base:#x}, {:#x})); expected memory from symm_malloc passed to \
                      symm_rendezvous",
-                    self.device,
+                    self.c.device,
                     base + size
                 )));
             }
@@ -266,7 +314,7 @@ impl Communicator {
             (base, base + size, r.segs.clone())
         };
         debug_assert!(end <= heap_end);
-        if peer != self.rank {
+        if peer != self.c.rank {
             for s in valid
                 .iter()
                 .filter(|s| heap_base + s.offset < end && ptr < heap_base + s.offset + s.size)
@@ -280,13 +328,13 @@ impl Communicator {
                 }
             }
         }
-        Ok(self.peer.windows.bases[peer] + (ptr - heap_base))
+        Ok(self.c.peer.windows.bases[peer] + (ptr - heap_base))
     }
 
     /// `symm_peer_ptr`: local; the address, in this process, of `ptr`'s offset in `peer`'s heap.
     pub fn peer_ptr(&self, ptr: u64, peer: i64) -> Result<u64> {
-        let peer = self.check_peer("symm_peer_ptr", peer)?;
-        if let Some(e) = &self.coll.sticky {
+        let peer = check_peer("symm_peer_ptr", peer, self.c.world)?;
+        if let Some(e) = &self.c.coll.sticky {
             return Err(e.clone());
         }
         self.peer_range("symm_peer_ptr", ptr, 1, peer)
@@ -294,26 +342,23 @@ impl Communicator {
 
     /// `symm_put`: after the stream's earlier work, copies `bytes` from `src` into `peer`'s
     /// buffer at `dst`'s offset (copy engine; on the host backend, now).
-    pub fn put(&mut self, peer: i64, dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
-        let peer = self.check_peer("symm_put", peer)?;
-        if bytes == 0 {
-            return Ok(());
-        }
-        if src == 0 {
-            return Err(Error::invalid("symm_put: src is NULL"));
-        }
-        end_of("symm_put (src)", src, bytes)?;
-        self.begin_call(stream)?;
+    /// (The call checked `peer`, `src` and a non-zero `bytes`, and began: comm/calls.rs.)
+    pub fn put(&mut self, peer: usize, dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
+        // `to` spans `bytes` bytes of a mapped, rendezvoused range (checked here); src is the
+        // caller's buffer of `bytes` bytes; they may overlap (a put to self).
         let to = self.peer_range("symm_put", dst, bytes, peer)?;
-        if self.host {
-            // SAFETY: `to` spans `bytes` bytes of a mapped, rendezvoused range (checked above);
-            // src is the caller's buffer of `bytes` bytes; they may overlap (a put to self), so
-            // copy as memmove does.
-            unsafe { std::ptr::copy(src as *const u8, to as *mut u8, bytes as usize) };
-            Ok(())
-        } else {
-            cuda::mem::copy_async(self.device, to, src, bytes, stream)
-        }
+        self.c.exec.submit(exec::Plan {
+            stream,
+            ordered: false,
+            copy_in: Some(exec::Copy {
+                dst: to,
+                src,
+                bytes,
+            }),
+            device: exec::Device::Nothing,
+            cpu: None,
+            copy_out: None,
+        })
     }
 
     fn p2p_args(&self, slot: u32, value: u64, peer: usize) -> P2pArgs {
@@ -325,22 +370,11 @@ impl Communicator {
         }
     }
 
-    fn p2p_kernels(&mut self) -> Result<(cuda::module::Function, cuda::module::Function)> {
-        if let Some(k) = self.p2p.kernels {
-            return Ok(k);
-        }
-        let k = (
-            cuda::module::function(self.device, P2P_WAIT_KERNEL)?,
-            cuda::module::function(self.device, P2P_SIGNAL_KERNEL)?,
-        );
-        self.p2p.kernels = Some(k);
-        Ok(k)
-    }
-
     /// The peer's pad, unless the peer destroyed its communicator (released the pad).
     fn peer_pad(&self, what: &str, peer: usize) -> Result<u64> {
-        if peer != self.rank
-            && (self.released_by(peer, self.p2p.pad_seg) || self.internal_released_by(peer))
+        if peer != self.c.rank
+            && (self.released_by(peer, self.p2p.pad_seg)
+                || self.c.peer.internal_released_by(peer, self.internal_seg))
         {
             return Err(Error::peer(format!(
                 "{what}: rank {peer} destroyed its communicator (its signal pad was released)"
@@ -349,87 +383,71 @@ impl Communicator {
         Ok(self.p2p.pads[peer])
     }
 
-    /// `symm_signal`: after the stream's earlier work (puts included), stores `value` into
-    /// `peer`'s slot `slot`.
-    pub fn signal(&mut self, peer: i64, slot: u32, value: u64, stream: u64) -> Result<()> {
-        self.signal_via(signal_pad::DEFAULT_SIGNAL, peer, slot, value, stream)
-    }
-
     /// `signal` by a chosen mechanism (the benchmark compares them).
+    /// (The call checked `peer` and `slot`, and began: comm/calls.rs.)
     pub fn signal_via(
         &mut self,
         via: SignalVia,
-        peer: i64,
+        peer: usize,
         slot: u32,
         value: u64,
         stream: u64,
     ) -> Result<()> {
-        let peer = self.check_peer("symm_signal", peer)?;
-        Self::check_slot("symm_signal", slot)?;
-        self.begin_call(stream)?;
         let pad = self.peer_pad("symm_signal", peer)?;
-        if self.host {
-            signal_pad::host_signal(pad, slot, self.rank, peer == self.rank, value);
-            return Ok(());
-        }
-        match via {
-            SignalVia::StreamWrite => cuda::stream_ops::write_u32_then_u64(
-                self.device,
-                stream,
-                signal_pad::writer_addr(pad, slot),
-                self.rank as u32 + 1,
-                signal_pad::value_addr(pad, slot),
+        let device = match via {
+            SignalVia::StreamWrite => exec::Device::StreamWrite {
+                word_addr: signal_pad::writer_addr(pad, slot),
+                word: self.c.rank as u32 + 1,
+                value_addr: signal_pad::value_addr(pad, slot),
                 value,
-            ),
-            SignalVia::Kernel => {
-                let (_, f) = self.p2p_kernels()?;
-                let args = self.p2p_args(slot, value, peer);
-                cuda::module::launch(self.device, f, 1, 32, stream, &args)
-            }
-        }
-    }
-
-    /// `symm_wait`: holds the stream until this rank's slot `slot` is >= `value`. Bounded: past
-    /// the timeout the stream goes on and the next call reports a timeout naming the slot and
-    /// the rank that raised it last (on the host backend, this call does).
-    pub fn wait(&mut self, slot: u32, value: u64, stream: u64) -> Result<()> {
-        self.wait_via(WaitVia::Kernel, slot, value, stream)
+            },
+            SignalVia::Kernel => launch(SIGNAL, &self.p2p_args(slot, value, peer)),
+        };
+        let rank = self.c.rank;
+        let mut twin = || {
+            signal_pad::host_signal(pad, slot, rank, peer == rank, value);
+            Ok(())
+        };
+        self.c.exec.submit(exec::Plan {
+            stream,
+            ordered: false,
+            copy_in: None,
+            device,
+            cpu: Some(&mut twin),
+            copy_out: None,
+        })
     }
 
     /// `wait` by a chosen mechanism; `StreamWait` is unbounded (benchmark only).
+    /// (The call checked `slot` and began: comm/calls.rs.)
     pub fn wait_via(&mut self, via: WaitVia, slot: u32, value: u64, stream: u64) -> Result<()> {
-        Self::check_slot("symm_wait", slot)?;
-        self.begin_call(stream)?;
-        if self.host {
-            return match signal_pad::host_wait(self.p2p.pad, slot, value, self.settings.timeout) {
-                Ok(()) => Ok(()),
-                Err((seen, writer)) => {
-                    let e = crate::comm::collective::error_word::timeout_error(
-                        self.rank,
-                        slot,
-                        value,
-                        seen,
-                        writer,
-                        self.settings.timeout,
-                    );
-                    self.coll.sticky = Some(e.clone());
-                    Err(e)
-                }
-            };
-        }
-        match via {
-            WaitVia::Kernel => {
-                let (f, _) = self.p2p_kernels()?;
-                let args = self.p2p_args(slot, value, self.rank);
-                cuda::module::launch(self.device, f, 1, 32, stream, &args)
-            }
-            WaitVia::StreamWait => cuda::stream_ops::wait_geq_u64(
-                self.device,
-                stream,
-                signal_pad::value_addr(self.p2p.pad, slot),
+        let device = match via {
+            WaitVia::Kernel => launch(WAIT, &self.p2p_args(slot, value, self.c.rank)),
+            WaitVia::StreamWait => exec::Device::StreamWait {
+                addr: signal_pad::value_addr(self.p2p.pad, slot),
                 value,
-            ),
-        }
+            },
+        };
+        let (rank, pad, timeout) = (self.c.rank, self.p2p.pad, self.c.settings.timeout);
+        let sticky = &mut self.c.coll.sticky;
+        let mut twin = || match signal_pad::host_wait(pad, slot, value, timeout) {
+            Ok(()) => Ok(()),
+            Err((seen, writer)) => {
+                let e = crate::comm::collective::error_word::timeout_error(
+                    rank, slot, value, seen, writer, timeout,
+                );
+                *sticky = Some(e.clone());
+                Err(e)
+            }
+        };
+        self.c.exec.submit(exec::Plan {
+            stream,
+            ordered: false,
+            copy_in: None,
+            device,
+            cpu: Some(&mut twin),
+            copy_out: None,
+        })
     }
 
     /// `symm_comm_device`: the communicator as device code sees it (`struct_size` left for the
@@ -438,21 +456,23 @@ impl Communicator {
         let mut d = DeviceComm {
             struct_size: std::mem::size_of::<DeviceComm>() as u64,
             version: SYMM_DEVICE_COMM_VERSION,
-            world: self.world as i32,
-            rank: self.rank as i32,
+            world: self.c.world as i32,
+            rank: self.c.rank as i32,
             signal_slots: SYMM_SIGNAL_SLOTS,
-            timeout_ns: self.settings.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            abort_word: self.group.internal + ABORT_OFFSET,
-            error_word: self.coll.errors.device_ptr(),
+            timeout_ns: self.c.settings.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            abort_word: self.c.internal + ABORT_OFFSET,
+            error_word: self.c.coll.errors.device_ptr(),
             ..DeviceComm::default()
         };
-        d.heap_bases[..self.world].copy_from_slice(&self.peer.windows.bases);
-        d.signal_pads[..self.world].copy_from_slice(&self.p2p.pads);
+        d.heap_bases[..self.c.world].copy_from_slice(&self.c.peer.windows.bases);
+        d.signal_pads[..self.c.world].copy_from_slice(&self.p2p.pads);
         d
     }
+}
 
+impl P2p {
     /// Rendezvoused ranges held (for tests).
-    pub fn rendezvoused_ranges(&self) -> usize {
-        self.p2p.table.len()
+    pub fn ranges(&self) -> usize {
+        self.table.len()
     }
 }

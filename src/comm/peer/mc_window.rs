@@ -9,13 +9,13 @@
 //! segment's offset and generation; a new generation at that offset tears the old one down.
 //!
 //! Safety rule: `build` runs only after `cuda::multicast_gate::multicast_gate_from_env` allowed it, and
-//! every driver call in `cuda::multicast` checks the gate again. On the lent machines the gate
+//! every driver call in `cuda::multicast` checks the gate again. On machines that disable multicast the gate
 //! refuses, so none of this runs there: it is written to be correct, not exercised.
 //!
 //! Invariants: a window's handle is bound (this rank's segment, `bound` bytes at offset 0) and
 //! mapped at `va` for `size` bytes until `teardown`, which undoes both and releases the handle.
 
-use crate::comm::Communicator;
+use super::{PeerView, Who};
 use crate::cuda::{self, vmm};
 use crate::error::{Error, Result};
 use crate::heap::device_heap::SegmentInfo;
@@ -51,22 +51,22 @@ fn teardown(device: i32, w: &McWindow) -> Result<()> {
     first_err.map_or(Ok(()), Err)
 }
 
-impl Communicator {
+impl PeerView {
     /// The multicast address of segment `seg` (built on first use; collective).
-    pub(in crate::comm) fn multicast_window(&mut self, seg: SegmentInfo) -> Result<u64> {
-        if let Some(w) = self.peer.mc.get(&seg.offset) {
+    pub(in crate::comm) fn multicast_window(&mut self, who: &Who, seg: SegmentInfo) -> Result<u64> {
+        if let Some(w) = self.mc.get(&seg.offset) {
             if w.generation == seg.generation {
                 return Ok(w.va);
             }
-            let old = self.peer.mc.remove(&seg.offset).expect("present");
-            teardown(self.device, &old)?;
+            let old = self.mc.remove(&seg.offset).expect("present");
+            teardown(who.device, &old)?;
         }
-        cuda::multicast::ensure_allowed(self.device)?;
-        let gran = cuda::multicast::granularity(self.device, self.world as u32, seg.size)?;
+        cuda::multicast::ensure_allowed(who.device)?;
+        let gran = cuda::multicast::granularity(who.device, who.world as u32, seg.size)?;
         let size = seg.size.next_multiple_of(gran);
-        let (created, fds) = if self.rank == 0 {
-            let h = cuda::multicast::create(self.device, self.world as u32, size)?;
-            match vmm::export_fd(self.device, h) {
+        let (created, fds) = if who.rank == 0 {
+            let h = cuda::multicast::create(who.device, who.world as u32, size)?;
+            match vmm::export_fd(who.device, h) {
                 Ok(fd) => (Some(h), vec![fd]),
                 Err(e) => {
                     let _ = vmm::release(h);
@@ -81,7 +81,7 @@ impl Communicator {
             msg.extend_from_slice(&w.to_le_bytes());
         }
         let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
-        let gathered = self.mesh.all_gather(&msg, &borrowed, "multicast setup");
+        let gathered = who.mesh.all_gather(&msg, &borrowed, "multicast setup");
         drop(fds);
         let release_created = || {
             if let Some(h) = created {
@@ -95,12 +95,12 @@ impl Communicator {
                 return Err(e);
             }
         };
-        if let Some(r) = (0..self.world).find(|&r| all[r].0 != msg) {
+        if let Some(r) = (0..who.world).find(|&r| all[r].0 != msg) {
             release_created();
             return Err(Error::not_symmetric(format!(
                 "multicast setup: rank {r} describes another segment or size than rank {} \
                  (offset {:#x}, {} bytes)",
-                self.rank, seg.offset, seg.size
+                who.rank, seg.offset, seg.size
             )));
         }
         let handle = match created {
@@ -109,7 +109,7 @@ impl Communicator {
                 let fd = all[0].1.first().ok_or_else(|| {
                     Error::peer("multicast setup: rank 0 sent no multicast handle")
                 })?;
-                vmm::import_fd(self.device, fd)?
+                vmm::import_fd(who.device, fd)?
             }
         };
         let mut w = McWindow {
@@ -119,40 +119,40 @@ impl Communicator {
             size,
             bound: 0,
         };
-        let built = self.bind_and_map(&mut w, seg, gran);
+        let built = Self::bind_and_map(who, &mut w, seg, gran);
         if let Err(e) = built {
-            let _ = teardown(self.device, &w);
+            let _ = teardown(who.device, &w);
             return Err(e);
         }
         let va = w.va;
-        self.peer.mc.insert(seg.offset, w);
+        self.mc.insert(seg.offset, w);
         Ok(va)
     }
 
-    fn bind_and_map(&mut self, w: &mut McWindow, seg: SegmentInfo, gran: u64) -> Result<()> {
-        cuda::multicast::add_device(self.device, w.handle)?;
+    fn bind_and_map(who: &Who, w: &mut McWindow, seg: SegmentInfo, gran: u64) -> Result<()> {
+        cuda::multicast::add_device(who.device, w.handle)?;
         // Every device must be added before anyone binds memory.
-        self.mesh.barrier("multicast add device")?;
-        let phys = self
+        who.mesh.barrier("multicast add device")?;
+        let phys = who
             .alloc
-            .heap(self.device)?
+            .heap(who.device)?
             .segment_cuda_handle(seg.offset)?;
-        cuda::multicast::bind_mem(self.device, w.handle, 0, phys, 0, seg.size)?;
+        cuda::multicast::bind_mem(who.device, w.handle, 0, phys, 0, seg.size)?;
         w.bound = seg.size;
-        let va = vmm::reserve(self.device, w.size, gran)?;
-        if let Err(e) = vmm::map(self.device, va, w.size, w.handle) {
-            let _ = vmm::unreserve(self.device, va, w.size);
+        let va = vmm::reserve(who.device, w.size, gran)?;
+        if let Err(e) = vmm::map(who.device, va, w.size, w.handle) {
+            let _ = vmm::unreserve(who.device, va, w.size);
             return Err(e);
         }
         w.va = va;
         // No rank may issue multimem operations before every rank has bound its memory.
-        self.mesh.barrier("multicast bind")
+        who.mesh.barrier("multicast bind")
     }
 
     /// Tears down every multicast window (at destroy).
-    pub(in crate::comm) fn destroy_multicast_windows(&mut self) {
-        for (_, w) in std::mem::take(&mut self.peer.mc) {
-            let _ = teardown(self.device, &w);
+    pub(in crate::comm) fn destroy_multicast_windows(&mut self, device: i32) {
+        for (_, w) in std::mem::take(&mut self.mc) {
+            let _ = teardown(device, &w);
         }
     }
 }

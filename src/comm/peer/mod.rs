@@ -5,7 +5,9 @@
 //! for MULTIMEM, the multicast windows (mc_window.rs).
 //!
 //! Owns `PeerView` (the communicator's `peer`): the windows, the records of the peers' release
-//! logs already handled, each rank's signal pad here, the multicast windows.
+//! logs already handled, each rank's signal pad here, the multicast windows. Its calls take the
+//! rest of what they read as arguments (`Who`: rank, world, device, allocator, mesh), never the
+//! communicator.
 //!
 //! Invariants: a peer's buffer is `windows.bases[peer] + (ptr - own base)`, at the same offset
 //! as this rank's; a segment is mapped here only after its owner shared it in a segment
@@ -17,6 +19,8 @@ pub mod peers;
 pub(in crate::comm) mod retire;
 pub mod windows;
 
+use crate::heap::Allocator;
+use crate::ipc::Mesh;
 use mc_window::McWindow;
 use retire::PeerReleases;
 use std::collections::HashMap;
@@ -31,4 +35,14 @@ pub(in crate::comm) struct PeerView {
     pub pads: Vec<u64>,
     /// Multicast windows by segment offset (MULTIMEM only; empty unless the gate allowed it).
     pub mc: HashMap<u64, McWindow>,
+}
+
+/// What the peer stage reads of its communicator besides its `PeerView`: its place and its
+/// bootstrap connections.
+pub(in crate::comm) struct Who<'a> {
+    pub rank: usize,
+    pub world: usize,
+    pub device: i32,
+    pub alloc: &'static Allocator,
+    pub mesh: &'a Mesh,
 }

@@ -16,8 +16,8 @@
 //! segment at destroy: its rank records the block's offset under a generation of its own,
 //! which the child's round told every peer (group/internal.rs), and that record counts the same.
 
-use crate::comm::Communicator;
-use crate::cuda;
+use super::{PeerView, Who};
+use crate::comm::exec::Executor;
 use crate::error::{Error, Result};
 
 /// How many of each peer's release-log records this communicator handled (the logs are the
@@ -47,55 +47,53 @@ impl PeerReleases {
     }
 }
 
-impl Communicator {
+impl PeerView {
     /// Whether `peer` recorded giving back this communicator's internal block (its destroy)
     /// since the last call: for checks between calls (p2p/).
-    pub(in crate::comm) fn internal_released_by(&self, peer: usize) -> bool {
-        let Some(heap) = &self.peer.windows.peers[peer] else {
+    /// `internal_seg`: the offset of the segment that holds the internal block.
+    pub(in crate::comm) fn internal_released_by(&self, peer: usize, internal_seg: u64) -> bool {
+        let Some(heap) = &self.windows.peers[peer] else {
             return false;
         };
         let mut records = Vec::new();
-        heap.log
-            .read_since(self.peer.releases.seen[peer], &mut records);
-        records.contains(&(
-            self.group.internal_seg,
-            self.peer.releases.internal_gens[peer],
-        ))
+        heap.log.read_since(self.releases.seen[peer], &mut records);
+        records.contains(&(internal_seg, self.releases.internal_gens[peer]))
     }
 
     /// Unmaps the peer segments released since the last call (see the module comment).
-    pub(in crate::comm) fn retire_released(&mut self, stream: u64) -> Result<()> {
+    /// `segs`: the offsets of the segments of the internal block and of the p2p signal pad (a
+    /// peer's release of either is its destroy, which breaks the communicator: `sticky`).
+    pub(in crate::comm) fn retire_released(
+        &mut self,
+        who: &Who,
+        exec: &dyn Executor,
+        stream: u64,
+        (internal_seg, pad_seg): (u64, u64),
+        sticky: &mut Option<Error>,
+    ) -> Result<()> {
         let pending = self
-            .peer
             .windows
             .peers
             .iter()
-            .zip(&self.peer.releases.seen)
+            .zip(&self.releases.seen)
             .any(|(p, &seen)| p.as_ref().is_some_and(|p| p.log.count() != seen));
         if !pending {
             return Ok(());
         }
-        if !self.host {
-            if cuda::driver::is_capturing(self.device, stream)? {
-                return Ok(()); // a later, uncaptured call retires them
-            }
-            cuda::mem::sync_device(self.device)?;
+        if !exec.quiesce(stream)? {
+            return Ok(()); // capturing: a later, uncaptured call retires them
         }
         let mut records = Vec::new();
         let mut broken = None;
-        for peer in 0..self.world {
-            let Some(heap) = self.peer.windows.peers[peer].clone() else {
+        for peer in 0..who.world {
+            let Some(heap) = self.windows.peers[peer].clone() else {
                 continue;
             };
             records.clear();
-            self.peer.releases.seen[peer] = heap
-                .log
-                .read_since(self.peer.releases.seen[peer], &mut records);
+            self.releases.seen[peer] = heap.log.read_since(self.releases.seen[peer], &mut records);
             for &(offset, generation) in &records {
-                if (offset == self.group.internal_seg
-                    && generation == self.peer.releases.internal_gens[peer])
-                    || (offset == self.p2p.pad_seg
-                        && generation == self.peer.releases.pad_gens[peer])
+                if (offset == internal_seg && generation == self.releases.internal_gens[peer])
+                    || (offset == pad_seg && generation == self.releases.pad_gens[peer])
                 {
                     // The peer gave back its signal pads and LL buffers (or its p2p signal
                     // pad): it destroyed its
@@ -105,20 +103,19 @@ impl Communicator {
                         "rank {peer} destroyed its communicator (its signal pads and LL buffers \
                          were released); rank {} cannot run collectives with it any more: \
                          destroy this communicator",
-                        self.rank
+                        who.rank
                     ));
-                    self.coll.sticky = Some(e.clone());
+                    *sticky = Some(e.clone());
                     broken = Some(e);
                 }
                 if self
-                    .peer
                     .windows
-                    .unmap_released(self.alloc, peer, offset, generation)
+                    .unmap_released(who.alloc, peer, offset, generation)
                 {
                     crate::trace!(
                         "rank {}: unmapped rank {peer}'s released segment at {offset:#x} \
                          (generation {generation})",
-                        self.rank
+                        who.rank
                     );
                 }
             }

@@ -1,5 +1,5 @@
 //! Donors: whole free segments taken from other pools before a pool grows (`adopt_segment`,
-//! step 3 of the placement chain: placement.rs, `place`).
+//! rung 4 of the growth ladder: placement.rs, `place`).
 //!
 //! Before a pool grows, it takes a whole free segment (no live or parked block) cached by a
 //! donor: the default pool, or a pool being released (its free segments stay only while the

@@ -33,7 +33,8 @@
 //! - `empty_cache` gives back the free segments of the default and internal pools and of pools
 //!   being released; a live user pool keeps its own (a captured graph replays into its pool's
 //!   free blocks), as PyTorch's `empty_cache` does;
-//! - segments and the range allocator's free ranges partition the heap.
+//! - segments and the range allocator's free ranges partition the heap;
+//! - every chunk is granted to every peer device the heap was granted to (peers.rs).
 //!
 //! Determinism: a placement decision reads only the call sequence (sizes, pools, which calls
 //! used the same stream, capture state), never the clock or the progress of the GPU; so does
@@ -50,7 +51,8 @@
 //! deterministic offsets, merging on free); `donors.rs` whole free segments taken from donor
 //! pools; `grow.rs` segments that grow in place by a chunk;
 //! `release.rs` memory going back (parked drains, segment release, `empty_cache`, pools);
-//! `export.rs` what peers need of a segment (its chunks); `validate.rs` the check of every
+//! `export.rs` what peers need of a segment (its chunks); `peers.rs` other devices of the process
+//! granted access to every chunk; `validate.rs` the check of every
 //! invariant above; `tracked.rs` live blocks lent to thread caches; `free_lists.rs` a pool's
 //! free blocks ordered for best fit; `blocks.rs` the way through a segment's blocks. Each released chunk is
 //! recorded in the heap's `ReleaseLog` (shared memory its peers read, to unmap their mappings
@@ -64,6 +66,7 @@ mod free_lists;
 mod grow;
 mod inspect;
 mod live;
+mod peers;
 mod placement;
 mod release;
 mod tracked;
@@ -85,8 +88,7 @@ pub use super::size_class::{
 };
 /// `Block::prev` of a segment's first block.
 const NO_PREV: u64 = u64::MAX;
-/// A large block is split only when the remainder is bigger than this.
-const LARGE_SPLIT_MIN: u64 = SMALL_MAX;
+use super::policy::LARGE_SPLIT_MIN;
 /// The free lists' stream of never-used memory, which waits on no stream (no CUDA stream
 /// handle has this value; the legacy default stream is 0).
 pub const UNUSED: Stream = u64::MAX;
@@ -139,6 +141,8 @@ struct Chunk {
     len: u64,
     generation: u64,
     phys: Phys,
+    /// The peer devices granted access to it (peers.rs): every grant of the heap, at least.
+    granted: Vec<i32>,
 }
 
 #[derive(Debug)]
@@ -203,9 +207,12 @@ pub struct DeviceHeap {
     /// The most allocated since the last `empty_cache` (release.rs, `trim_before_growing`); not
     /// reset with the statistics' peaks, so a statistics call never changes placement.
     working_set: u64,
+    /// Peer devices granted access to every segment, present and future (peers.rs), in the
+    /// order granted.
+    peers: Vec<i32>,
 }
 
-/// One allocation request as the placement chain (placement.rs, `place`) and its steps see it:
+/// One allocation request as the growth ladder (placement.rs, `place`) and its rungs see it:
 /// the pool it is routed to, its size class, the request rounded to `ROUND`, the request itself
 /// and the stream it is for.
 #[derive(Clone, Copy, Debug)]
@@ -217,15 +224,27 @@ pub(super) struct Request {
     pub stream: Stream,
 }
 
-/// Where the placement chain found a request's memory.
+/// Where the placement ladder found a request's memory.
 pub(super) enum Placed {
     /// A parked block kept whole for this (pool, stream, size): live at once.
     Parked(u64),
     /// A free block (found, adopted, grown or new) that `take` splits and makes live.
     Free(u64),
-    /// Nothing without a new segment, and the caller did not allow one.
-    Nothing,
 }
+
+/// The rungs of the ladder (placement.rs, `place`) that take blocks back from the thread
+/// caches in front of the heap, which only the allocator reaches (heap/caches.rs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reclaim {
+    /// Before the heap takes new memory: this thread's kept blocks (and exited threads').
+    OwnCaches,
+    /// Out of memory: every thread's kept blocks.
+    AllCaches,
+}
+
+/// The allocator's hook for those rungs: takes blocks back from caches into the heap and says
+/// how many went back.
+pub type Reclaimer<'a> = &'a mut dyn FnMut(&mut DeviceHeap, Reclaim) -> Result<usize>;
 
 /// Whether a freed block of `rounded` bytes of `pool` may be kept whole for the next request of
 /// its size (parked here, or kept by a thread cache) rather than merged with its free neighbours
@@ -279,6 +298,7 @@ impl DeviceHeap {
             counters: HeapCounters::default(),
             limit: 0,
             working_set: 0,
+            peers: Vec::new(),
         })
     }
 
@@ -347,39 +367,22 @@ impl DeviceHeap {
         self.release_log.export()
     }
 
-    /// Allocates `size` bytes for `stream` in `pool`; returns the address.
+    /// Allocates `size` bytes for `stream` in `pool`; returns the address. With `caches`, the
+    /// ladder takes blocks back from the thread caches at its two rungs for them (placement.rs,
+    /// `place`); without, it never does (a communicator arena's blocks, which caches never hold).
     pub fn malloc(
         &mut self,
         backend: &dyn Backend,
         size: u64,
         stream: Stream,
         pool: PoolId,
+        caches: Option<Reclaimer<'_>>,
     ) -> Result<u64> {
-        self.malloc_or_grow(backend, size, stream, pool, true)
-            .map(|p| p.expect("a heap that may grow places every request or fails"))
-    }
-
-    /// As `malloc`, but `None` where it would need a new segment (the allocator then first
-    /// takes back what thread caches keep).
-    pub fn malloc_without_growing(
-        &mut self,
-        backend: &dyn Backend,
-        size: u64,
-        stream: Stream,
-        pool: PoolId,
-    ) -> Result<Option<u64>> {
-        self.malloc_or_grow(backend, size, stream, pool, false)
-    }
-
-    fn malloc_or_grow(
-        &mut self,
-        backend: &dyn Backend,
-        size: u64,
-        stream: Stream,
-        pool: PoolId,
-        grow: bool,
-    ) -> Result<Option<u64>> {
         if size > self.size() {
+            // Out of memory: the caches' blocks go back as for any other (no use to this one).
+            if let Some(reclaim) = caches {
+                reclaim(self, Reclaim::AllCaches)?;
+            }
             return Err(Error::oom(format!(
                 "out of memory: size {size} exceeds the heap of device {} ({} bytes; set \
                  SYMMALLOC_HEAP_SIZE)",
@@ -396,18 +399,7 @@ impl DeviceHeap {
             size,
             stream,
         };
-        match self.place(backend, &req, grow)? {
-            Placed::Parked(off) => {
-                crate::trace!("malloc {size} at {off:#x} pool {pool} stream {stream:#x} (parked)");
-                self.unpark_live(off, size);
-                Ok(Some(self.base + off))
-            }
-            Placed::Free(off) => {
-                self.take(backend, off, rounded, size, stream)?;
-                crate::trace!("malloc {size} at {off:#x} pool {pool} stream {stream:#x}");
-                Ok(Some(self.base + off))
-            }
-            Placed::Nothing => Ok(None),
-        }
+        let off = self.place(backend, &req, caches)?;
+        Ok(self.base + off)
     }
 }

@@ -1,4 +1,5 @@
-//! Where a block comes from: best fit over a pool's free sets (the requesting stream's blocks
+//! Where a block comes from: the growth ladder (`place`, every rung of a request in one walk,
+//! the thread caches' rungs through the allocator's hook), best fit over a pool's free sets (the requesting stream's blocks
 //! and never-used memory first), splitting what is left, new segments at deterministic offsets
 //! of the reserved range (or segments grown in place: grow.rs), and merging a freed block with
 //! free neighbours that wait on the same streams.
@@ -21,23 +22,82 @@ pub(super) fn segment_size(class: Class, rounded: u64, gran: u64) -> u64 {
 }
 
 impl DeviceHeap {
-    /// The placement chain: where a request's memory comes from, tried in this order, each step
-    /// only when the ones before found nothing.
+    /// The growth ladder: where a request's memory comes from, each rung tried only when the
+    /// ones before found nothing, walked once per request.
     /// 1. the parked block kept whole for (pool, stream, rounded size) (small requests: `parks`);
     /// 2. best fit over the pool's free blocks (then, if nothing fit, again after every parked
     ///    block of the pool is merged back);
-    /// 3. (with `grow` only, from here) a whole free segment adopted from a donor pool;
-    /// 4. a segment of the pool grown in place by what the request lacks (grow.rs);
-    /// 5. idle segments of the pool trimmed (release.rs), then a new segment (which, out of
-    ///    memory, empties the cache and tries once more).
+    /// 3. (with `caches`) this thread's and exited threads' cached blocks back to the heap,
+    ///    then 1 and 2 again when any came back;
+    /// 4. a whole free segment adopted from a donor pool (donors.rs);
+    /// 5. a segment of the pool grown in place by what the request lacks (grow.rs);
+    /// 6. idle segments of the pool trimmed (release.rs), then a new segment (which, out of
+    ///    memory, empties the cache and tries once more);
+    /// 7. (with `caches`) out of memory there: every thread's cached blocks back, and 1, 2, 4,
+    ///    5 and 6 once more.
     ///
-    /// Reads only the call sequence (determinism: mod.rs).
+    /// Other threads' blocks go back only at rung 7: taking every thread's blocks at each
+    /// growth made them all miss next, and their misses grew the heap in turn. Reads only the
+    /// call sequence (determinism: mod.rs). Returns the offset of the block, live (split off a
+    /// free block by `take`, or a parked one made live).
     pub(super) fn place(
         &mut self,
         backend: &dyn Backend,
         req: &Request,
-        grow: bool,
+        caches: Option<Reclaimer<'_>>,
+    ) -> Result<u64> {
+        let Request {
+            pool,
+            rounded,
+            size,
+            stream,
+            ..
+        } = *req;
+        match self.ladder(backend, req, caches)? {
+            Placed::Parked(off) => {
+                crate::trace!("malloc {size} at {off:#x} pool {pool} stream {stream:#x} (parked)");
+                self.unpark_live(off, size);
+                Ok(off)
+            }
+            Placed::Free(off) => {
+                self.take(backend, off, rounded, size, stream)?;
+                crate::trace!("malloc {size} at {off:#x} pool {pool} stream {stream:#x}");
+                Ok(off)
+            }
+        }
+    }
+
+    /// The rungs of `place`, in its order.
+    fn ladder(
+        &mut self,
+        backend: &dyn Backend,
+        req: &Request,
+        mut caches: Option<Reclaimer<'_>>,
     ) -> Result<Placed> {
+        if let Some(p) = self.parked_or_free(backend, req)? {
+            return Ok(p);
+        }
+        if let Some(reclaim) = caches.as_mut() {
+            if reclaim(self, Reclaim::OwnCaches)? > 0 {
+                if let Some(p) = self.parked_or_free(backend, req)? {
+                    return Ok(p);
+                }
+            }
+        }
+        match (self.grow_rungs(backend, req), caches) {
+            (Err(e), Some(reclaim)) if e.status == Status::ErrOutOfMemory => {
+                reclaim(self, Reclaim::AllCaches)?;
+                match self.parked_or_free(backend, req)? {
+                    Some(p) => Ok(p),
+                    None => self.grow_rungs(backend, req).map(Placed::Free),
+                }
+            }
+            (r, _) => r.map(Placed::Free),
+        }
+    }
+
+    /// Rungs 1 and 2 of the ladder: memory the pool already holds.
+    fn parked_or_free(&mut self, backend: &dyn Backend, req: &Request) -> Result<Option<Placed>> {
         let Request {
             pool,
             rounded,
@@ -47,7 +107,7 @@ impl DeviceHeap {
         // Only what `parks` admits is ever parked: a large request has no parked block to find.
         if parks(rounded) {
             if let Some(off) = self.parked.pop(&(pool, stream, rounded)) {
-                return Ok(Placed::Parked(off));
+                return Ok(Some(Placed::Parked(off)));
             }
         }
         self.set_releasing(pool, false);
@@ -56,24 +116,25 @@ impl DeviceHeap {
             // Parked blocks merged back with their neighbours may fit now.
             found = self.find_free(backend, req)?;
         }
-        if let Some(off) = found {
+        Ok(found.map(|off| {
             self.stats.cache_hits += 1;
-            return Ok(Placed::Free(off));
-        }
-        if !grow {
-            return Ok(Placed::Nothing);
-        }
+            Placed::Free(off)
+        }))
+    }
+
+    /// Rungs 4 to 6 of the ladder: a donor's segment, growth in place, a new segment.
+    fn grow_rungs(&mut self, backend: &dyn Backend, req: &Request) -> Result<u64> {
         if let Some(off) = self.adopt_segment(backend, req)? {
             // A donor's cached segment: no new physical memory.
             self.stats.cache_hits += 1;
-            return Ok(Placed::Free(off));
+            return Ok(off);
         }
         self.stats.cache_misses += 1;
         if let Some(off) = self.grow_in_place(backend, req)? {
-            return Ok(Placed::Free(off));
+            return Ok(off);
         }
         self.trim_before_growing(backend, req)?;
-        self.new_segment(backend, req).map(Placed::Free)
+        self.new_segment(backend, req)
     }
 
     /// Best fit among the pool's free blocks of the class: first among the requesting stream's
@@ -201,7 +262,8 @@ impl DeviceHeap {
 
     /// Physical memory of `len` bytes mapped at `off`, whose address range `pool` has taken
     /// (`range_alloc`, or `Ranges::take_at` for a segment that grows): a chunk with a fresh
-    /// generation. On failure nothing is left: the memory goes back and the range is freed.
+    /// generation, granted to the heap's peers (peers.rs). On failure nothing is left: the
+    /// memory goes back and the range is freed.
     pub(super) fn new_chunk(
         &mut self,
         backend: &dyn Backend,
@@ -229,11 +291,21 @@ impl DeviceHeap {
             self.range_free(pool, off, len);
             return Err(e);
         }
+        let granted = match self.grant_new_chunk(backend, off, len) {
+            Ok(g) => g,
+            Err(e) => {
+                let _ = backend.unmap(self.device, self.base + off, len);
+                let _ = backend.release(phys);
+                self.range_free(pool, off, len);
+                return Err(e);
+            }
+        };
         Ok(Chunk {
             off,
             len,
             generation: self.fresh_generation(),
             phys,
+            granted,
         })
     }
 

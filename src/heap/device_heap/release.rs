@@ -19,9 +19,7 @@
 use super::placement::segment_size;
 use super::*;
 
-/// Reserved memory a growing heap keeps below, relative to what is allocated, by giving back idle
-/// segments too small for the request (`trim_before_growing`).
-const TRIM_RATIO: f64 = 1.05;
+use crate::heap::policy::TRIM_RATIO;
 
 impl DeviceHeap {
     /// Returns the parked blocks of `pool` (all pools with `None`) to the free lists, merged

@@ -216,6 +216,7 @@ impl DeviceHeap {
             }
         }
         self.validate_arenas()?;
+        self.validate_grants()?;
         if self.ranges.free_bytes() + self.arena_free_bytes() + st.reserved_bytes != self.size() {
             return Err("segments and free ranges do not partition the heap".into());
         }

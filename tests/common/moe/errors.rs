@@ -134,6 +134,20 @@ fn null_handle_and_stale_handle(comm: Comm, dev: Dev, w: usize) {
     let mut m = null_mut();
     let st = symm_moe_create(comm, 4, 64, 2, experts(w, 2), SYMM_MOE_BF16, 0, &mut m);
     assert_eq!(st, OK, "{}", err());
+    // One registry of handles (ffi/handles.rs), each with its kind: a live moe object is not a
+    // communicator, nor a live communicator a moe object.
+    let st = symmalloc::ffi::symm_barrier(m.cast(), dev.s());
+    assert!(
+        st == INVALID && err().contains("is not a live communicator"),
+        "{}",
+        err()
+    );
+    let st = symm_moe_check(comm.cast());
+    assert!(
+        st == INVALID && err().contains("is not a live moe object"),
+        "{}",
+        err()
+    );
     assert_eq!(symm_moe_destroy(m), OK, "{}", err());
     let st = symm_moe_check(m);
     assert!(
