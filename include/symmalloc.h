@@ -824,6 +824,14 @@ symm_status_t symm_mem_pool_slot_release(int slot);
 symm_status_t symm_segment_export(const void *ptr, symm_export_chunk_t *chunks, size_t capacity, size_t *count);
 
 /**
+ * Closes the descriptors `symm_segment_export` keeps for chunks the heap has given back since
+ * (each keeps its chunk's physical memory alive while open), and writes how many it closed to
+ * `*closed` (NULL: not written). Another process's mapping of such a chunk stays valid: it
+ * holds the memory on its own. Cheap when nothing was exported (no heap is made).
+ */
+symm_status_t symm_segment_export_close_stale(size_t *closed);
+
+/**
  * Creates a moe object over `comm` (any communicator, a split child included): dispatch of
  * up to `max_tokens_per_rank` tokens of `hidden` elements (`dtype`: SYMM_MOE_BF16 or
  * SYMM_MOE_FP8_E4M3) to `num_experts` experts (a multiple of the ranks; rank r holds experts

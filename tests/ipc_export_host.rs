@@ -1,8 +1,10 @@
 //! `symm_segment_export` on the host backend (memfd chunks): a live block's chunks, exported by
 //! one process, are taken by another with `pidfd_open` + `pidfd_getfd` (the protocol PyTorch's
 //! expandable segments use for CUDA IPC) and mapped there: both see the same bytes, both ways.
-//! And bad input (a pointer outside the heap, inside a block, a freed block, NULL arguments)
-//! fails with SYMM_ERR_INVALID_ARGUMENT, naming the pointer, with every allocation intact.
+//! Descriptors of chunks the heap gave back are closed (symm_segment_export_close_stale), a
+//! live block's stay. And bad input (a pointer outside the heap, inside a block, a freed block,
+//! NULL arguments) fails with SYMM_ERR_INVALID_ARGUMENT, naming the pointer, with every
+//! allocation intact.
 
 mod common;
 use common::err;
@@ -281,6 +283,50 @@ fn bad_pointers_are_refused_and_allocations_stay() {
     assert!(export(p as *const c_void).is_ok());
     assert_eq!(
         symm_free_block(p as *mut c_void),
+        symm_status_t::SYMM_SUCCESS,
+        "{}",
+        err()
+    );
+}
+
+#[test]
+fn descriptors_of_chunks_given_back_are_closed() {
+    host();
+    let keep = alloc(SIZE);
+    let kept = export(keep).unwrap();
+    // A block large enough to sit in chunks of its own, exported, freed, given back.
+    let big = alloc(256 << 20);
+    assert!(!export(big).unwrap().is_empty());
+    assert_eq!(
+        symm_free_block(big),
+        symm_status_t::SYMM_SUCCESS,
+        "{}",
+        err()
+    );
+    symm_empty_cache();
+    let mut closed = 0usize;
+    assert_eq!(
+        symm_segment_export_close_stale(&mut closed),
+        symm_status_t::SYMM_SUCCESS,
+        "{}",
+        err()
+    );
+    assert!(
+        closed >= 1,
+        "the given-back chunk's descriptor was not closed"
+    );
+    // A live block keeps its descriptors: the same ones, still open.
+    assert_eq!(export(keep).unwrap(), kept);
+    for c in &kept {
+        // SAFETY: fcntl on a descriptor number only queries it.
+        assert!(unsafe { libc::fcntl(c.fd, libc::F_GETFD) } >= 0);
+    }
+    assert_eq!(
+        symm_segment_export_close_stale(std::ptr::null_mut()),
+        symm_status_t::SYMM_SUCCESS
+    );
+    assert_eq!(
+        symm_free_block(keep),
         symm_status_t::SYMM_SUCCESS,
         "{}",
         err()

@@ -45,6 +45,33 @@ type Exported = HashMap<(i32, u64, u64), OwnedFd>;
 
 static EXPORTED: LazyLock<Mutex<Exported>> = LazyLock::new(Default::default);
 
+/// Closes the descriptors of chunks the heaps no longer hold; returns how many were closed.
+pub fn close_stale() -> Result<usize> {
+    let lock = || EXPORTED.lock().unwrap_or_else(|p| p.into_inner());
+    let mut devices: Vec<i32> = lock().keys().map(|k| k.0).collect();
+    if devices.is_empty() {
+        return Ok(0); // nothing exported: no heap to look at (none is made here)
+    }
+    devices.sort_unstable();
+    devices.dedup();
+    let alloc = heap::global()?;
+    let mut closed = 0;
+    for device in devices {
+        // The heap's lock, then this module's, as in export_block.
+        let heap = alloc.heap(device)?;
+        let mut exported = lock();
+        let before = exported.len();
+        exported.retain(|&(d, off, generation), _| {
+            d != device
+                || heap
+                    .segment_info(off)
+                    .is_some_and(|c| c.generation == generation)
+        });
+        closed += before - exported.len();
+    }
+    Ok(closed)
+}
+
 /// The chunks under the live block that starts at `ptr`, each with a descriptor of its memory.
 pub fn export_block(ptr: u64) -> Result<Vec<symm_export_chunk_t>> {
     let alloc = heap::global()?;
@@ -127,6 +154,22 @@ pub extern "C" fn symm_segment_export(
         }
         // SAFETY: checked non-NULL above.
         unsafe { count.write(got.len()) };
+        Ok(())
+    })
+}
+
+/// Closes the descriptors `symm_segment_export` keeps for chunks the heap has given back since
+/// (each keeps its chunk's physical memory alive while open), and writes how many it closed to
+/// `*closed` (NULL: not written). Another process's mapping of such a chunk stays valid: it
+/// holds the memory on its own. Cheap when nothing was exported (no heap is made).
+#[no_mangle]
+pub extern "C" fn symm_segment_export_close_stale(closed: *mut usize) -> symm_status_t {
+    guard_status("symm_segment_export_close_stale", || {
+        let n = close_stale()?;
+        if !closed.is_null() {
+            // SAFETY: a non-NULL `closed` points to a writable size_t (the caller's contract).
+            unsafe { closed.write(n) };
+        }
         Ok(())
     })
 }
