@@ -7,16 +7,18 @@
 // and the cache of handles opened from other processes (one mapping per handle string, held by
 // weak_ptr as PyTorch's ipcMemHandle_to_devptr, unmapped at the last release).
 //
-// The format (c10/cuda/CUDACachingAllocator.cpp, torch 2.10 to 2.15, SHAREABLE_HANDLE_VERSION 2):
-//   byte 0: version (2); byte 1: 'c' (cudaMalloc: a 64-byte cudaIpcMemHandle_t follows) or 'e'
-//   (expandable segment: ShareHeader{pid_t pid; 4 bytes of padding, zero; size_t segment_size;
-//   size_t num_handles} = 24 bytes, then num_handles ints: descriptor numbers in process `pid`,
-//   each of segment_size bytes, mapped one after another); a handle of exactly 64 bytes is a raw
-//   cudaIpcMemHandle_t (older torch). The ShareableHandle's offset is the block's distance from
-//   the first handle's start. PyTorch's receiver takes every descriptor with pidfd_getfd.
-//   PyTorch's fabric-handle variant (64-byte CUmemFabricHandle instead of ints, chosen by the
-//   receiver's own expandable_segments_handle_type setting) is refused by name here.
-//
+// The format (c10/cuda/CUDACachingAllocator.cpp; read from libc10_cuda.so of 2.11 and 2.15):
+//   byte 0: version; byte 1: 'c' (cudaMalloc: a 64-byte cudaIpcMemHandle_t follows) or 'e'
+//   (expandable segment: a ShareHeader, then num_handles memory handles: ints, descriptor
+//   numbers in process `pid`, each of segment_size bytes, mapped one after another; or 64-byte
+//   CUmemFabricHandles). A handle of exactly 64 bytes is a raw cudaIpcMemHandle_t (older torch).
+//   Version 2 (torch 2.10, 2.11): ShareHeader{pid_t pid; 4 bytes padding; size_t segment_size;
+//   size_t num_handles} = 24 bytes; which memory handles follow is the receiver's own setting.
+//   Version 3 (torch 2.15; PyTorch #179618): the header gains `int handle_type` (1 POSIX fd,
+//   2 fabric) after num_handles, 4 bytes padding after it = 32 bytes. Torch 2.12 to 2.14 are
+//   probed at run time (send_version: does the running libc10_cuda.so read version 3?).
+//   The ShareableHandle's offset is the block's distance from the first handle's start.
+//   Fabric handles are refused by name here (symmalloc exports POSIX descriptors).
 // Invariants:
 // - symmalloc sends 'e' only: its memory is cuMemCreate'd (POSIX-fd exportable), never
 //   cudaMalloc'd. A block is sent only when the chunks under it are of one size and contiguous
@@ -24,8 +26,9 @@
 //   nothing changes.
 // - The producer keeps the memory: PyTorch's CudaIPCSentData holds the block's DataPtr until
 //   every consumer let go, so the block stays live and its chunks stay in the heap with their
-//   descriptors open (ipc_export.rs closes a chunk generation's descriptors once the heap gave
-//   that chunk back). A consumer's mapping holds the physical memory on its own.
+//   descriptors open; a chunk generation's descriptors close at emptyCache (close_stale_exports)
+//   or the next export after the heap gave that chunk back. A consumer's mapping holds the
+//   physical memory on its own.
 // - A malformed handle is refused before any CUDA call, naming what is wrong.
 #pragma once
 
@@ -42,6 +45,7 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -61,22 +65,81 @@
 namespace symm_torch {
 namespace {  // internal linkage, as in the one translation unit that includes this
 
-constexpr char kIpcVersion = 2;  // SHAREABLE_HANDLE_VERSION of torch 2.10 to 2.15
 constexpr char kIpcCudaMalloc = 'c';
 constexpr char kIpcExpandable = 'e';
 constexpr size_t kCudaIpcHandleSize = 64;  // CUDA_IPC_HANDLE_SIZE
 constexpr size_t kFabricHandleSize = 64;   // sizeof(CUmemFabricHandle)
+constexpr int kHandlePosixFd = 1, kHandleFabric = 2;  // Expandable_Segments_Handle_Type
 
-// PyTorch's ExpandableSegment::ShareHeader, byte for byte (x86-64 and aarch64 Linux).
+// PyTorch's ExpandableSegment::ShareHeader, byte for byte (x86-64 and aarch64 Linux): version 2
+// is its first 24 bytes, version 3 all 32.
 struct IpcShareHeader {
   pid_t pid;
   size_t segment_size;
   size_t num_handles;
+  int handle_type;  // version 3 only
 };
-static_assert(sizeof(IpcShareHeader) == 24 && offsetof(IpcShareHeader, segment_size) == 8 &&
-                  offsetof(IpcShareHeader, num_handles) == 16,
-              "PyTorch's ShareHeader is {int32 pid, 4 bytes padding, size_t, size_t}");
+static_assert(offsetof(IpcShareHeader, segment_size) == 8 &&
+                  offsetof(IpcShareHeader, num_handles) == 16 &&
+                  offsetof(IpcShareHeader, handle_type) == 24 && sizeof(IpcShareHeader) == 32,
+              "PyTorch's ShareHeader is {int32 pid, pad 4, size_t, size_t, int32 type, pad 4}");
 static_assert(sizeof(cudaIpcMemHandle_t) == kCudaIpcHandleSize, "cudaIpcMemHandle_t");
+
+inline size_t header_size(int version) { return version >= 3 ? 32 : 24; }
+
+// Whether the file at `path` holds `needle` (read in 1 MiB pieces).
+inline bool file_holds(const char* path, const std::string& needle) {
+  FILE* f = std::fopen(path, "rb");
+  if (!f) return false;
+  std::string buf(1 << 20, '\0'), carry;
+  bool found = false;
+  size_t n;
+  while (!found && (n = std::fread(&buf[0], 1, buf.size(), f)) > 0) {
+    std::string chunk = carry + buf.substr(0, n);
+    found = chunk.find(needle) != std::string::npos;
+    carry = chunk.substr(chunk.size() > needle.size() ? chunk.size() - needle.size() : 0);
+  }
+  std::fclose(f);
+  return found;
+}
+
+// The handle version the running libc10_cuda.so reads: 3 when it carries version 3's consumer
+// (its message about a producer's fabric handle type), else 2.
+inline int probe_version() {
+  Dl_info info{};
+  if (!dladdr(reinterpret_cast<void*>(&c10::cuda::device_count), &info) || !info.dli_fname)
+    return 2;
+  return file_holds(info.dli_fname, "received FABRIC handle from producer") ? 3 : 2;
+}
+
+// The handle version the running torch reads and writes: 2 up to 2.11, 3 from 2.15
+// (torch_compat.h), probed for 2.12 to 2.14.
+inline int send_version() {
+#if SYMM_TORCH_IPC_VERSION_KNOWN
+  return SYMM_TORCH_IPC_VERSION_KNOWN;
+#else
+  static int v = probe_version();
+  return v;
+#endif
+}
+
+// The 'e' handle of `version` for chunks of `segment_size` bytes each, exported as POSIX
+// descriptors `fds` by process `pid`.
+inline std::string encode_expandable(int version, pid_t pid, size_t segment_size,
+                                     const std::vector<int>& fds) {
+  IpcShareHeader h;
+  std::memset(&h, 0, sizeof h);  // the padding too: PyTorch caches opened handles by their bytes
+  h.pid = pid;
+  h.segment_size = segment_size;
+  h.num_handles = fds.size();
+  h.handle_type = kHandlePosixFd;
+  std::string out;
+  out.push_back((char)version);
+  out.push_back(kIpcExpandable);
+  out.append(reinterpret_cast<const char*>(&h), header_size(version));
+  for (int fd : fds) out.append(reinterpret_cast<const char*>(&fd), sizeof fd);
+  return out;
+}
 
 // A handle as parsed: kind 'c' (cuda_handle) or 'e' (header and fds).
 struct IpcHandle {
@@ -85,21 +148,6 @@ struct IpcHandle {
   IpcShareHeader header{};
   std::vector<int> fds;
 };
-
-// The 'e' handle for chunks of `segment_size` bytes each, exported as `fds` by process `pid`.
-inline std::string encode_expandable(pid_t pid, size_t segment_size, const std::vector<int>& fds) {
-  IpcShareHeader h;
-  std::memset(&h, 0, sizeof h);  // the padding too: PyTorch caches opened handles by their bytes
-  h.pid = pid;
-  h.segment_size = segment_size;
-  h.num_handles = fds.size();
-  std::string out;
-  out.push_back(kIpcVersion);
-  out.push_back(kIpcExpandable);
-  out.append(reinterpret_cast<const char*>(&h), sizeof h);
-  for (int fd : fds) out.append(reinterpret_cast<const char*>(&fd), sizeof fd);
-  return out;
-}
 
 // Parses a handle from any torch 2.10-2.15 producer (or symmalloc): throws c10::Error naming
 // what is wrong.
@@ -112,9 +160,10 @@ inline IpcHandle parse_ipc_handle(const std::string& s) {
   }
   TORCH_CHECK(s.size() >= 2, "symmalloc: malformed CUDA IPC handle: ", s.size(),
               " bytes; expected a version byte, a type byte and the handle");
-  TORCH_CHECK(s[0] >= 1 && s[0] <= kIpcVersion, "symmalloc: CUDA IPC handle of version ",
-              (int)s[0], "; this build reads versions 1 to ", (int)kIpcVersion,
-              " (torch 2.10-2.15's): was it sent by a newer torch?");
+  int version = s[0];
+  TORCH_CHECK(version >= 1 && version <= 3, "symmalloc: CUDA IPC handle of version ", version,
+              "; symmalloc reads versions 1 to 3 (torch 2.10-2.15's): was it sent by a newer "
+              "torch?");
   out.kind = s[1];
   if (out.kind == kIpcCudaMalloc) {
     TORCH_CHECK(s.size() == 2 + kCudaIpcHandleSize, "symmalloc: malformed CUDA IPC handle: type "
@@ -125,17 +174,21 @@ inline IpcHandle parse_ipc_handle(const std::string& s) {
   TORCH_CHECK(out.kind == kIpcExpandable, "symmalloc: malformed CUDA IPC handle: type byte ",
               (int)(unsigned char)out.kind, "; expected 'c' (cudaMalloc) or 'e' (expandable "
               "segment)");
-  TORCH_CHECK(s.size() >= 2 + sizeof(IpcShareHeader), "symmalloc: malformed CUDA IPC handle: "
-              "type 'e' needs a ", sizeof(IpcShareHeader), "-byte header, got ", s.size(),
-              " bytes in all");
-  std::memcpy(&out.header, s.data() + 2, sizeof(IpcShareHeader));
-  size_t n = out.header.num_handles, rest = s.size() - 2 - sizeof(IpcShareHeader);
+  size_t hs = header_size(version);
+  TORCH_CHECK(s.size() >= 2 + hs, "symmalloc: malformed CUDA IPC handle: type 'e' of version ",
+              version, " needs a ", hs, "-byte header, got ", s.size(), " bytes in all");
+  std::memcpy(&out.header, s.data() + 2, hs);
+  if (version < 3) out.header.handle_type = kHandlePosixFd;  // the receiver's setting: ours
+  size_t n = out.header.num_handles, rest = s.size() - 2 - hs;
   TORCH_CHECK(n > 0 && n <= (1u << 20), "symmalloc: malformed CUDA IPC handle: ", n,
               " memory handles; expected 1 or more");
-  TORCH_CHECK(rest != n * kFabricHandleSize || rest == n * sizeof(int),
-              "symmalloc: this CUDA IPC handle carries fabric handles (the producer runs "
-              "PyTorch with expandable_segments_handle_type fabric); symmalloc opens POSIX "
+  bool fabric = version >= 3 ? out.header.handle_type == kHandleFabric
+                             : rest == n * kFabricHandleSize && rest != n * sizeof(int);
+  TORCH_CHECK(!fabric, "symmalloc: this CUDA IPC handle carries fabric handles (the producer "
+              "runs PyTorch with expandable_segments_handle_type fabric); symmalloc opens POSIX "
               "file-descriptor handles only: set the producer's handle type to posix_fd");
+  TORCH_CHECK(out.header.handle_type == kHandlePosixFd, "symmalloc: malformed CUDA IPC handle: "
+              "handle type ", out.header.handle_type, "; expected 1 (POSIX fd) or 2 (fabric)");
   TORCH_CHECK(rest == n * sizeof(int), "symmalloc: malformed CUDA IPC handle: ", n,
               " memory handles need ", n * sizeof(int), " bytes after the header, got ", rest);
   TORCH_CHECK(out.header.pid > 0, "symmalloc: malformed CUDA IPC handle: producer pid ",
@@ -144,22 +197,32 @@ inline IpcHandle parse_ipc_handle(const std::string& s) {
               "symmalloc: malformed CUDA IPC handle: segment size ", out.header.segment_size,
               "; expected a positive multiple of the mapping granularity");
   out.fds.resize(n);
-  std::memcpy(out.fds.data(), s.data() + 2 + sizeof(IpcShareHeader), rest);
+  std::memcpy(out.fds.data(), s.data() + 2 + hs, rest);
   return out;
 }
 
-// symm_segment_export, found in the library `api` was loaded from (not in api.h's table: only
-// sharing needs it).
+// A function of the library `api` was loaded from, by name (not in api.h's table: only sharing
+// needs these); NULL when that library lacks it.
+inline void* library_fn(const char* name) {
+  Dl_info info{};
+  if (!dladdr(reinterpret_cast<void*>(api.malloc_checked), &info) || !info.dli_fname)
+    return nullptr;
+  void* h = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_LOCAL);
+  return h ? dlsym(h, name) : nullptr;
+}
+
 inline decltype(&symm_segment_export) segment_export_fn() {
-  static decltype(&symm_segment_export) fn = []() -> decltype(&symm_segment_export) {
-    Dl_info info{};
-    if (!dladdr(reinterpret_cast<void*>(api.malloc_checked), &info) || !info.dli_fname)
-      return nullptr;
-    void* h = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_LOCAL);
-    if (!h) return nullptr;
-    return reinterpret_cast<decltype(&symm_segment_export)>(dlsym(h, "symm_segment_export"));
-  }();
+  static auto fn =
+      reinterpret_cast<decltype(&symm_segment_export)>(library_fn("symm_segment_export"));
   return fn;
+}
+
+// emptyCache: closes the descriptors kept for chunks the heap gave back (each holds its chunk's
+// physical memory while open). Nothing when nothing was ever shared.
+inline void close_stale_exports() {
+  static auto fn = reinterpret_cast<decltype(&symm_segment_export_close_stale)>(
+      library_fn("symm_segment_export_close_stale"));
+  if (fn) (void)fn(nullptr);  // a failure here leaves descriptors open, as before the call
 }
 
 // shareIpcHandle: the 'e' handle of the live block starting at `ptr`, and the block's offset
@@ -193,7 +256,7 @@ inline std::pair<std::string, ptrdiff_t> share_block(void* ptr) {
   }
   std::vector<int> fds;
   for (const auto& c : under) fds.push_back(c.fd);
-  return {encode_expandable(getpid(), (size_t)under[0].size, fds),
+  return {encode_expandable(send_version(), getpid(), (size_t)under[0].size, fds),
           (ptrdiff_t)(lo - under.front().address)};
 }
 
@@ -321,6 +384,7 @@ class IpcImports {
     }
     close((int)pidfd);
     c10::cuda::CUDAGuard guard(device);
+    (void)cudaFree(nullptr);  // the device's primary context current (a fresh consumer has none)
     CUdeviceptr base = 0;
     size_t mapped = 0;
     try {

@@ -2,12 +2,13 @@
 // selftest.h's selftest. Included by selftest.h only.
 //
 // Owns: selftest_ipc, which checks (no CUDA runtime needed) the 'e' handle shareIpcHandle makes
-// byte for byte as PyTorch's receiver reads it (version, type, ShareHeader with zero padding,
-// descriptor numbers, offset), that the descriptors are the block's memory (taken with
-// pidfd_getfd as PyTorch's receiver takes them, mapped one after another: both see each
-// other's writes), that a second share gives the same bytes (PyTorch caches opened handles by
-// them), and that bad input (an interior pointer, malformed handles of every kind) is refused
-// by name, before any CUDA call.
+// byte for byte as PyTorch's receiver reads it (the running torch's version, 2 or 3, and the
+// probe of its libc10_cuda.so against what torch_compat.h knows; type, ShareHeader with zero
+// padding, descriptor numbers, offset; both versions encoded and parsed back), that the
+// descriptors are the block's memory (taken with pidfd_getfd as PyTorch's receiver takes them,
+// mapped one after another: both see each other's writes), that a second share gives the
+// same bytes (PyTorch caches opened handles by them), and that bad input (an interior pointer,
+// malformed handles of every kind) is refused by name, before any CUDA call.
 //
 // Invariants: every block it makes is freed and every mapping unmapped before it returns.
 #pragma once
@@ -45,9 +46,15 @@ std::string selftest_ipc(Allocator& a, int device) {
   for (size_t i = 0; i < kSize; ++i) p[i] = (unsigned char)(i * 31 + 1);
   CCA::ShareableHandle sh = a.shareIpcHandle(p);
   const std::string& s = sh.handle;
-  IPC_EXPECT(s.size() >= 2 + 24 + 4 && s[0] == 2 && s[1] == 'e',
-             "the handle starts with version 2 and type 'e'");
-  IPC_EXPECT((s.size() - 26) % 4 == 0, "ints follow the 24-byte header");
+#if SYMM_TORCH_IPC_VERSION_KNOWN
+  IPC_EXPECT(probe_version() == SYMM_TORCH_IPC_VERSION_KNOWN,
+             "the probe of libc10_cuda.so finds the handle version this torch is known to use");
+#endif
+  const int version = send_version();
+  const size_t hs = version >= 3 ? 32 : 24;
+  IPC_EXPECT(s.size() >= 2 + hs + 4 && s[0] == version && s[1] == 'e',
+             "the handle starts with the running torch's version and type 'e'");
+  IPC_EXPECT((s.size() - 2 - hs) % 4 == 0, "ints follow the header");
   pid_t pid;
   size_t seg, n;
   std::memcpy(&pid, s.data() + 2, 4);
@@ -55,7 +62,13 @@ std::string selftest_ipc(Allocator& a, int device) {
   std::memcpy(&n, s.data() + 18, 8);
   IPC_EXPECT(pid == getpid(), "the header's pid is this process");
   IPC_EXPECT(s[6] == 0 && s[7] == 0 && s[8] == 0 && s[9] == 0, "the header's padding is zero");
-  IPC_EXPECT(n >= 1 && s.size() == 26 + 4 * n, "num_handles matches the descriptors sent");
+  if (version >= 3) {
+    int type = 0;
+    std::memcpy(&type, s.data() + 26, 4);
+    IPC_EXPECT(type == 1 && s[30] == 0 && s[31] == 0 && s[32] == 0 && s[33] == 0,
+               "version 3: handle type 1 (POSIX fd), then zero padding");
+  }
+  IPC_EXPECT(n >= 1 && s.size() == 2 + hs + 4 * n, "num_handles matches the descriptors sent");
   IPC_EXPECT(seg >= (2u << 20) && seg % (2u << 20) == 0, "segment_size is whole 2 MiB pages");
   IPC_EXPECT(sh.offset >= 0 && (size_t)sh.offset + kSize <= n * seg,
              "the block lies inside the handles' range at the offset");
@@ -80,7 +93,8 @@ std::string selftest_ipc(Allocator& a, int device) {
     void* m = mmap(static_cast<char*>(base) + i * seg, seg, PROT_READ | PROT_WRITE,
                    MAP_SHARED | MAP_FIXED, (int)fd, 0);
     close((int)fd);
-    if (m == MAP_FAILED) failure = std::string("mmap of a taken descriptor: ") + std::strerror(errno);
+    if (m == MAP_FAILED)
+      failure = std::string("mmap of a taken descriptor: ") + std::strerror(errno);
   }
   close((int)pidfd);
   auto* view = static_cast<unsigned char*>(base) + sh.offset;
@@ -106,10 +120,23 @@ std::string selftest_ipc(Allocator& a, int device) {
   std::string e = thrown([&] { a.shareIpcHandle(p + 512); });
   IPC_EXPECT(e.find("not the start of a live block") != std::string::npos,
              "an interior pointer is refused by name, got: " + e);
-  std::string fabric = s.substr(0, 26) + std::string(64 * n, '\0');
+  // Both versions' layouts, whichever this torch sends.
+  std::vector<int> fds3 = {3, 4};
+  std::string v2 = encode_expandable(2, 77, 2 << 20, fds3);
+  std::string v3 = encode_expandable(3, 77, 2 << 20, fds3);
+  IPC_EXPECT(v2.size() == 2 + 24 + 8 && v3.size() == 2 + 32 + 8, "version 2 and 3 sizes");
+  for (const auto& enc : {v2, v3}) {
+    IpcHandle h = parse_ipc_handle(enc);
+    IPC_EXPECT(h.kind == 'e' && h.header.pid == 77 && h.header.segment_size == (2u << 20) &&
+                   h.fds == fds3,
+               "an encoded handle of version " + std::to_string((int)enc[0]) + " parses back");
+  }
+  std::string fabric2 = v2.substr(0, 26) + std::string(64 * 2, '\0');
+  std::string fabric3 = v3;
+  fabric3[2 + 24] = 2;  // handle_type FABRIC_HANDLE
   std::string bad_type = s;
   bad_type[1] = 'x';
-  std::string zero_handles = s.substr(0, 26);
+  std::string zero_handles = v2.substr(0, 26);
   std::memset(&zero_handles[18], 0, 8);
   struct Case {
     std::string handle, want;
@@ -117,11 +144,14 @@ std::string selftest_ipc(Allocator& a, int device) {
   std::vector<Case> cases = {
       {"", "malformed CUDA IPC handle: 0 bytes"},
       {std::string("\x09" "e", 2), "version 9"},
+      {std::string("\x04" "e", 2), "version 4"},
       {bad_type, "type byte 120"},
-      {s.substr(0, 20), "needs a 24-byte header"},
+      {v2.substr(0, 20), "needs a 24-byte header"},
+      {v3.substr(0, 30), "needs a 32-byte header"},
       {s.substr(0, s.size() - 2), "bytes after the header"},
       {zero_handles, "0 memory handles"},
-      {fabric, "fabric handles"},
+      {fabric2, "fabric handles"},
+      {fabric3, "fabric handles"},
       {std::string("\x02" "c", 2) + std::string(10, '\0'), "type 'c' (cudaMalloc) needs 66"},
   };
   for (const auto& c : cases) {

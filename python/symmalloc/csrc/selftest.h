@@ -5,9 +5,10 @@
 // libsymmalloc on host memory without installing it (no CUDA runtime is needed): statistics,
 // DataPtrs and the raw deleter, out of memory (the observers' arguments), cacheInfo, a private
 // pool's checkpoint and restore, snapshot and history (segment entries of grown segments,
-// released pools and trims), CUDA IPC's handles (ipc_selftest.h), history under threads (a stand-in GIL that a recorder called
-// under an allocator lock deadlocks on), caching off, and what is refused by name; and the
-// cost of a free before, during and after recording (time_frees, printed on request).
+// released pools and trims), CUDA IPC's handles (ipc_selftest.h), history under threads (a
+// stand-in GIL that a recorder called under an allocator lock deadlocks on), caching off, and
+// what is refused by name; and the cost of a free before, during and after recording
+// (time_frees, printed on request).
 //
 // Invariants:
 // - Each check is named by the failure it reports; the first failure ends the run.

@@ -261,6 +261,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     if (uses_.any_held() && routes_open_.load(std::memory_order_relaxed) == 0) free_held(true);
     api.empty_cache();
     std::string e = last_error();
+    close_stale_exports();  // descriptors shared for chunks now given back (ipc.h)
     hist_.note_segments(std::move(ctx));  // segment_free of each segment given back
     TORCH_CHECK(e.empty(), "symmalloc: empty_cache failed: ", e);
   }
