@@ -556,6 +556,15 @@ def main():
         return 2
     only = sys.argv[2:]
     counts = {name: [0, 0, 0] for name in TESTS if not only or name in only}
+    # An expandable-segment handle (symmalloc's, or PyTorch's with expandable segments) is
+    # opened with pidfd_getfd: a ptrace check. Yama's scope 1 lets only a parent take from its
+    # children, so a parent producer's tensor fails in a child without CAP_SYS_PTRACE.
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = f.read().strip()
+    except OSError:
+        scope = "absent (no Yama)"
+    print(f"kernel {os.uname().release}, kernel.yama.ptrace_scope {scope}, uid {os.getuid()}")
     if not torch.cuda.is_available():
         reason = "no CUDA GPU visible (torch.cuda.is_available() is False)"
         for name in counts:
