@@ -323,6 +323,29 @@ typedef struct {
 } symm_comm_info_t;
 
 /**
+ * One physical chunk under an exported block, in address order.
+ */
+typedef struct {
+  /**
+   * Address of the chunk's first byte in this process.
+   */
+  uint64_t address;
+  /**
+   * Bytes of the chunk (one physical allocation; a multiple of the mapping granularity).
+   */
+  uint64_t size;
+  /**
+   * A descriptor of the chunk's physical memory, open in this process and owned by the
+   * library: do not close it. It stays open while the chunk is part of the heap.
+   */
+  int32_t fd;
+  /**
+   * The device whose heap holds the chunk.
+   */
+  int32_t device;
+} symm_export_chunk_t;
+
+/**
  * A moe object's configuration (versioned: `version` and `size` first; set `version` to
  * SYMM_MOE_CONFIG_VERSION and `size` to `sizeof(symm_moe_config_t)`).
  */
@@ -797,6 +820,26 @@ symm_status_t symm_comm_mem_pool_slot(symm_comm_t *comm, int *slot);
  * Frees MemPool slot `slot` (call it when the MemPool that used it is gone).
  */
 symm_status_t symm_mem_pool_slot_release(int slot);
+
+/**
+ * The physical chunks under the live block that starts at `ptr`, for another process to map
+ * (PyTorch's CUDA IPC): each chunk's address, size, device and a descriptor of its memory that
+ * stays open in this process while the chunk is part of the heap (the other process takes it
+ * with `pidfd_getfd(2)`; the library owns it: do not close it). Writes up to `capacity` chunks
+ * to `chunks` (NULL with capacity 0 asks for the count) and the number the block has to
+ * `*count`; a block with more chunks than `capacity` writes the first `capacity`. A pointer
+ * that is not the start of a live block of the heap (outside it, inside a block, or freed)
+ * fails with SYMM_ERR_INVALID_ARGUMENT and changes nothing.
+ */
+symm_status_t symm_segment_export(const void *ptr, symm_export_chunk_t *chunks, size_t capacity, size_t *count);
+
+/**
+ * Closes the descriptors `symm_segment_export` keeps for chunks the heap has given back since
+ * (each keeps its chunk's physical memory alive while open), and writes how many it closed to
+ * `*closed` (NULL: not written). Another process's mapping of such a chunk stays valid: it
+ * holds the memory on its own. Cheap when nothing was exported (no heap is made).
+ */
+symm_status_t symm_segment_export_close_stale(size_t *closed);
 
 /**
  * Creates a moe object over `comm` (any communicator, a split child included): dispatch of

@@ -105,7 +105,8 @@ elif [ "${1:-tests}" = global ]; then
   # MODES=default,default-b,global with SHUFFLE=seed for an A/A control in position-balanced
   # shuffled rounds; floor-reuse in MODES for the step's floor), alloc
   # (t_gpu_alloc), api (python/tests/global_api_check.py), build (the C++ allocator built on
-  # first use), upstream (python/tests/torch_upstream_check.py: PyTorch's own tests ported).
+  # first use), upstream (python/tests/torch_upstream_check.py: PyTorch's own tests ported), ipc
+  # (python/tests/ipc_check.py symmalloc, torch, mixed: torch.multiprocessing's CUDA sharing).
   step machine; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   for part in ${PARTS:-checks memory}; do
     case $part in
@@ -131,6 +132,9 @@ elif [ "${1:-tests}" = global ]; then
              x = torch.ones(10, device='cuda'); print('installed', symmalloc.memory.installed(), \
              torch.cuda.memory_allocated(), os.listdir('$OUT/cache'))" ;;
       upstream) for a in symmalloc torch; do T=400 TAILN=8 run upstream_$a python3 python/tests/torch_upstream_check.py $a; done ;;
+      ipc) # CUDA tensors between processes (torch.multiprocessing): PyTorch's one-GPU tests, both
+           # sides symmalloc, both PyTorch's, and mixed (each allocator producing for the other).
+           for a in symmalloc torch mixed; do T=600 TAILN=24 run ipc_$a python3 python/tests/ipc_check.py $a; done ;;
     esac
   done
 elif [ "${1:-tests}" = fp8 ]; then

@@ -9,6 +9,7 @@
 pub mod groups;
 pub mod guard;
 pub mod handles;
+pub mod ipc_export;
 pub mod moe;
 pub mod p2p;
 pub mod peer_access;
@@ -22,6 +23,7 @@ use crate::error::{Error, Result, Status};
 use crate::heap::{self, stats::Stats};
 use crate::ipc::{unique_id::ID_BYTES, UniqueId};
 use guard::{guard_ptr, guard_status, guard_void};
+pub use ipc_export::*;
 pub use pool_calls::*;
 use std::ffi::{c_char, c_int, c_void};
 pub use torch_alloc::*;

@@ -57,6 +57,7 @@
 #include "checkpoint.h"
 #include "foreign_pools.h"
 #include "history.h"
+#include "ipc.h"
 #include "oom.h"
 #include "pool_stats.h"
 #include "profile.h"
@@ -271,6 +272,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
     if (uses_.any_held() && routes_open_.load(std::memory_order_relaxed) == 0) free_held(true);
     api.empty_cache();
     std::string e = last_error();
+    close_stale_exports();  // descriptors shared for chunks now given back (ipc.h)
     hist_.note_segments(std::move(ctx));  // segment_free of each segment given back
     TORCH_CHECK(e.empty(), "symmalloc: empty_cache failed: ", e);
   }
@@ -484,19 +486,14 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   }
 
   // ---- sharing across processes and devices ----
+  // CUDA IPC in PyTorch's handle formats, both ways (ipc.h).
   CCA::ShareableHandle shareIpcHandle(void* ptr) override {
-    TORCH_CHECK(false, "symmalloc: sharing a CUDA tensor with another process (",
-                ptr, ") through torch.multiprocessing is not supported in symmalloc's "
-                "global mode: its memory is mapped with cuMemMap, which CUDA IPC handles "
-                "cannot export. Send the tensor's data through CPU memory, or between ranks "
-                "use a symmalloc communicator (symmalloc.comm: peer tensors, put/signal)");
+    auto shared = share_block(ptr);
+    return CCA::ShareableHandle{shared.second, std::move(shared.first)};
   }
 
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
-    (void)handle;
-    TORCH_CHECK(false, "symmalloc: opening a CUDA IPC handle from another process is not "
-                       "supported in symmalloc's global mode; send the data through CPU "
-                       "memory or a symmalloc communicator");
+    return ipc_imports_.open(handle);
   }
 
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
@@ -578,6 +575,7 @@ class SymmAllocator final : public CCA::CUDAAllocator {
   std::atomic<bool> caching_{true};
   symm_torch::Uncached uncached_;
   symm_torch::StreamUses uses_;
+  symm_torch::IpcImports ipc_imports_;  // handles opened from other processes (getIpcDevPtr)
   // Pool routes open (graph captures and MemPool contexts): PyTorch's "captures underway".
   std::atomic<int> routes_open_{0};
 };

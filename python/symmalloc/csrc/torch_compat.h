@@ -58,6 +58,17 @@
 // in a private member: settings.h then replaces it without reading it.
 #define SYMM_TORCH_HAS_CONFIG_HOOK_GETTER SYMM_TORCH_AT_LEAST(2, 11)
 
+// The version of PyTorch's CUDA IPC handle of an expandable segment (csrc/ipc.h): 2 (24-byte
+// header) in 2.10 and 2.11, 3 (32-byte header with the handle type) in 2.15, both read from
+// those wheels' libc10_cuda.so; 0 for 2.12 to 2.14: probed at run time.
+#if SYMM_TORCH_AT_LEAST(2, 15)
+#define SYMM_TORCH_IPC_VERSION_KNOWN 3
+#elif SYMM_TORCH_AT_LEAST(2, 12)
+#define SYMM_TORCH_IPC_VERSION_KNOWN 0
+#else
+#define SYMM_TORCH_IPC_VERSION_KNOWN 2
+#endif
+
 namespace symm_torch {
 namespace {  // internal linkage, as in the one translation unit that includes this
 
