@@ -18,10 +18,10 @@ use super::algo::{self, DType, Kernel, Quant};
 use super::call::{Call, Coll, Extents};
 use super::desc::{CallDesc, DescKind, RANK_LOCAL};
 use super::fused_shape::{self, FusedShape};
-use super::kernel_id::{fused_kernel_id, kernel_id_name};
+use super::launch::{fused_kernel_id, kernel_id_name};
 use super::shape;
-use super::Ctx;
-use crate::comm::exec::Copy;
+use super::{CollSettings, Ctx};
+use crate::comm::exec::{Copy, Executor};
 use crate::error::{Error, Result};
 
 /// Everything a launch needs, decided once.
@@ -82,23 +82,21 @@ impl Ctx<'_> {
                 0,
             ),
             Coll::AddRmsNorm(r) => {
-                // The host backend runs the fused call's CPU twin, which has no grid.
-                let kernel = if !self.exec.has_grid() {
-                    Kernel::AddRmsNorm
-                } else {
+                // Where plans carry a grid; the CPU's twin of the fused call has none.
+                let settings = self.settings;
+                self.exec.shape(&mut |exec| {
                     // The LL all-reduce's spread for a message of this size.
-                    push_threads = shape::ll_threads(call.count / 8, self.settings.ll_grid);
+                    push_threads = shape::ll_threads(call.count / 8, settings.ll_grid);
                     let q = r.quant.map(|q| q.mode);
-                    let s = self.fused_shape(
-                        r.tokens,
-                        r.hidden,
-                        push_threads,
-                        ext.send,
+                    fused = Some(fused_shape(
+                        settings,
+                        exec,
+                        (r.tokens, r.hidden, push_threads, ext.send),
                         (call.dtype, q),
-                    )?;
-                    fused = Some(s);
-                    s.kernel
-                };
+                    )?);
+                    Ok(())
+                })?;
+                let kernel = fused.map_or(Kernel::AddRmsNorm, |s| s.kernel);
                 // The output format is part of what ranks agree on (bits 32 and up: 0 for
                 // bf16/fp16, 1 + symm_quant_t for FP8).
                 let format = r.quant.map_or(0, |q| 1 + q.mode.code() as u64);
@@ -129,18 +127,22 @@ impl Ctx<'_> {
             _ => &[desc.send_off, recv_off],
         };
         let vec = shape::vectors(kernel, shared, ext.slice);
-        let (grid, threads, cluster) = if !self.exec.has_grid() {
-            (0, 0, 1)
-        } else if let Some(s) = fused {
-            (s.grid, s.threads, s.cluster)
-        } else if kernel.is_ll() {
-            let (g, t) = shape::ll_shape(ext.slice.div_ceil(16), self.settings.ll_grid);
-            (g, t, 1)
-        } else {
-            let items = if vec { ext.slice / 16 } else { call.count };
-            let (g, t) = shape::barrier_shape(kernel, items, self.world, vec, self.settings.sms);
-            (g, t, 1)
-        };
+        // (0, 0, 1) where the CPU runs the twin, which has no grid.
+        let (mut grid, mut threads, mut cluster) = (0, 0, 1);
+        let (settings, world) = (self.settings, self.world);
+        self.exec.shape(&mut |_| {
+            (grid, threads, cluster) = if let Some(s) = fused {
+                (s.grid, s.threads, s.cluster)
+            } else if kernel.is_ll() {
+                let (g, t) = shape::ll_shape(ext.slice.div_ceil(16), settings.ll_grid);
+                (g, t, 1)
+            } else {
+                let items = if vec { ext.slice / 16 } else { call.count };
+                let (g, t) = shape::barrier_shape(kernel, items, world, vec, settings.sms);
+                (g, t, 1)
+            };
+            Ok(())
+        })?;
         let mc_out = if kernel == Kernel::Multimem {
             // Past the gate: the output segment's multicast window (built collectively once).
             // The chunk under the output (a segment that grew in place has several).
@@ -206,50 +208,49 @@ impl Ctx<'_> {
             .map_err(|why| Error::unsupported(format!("SYMM_ALGO_MULTIMEM refused: {why}")))?;
         algo::check_multimem_call(call.send, call.recv, call.count, call.dtype, call.op)
     }
+}
 
-    /// The fused call's kernel and grid: the LL kernels on a grid every rank's GPU holds at
-    /// once (fused_shape.rs) up to AUTO's LL threshold, the barrier kernel above it.
-    fn fused_shape(
-        &mut self,
-        tokens: u64,
-        hidden: u64,
-        push_threads: u32,
-        bytes: u64,
-        (dtype, quant): (DType, Option<Quant>),
-    ) -> Result<FusedShape> {
-        let (ll_max, clusters) = (self.settings.auto.ll_max, self.settings.clusters);
-        let s = fused_shape::fit_resident(
-            self.settings.ll_grid.0,
-            |blocks| {
-                fused_shape::fused_ll_shape(
-                    tokens,
-                    hidden,
-                    push_threads,
-                    bytes,
-                    ll_max,
-                    blocks,
-                    clusters,
-                )
-            },
-            |s| self.resident_blocks(s, dtype, quant),
-        )?;
-        Ok(s.unwrap_or_else(|| fused_shape::fused_barrier_shape(tokens, hidden)))
-    }
+/// The fused call's kernel and grid: the LL kernels on a grid every rank's GPU holds at once
+/// (fused_shape.rs) up to AUTO's LL threshold, the barrier kernel above it.
+fn fused_shape(
+    settings: &CollSettings,
+    exec: &mut dyn Executor,
+    (tokens, hidden, push_threads, bytes): (u64, u64, u32, u64),
+    (dtype, quant): (DType, Option<Quant>),
+) -> Result<FusedShape> {
+    let (ll_max, clusters) = (settings.auto.ll_max, settings.clusters);
+    let s = fused_shape::fit_resident(
+        settings.ll_grid.0,
+        |blocks| {
+            fused_shape::fused_ll_shape(
+                tokens,
+                hidden,
+                push_threads,
+                bytes,
+                ll_max,
+                blocks,
+                clusters,
+            )
+        },
+        |s| resident_blocks(settings, exec, s, dtype, quant),
+    )?;
+    Ok(s.unwrap_or_else(|| fused_shape::fused_barrier_shape(tokens, hidden)))
+}
 
-    /// How many blocks of this shape's kernel every rank's GPU holds at once: blocks per SM
-    /// (asked of the driver once per kernel and block size; the same on every rank of one
-    /// architecture) times the fewest SMs of any rank. For clusters this leaves out how a GPU
-    /// groups its SMs (a cluster cannot span groups, and the grouping differs between chips of
-    /// one model, so it is no input every rank shares): the cluster kernel holds two blocks per
-    /// SM at its widest (512 threads), twice what the LL grid asks of 128 SMs.
-    fn resident_blocks(
-        &mut self,
-        s: &FusedShape,
-        dtype: DType,
-        quant: Option<Quant>,
-    ) -> Result<u64> {
-        let id = fused_kernel_id(s.kernel, dtype, quant);
-        let per_sm = self.exec.blocks_per_sm(id, kernel_id_name, s.threads)?;
-        Ok(per_sm as u64 * self.settings.fewest_sms as u64)
-    }
+/// How many blocks of this shape's kernel every rank's GPU holds at once: blocks per SM (asked
+/// of the driver once per kernel and block size; the same on every rank of one architecture)
+/// times the fewest SMs of any rank. For clusters this leaves out how a GPU groups its SMs (a
+/// cluster cannot span groups, and the grouping differs between chips of one model, so it is no
+/// input every rank shares): the cluster kernel holds two blocks per SM at its widest (512
+/// threads), twice what the LL grid asks of 128 SMs.
+fn resident_blocks(
+    settings: &CollSettings,
+    exec: &mut dyn Executor,
+    s: &FusedShape,
+    dtype: DType,
+    quant: Option<Quant>,
+) -> Result<u64> {
+    let id = fused_kernel_id(s.kernel, dtype, quant);
+    let per_sm = exec.blocks_per_sm(id, kernel_id_name, s.threads)?;
+    Ok(per_sm as u64 * settings.fewest_sms as u64)
 }
