@@ -14,7 +14,7 @@
 
 use super::algo::{DType, Kernel, Quant, ReduceOp};
 use super::call::Coll;
-use super::desc::{CallDesc, RANK_LOCAL};
+use super::exchange::desc::{CallDesc, RANK_LOCAL};
 use super::host_reduce::{self, HostCall, HostRms};
 use super::kernel_args::*;
 use super::kernels;

@@ -15,8 +15,8 @@
 //! docs/DESIGN.md).
 
 use super::call::{Call, Coll, Extents};
-use super::desc::meeting_word;
 use super::exchange::add_chunks;
+use super::exchange::desc::meeting_word;
 use super::host_reduce;
 use super::{CollSettings, Collectives, Ctx};
 use crate::comm::peer::PeerView;
