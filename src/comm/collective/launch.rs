@@ -13,15 +13,33 @@
 //! group's internal block, its settings, its error words).
 
 use super::algo::{DType, Kernel, Quant, ReduceOp};
-use super::call::Coll;
+use super::call::{Call, Coll};
 use super::exchange::desc::{CallDesc, RANK_LOCAL};
 use super::host_reduce::{self, HostCall, HostRms};
 use super::kernel_args::*;
 use super::kernels;
-use super::plan::Plan;
 use super::{CollSettings, Collectives, Ctx};
 use crate::comm::exec::{self, ArgBlock, Family, KernelId};
 use crate::error::{Error, Result, Status};
+
+/// Everything a launch needs, decided once (plan.rs, `prepare`).
+pub(in crate::comm) struct Plan {
+    pub call: Call,
+    pub kernel: Kernel,
+    /// The working buffers' offsets (the caller's, or the scratch's when staged).
+    pub desc: CallDesc,
+    pub vec: bool,
+    pub grid: u32,
+    pub threads: u32,
+    /// Blocks per thread-block cluster (the fused cluster kernel), 1 otherwise.
+    pub cluster: u32,
+    /// The fused LL kernels: threads per block that push x (the LL all-reduce's spread).
+    pub push_threads: u32,
+    pub stage_in: Option<exec::Copy>,
+    pub stage_out: Option<exec::Copy>,
+    /// The output's multicast address (MULTIMEM only).
+    pub mc_out: u64,
+}
 
 impl Ctx<'_> {
     /// Submits the plan on its call's stream (runs it, on the host backend).

@@ -18,29 +18,10 @@ use super::algo::{self, DType, Kernel, Quant};
 use super::call::{Call, Coll, Extents};
 use super::exchange::desc::{CallDesc, DescKind, RANK_LOCAL};
 use super::fused_shape::{self, FusedShape};
-use super::launch::{fused_kernel_id, kernel_id_name};
+use super::launch::{fused_kernel_id, kernel_id_name, Plan};
 use super::{CollSettings, Ctx};
-use crate::comm::exec::{Copy, Executor};
+use crate::comm::exec::Executor;
 use crate::error::{Error, Result};
-
-/// Everything a launch needs, decided once.
-pub(in crate::comm) struct Plan {
-    pub call: Call,
-    pub kernel: Kernel,
-    /// The working buffers' offsets (the caller's, or the scratch's when staged).
-    pub desc: CallDesc,
-    pub vec: bool,
-    pub grid: u32,
-    pub threads: u32,
-    /// Blocks per thread-block cluster (the fused cluster kernel), 1 otherwise.
-    pub cluster: u32,
-    /// The fused LL kernels: threads per block that push x (the LL all-reduce's spread).
-    pub push_threads: u32,
-    pub stage_in: Option<Copy>,
-    pub stage_out: Option<Copy>,
-    /// The output's multicast address (MULTIMEM only).
-    pub mc_out: u64,
-}
 
 impl Ctx<'_> {
     /// Places a checked call's buffers (`ext`: `Call::check`), picks its kernel and grid,
