@@ -19,7 +19,7 @@ CUDA_INCLUDE := $(CURDIR)/.toolchain/nvidia/cu13/include
 TORCH_VENV ?= $(CURDIR)/.toolchain/torch-venv-2.11.0
 
 .PHONY: all run build toolchain test test-rust test-c test-python test-torch test-torch-range torch-ext test-install test-wheel wheel lint header kernels install python-install clean
-.PHONY: check check-on-build test-examples test-examples-cpp test-pip-install
+.PHONY: check test-examples test-examples-cpp test-pip-install
 
 all: run
 
@@ -27,10 +27,6 @@ toolchain:
 	@if [ -z "$$NVCC" ] && ! command -v nvcc >/dev/null 2>&1 && [ ! -x $(NVCC) ] || [ ! -x $(CMAKE) ] \
 	  || { [ -x $(NVCC) ] && [ ! -e $(dir $(NVCC))../lib/libcudart.so ]; } \
 	  || ! $(TOOL_PY) -c "import pytest" 2>/dev/null; then PYTHON=$(PYTHON) bash scripts/setup-toolchain.sh; fi
-
-# What the targets that run the release build make first (`check` sets it empty once it has
-# built).
-BUILT ?= build
 
 # SONAME version (build.rs): MAJOR, or 0.MINOR before 1.0.
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
@@ -63,7 +59,7 @@ PY_INCLUDE = $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()
 target/release/_fastcall.abi3.so: python/symmalloc/_fastcall.c
 	$(CC) -O2 -shared -fPIC -Wall -Wextra -Werror -I$(PY_INCLUDE) $< -o $@
 
-test-python: $(BUILT) target/release/_fastcall.abi3.so
+test-python: build target/release/_fastcall.abi3.so
 	cd python && SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release $(TOOL_PY) -m pytest -q tests
 	cd python && SYMMALLOC_BACKEND=host SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release $(TOOL_PY) -m pytest -q tests
 
@@ -98,29 +94,20 @@ test-torch-range: build $(TORCH_VENV)/.installed
 # are in lib/, where nvcc's profile does not look).
 CUDA_EXAMPLE := $(if $(wildcard $(NVCC)),-DCMAKE_CUDA_COMPILER=$(NVCC) -DCMAKE_CUDA_FLAGS=-L$(CURDIR)/.toolchain/nvidia/cu13/lib)
 
-test-c: $(BUILT)
+test-c: build
 	$(CMAKE) -S tests/c -B build/c -DSYMMALLOC_LIB_DIR=$(CURDIR)/target/release \
 	  -DCUDA_INCLUDE_DIR=$(CUDA_INCLUDE) $(CUDA_EXAMPLE) >/dev/null
 	$(CMAKE) --build build/c -j 2
 	$(CTEST) --test-dir build/c --output-on-failure
 
 # The inner loop: no torch venv, no wheel, no install; `make test` runs all of it and more.
-# Two rounds of two jobs each: clippy beside the release build, then cargo test beside the C
-# harness, the Python tests and the examples on that build (given BUILT= so they start at once
-# instead of waiting on cargo's lock of target/ while cargo test compiles). Cargo compiles one
-# at a time (that lock), so what overlaps is one side's tests running with the other's work; the
-# release build is whole before cargo test starts (tests/exports.rs reads it).
-check: toolchain
-	$(MAKE) --no-print-directory -j2 lint build
-	$(MAKE) --no-print-directory -j2 test-rust check-on-build
-check-on-build:
-	$(MAKE) --no-print-directory -j1 BUILT= test-c test-python test-examples
+check: toolchain lint test-rust test-c test-python test-examples
 
 test: test-examples test-examples-cpp test-pip-install
 
 # The examples that run on any machine, on host memory: the demo as `make` runs it (on a machine
 # without a GPU it must pick host memory and pass), its host form, and the C and Python examples.
-test-examples: $(BUILT)
+test-examples: build
 	env -u SYMMALLOC_BACKEND ./target/release/symmalloc-demo
 	SYMMALLOC_BACKEND=host ./target/release/symmalloc-demo >/dev/null
 	@mkdir -p build/examples
