@@ -1,6 +1,6 @@
 //! Every kernel choice of a collective call: the validated values of a call (element type,
 //! operation, the C-visible algorithm), AUTO's choice between the all-reduce algorithms, and
-//! the internal `Kernel` a call runs (barrier or LL). `shape.rs` then shapes the chosen kernel
+//! the internal `Kernel` a call runs (barrier or LL). plan.rs's `shape` then shapes the chosen kernel
 //! (vectors or elements, its grid); `plan.rs` asks each once (docs/DESIGN.md, "The collective
 //! pipeline").
 //!

@@ -2,8 +2,9 @@
 //! AUTO's LL threshold one of its LL kernels (one vector per thread, four, or a row split over
 //! a thread-block cluster) on a grid every rank's GPU holds at once (`fit_resident` over
 //! `fused_ll_shape`), above it the barrier kernel (`fused_barrier_shape`). Whether a kernel
-//! moves vectors, and the other kernels' grids, are shape.rs's. (The comments of
-//! kernels/rms_norm.cuh and rms_norm_cluster.cuh name shape.rs for these choices: they are here.)
+//! moves vectors, and the other kernels' grids, are plan.rs's (`shape`). (The comments of
+//! kernels/rms_norm.cuh and rms_norm_cluster.cuh name shape.rs for these choices: they are
+//! here.)
 //!
 //! Invariant: every shape is a pure function of values equal on every rank (the call's shape,
 //! the communicator's settings and the facts about every rank's GPU agreed at init), so every

@@ -84,7 +84,7 @@ pub fn barrier(c: &HostCall<'_>, epoch: u32, check_desc: bool) -> Result<()> {
         }
         let theirs = desc_word(mine).load(Ordering::Relaxed);
         if check_desc && theirs != c.desc {
-            return Err(Error::not_symmetric(super::desc::mismatch(
+            return Err(Error::not_symmetric(super::exchange::desc::mismatch(
                 c.rank, c.desc, p, theirs,
             )));
         }

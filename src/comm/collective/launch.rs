@@ -1,23 +1,45 @@
 //! The second half of every collective call: `launch` turns a `Plan` (plan.rs) into the
-//! executor's plan (comm/exec/) and submits it: the copy into the scratch, the kernel with its
-//! argument struct (`SymmArgs`, or the fused call's `RmsArgs`) on the plan's grid, the copy
-//! out, ordered after the communicator's previous call; and the CPU twin the host backend runs
-//! instead (host_reduce.rs).
+//! executor's plan (comm/exec/) and submits it: the copy into the scratch, the kernel (its
+//! `KernelId`, `kernel_id`, and its name in the module, `kernel_id_name`) with its argument
+//! struct (`SymmArgs`, or the fused call's `RmsArgs`) on the plan's grid, the copy out, ordered
+//! after the communicator's previous call; and the CPU twin the host backend runs instead
+//! (host_reduce.rs).
 //!
 //! Invariants: a plan's kernel and grid are the same on every rank (plan.rs), so block b meets
-//! block b; kernels of one communicator are ordered (exec/streams.rs), whatever streams carry
-//! them; the argument structs are built here only, from views of the communicator (its peers'
-//! bases and pads, its group's internal block, its settings, its error words).
+//! block b; kernels of one communicator are ordered (exec/gpu.rs, `StreamOrder`), whatever
+//! streams carry them; distinct kernel instances have distinct ids, and an id names exactly the
+//! instance `kernels::kernel_name` / `quant_kernel_name` name for its parts; the argument
+//! structs are built here only, from views of the communicator (its peers' bases and pads, its
+//! group's internal block, its settings, its error words).
 
-use super::call::Coll;
-use super::desc::{CallDesc, RANK_LOCAL};
+use super::algo::{DType, Kernel, Quant, ReduceOp};
+use super::call::{Call, Coll};
+use super::exchange::desc::{CallDesc, RANK_LOCAL};
 use super::host_reduce::{self, HostCall, HostRms};
 use super::kernel_args::*;
-use super::kernel_id::{fused_kernel_id, kernel_id, kernel_id_name};
-use super::plan::Plan;
+use super::kernels;
 use super::{CollSettings, Collectives, Ctx};
-use crate::comm::exec::{self, ArgBlock};
-use crate::error::{Result, Status};
+use crate::comm::exec::{self, ArgBlock, Family, KernelId};
+use crate::error::{Error, Result, Status};
+
+/// Everything a launch needs, decided once (plan.rs, `prepare`).
+pub(in crate::comm) struct Plan {
+    pub call: Call,
+    pub kernel: Kernel,
+    /// The working buffers' offsets (the caller's, or the scratch's when staged).
+    pub desc: CallDesc,
+    pub vec: bool,
+    pub grid: u32,
+    pub threads: u32,
+    /// Blocks per thread-block cluster (the fused cluster kernel), 1 otherwise.
+    pub cluster: u32,
+    /// The fused LL kernels: threads per block that push x (the LL all-reduce's spread).
+    pub push_threads: u32,
+    pub stage_in: Option<exec::Copy>,
+    pub stage_out: Option<exec::Copy>,
+    /// The output's multicast address (MULTIMEM only).
+    pub mc_out: u64,
+}
 
 impl Ctx<'_> {
     /// Submits the plan on its call's stream (runs it, on the host backend).
@@ -201,4 +223,125 @@ fn buffers(bases: &[u64], desc: &CallDesc) -> ([u64; MAX_RANKS], [u64; MAX_RANKS
         }
     }
     (inputs, outputs)
+}
+
+// The collectives' kernels as the executor knows them (comm/exec/): an id per instance (kernel,
+// type, op, vector width; or the fused call's FP8-output instance), packed into `KernelId`, and
+// its name in the module (kernels.rs), asked only on the instance's first launch (tested below).
+
+const KERNELS: [Kernel; 11] = [
+    Kernel::OneShot,
+    Kernel::OneShotLL,
+    Kernel::TwoShot,
+    Kernel::Multimem,
+    Kernel::ReduceScatter,
+    Kernel::ReduceScatterLL,
+    Kernel::AllGather,
+    Kernel::AddRmsNorm,
+    Kernel::AddRmsNormLL,
+    Kernel::AddRmsNormLL1,
+    Kernel::AddRmsNormLLC,
+];
+const DTYPES: [DType; 3] = [DType::Bf16, DType::Fp16, DType::Fp32];
+const OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min];
+const QUANTS: [Quant; 3] = [Quant::Static, Quant::PerToken, Quant::PerGroup128];
+
+/// The id of the instance (kernel, type, op, vector width) (`kernels::kernel_name`).
+pub(in crate::comm) fn kernel_id(
+    kernel: Kernel,
+    dtype: DType,
+    op: ReduceOp,
+    vec: bool,
+) -> KernelId {
+    let key = (kernel as u64) << 16 | (dtype as u64) << 8 | (op as u64) << 4 | vec as u64;
+    KernelId::new(Family::Collective, key)
+}
+
+/// The id of a fused kernel's instance: its bf16/fp16-output one (`kernel_id`), or its FP8 one
+/// of `quant`'s mode (`kernels::quant_kernel_name`).
+pub(in crate::comm) fn fused_kernel_id(
+    kernel: Kernel,
+    dtype: DType,
+    quant: Option<Quant>,
+) -> KernelId {
+    match quant {
+        None => kernel_id(kernel, dtype, ReduceOp::Sum, true),
+        Some(q) => KernelId::new(
+            Family::CollectiveFp8,
+            (kernel as u64) << 16 | (dtype as u64) << 8 | q as u64,
+        ),
+    }
+}
+
+/// The name of a collective kernel id, or why the module has no such instance.
+pub(in crate::comm) fn kernel_id_name(id: KernelId) -> Result<String> {
+    let k = id.key();
+    let kernel = KERNELS[(k >> 16) as usize & 0xff];
+    let dtype = DTYPES[(k >> 8) as usize & 0xf];
+    if id == KernelId::new(Family::Collective, k) {
+        let (op, vec) = (OPS[(k >> 4) as usize & 0xf], k & 1 == 1);
+        return kernels::kernel_name(kernel, dtype, op, vec).ok_or_else(|| {
+            Error::unsupported(format!(
+                "no {} kernel for {} {}",
+                kernel.name(),
+                dtype.name(),
+                op.name()
+            ))
+        });
+    }
+    let q = QUANTS[k as usize & 0xf];
+    kernels::quant_kernel_name(kernel, dtype, q).ok_or_else(|| {
+        Error::unsupported(format!(
+            "no {} kernel with {} output for {}",
+            kernel.name(),
+            q.name(),
+            dtype.name()
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_id_names_its_instance() {
+        for &k in &KERNELS {
+            for &d in &DTYPES {
+                for &op in &OPS {
+                    for vec in [false, true] {
+                        let id = kernel_id(k, d, op, vec);
+                        match kernels::kernel_name(k, d, op, vec) {
+                            Some(n) => assert_eq!(kernel_id_name(id).unwrap(), n),
+                            None => assert!(kernel_id_name(id).is_err()),
+                        }
+                    }
+                }
+                for &q in &QUANTS {
+                    let id = fused_kernel_id(k, d, Some(q));
+                    match kernels::quant_kernel_name(k, d, q) {
+                        Some(n) => assert_eq!(kernel_id_name(id).unwrap(), n),
+                        None => assert!(kernel_id_name(id).is_err()),
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn kernel_ids_are_distinct() {
+        let mut seen = std::collections::HashSet::new();
+        for &k in &KERNELS {
+            for &d in &DTYPES {
+                for &op in &OPS {
+                    for vec in [false, true] {
+                        assert!(seen.insert(kernel_id(k, d, op, vec)));
+                    }
+                }
+                for &q in &QUANTS {
+                    assert!(seen.insert(fused_kernel_id(k, d, Some(q))));
+                }
+            }
+        }
+    }
 }

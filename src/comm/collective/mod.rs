@@ -4,9 +4,9 @@
 //! builds a `Call` (call.rs: what was asked, checked); `begin_call` reports earlier errors
 //! (error_word.rs) and unmaps what peers released (peer/retire.rs); `prepare` turns the call
 //! into a `Plan` (plan.rs: the kernel from algo.rs, its shape (vectors or elements, grid) from
-//! shape.rs (the fused call's: fused_shape.rs), the buffers from place.rs, the descriptor of
-//! desc.rs, the segment exchange of exchange.rs); `launch` hands it to the executor as a
-//! comm/exec/ plan (launch.rs: kernel id (kernel_id.rs), grid, argument struct, copies, and the
+//! plan.rs's `shape` (the fused call's: fused_shape.rs), the buffers from place.rs, the descriptor and the
+//! segment exchange of exchange.rs); `launch` hands it to the executor as a
+//! comm/exec/ plan (launch.rs: kernel id, grid, argument struct, copies, and the
 //! CPU twin host_reduce.rs / host_norm.rs). `kernels.rs` and `kernel_args.rs` are what the host
 //! shares with the kernels (the generated kernels/instances.cu and kernels/symm_constants.cuh
 //! come from them); `convert.rs` holds the number formats.
@@ -26,21 +26,16 @@
 pub mod algo;
 pub mod call;
 pub mod convert;
-pub(in crate::comm) mod desc;
 pub(in crate::comm) mod error_word;
 pub(in crate::comm) mod exchange;
 pub mod fused_shape;
 pub mod host_norm;
 pub mod host_reduce;
 pub mod kernel_args;
-mod kernel_id;
 pub mod kernels;
 mod launch;
 pub(in crate::comm) mod place;
 mod plan;
-pub mod shape;
-/// The stream order moved to the execution layer, which applies it to every launch.
-pub use crate::comm::exec::streams;
 
 use crate::comm::exec::Executor;
 use crate::comm::peer::PeerView;

@@ -15,10 +15,11 @@
 //! docs/DESIGN.md).
 
 use super::call::{Call, Coll, Extents};
-use super::desc::meeting_word;
 use super::exchange::add_chunks;
+use super::exchange::desc::meeting_word;
 use super::host_reduce;
-use super::Ctx;
+use super::{CollSettings, Collectives, Ctx};
+use crate::comm::peer::PeerView;
 use crate::error::{Error, Result};
 use crate::heap::device_heap::{DeviceHeap, SegmentInfo};
 use crate::heap::Allocator;
@@ -87,21 +88,28 @@ impl Ctx<'_> {
     pub(super) fn placement(&mut self, call: &Call, ext: Extents) -> Result<Placement> {
         let place = self.place(call, ext)?;
         let staged = matches!(place, Place::Scratch { .. });
-        // On the host backend, a rank that is about to make a scratch segment or share a
+        // Where the CPU runs the collectives (the executor decides), a rank that is about to make a scratch segment or share a
         // segment meets its peers before it does: a peer with nothing new (its buffers in the
         // heap where this rank stages, or other buffers) is then at this call's first barrier,
         // and both fail at once instead of waiting for each other. Every rank meets when the
         // comparison is forced (SYMMALLOC_CHECK_SYMMETRY, equal on every rank). On CUDA there
         // is no meeting, so nothing of this is worked out on the call's path.
-        if self.exec.meets_before_sharing() {
-            let make = match place {
-                Place::Scratch { len, .. } => self.scratch_to_make(len),
+        let (settings, coll, peer) = (self.settings, &mut *self.coll, &*self.peer);
+        let (alloc, device, rank) = (self.alloc, self.device, self.rank);
+        let place_ref = &place;
+        self.exec.meet_before_sharing(&mut || {
+            let make = match place_ref {
+                Place::Scratch { len, .. } => scratch_to_make(coll.scratch, *len),
                 Place::Heap { .. } => None,
             };
-            if self.settings.check_symmetry || make.is_some() || self.shares_new(&place)? {
-                self.meet_before_sharing(staged, make)?;
+            if settings.check_symmetry
+                || make.is_some()
+                || shares_new(alloc, device, coll.scratch, peer, place_ref)?
+            {
+                meet_before_sharing(rank, peer, settings, coll, staged, make)?;
             }
-        }
+            Ok(())
+        })?;
         self.stage(call, ext, place)
     }
 
@@ -171,20 +179,6 @@ impl Ctx<'_> {
         }
     }
 
-    /// Whether running at `place` makes this rank share a segment its peers have not mapped:
-    /// one of the caller's, or a scratch it has yet to make (or grow) or to share.
-    fn shares_new(&self, place: &Place) -> Result<bool> {
-        match place {
-            Place::Heap { segs, .. } => Ok(segs.iter().any(|s| self.peer.windows.needs_sharing(s))),
-            Place::Scratch { len, .. } => match self.coll.scratch {
-                Some((p, size)) if size >= *len => Ok(self
-                    .locate(p, size)?
-                    .is_none_or(|c| c.iter().any(|s| self.peer.windows.needs_sharing(s)))),
-                _ => Ok(true),
-            },
-        }
-    }
-
     /// The buffers the kernel uses at `place`: for the scratch, made (or grown) here, with the
     /// copies in and out.
     fn stage(&mut self, call: &Call, ext: Extents, place: Place) -> Result<Placement> {
@@ -221,19 +215,10 @@ impl Ctx<'_> {
         })
     }
 
-    /// The scratch a call staging `bytes` makes: None when the current one holds them, else
-    /// its size (a power of two, at least 1 MiB; the same on every rank for the same call).
-    fn scratch_to_make(&self, bytes: u64) -> Option<u64> {
-        match self.coll.scratch {
-            Some((_, size)) if size >= bytes => None,
-            _ => Some(bytes.next_power_of_two().max(1 << 20)),
-        }
-    }
-
     /// Makes (or grows) the scratch to hold `bytes`, at the same offset on every rank for the
     /// same call; returns its address.
     fn ensure_scratch(&mut self, bytes: u64) -> Result<u64> {
-        let Some(size) = self.scratch_to_make(bytes) else {
+        let Some(size) = scratch_to_make(self.coll.scratch, bytes) else {
             return Ok(self.coll.scratch.expect("it holds them").0);
         };
         if let Some((p, old)) = self.coll.scratch {
@@ -257,31 +242,65 @@ impl Ctx<'_> {
     fn locate(&self, ptr: u64, bytes: u64) -> Result<Option<Vec<SegmentInfo>>> {
         locate(self.alloc, self.device, ptr, bytes)
     }
+}
 
-    /// Before this rank makes a scratch segment or shares a segment (`staged`: it stages the
-    /// call; `make`: the bytes of scratch it makes, a power of two), it meets its peers on the
-    /// host backend: every peer that does the same meets it
-    /// here, and one that has nothing new is at the call's own first barrier, whose digest never
-    /// equals this word, so both fail at once with NOT_SYMMETRIC instead of one waiting in the
-    /// exchange and the other at the barrier. Two barriers, so no peer can write its next
-    /// barrier's word over this one before this rank has compared it. A timeout breaks the
-    /// communicator (as in a host collective). Host backend only: CUDA has no meeting (see
-    /// docs/DESIGN.md), and `placement` calls this only on the host.
-    fn meet_before_sharing(&mut self, staged: bool, make: Option<u64>) -> Result<()> {
-        debug_assert!(self.exec.meets_before_sharing());
-        let word = meeting_word(staged, make);
-        let r = host_reduce::meet(
-            self.rank,
-            &self.peer.pads,
-            word,
-            self.settings.timeout,
-            &mut self.coll.host_epoch,
-        );
-        if let Err(e) = &r {
-            if e.status == crate::error::Status::ErrTimeout {
-                self.coll.sticky = Some(e.clone());
-            }
-        }
-        r
+/// Whether running at `place` makes this rank share a segment its peers have not mapped: one of
+/// the caller's, or a scratch it has yet to make (or grow) or to share (`scratch`: the
+/// communicator's).
+fn shares_new(
+    alloc: &Allocator,
+    device: i32,
+    scratch: Option<(u64, u64)>,
+    peer: &PeerView,
+    place: &Place,
+) -> Result<bool> {
+    match place {
+        Place::Heap { segs, .. } => Ok(segs.iter().any(|s| peer.windows.needs_sharing(s))),
+        Place::Scratch { len, .. } => match scratch {
+            Some((p, size)) if size >= *len => Ok(locate(alloc, device, p, size)?
+                .is_none_or(|c| c.iter().any(|s| peer.windows.needs_sharing(s)))),
+            _ => Ok(true),
+        },
     }
+}
+
+/// The scratch a call staging `bytes` makes: None when the current one (`scratch`) holds them,
+/// else its size (a power of two, at least 1 MiB; the same on every rank for the same call).
+fn scratch_to_make(scratch: Option<(u64, u64)>, bytes: u64) -> Option<u64> {
+    match scratch {
+        Some((_, size)) if size >= bytes => None,
+        _ => Some(bytes.next_power_of_two().max(1 << 20)),
+    }
+}
+
+/// Before this rank makes a scratch segment or shares a segment (`staged`: it stages the call;
+/// `make`: the bytes of scratch it makes, a power of two), it meets its peers: every peer that
+/// does the same meets it here, and one that has nothing new is at the call's own first
+/// barrier, whose digest never equals this word, so both fail at once with NOT_SYMMETRIC
+/// instead of one waiting in the exchange and the other at the barrier. Two barriers, so no
+/// peer can write its next barrier's word over this one before this rank has compared it. A
+/// timeout breaks the communicator (as in a host collective). The CPU's executor runs it
+/// (`Executor::meet_before_sharing`); CUDA has no meeting (see docs/DESIGN.md).
+fn meet_before_sharing(
+    rank: usize,
+    peer: &PeerView,
+    settings: &CollSettings,
+    coll: &mut Collectives,
+    staged: bool,
+    make: Option<u64>,
+) -> Result<()> {
+    let word = meeting_word(staged, make);
+    let r = host_reduce::meet(
+        rank,
+        &peer.pads,
+        word,
+        settings.timeout,
+        &mut coll.host_epoch,
+    );
+    if let Err(e) = &r {
+        if e.status == crate::error::Status::ErrTimeout {
+            coll.sticky = Some(e.clone());
+        }
+    }
+    r
 }

@@ -1,12 +1,12 @@
 //! The first half of every collective call: `prepare` turns a checked `Call` into a `Plan`, doing
 //! the shared setup once (where the buffers are and what is staged through the scratch: place.rs;
-//! which kernel: algo.rs; its vectors and grid: shape.rs, the fused call's kernel and grid:
-//! fused_shape.rs; the call descriptor: desc.rs; the segment exchange with the peers: exchange.rs;
+//! which kernel: algo.rs; its vectors and grid: `shape`, below, the fused call's kernel and grid:
+//! fused_shape.rs; the call descriptor and the segment exchange with the peers: exchange.rs;
 //! the multicast window, for MULTIMEM: peer/mc_window.rs). `launch.rs` then enqueues the plan.
 //! NCCL's enqueue.cc (plan, then launch) is the model; docs/DESIGN.md, "The collective pipeline",
 //! walks one call through both.
 //!
-//! Invariants: every decision in a plan reads only values equal on every rank (algo.rs, shape.rs,
+//! Invariants: every decision in a plan reads only values equal on every rank (algo.rs, `shape`,
 //! fused_shape.rs), so every rank plans the same kernel and grid for the same call; whether a rank
 //! stages is decided before it makes any scratch, and a rank that is about to make a scratch
 //! segment or share one first meets its peers (place.rs, `meet_before_sharing`; the host backend),
@@ -16,32 +16,12 @@
 
 use super::algo::{self, DType, Kernel, Quant};
 use super::call::{Call, Coll, Extents};
-use super::desc::{CallDesc, DescKind, RANK_LOCAL};
+use super::exchange::desc::{CallDesc, DescKind, RANK_LOCAL};
 use super::fused_shape::{self, FusedShape};
-use super::kernel_id::{fused_kernel_id, kernel_id_name};
-use super::shape;
-use super::Ctx;
-use crate::comm::exec::Copy;
+use super::launch::{fused_kernel_id, kernel_id_name, Plan};
+use super::{CollSettings, Ctx};
+use crate::comm::exec::Executor;
 use crate::error::{Error, Result};
-
-/// Everything a launch needs, decided once.
-pub(in crate::comm) struct Plan {
-    pub call: Call,
-    pub kernel: Kernel,
-    /// The working buffers' offsets (the caller's, or the scratch's when staged).
-    pub desc: CallDesc,
-    pub vec: bool,
-    pub grid: u32,
-    pub threads: u32,
-    /// Blocks per thread-block cluster (the fused cluster kernel), 1 otherwise.
-    pub cluster: u32,
-    /// The fused LL kernels: threads per block that push x (the LL all-reduce's spread).
-    pub push_threads: u32,
-    pub stage_in: Option<Copy>,
-    pub stage_out: Option<Copy>,
-    /// The output's multicast address (MULTIMEM only).
-    pub mc_out: u64,
-}
 
 impl Ctx<'_> {
     /// Places a checked call's buffers (`ext`: `Call::check`), picks its kernel and grid,
@@ -82,23 +62,21 @@ impl Ctx<'_> {
                 0,
             ),
             Coll::AddRmsNorm(r) => {
-                // The host backend runs the fused call's CPU twin, which has no grid.
-                let kernel = if !self.exec.has_grid() {
-                    Kernel::AddRmsNorm
-                } else {
+                // Where plans carry a grid; the CPU's twin of the fused call has none.
+                let settings = self.settings;
+                self.exec.shape(&mut |exec| {
                     // The LL all-reduce's spread for a message of this size.
-                    push_threads = shape::ll_threads(call.count / 8, self.settings.ll_grid);
+                    push_threads = shape::ll_threads(call.count / 8, settings.ll_grid);
                     let q = r.quant.map(|q| q.mode);
-                    let s = self.fused_shape(
-                        r.tokens,
-                        r.hidden,
-                        push_threads,
-                        ext.send,
+                    fused = Some(fused_shape(
+                        settings,
+                        exec,
+                        (r.tokens, r.hidden, push_threads, ext.send),
                         (call.dtype, q),
-                    )?;
-                    fused = Some(s);
-                    s.kernel
-                };
+                    )?);
+                    Ok(())
+                })?;
+                let kernel = fused.map_or(Kernel::AddRmsNorm, |s| s.kernel);
                 // The output format is part of what ranks agree on (bits 32 and up: 0 for
                 // bf16/fp16, 1 + symm_quant_t for FP8).
                 let format = r.quant.map_or(0, |q| 1 + q.mode.code() as u64);
@@ -129,18 +107,22 @@ impl Ctx<'_> {
             _ => &[desc.send_off, recv_off],
         };
         let vec = shape::vectors(kernel, shared, ext.slice);
-        let (grid, threads, cluster) = if !self.exec.has_grid() {
-            (0, 0, 1)
-        } else if let Some(s) = fused {
-            (s.grid, s.threads, s.cluster)
-        } else if kernel.is_ll() {
-            let (g, t) = shape::ll_shape(ext.slice.div_ceil(16), self.settings.ll_grid);
-            (g, t, 1)
-        } else {
-            let items = if vec { ext.slice / 16 } else { call.count };
-            let (g, t) = shape::barrier_shape(kernel, items, self.world, vec, self.settings.sms);
-            (g, t, 1)
-        };
+        // (0, 0, 1) where the CPU runs the twin, which has no grid.
+        let (mut grid, mut threads, mut cluster) = (0, 0, 1);
+        let (settings, world) = (self.settings, self.world);
+        self.exec.shape(&mut |_| {
+            (grid, threads, cluster) = if let Some(s) = fused {
+                (s.grid, s.threads, s.cluster)
+            } else if kernel.is_ll() {
+                let (g, t) = shape::ll_shape(ext.slice.div_ceil(16), settings.ll_grid);
+                (g, t, 1)
+            } else {
+                let items = if vec { ext.slice / 16 } else { call.count };
+                let (g, t) = shape::barrier_shape(kernel, items, world, vec, settings.sms);
+                (g, t, 1)
+            };
+            Ok(())
+        })?;
         let mc_out = if kernel == Kernel::Multimem {
             // Past the gate: the output segment's multicast window (built collectively once).
             // The chunk under the output (a segment that grew in place has several).
@@ -206,50 +188,181 @@ impl Ctx<'_> {
             .map_err(|why| Error::unsupported(format!("SYMM_ALGO_MULTIMEM refused: {why}")))?;
         algo::check_multimem_call(call.send, call.recv, call.count, call.dtype, call.op)
     }
+}
 
-    /// The fused call's kernel and grid: the LL kernels on a grid every rank's GPU holds at
-    /// once (fused_shape.rs) up to AUTO's LL threshold, the barrier kernel above it.
-    fn fused_shape(
-        &mut self,
-        tokens: u64,
-        hidden: u64,
-        push_threads: u32,
-        bytes: u64,
-        (dtype, quant): (DType, Option<Quant>),
-    ) -> Result<FusedShape> {
-        let (ll_max, clusters) = (self.settings.auto.ll_max, self.settings.clusters);
-        let s = fused_shape::fit_resident(
-            self.settings.ll_grid.0,
-            |blocks| {
-                fused_shape::fused_ll_shape(
-                    tokens,
-                    hidden,
-                    push_threads,
-                    bytes,
-                    ll_max,
-                    blocks,
-                    clusters,
-                )
-            },
-            |s| self.resident_blocks(s, dtype, quant),
-        )?;
-        Ok(s.unwrap_or_else(|| fused_shape::fused_barrier_shape(tokens, hidden)))
+/// The fused call's kernel and grid: the LL kernels on a grid every rank's GPU holds at once
+/// (fused_shape.rs) up to AUTO's LL threshold, the barrier kernel above it.
+fn fused_shape(
+    settings: &CollSettings,
+    exec: &mut dyn Executor,
+    (tokens, hidden, push_threads, bytes): (u64, u64, u32, u64),
+    (dtype, quant): (DType, Option<Quant>),
+) -> Result<FusedShape> {
+    let (ll_max, clusters) = (settings.auto.ll_max, settings.clusters);
+    let s = fused_shape::fit_resident(
+        settings.ll_grid.0,
+        |blocks| {
+            fused_shape::fused_ll_shape(
+                tokens,
+                hidden,
+                push_threads,
+                bytes,
+                ll_max,
+                blocks,
+                clusters,
+            )
+        },
+        |s| resident_blocks(settings, exec, s, dtype, quant),
+    )?;
+    Ok(s.unwrap_or_else(|| fused_shape::fused_barrier_shape(tokens, hidden)))
+}
+
+/// How many blocks of this shape's kernel every rank's GPU holds at once: blocks per SM (asked
+/// of the driver once per kernel and block size; the same on every rank of one architecture)
+/// times the fewest SMs of any rank. For clusters this leaves out how a GPU groups its SMs (a
+/// cluster cannot span groups, and the grouping differs between chips of one model, so it is no
+/// input every rank shares): the cluster kernel holds two blocks per SM at its widest (512
+/// threads), twice what the LL grid asks of 128 SMs.
+fn resident_blocks(
+    settings: &CollSettings,
+    exec: &mut dyn Executor,
+    s: &FusedShape,
+    dtype: DType,
+    quant: Option<Quant>,
+) -> Result<u64> {
+    let id = fused_kernel_id(s.kernel, dtype, quant);
+    let per_sm = exec.blocks_per_sm(id, kernel_id_name, s.threads)?;
+    Ok(per_sm as u64 * settings.fewest_sms as u64)
+}
+
+pub(super) mod shape {
+    //! Shapes: whether a chosen kernel (algo.rs) moves 16-byte vectors or single elements
+    //! (`vectors`, every kernel), and how many blocks and threads an all-reduce, reduce-scatter or
+    //! all-gather kernel runs on (`ll_shape` for the LL kernels, `barrier_shape` for the others).
+    //! The fused all-reduce + RMSNorm call's kernel and grid are fused_shape.rs's.
+    //!
+    //! Invariant: every shape is a pure function of values equal on every rank (the call's shared
+    //! words, the communicator's settings and the facts about every rank's GPU agreed at init), so
+    //! block b of every rank meets block b of every other (docs/DESIGN.md, "Kernels and their
+    //! grids").
+
+    use crate::comm::collective::algo::Kernel;
+    use crate::comm::collective::kernel_args::{MAX_BLOCKS, THREADS};
+
+    /// Whether a kernel moves 16-byte vectors (else single elements). The LL reduce-scatter and
+    /// the fused kernels exist only with vectors (their plans check the alignment they need);
+    /// the others take vectors when every offset in `offsets` is 16-byte aligned, and for
+    /// reduce-scatter and all-gather, whose items are a rank's slice, when the slice is whole
+    /// vectors. (The heap bases of every rank are aligned far beyond 16 bytes, so offsets decide.)
+    pub fn vectors(kernel: Kernel, offsets: &[u64], slice_bytes: u64) -> bool {
+        let aligned = offsets.iter().all(|o| o % 16 == 0);
+        match kernel {
+            Kernel::ReduceScatterLL
+            | Kernel::AddRmsNorm
+            | Kernel::AddRmsNormLL
+            | Kernel::AddRmsNormLL1
+            | Kernel::AddRmsNormLLC => true,
+            Kernel::ReduceScatter | Kernel::AllGather => aligned && slice_bytes % 16 == 0,
+            _ => aligned,
+        }
     }
 
-    /// How many blocks of this shape's kernel every rank's GPU holds at once: blocks per SM
-    /// (asked of the driver once per kernel and block size; the same on every rank of one
-    /// architecture) times the fewest SMs of any rank. For clusters this leaves out how a GPU
-    /// groups its SMs (a cluster cannot span groups, and the grouping differs between chips of
-    /// one model, so it is no input every rank shares): the cluster kernel holds two blocks per
-    /// SM at its widest (512 threads), twice what the LL grid asks of 128 SMs.
-    fn resident_blocks(
-        &mut self,
-        s: &FusedShape,
-        dtype: DType,
-        quant: Option<Quant>,
-    ) -> Result<u64> {
-        let id = fused_kernel_id(s.kernel, dtype, quant);
-        let per_sm = self.exec.blocks_per_sm(id, kernel_id_name, s.threads)?;
-        Ok(per_sm as u64 * self.settings.fewest_sms as u64)
+    /// Threads per block for an LL call of `items` 16-byte items: enough to give every block a
+    /// share (a power of two, at least 64), at most the grid's limit. A pure function of the
+    /// message, so every rank maps items to the same threads.
+    pub fn ll_threads(items: u64, (blocks, max_threads): (u32, u32)) -> u32 {
+        items
+            .div_ceil(blocks as u64)
+            .next_power_of_two()
+            .clamp(64, max_threads as u64) as u32
+    }
+
+    /// Grid and block of an LL call of `items` 16-byte items: ll_threads per block, and just the
+    /// blocks that have items (an item per thread), at most the LL grid's; `ll_end` (kernels/ll.cuh)
+    /// keeps the call counters in step whatever the grid. A pure function of the message and of the
+    /// communicator's LL grid (equal on every rank).
+    pub fn ll_shape(items: u64, ll_grid: (u32, u32)) -> (u32, u32) {
+        let threads = ll_threads(items, ll_grid);
+        let blocks = items
+            .div_ceil(threads as u64)
+            .clamp(1, ll_grid.0.max(1) as u64);
+        (blocks as u32, threads)
+    }
+
+    /// Grid and block of a barrier kernel moving `items` (16-byte vectors, or elements): one item
+    /// per thread per round, `per_thread` items per round for the unrolled kernels; the two-shot
+    /// and multimem kernels cover a rank's slice (items / world); the one-shot grid stays within a
+    /// quarter of the SMs (at most 32 blocks: every block reads every rank). At least one block.
+    pub fn barrier_shape(
+        kernel: Kernel,
+        items: u64,
+        world: usize,
+        vec: bool,
+        sms: u32,
+    ) -> (u32, u32) {
+        let sliced = matches!(kernel, Kernel::TwoShot | Kernel::Multimem);
+        let sg = matches!(kernel, Kernel::ReduceScatter | Kernel::AllGather);
+        let per_rank = if sliced {
+            items.div_ceil(world as u64)
+        } else {
+            items
+        };
+        let cap = if sliced || sg {
+            MAX_BLOCKS as u64
+        } else {
+            (sms as u64 / 4).clamp(1, 32)
+        };
+        let per_block = THREADS as u64
+            * match kernel {
+                Kernel::TwoShot if vec => crate::comm::collective::kernel_args::TWO_SHOT_UNROLL,
+                Kernel::ReduceScatter | Kernel::AllGather if vec => {
+                    crate::comm::collective::kernel_args::SG_UNROLL
+                }
+                _ => 1,
+            };
+        (per_rank.div_ceil(per_block).clamp(1, cap) as u32, THREADS)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn vectors_need_aligned_shared_offsets_and_whole_slices() {
+            assert!(vectors(Kernel::OneShot, &[0, 4096], 0));
+            assert!(!vectors(Kernel::OneShot, &[8, 4096], 0));
+            assert!(vectors(Kernel::AllGather, &[4096], 32));
+            assert!(
+                !vectors(Kernel::AllGather, &[4096], 24),
+                "a slice of 12 bf16"
+            );
+            assert!(!vectors(Kernel::OneShotLL, &[8], 6), "the scalar LL kernel");
+            assert!(vectors(Kernel::ReduceScatterLL, &[0], 16), "vectors only");
+        }
+
+        #[test]
+        fn ll_calls_run_on_the_blocks_that_have_items() {
+            assert_eq!(ll_shape(1, (128, 512)), (1, 64));
+            assert_eq!(ll_shape(512, (128, 512)), (8, 64), "8 KiB bf16");
+            assert_eq!(ll_shape(513, (128, 512)), (9, 64));
+            assert_eq!(ll_shape(16384, (128, 512)), (128, 128), "256 KiB");
+            assert_eq!(ll_shape(1 << 20, (128, 512)), (128, 512), "grid-stride");
+            assert_eq!(ll_shape(512, (4, 512)), (4, 128), "a smaller LL grid");
+            assert_eq!(
+                ll_shape(0, (128, 512)),
+                (1, 64),
+                "an empty call still bumps the counters"
+            );
+        }
+
+        #[test]
+        fn ll_threads_spread_a_message_over_every_block() {
+            assert_eq!(ll_threads(1, (128, 512)), 64, "at least two warps");
+            assert_eq!(ll_threads(512, (128, 512)), 64);
+            assert_eq!(ll_threads(16384, (128, 512)), 128);
+            assert_eq!(ll_threads(65536, (128, 512)), 512);
+            assert_eq!(ll_threads(1 << 20, (128, 512)), 512, "capped");
+            assert_eq!(ll_threads(65536, (128, 256)), 256);
+        }
     }
 }

@@ -9,8 +9,8 @@
 //! kernel takes them), the copies before and after it, whether it joins the communicator's
 //! stream order, and the CPU twin (what the host backend runs instead). The stages build plans
 //! (collective/plan.rs and launch.rs, p2p/, moe/launch.rs); the executor applies what every
-//! launch needs: the order after the communicator's previous launch (streams.rs), the kernel
-//! looked up once (one cache for every kernel), the copies, the launch. A stage reaches the
+//! launch needs: the order after the communicator's previous launch (gpu.rs, `StreamOrder`),
+//! the kernel looked up once (one cache for every kernel), the copies, the launch. A stage reaches the
 //! executor only through a begun call (comm/calls.rs, `begin`: the error words read, the
 //! peers' released segments retired), so every launch gets those too.
 //!
@@ -27,7 +27,6 @@
 
 pub mod cpu;
 pub mod gpu;
-pub mod streams;
 
 use crate::error::Result;
 
@@ -155,12 +154,15 @@ pub struct Plan<'a> {
 
 /// Runs plans, and answers what a plan builder must know of where they run.
 pub trait Executor: Send {
-    /// "cuda" or "host" (the heap's backend it was chosen for).
+    /// "cuda" or "host" (the heap's backend it was chosen for; at most 8 bytes: the ranks agree
+    /// on it as one word, group/init.rs).
     fn backend(&self) -> &'static str;
     /// Runs (enqueues) a plan: the stream order, the copy in, the work, the copy out.
     fn submit(&mut self, plan: Plan<'_>) -> Result<()>;
-    /// Whether plans carry a grid (a device runs kernels); false where the CPU runs them.
-    fn has_grid(&self) -> bool;
+    /// Runs `shape`, a builder's step that works out a plan's kernel grid (it may ask this
+    /// executor's occupancy, `blocks_per_sm`), where plans carry a grid; the CPU runs twins,
+    /// which have none, and skips it. Returns whether it ran.
+    fn shape(&mut self, shape: &mut dyn FnMut(&mut dyn Executor) -> Result<()>) -> Result<bool>;
     /// Blocks of `kernel` with `block` threads one SM holds at once (asked once per pair).
     fn blocks_per_sm(
         &mut self,
@@ -170,9 +172,10 @@ pub trait Executor: Send {
     ) -> Result<u32>;
     /// Whether this device supports multicast objects (the gate decides whether they are used).
     fn multicast(&self) -> Result<bool>;
-    /// Whether a rank meets its peers before it makes or shares a segment (collective/place.rs):
-    /// the CPU's collectives can, kernels cannot.
-    fn meets_before_sharing(&self) -> bool;
+    /// Runs `meeting`, the ranks meeting before one makes or shares a segment
+    /// (collective/place.rs), where the collectives run on the CPU and can meet; kernels
+    /// cannot, so the GPU skips it (and nothing of it is worked out on a call's path).
+    fn meet_before_sharing(&mut self, meeting: &mut dyn FnMut() -> Result<()>) -> Result<()>;
     /// Zeroes `bytes` bytes at `addr` before any peer can see them; synchronous.
     fn zero(&self, addr: u64, bytes: u64) -> Result<()>;
     /// Readies an internal block: `zero_len` bytes at `zero_at` to 0 and, where kernels use

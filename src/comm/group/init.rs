@@ -194,7 +194,7 @@ impl Communicator {
         // learn who every rank is.
         let words = settings.words();
         let mut hello = Vec::new();
-        for w in [device as u64, heap_size, backend_code(backend)]
+        for w in [device as u64, heap_size, backend_word(backend)]
             .iter()
             .chain(&words)
             .chain(&me.words())
@@ -224,7 +224,7 @@ impl Communicator {
                     describe_settings(&words)
                 )));
             }
-            if b != backend_code(backend) {
+            if b != backend_word(backend) {
                 return Err(Error::invalid(format!(
                     "rank {r} uses the {} backend, rank {rank} the {backend}; set \
                      SYMMALLOC_BACKEND alike",
@@ -424,18 +424,31 @@ impl Communicator {
     }
 }
 
-/// The backend as a word of the init agreement (the names of `Backend::name()`).
-fn backend_code(name: &str) -> u64 {
-    match name {
-        "host" => 1,
-        _ => 0,
-    }
+/// The executor's backend as a word of the init agreement: its name's bytes (at most 8,
+/// `Executor::backend`), so no backend is named here.
+fn backend_word(name: &str) -> u64 {
+    let mut b = [0u8; 8];
+    let n = name.len().min(8);
+    b[..n].copy_from_slice(&name.as_bytes()[..n]);
+    u64::from_le_bytes(b)
 }
 
-/// The backend of an agreement word, for messages.
-fn backend_name(code: u64) -> &'static str {
-    match code {
-        1 => "host",
-        _ => "cuda",
+/// The backend's name in an agreement word, for messages.
+fn backend_name(word: u64) -> String {
+    let b = word.to_le_bytes();
+    String::from_utf8_lossy(&b[..b.iter().position(|&c| c == 0).unwrap_or(8)]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{backend_name, backend_word};
+
+    #[test]
+    fn a_backend_word_names_its_backend_and_tells_backends_apart() {
+        for name in ["cuda", "host"] {
+            assert_eq!(backend_name(backend_word(name)), name);
+        }
+        assert_ne!(backend_word("cuda"), backend_word("host"));
+        assert_ne!(backend_word("cuda"), 0);
     }
 }

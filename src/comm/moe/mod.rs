@@ -64,6 +64,8 @@ pub struct Moe {
     pub grid: u32,
     /// Host-mapped status words the kernels store into (where kernels run: CUDA).
     status: Option<cuda::mem::MappedWord>,
+    /// Its communicator's kind of executor (destroy waits on it; the object outlives it).
+    exec: Box<dyn crate::comm::exec::Executor>,
     /// The host backend's call counters (the kernels count in the block's ctrl part).
     d_epoch: u64,
     c_epoch: u64,
@@ -200,10 +202,8 @@ impl Moe {
     /// Gives the block back (after the device's work that may use it). Local: every rank's
     /// kernels that write into this block have finished once this rank's last call did.
     pub fn destroy(self) -> Result<()> {
-        // Its kernels (those that have status words to store into) may still run.
-        if self.status.is_some() {
-            cuda::mem::sync_device(self.device)?;
-        }
+        // Its kernels may still run (the CPU's twins have run already).
+        self.exec.sync()?;
         crate::heap::global()?.free(self.block, self.layout.bytes, self.device, 0)
     }
 }
@@ -378,6 +378,7 @@ impl Communicator {
             blocks,
             grid,
             status,
+            exec: self.exec.fresh(),
             d_epoch: 0,
             c_epoch: 0,
             last: None,
