@@ -155,6 +155,7 @@ def _mirrors():
         "symm_unique_id_t": None,  # passed as a 128-byte buffer (c_char_p)
         "symm_stat_t": None, "symm_device_stats_t": None, "symm_block_info_t": None,
         "symm_segment_event_t": None,  # csrc/api.h
+        "symm_export_chunk_t": None,  # csrc/ipc.h
     }
 
 
