@@ -29,8 +29,11 @@ def main(which):
     if not torch.cuda.is_available():
         print("SKIP history_threads: no CUDA device")
         return 0
-    faulthandler.dump_traceback_later(120, exit=True)  # the watchdog: a deadlock fails the run
-    torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
+    # The watchdog is re-armed at every snapshot: it fires when one snapshot (or the trainer,
+    # below) makes no progress for 90 s, which is a deadlock, not a slow machine. The trace is
+    # bounded (20,000 entries) so a snapshot's cost stays bounded while it grows.
+    faulthandler.dump_traceback_later(90, exit=True)
+    torch.cuda.memory._record_memory_history(max_entries=20000, stacks="python")
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
     errors, steps = [], [0]
 
@@ -47,10 +50,19 @@ def main(which):
     t = threading.Thread(target=train)
     start = time.time()
     t.start()
-    snaps = 0
+    snaps, seen, last = 0, 0, time.time()
     while t.is_alive() or snaps < 20:
         torch.cuda.memory._snapshot()  # holds the GIL while it reads the allocator
         snaps += 1
+        faulthandler.dump_traceback_later(90, exit=True)
+        if steps[0] != seen:
+            seen, last = steps[0], time.time()
+        elif t.is_alive() and time.time() - last > 90:
+            faulthandler.dump_traceback(all_threads=True)
+            print(f"FAIL history_threads ({which}): the trainer made no progress for 90 s at step "
+                  f"{steps[0]} ({snaps} snapshots)")
+            return 1
+        time.sleep(0.005)  # the trainer's Python side gets the GIL between snapshots
     t.join()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
