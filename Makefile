@@ -303,12 +303,12 @@ test-wheel: build wheel $(TORCH_VENV)/.installed
 	! tvenv/bin/python -c "import numpy" 2>/dev/null || { echo "numpy in the torch venv: from_process_group must be tested without it"; exit 1; }
 
 header:
-	SYMMALLOC_BLESS=1 $(CARGO) test -p symmalloc --test header
+	SYMMALLOC_BLESS=1 $(CARGO) test -p symmalloc --test host header::
 
 # kernels/instances.cu and kernels/symm_constants.cuh, generated from
 # src/comm/collective/kernels.rs and kernel_args.rs (tests/kernel_table.rs fails when they are stale).
 kernels:
-	SYMMALLOC_BLESS=1 $(CARGO) test -p symmalloc --test kernel_table
+	SYMMALLOC_BLESS=1 $(CARGO) test -p symmalloc --test host kernel_table::
 
 clean:
 	$(CARGO) clean

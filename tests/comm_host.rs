@@ -2,7 +2,7 @@
 //! real sockets and fd passing): correctness against a float64 reference, steady state without
 //! new mappings, killed ranks, asymmetric allocations, intruders, descriptors.
 
-mod common;
+use crate::common;
 use common::*;
 use std::ptr::null_mut;
 use symmalloc::ffi::types::*;

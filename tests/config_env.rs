@@ -106,7 +106,8 @@ fn config_child() {
 /// Runs `entry` in a fresh process with `name=value` on the host backend: (status, message).
 fn run(name: &str, value: &str, entry: Entry) -> (i32, String) {
     let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args(["config_child", "--exact", "--nocapture", "--test-threads=1"])
+    let child = crate::common::test_path("config_child");
+    c.args([child.as_str(), "--exact", "--nocapture", "--test-threads=1"])
         .env("SYMM_CONFIG_ENTRY", format!("{entry:?}"));
     for v in VARIABLES {
         c.env_remove(v.0);

@@ -2,7 +2,7 @@
 //! communicator, AUTO's choice per new size (once) and the segment exchanges; TRACE adds every
 //! call; off prints nothing; an unknown level fails the first call, named.
 
-mod common;
+use crate::common;
 use common::*;
 use std::ptr::null_mut;
 use symmalloc::ffi::types::*;

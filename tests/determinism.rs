@@ -2,7 +2,7 @@
 //! sequence of malloc/free/pool calls with different random sleeps between calls (and one with
 //! a busy second thread) and must produce identical offset traces.
 
-mod common;
+use crate::common;
 use common::*;
 use std::ptr::null_mut;
 use symmalloc::ffi::*;

@@ -7,7 +7,7 @@
 //! a dead rank, the same ranks on two devices, and the child's reuse of its parent's mappings
 //! (tests/groups_slots_host.rs has the split slots children are carved from).
 
-mod common;
+use crate::common;
 use common::*;
 use std::ffi::c_void;
 use std::ptr::null_mut;

@@ -7,7 +7,7 @@
 //! different slots or arena offsets (split.rs) runs the rounds that decide them. Which way each
 //! communicator was made is read from its `SYMMALLOC_DEBUG=INFO` line.
 
-mod common;
+use crate::common;
 use common::*;
 use std::ptr::null_mut;
 use symmalloc::ffi::groups::*;

@@ -1,5 +1,5 @@
 //! The checked-in header must equal what cbindgen generates from src/ffi (drift check).
-//! `SYMMALLOC_BLESS=1 cargo test --test header` (or `make header`) rewrites it.
+//! `SYMMALLOC_BLESS=1 cargo test --test host header::` (or `make header`) rewrites it.
 
 use std::path::Path;
 

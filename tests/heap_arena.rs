@@ -5,7 +5,7 @@
 //! back to the heap with its last segment, and an arena out of address space first gives back
 //! its own free segments, then fails naming SYMMALLOC_COMM_ARENA_SIZE.
 
-mod common;
+use crate::common;
 use common::Rng;
 use symmalloc::error::Status;
 use symmalloc::heap::host_backend::HostBackend;

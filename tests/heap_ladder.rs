@@ -11,9 +11,8 @@
 //!
 //! A test binary of its own: it reads the allocator's counters, which nothing else may move.
 
-#[path = "support/capture_backend.rs"]
-mod capture_backend;
-mod common;
+use crate::capture_backend;
+use crate::common;
 use capture_backend::capture_backend;
 use common::Rng;
 use symmalloc::heap::backend::Stream;

@@ -8,9 +8,8 @@
 //! A test binary of its own: no test here opens a pool with `pools::begin` (the open-pool gate
 //! is process-wide); pools are named with `malloc_in`.
 
-#[path = "support/capture_backend.rs"]
-mod capture_backend;
-mod common;
+use crate::capture_backend;
+use crate::common;
 use capture_backend::capture_backend;
 use common::{check_host, fill_host, Rng};
 use symmalloc::heap::backend::Stream;

@@ -2,7 +2,7 @@
 //! random operation sequences never overlap live blocks, stats equal the live blocks, every
 //! invariant holds after each step, and everything returns to zero after release.
 
-mod common;
+use crate::common;
 use common::Rng;
 use std::collections::HashMap;
 use symmalloc::heap::backend::Stream;

@@ -4,7 +4,7 @@
 //! launcher's variables are per host (two hosts of one torchrun job each get their own
 //! communicator).
 
-mod common;
+use crate::common;
 use common::*;
 use std::process::{Command, Output, Stdio};
 use std::ptr::null_mut;
@@ -27,13 +27,14 @@ fn run_children(name: &str, envs: &[Vec<(&str, String)>]) -> Vec<Output> {
 /// As `run_children`, child i started `delays[i]` after the one before it (0 when absent).
 fn run_children_after(name: &str, envs: &[Vec<(&str, String)>], delays: &[u64]) -> Vec<Output> {
     let exe = std::env::current_exe().unwrap();
+    let name = test_path(name);
     let children: Vec<_> = envs
         .iter()
         .enumerate()
         .map(|(i, env)| {
             std::thread::sleep(Duration::from_millis(delays.get(i).copied().unwrap_or(0)));
             let mut c = Command::new(&exe);
-            c.args([name, "--exact", "--nocapture", "--test-threads=1"])
+            c.args([&name, "--exact", "--nocapture", "--test-threads=1"])
                 .env("SYMMALLOC_BACKEND", "host")
                 .env_remove("SYMMALLOC_HOST_ID")
                 .stdout(Stdio::piped())

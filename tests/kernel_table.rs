@@ -33,7 +33,7 @@ fn struct_fields(src: &str, name: &str) -> Vec<String> {
 }
 
 /// The two generated files of kernels/ are what the table generates. `make kernels`
-/// (`SYMMALLOC_BLESS=1 cargo test --test kernel_table`) rewrites them.
+/// (`SYMMALLOC_BLESS=1 cargo test --test host kernel_table::`) rewrites them.
 #[test]
 fn generated_kernel_sources_are_up_to_date() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");

@@ -8,7 +8,7 @@
 //! retried. The scenarios: tests/common/moe/ (tests/gpu_moe.rs
 //! runs them on GPUs).
 
-mod common;
+use crate::common;
 use common::moe::cases::*;
 use common::moe::edges::*;
 use common::moe::errors::*;

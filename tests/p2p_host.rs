@@ -5,7 +5,7 @@
 //! the pad, a put leaving the range, asymmetric rendezvous on every rank, segments released
 //! after the rendezvous), each leaving the communicator usable.
 
-mod common;
+use crate::common;
 use common::*;
 use std::ffi::c_void;
 use std::ptr::null_mut;

@@ -4,7 +4,7 @@
 //! backend, 2 and 3 ranks: the last rank destroys its communicator after one agreed call; the
 //! others, once it has, call again (staged and in the heap) and expect SYMM_ERR_PEER naming it.
 
-mod common;
+use crate::common;
 use common::*;
 use std::ptr::null_mut;
 use symmalloc::ffi::types::*;

@@ -3,7 +3,7 @@
 //! rank prints a hash of its outputs, the parent compares them), x staged from outside the heap
 //! too; then the errors, each naming the value.
 
-mod common;
+use crate::common;
 use common::*;
 use std::ptr::null_mut;
 use symmalloc::ffi::types::*;

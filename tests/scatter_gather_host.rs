@@ -4,7 +4,7 @@
 //! odd and even counts, every type and op, 2 to 4 ranks; then the errors: mismatched counts on
 //! every rank, overlapping buffers, bad types, a NULL communicator.
 
-mod common;
+use crate::common;
 use common::*;
 use std::ptr::null_mut;
 use symmalloc::ffi::types::*;

@@ -6,7 +6,7 @@
 //! all-gather, with the heap buffer's segment already shared or new, and the scratch new or
 //! already shared.
 
-mod common;
+use crate::common;
 use common::*;
 use std::ffi::c_void;
 use std::ptr::null_mut;

@@ -111,12 +111,13 @@ pub fn spawn_ranks_with<'a>(
     arg: &str,
 ) -> Vec<std::process::Child> {
     let exe = std::env::current_exe().unwrap();
+    let name = test_path(name);
     let id = new_id_hex();
     (0..world)
         .map(|r| {
             let mut c = Command::new(&exe);
             c.args([
-                name,
+                &name,
                 "--exact",
                 "--nocapture",
                 "--test-threads=1",
@@ -135,6 +136,37 @@ pub fn spawn_ranks_with<'a>(
             c.spawn().unwrap()
         })
         .collect()
+}
+
+/// The full name of this binary's test `name`, as `--exact` takes it: `name` itself in a test
+/// binary of one file, `FILE::name` in tests/host.rs's, where each file is a module. Looked up
+/// in the binary's own test list (`--list`, once per process); a name that is not a test of
+/// this binary, or is one in two modules, fails the caller here rather than start children
+/// that run nothing.
+pub fn test_path(name: &str) -> String {
+    static TESTS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let tests = TESTS.get_or_init(|| {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args(["--list", "--format", "terse"])
+            .output()
+            .expect("listing this binary's tests");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.strip_suffix(": test"))
+            .map(String::from)
+            .collect()
+    });
+    let suffix = format!("::{name}");
+    let found: Vec<&String> = tests
+        .iter()
+        .filter(|t| *t == name || t.ends_with(&suffix))
+        .collect();
+    match found[..] {
+        [one] => one.clone(),
+        _ => panic!(
+            "test {name:?}: expected exactly one test of that name in this binary, found {found:?}"
+        ),
+    }
 }
 
 /// `SYMM_TEST_RANKS=N` (GPU tests): run N ranks over this machine's GPUs, rank r on GPU
