@@ -368,19 +368,29 @@ def _repeat_rank(rank, world, uid, q, rounds):
                 recv_x, _, counts, h = moe.dispatch(xt, it, wt)
                 pay, cnt = recv_x.tolist(), counts.tolist()
 
-                def expert_out(shift):
+                # A round combines with each of the three shifts more than once: the expert's bits
+                # and y's reference are computed once per shift, each combine gets a fresh view.
+                @functools.lru_cache(maxsize=None)
+                def expert_bits(shift):
                     out = [0xFFFF] * (L * R * H)  # NaN past the counts
                     for le in range(L):
                         for j in range(cnt[le]):
                             b = (le * R + j) * H
                             out[b:b + H] = expert_fn(first + le, pay[b:b + H], None, H, False, shift)
-                    return make((L, R, H), "bfloat16", out)
+                    return out
+
+                def expert_out(shift):
+                    return make((L, R, H), "bfloat16", expert_bits(shift))
+
+                @functools.lru_cache(maxsize=None)
+                def want_y(shift):
+                    return reference_y(x, None, idx, w, H, False, shift)
 
                 def combines(shifts):
                     eos = [expert_out(s) for s in shifts]  # made first: the combines go back to back
                     ys = [moe.combine(eo) for eo in eos]
                     for s, y in zip(shifts, ys):
-                        got, want = y.tolist(), reference_y(x, None, idx, w, H, False, s)
+                        got, want = y.tolist(), want_y(s)
                         assert got == want, f"round {i}: combine with expert shift {s} is not the reference"
                     assert len({tuple(y.tolist()) for y in ys}) == len(ys), "the combines' y are not all different"
 
