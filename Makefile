@@ -19,7 +19,7 @@ CUDA_INCLUDE := $(CURDIR)/.toolchain/nvidia/cu13/include
 TORCH_VENV ?= $(CURDIR)/.toolchain/torch-venv-2.11.0
 
 .PHONY: all run build toolchain test test-rust test-c test-python test-torch test-torch-range torch-ext test-install test-wheel wheel lint header kernels install python-install clean
-.PHONY: check test-examples test-examples-cpp test-pip-install test-multimem-unicast
+.PHONY: check check-rust test-examples test-examples-cpp test-pip-install test-multimem-unicast
 
 all: run
 
@@ -100,8 +100,16 @@ test-c: build
 	$(CMAKE) --build build/c -j 2
 	$(CTEST) --test-dir build/c --output-on-failure
 
-# The inner loop: no torch venv, no wheel, no install; `make test` runs all of it and more.
-check: toolchain lint test-rust test-c test-python test-examples test-multimem-unicast
+# The inner loop: no torch venv, no wheel, no install; `make test` runs all of it and more. The
+# C harness first, as in `make test`: it builds the release .so files that tests/exports.rs
+# inspects.
+check: toolchain lint test-c check-rust test-python test-examples test-multimem-unicast
+
+# make check's cargo test: every test target (the library's and the demo's unit tests, tests/),
+# without building the examples and benchmarks, which clippy --all-targets has just checked
+# (test-rust, in `make test`, builds them too).
+check-rust:
+	$(CARGO) test -p symmalloc --tests
 
 test: test-examples test-examples-cpp test-pip-install test-multimem-unicast
 
