@@ -96,3 +96,19 @@ fn every_test_file_is_built() {
         "each tests/*.rs is either a module of tests/host.rs or a [[test]] of Cargo.toml: {missing:?}"
     );
 }
+
+/// Children are started by full test name: a module's test resolves to `FILE::name`, a test of
+/// this file to its own name, and a name that is no test here fails the caller.
+#[test]
+fn test_names_resolve_to_this_binarys_tests() {
+    assert_eq!(
+        common::test_path("diagnostics_follow_symmalloc_debug"),
+        "debug_host::diagnostics_follow_symmalloc_debug"
+    );
+    assert_eq!(
+        common::test_path("every_test_file_is_built"),
+        "every_test_file_is_built"
+    );
+    let missing = std::panic::catch_unwind(|| common::test_path("no_such_test"));
+    assert!(missing.is_err(), "an unknown test name must fail");
+}
