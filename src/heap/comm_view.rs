@@ -1,0 +1,73 @@
+//! The heap as the communicator layer sees it: the few operations a collective needs (where a
+//! buffer lies, the segments to share with peers, the staged-call count), each one hold of the
+//! device heap's spin lock. comm reaches DeviceHeap's lock through here for its collective path.
+//!
+//! Invariants: every method takes the lock once and releases it before returning; nothing here
+//! allocates or frees heap memory.
+
+use super::device_heap::SegmentInfo;
+use super::Allocator;
+use crate::error::{Error, Result};
+use std::os::fd::OwnedFd;
+
+/// A narrow view of one device's heap for comm.
+pub struct CommView<'a> {
+    alloc: &'a Allocator,
+    device: i32,
+}
+
+/// Where a buffer lies: the chunks of its segment (one, unless the segment grew in place under
+/// the block); `None` when outside the heap.
+pub type Located = Option<Vec<SegmentInfo>>;
+
+impl<'a> CommView<'a> {
+    pub fn new(alloc: &'a Allocator, device: i32) -> Self {
+        Self { alloc, device }
+    }
+
+    /// Where `ptr..ptr+bytes` lies: `None` when `ptr` is outside the heap, an error when it is
+    /// inside the heap but not inside one live block.
+    pub fn locate(&self, ptr: u64, bytes: u64) -> Result<Located> {
+        let heap = self.alloc.heap(self.device)?;
+        locate_in(&heap, ptr, bytes)
+    }
+
+    /// `locate` for two buffers under one hold of the lock.
+    pub fn locate_pair(&self, a: (u64, u64), b: (u64, u64)) -> Result<(Located, Located)> {
+        let heap = self.alloc.heap(self.device)?;
+        Ok((locate_in(&heap, a.0, a.1)?, locate_in(&heap, b.0, b.1)?))
+    }
+
+    /// `locate` for the scratch of a staged call, counting the call in `staged_collectives`
+    /// under the same hold of the lock.
+    pub fn locate_staged(&self, ptr: u64, bytes: u64) -> Result<Vec<SegmentInfo>> {
+        let mut heap = self.alloc.heap(self.device)?;
+        let segs = locate_in(&heap, ptr, bytes)?.ok_or_else(|| {
+            Error::invalid(format!("scratch {ptr:#x} is outside the symmetric heap"))
+        })?;
+        heap.stats.staged_collectives += 1;
+        Ok(segs)
+    }
+
+    /// File descriptors for the segments at `offsets`, to send to peers.
+    pub fn export_segments(&self, offsets: impl Iterator<Item = u64>) -> Result<Vec<OwnedFd>> {
+        let heap = self.alloc.heap(self.device)?;
+        offsets
+            .map(|off| heap.export_segment(self.alloc.backend(), off))
+            .collect()
+    }
+}
+
+fn locate_in(heap: &super::device_heap::DeviceHeap, ptr: u64, bytes: u64) -> Result<Located> {
+    if !heap.contains(ptr) {
+        return Ok(None);
+    }
+    let (segs, bstart, bsize) = heap.segment_of(ptr)?;
+    if ptr + bytes > bstart + bsize {
+        return Err(Error::invalid(format!(
+            "buffer {ptr:#x} of {bytes} bytes runs past the end of its symm_malloc block \
+             ({bsize} bytes at {bstart:#x}); expected count * element size to fit"
+        )));
+    }
+    Ok(Some(segs))
+}
