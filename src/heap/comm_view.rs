@@ -49,6 +49,26 @@ impl<'a> CommView<'a> {
         Ok(segs)
     }
 
+    /// Counts one peer segment mapped (`delta` 1) or unmapped (`delta` -1) in `peer_mappings`.
+    pub fn count_peer_mapping(&self, delta: i64) -> Result<()> {
+        let mut heap = self.alloc.heap(self.device)?;
+        if delta >= 0 {
+            heap.stats.peer_mappings += delta as u64;
+        } else {
+            heap.stats.peer_mappings -= delta.unsigned_abs();
+        }
+        Ok(())
+    }
+
+    /// Records in this rank's release log that the segment at `offset` of `generation` went
+    /// back (what peers see as this rank's destroy of a carved communicator).
+    pub fn record_given_back(&self, offset: u64, generation: u64) -> Result<()> {
+        self.alloc
+            .heap(self.device)?
+            .record_given_back(offset, generation);
+        Ok(())
+    }
+
     /// File descriptors for the segments at `offsets`, to send to peers.
     pub fn export_segments(&self, offsets: impl Iterator<Item = u64>) -> Result<Vec<OwnedFd>> {
         let heap = self.alloc.heap(self.device)?;
