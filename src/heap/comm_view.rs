@@ -69,6 +69,41 @@ impl<'a> CommView<'a> {
         Ok(())
     }
 
+    /// The heap's base address (made on first use, as every method here).
+    pub fn base(&self) -> Result<u64> {
+        Ok(self.alloc.heap(self.device)?.base())
+    }
+
+    /// The heap's size in bytes.
+    pub fn size(&self) -> Result<u64> {
+        Ok(self.alloc.heap(self.device)?.size())
+    }
+
+    /// The heap's mapping granularity.
+    pub fn granularity(&self) -> Result<u64> {
+        Ok(self.alloc.heap(self.device)?.granularity())
+    }
+
+    /// The heap's free ranges (offset, length), for the arena agreement.
+    pub fn free_ranges(&self) -> Result<Vec<(u64, u64)>> {
+        Ok(self.alloc.heap(self.device)?.free_ranges())
+    }
+
+    /// A generation no segment of this heap has had.
+    pub fn fresh_generation(&self) -> Result<u64> {
+        Ok(self.alloc.heap(self.device)?.fresh_generation())
+    }
+
+    /// The file descriptor of this heap's release log, for peers to map.
+    pub fn release_log_fd(&self) -> Result<OwnedFd> {
+        self.alloc.heap(self.device)?.release_log_fd()
+    }
+
+    /// The CUDA physical-memory handle of the segment at `offset` (multicast binding).
+    pub fn segment_cuda_handle(&self, offset: u64) -> Result<u64> {
+        self.alloc.heap(self.device)?.segment_cuda_handle(offset)
+    }
+
     /// File descriptors for the segments at `offsets`, to send to peers.
     pub fn export_segments(&self, offsets: impl Iterator<Item = u64>) -> Result<Vec<OwnedFd>> {
         let heap = self.alloc.heap(self.device)?;
