@@ -107,9 +107,8 @@ impl Communicator {
             slots::Internal::Carved { hold, generation } => {
                 // What the peers' copies see as this rank's destroy (peer/retire.rs); then the slot
                 // is free here (a split reuses it once it is free on every parent rank).
-                if let Ok(mut heap) = self.alloc.heap(self.device) {
-                    heap.record_given_back(self.group.internal_seg, generation);
-                }
+                let _ = crate::heap::comm_view::CommView::new(self.alloc, self.device)
+                    .record_given_back(self.group.internal_seg, generation);
                 drop(hold);
                 // The pad is part of the slot.
                 self.p2p.pad = 0;

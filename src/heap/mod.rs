@@ -14,6 +14,7 @@
 mod addr_map;
 pub mod backend;
 mod caches;
+pub mod comm_view;
 pub mod cuda_backend;
 pub mod device_heap;
 pub mod device_stats;

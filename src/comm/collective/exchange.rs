@@ -59,12 +59,8 @@ impl Ctx<'_> {
                 msg.extend_from_slice(&w.to_le_bytes());
             }
         }
-        let fds = {
-            let heap = self.alloc.heap(self.device)?;
-            need.iter()
-                .map(|s| heap.export_segment(self.alloc.backend(), s.offset))
-                .collect::<Result<Vec<_>>>()?
-        };
+        let fds = crate::heap::comm_view::CommView::new(self.alloc, self.device)
+            .export_segments(need.iter().map(|s| s.offset))?;
         let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
         let all = self.mesh.all_gather(&msg, &borrowed, "segment exchange")?;
         drop(fds);

@@ -56,11 +56,8 @@ impl Ctx<'_> {
         let launch = kernel_launch(plan, &view, self.coll, inputs, outputs);
         let coll = &mut *self.coll;
         let mut twin = || host_twin(plan, &view, coll, &inputs, &outputs);
-        if plan.stage_in.is_some() {
-            // Counted as the copy in is enqueued (made, on the host backend), as it was when
-            // the copy had its own call: whatever the kernel then reports.
-            self.alloc.heap(self.device)?.stats.staged_collectives += 1;
-        }
+        // A staged call was counted in `staged_collectives` as its scratch was located
+        // (place.rs, one hold of the heap's lock).
         self.exec.submit(exec::Plan {
             stream: plan.call.stream,
             ordered: true,

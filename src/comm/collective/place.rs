@@ -20,8 +20,9 @@ use super::exchange::desc::meeting_word;
 use super::host_reduce;
 use super::{CollSettings, Collectives, Ctx};
 use crate::comm::peer::PeerView;
-use crate::error::{Error, Result};
-use crate::heap::device_heap::{DeviceHeap, SegmentInfo};
+use crate::error::Result;
+use crate::heap::comm_view::CommView;
+use crate::heap::device_heap::SegmentInfo;
 use crate::heap::Allocator;
 
 /// The chunks of the segment of `device`'s heap holding `ptr..ptr+bytes` (one, unless the
@@ -33,23 +34,7 @@ pub(in crate::comm) fn locate(
     ptr: u64,
     bytes: u64,
 ) -> Result<Option<Vec<SegmentInfo>>> {
-    let heap = alloc.heap(device)?;
-    locate_in(&heap, ptr, bytes)
-}
-
-/// `locate` in a heap the caller holds locked.
-fn locate_in(heap: &DeviceHeap, ptr: u64, bytes: u64) -> Result<Option<Vec<SegmentInfo>>> {
-    if !heap.contains(ptr) {
-        return Ok(None);
-    }
-    let (segs, bstart, bsize) = heap.segment_of(ptr)?;
-    if ptr + bytes > bstart + bsize {
-        return Err(Error::invalid(format!(
-            "buffer {ptr:#x} of {bytes} bytes runs past the end of its symm_malloc block \
-             ({bsize} bytes at {bstart:#x}); expected count * element size to fit"
-        )));
-    }
-    Ok(Some(segs))
+    CommView::new(alloc, device).locate(ptr, bytes)
 }
 
 /// A copy between a caller's buffer and the scratch, stream-ordered around the kernel.
@@ -142,13 +127,8 @@ impl Ctx<'_> {
             }),
             _ => {
                 // Both buffers under one hold of the heap's lock.
-                let (a, b) = {
-                    let heap = self.alloc.heap(self.device)?;
-                    (
-                        locate_in(&heap, call.send, ext.send)?,
-                        locate_in(&heap, call.recv, ext.recv)?,
-                    )
-                };
+                let (a, b) = CommView::new(self.alloc, self.device)
+                    .locate_pair((call.send, ext.send), (call.recv, ext.recv))?;
                 if let (Some(a), Some(b)) = (a, b) {
                     let segs = match call.coll {
                         Coll::ReduceScatter => a,
@@ -196,7 +176,8 @@ impl Ctx<'_> {
             Place::Scratch { len, recv_at } => (len, recv_at),
         };
         let s = self.ensure_scratch(len)?;
-        let segs = self.locate(s, len)?.expect("scratch is in the heap");
+        // Located, and counted in `staged_collectives`, under one hold of the heap's lock.
+        let segs = CommView::new(self.alloc, self.device).locate_staged(s, len)?;
         Ok(Placement {
             send: s,
             recv: recv_at.map_or(0, |at| s + at),

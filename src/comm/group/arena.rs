@@ -94,7 +94,7 @@ pub(in crate::comm) fn terms(
     describe: impl Fn(&[u64]) -> String,
 ) -> Result<Terms> {
     let (rank, world) = (mesh.rank, mesh.world);
-    let gran = alloc.heap(device)?.granularity();
+    let gran = crate::heap::comm_view::CommView::new(alloc, device).granularity()?;
     let mut msg = Vec::new();
     let text = refusal.unwrap_or("").as_bytes();
     put(&mut msg, text.len() as u64);
@@ -104,7 +104,10 @@ pub(in crate::comm) fn terms(
         put(&mut msg, w);
     }
     put(&mut msg, gran);
-    encode_ranges(&mut msg, &alloc.heap(device)?.free_ranges());
+    encode_ranges(
+        &mut msg,
+        &crate::heap::comm_view::CommView::new(alloc, device).free_ranges()?,
+    );
     let all = mesh.all_gather(&msg, &[], "communicator agreement")?;
     let mut refusals = Vec::new();
     let mut lists = Vec::with_capacity(world);
@@ -166,7 +169,10 @@ pub(in crate::comm) fn claim(
     for attempt in 0..ATTEMPTS {
         if attempt > 0 {
             let mut msg = Vec::new();
-            encode_ranges(&mut msg, &alloc.heap(device)?.free_ranges());
+            encode_ranges(
+                &mut msg,
+                &crate::heap::comm_view::CommView::new(alloc, device).free_ranges()?,
+            );
             let all = mesh.all_gather(&msg, &[], "arena agreement")?;
             terms.lists = all.iter().map(|(m, _)| decode_ranges(&words(m))).collect();
         }

@@ -184,7 +184,7 @@ impl Communicator {
         let sms = exec.sm_count()?;
         let backend = exec.backend();
         // Make sure the heap exists before any peer exchange.
-        let heap_size = alloc.heap(device)?.size();
+        let heap_size = crate::heap::comm_view::CommView::new(alloc, device).size()?;
         // The limit is checked here and refused at the agreement (build), by every rank alike.
         let claim = registry::claim(device);
         let me = PeerIdent::me(device)?;
@@ -202,7 +202,7 @@ impl Communicator {
             hello.extend_from_slice(&w.to_le_bytes());
         }
         // Each rank's heap release log travels with its hello (peer/retire.rs reads the peers').
-        let log_fd = alloc.heap(device)?.release_log_fd()?;
+        let log_fd = crate::heap::comm_view::CommView::new(alloc, device).release_log_fd()?;
         let all = mesh.all_gather(&hello, &[log_fd.as_fd()], "init")?;
         drop(log_fd);
         let word = |b: &[u8], i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
@@ -275,7 +275,7 @@ impl Communicator {
             heaps.push(Some(p));
         }
         let seen = PeerReleases::starting_now(&heaps).seen;
-        let own_base = alloc.heap(device)?.base();
+        let own_base = crate::heap::comm_view::CommView::new(alloc, device).base()?;
         Ok(Setup {
             rank,
             world,

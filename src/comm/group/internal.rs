@@ -179,10 +179,12 @@ impl Communicator {
         let rank = self.rank;
         let (slot, pad, slot_len) = (hold.slot(), hold.addr(), hold.slot_len());
         let internal = pad + SYMM_SIGNAL_PAD_BYTES;
-        let heap_base = self.alloc.heap(self.device)?.base();
+        let heap_base = crate::heap::comm_view::CommView::new(self.alloc, self.device).base()?;
         let generation = match &ready {
             Some((g, _)) => *g,
-            None => self.alloc.heap(self.device)?.fresh_generation(),
+            None => {
+                crate::heap::comm_view::CommView::new(self.alloc, self.device).fresh_generation()?
+            }
         };
         self.group.block = Internal::Carved { hold, generation };
         if SYMM_SIGNAL_PAD_BYTES + internal_len > slot_len {

@@ -133,9 +133,7 @@ impl PeerView {
         cuda::multicast::add_device(who.device, w.handle)?;
         // Every device must be added before anyone binds memory.
         who.mesh.barrier("multicast add device")?;
-        let phys = who
-            .alloc
-            .heap(who.device)?
+        let phys = crate::heap::comm_view::CommView::new(who.alloc, who.device)
             .segment_cuda_handle(seg.offset)?;
         cuda::multicast::bind_mem(who.device, w.handle, 0, phys, 0, seg.size)?;
         w.bound = seg.size;

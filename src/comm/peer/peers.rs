@@ -17,6 +17,7 @@
 
 use crate::error::Result;
 use crate::heap::backend::Phys;
+use crate::heap::comm_view::CommView;
 use crate::heap::device_heap::SegmentInfo;
 use crate::heap::release_log::ReleaseView;
 use crate::heap::Allocator;
@@ -145,9 +146,7 @@ impl PeerHeap {
             let be = self.alloc.backend();
             let _ = be.unmap(self.device, self.base + off, m.size);
             let _ = be.release(m.phys);
-            if let Ok(mut h) = self.alloc.heap(self.device) {
-                h.stats.peer_mappings -= 1;
-            }
+            let _ = CommView::new(self.alloc, self.device).count_peer_mapping(-1);
         }
     }
 
@@ -203,7 +202,7 @@ impl PeerHeap {
                 phys,
             },
         );
-        self.alloc.heap(self.device)?.stats.peer_mappings += 1;
+        CommView::new(self.alloc, self.device).count_peer_mapping(1)?;
         Ok(())
     }
 }
