@@ -98,16 +98,15 @@ impl Ctx<'_> {
             };
             if self.settings.check_symmetry
                 || make.is_some()
-                || shares_new(self.alloc, self.device, self.coll.scratch, self.peer, &place)?
-            {
-                meet_before_sharing(
-                    self.rank,
+                || shares_new(
+                    self.alloc,
+                    self.device,
+                    self.coll.scratch,
                     self.peer,
-                    self.settings,
-                    self.coll,
-                    staged,
-                    make,
-                )?;
+                    &place,
+                )?
+            {
+                meet_before_sharing(self.rank, self.peer, self.settings, self.coll, staged, make)?;
             }
         }
         self.stage(call, ext, place)
