@@ -274,8 +274,9 @@ fn scratch_to_make(scratch: Option<(u64, u64)>, bytes: u64) -> Option<u64> {
 /// barrier, whose digest never equals this word, so both fail at once with NOT_SYMMETRIC
 /// instead of one waiting in the exchange and the other at the barrier. Two barriers, so no
 /// peer can write its next barrier's word over this one before this rank has compared it. A
-/// timeout breaks the communicator (as in a host collective). The CPU's executor runs it
-/// (`Executor::meet_before_sharing`); CUDA has no meeting (see docs/DESIGN.md).
+/// timeout breaks the communicator (as in a host collective). Only where the collectives run
+/// on the CPU (`CollSettings::meets`, from `Executor::meets`); CUDA has no meeting (see
+/// docs/DESIGN.md).
 fn meet_before_sharing(
     rank: usize,
     peer: &PeerView,
