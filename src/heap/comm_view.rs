@@ -16,9 +16,7 @@ pub struct CommView<'a> {
     device: i32,
 }
 
-/// Where a buffer lies: the chunks of its segment (one, unless the segment grew in place under
-/// the block); `None` when outside the heap.
-pub type Located = Option<Vec<SegmentInfo>>;
+pub use super::device_heap::Located;
 
 impl<'a> CommView<'a> {
     pub fn new(alloc: &'a Allocator, device: i32) -> Self {

@@ -10,6 +10,10 @@
 
 use super::*;
 
+/// Where a buffer lies: the chunks of its segment under its block (one, unless the segment grew
+/// in place under the block); `None` when outside the heap.
+pub type Located = Option<Vec<SegmentInfo>>;
+
 /// A segment's blocks in address order (`DeviceHeap::segment_blocks`).
 pub(super) struct SegmentBlocks<'a> {
     blocks: &'a crate::heap::addr_map::AddrMap<Block>,
@@ -66,16 +70,12 @@ impl DeviceHeap {
     /// Where `ptr..ptr+bytes` lies: the chunks under the live block that holds it (one, unless
     /// the segment grew in place under the block); `None` when `ptr` is outside the heap, an
     /// error when it is inside the heap but not inside one live block, or runs past its end.
-    pub fn locate(&self, ptr: u64, bytes: u64) -> Result<Option<Vec<SegmentInfo>>> {
+    pub fn locate(&self, ptr: u64, bytes: u64) -> Result<Located> {
         self.locate_below(self.base + self.ranges.size(), ptr, bytes)
     }
 
     /// `locate` for two buffers.
-    pub fn locate_pair(
-        &self,
-        a: (u64, u64),
-        b: (u64, u64),
-    ) -> Result<(Option<Vec<SegmentInfo>>, Option<Vec<SegmentInfo>>)> {
+    pub fn locate_pair(&self, a: (u64, u64), b: (u64, u64)) -> Result<(Located, Located)> {
         let end = self.base + self.ranges.size();
         Ok((
             self.locate_below(end, a.0, a.1)?,
@@ -84,7 +84,7 @@ impl DeviceHeap {
     }
 
     /// `locate` in a heap that ends at `end`.
-    fn locate_below(&self, end: u64, ptr: u64, bytes: u64) -> Result<Option<Vec<SegmentInfo>>> {
+    fn locate_below(&self, end: u64, ptr: u64, bytes: u64) -> Result<Located> {
         if ptr < self.base || ptr >= end {
             return Ok(None);
         }

@@ -80,6 +80,7 @@ use super::ranges::Ranges;
 use super::release_log::ReleaseLog;
 use super::stats::Stats;
 use crate::error::{Error, Result, Status};
+pub use blocks::Located;
 pub use inspect::BlockView;
 use std::collections::BTreeMap;
 
