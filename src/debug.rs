@@ -9,7 +9,8 @@
 //! piece; `eprintln!` writes each formatted piece apart).
 //!
 //! Invariants: off by default, and free when off: the `info!`/`trace!` macros test the level (one
-//! relaxed atomic load once the variable has been read) before formatting anything. The variable is
+//! relaxed atomic load once the variable has been read, expanded where they are written:
+//! `debug_enabled!`) before formatting anything. The variable is
 //! read once per process, through `config::debug_level` (config/settings.rs owns `Level`; the
 //! levels: `OFF` and `WARN` are off, `INFO`, `TRACE`, any case). An unknown value fails the
 //! allocator's creation (`heap::global`, so the first allocator call or `symm_comm_init`) with
@@ -19,8 +20,28 @@
 pub use crate::config::Level;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-const UNREAD: u8 = u8::MAX;
-static LEVEL: AtomicU8 = AtomicU8::new(UNREAD);
+#[doc(hidden)]
+pub const UNREAD: u8 = u8::MAX;
+/// The level read (`UNREAD` until the variable is read); only `debug_enabled!` and `enabled`
+/// look at it.
+#[doc(hidden)]
+pub static LEVEL: AtomicU8 = AtomicU8::new(UNREAD);
+
+/// `debug_enabled!(level)`: whether messages of `level` are printed, tested where it is written
+/// (one relaxed load once the variable has been read; `enabled` reads it the first time). The
+/// `info!`/`trace!` macros use it, so a call's path with diagnostics off runs nothing of this
+/// file.
+#[macro_export]
+macro_rules! debug_enabled {
+    ($level:expr) => {{
+        let l = $crate::debug::LEVEL.load(::std::sync::atomic::Ordering::Relaxed);
+        if l == $crate::debug::UNREAD {
+            $crate::debug::enabled($level)
+        } else {
+            l >= $level as u8
+        }
+    }};
+}
 
 /// Whether messages of `level` are printed.
 #[inline]
@@ -89,7 +110,7 @@ fn write_line(out: &mut impl std::io::Write, line: &str) {
 #[macro_export]
 macro_rules! info {
     ($($arg:tt)*) => {
-        if $crate::debug::enabled($crate::debug::Level::Info) {
+        if $crate::debug_enabled!($crate::debug::Level::Info) {
             $crate::debug::emit($crate::debug::Level::Info, format_args!($($arg)*));
         }
     };
@@ -99,7 +120,7 @@ macro_rules! info {
 #[macro_export]
 macro_rules! trace {
     ($($arg:tt)*) => {
-        if $crate::debug::enabled($crate::debug::Level::Trace) {
+        if $crate::debug_enabled!($crate::debug::Level::Trace) {
             $crate::debug::emit($crate::debug::Level::Trace, format_args!($($arg)*));
         }
     };

@@ -73,10 +73,13 @@ impl Communicator {
     }
 
     /// What every call does first: report a kernel's error, then unmap the peer segments
-    /// released since the last call (peer/retire.rs).
+    /// released since the last call (peer/retire.rs; when none was, one load per peer).
     fn begin_call(&mut self, stream: u64) -> Result<()> {
         self.coll
             .check_error_word(self.rank, self.settings.timeout)?;
+        if !self.peer.releases_pending() {
+            return Ok(());
+        }
         let who = crate::comm::peer::Who {
             rank: self.rank,
             world: self.world,

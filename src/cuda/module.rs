@@ -108,24 +108,26 @@ pub fn launch<T>(
     let mut params = [args as *const T as *mut std::ffi::c_void];
     // SAFETY: params points at one argument whose layout matches the kernel's parameter
     // (a #[repr(C)] mirror of the kernel's struct); the stream is the caller's.
-    check(
-        unsafe {
-            sys::cuLaunchKernel(
-                f.0 as sys::CUfunction,
-                grid,
-                1,
-                1,
-                block,
-                1,
-                1,
-                0,
-                stream as sys::CUstream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        },
-        "cuLaunchKernel",
-    )
+    let res = unsafe {
+        sys::cuLaunchKernel(
+            f.0 as sys::CUfunction,
+            grid,
+            1,
+            1,
+            block,
+            1,
+            1,
+            0,
+            stream as sys::CUstream,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    // Success is tested here; only a failure goes to `check` for its message.
+    if res == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    check(res, "cuLaunchKernel")
 }
 
 /// As `launch`, with the grid in thread-block clusters of `cluster` blocks (sm_90+; `grid` a

@@ -53,7 +53,7 @@ pub extern "C" fn symm_comm_split(
     key: c_int,
     child: *mut *mut symm_comm_t,
 ) -> symm_status_t {
-    guard_status("symm_comm_split", || {
+    guard_status!("symm_comm_split", || {
         if child.is_null() {
             return Err(Error::invalid("symm_comm_split: child is NULL"));
         }
@@ -76,7 +76,7 @@ pub extern "C" fn symm_comm_malloc(
     size: usize,
     stream: *mut CUstream_st,
 ) -> *mut c_void {
-    guard_ptr("symm_comm_malloc", || {
+    guard_ptr!("symm_comm_malloc", || {
         if size == 0 {
             return Ok(std::ptr::null_mut());
         }
@@ -93,7 +93,7 @@ pub extern "C" fn symm_comm_free(
     size: usize,
     stream: *mut CUstream_st,
 ) {
-    guard_void("symm_comm_free", || {
+    guard_void!("symm_comm_free", || {
         if ptr.is_null() {
             return Ok(());
         }
@@ -111,7 +111,7 @@ pub extern "C" fn symm_comm_info(
     out: *mut symm_comm_info_t,
     size: usize,
 ) -> symm_status_t {
-    guard_status("symm_comm_info", || {
+    guard_status!("symm_comm_info", || {
         let have = std::mem::size_of::<symm_comm_info_t>();
         if out.is_null() || !(12..=have).contains(&size) || size % 4 != 0 {
             return Err(Error::invalid(format!(
@@ -152,7 +152,7 @@ pub extern "C" fn symm_comm_mem_pool_slot(
     comm: *mut symm_comm_t,
     slot: *mut c_int,
 ) -> symm_status_t {
-    guard_status("symm_comm_mem_pool_slot", || {
+    guard_status!("symm_comm_mem_pool_slot", || {
         if slot.is_null() {
             return Err(Error::invalid("symm_comm_mem_pool_slot: slot is NULL"));
         }
@@ -166,7 +166,7 @@ pub extern "C" fn symm_comm_mem_pool_slot(
 /// Frees MemPool slot `slot` (call it when the MemPool that used it is gone).
 #[no_mangle]
 pub extern "C" fn symm_mem_pool_slot_release(slot: c_int) -> symm_status_t {
-    guard_status("symm_mem_pool_slot_release", || {
+    guard_status!("symm_mem_pool_slot_release", || {
         let s = usize::try_from(slot).map_err(|_| {
             Error::invalid(format!(
                 "MemPool slot {slot} does not exist; expected 0..{SYMM_COMM_POOL_SLOTS}"
@@ -177,7 +177,7 @@ pub extern "C" fn symm_mem_pool_slot_release(slot: c_int) -> symm_status_t {
 }
 
 fn pool_malloc(slot: usize, size: usize, device: c_int, stream: *mut CUstream_st) -> *mut c_void {
-    guard_ptr("symm_comm_pool_malloc", || -> Result<*mut c_void> {
+    guard_ptr!("symm_comm_pool_malloc", || -> Result<*mut c_void> {
         if size == 0 {
             return Ok(std::ptr::null_mut());
         }

@@ -136,7 +136,7 @@ pub extern "C" fn symm_segment_export(
     capacity: usize,
     count: *mut usize,
 ) -> symm_status_t {
-    guard_status("symm_segment_export", || {
+    guard_status!("symm_segment_export", || {
         if count.is_null() {
             return Err(Error::invalid("symm_segment_export: count is NULL"));
         }
@@ -164,7 +164,7 @@ pub extern "C" fn symm_segment_export(
 /// holds the memory on its own. Cheap when nothing was exported (no heap is made).
 #[no_mangle]
 pub extern "C" fn symm_segment_export_close_stale(closed: *mut usize) -> symm_status_t {
-    guard_status("symm_segment_export_close_stale", || {
+    guard_status!("symm_segment_export_close_stale", || {
         let n = close_stale()?;
         if !closed.is_null() {
             // SAFETY: a non-NULL `closed` points to a writable size_t (the caller's contract).

@@ -8,7 +8,6 @@
 
 pub mod groups;
 pub mod guard;
-pub mod handles;
 pub mod ipc_export;
 pub mod moe;
 pub mod p2p;
@@ -35,8 +34,8 @@ pub struct symm_comm_t {
     inner: Option<Box<Communicator>>,
 }
 
-impl handles::Handle for symm_comm_t {
-    const KIND: handles::Kind = handles::Kind::Comm;
+impl guard::Handle for symm_comm_t {
+    const KIND: guard::Kind = guard::Kind::Comm;
 }
 
 fn stream_of(s: *mut CUstream_st) -> u64 {
@@ -48,7 +47,7 @@ fn stream_of(s: *mut CUstream_st) -> u64 {
 /// `symm_last_error()`). Signature matches PyTorch's CUDAPluggableAllocator.
 #[no_mangle]
 pub extern "C" fn symm_malloc(size: usize, device: c_int, stream: *mut CUstream_st) -> *mut c_void {
-    guard_ptr("symm_malloc", || {
+    guard_ptr!("symm_malloc", || {
         if size == 0 {
             return Ok(std::ptr::null_mut());
         }
@@ -67,7 +66,7 @@ pub extern "C" fn symm_free(
     device: c_int,
     stream: *mut CUstream_st,
 ) {
-    guard_void("symm_free", || {
+    guard_void!("symm_free", || {
         if ptr.is_null() {
             return Ok(());
         }
@@ -120,7 +119,7 @@ fn write_stats(device: c_int, out: *mut Stats, size: usize, name: &str) -> Resul
 /// `symm_memory_stats_sized`.
 #[no_mangle]
 pub extern "C" fn symm_memory_stats(device: c_int, out: *mut Stats) -> symm_status_t {
-    guard_status("symm_memory_stats", || {
+    guard_status!("symm_memory_stats", || {
         write_stats(device, out, SYMM_MEMORY_STATS_V1_SIZE, "symm_memory_stats")
     })
 }
@@ -135,7 +134,7 @@ pub extern "C" fn symm_memory_stats_sized(
     out: *mut Stats,
     size: usize,
 ) -> symm_status_t {
-    guard_status("symm_memory_stats_sized", || {
+    guard_status!("symm_memory_stats_sized", || {
         write_stats(device, out, size, "symm_memory_stats_sized")
     })
 }
@@ -160,7 +159,7 @@ pub extern "C" fn symm_status_string(status: symm_status_t) -> *const c_char {
 /// and network namespace, or SYMMALLOC_HOST_ID): make it on the host whose ranks will use it.
 #[no_mangle]
 pub extern "C" fn symm_get_unique_id(out: *mut symm_unique_id_t) -> symm_status_t {
-    guard_status("symm_get_unique_id", || {
+    guard_status!("symm_get_unique_id", || {
         if out.is_null() {
             return Err(Error::invalid("symm_get_unique_id: out is NULL"));
         }
@@ -178,7 +177,7 @@ pub extern "C" fn symm_get_unique_id(out: *mut symm_unique_id_t) -> symm_status_
 }
 
 fn register(comm: Box<Communicator>, out: *mut *mut symm_comm_t) -> Result<()> {
-    let p = handles::give(symm_comm_t { inner: Some(comm) });
+    let p = guard::give(symm_comm_t { inner: Some(comm) });
     // SAFETY: out was checked non-NULL by the caller.
     unsafe { out.write(p) };
     Ok(())
@@ -199,7 +198,7 @@ pub extern "C" fn symm_comm_init(
     device: c_int,
     id: *const symm_unique_id_t,
 ) -> symm_status_t {
-    guard_status("symm_comm_init", || {
+    guard_status!("symm_comm_init", || {
         if comm.is_null() || id.is_null() {
             return Err(Error::invalid(
                 "symm_comm_init: comm and id must not be NULL",
@@ -221,7 +220,7 @@ pub extern "C" fn symm_comm_init(
 /// (hex) when set, else derived from those variables (see `ipc::env::unique_id`).
 #[no_mangle]
 pub extern "C" fn symm_comm_init_from_env(comm: *mut *mut symm_comm_t) -> symm_status_t {
-    guard_status("symm_comm_init_from_env", || {
+    guard_status!("symm_comm_init_from_env", || {
         if comm.is_null() {
             return Err(Error::invalid(
                 "symm_comm_init_from_env: comm must not be NULL",
@@ -247,12 +246,12 @@ fn with_comm<T>(
     if comm.is_null() {
         return Err(Error::invalid("comm is NULL"));
     }
-    if !handles::is_live(comm) {
+    if !guard::is_live(comm) {
         return Err(Error::invalid(format!(
             "comm {comm:p} is not a live communicator (destroyed already, or never created)"
         )));
     }
-    // SAFETY: comm is a live handle (ffi/handles.rs), so it points at a symm_comm_t we allocated and have not
+    // SAFETY: comm is a live handle (ffi/guard.rs), so it points at a symm_comm_t we allocated and have not
     // freed; the caller must not use one communicator from two threads at once (as in NCCL).
     let c = unsafe { &mut *comm };
     f(c.inner
@@ -263,11 +262,11 @@ fn with_comm<T>(
 /// Destroys a communicator (local: no peer needs to take part). Destroying twice is an error.
 #[no_mangle]
 pub extern "C" fn symm_comm_destroy(comm: *mut symm_comm_t) -> symm_status_t {
-    guard_status("symm_comm_destroy", || {
+    guard_status!("symm_comm_destroy", || {
         if comm.is_null() {
             return Err(Error::invalid("symm_comm_destroy: comm is NULL"));
         }
-        let Some(mut b) = handles::take(comm) else {
+        let Some(mut b) = guard::take(comm) else {
             return Err(Error::invalid(format!(
                 "symm_comm_destroy({comm:p}): not a live communicator (destroyed twice?)"
             )));
@@ -310,8 +309,8 @@ pub extern "C" fn symm_all_reduce_algo(
     op: symm_op_t,
     stream: *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_all_reduce", || {
-        let (algo, dtype, op) = (types::algo(algo)?, types::dtype(dtype)?, types::op(op)?);
+    guard_status!("symm_all_reduce", || {
+        let (algo, dtype, op) = (guard::algo(algo)?, guard::dtype(dtype)?, guard::op(op)?);
         with_comm(comm, |c| {
             c.all_reduce(
                 algo,
@@ -342,8 +341,8 @@ pub extern "C" fn symm_reduce_scatter(
     op: symm_op_t,
     stream: *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_reduce_scatter", || {
-        let (dtype, op) = (types::dtype(dtype)?, types::op(op)?);
+    guard_status!("symm_reduce_scatter", || {
+        let (dtype, op) = (guard::dtype(dtype)?, guard::op(op)?);
         with_comm(comm, |c| {
             c.reduce_scatter(
                 send as u64,
@@ -370,8 +369,8 @@ pub extern "C" fn symm_all_gather(
     dtype: symm_dtype_t,
     stream: *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_all_gather", || {
-        let dtype = types::dtype(dtype)?;
+    guard_status!("symm_all_gather", || {
+        let dtype = guard::dtype(dtype)?;
         with_comm(comm, |c| {
             c.all_gather(
                 send as u64,
@@ -405,8 +404,8 @@ pub extern "C" fn symm_all_reduce_add_rms_norm(
     dtype: symm_dtype_t,
     stream: *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_all_reduce_add_rms_norm", || {
-        let dtype = types::dtype(dtype)?;
+    guard_status!("symm_all_reduce_add_rms_norm", || {
+        let dtype = guard::dtype(dtype)?;
         let rms = crate::comm::call::Rms {
             residual: residual as u64,
             weight: weight as u64,
@@ -425,7 +424,7 @@ pub extern "C" fn symm_all_reduce_add_rms_norm(
 /// Every rank waits for every other; stream-ordered.
 #[no_mangle]
 pub extern "C" fn symm_barrier(comm: *mut symm_comm_t, stream: *mut CUstream_st) -> symm_status_t {
-    guard_status("symm_barrier", || {
+    guard_status!("symm_barrier", || {
         with_comm(comm, |c| c.barrier(stream_of(stream)))
     })
 }

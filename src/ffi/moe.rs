@@ -8,8 +8,7 @@
 //! destroy still gives the buffers back). Handles are checked against a live set, so a stale
 //! or foreign pointer is an error, not a use after free.
 
-use super::guard::guard_status;
-use super::handles::{self, Handle, Kind};
+use super::guard::{self, guard_status, Handle, Kind};
 use super::types::*;
 use super::{stream_of, symm_comm_t, with_comm};
 use crate::comm::moe::config::Request;
@@ -122,12 +121,12 @@ fn with_moe<T>(
     if moe.is_null() {
         return Err(Error::invalid(format!("{what}: moe is NULL")));
     }
-    if !handles::is_live(moe) {
+    if !guard::is_live(moe) {
         return Err(Error::invalid(format!(
             "{what}: moe {moe:p} is not a live moe object (destroyed already, or never created)"
         )));
     }
-    // SAFETY: moe is a live handle (ffi/handles.rs), so it points at a symm_moe_t we allocated and have not
+    // SAFETY: moe is a live handle (ffi/guard.rs), so it points at a symm_moe_t we allocated and have not
     // freed; one object is not used from two threads at once (as a communicator).
     let m = unsafe { &mut *moe };
     let comm = m.comm;
@@ -150,7 +149,7 @@ fn create(comm: *mut symm_comm_t, req: Result<Request>, out: *mut *mut symm_moe_
         req
     };
     let m = with_comm(comm, |c| c.moe_create(req.as_ref().map_err(Clone::clone)))?;
-    let p = handles::give(symm_moe_t {
+    let p = guard::give(symm_moe_t {
         comm,
         inner: Some(m),
     });
@@ -178,7 +177,7 @@ pub extern "C" fn symm_moe_create(
     flags: u32,
     out: *mut *mut symm_moe_t,
 ) -> symm_status_t {
-    guard_status("symm_moe_create", || {
+    guard_status!("symm_moe_create", || {
         let req = Request {
             tokens: max_tokens_per_rank as u64,
             hidden: hidden as u64,
@@ -201,7 +200,7 @@ pub extern "C" fn symm_moe_create_config(
     config: *const symm_moe_config_t,
     out: *mut *mut symm_moe_t,
 ) -> symm_status_t {
-    guard_status("symm_moe_create_config", || {
+    guard_status!("symm_moe_create_config", || {
         create(comm, read_config(config), out)
     })
 }
@@ -259,11 +258,11 @@ fn read_config(config: *const symm_moe_config_t) -> Result<Request> {
 /// nothing; a destroyed handle is refused.
 #[no_mangle]
 pub extern "C" fn symm_moe_destroy(moe: *mut symm_moe_t) -> symm_status_t {
-    guard_status("symm_moe_destroy", || {
+    guard_status!("symm_moe_destroy", || {
         if moe.is_null() {
             return Ok(());
         }
-        let Some(b) = handles::take(moe) else {
+        let Some(b) = guard::take(moe) else {
             return Err(Error::invalid(format!(
                 "symm_moe_destroy: moe {moe:p} is not a live moe object (destroyed already, or \
                  never created)"
@@ -283,7 +282,7 @@ pub extern "C" fn symm_moe_layout(
     moe: *const symm_moe_t,
     out: *mut symm_moe_layout_t,
 ) -> symm_status_t {
-    guard_status("symm_moe_layout", || {
+    guard_status!("symm_moe_layout", || {
         if out.is_null() {
             return Err(Error::invalid("symm_moe_layout: out is NULL"));
         }
@@ -357,7 +356,7 @@ pub extern "C" fn symm_moe_dispatch(
     k: u32,
     stream: *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_moe_dispatch", || {
+    guard_status!("symm_moe_dispatch", || {
         let a = Dispatch {
             x: x as u64,
             x_scales: x_scales as u64,
@@ -390,7 +389,7 @@ pub extern "C" fn symm_moe_combine(
     y: *mut c_void,
     stream: *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_moe_combine", || {
+    guard_status!("symm_moe_combine", || {
         let a = Combine {
             expert_out: expert_out as u64,
             y: y as u64,
@@ -407,7 +406,7 @@ pub extern "C" fn symm_moe_combine(
 /// still runs, as every rank's does). SYMM_SUCCESS when there is none.
 #[no_mangle]
 pub extern "C" fn symm_moe_check(moe: *mut symm_moe_t) -> symm_status_t {
-    guard_status("symm_moe_check", || {
+    guard_status!("symm_moe_check", || {
         with_moe("symm_moe_check", moe, |m, comm| {
             with_comm(comm, |c| c.moe_check(m))
         })

@@ -22,7 +22,7 @@ pub extern "C" fn symm_rendezvous(
     ptr: *const c_void,
     bytes: usize,
 ) -> symm_status_t {
-    guard_status("symm_rendezvous", || {
+    guard_status!("symm_rendezvous", || {
         with_comm(comm, |c| c.rendezvous(ptr as u64, bytes as u64))
     })
 }
@@ -39,7 +39,7 @@ pub extern "C" fn symm_peer_ptr(
     peer: c_int,
     out: *mut *mut c_void,
 ) -> symm_status_t {
-    guard_status("symm_peer_ptr", || {
+    guard_status!("symm_peer_ptr", || {
         if out.is_null() {
             return Err(Error::invalid("symm_peer_ptr: out is NULL"));
         }
@@ -68,7 +68,7 @@ pub extern "C" fn symm_put(
     bytes: usize,
     stream: *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_put", || {
+    guard_status!("symm_put", || {
         with_comm(comm, |c| {
             c.put(
                 peer as i64,
@@ -97,7 +97,7 @@ pub extern "C" fn symm_signal(
     value: u64,
     stream: *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_signal", || {
+    guard_status!("symm_signal", || {
         with_comm(comm, |c| {
             c.signal(peer as i64, slot, value, stream_of(stream))
         })
@@ -117,7 +117,7 @@ pub extern "C" fn symm_wait(
     value: u64,
     stream: *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_wait", || {
+    guard_status!("symm_wait", || {
         with_comm(comm, |c| c.wait(slot, value, stream_of(stream)))
     })
 }
@@ -133,7 +133,7 @@ pub extern "C" fn symm_comm_device(
     out: *mut DeviceComm,
     size: usize,
 ) -> symm_status_t {
-    guard_status("symm_comm_device", || {
+    guard_status!("symm_comm_device", || {
         if out.is_null() {
             return Err(Error::invalid("symm_comm_device: out is NULL"));
         }

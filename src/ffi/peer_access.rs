@@ -20,7 +20,7 @@ use std::ffi::c_int;
 /// `device` directly.
 #[no_mangle]
 pub extern "C" fn symm_grant_peer_access(device: c_int, peer: c_int) -> symm_status_t {
-    guard_status("symm_grant_peer_access", || {
+    guard_status!("symm_grant_peer_access", || {
         heap::global()?
             .grant_peer_access(device, peer)
             .map_err(|e| {

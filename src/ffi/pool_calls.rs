@@ -36,7 +36,7 @@ pub type symm_pool_filter_drop_fn = Option<unsafe extern "C" fn(ctx: *mut c_void
 /// `symm_begin_pool_filtered` (through the shim's `begin_allocate_to_pool`).
 #[no_mangle]
 pub extern "C" fn symm_begin_pool(device: c_int, pool_first: u64, pool_second: u64) {
-    guard_void("symm_begin_pool", || {
+    guard_void!("symm_begin_pool", || {
         heap::global()?.begin_pool(device, pools::PoolId(pool_first, pool_second), None)
     })
 }
@@ -87,7 +87,7 @@ pub extern "C" fn symm_begin_pool_filtered(
     ctx: *mut c_void,
     drop: symm_pool_filter_drop_fn,
 ) -> symm_status_t {
-    guard_status("symm_begin_pool_filtered", || {
+    guard_status!("symm_begin_pool_filtered", || {
         let Some(filter) = filter else {
             if let Some(d) = drop {
                 // SAFETY: the context is ours to drop (the contract above).
@@ -114,7 +114,7 @@ pub extern "C" fn symm_begin_pool_filtered(
 /// `settle_pool`).
 #[no_mangle]
 pub extern "C" fn symm_end_pool(device: c_int, pool_first: u64, pool_second: u64) {
-    guard_void("symm_end_pool", || {
+    guard_void!("symm_end_pool", || {
         let heap = heap::global()?;
         heap.check_device(device)?;
         let pool = pools::PoolId(pool_first, pool_second);
@@ -129,7 +129,7 @@ pub extern "C" fn symm_end_pool(device: c_int, pool_first: u64, pool_second: u64
 /// block is freed.
 #[no_mangle]
 pub extern "C" fn symm_release_pool(device: c_int, pool_first: u64, pool_second: u64) {
-    guard_void("symm_release_pool", || {
+    guard_void!("symm_release_pool", || {
         let id = pools::PoolId(pool_first, pool_second);
         if pools::is_reserved(id) {
             return Err(Error::invalid(format!(
@@ -144,7 +144,7 @@ pub extern "C" fn symm_release_pool(device: c_int, pool_first: u64, pool_second:
 /// The next reuse of `ptr`'s block also waits for the work submitted to `stream` so far.
 #[no_mangle]
 pub extern "C" fn symm_record_stream(ptr: *mut c_void, stream: *mut CUstream_st) {
-    guard_void("symm_record_stream", || {
+    guard_void!("symm_record_stream", || {
         if ptr.is_null() {
             return Err(Error::invalid("symm_record_stream: ptr is NULL"));
         }
@@ -155,5 +155,5 @@ pub extern "C" fn symm_record_stream(ptr: *mut c_void, stream: *mut CUstream_st)
 /// Returns every cached segment without live blocks, on every device.
 #[no_mangle]
 pub extern "C" fn symm_empty_cache() {
-    guard_void("symm_empty_cache", || heap::global()?.empty_cache())
+    guard_void!("symm_empty_cache", || heap::global()?.empty_cache())
 }

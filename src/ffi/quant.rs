@@ -34,9 +34,9 @@ pub extern "C" fn symm_all_reduce_add_rms_norm_quant(
     quant: symm_quant_t,
     stream: *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_all_reduce_add_rms_norm_quant", || {
-        let dtype = super::types::dtype(dtype)?;
-        let mode = super::types::quant(quant)?;
+    guard_status!("symm_all_reduce_add_rms_norm_quant", || {
+        let dtype = super::guard::dtype(dtype)?;
+        let mode = super::guard::quant(quant)?;
         let rms = Rms {
             residual: residual as u64,
             weight: weight as u64,

@@ -87,7 +87,7 @@ pub extern "C" fn symm_device_stats(
     out: *mut DeviceStats,
     size: usize,
 ) -> symm_status_t {
-    guard_status("symm_device_stats", || {
+    guard_status!("symm_device_stats", || {
         let have = std::mem::size_of::<DeviceStats>();
         if size < SYMM_DEVICE_STATS_V1_SIZE || size > have || size % 8 != 0 {
             return Err(Error::invalid(format!(
@@ -114,7 +114,7 @@ pub extern "C" fn symm_device_stats(
 /// `reset_peak_memory_stats`; `symm_memory_stats`'s `peak_allocated_bytes` too).
 #[no_mangle]
 pub extern "C" fn symm_reset_peak_stats(device: c_int) -> symm_status_t {
-    guard_status("symm_reset_peak_stats", || {
+    guard_status!("symm_reset_peak_stats", || {
         heap::global()?.reset_peak_stats(device)
     })
 }
@@ -124,7 +124,7 @@ pub extern "C" fn symm_reset_peak_stats(device: c_int) -> symm_status_t {
 /// `reset_accumulated_memory_stats`).
 #[no_mangle]
 pub extern "C" fn symm_reset_accumulated_stats(device: c_int) -> symm_status_t {
-    guard_status("symm_reset_accumulated_stats", || {
+    guard_status!("symm_reset_accumulated_stats", || {
         heap::global()?.reset_accumulated_stats(device)
     })
 }
@@ -135,7 +135,7 @@ pub extern "C" fn symm_reset_accumulated_stats(device: c_int) -> symm_status_t {
 /// fraction of the device's memory.
 #[no_mangle]
 pub extern "C" fn symm_set_memory_limit(device: c_int, bytes: u64) -> symm_status_t {
-    guard_status("symm_set_memory_limit", || {
+    guard_status!("symm_set_memory_limit", || {
         heap::global()?.set_memory_limit(device, bytes)
     })
 }
@@ -144,7 +144,7 @@ pub extern "C" fn symm_set_memory_limit(device: c_int, bytes: u64) -> symm_statu
 /// `cacheInfo`, which cuDNN's benchmark mode reads to size its workspace).
 #[no_mangle]
 pub extern "C" fn symm_cache_info(device: c_int, largest: *mut u64) -> symm_status_t {
-    guard_status("symm_cache_info", || {
+    guard_status!("symm_cache_info", || {
         let largest = out_ref(largest, "symm_cache_info", "largest")?;
         *largest = heap::global()?.largest_free_block(device)?;
         Ok(())
@@ -161,7 +161,7 @@ pub extern "C" fn symm_malloc_checked(
     stream: *mut CUstream_st,
     out: *mut *mut c_void,
 ) -> symm_status_t {
-    guard_status("symm_malloc_checked", || {
+    guard_status!("symm_malloc_checked", || {
         let out = out_ref(out, "symm_malloc_checked", "out")?;
         *out = std::ptr::null_mut();
         if size == 0 {
@@ -176,7 +176,7 @@ pub extern "C" fn symm_malloc_checked(
 /// callers that keep only the address, as PyTorch's `raw_delete` does. NULL does nothing.
 #[no_mangle]
 pub extern "C" fn symm_free_block(ptr: *mut c_void) -> symm_status_t {
-    guard_status("symm_free_block", || {
+    guard_status!("symm_free_block", || {
         if ptr.is_null() {
             return Ok(());
         }
@@ -198,7 +198,7 @@ pub extern "C" fn symm_heap_blocks(
     capacity: usize,
     count: *mut usize,
 ) -> symm_status_t {
-    guard_status("symm_heap_blocks", || {
+    guard_status!("symm_heap_blocks", || {
         let count = out_ref(count, "symm_heap_blocks", "count")?;
         if out.is_null() && capacity > 0 {
             return Err(Error::invalid(format!(
@@ -225,7 +225,7 @@ pub extern "C" fn symm_pool_hold(
     pool_first: u64,
     pool_second: u64,
 ) -> symm_status_t {
-    guard_status("symm_pool_hold", || {
+    guard_status!("symm_pool_hold", || {
         let id = PoolId(pool_first, pool_second);
         if heap::pools::is_reserved(id) {
             return Err(Error::invalid(format!(
@@ -244,7 +244,7 @@ pub extern "C" fn symm_pool_uses(
     pool_second: u64,
     uses: *mut u64,
 ) -> symm_status_t {
-    guard_status("symm_pool_uses", || {
+    guard_status!("symm_pool_uses", || {
         let uses = out_ref(uses, "symm_pool_uses", "uses")?;
         *uses = heap::global()?.pool_uses(device, PoolId(pool_first, pool_second))?;
         Ok(())
@@ -264,7 +264,7 @@ pub extern "C" fn symm_pool_restore(
     blocks: *const symm_block_info_t,
     n: usize,
 ) -> symm_status_t {
-    guard_status("symm_pool_restore", || {
+    guard_status!("symm_pool_restore", || {
         if blocks.is_null() && n > 0 {
             return Err(Error::invalid(format!(
                 "symm_pool_restore: blocks is NULL with n {n}"
@@ -349,7 +349,7 @@ fn event_of(device: c_int, e: SegmentEvent, base: u64) -> symm_segment_event_t {
 /// `_record_memory_history`, trace trackers): `symm_segment_events` takes them.
 #[no_mangle]
 pub extern "C" fn symm_segment_log(on: c_int) -> symm_status_t {
-    guard_status("symm_segment_log", || {
+    guard_status!("symm_segment_log", || {
         device_stats::set_segment_log(on != 0);
         Ok(())
     })
@@ -365,7 +365,7 @@ pub extern "C" fn symm_segment_events(
     capacity: usize,
     count: *mut usize,
 ) -> symm_status_t {
-    guard_status("symm_segment_events", || {
+    guard_status!("symm_segment_events", || {
         let count = out_ref(count, "symm_segment_events", "count")?;
         *count = 0;
         if out.is_null() && capacity > 0 {
@@ -397,7 +397,7 @@ pub extern "C" fn symm_block_request(
     requested: *mut u64,
     stream: *mut *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_block_request", || {
+    guard_status!("symm_block_request", || {
         let device = out_ref(device, "symm_block_request", "device")?;
         let requested = out_ref(requested, "symm_block_request", "requested")?;
         let stream = out_ref(stream, "symm_block_request", "stream")?;

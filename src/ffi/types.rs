@@ -2,11 +2,9 @@
 //! constants, so an out-of-range value is a checked error instead of undefined behaviour in
 //! Rust; the status enum only ever flows out. Names are fixed by the project's contract (the C
 //! ABI the README describes); values and fields are only ever appended. The checked conversions
-//! from these C values to the library's own types live here too.
+//! from these C values to the library's own types are guard.rs's (every entry point's boundary).
 #![allow(non_camel_case_types)]
 
-use crate::comm::algo::{Algo, DType, Quant, ReduceOp};
-use crate::error::{Error, Result};
 use std::ffi::c_char;
 
 /// Result of every status-returning function.
@@ -71,71 +69,4 @@ pub struct symm_unique_id_t {
 /// Opaque: never dereferenced.
 pub struct CUstream_st {
     _opaque: [u8; 0],
-}
-
-/// A `symm_dtype_t` from C, checked.
-pub fn dtype(v: symm_dtype_t) -> Result<DType> {
-    match v {
-        SYMM_BF16 => Ok(DType::Bf16),
-        SYMM_FP16 => Ok(DType::Fp16),
-        SYMM_FP32 => Ok(DType::Fp32),
-        _ => Err(Error::invalid(format!(
-            "dtype {v} is not a symm_dtype_t; expected SYMM_BF16 (0), SYMM_FP16 (1) or SYMM_FP32 (2)"
-        ))),
-    }
-}
-
-/// A `symm_op_t` from C, checked.
-pub fn op(v: symm_op_t) -> Result<ReduceOp> {
-    match v {
-        SYMM_SUM => Ok(ReduceOp::Sum),
-        SYMM_MAX => Ok(ReduceOp::Max),
-        SYMM_MIN => Ok(ReduceOp::Min),
-        _ => Err(Error::invalid(format!(
-            "op {v} is not a symm_op_t; expected SYMM_SUM (0), SYMM_MAX (1) or SYMM_MIN (2)"
-        ))),
-    }
-}
-
-/// A `symm_algo_t` from C, checked.
-pub fn algo(v: symm_algo_t) -> Result<Algo> {
-    match v {
-        SYMM_ALGO_AUTO => Ok(Algo::Auto),
-        SYMM_ALGO_ONE_SHOT => Ok(Algo::OneShot),
-        SYMM_ALGO_TWO_SHOT => Ok(Algo::TwoShot),
-        SYMM_ALGO_MULTIMEM => Ok(Algo::Multimem),
-        SYMM_ALGO_ONE_SHOT_LL => Ok(Algo::OneShotLL),
-        _ => Err(Error::invalid(format!(
-            "algo {v} is not a symm_algo_t; expected SYMM_ALGO_AUTO (0), ONE_SHOT (1), \
-             TWO_SHOT (2), MULTIMEM (3) or ONE_SHOT_LL (4)"
-        ))),
-    }
-}
-
-/// A `symm_quant_t` from C, checked.
-pub fn quant(v: symm_quant_t) -> Result<Quant> {
-    match v {
-        SYMM_QUANT_FP8_STATIC => Ok(Quant::Static),
-        SYMM_QUANT_FP8_PER_TOKEN => Ok(Quant::PerToken),
-        SYMM_QUANT_FP8_PER_GROUP_128 => Ok(Quant::PerGroup128),
-        _ => Err(Error::invalid(format!(
-            "quant {v} is not a symm_quant_t; expected SYMM_QUANT_FP8_STATIC (0), \
-             SYMM_QUANT_FP8_PER_TOKEN (1) or SYMM_QUANT_FP8_PER_GROUP_128 (2)"
-        ))),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn out_of_range_values_are_named() {
-        assert_eq!(algo(4).unwrap(), Algo::OneShotLL);
-        assert!(dtype(7).unwrap_err().message.contains("dtype 7"));
-        assert!(op(3).unwrap_err().message.contains("op 3"));
-        assert!(algo(9).unwrap_err().message.contains("algo 9"));
-        assert_eq!(quant(2).unwrap(), Quant::PerGroup128);
-        assert!(quant(3).unwrap_err().message.contains("quant 3"));
-    }
 }

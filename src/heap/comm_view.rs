@@ -16,9 +16,7 @@ pub struct CommView<'a> {
     device: i32,
 }
 
-/// Where a buffer lies: the chunks of its segment (one, unless the segment grew in place under
-/// the block); `None` when outside the heap.
-pub type Located = Option<Vec<SegmentInfo>>;
+pub use super::device_heap::Located;
 
 impl<'a> CommView<'a> {
     pub fn new(alloc: &'a Allocator, device: i32) -> Self {
@@ -28,21 +26,19 @@ impl<'a> CommView<'a> {
     /// Where `ptr..ptr+bytes` lies: `None` when `ptr` is outside the heap, an error when it is
     /// inside the heap but not inside one live block.
     pub fn locate(&self, ptr: u64, bytes: u64) -> Result<Located> {
-        let heap = self.alloc.heap(self.device)?;
-        locate_in(&heap, ptr, bytes)
+        self.alloc.heap(self.device)?.locate(ptr, bytes)
     }
 
     /// `locate` for two buffers under one hold of the lock.
     pub fn locate_pair(&self, a: (u64, u64), b: (u64, u64)) -> Result<(Located, Located)> {
-        let heap = self.alloc.heap(self.device)?;
-        Ok((locate_in(&heap, a.0, a.1)?, locate_in(&heap, b.0, b.1)?))
+        self.alloc.heap(self.device)?.locate_pair(a, b)
     }
 
     /// `locate` for the scratch of a staged call, counting the call in `staged_collectives`
     /// under the same hold of the lock.
     pub fn locate_staged(&self, ptr: u64, bytes: u64) -> Result<Vec<SegmentInfo>> {
         let mut heap = self.alloc.heap(self.device)?;
-        let segs = locate_in(&heap, ptr, bytes)?.ok_or_else(|| {
+        let segs = heap.locate(ptr, bytes)?.ok_or_else(|| {
             Error::invalid(format!("scratch {ptr:#x} is outside the symmetric heap"))
         })?;
         heap.stats.staged_collectives += 1;
@@ -111,18 +107,4 @@ impl<'a> CommView<'a> {
             .map(|off| heap.export_segment(self.alloc.backend(), off))
             .collect()
     }
-}
-
-fn locate_in(heap: &super::device_heap::DeviceHeap, ptr: u64, bytes: u64) -> Result<Located> {
-    if !heap.contains(ptr) {
-        return Ok(None);
-    }
-    let (segs, bstart, bsize) = heap.segment_of(ptr)?;
-    if ptr + bytes > bstart + bsize {
-        return Err(Error::invalid(format!(
-            "buffer {ptr:#x} of {bytes} bytes runs past the end of its symm_malloc block \
-             ({bsize} bytes at {bstart:#x}); expected count * element size to fit"
-        )));
-    }
-    Ok(Some(segs))
 }

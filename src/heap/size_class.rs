@@ -20,6 +20,19 @@ pub fn round_request(size: u64) -> u64 {
     size.div_ceil(ROUND).max(1) * ROUND
 }
 
+/// The size of the segment the growth ladder makes for a request of `rounded` bytes of `class`
+/// on a heap mapped in `gran` units: a small segment, a large one, or (from `HUGE_MIN`) one of
+/// its own. The ladder (device_heap/placement.rs), the donors (donors.rs) and the trim before
+/// growing (release.rs) read it; it lives here so none of them calls into another for it.
+pub fn segment_size(class: Class, rounded: u64, gran: u64) -> u64 {
+    let s = match class {
+        Class::Small => SMALL_SEGMENT,
+        Class::Large if rounded < HUGE_MIN => LARGE_SEGMENT,
+        Class::Large => rounded,
+    };
+    s.next_multiple_of(gran)
+}
+
 pub fn class_of(rounded: u64) -> Class {
     if rounded <= SMALL_MAX {
         Class::Small

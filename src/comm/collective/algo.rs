@@ -1,8 +1,8 @@
-//! Every kernel choice of a collective call: the validated values of a call (element type,
-//! operation, the C-visible algorithm), AUTO's choice between the all-reduce algorithms, and
-//! the internal `Kernel` a call runs (barrier or LL). plan.rs's `shape` then shapes the chosen kernel
-//! (vectors or elements, its grid); `plan.rs` asks each once (docs/DESIGN.md, "The collective
-//! pipeline").
+//! Every kernel choice of a collective call: AUTO's choice between the all-reduce algorithms,
+//! and the internal `Kernel` a call runs (barrier or LL). plan.rs's `shape` then shapes the
+//! chosen kernel (vectors or elements, its grid; whether it is an LL kernel); `plan.rs` asks each
+//! once (docs/DESIGN.md, "The collective pipeline"). The validated values of a call (element
+//! type, operation, the C-visible algorithm, the FP8 output) are call.rs's, re-exported here.
 //!
 //! Invariant: every decision reads only values equal on every rank (the call descriptor's
 //! shared words, the communicator's settings agreed at init, facts about every rank's GPU
@@ -12,64 +12,7 @@
 use crate::config;
 use crate::error::{Error, Result};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DType {
-    Bf16,
-    Fp16,
-    Fp32,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ReduceOp {
-    Sum,
-    Max,
-    Min,
-}
-
-/// The all-reduce algorithm a caller asks for (`symm_algo_t`; ffi/types.rs converts).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Algo {
-    Auto,
-    OneShot,
-    TwoShot,
-    Multimem,
-    /// One-shot without barriers: values carry their own arrival flags (kernels/ll.cuh).
-    OneShotLL,
-}
-
-/// The FP8 (e4m3) output of the fused call (`symm_quant_t`; ffi/types.rs converts), as
-/// kernels/quant.cuh defines it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Quant {
-    /// One fp32 scale, read from device memory by the kernel.
-    Static,
-    /// A scale per row, written: max(amax / 448, FLT_MIN).
-    PerToken,
-    /// A scale per 128 elements of a row, written row-major `[tokens, hidden / 128]`.
-    PerGroup128,
-}
-
-impl Quant {
-    /// The C ABI value (`SYMM_QUANT_FP8_*`).
-    pub fn code(self) -> u32 {
-        self as u32
-    }
-    /// The suffix of its kernel instances (kernels.rs).
-    pub fn suffix(self) -> &'static str {
-        match self {
-            Quant::Static => "static",
-            Quant::PerToken => "token",
-            Quant::PerGroup128 => "group",
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Quant::Static => "SYMM_QUANT_FP8_STATIC",
-            Quant::PerToken => "SYMM_QUANT_FP8_PER_TOKEN",
-            Quant::PerGroup128 => "SYMM_QUANT_FP8_PER_GROUP_128",
-        }
-    }
-}
+pub use super::call::{Algo, DType, Quant, ReduceOp};
 
 /// What a call runs: one kernel family of kernels/ (src/comm/collective/kernels.rs names its
 /// instances). Internal: callers name an `Algo` or a collective, `algo.rs` picks the kernel.
@@ -107,56 +50,6 @@ impl Kernel {
             Kernel::AddRmsNormLL => "all_reduce_add_rms_norm_ll",
             Kernel::AddRmsNormLL1 => "all_reduce_add_rms_norm_ll1",
             Kernel::AddRmsNormLLC => "all_reduce_add_rms_norm_llc",
-        }
-    }
-
-    /// Kernels of the LL protocol (they share the LL buffers and call counters).
-    pub fn is_ll(self) -> bool {
-        matches!(
-            self,
-            Kernel::OneShotLL
-                | Kernel::ReduceScatterLL
-                | Kernel::AddRmsNormLL
-                | Kernel::AddRmsNormLL1
-                | Kernel::AddRmsNormLLC
-        )
-    }
-}
-
-impl DType {
-    pub fn size(self) -> usize {
-        match self {
-            DType::Bf16 | DType::Fp16 => 2,
-            DType::Fp32 => 4,
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::Bf16 => "bf16",
-            DType::Fp16 => "fp16",
-            DType::Fp32 => "fp32",
-        }
-    }
-}
-
-impl ReduceOp {
-    pub fn name(self) -> &'static str {
-        match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Max => "max",
-            ReduceOp::Min => "min",
-        }
-    }
-}
-
-impl Algo {
-    pub fn name(self) -> &'static str {
-        match self {
-            Algo::Auto => "auto",
-            Algo::OneShot => "one_shot",
-            Algo::TwoShot => "two_shot",
-            Algo::Multimem => "multimem",
-            Algo::OneShotLL => "one_shot_ll",
         }
     }
 }

@@ -1,5 +1,6 @@
-//! What a caller asks of a communicator, as one value (`Call`), and every check of it that
-//! needs no peer: pointers, alignment, sizes that overflow, overlaps, the fused call's shape.
+//! What a caller asks of a communicator, as one value (`Call`, with the validated values it is
+//! made of: `DType`, `ReduceOp`, `Algo`, `Quant`), and every check of it that needs no peer:
+//! pointers, alignment, sizes that overflow, overlaps, the fused call's shape.
 //! The public front ends (mod.rs) build a `Call`; `plan.rs` turns it into a `Plan`.
 //!
 //! Units: `count` is in elements, as the C ABI takes it (all-reduce: the message; reduce-scatter:
@@ -7,9 +8,108 @@
 //! extents are in bytes (`Extents`), computed once here with overflow checks; nothing after this
 //! converts again.
 
-use super::algo::{Algo, DType, Quant, ReduceOp};
 use super::kernel_args::RMS_MAX_HIDDEN;
 use crate::error::{Error, Result};
+
+// The validated values of a call: element type, operation, the C-visible algorithm, the FP8
+// output (ffi/guard.rs converts the C values).
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    Bf16,
+    Fp16,
+    Fp32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+    Min,
+}
+
+/// The all-reduce algorithm a caller asks for (`symm_algo_t`; ffi/guard.rs converts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algo {
+    Auto,
+    OneShot,
+    TwoShot,
+    Multimem,
+    /// One-shot without barriers: values carry their own arrival flags (kernels/ll.cuh).
+    OneShotLL,
+}
+
+/// The FP8 (e4m3) output of the fused call (`symm_quant_t`; ffi/guard.rs converts), as
+/// kernels/quant.cuh defines it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Quant {
+    /// One fp32 scale, read from device memory by the kernel.
+    Static,
+    /// A scale per row, written: max(amax / 448, FLT_MIN).
+    PerToken,
+    /// A scale per 128 elements of a row, written row-major `[tokens, hidden / 128]`.
+    PerGroup128,
+}
+
+impl Quant {
+    /// The C ABI value (`SYMM_QUANT_FP8_*`).
+    pub fn code(self) -> u32 {
+        self as u32
+    }
+    /// The suffix of its kernel instances (kernels.rs).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Quant::Static => "static",
+            Quant::PerToken => "token",
+            Quant::PerGroup128 => "group",
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Quant::Static => "SYMM_QUANT_FP8_STATIC",
+            Quant::PerToken => "SYMM_QUANT_FP8_PER_TOKEN",
+            Quant::PerGroup128 => "SYMM_QUANT_FP8_PER_GROUP_128",
+        }
+    }
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::Bf16 | DType::Fp16 => 2,
+            DType::Fp32 => 4,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::Bf16 => "bf16",
+            DType::Fp16 => "fp16",
+            DType::Fp32 => "fp32",
+        }
+    }
+}
+
+impl ReduceOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        }
+    }
+}
+
+impl Algo {
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Auto => "auto",
+            Algo::OneShot => "one_shot",
+            Algo::TwoShot => "two_shot",
+            Algo::Multimem => "multimem",
+            Algo::OneShotLL => "one_shot_ll",
+        }
+    }
+}
 
 /// Which collective, with what only it takes.
 #[derive(Clone, Copy, Debug)]

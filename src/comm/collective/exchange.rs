@@ -18,19 +18,6 @@ use crate::heap::device_heap::SegmentInfo;
 use desc::{CallDesc, DESC_WORDS, RANK_LOCAL, WORD_STAGED};
 use std::os::fd::AsFd;
 
-/// Appends to `segs` each chunk of `more` it does not hold yet (the chunks under one buffer,
-/// then another's: a collective's or a rendezvoused range's segments, each once).
-pub(in crate::comm) fn add_chunks(
-    segs: &mut Vec<SegmentInfo>,
-    more: impl IntoIterator<Item = SegmentInfo>,
-) {
-    for s in more {
-        if !segs.contains(&s) {
-            segs.push(s);
-        }
-    }
-}
-
 impl Ctx<'_> {
     /// Shares `segs` (own segments) with every peer and maps theirs; checks every rank passed
     /// the same call descriptor and segments. Collective: all ranks must call it together.

@@ -28,6 +28,8 @@ pub(in crate::comm) struct Plan {
     pub kernel: Kernel,
     /// The working buffers' offsets (the caller's, or the scratch's when staged).
     pub desc: CallDesc,
+    /// `desc.digest()` (plan.rs works it out beside the exchange): what the kernels compare.
+    pub digest: u64,
     pub vec: bool,
     pub grid: u32,
     pub threads: u32,
@@ -123,12 +125,12 @@ fn kernel_launch(
         inputs,
         outputs,
         count: plan.desc.count,
-        desc: plan.desc.digest(),
+        desc: plan.digest,
         timeout_ns: v.settings.timeout.as_nanos() as u64,
         rank: v.rank as i32,
         world: v.world as i32,
         counters: v.internal + COUNTERS_OFFSET,
-        error_word: coll.errors.device_ptr(),
+        error_word: coll.error_word,
         ll_slot_kib: (v.settings.ll_slot >> 10) as i32,
         mc_out: plan.mc_out,
         ..SymmArgs::default()
@@ -196,7 +198,7 @@ fn host_twin(
         op: plan.call.op,
         kernel: plan.kernel,
         in_place: plan.desc.send_off == plan.desc.recv_off,
-        desc: plan.desc.digest(),
+        desc: plan.digest,
         timeout: v.settings.timeout,
         rms,
     };

@@ -67,6 +67,11 @@ pub(in crate::comm) struct CollSettings {
     /// The fewest SMs of any rank's GPU: an LL grid must be resident at once on every rank
     /// (fused_shape.rs, `fit_resident`). Equal on every rank, as `clusters`.
     pub fewest_sms: u32,
+    /// The executor's plans carry a kernel grid (`Executor::grids`): plan.rs works one out.
+    pub grids: bool,
+    /// The ranks meet before one makes or shares a segment (`Executor::meets`: the CPU's
+    /// collectives; place.rs).
+    pub meets: bool,
 }
 
 /// What the collectives keep between calls: the error words kernels report into and the error
@@ -75,6 +80,9 @@ pub(in crate::comm) struct CollSettings {
 /// executor's: comm/exec/.)
 pub(in crate::comm) struct Collectives {
     pub errors: ErrorWords,
+    /// `errors.device_ptr()`, read once: what every kernel gets in `SymmArgs::error_word`
+    /// (launch.rs reads it here, so a launch does not go back to error_word.rs).
+    pub error_word: u64,
     /// A fatal error: every later call reports it (the communicator must be destroyed).
     pub sticky: Option<Error>,
     /// The host backend's barrier epoch (host_reduce.rs).
@@ -89,6 +97,7 @@ impl Collectives {
     /// Nothing looked up or made yet; kernels report into `errors`.
     pub fn new(errors: ErrorWords) -> Self {
         Collectives {
+            error_word: errors.device_ptr(),
             errors,
             sticky: None,
             host_epoch: 0,

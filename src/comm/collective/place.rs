@@ -15,7 +15,6 @@
 //! docs/DESIGN.md).
 
 use super::call::{Call, Coll, Extents};
-use super::exchange::add_chunks;
 use super::exchange::desc::meeting_word;
 use super::host_reduce;
 use super::{CollSettings, Collectives, Ctx};
@@ -39,6 +38,19 @@ pub(in crate::comm) fn locate(
 
 /// A copy between a caller's buffer and the scratch, stream-ordered around the kernel.
 use crate::comm::exec::Copy;
+
+/// Appends to `segs` each chunk of `more` it does not hold yet (the chunks under one buffer,
+/// then another's: a collective's or a rendezvoused range's segments, each once).
+pub(in crate::comm) fn add_chunks(
+    segs: &mut Vec<SegmentInfo>,
+    more: impl IntoIterator<Item = SegmentInfo>,
+) {
+    for s in more {
+        if !segs.contains(&s) {
+            segs.push(s);
+        }
+    }
+}
 
 /// Where a call runs, decided before any scratch is made (`place`).
 enum Place {
@@ -79,22 +91,24 @@ impl Ctx<'_> {
         // and both fail at once instead of waiting for each other. Every rank meets when the
         // comparison is forced (SYMMALLOC_CHECK_SYMMETRY, equal on every rank). On CUDA there
         // is no meeting, so nothing of this is worked out on the call's path.
-        let (settings, coll, peer) = (self.settings, &mut *self.coll, &*self.peer);
-        let (alloc, device, rank) = (self.alloc, self.device, self.rank);
-        let place_ref = &place;
-        self.exec.meet_before_sharing(&mut || {
-            let make = match place_ref {
-                Place::Scratch { len, .. } => scratch_to_make(coll.scratch, *len),
+        if self.settings.meets {
+            let make = match &place {
+                Place::Scratch { len, .. } => scratch_to_make(self.coll.scratch, *len),
                 Place::Heap { .. } => None,
             };
-            if settings.check_symmetry
+            if self.settings.check_symmetry
                 || make.is_some()
-                || shares_new(alloc, device, coll.scratch, peer, place_ref)?
+                || shares_new(
+                    self.alloc,
+                    self.device,
+                    self.coll.scratch,
+                    self.peer,
+                    &place,
+                )?
             {
-                meet_before_sharing(rank, peer, settings, coll, staged, make)?;
+                meet_before_sharing(self.rank, self.peer, self.settings, self.coll, staged, make)?;
             }
-            Ok(())
-        })?;
+        }
         self.stage(call, ext, place)
     }
 
@@ -260,8 +274,9 @@ fn scratch_to_make(scratch: Option<(u64, u64)>, bytes: u64) -> Option<u64> {
 /// barrier, whose digest never equals this word, so both fail at once with NOT_SYMMETRIC
 /// instead of one waiting in the exchange and the other at the barrier. Two barriers, so no
 /// peer can write its next barrier's word over this one before this rank has compared it. A
-/// timeout breaks the communicator (as in a host collective). The CPU's executor runs it
-/// (`Executor::meet_before_sharing`); CUDA has no meeting (see docs/DESIGN.md).
+/// timeout breaks the communicator (as in a host collective). Only where the collectives run
+/// on the CPU (`CollSettings::meets`, from `Executor::meets`); CUDA has no meeting (see
+/// docs/DESIGN.md).
 fn meet_before_sharing(
     rank: usize,
     peer: &PeerView,

@@ -64,18 +64,17 @@ impl Ctx<'_> {
             Coll::AddRmsNorm(r) => {
                 // Where plans carry a grid; the CPU's twin of the fused call has none.
                 let settings = self.settings;
-                self.exec.shape(&mut |exec| {
+                if settings.grids {
                     // The LL all-reduce's spread for a message of this size.
                     push_threads = shape::ll_threads(call.count / 8, settings.ll_grid);
                     let q = r.quant.map(|q| q.mode);
                     fused = Some(fused_shape(
                         settings,
-                        exec,
+                        &mut *self.exec,
                         (r.tokens, r.hidden, push_threads, ext.send),
                         (call.dtype, q),
                     )?);
-                    Ok(())
-                })?;
+                }
                 let kernel = fused.map_or(Kernel::AddRmsNorm, |s| s.kernel);
                 // The output format is part of what ranks agree on (bits 32 and up: 0 for
                 // bf16/fp16, 1 + symm_quant_t for FP8).
@@ -98,6 +97,8 @@ impl Ctx<'_> {
             width,
             staged,
         };
+        // The digest the kernel compares, worked out beside the exchange (both exchange.rs).
+        let digest = desc.digest();
         self.exchange(&p.segs, desc, self.settings.check_symmetry)?;
         // Only offsets every rank shares decide (a rank-local one would let ranks pick
         // different kernels): reduce-scatter's input, all-gather's output, both otherwise.
@@ -108,21 +109,19 @@ impl Ctx<'_> {
         };
         let vec = shape::vectors(kernel, shared, ext.slice);
         // (0, 0, 1) where the CPU runs the twin, which has no grid.
-        let (mut grid, mut threads, mut cluster) = (0, 0, 1);
-        let (settings, world) = (self.settings, self.world);
-        self.exec.shape(&mut |_| {
-            (grid, threads, cluster) = if let Some(s) = fused {
-                (s.grid, s.threads, s.cluster)
-            } else if kernel.is_ll() {
-                let (g, t) = shape::ll_shape(ext.slice.div_ceil(16), settings.ll_grid);
-                (g, t, 1)
-            } else {
-                let items = if vec { ext.slice / 16 } else { call.count };
-                let (g, t) = shape::barrier_shape(kernel, items, world, vec, settings.sms);
-                (g, t, 1)
-            };
-            Ok(())
-        })?;
+        let settings = self.settings;
+        let (grid, threads, cluster) = if !settings.grids {
+            (0, 0, 1)
+        } else if let Some(s) = fused {
+            (s.grid, s.threads, s.cluster)
+        } else if shape::is_ll(kernel) {
+            let (g, t) = shape::ll_shape(ext.slice.div_ceil(16), settings.ll_grid);
+            (g, t, 1)
+        } else {
+            let items = if vec { ext.slice / 16 } else { call.count };
+            let (g, t) = shape::barrier_shape(kernel, items, self.world, vec, settings.sms);
+            (g, t, 1)
+        };
         let mc_out = if kernel == Kernel::Multimem {
             // Past the gate: the output segment's multicast window (built collectively once).
             // The chunk under the output (a segment that grew in place has several).
@@ -154,6 +153,7 @@ impl Ctx<'_> {
             call: *call,
             kernel,
             desc,
+            digest,
             vec,
             grid,
             threads,
@@ -168,7 +168,7 @@ impl Ctx<'_> {
     /// SYMMALLOC_DEBUG=INFO: AUTO's choice, once per message size.
     fn note_auto_choice(&mut self, asked: algo::Algo, k: Kernel, bytes: u64) {
         if asked == algo::Algo::Auto
-            && crate::debug::enabled(crate::debug::Level::Info)
+            && crate::debug_enabled!(crate::debug::Level::Info)
             && self.coll.auto_seen.insert(bytes)
         {
             crate::info!(
@@ -265,6 +265,19 @@ pub(super) mod shape {
             Kernel::ReduceScatter | Kernel::AllGather => aligned && slice_bytes % 16 == 0,
             _ => aligned,
         }
+    }
+
+    /// Kernels of the LL protocol (they share the LL buffers and call counters): their grid is
+    /// `ll_shape`'s.
+    pub fn is_ll(kernel: Kernel) -> bool {
+        matches!(
+            kernel,
+            Kernel::OneShotLL
+                | Kernel::ReduceScatterLL
+                | Kernel::AddRmsNormLL
+                | Kernel::AddRmsNormLL1
+                | Kernel::AddRmsNormLLC
+        )
     }
 
     /// Threads per block for an LL call of `items` 16-byte items: enough to give every block a

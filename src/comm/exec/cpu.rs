@@ -35,8 +35,8 @@ impl Executor for CpuExec {
         Ok(())
     }
 
-    fn shape(&mut self, _shape: &mut dyn FnMut(&mut dyn Executor) -> Result<()>) -> Result<bool> {
-        Ok(false)
+    fn grids(&self) -> bool {
+        false
     }
 
     fn blocks_per_sm(
@@ -54,8 +54,8 @@ impl Executor for CpuExec {
         Ok(false)
     }
 
-    fn meet_before_sharing(&mut self, meeting: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        meeting()
+    fn meets(&self) -> bool {
+        true
     }
 
     fn zero(&self, addr: u64, bytes: u64) -> Result<()> {

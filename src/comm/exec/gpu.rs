@@ -112,9 +112,8 @@ impl Executor for GpuExec {
         Ok(())
     }
 
-    fn shape(&mut self, shape: &mut dyn FnMut(&mut dyn Executor) -> Result<()>) -> Result<bool> {
-        shape(self)?;
-        Ok(true)
+    fn grids(&self) -> bool {
+        true
     }
 
     fn blocks_per_sm(
@@ -136,8 +135,8 @@ impl Executor for GpuExec {
         Ok(cuda::driver()?.device(self.device)?.multicast)
     }
 
-    fn meet_before_sharing(&mut self, _meeting: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        Ok(())
+    fn meets(&self) -> bool {
+        false
     }
 
     fn zero(&self, addr: u64, bytes: u64) -> Result<()> {

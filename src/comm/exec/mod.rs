@@ -159,10 +159,10 @@ pub trait Executor: Send {
     fn backend(&self) -> &'static str;
     /// Runs (enqueues) a plan: the stream order, the copy in, the work, the copy out.
     fn submit(&mut self, plan: Plan<'_>) -> Result<()>;
-    /// Runs `shape`, a builder's step that works out a plan's kernel grid (it may ask this
-    /// executor's occupancy, `blocks_per_sm`), where plans carry a grid; the CPU runs twins,
-    /// which have none, and skips it. Returns whether it ran.
-    fn shape(&mut self, shape: &mut dyn FnMut(&mut dyn Executor) -> Result<()>) -> Result<bool>;
+    /// Whether plans carry a kernel grid (the GPU's do; the CPU runs twins, which have none):
+    /// the builders work out a grid (asking `blocks_per_sm` where they must) only then. Asked
+    /// once, at init (`CollSettings::grids`), so a call does not ask.
+    fn grids(&self) -> bool;
     /// Blocks of `kernel` with `block` threads one SM holds at once (asked once per pair).
     fn blocks_per_sm(
         &mut self,
@@ -172,10 +172,11 @@ pub trait Executor: Send {
     ) -> Result<u32>;
     /// Whether this device supports multicast objects (the gate decides whether they are used).
     fn multicast(&self) -> Result<bool>;
-    /// Runs `meeting`, the ranks meeting before one makes or shares a segment
-    /// (collective/place.rs), where the collectives run on the CPU and can meet; kernels
-    /// cannot, so the GPU skips it (and nothing of it is worked out on a call's path).
-    fn meet_before_sharing(&mut self, meeting: &mut dyn FnMut() -> Result<()>) -> Result<()>;
+    /// Whether the ranks meet before one makes or shares a segment (collective/place.rs):
+    /// where the collectives run on the CPU and can meet; kernels cannot, so on the GPU they
+    /// do not (and nothing of the meeting is worked out on a call's path). Asked once, at init
+    /// (`CollSettings::meets`).
+    fn meets(&self) -> bool;
     /// Zeroes `bytes` bytes at `addr` before any peer can see them; synchronous.
     fn zero(&self, addr: u64, bytes: u64) -> Result<()>;
     /// Readies an internal block: `zero_len` bytes at `zero_at` to 0 and, where kernels use

@@ -381,6 +381,7 @@ impl Communicator {
         };
         let mut releases = PeerReleases::starting_now(&windows.peers);
         releases.seen = seen;
+        let (grids, meets) = (exec.grids(), exec.meets());
         let comm = Box::new(Communicator {
             rank,
             world,
@@ -397,6 +398,8 @@ impl Communicator {
                 sms,
                 clusters,
                 fewest_sms,
+                grids,
+                meets,
             },
             group: Group {
                 internal: 0,

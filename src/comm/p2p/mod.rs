@@ -177,7 +177,7 @@ impl View<'_> {
                      inside a live symm_malloc block; expected every byte allocated"
                 ))
             })?;
-            crate::comm::collective::exchange::add_chunks(&mut segs, chunks);
+            crate::comm::collective::place::add_chunks(&mut segs, chunks);
             p = bstart + bsize;
         }
         Ok(segs)

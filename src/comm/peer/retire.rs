@@ -60,9 +60,20 @@ impl PeerView {
         records.contains(&(internal_seg, self.releases.internal_gens[peer]))
     }
 
-    /// Unmaps the peer segments released since the last call (see the module comment).
-    /// `segs`: the offsets of the segments of the internal block and of the p2p signal pad (a
-    /// peer's release of either is its destroy, which breaks the communicator: `sticky`).
+    /// Whether a peer recorded a release since the last call: one load per peer (the check
+    /// every call makes first; `retire_released` runs only when it says so).
+    pub(in crate::comm) fn releases_pending(&self) -> bool {
+        self.windows
+            .peers
+            .iter()
+            .zip(&self.releases.seen)
+            .any(|(p, &seen)| p.as_ref().is_some_and(|p| p.log.count() != seen))
+    }
+
+    /// Unmaps the peer segments released since the last call (see the module comment); the
+    /// caller asked `releases_pending` first. `segs`: the offsets of the segments of the
+    /// internal block and of the p2p signal pad (a peer's release of either is its destroy,
+    /// which breaks the communicator: `sticky`).
     pub(in crate::comm) fn retire_released(
         &mut self,
         who: &Who,
@@ -71,15 +82,6 @@ impl PeerView {
         (internal_seg, pad_seg): (u64, u64),
         sticky: &mut Option<Error>,
     ) -> Result<()> {
-        let pending = self
-            .windows
-            .peers
-            .iter()
-            .zip(&self.releases.seen)
-            .any(|(p, &seen)| p.as_ref().is_some_and(|p| p.log.count() != seen));
-        if !pending {
-            return Ok(());
-        }
         if !exec.quiesce(stream)? {
             return Ok(()); // capturing: a later, uncaptured call retires them
         }

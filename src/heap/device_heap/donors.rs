@@ -25,7 +25,6 @@
 //! stream; `Pool::segments` counts each pool's segments (a pool being released goes when its
 //! last one does).
 
-use super::placement::segment_size;
 use super::*;
 use crate::heap::pools;
 

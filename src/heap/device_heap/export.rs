@@ -4,30 +4,10 @@
 //! chunk's, or a fresh one for memory given back inside a live segment). Peers map, check and
 //! unmap chunk by chunk.
 
+use super::blocks::info;
 use super::*;
 
 impl DeviceHeap {
-    /// The chunks under the live block that holds `ptr` (in address order), and the block's
-    /// bounds.
-    pub fn segment_of(&self, ptr: u64) -> Result<(Vec<SegmentInfo>, u64, u64)> {
-        let off = ptr.wrapping_sub(self.base);
-        let (boff, b) = self
-            .block_holding(off)
-            .filter(|(_, b)| b.requested().is_some())
-            .ok_or_else(|| {
-                Error::invalid(format!(
-                    "address {ptr:#x} is not inside a live symm_malloc block"
-                ))
-            })?;
-        let chunks = self.segments[&b.segment]
-            .chunks
-            .iter()
-            .filter(|c| c.off < boff + b.size && boff < c.off + c.len)
-            .map(info)
-            .collect();
-        Ok((chunks, self.base + boff, b.size))
-    }
-
     /// The segment that holds `ptr`, anywhere in it: (offset, size, number of chunks).
     pub fn segment_span(&self, ptr: u64) -> Option<(u64, u64, usize)> {
         let off = ptr.wrapping_sub(self.base);
@@ -85,13 +65,5 @@ impl DeviceHeap {
     pub fn record_given_back(&mut self, offset: u64, generation: u64) {
         debug_assert!(generation < self.next_generation);
         self.release_log.record(offset, generation);
-    }
-}
-
-fn info(c: &Chunk) -> SegmentInfo {
-    SegmentInfo {
-        offset: c.off,
-        size: c.len,
-        generation: c.generation,
     }
 }

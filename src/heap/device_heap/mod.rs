@@ -80,11 +80,13 @@ use super::ranges::Ranges;
 use super::release_log::ReleaseLog;
 use super::stats::Stats;
 use crate::error::{Error, Result, Status};
+pub use blocks::Located;
 pub use inspect::BlockView;
 use std::collections::BTreeMap;
 
 pub use super::size_class::{
-    class_of, round_request, Class, HUGE_MIN, LARGE_SEGMENT, ROUND, SMALL_MAX, SMALL_SEGMENT,
+    class_of, round_request, segment_size, Class, HUGE_MIN, LARGE_SEGMENT, ROUND, SMALL_MAX,
+    SMALL_SEGMENT,
 };
 /// `Block::prev` of a segment's first block.
 const NO_PREV: u64 = u64::MAX;

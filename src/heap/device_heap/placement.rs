@@ -12,15 +12,6 @@
 
 use super::*;
 
-pub(super) fn segment_size(class: Class, rounded: u64, gran: u64) -> u64 {
-    let s = match class {
-        Class::Small => SMALL_SEGMENT,
-        Class::Large if rounded < HUGE_MIN => LARGE_SEGMENT,
-        Class::Large => rounded,
-    };
-    s.next_multiple_of(gran)
-}
-
 impl DeviceHeap {
     /// The growth ladder: where a request's memory comes from, each rung tried only when the
     /// ones before found nothing, walked once per request.

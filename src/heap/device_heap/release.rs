@@ -16,7 +16,6 @@
 //! device is never waited for from a capturing stream (the wait would break the capture; the
 //! segment stays cached instead).
 
-use super::placement::segment_size;
 use super::*;
 
 use crate::heap::policy::TRIM_RATIO;
