@@ -334,17 +334,16 @@ pub fn q_case(o: &Obj, q: Q, c: &Case, grid: &[f64]) -> (usize, usize) {
                     let want = quant_ref(grid, &qin.rows[t * h..(t + 1) * h], q.ue8m0);
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&got_s), bits(&want.scales), "{what}: scales");
-                    for i in 0..h {
+                    for (i, &b) in got.iter().enumerate() {
                         assert_eq!(
-                            got[i], want.bytes[i],
-                            "{what}: element {i} (x {}) is {:#x}, the kernels' arithmetic gives {:#x}",
-                            bf16_to_f32(qin.rows[t * h + i]), got[i], want.bytes[i]
+                            b, want.bytes[i],
+                            "{what}: element {i} (x {}) is {b:#x}, the kernels' arithmetic gives {:#x}",
+                            bf16_to_f32(qin.rows[t * h + i]), want.bytes[i]
                         );
-                        if got[i] != want.f64_bytes[i] {
+                        if b != want.f64_bytes[i] {
                             assert!(
-                                !q.ue8m0 && want.near[i] && one_step(got[i], want.f64_bytes[i]),
-                                "{what}: element {i} is {:#x}, the float64 reference {:#x}",
-                                got[i],
+                                !q.ue8m0 && want.near[i] && one_step(b, want.f64_bytes[i]),
+                                "{what}: element {i} is {b:#x}, the float64 reference {:#x}",
                                 want.f64_bytes[i]
                             );
                             steps += 1;
