@@ -181,6 +181,35 @@ mod tests {
             .collect()
     }
 
+    /// UE8M0 rounds a scale up to a power of two: powers of two (FLT_MIN too) and +inf stay,
+    /// anything else goes to the next exponent; a group's scale is then exact in 1 / s.
+    #[test]
+    fn ue8m0_rounds_scales_up_to_powers_of_two() {
+        let min = f32::MIN_POSITIVE;
+        for (s, want) in [
+            (1.0f32, 1.0f32),
+            (1.5, 2.0),
+            (1.0 + f32::EPSILON, 2.0),
+            (0.75, 1.0),
+            (1.0 / 448.0, 1.0 / 256.0),
+            (min, min),
+            (min * 1.25, min * 2.0),
+            (2f32.powi(127), 2f32.powi(127)),
+            (f32::INFINITY, f32::INFINITY),
+        ] {
+            assert_eq!(ue8m0_ceil(s).to_bits(), want.to_bits(), "{s:e}");
+        }
+        let g: Vec<f32> = (0..128).map(|i| (i as f32 - 64.0) * 0.37).collect();
+        let (q, s) = quantize_group(&g, true);
+        let (q0, s0) = quantize_group(&g, false);
+        assert_eq!(s, ue8m0_ceil(s0));
+        assert!(s >= s0 && s < 2.0 * s0 && s.to_bits() & 0x7f_ffff == 0);
+        assert_eq!(q.len(), 128);
+        assert_ne!(q, q0, "a coarser scale gives other bytes here");
+        // All zeros: the scale clamps to FLT_MIN, the bytes are 0.
+        assert_eq!(quantize_group(&[0.0; 128], true), (vec![0u8; 128], min));
+    }
+
     #[test]
     fn the_host_adds_in_the_kernels_order() {
         for hidden in [

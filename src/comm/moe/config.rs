@@ -412,3 +412,60 @@ impl Config {
         self.scale_strides()[0] * self.local_experts(world)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(dtype: u32, input: u32, scale_layout: u32, ue8m0: u32) -> Request {
+        Request {
+            tokens: 13,
+            hidden: 384,
+            topk: 2,
+            experts: 4,
+            dtype,
+            max_recv: 0,
+            input,
+            scale_layout,
+            ue8m0,
+            ..Request::default()
+        }
+    }
+
+    /// recv_scales' strides: row-major `[L][R][S]`, or per expert `[S][R4]` with R4 = R
+    /// rounded up to 4 (DeepGEMM's `get_tma_aligned_size(R, 4)`).
+    #[test]
+    fn scale_strides_of_both_layouts() {
+        let row = req(PAYLOAD_FP8_E4M3, INPUT_BF16, SCALES_ROW_MAJOR, 1)
+            .check(1)
+            .unwrap();
+        assert!(row.quantize && row.ue8m0 && row.max_recv == 13);
+        assert_eq!(row.scale_strides(), [13 * 3, 3, 1]);
+        assert_eq!(row.scale_elems(2), 2 * 13 * 3);
+        let col = req(PAYLOAD_FP8_E4M3, INPUT_PAYLOAD, SCALES_COL_TMA, 0)
+            .check(1)
+            .unwrap();
+        assert_eq!((col.tma_rows(), col.scale_strides()), (16, [3 * 16, 1, 16]));
+        assert_eq!(col.scale_elems(1), 4 * 3 * 16);
+        let bf = req(PAYLOAD_BF16, INPUT_PAYLOAD, SCALES_ROW_MAJOR, 0)
+            .check(1)
+            .unwrap();
+        assert_eq!((bf.scale_strides(), bf.input_row_bytes()), ([0; 3], 768));
+        assert_eq!(row.input_row_bytes(), 768);
+    }
+
+    #[test]
+    fn bad_quantization_fields_name_the_value() {
+        for (r, needle) in [
+            (req(1, 2, 0, 0), "input 2 is not an input kind"),
+            (req(0, 1, 0, 0), "with dtype 0 (bf16)"),
+            (req(1, 0, 5, 0), "scale_layout 5 is not a scale layout"),
+            (req(0, 0, 1, 0), "SYMM_MOE_SCALES_COL_TMA) with dtype 0"),
+            (req(1, 0, 0, 1), "scale_ue8m0 1 without quantization"),
+            (req(1, 1, 0, 3), "scale_ue8m0 3; expected 0 or 1"),
+        ] {
+            let e = r.check(1).unwrap_err();
+            assert!(e.message.contains(needle), "{}", e.message);
+        }
+    }
+}
