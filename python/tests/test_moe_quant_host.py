@@ -220,3 +220,42 @@ def test_the_reference_helpers():
     assert e4m3_rne(1000.0)[0] == 0x7E and e4m3_rne(-449.0)[0] == 0xFE
     s, kb, fb, _ = quant_ref([0x3F80] * 128 + [0] * 128, True)  # 1.0s, then zeros
     assert s == [2.0 ** math.ceil(math.log2(1 / 448)), FLT_MIN] and kb[:128] == fb[:128] and kb[128:] == [0] * 128
+
+
+def _compile_rank(rank, world, uid, q):
+    try:
+        _child_env()
+        import torch
+
+        # Inductor's on-disk FX graph cache keys a graph by its ops and input shapes, not by the
+        # Moe behind the handle constant: a graph cached by another process for another Moe of
+        # the same handle number would come back with that Moe's output shapes.
+        torch._inductor.config.fx_graph_cache = False
+        comm = symmalloc.Communicator(rank, world, uid)
+        with comm.moe(4, 256, 2, 4 * world, dtype=torch.float8_e4m3fn, input_dtype=torch.bfloat16,
+                      scale_layout="col_tma", ue8m0=True) as moe:
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+            idx = torch.tensor([[0, 1], [2, -1], [3, 0]], dtype=torch.int32) + 4 * rank
+
+            def f(x, idx, w):
+                d = moe.dispatch(x, idx, w)
+                eo = (d.recv_x.float() * d.recv_scales.repeat_interleave(128, 2)).to(torch.bfloat16)
+                return moe.combine(eo)
+
+            w = torch.rand(3, 2, generator=g)
+            ye = f(x, idx, w)
+            yc = torch.compile(f, fullgraph=True)(x, idx, w)
+            assert torch.equal(ye.view(torch.int16), yc.view(torch.int16)), "compiled y differs from eager"
+        comm.barrier()
+        comm.close()
+        q.put((rank, [], None))
+    except Exception:
+        q.put((rank, None, traceback.format_exc()))
+
+
+@pytest.mark.skipif(not _have_torch(), reason="PyTorch is not installed here (the torch venv runs this)")
+def test_torch_compile_fullgraph_of_a_quantizing_moe():
+    """torch.compile(fullgraph=True) of dispatch (bf16 in, e4m3 and column-major scales out: the
+    fake has the view's strides) -> dequantizing expert -> combine: the same bits as eager."""
+    assert len(_spawn(_compile_rank, 2)) == 2
