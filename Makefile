@@ -275,7 +275,7 @@ wheel: toolchain
 # builds nothing (its build cache stays empty); the 2.11 and 2.15 prebuilts have a real build's
 # NEEDED set and pass the host selftest in venvs with those torches (build-torch-prebuilts.sh
 # --verify; the 2.15 venv is check-torch-range.sh's, made if missing).
-WHEEL_TESTS := test_torch_allocator.py test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py test_p2p_host.py test_host_groups.py test_async_tp_host.py test_hier.py test_hier_model.py test_moe_host.py test_moe_adapters_host.py
+WHEEL_TESTS := test_torch_allocator.py test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py test_p2p_host.py test_host_groups.py test_async_tp_host.py test_hier.py test_hier_model.py test_moe_host.py test_moe_quant_host.py test_moe_adapters_host.py
 $(TORCH_VENV)/.installed: python/tests/torch-requirements.txt
 	rm -rf $(TORCH_VENV) && $(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/pip install --quiet --disable-pip-version-check -r $<

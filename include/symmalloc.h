@@ -73,15 +73,35 @@ struct CUstream_st;
 #define SYMM_INDEX_INT64 1
 
 /**
- * The `symm_moe_config_t` layout this library writes in its header (`version`): 2 added
- * `num_sms`. Version 1 (`size` 48, without `num_sms`) is still read, as `num_sms` 0.
+ * Inputs of a dispatch (`symm_moe_config_t::input`, version 3): `x` is the payload dtype
+ * (FP8 with the caller's `x_scales`), or bf16 quantized to the FP8 payload inside the
+ * dispatch kernel (one fp32 scale per 128 elements, computed there; `x_scales` NULL).
  */
-#define SYMM_MOE_CONFIG_VERSION 2
+#define SYMM_MOE_INPUT_PAYLOAD 0
+
+#define SYMM_MOE_INPUT_BF16 1
 
 /**
- * The `symm_moe_layout_t` layout this library writes (`version`).
+ * Layouts of `recv_scales` (`symm_moe_config_t::scale_layout`, version 3): row-major
+ * `[L][R][H/128]`, or per local expert a column-major `[H/128][R4]` (`R4` = R rounded up to a
+ * multiple of 4: DeepGEMM's MN-major TMA-aligned scales).
  */
-#define SYMM_MOE_LAYOUT_VERSION 1
+#define SYMM_MOE_SCALES_ROW_MAJOR 0
+
+#define SYMM_MOE_SCALES_COL_TMA 1
+
+/**
+ * The `symm_moe_config_t` layout this library writes in its header (`version`): 2 added
+ * `num_sms`, 3 `input`, `scale_layout` and `scale_ue8m0`. Versions 1 (`size` 48, without
+ * `num_sms`) and 2 (`size` 56) are still read, the missing fields as 0.
+ */
+#define SYMM_MOE_CONFIG_VERSION 3
+
+/**
+ * The `symm_moe_layout_t` layout this library writes (`version`): 2 added the scale layout
+ * and strides. Version 1 (`size` 112, ending at `buffer_bytes`) is still written.
+ */
+#define SYMM_MOE_LAYOUT_VERSION 2
 
 /**
  * The largest configured top-k, and the most experts.
@@ -389,6 +409,24 @@ typedef struct {
    * Version 2: 0 (reserved; anything else is refused).
    */
   uint32_t reserved;
+  /**
+   * Version 3: SYMM_MOE_INPUT_PAYLOAD (0: `x` is the payload dtype) or SYMM_MOE_INPUT_BF16
+   * (1: `x` is bf16, quantized to e4m3 inside the dispatch; needs dtype SYMM_MOE_FP8_E4M3).
+   */
+  uint32_t input;
+  /**
+   * Version 3: SYMM_MOE_SCALES_ROW_MAJOR (0) or SYMM_MOE_SCALES_COL_TMA (1, FP8 only).
+   */
+  uint32_t scale_layout;
+  /**
+   * Version 3: 1 rounds each scale the dispatch computes up to a power of two (UE8M0;
+   * needs SYMM_MOE_INPUT_BF16), 0 keeps amax / 448.
+   */
+  uint32_t scale_ue8m0;
+  /**
+   * Version 3: 0 (reserved; anything else is refused).
+   */
+  uint32_t reserved3;
 } symm_moe_config_t;
 
 /**
@@ -429,6 +467,28 @@ typedef struct {
    * Bytes of the communicator's arena this object holds.
    */
   uint64_t buffer_bytes;
+  /**
+   * Version 2: the config's `input` (SYMM_MOE_INPUT_*).
+   */
+  uint32_t input;
+  /**
+   * Version 2: SYMM_MOE_SCALES_ROW_MAJOR or SYMM_MOE_SCALES_COL_TMA (0 for bf16).
+   */
+  uint32_t scale_layout;
+  /**
+   * Version 2: 1 when the dispatch's scales are powers of two (UE8M0).
+   */
+  uint32_t scale_ue8m0;
+  uint32_t reserved2;
+  /**
+   * Version 2: `recv_scales` strides in fp32 elements: the scale of (local expert `le`, row,
+   * group `g`) is `recv_scales[le * scale_stride_expert + row * scale_stride_row + g *
+   * scale_stride_group]` (row-major: `R*S, S, 1`; column-major TMA: `S*R4, 1, R4`; all 0
+   * for bf16).
+   */
+  uint64_t scale_stride_expert;
+  uint64_t scale_stride_row;
+  uint64_t scale_stride_group;
 } symm_moe_layout_t;
 
 /**
@@ -876,7 +936,8 @@ symm_status_t symm_moe_layout(const symm_moe_t *moe, symm_moe_layout_t *out);
  * the rank of every expert in `topk_idx[t]` (`-1`: slot unused); every rank's `recv_x` then
  * holds its local experts' rows, ordered by source rank then token, with `recv_counts` and
  * `recv_src` (docs/moe.md). `x`: `[num_tokens][hidden]` payload dtype, 16-byte aligned;
- * `x_scales`: `[num_tokens][hidden/128]` fp32 (FP8 only; NULL for bf16); `topk_idx`:
+ * `x_scales`: `[num_tokens][hidden/128]` fp32 (FP8 only; NULL for bf16, and NULL when the
+ * object quantizes: input SYMM_MOE_INPUT_BF16 takes bf16 `x`); `topk_idx`:
  * `[num_tokens][k]` of `idx_dtype` (SYMM_INDEX_INT32 or SYMM_INDEX_INT64); `topk_weights`:
  * `[num_tokens][k]` fp32. `num_tokens` (0 to max_tokens_per_rank) may differ between ranks;
  * `1 <= k <= topk`. Collective. A rank's bad arguments: SYMM_ERR_INVALID_ARGUMENT at once

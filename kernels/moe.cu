@@ -39,6 +39,7 @@
 // the rank waited for. The only host-mapped memory a kernel touches is stored to: the
 // communicator's error words (report_to_host) and the object's status words (moe_record).
 #include "common.cuh"
+#include "quant.cuh"
 
 #define MOE_THREADS 512
 #define MOE_WARPS (MOE_THREADS / 32)
@@ -57,6 +58,11 @@
 #define MOE_CTRL_C_FIN 6
 // Flag rows (layout.rs FLAG_*): the combine's two, one per parity of its epoch.
 #define MOE_FLAG_COMBINE 0
+// MoeArgs::scale_mode bits (launch.rs SCALE_MODE_*): the quantizing dispatch rounds its scales up
+// to powers of two; recv_scales is column-major TMA-aligned (per local expert [H/128][R4], R4 = R
+// rounded up to a multiple of 4) instead of row-major [L][R][H/128] (config.rs scale_strides).
+#define MOE_SCALE_UE8M0 1
+#define MOE_SCALE_COL_TMA 2
 // Status codes (src/comm/moe/status.rs ST_*) and status word indices (SW_*).
 #define MOE_ST_OUT_OF_RANGE 1
 #define MOE_ST_DUPLICATE 2
@@ -98,7 +104,7 @@ struct MoeArgs {
   int32_t experts;                 // E
   int32_t local;                   // L = E / world
   int32_t refuse_code;             // this rank's own refusal (status code), or 0
-  int32_t pad;
+  int32_t scale_mode;              // MOE_SCALE_* bits
 };
 
 __device__ __forceinline__ uint64_t* moe_ctrl(const MoeArgs& a) {
@@ -247,6 +253,35 @@ __device__ __forceinline__ void moe_pull_row(uint8_t* dst, const uint8_t* src, u
   }
 }
 
+// Quantizes a bf16 row of H elements (H % 128 == 0) with the 32 lanes of a warp into e4m3 bytes
+// at dst and one fp32 scale per 128 elements at scales[0 .. H/128): quant.cuh's per-group
+// arithmetic (QUANT_PER_GROUP: a half warp holds a group's 16 vectors), s = max(amax / 448,
+// FLT_MIN), rounded up to a power of two when ue8m0, q = e4m3(y * (1 / s)). The host backend does
+// the same (src/comm/moe/host.rs quantize_rows): bit for bit the same bytes and scales.
+__device__ __forceinline__ void moe_quantize_row(uint8_t* dst, float* scales, const uint4* src, uint64_t H,
+                                                 bool ue8m0, int lane) {
+  const uint64_t vecs = H / 8;  // a multiple of 16: a half warp is all in or all out
+  for (uint64_t b = 0; b < vecs; b += 32) {
+    const uint64_t v = b + lane;
+    float y[8];
+    if (v < vecs) {
+      const uint4 raw = src[v];
+      const __nv_bfloat16* h = (const __nv_bfloat16*)&raw;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) y[u] = __bfloat162float(h[u]);
+    } else {
+#pragma unroll
+      for (int u = 0; u < 8; ++u) y[u] = 0.f;
+    }
+    float s = amax_scale(half_warp_max(vec_amax(y)));
+    if (ue8m0) s = ue8m0_ceil(s);
+    if (v < vecs) {
+      ((uint2*)dst)[v] = to_e4m3x8(y, 1.f / s);
+      if ((lane & 15) == 0) scales[v / 16] = s;
+    }
+  }
+}
+
 // Exclusive prefix sums of in[0..n) into out[0..n) by one warp, 32 at a time (no block
 // barrier); returns the total. Every lane of the warp calls it.
 __device__ __forceinline__ int64_t moe_warp_scan(const int32_t* in, int32_t* out, int n, int lane) {
@@ -266,8 +301,10 @@ __device__ __forceinline__ int64_t moe_warp_scan(const int32_t* in, int32_t* out
   return carry;
 }
 
-// Dispatch (docs/moe.md, "Protocol"): every block runs every step on its share.
-template <int PAYLOAD_BYTES, bool SCALES, typename IDX>
+// Dispatch (docs/moe.md, "Protocol"): every block runs every step on its share. QUANT: x is bf16,
+// quantized to the FP8 payload (PAYLOAD_BYTES 1, SCALES) once per token when its block stages it
+// (at every world), and every row, this rank's own too, is pulled from the staged copy.
+template <int PAYLOAD_BYTES, bool SCALES, typename IDX, bool QUANT = false>
 __device__ void moe_dispatch_body(const MoeArgs& a) {
   __shared__ int32_t hist_s[MOE_MAX_EXPERTS];    // this rank's counts; then rows per source
   __shared__ int32_t run_s[MOE_MAX_EXPERTS];     // entries before this block's chunk, per expert
@@ -371,9 +408,15 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
         }
       }
     }
-    if (W > 1) {
+    if (W > 1 || QUANT) {
       uint8_t* xs = (uint8_t*)(a.blocks[me] + a.off_xstage) + (epoch & 1) * T * row_bytes;
       for (uint64_t t = c0 + warp; t < c1; t += MOE_WARPS) {
+        if (QUANT) {
+          float* ds = (float*)(a.blocks[me] + a.off_xscales) + (epoch & 1) * T * S + t * S;
+          moe_quantize_row(xs + t * row_bytes, ds, (const uint4*)a.x + t * (H / 8), H,
+                           (a.scale_mode & MOE_SCALE_UE8M0) != 0, lane);
+          continue;
+        }
         moe_copy_row(xs + t * row_bytes, (const uint8_t*)a.x + t * row_bytes, row_bytes, lane);
         if (SCALES) {
           float* ds = (float*)(a.blocks[me] + a.off_xscales) + (epoch & 1) * T * S + t * S;
@@ -532,14 +575,18 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       while (s + 1 < W && base_s[(s + 1) * L + lo] <= row) ++s;
       const int32_t entry = __ldcg(moe_list(a, s, epoch) + off_s[s * L + lo] + (row - base_s[s * L + lo]));
       const uint64_t t = (uint64_t)entry / K, slot = (uint64_t)lo * R + row;
-      const uint8_t* src = s == me ? (const uint8_t*)a.x
+      const uint8_t* src = s == me && !QUANT ? (const uint8_t*)a.x
                                    : (const uint8_t*)(a.blocks[s] + a.off_xstage) + (epoch & 1) * T * row_bytes;
       moe_pull_row((uint8_t*)(a.blocks[me] + a.off_recv_x) + slot * row_bytes, src + t * row_bytes, row_bytes, lane);
       if (SCALES) {
-        const float* ss = s == me ? (const float*)a.x_scales
-                                  : (const float*)(a.blocks[s] + a.off_xscales) + (epoch & 1) * T * S;
-        float* ds = (float*)(a.blocks[me] + a.off_recv_scales) + slot * S;
-        for (uint64_t v = lane; v < S; v += 32) ds[v] = __ldcg(ss + t * S + v);
+        const float* ss = s == me && !QUANT ? (const float*)a.x_scales
+                                            : (const float*)(a.blocks[s] + a.off_xscales) + (epoch & 1) * T * S;
+        // Scale (lo, row, g) at lo * se + row * sr + g * sg (config.rs scale_strides).
+        const uint64_t R4 = (R + 3) & ~3ull;
+        const bool col = (a.scale_mode & MOE_SCALE_COL_TMA) != 0;
+        const uint64_t se = col ? S * R4 : R * S, sr = col ? 1 : S, sg = col ? R4 : 1;
+        float* ds = (float*)(a.blocks[me] + a.off_recv_scales) + (uint64_t)lo * se + (uint64_t)row * sr;
+        for (uint64_t v = lane; v < S; v += 32) ds[v * sg] = __ldcg(ss + t * S + v);
       }
       if (lane == 0)
         ((int32_t*)(a.blocks[me] + a.off_recv_src))[slot] = (int32_t)((uint64_t)s * T * K + (uint64_t)entry);
@@ -690,3 +737,5 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16
 extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t>(a); }
 extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t>(a); }
 extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_bf16(MoeArgs a) { moe_combine_body(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_to_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_to_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t, true>(a); }

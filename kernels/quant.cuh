@@ -41,6 +41,14 @@ __device__ __forceinline__ float static_inv(float s) {
 // The scale of an amax: max(amax / 448, FLT_MIN).
 __device__ __forceinline__ float amax_scale(float amax) { return fmaxf(amax / SYMM_FP8_MAX, FLT_MIN); }
 
+// s rounded up to a power of two (UE8M0 scales: the MoE dispatch's option): a positive normal s
+// with a nonzero mantissa goes to the next power of two; powers of two and +inf stay. Host
+// mirror: src/comm/collective/host_norm.rs ue8m0_ceil.
+__device__ __forceinline__ float ue8m0_ceil(float s) {
+  const uint32_t b = __float_as_uint(s);
+  return (b & 0x7fffffu) ? __uint_as_float((b & 0x7f800000u) + 0x800000u) : s;
+}
+
 // max |y| over a vector's 8 values (NaN ignored: fmaxf returns the other operand).
 __device__ __forceinline__ float vec_amax(const float (&y)[8]) {
   float m = 0.f;

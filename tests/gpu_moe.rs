@@ -15,6 +15,7 @@ mod common;
 use common::moe::cases::*;
 use common::moe::edges::*;
 use common::moe::errors::*;
+use common::moe::quant::*;
 use common::moe::repeat::*;
 use common::moe::*;
 use common::*;
@@ -52,6 +53,25 @@ fn gpu_moe_dispatch_and_combine_match_the_reference() {
     }
     let outs = run_gpu("gpu_moe_dispatch_and_combine_match_the_reference", &[], 0);
     assert_same_output_hash(&outs);
+}
+
+/// FP8 quantized inside the dispatch kernel (tests/common/moe/quant.rs): every scale and e4m3
+/// byte the kernel writes, in both scale layouts, with and without UE8M0, equals the kernels'
+/// arithmetic mirrored on the host (the host backend's bytes) and the float64 reference as the
+/// host test checks it; the pre-quantized path in the column-major layout; the new fields'
+/// refusals and `x_scales` refused on a quantizing object.
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_fp8_quantized_in_the_dispatch() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::cuda);
+        let (rows, steps) = quantized(comm, dev, w, seed);
+        quant_errors(comm, dev, w, r, seed);
+        destroy(comm);
+        println!("rank {r}: {rows} quantized rows exact ({steps} bytes one step from float64 at a midpoint)");
+        return;
+    }
+    run_gpu("gpu_moe_fp8_quantized_in_the_dispatch", &[], 0);
 }
 
 #[test]

@@ -89,10 +89,10 @@ fn every_table_name_is_instantiated_and_vice_versa() {
     // one-shot, LL, two-shot, multimem, reduce-scatter (barrier, LL), all-gather, fused RMSNorm (barrier,
     // LL with four vectors per thread, with one, and over a cluster), their FP8 outputs (4 kernels
     // x 3 modes x 2 types), self-test, p2p wait and signal, moe dispatch (2 payloads x 2 index
-    // types) and combine
+    // types), combine and the quantizing dispatch (2 index types)
     assert_eq!(
         table.len(),
-        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2 + 5
+        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2 + 7
     );
     // Names the profiles and earlier results use stay as they were.
     for name in [
@@ -280,7 +280,7 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
         "int32_t topk",
         "int32_t experts",
     ]);
-    want.extend(["int32_t local", "int32_t refuse_code", "int32_t pad"]);
+    want.extend(["int32_t local", "int32_t refuse_code", "int32_t scale_mode"]);
     assert_eq!(
         struct_fields(&src, "MoeArgs"),
         want,
@@ -297,7 +297,9 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
         let rest = &src[at + name.len() + 9..];
         rest.split_whitespace().next().unwrap().parse().unwrap()
     };
-    let pairs: [(&str, u64); 20] = [
+    let pairs: [(&str, u64); 22] = [
+        ("MOE_SCALE_UE8M0", launch::SCALE_MODE_UE8M0 as u64),
+        ("MOE_SCALE_COL_TMA", launch::SCALE_MODE_COL_TMA as u64),
         ("MOE_THREADS", symmalloc::comm::moe::THREADS as u64),
         ("MOE_MAX_EXPERTS", config::MAX_EXPERTS as u64),
         ("MOE_ROW_EXTRA", l::ROW_EXTRA),
@@ -353,5 +355,11 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
                 launch::dispatch_kernel(p, it)
             )));
         }
+    }
+    for it in [config::IndexType::I32, config::IndexType::I64] {
+        assert!(src.contains(&format!(
+            "void __launch_bounds__(MOE_THREADS) {}(MoeArgs a)",
+            launch::MOE_KERNELS[launch::quantize_index(it)]
+        )));
     }
 }

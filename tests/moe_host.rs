@@ -12,6 +12,7 @@ use crate::common;
 use common::moe::cases::*;
 use common::moe::edges::*;
 use common::moe::errors::*;
+use common::moe::quant::*;
 use common::moe::repeat::*;
 use common::moe::*;
 use common::*;
@@ -189,6 +190,35 @@ fn a_failed_dispatch_leaves_nothing_to_combine_and_the_next_pair_works() {
         "a_failed_dispatch_leaves_nothing_to_combine_and_the_next_pair_works",
         &[],
     );
+}
+
+/// FP8 quantized inside the dispatch (tests/common/moe/quant.rs): bf16 x to e4m3 rows and fp32
+/// scales, row-major and column-major TMA-aligned, with and without UE8M0, against the float64
+/// reference and the kernels' arithmetic bit for bit; the pre-quantized path in the
+/// column-major layout; the new fields' refusals. At 1 rank too (the quantizing dispatch then
+/// stages its own rows).
+#[test]
+fn fp8_quantized_in_the_dispatch_matches_the_float64_reference_in_every_layout() {
+    const NAME: &str =
+        "fp8_quantized_in_the_dispatch_matches_the_float64_reference_in_every_layout";
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
+        let (rows, steps) = quantized(comm, dev, w, seed);
+        quant_errors(comm, dev, w, r, seed);
+        destroy(comm);
+        println!("rank {r}: {rows} quantized rows exact ({steps} bytes one step from float64 at a midpoint)");
+        return;
+    }
+    let mut all = vec![run_ranks(NAME, 1, &[HOST, SMALL_LL], &seed().to_string())];
+    assert_all_ok(&all[0]);
+    assert_ran(&all[0], NAME, 0);
+    all.extend(at_2_4_8(NAME, &[]));
+    for o in all.iter().flatten() {
+        let out = String::from_utf8_lossy(&o.stdout);
+        for l in out.lines().filter_map(|l| l.find("rank ").map(|i| &l[i..])) {
+            eprintln!("{l}");
+        }
+    }
 }
 
 #[test]

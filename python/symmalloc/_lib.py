@@ -141,8 +141,12 @@ def _library():
 _MOE_DTYPES = {"bfloat16": 0, "bf16": 0, "float8_e4m3fn": 1, "fp8": 1, "fp8_e4m3": 1}
 # index dtype name -> SYMM_INDEX_INT32 / SYMM_INDEX_INT64.
 _INDEX_DTYPES = {"int32": 0, "int64": 1}
-_MOE_CONFIG_VERSION = 2  # SYMM_MOE_CONFIG_VERSION
-_MOE_LAYOUT_VERSION = 1  # SYMM_MOE_LAYOUT_VERSION
+# input -> SYMM_MOE_INPUT_PAYLOAD / SYMM_MOE_INPUT_BF16 (x is the payload, or bf16 quantized in the
+# dispatch); scale layout name -> SYMM_MOE_SCALES_ROW_MAJOR / SYMM_MOE_SCALES_COL_TMA.
+_MOE_INPUTS = {"payload": 0, "bfloat16": 1}
+_MOE_SCALE_LAYOUTS = {"row": 0, "col_tma": 1}
+_MOE_CONFIG_VERSION = 3  # SYMM_MOE_CONFIG_VERSION
+_MOE_LAYOUT_VERSION = 2  # SYMM_MOE_LAYOUT_VERSION
 _MOE_MAX_TOPK = 16  # SYMM_MOE_MAX_TOPK
 _MOE_MAX_EXPERTS = 1024  # SYMM_MOE_MAX_EXPERTS
 
@@ -157,6 +161,8 @@ class _MoeConfig(ctypes.Structure):
         ("dtype", ctypes.c_uint32), ("flags", ctypes.c_uint32),
         ("max_recv_per_expert", ctypes.c_uint64),
         ("num_sms", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+        ("input", ctypes.c_uint32), ("scale_layout", ctypes.c_uint32),
+        ("scale_ue8m0", ctypes.c_uint32), ("reserved3", ctypes.c_uint32),
     ]
 
 
@@ -173,6 +179,10 @@ class _MoeLayout(ctypes.Structure):
         ("topk", ctypes.c_uint32), ("num_experts", ctypes.c_uint32), ("world", ctypes.c_uint32),
         ("rank", ctypes.c_uint32), ("dtype", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
         ("buffer_bytes", ctypes.c_uint64),
+        ("input", ctypes.c_uint32), ("scale_layout", ctypes.c_uint32),
+        ("scale_ue8m0", ctypes.c_uint32), ("reserved2", ctypes.c_uint32),
+        ("scale_stride_expert", ctypes.c_uint64), ("scale_stride_row", ctypes.c_uint64),
+        ("scale_stride_group", ctypes.c_uint64),
     ]
 
 

@@ -17,7 +17,7 @@ import sys
 from typing import TYPE_CHECKING, Tuple
 
 from ._checks import _device_name, _fmt
-from ._lib import _INDEX_DTYPES, _MOE_DTYPES, _invalid
+from ._lib import _INDEX_DTYPES, _MOE_DTYPES, _MOE_INPUTS, _MOE_SCALE_LAYOUTS, _invalid
 
 if TYPE_CHECKING:  # for the type checker only: importing moe.py at run time would be a cycle
     from .moe import Moe
@@ -44,15 +44,46 @@ def _payload_code(dtype) -> int:
     return code
 
 
+def _quant_codes(payload: int, input_dtype, scale_layout, ue8m0) -> Tuple[int, int, int]:
+    """(input, scale_layout, scale_ue8m0) codes of ``symm_moe_config_t`` for a payload code and
+    the constructor's ``input_dtype`` (None: x is the payload; torch.bfloat16 with a float8
+    payload: x is bf16, quantized inside the dispatch), ``scale_layout`` ("row" / "col_tma") and
+    ``ue8m0``, or the error naming the value and what was expected."""
+    fp8 = payload == _MOE_DTYPES["fp8"]
+    name = None if input_dtype is None else _dname(input_dtype)
+    if name is None or _MOE_DTYPES.get(name) == payload:
+        inp = _MOE_INPUTS["payload"]
+    elif name in ("bfloat16", "bf16") and fp8:
+        inp = _MOE_INPUTS["bfloat16"]
+    else:
+        raise _invalid(f"moe: input_dtype {input_dtype!r} with dtype {('bfloat16', 'float8_e4m3fn')[payload]}; expected None "
+                       "(x is the payload dtype) or torch.bfloat16 with dtype torch.float8_e4m3fn (bf16 x quantized "
+                       "inside the dispatch)")
+    layout = _MOE_SCALE_LAYOUTS.get(scale_layout) if isinstance(scale_layout, str) else None
+    if layout is None:
+        raise _invalid(f"moe: scale_layout {scale_layout!r}; expected 'row' ([L, R, H / 128] row-major) or 'col_tma' "
+                       "(per expert column-major, rows padded to a multiple of 4: DeepGEMM's TMA-aligned scales)")
+    if layout and not fp8:
+        raise _invalid(f"moe: scale_layout {scale_layout!r} with dtype bfloat16 (no scales); expected 'row'")
+    if not isinstance(ue8m0, bool):
+        raise _invalid(f"moe: ue8m0 {ue8m0!r}; expected True or False")
+    if ue8m0 and inp != _MOE_INPUTS["bfloat16"]:
+        raise _invalid("moe: ue8m0=True without quantization; expected input_dtype=torch.bfloat16 with dtype "
+                       "torch.float8_e4m3fn (the dispatch then computes the scales, rounded up to powers of two)")
+    return inp, layout, int(ue8m0)
+
+
 class HostView:
     """A tensor-like view of host memory, what ``Moe`` returns to callers without torch (the
     host backend): ``data_ptr()``, ``shape``, ``dtype`` (its name), ``numel()``,
-    ``element_size()``, ``is_contiguous()``, ``get_device()`` (-1) and ``tolist()`` (flat;
-    bfloat16 and float8 elements as their raw bits). ``HostView.empty(shape, dtype)`` owns its
-    memory (16-byte aligned)."""
+    ``element_size()``, ``is_contiguous()``, ``get_device()`` (-1), ``stride()`` (in elements)
+    and ``tolist()`` (flat, in the logical row-major order whatever the strides; bfloat16 and
+    float8 elements as their raw bits). ``HostView.empty(shape, dtype)`` owns its memory
+    (16-byte aligned)."""
 
-    def __init__(self, ptr: int, shape, dtype: str, owner=None):
+    def __init__(self, ptr: int, shape, dtype: str, owner=None, strides=None):
         self.ptr, self.shape, self.dtype, self._owner = ptr, tuple(int(s) for s in shape), dtype, owner
+        self._strides = None if strides is None else tuple(int(s) for s in strides)
 
     @classmethod
     def empty(cls, shape, dtype: str) -> "HostView":
@@ -75,14 +106,33 @@ class HostView:
     def element_size(self) -> int:
         return _SIZES[self.dtype]
 
+    def stride(self) -> tuple:
+        if self._strides is not None:
+            return self._strides
+        out, acc = [], 1
+        for s in reversed(self.shape):
+            out.append(acc)
+            acc *= max(s, 1)
+        return tuple(reversed(out))
+
     def is_contiguous(self) -> bool:
-        return True
+        return self._strides is None or self._strides == HostView(0, self.shape, self.dtype).stride()
 
     def get_device(self) -> int:
         return -1
 
     def tolist(self) -> list:
-        return list((_CTYPES[self.dtype] * self.numel()).from_address(self.ptr)) if self.numel() else []
+        if not self.numel():
+            return []
+        if self.is_contiguous():
+            return list((_CTYPES[self.dtype] * self.numel()).from_address(self.ptr))
+        st = self.stride()
+        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, st))
+        flat = (_CTYPES[self.dtype] * span).from_address(self.ptr)
+        offs = [0]
+        for n, s in zip(self.shape, st):
+            offs = [o + i * s for o in offs for i in range(n)]
+        return [flat[o] for o in offs]
 
     def __repr__(self):
         return f"HostView({_fmt(self.shape)}, {self.dtype}, 0x{self.ptr:x})"
@@ -102,8 +152,9 @@ def _check_dispatch(m: "Moe", x, idx, w, scales) -> Tuple[int, int, int]:
     what = f"moe.dispatch: rank {m.rank}"
     H, T = m.hidden, m.max_tokens_per_rank
     xs, dt = tuple(x.shape), _dname(x.dtype)
-    if dt != m.dtype:
-        raise _invalid(f"{what}: x has dtype {dt}; expected {m.dtype} (the object's payload dtype)")
+    if dt != m.input_dtype:
+        why = "bf16 x, quantized inside the dispatch" if m.quantize else "the object's payload dtype"
+        raise _invalid(f"{what}: x has dtype {dt}; expected {m.input_dtype} ({why})")
     if len(xs) != 2 or xs[1] != H:
         raise _invalid(f"{what}: x has shape {_fmt(xs)}; expected [num_tokens, {H}] (hidden {H})")
     n = xs[0]
@@ -119,7 +170,11 @@ def _check_dispatch(m: "Moe", x, idx, w, scales) -> Tuple[int, int, int]:
     wsh, wdt = tuple(w.shape), _dname(w.dtype)
     if wdt != "float32" or wsh != (n, k):
         raise _invalid(f"{what}: topk_weights is {wdt} {_fmt(wsh)}; expected float32 [{n}, {k}] (topk_idx's shape)")
-    if m.dtype == "bfloat16":
+    if m.quantize:
+        if scales is not None:
+            raise _invalid(f"{what}: x_scales given ({_fmt(scales.shape)}), but this Moe quantizes bf16 x itself "
+                           "(input_dtype bfloat16); expected None")
+    elif m.dtype == "bfloat16":
         if scales is not None:
             raise _invalid(f"{what}: x_scales given ({_fmt(scales.shape)}) for a bfloat16 payload; expected None "
                            "(scales go with float8_e4m3fn only)")
@@ -148,15 +203,12 @@ def _check_combine(m: "Moe", expert_out, num_tokens: int, out) -> None:
                            "(the dispatch's tokens x hidden)")
 
 
-def _torch_view(torch, ptr: int, shape, dtype, device):
-    """A torch tensor of ``shape`` and ``dtype`` over memory at ``ptr`` it does not own."""
-    n = 1
-    for s in shape:
-        n *= int(s)
-    nbytes = n * torch.empty(0, dtype=dtype).element_size()
+def _torch_view(torch, ptr: int, shape, dtype, device, strides=None):
+    """A torch tensor of ``shape`` and ``dtype`` over memory at ``ptr`` it does not own
+    (contiguous, or with ``strides`` in elements)."""
+    if strides is None:
+        strides = HostView(0, shape, "float32").stride()
+    span = 1 + sum((int(n) - 1) * int(s) for n, s in zip(shape, strides)) if all(int(n) for n in shape) else 0
+    nbytes = span * torch.empty(0, dtype=dtype).element_size()
     storage = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(s), 1)
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, tuple(shape), tuple(reversed(strides)))
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, tuple(shape), tuple(strides))

@@ -373,7 +373,8 @@ class Communicator:
         return None if child is None else Communicator._adopt(child)
 
     def moe(self, max_tokens_per_rank: int, hidden: int, topk: int, num_experts: int, dtype="bf16",
-            max_recv_per_expert: int = 0, num_sms: int = 0):
+            max_recv_per_expert: int = 0, num_sms: int = 0, input_dtype=None, scale_layout: str = "row",
+            ue8m0: bool = False):
         """Expert parallelism over this communicator (``symm_moe_create_config``): a
         ``symmalloc.moe.Moe`` with ``dispatch(x, topk_idx, topk_weights, x_scales=None)`` and
         ``combine(expert_out)``, for up to ``max_tokens_per_rank`` tokens of ``hidden`` elements
@@ -384,13 +385,20 @@ class Communicator:
         ``max_recv_per_expert``: rows per local expert; 0 (or None) is ``world_size *
         max_tokens_per_rank``, which no routing overflows; a smaller capacity makes an overflow
         an error, never a drop. ``num_sms``: the most SMs the kernels use (0: all, at most 132).
+        ``input_dtype=torch.bfloat16`` with ``dtype=torch.float8_e4m3fn``: ``dispatch`` takes
+        bf16 ``x`` and quantizes it inside the kernel (one float32 scale per 128 elements,
+        ``amax / 448``; ``ue8m0=True`` rounds each up to a power of two). ``scale_layout``:
+        ``"row"`` (``recv_scales`` [L, R, H / 128] contiguous) or ``"col_tma"`` (the same shape,
+        per expert column-major with rows padded to a multiple of 4: DeepGEMM's TMA-aligned
+        scales).
         Collective: every rank passes the same values. Its buffer
         (``buffer_bytes``) comes from this communicator's arena (SYMMALLOC_COMM_ARENA_SIZE).
         docs/moe.md is the contract."""
         from .moe import Moe
 
         return Moe(self, max_tokens_per_rank, hidden, topk, num_experts, dtype=dtype,
-                   max_recv_per_expert=max_recv_per_expert, num_sms=num_sms)
+                   max_recv_per_expert=max_recv_per_expert, num_sms=num_sms, input_dtype=input_dtype,
+                   scale_layout=scale_layout, ue8m0=ue8m0)
 
     def mem_pool(self):
         """A ``torch.cuda.MemPool`` over this communicator's arena (``symm_comm_malloc``): what

@@ -21,9 +21,21 @@ the layout and ``y`` are bitwise the same every run. ``recv_src[le, row]`` is ``
 max_tokens_per_rank + token) * topk + k`` of each row. ``recv_counts`` stays on the device:
 nothing here synchronizes with the host.
 
-Arguments of ``dispatch``: ``x`` [num_tokens, H] of the payload dtype (num_tokens <=
+FP8 quantized inside the dispatch: ``comm.moe(..., dtype=torch.float8_e4m3fn,
+input_dtype=torch.bfloat16)`` takes bf16 ``x`` (no ``x_scales``) and the dispatch kernel
+quantizes each row once, per 128 elements: ``s = max(amax / 448, FLT_MIN)`` (``ue8m0=True``:
+rounded up to a power of two), ``q = e4m3(x * (1 / s))`` rounded to nearest even and saturated
+to +-448; ``recv_x`` is float8_e4m3fn and ``recv_scales`` holds the ``s``. ``scale_layout``
+(any FP8 object): ``"row"`` gives ``recv_scales`` [L, R, H / 128] contiguous; ``"col_tma"``
+gives the same shape with strides ``(G * R4, 1, R4)`` (``G = H / 128``, ``R4`` = R rounded up
+to a multiple of 4): per local expert a column-major [G, R4] block, what DeepGEMM's grouped FP8
+GEMMs read (``get_mn_major_tma_aligned_tensor`` returns such a view unchanged).
+``Moe.scale_strides()`` gives the strides.
+
+Arguments of ``dispatch``: ``x`` [num_tokens, H] of the payload dtype (bfloat16 when the object
+quantizes) (num_tokens <=
 max_tokens_per_rank, may be 0 and differ between ranks), ``x_scales`` [num_tokens, H / 128]
-float32 for FP8 (one scale per 128 elements; None for bf16), ``topk_idx`` [num_tokens, k]
+float32 for FP8 (one scale per 128 elements; None for bf16 and when quantizing), ``topk_idx`` [num_tokens, k]
 int32 or int64 (global expert ids, -1 for an unused slot; 1 <= k <= topk) and ``topk_weights``
 [num_tokens, k] float32, contiguous, on this communicator's device (CPU tensors on the host
 backend). Everything is stream-ordered on the current stream, with no host synchronization,
@@ -73,7 +85,8 @@ from ._lib import (
 )
 from ._moe_args import _CTYPES  # noqa: F401 (symmalloc.moe._CTYPES: the host tests read raw elements with it)
 from ._moe_args import (
-    HostView, _check_combine, _check_dispatch, _device_name, _fmt, _is_torch, _payload_code, _torch_view, _uint,
+    HostView, _check_combine, _check_dispatch, _device_name, _fmt, _is_torch, _payload_code, _quant_codes, _torch_view,
+    _uint,
 )
 
 __all__ = ["Moe", "MoeDispatch", "MoeHandle", "HostView", "moe"]
@@ -134,11 +147,13 @@ class Moe:
     _ptr = None
 
     def __init__(self, comm, max_tokens_per_rank: int, hidden: int, topk: int, num_experts: int,
-                 dtype="bf16", max_recv_per_expert: Optional[int] = 0, num_sms: Optional[int] = 0):
+                 dtype="bf16", max_recv_per_expert: Optional[int] = 0, num_sms: Optional[int] = 0,
+                 input_dtype=None, scale_layout: str = "row", ue8m0: bool = False):
         refused = None
         cfg = _MoeConfig()
         try:
             code = _payload_code(dtype)
+            cfg.input, cfg.scale_layout, cfg.scale_ue8m0 = _quant_codes(code, input_dtype, scale_layout, ue8m0)
             cfg.version, cfg.size = _MOE_CONFIG_VERSION, ctypes.sizeof(_MoeConfig)
             cfg.max_tokens_per_rank = _uint("max_tokens_per_rank", max_tokens_per_rank, 1, (1 << 63) - 1)
             cfg.hidden = _uint("hidden", hidden, 1, (1 << 63) - 1)
@@ -168,6 +183,11 @@ class Moe:
         self.hidden, self.topk, self.num_experts = int(lay.hidden), int(lay.topk), int(lay.num_experts)
         self.max_tokens_per_rank = int(lay.max_tokens_per_rank)
         self.dtype = _PAYLOAD_NAMES[lay.dtype]
+        # x is bf16, quantized to the FP8 payload inside the dispatch (input_dtype=torch.bfloat16).
+        self.quantize = bool(lay.input)
+        self.input_dtype = "bfloat16" if self.quantize else self.dtype
+        self.scale_layout = ("row", "col_tma")[lay.scale_layout]
+        self.ue8m0 = bool(lay.scale_ue8m0)
         self._device = comm._tensor_device  # -1: the host backend (CPU tensors)
         self._seq = 0  # dispatches issued (eager)
         self._tokens = None  # num_tokens of the latest dispatch the library accepted
@@ -258,19 +278,27 @@ class Moe:
             self._views[key] = v
         return v
 
+    def scale_strides(self) -> Tuple[int, int, int]:
+        """``recv_scales``' strides in float32 elements (local expert, row, group): ``(R * G, G,
+        1)`` row-major, ``(G * R4, 1, R4)`` for ``scale_layout="col_tma"`` (``G = hidden / 128``,
+        ``R4`` = ``max_recv`` rounded up to a multiple of 4); zeros for bf16."""
+        lay = self._layout
+        return int(lay.scale_stride_expert), int(lay.scale_stride_row), int(lay.scale_stride_group)
+
     def _make_views(self, like_torch: bool):
         lay, L, R, H = self._layout, self.local_experts, self.max_recv, self.hidden
         shapes = ((L, R, H), (L, R, H // 128), (L,), (L, R))
         ptrs = (lay.recv_x, lay.recv_scales, lay.recv_counts, lay.recv_src)
         names = (self.dtype, "float32", "int32", "int32")
+        strides = (None, self.scale_strides(), None, None)  # recv_scales in its layout
         if like_torch:
             torch = self._torch
             dev = torch.device("cpu") if self._device < 0 else torch.device("cuda", self._device)
-            make = lambda p, s, n: _torch_view(torch, p, s, getattr(torch, n), dev)  # noqa: E731
+            make = lambda p, s, n, st: _torch_view(torch, p, s, getattr(torch, n), dev, st)  # noqa: E731
         else:
-            make = lambda p, s, n: HostView(p, s, n)  # noqa: E731
-        return tuple(None if (i == 1 and self.dtype == "bfloat16") else make(p, s, n)
-                     for i, (p, s, n) in enumerate(zip(ptrs, shapes, names)))
+            make = lambda p, s, n, st: HostView(p, s, n, strides=st)  # noqa: E731
+        return tuple(None if (i == 1 and self.dtype == "bfloat16") else make(p, s, n, st)
+                     for i, (p, s, n, st) in enumerate(zip(ptrs, shapes, names, strides)))
 
     def _stream(self) -> int:
         return self._comm._current_stream()
@@ -418,7 +446,9 @@ class Moe:
     def __repr__(self):
         state = "closed" if not self._ptr else f"{self.buffer_bytes} bytes"
         return (f"Moe(rank {self.rank} of {self.world_size}, T={self.max_tokens_per_rank}, H={self.hidden}, "
-                f"topk={self.topk}, E={self.num_experts}, {self.dtype}, L={self.local_experts}, "
+                f"topk={self.topk}, E={self.num_experts}, {self.dtype}"
+                f"{' from bfloat16' if self.quantize else ''}{', ue8m0' if self.ue8m0 else ''}"
+                f"{', col_tma scales' if self.scale_layout == 'col_tma' else ''}, L={self.local_experts}, "
                 f"R={self.max_recv}, {state})")
 
 
@@ -456,8 +486,10 @@ def _register_ops(torch) -> None:
         m = find(moe)
         _check_dispatch(m, x, topk_idx, topk_weights, x_scales)
         L, R, H = m.local_experts, m.max_recv, m.hidden
-        return (x.new_empty((L, R, H)),
-                x.new_empty((L, R, H // 128) if m.dtype != "bfloat16" else (0,), dtype=torch.float32),
+        scales = (x.new_empty((0,), dtype=torch.float32) if m.dtype == "bfloat16" else
+                  x.new_empty_strided((L, R, H // 128), m.scale_strides(), dtype=torch.float32))
+        return (x.new_empty((L, R, H), dtype=getattr(torch, m.dtype)),
+                scales,
                 x.new_empty((L,), dtype=torch.int32), x.new_empty((L, R), dtype=torch.int32))
 
 

@@ -17,7 +17,9 @@ the counts are NaN, so a combine that reads them shows).
 
 Cases, bf16 and FP8: k = 1, 2, 8 x 1, 7, 128 and max_tokens_per_rank tokens (int32 and int64
 indices); ragged token counts (0 on some ranks) with experts and ranks that receive nothing;
-every token of every rank to one expert (exactly full); a CUDA graph of dispatch -> experts ->
+every token of every rank to one expert (exactly full); FP8 quantized inside the dispatch from
+bf16 x (row-major and column-major TMA-aligned scales, with and without UE8M0: bytes and scales
+against the kernels' arithmetic and float64, quant_case); a CUDA graph of dispatch -> experts ->
 combine replayed with new routing, weights and payload copied into its static inputs before
 each replay; repeated combines of one dispatch back to back with different experts and a
 combine refused on one rank then retried, eagerly, and two combines of one dispatch in a CUDA
@@ -228,8 +230,8 @@ class Ctx:
 
 
 def poison(t):
-    if t is not None:
-        t.view(torch.uint8).fill_(0xFF)
+    if t is not None:  # a strided view (column-major scales) as same-size integers
+        (t.view(torch.int32) if t.element_size() == 4 else t.view(torch.uint8)).fill_(-1 if t.element_size() == 4 else 0xFF)
 
 
 def check_layout(ck, ctx, moe, d, lay, all_x, all_s, what):
@@ -530,6 +532,66 @@ def errors_case(ctx, moe):
     return ck.done(f"5 errors, each followed by {good[0]} exact calls in all")
 
 
+def quant_reference(x, ue8m0):
+    """FP8 quantized inside the dispatch (docs/moe.md), of bf16 rows x [N, H] on the CPU: (the
+    kernels' e4m3 bytes [N, H] uint8, scales [N, H / 128] float32, float64's bytes): per 128
+    elements s = max(amax / 448, FLT_MIN) in fp32 (UE8M0: 2^ceil(log2 s)), the kernels' q =
+    e4m3(fp32(x * fp32(1 / s))) and float64's e4m3(x / s), both nearest even, saturated."""
+    n, h = x.shape
+    xf = x.float().view(n, h // 128, 128)
+    s = torch.clamp(xf.abs().amax(-1) / 448.0, min=torch.finfo(torch.float32).tiny)
+    if ue8m0:
+        s = torch.exp2(torch.ceil(torch.log2(s.double()))).float()
+    q = (xf * (1.0 / s)[..., None]).clamp(-448, 448).to(FP8).view(torch.uint8).view(n, h)
+    q64 = (xf.double() / s.double()[..., None]).clamp(-448, 448).to(FP8).view(torch.uint8).view(n, h)
+    return q, s, q64
+
+
+def quant_case(ctx, comm, hidden, layout, ue8m0, runs=2):
+    """bf16 x quantized inside the dispatch: recv_x bytes exactly the kernels' arithmetic (what
+    the host backend computes) and within one e4m3 step of float64 (equal with UE8M0), the scales
+    exactly, read through the ``scale_layout`` view (col_tma: DeepGEMM's strides), the same bits
+    every run; ``y`` of the dequantized rows as in the FP8 cases."""
+    ck = Check()
+    T, K = ctx.T, ctx.K
+    with comm.moe(max_tokens_per_rank=T, hidden=hidden, topk=K, num_experts=ctx.E, dtype=FP8, input_dtype=BF16,
+                  scale_layout=layout, ue8m0=ue8m0) as moe:
+        L, R, G = moe.local_experts, moe.max_recv, hidden // 128
+        R4 = -(-R // 4) * 4
+        want_st = (G * R4, 1, R4) if layout == "col_tma" else (R * G, G, 1)
+        name = f"quant {layout} {ue8m0}"
+        x, _, idx, w = make_inputs(seed_of(name, ctx.rank), T, hidden, K, moe.num_experts, BF16)
+        x = x * torch.exp2(torch.randint(-20, 20, (T, G), generator=torch.Generator().manual_seed(seed_of(name, 9))
+                                         ).repeat_interleave(128, 1).to(BF16))  # groups of different magnitudes
+        all_x, _, all_idx, all_n = ctx.gather_inputs(x, None, idx, T)
+        lay = expected_layout(all_idx, all_n, moe.rank, L, R, T, K)
+        counts, flat, codes, src, _ = lay
+        q, s, q64 = quant_reference(all_x, ue8m0)
+        firsts = []
+        for run in range(runs):
+            for t in moe._buffer_views(True):
+                poison(t)
+            d = moe.dispatch(x.to(ctx.dev), idx.to(ctx.dev), w.to(ctx.dev))
+            ck(d.recv_scales.stride() == want_st and d.recv_x.dtype == FP8, f"{name}: strides {d.recv_scales.stride()}")
+            got_c = d.recv_counts.cpu().long()
+            ck(torch.equal(got_c, counts), f"{name}: recv_counts {got_c.tolist()[:16]}")
+            fl = flat.to(ctx.dev)
+            ck(torch.equal(d.recv_src.reshape(-1).index_select(0, fl).cpu().long(), codes), f"{name}: recv_src")
+            rows = d.recv_x.view(torch.uint8).reshape(L * R, hidden).index_select(0, fl).cpu()
+            srows = d.recv_scales.reshape(L * R, G).index_select(0, fl).cpu()
+            want_q, want_q64 = q.index_select(0, src), q64.index_select(0, src)
+            ck(torch.equal(rows, want_q), lambda: f"{name}: {int((rows != want_q).sum())} bytes differ from the kernels' "
+               "arithmetic")
+            ck(torch.equal(srows.view(torch.int32), s.index_select(0, src).view(torch.int32)), f"{name}: scales differ")
+            off = rows != want_q64
+            step = ((rows.int() & 0x7F) - (want_q64.int() & 0x7F)).abs()
+            ck(not ue8m0 or not bool(off.any()), f"{name}: UE8M0 bytes differ from float64")
+            ck(bool((step[off] == 1).all()), f"{name}: bytes more than one e4m3 step from float64")
+            firsts.append((rows, srows))
+        ck(all(torch.equal(a[0], firsts[0][0]) and torch.equal(a[1], firsts[0][1]) for a in firsts), f"{name}: runs differ")
+        return ck.done(f"{int(counts.sum())} rows")
+
+
 def capacity_case(ctx, comm, hidden):
     """Capacity W rows per local expert (max_recv_per_expert): every rank sends 2 tokens to
     expert 0, and every rank raises naming expert 0, the 2W rows and the capacity; then one
@@ -687,6 +749,9 @@ def rank_main(rank, world, uid, init, q, args):
         cases.append(("repeated combines fp8, a refused one retried", lambda: repeat_case(ctx, mf)))
         cases.append(("errors bf16", lambda: errors_case(ctx, mb)))
         cases.append(("errors fp8", lambda: errors_case(ctx, mf)))
+        for layout, ue in (("row", False), ("col_tma", False), ("row", True), ("col_tma", True)):
+            cases.append((f"fp8 quantized in the dispatch, {layout} scales, ue8m0={ue}",
+                          lambda layout=layout, ue=ue: quant_case(ctx, comm, H, layout, ue)))
         cases.append(("capacity error", lambda: capacity_case(ctx, comm, H)))
         cases.append(("split child as the EP group", lambda: split_case(ctx, comm, H, backend)))
         if not args.quick:

@@ -113,9 +113,9 @@ def test_moe_constants_structs_and_prototypes(header):
     assert (_lib._MOE_MAX_TOPK, _lib._MOE_MAX_EXPERTS) == (d["MOE_MAX_TOPK"], d["MOE_MAX_EXPERTS"])
     for name, struct in (("symm_moe_config_t", _lib._MoeConfig), ("symm_moe_layout_t", _lib._MoeLayout)):
         assert [(n, t) for n, t in struct._fields_] == _c_fields(header, name), name
-    # On x86-64 / aarch64 (LP64): 56 (version 2) and 112 bytes, no padding (the library refuses
-    # another size).
-    assert ctypes.sizeof(_lib._MoeConfig) == 56 and ctypes.sizeof(_lib._MoeLayout) == 112
+    # On x86-64 / aarch64 (LP64): 72 (version 3) and 152 bytes (version 2), no padding (the
+    # library refuses another size).
+    assert ctypes.sizeof(_lib._MoeConfig) == 72 and ctypes.sizeof(_lib._MoeLayout) == 152
 
     structs = {"symm_moe_config_t": _lib._MoeConfig, "symm_moe_layout_t": _lib._MoeLayout}
     scalars = {"size_t": ctypes.c_size_t, "uint32_t": ctypes.c_uint32}
@@ -249,6 +249,9 @@ def test_python_constants_are_the_headers(compiled):
         "SYMM_MOE_MAX_TOPK": _lib._MOE_MAX_TOPK, "SYMM_MOE_MAX_EXPERTS": _lib._MOE_MAX_EXPERTS,
         "SYMM_MOE_BF16": _lib._MOE_DTYPES["bf16"], "SYMM_MOE_FP8_E4M3": _lib._MOE_DTYPES["fp8"],
         "SYMM_INDEX_INT32": _lib._INDEX_DTYPES["int32"], "SYMM_INDEX_INT64": _lib._INDEX_DTYPES["int64"],
+        "SYMM_MOE_INPUT_PAYLOAD": _lib._MOE_INPUTS["payload"], "SYMM_MOE_INPUT_BF16": _lib._MOE_INPUTS["bfloat16"],
+        "SYMM_MOE_SCALES_ROW_MAJOR": _lib._MOE_SCALE_LAYOUTS["row"],
+        "SYMM_MOE_SCALES_COL_TMA": _lib._MOE_SCALE_LAYOUTS["col_tma"],
         "SYMM_BF16": _lib._DTYPES["bfloat16"], "SYMM_FP16": _lib._DTYPES["float16"], "SYMM_FP32": _lib._DTYPES["float32"],
     }
     pairs.update({f"SYMM_{k.upper()}": v for k, v in _lib._OPS.items()})

@@ -23,11 +23,23 @@ pub const SYMM_MOE_FP8_E4M3: u32 = 1;
 /// Index dtypes of `symm_moe_dispatch` (`idx_dtype`).
 pub const SYMM_INDEX_INT32: u32 = 0;
 pub const SYMM_INDEX_INT64: u32 = 1;
+/// Inputs of a dispatch (`symm_moe_config_t::input`, version 3): `x` is the payload dtype
+/// (FP8 with the caller's `x_scales`), or bf16 quantized to the FP8 payload inside the
+/// dispatch kernel (one fp32 scale per 128 elements, computed there; `x_scales` NULL).
+pub const SYMM_MOE_INPUT_PAYLOAD: u32 = 0;
+pub const SYMM_MOE_INPUT_BF16: u32 = 1;
+/// Layouts of `recv_scales` (`symm_moe_config_t::scale_layout`, version 3): row-major
+/// `[L][R][H/128]`, or per local expert a column-major `[H/128][R4]` (`R4` = R rounded up to a
+/// multiple of 4: DeepGEMM's MN-major TMA-aligned scales).
+pub const SYMM_MOE_SCALES_ROW_MAJOR: u32 = 0;
+pub const SYMM_MOE_SCALES_COL_TMA: u32 = 1;
 /// The `symm_moe_config_t` layout this library writes in its header (`version`): 2 added
-/// `num_sms`. Version 1 (`size` 48, without `num_sms`) is still read, as `num_sms` 0.
-pub const SYMM_MOE_CONFIG_VERSION: u32 = 2;
-/// The `symm_moe_layout_t` layout this library writes (`version`).
-pub const SYMM_MOE_LAYOUT_VERSION: u32 = 1;
+/// `num_sms`, 3 `input`, `scale_layout` and `scale_ue8m0`. Versions 1 (`size` 48, without
+/// `num_sms`) and 2 (`size` 56) are still read, the missing fields as 0.
+pub const SYMM_MOE_CONFIG_VERSION: u32 = 3;
+/// The `symm_moe_layout_t` layout this library writes (`version`): 2 added the scale layout
+/// and strides. Version 1 (`size` 112, ending at `buffer_bytes`) is still written.
+pub const SYMM_MOE_LAYOUT_VERSION: u32 = 2;
 /// The largest configured top-k, and the most experts.
 pub const SYMM_MOE_MAX_TOPK: u32 = 16;
 pub const SYMM_MOE_MAX_EXPERTS: u32 = 1024;
@@ -38,6 +50,10 @@ const _: () = assert!(
         && SYMM_MOE_FP8_E4M3 == crate::comm::moe::config::PAYLOAD_FP8_E4M3
         && SYMM_INDEX_INT32 == crate::comm::moe::config::INDEX_INT32
         && SYMM_INDEX_INT64 == crate::comm::moe::config::INDEX_INT64
+        && SYMM_MOE_INPUT_PAYLOAD == crate::comm::moe::config::INPUT_PAYLOAD
+        && SYMM_MOE_INPUT_BF16 == crate::comm::moe::config::INPUT_BF16
+        && SYMM_MOE_SCALES_ROW_MAJOR == crate::comm::moe::config::SCALES_ROW_MAJOR
+        && SYMM_MOE_SCALES_COL_TMA == crate::comm::moe::config::SCALES_COL_TMA
 );
 
 /// A moe object's configuration (versioned: `version` and `size` first; set `version` to
@@ -66,10 +82,22 @@ pub struct symm_moe_config_t {
     pub num_sms: u32,
     /// Version 2: 0 (reserved; anything else is refused).
     pub reserved: u32,
+    /// Version 3: SYMM_MOE_INPUT_PAYLOAD (0: `x` is the payload dtype) or SYMM_MOE_INPUT_BF16
+    /// (1: `x` is bf16, quantized to e4m3 inside the dispatch; needs dtype SYMM_MOE_FP8_E4M3).
+    pub input: u32,
+    /// Version 3: SYMM_MOE_SCALES_ROW_MAJOR (0) or SYMM_MOE_SCALES_COL_TMA (1, FP8 only).
+    pub scale_layout: u32,
+    /// Version 3: 1 rounds each scale the dispatch computes up to a power of two (UE8M0;
+    /// needs SYMM_MOE_INPUT_BF16), 0 keeps amax / 448.
+    pub scale_ue8m0: u32,
+    /// Version 3: 0 (reserved; anything else is refused).
+    pub reserved3: u32,
 }
 
 /// The size of a version 1 `symm_moe_config_t` (the fields before `num_sms`).
 const CONFIG_V1_SIZE: usize = std::mem::offset_of!(symm_moe_config_t, num_sms);
+/// The size of a version 2 `symm_moe_config_t` (the fields before `input`).
+const CONFIG_V2_SIZE: usize = std::mem::offset_of!(symm_moe_config_t, input);
 
 /// Where a dispatch leaves its rows (written by `symm_moe_layout`; versioned like
 /// `symm_device_comm_t`: set `version` and `size`, the library writes at most `size` bytes).
@@ -99,7 +127,24 @@ pub struct symm_moe_layout_t {
     pub reserved: u32,
     /// Bytes of the communicator's arena this object holds.
     pub buffer_bytes: u64,
+    /// Version 2: the config's `input` (SYMM_MOE_INPUT_*).
+    pub input: u32,
+    /// Version 2: SYMM_MOE_SCALES_ROW_MAJOR or SYMM_MOE_SCALES_COL_TMA (0 for bf16).
+    pub scale_layout: u32,
+    /// Version 2: 1 when the dispatch's scales are powers of two (UE8M0).
+    pub scale_ue8m0: u32,
+    pub reserved2: u32,
+    /// Version 2: `recv_scales` strides in fp32 elements: the scale of (local expert `le`, row,
+    /// group `g`) is `recv_scales[le * scale_stride_expert + row * scale_stride_row + g *
+    /// scale_stride_group]` (row-major: `R*S, S, 1`; column-major TMA: `S*R4, 1, R4`; all 0
+    /// for bf16).
+    pub scale_stride_expert: u64,
+    pub scale_stride_row: u64,
+    pub scale_stride_group: u64,
 }
+
+/// The size of a version 1 `symm_moe_layout_t` (the fields before `input`).
+const LAYOUT_V1_SIZE: usize = std::mem::offset_of!(symm_moe_layout_t, input);
 
 /// A moe object (opaque): dispatch and combine over one communicator.
 #[allow(non_camel_case_types)]
@@ -187,6 +232,9 @@ pub extern "C" fn symm_moe_create(
             flags,
             max_recv: 0,
             num_sms: 0,
+            input: 0,
+            scale_layout: 0,
+            ue8m0: 0,
         };
         create(comm, Ok(req), out)
     })
@@ -217,17 +265,19 @@ fn read_config(config: *const symm_moe_config_t) -> Result<Request> {
     // SAFETY: config is non-NULL; the version and size words come first in every version.
     let (version, size) = unsafe { ((*config).version, (*config).size) };
     let have = std::mem::size_of::<symm_moe_config_t>();
-    let v1 = version == 1 && size as usize == CONFIG_V1_SIZE;
-    if !v1 && (version != SYMM_MOE_CONFIG_VERSION || size as usize != have) {
+    let old = (version == 1 && size as usize == CONFIG_V1_SIZE)
+        || (version == 2 && size as usize == CONFIG_V2_SIZE);
+    if !old && (version != SYMM_MOE_CONFIG_VERSION || size as usize != have) {
         return Err(Error::invalid(format!(
             "symm_moe_create_config: config version {version}, size {size}; expected \
              version {SYMM_MOE_CONFIG_VERSION} (SYMM_MOE_CONFIG_VERSION) and size {have} \
-             (sizeof(symm_moe_config_t)), or version 1 and size {CONFIG_V1_SIZE}"
+             (sizeof(symm_moe_config_t)), or version 2 and size {CONFIG_V2_SIZE}, or version 1 \
+             and size {CONFIG_V1_SIZE}"
         )));
     }
     let mut c = symm_moe_config_t::default();
     // SAFETY: the caller declared `size` readable bytes (checked above to be a known layout);
-    // a version 1 struct ends before `num_sms`, which stays 0.
+    // a version 1 struct ends before `num_sms`, a version 2 one before `input`: those stay 0.
     unsafe {
         std::ptr::copy_nonoverlapping(
             config as *const u8,
@@ -235,11 +285,12 @@ fn read_config(config: *const symm_moe_config_t) -> Result<Request> {
             size as usize,
         )
     };
-    if c.reserved != 0 {
-        return Err(Error::invalid(format!(
-            "symm_moe_create_config: reserved {:#x}; expected 0",
-            c.reserved
-        )));
+    for (name, v) in [("reserved", c.reserved), ("reserved3", c.reserved3)] {
+        if v != 0 {
+            return Err(Error::invalid(format!(
+                "symm_moe_create_config: {name} {v:#x}; expected 0"
+            )));
+        }
     }
     Ok(Request {
         tokens: c.max_tokens_per_rank,
@@ -250,6 +301,9 @@ fn read_config(config: *const symm_moe_config_t) -> Result<Request> {
         flags: c.flags,
         max_recv: c.max_recv_per_expert,
         num_sms: c.num_sms,
+        input: c.input,
+        scale_layout: c.scale_layout,
+        ue8m0: c.scale_ue8m0,
     })
 }
 
@@ -289,11 +343,12 @@ pub extern "C" fn symm_moe_layout(
         // SAFETY: out is non-NULL; version and size come first in every version.
         let (version, size) = unsafe { ((*out).version, (*out).size as usize) };
         let have = std::mem::size_of::<symm_moe_layout_t>();
-        if version != SYMM_MOE_LAYOUT_VERSION || size != have {
+        let v1 = version == 1 && size == LAYOUT_V1_SIZE;
+        if !v1 && (version != SYMM_MOE_LAYOUT_VERSION || size != have) {
             return Err(Error::invalid(format!(
                 "symm_moe_layout: out->version {version}, out->size {size}; expected version \
                  {SYMM_MOE_LAYOUT_VERSION} (SYMM_MOE_LAYOUT_VERSION) and size {have} \
-                 (sizeof(symm_moe_layout_t))"
+                 (sizeof(symm_moe_layout_t)), or version 1 and size {LAYOUT_V1_SIZE}"
             )));
         }
         let l = with_moe("symm_moe_layout", moe as *mut _, |m, _| {
@@ -323,10 +378,24 @@ pub extern "C" fn symm_moe_layout(
                 dtype: c.dtype.code(),
                 reserved: 0,
                 buffer_bytes: lay.bytes,
+                input: c.quantize as u32,
+                scale_layout: c.scales.code(),
+                scale_ue8m0: c.ue8m0 as u32,
+                reserved2: 0,
+                scale_stride_expert: c.scale_strides()[0],
+                scale_stride_row: c.scale_strides()[1],
+                scale_stride_group: c.scale_strides()[2],
             })
         })?;
-        // SAFETY: out is non-NULL and the caller declared sizeof(symm_moe_layout_t) bytes.
-        unsafe { out.write(l) };
+        // SAFETY: out is non-NULL and the caller declared `size` bytes (checked: a known
+        // version's size); a version 1 struct gets the fields before `input` only.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                &l as *const symm_moe_layout_t as *const u8,
+                out as *mut u8,
+                size,
+            )
+        };
         Ok(())
     })
 }
@@ -335,7 +404,8 @@ pub extern "C" fn symm_moe_layout(
 /// the rank of every expert in `topk_idx[t]` (`-1`: slot unused); every rank's `recv_x` then
 /// holds its local experts' rows, ordered by source rank then token, with `recv_counts` and
 /// `recv_src` (docs/moe.md). `x`: `[num_tokens][hidden]` payload dtype, 16-byte aligned;
-/// `x_scales`: `[num_tokens][hidden/128]` fp32 (FP8 only; NULL for bf16); `topk_idx`:
+/// `x_scales`: `[num_tokens][hidden/128]` fp32 (FP8 only; NULL for bf16, and NULL when the
+/// object quantizes: input SYMM_MOE_INPUT_BF16 takes bf16 `x`); `topk_idx`:
 /// `[num_tokens][k]` of `idx_dtype` (SYMM_INDEX_INT32 or SYMM_INDEX_INT64); `topk_weights`:
 /// `[num_tokens][k]` fp32. `num_tokens` (0 to max_tokens_per_rank) may differ between ranks;
 /// `1 <= k <= topk`. Collective. A rank's bad arguments: SYMM_ERR_INVALID_ARGUMENT at once

@@ -21,6 +21,30 @@ fn amax(y: &[f32]) -> f32 {
     y.iter().fold(0f32, |m, v| m.max(v.abs()))
 }
 
+/// `s` rounded up to a power of two (UE8M0 scales): a positive normal `s` with a nonzero
+/// mantissa goes to the next power of two; a power of two, and +inf, stay (kernels/quant.cuh
+/// `ue8m0_ceil`).
+pub fn ue8m0_ceil(s: f32) -> f32 {
+    let b = s.to_bits();
+    if b & 0x7f_ffff == 0 {
+        s
+    } else {
+        f32::from_bits((b & 0x7f80_0000) + 0x80_0000)
+    }
+}
+
+/// One group of 128 values (or any slice) as kernels/quant.cuh quantizes it per group: the
+/// e4m3 bytes and the scale `s = max(amax / 448, FLT_MIN)`, rounded up to a power of two when
+/// `ue8m0`; `q = e4m3(y * (1 / s))`.
+pub fn quantize_group(y: &[f32], ue8m0: bool) -> (Vec<u8>, f32) {
+    let mut sc = amax_scale(amax(y));
+    if ue8m0 {
+        sc = ue8m0_ceil(sc);
+    }
+    let inv = 1.0 / sc;
+    (y.iter().map(|v| f32_to_e4m3(v * inv)).collect(), sc)
+}
+
 /// One row's FP8 output from its fp32 values `y`: the e4m3 bytes and the scales the mode writes
 /// (none for a static scale `s`, one per row, or one per 128 elements). `q = e4m3(y * (1 / s))`;
 /// a static scale that is not finite and > 0 makes every byte NaN.
@@ -43,8 +67,8 @@ pub fn quantize_row(mode: Quant, y: &[f32], s: f32) -> (Vec<u8>, Vec<f32>) {
             let mut out = Vec::with_capacity(y.len());
             let mut scales = Vec::new();
             for g in y.chunks(QUANT_GROUP as usize) {
-                let sc = amax_scale(amax(g));
-                out.extend(conv(g, 1.0 / sc));
+                let (q, sc) = quantize_group(g, false);
+                out.extend(q);
                 scales.push(sc);
             }
             (out, scales)
@@ -155,6 +179,35 @@ mod tests {
                 ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
             })
             .collect()
+    }
+
+    /// UE8M0 rounds a scale up to a power of two: powers of two (FLT_MIN too) and +inf stay,
+    /// anything else goes to the next exponent; a group's scale is then exact in 1 / s.
+    #[test]
+    fn ue8m0_rounds_scales_up_to_powers_of_two() {
+        let min = f32::MIN_POSITIVE;
+        for (s, want) in [
+            (1.0f32, 1.0f32),
+            (1.5, 2.0),
+            (1.0 + f32::EPSILON, 2.0),
+            (0.75, 1.0),
+            (1.0 / 448.0, 1.0 / 256.0),
+            (min, min),
+            (min * 1.25, min * 2.0),
+            (2f32.powi(127), 2f32.powi(127)),
+            (f32::INFINITY, f32::INFINITY),
+        ] {
+            assert_eq!(ue8m0_ceil(s).to_bits(), want.to_bits(), "{s:e}");
+        }
+        let g: Vec<f32> = (0..128).map(|i| (i as f32 - 64.0) * 0.37).collect();
+        let (q, s) = quantize_group(&g, true);
+        let (q0, s0) = quantize_group(&g, false);
+        assert_eq!(s, ue8m0_ceil(s0));
+        assert!(s >= s0 && s < 2.0 * s0 && s.to_bits() & 0x7f_ffff == 0);
+        assert_eq!(q.len(), 128);
+        assert_ne!(q, q0, "a coarser scale gives other bytes here");
+        // All zeros: the scale clamps to FLT_MIN, the bytes are 0.
+        assert_eq!(quantize_group(&[0.0; 128], true), (vec![0u8; 128], min));
     }
 
     #[test]

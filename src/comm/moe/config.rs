@@ -21,6 +21,34 @@ pub const INDEX_INT32: u32 = 0;
 pub const INDEX_INT64: u32 = 1;
 /// Elements per FP8 scale.
 pub const SCALE_GROUP: u64 = 128;
+/// Input codes (`SYMM_MOE_INPUT_PAYLOAD`, `SYMM_MOE_INPUT_BF16`): what a dispatch's `x` holds.
+pub const INPUT_PAYLOAD: u32 = 0;
+pub const INPUT_BF16: u32 = 1;
+/// Scale layout codes (`SYMM_MOE_SCALES_ROW_MAJOR`, `SYMM_MOE_SCALES_COL_TMA`).
+pub const SCALES_ROW_MAJOR: u32 = 0;
+pub const SCALES_COL_TMA: u32 = 1;
+/// fp32 scales per 16 bytes: a column-major scale column's rows are padded to a multiple of
+/// this (DeepGEMM's `get_tma_aligned_size(R, 4)`: TMA wants 16-byte aligned strides).
+pub const TMA_ALIGN_ELEMS: u64 = 4;
+
+/// Where `recv_scales` puts the scale of (local expert, row, group).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleLayout {
+    /// `[L][R][H/128]`: `(le * R + row) * S + g`.
+    RowMajor,
+    /// Per local expert a column-major `[H/128][R4]`, `R4 = R` rounded up to a multiple of 4
+    /// (DeepGEMM's MN-major TMA-aligned scales): `le * S * R4 + g * R4 + row`.
+    ColTma,
+}
+
+impl ScaleLayout {
+    pub fn code(self) -> u32 {
+        match self {
+            ScaleLayout::RowMajor => SCALES_ROW_MAJOR,
+            ScaleLayout::ColTma => SCALES_COL_TMA,
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Payload {
@@ -106,6 +134,12 @@ pub struct Request {
     pub max_recv: u64,
     /// The most SMs (blocks) of the kernels' grid; 0: no cap but the GPUs' (moe/mod.rs).
     pub num_sms: u32,
+    /// `INPUT_*`: x is the payload (0), or bf16 quantized to the FP8 payload in the dispatch.
+    pub input: u32,
+    /// `SCALES_*`: the layout of `recv_scales`.
+    pub scale_layout: u32,
+    /// Nonzero: quantization rounds each scale up to a power of two (UE8M0).
+    pub ue8m0: u32,
 }
 
 /// A checked configuration (the module's invariants hold).
@@ -121,6 +155,12 @@ pub struct Config {
     pub max_recv: u64,
     /// The grid's cap in SMs (0: none but the GPUs').
     pub num_sms: u32,
+    /// x is bf16, quantized to the FP8 payload inside the dispatch (per 128 elements).
+    pub quantize: bool,
+    /// The layout of `recv_scales` (FP8; `RowMajor` for bf16).
+    pub scales: ScaleLayout,
+    /// Quantization rounds each scale up to a power of two (only with `quantize`).
+    pub ue8m0: bool,
 }
 
 fn bad(msg: String) -> Error {
@@ -139,10 +179,16 @@ impl Request {
         flags: u32::MAX,
         max_recv: u64::MAX,
         num_sms: u32::MAX,
+        input: u32::MAX,
+        scale_layout: u32::MAX,
+        ue8m0: u32::MAX,
     };
 
+    /// How many words `words()` gives.
+    pub const WORDS: usize = 11;
+
     /// The words every rank compares at create (as the caller passed them).
-    pub fn words(&self) -> [u64; 8] {
+    pub fn words(&self) -> [u64; Request::WORDS] {
         [
             self.tokens,
             self.hidden,
@@ -152,6 +198,9 @@ impl Request {
             self.flags as u64,
             self.max_recv,
             self.num_sms as u64,
+            self.input as u64,
+            self.scale_layout as u64,
+            self.ue8m0 as u64,
         ]
     }
 
@@ -159,8 +208,8 @@ impl Request {
     pub fn describe(w: &[u64]) -> String {
         format!(
             "max_tokens_per_rank {}, hidden {}, topk {}, num_experts {}, dtype {}, flags {}, \
-             max_recv_per_expert {}, num_sms {}",
-            w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]
+             max_recv_per_expert {}, num_sms {}, input {}, scale_layout {}, scale_ue8m0 {}",
+            w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], w[10]
         )
     }
 
@@ -211,6 +260,7 @@ impl Request {
                 self.hidden
             )));
         }
+        let (quantize, scales, ue8m0) = self.quantization(dtype)?;
         let most = world * self.tokens;
         if most * self.topk as u64 >= 1 << 31 {
             return Err(bad(format!(
@@ -239,6 +289,9 @@ impl Request {
             dtype,
             max_recv,
             num_sms: self.num_sms,
+            quantize,
+            scales,
+            ue8m0,
         };
         // The two big parts, checked (the rest are smaller).
         let l = e / world;
@@ -262,6 +315,62 @@ impl Request {
     }
 }
 
+impl Request {
+    /// The input, scale layout and UE8M0 fields (version 3 of the config struct; 0 before).
+    fn quantization(&self, dtype: Payload) -> Result<(bool, ScaleLayout, bool)> {
+        let quantize = match self.input {
+            INPUT_PAYLOAD => false,
+            INPUT_BF16 if dtype == Payload::Fp8 => true,
+            INPUT_BF16 => {
+                return Err(bad(format!(
+                    "input {INPUT_BF16} (SYMM_MOE_INPUT_BF16: quantize bf16 x in the dispatch) \
+                     with dtype {} (bf16); expected dtype SYMM_MOE_FP8_E4M3 (1), or input \
+                     SYMM_MOE_INPUT_PAYLOAD (0)",
+                    dtype.code()
+                )))
+            }
+            v => {
+                return Err(bad(format!(
+                    "input {v} is not an input kind; expected SYMM_MOE_INPUT_PAYLOAD (0: x is \
+                     the payload dtype) or SYMM_MOE_INPUT_BF16 (1: bf16 x quantized to FP8 in \
+                     the dispatch)"
+                )))
+            }
+        };
+        let scales = match self.scale_layout {
+            SCALES_ROW_MAJOR => ScaleLayout::RowMajor,
+            SCALES_COL_TMA if dtype.has_scales() => ScaleLayout::ColTma,
+            SCALES_COL_TMA => {
+                return Err(bad(format!(
+                    "scale_layout {SCALES_COL_TMA} (SYMM_MOE_SCALES_COL_TMA) with dtype {} \
+                     (bf16, no scales); expected SYMM_MOE_SCALES_ROW_MAJOR (0) for bf16",
+                    dtype.code()
+                )))
+            }
+            v => {
+                return Err(bad(format!(
+                    "scale_layout {v} is not a scale layout; expected \
+                     SYMM_MOE_SCALES_ROW_MAJOR (0) or SYMM_MOE_SCALES_COL_TMA (1)"
+                )))
+            }
+        };
+        let ue8m0 = match self.ue8m0 {
+            0 => false,
+            1 if quantize => true,
+            1 => {
+                return Err(bad(
+                    "scale_ue8m0 1 without quantization; expected 0, or input \
+                     SYMM_MOE_INPUT_BF16 (1) with dtype SYMM_MOE_FP8_E4M3 (the dispatch then \
+                     computes the scales)"
+                        .to_string(),
+                ))
+            }
+            v => return Err(bad(format!("scale_ue8m0 {v}; expected 0 or 1"))),
+        };
+        Ok((quantize, scales, ue8m0))
+    }
+}
+
 impl Config {
     pub fn local_experts(&self, world: u64) -> u64 {
         self.experts as u64 / world
@@ -275,5 +384,88 @@ impl Config {
     }
     pub fn row_bytes(&self) -> u64 {
         self.hidden * self.dtype.bytes()
+    }
+    /// Bytes of a row of the caller's `x` (bf16 when the dispatch quantizes).
+    pub fn input_row_bytes(&self) -> u64 {
+        if self.quantize {
+            self.hidden * 2
+        } else {
+            self.row_bytes()
+        }
+    }
+    /// `R4`: R rounded up to a multiple of 4 (a column-major scale column, 16-byte aligned).
+    pub fn tma_rows(&self) -> u64 {
+        self.max_recv.next_multiple_of(TMA_ALIGN_ELEMS)
+    }
+    /// The strides of `recv_scales` in elements (fp32), per local expert, row and group: the
+    /// scale of (le, row, g) is at `le * s0 + row * s1 + g * s2`. Zeros for bf16.
+    pub fn scale_strides(&self) -> [u64; 3] {
+        let s = self.scales_per_row();
+        match (s, self.scales) {
+            (0, _) => [0; 3],
+            (_, ScaleLayout::RowMajor) => [self.max_recv * s, s, 1],
+            (_, ScaleLayout::ColTma) => [s * self.tma_rows(), 1, self.tma_rows()],
+        }
+    }
+    /// fp32 elements of `recv_scales` per rank (all local experts).
+    pub fn scale_elems(&self, world: u64) -> u64 {
+        self.scale_strides()[0] * self.local_experts(world)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(dtype: u32, input: u32, scale_layout: u32, ue8m0: u32) -> Request {
+        Request {
+            tokens: 13,
+            hidden: 384,
+            topk: 2,
+            experts: 4,
+            dtype,
+            max_recv: 0,
+            input,
+            scale_layout,
+            ue8m0,
+            ..Request::default()
+        }
+    }
+
+    /// recv_scales' strides: row-major `[L][R][S]`, or per expert `[S][R4]` with R4 = R
+    /// rounded up to 4 (DeepGEMM's `get_tma_aligned_size(R, 4)`).
+    #[test]
+    fn scale_strides_of_both_layouts() {
+        let row = req(PAYLOAD_FP8_E4M3, INPUT_BF16, SCALES_ROW_MAJOR, 1)
+            .check(1)
+            .unwrap();
+        assert!(row.quantize && row.ue8m0 && row.max_recv == 13);
+        assert_eq!(row.scale_strides(), [13 * 3, 3, 1]);
+        assert_eq!(row.scale_elems(2), 2 * 13 * 3);
+        let col = req(PAYLOAD_FP8_E4M3, INPUT_PAYLOAD, SCALES_COL_TMA, 0)
+            .check(1)
+            .unwrap();
+        assert_eq!((col.tma_rows(), col.scale_strides()), (16, [3 * 16, 1, 16]));
+        assert_eq!(col.scale_elems(1), 4 * 3 * 16);
+        let bf = req(PAYLOAD_BF16, INPUT_PAYLOAD, SCALES_ROW_MAJOR, 0)
+            .check(1)
+            .unwrap();
+        assert_eq!((bf.scale_strides(), bf.input_row_bytes()), ([0; 3], 768));
+        assert_eq!(row.input_row_bytes(), 768);
+    }
+
+    #[test]
+    fn bad_quantization_fields_name_the_value() {
+        for (r, needle) in [
+            (req(1, 2, 0, 0), "input 2 is not an input kind"),
+            (req(0, 1, 0, 0), "with dtype 0 (bf16)"),
+            (req(1, 0, 5, 0), "scale_layout 5 is not a scale layout"),
+            (req(0, 0, 1, 0), "SYMM_MOE_SCALES_COL_TMA) with dtype 0"),
+            (req(1, 0, 0, 1), "scale_ue8m0 1 without quantization"),
+            (req(1, 1, 0, 3), "scale_ue8m0 3; expected 0 or 1"),
+        ] {
+            let e = r.check(1).unwrap_err();
+            assert!(e.message.contains(needle), "{}", e.message);
+        }
     }
 }

@@ -6,7 +6,9 @@
 //! Dispatch has one cross-rank wait: a rank first leaves its entry list and its staged `x` in
 //! its own block, then stores its counts row, every word tagged with the epoch
 //! (layout.rs `tagged`), into every rank; once every source's row carries the tag, each rank
-//! pulls its experts' rows from the sources' blocks (and its own from the caller's `x`). Counts
+//! pulls its experts' rows from the sources' blocks (and its own from the caller's `x`; from
+//! its own staged rows when the dispatch quantizes bf16 `x`, once per token, as the kernel
+//! does with kernels/quant.cuh's arithmetic: host_norm.rs `quantize_group`). Counts
 //! rows, lists and staged rows alternate by the dispatch epoch's parity: a source reaches
 //! dispatch `n + 2` only after every rank's dispatch `n + 1` published its row, i.e. after
 //! every rank finished pulling call `n`'s.
@@ -20,11 +22,12 @@
 //! Invariant: every rank runs every step of every call whatever it found (a refusal publishes
 //! a row with a status and sends nothing), so the epochs stay equal on every rank.
 
-use super::config::IndexType;
+use super::config::{IndexType, SCALE_GROUP};
 use super::layout::*;
 use super::status::{self, Found, Refusal};
 use super::{Combine, Dispatch, Last, Moe};
 use crate::comm::collective::convert::{bf16_to_f32, f32_to_bf16};
+use crate::comm::collective::host_norm::quantize_group;
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -54,6 +57,28 @@ fn copy(dst: u64, src: u64, bytes: u64) {
     // SAFETY: src is a checked caller row (or a part of this rank's block) and dst a row of a
     // mapped moe block, both `bytes` long; they never overlap (different parts).
     unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes as usize) }
+}
+
+/// Quantizes `n` bf16 rows of `h` elements at `src` into e4m3 rows at `dst` and their fp32
+/// scales, one per 128 elements, row-major at `scales`: kernels/quant.cuh's per-group
+/// arithmetic (host_norm.rs `quantize_group`), as the dispatch kernel stages them.
+fn quantize_rows(dst: u64, scales: u64, src: u64, n: u64, h: u64, ue8m0: bool) {
+    let g = SCALE_GROUP as usize;
+    let mut y = vec![0f32; g];
+    for i in 0..n * h / SCALE_GROUP {
+        for (j, v) in y.iter_mut().enumerate() {
+            // SAFETY: src is the caller's checked [n][h] bf16 x; i * 128 + j < n * h.
+            let b = unsafe { std::ptr::read_volatile((src as *const u16).add(i as usize * g + j)) };
+            *v = bf16_to_f32(b);
+        }
+        let (q, sc) = quantize_group(&y, ue8m0);
+        // SAFETY: dst is this rank's staged [T][h] e4m3 rows (n <= T), `scales` its [T][h/128]
+        // fp32 scales; group i is at bytes i * 128 and scale i.
+        unsafe {
+            std::ptr::copy_nonoverlapping(q.as_ptr(), (dst as *mut u8).add(i as usize * g), g);
+            std::ptr::write_volatile((scales as *mut f32).add(i as usize), sc);
+        }
+    }
 }
 
 /// Waits until every rank's flag `which` here is >= `want`; returns the values seen.
@@ -172,7 +197,11 @@ fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
             wr_i32(list + 4 * (off[e] + pos as u64), at as i32);
         }
     }
-    if m.world > 1 && n > 0 {
+    if c.quantize && n > 0 {
+        // Quantized once per token, at every world (the pull reads this rank's own rows here too).
+        let (xs, ss) = m.layout.xstage_at(epoch);
+        quantize_rows(m.at(me, xs), m.at(me, ss), a.x, n, c.hidden, c.ue8m0);
+    } else if m.world > 1 && n > 0 {
         let (xs, ss) = m.layout.xstage_at(epoch);
         copy(m.at(me, xs), a.x, n * c.row_bytes());
         if c.dtype.has_scales() {
@@ -297,7 +326,7 @@ pub fn dispatch(
                     let entry = rd_i32(list + 4 * (off + i)) as u64;
                     let t = entry / kk;
                     let slot = le * c.max_recv + row;
-                    let (x, xsc) = if s == me {
+                    let (x, xsc) = if s == me && !c.quantize {
                         (a.x, a.x_scales)
                     } else {
                         (m.at(s, xs), m.at(s, ss))
@@ -307,11 +336,13 @@ pub fn dispatch(
                         x + t * row_bytes,
                         row_bytes,
                     );
-                    if scales > 0 {
+                    // Scale (le, row, g) at le * s0 + row * s1 + g * s2 (config.rs).
+                    let [s0, s1, s2] = c.scale_strides();
+                    for g in 0..scales {
                         copy(
-                            m.at(me, m.layout.recv_scales) + slot * scales * 4,
-                            xsc + t * scales * 4,
-                            scales * 4,
+                            m.at(me, m.layout.recv_scales) + 4 * (le * s0 + row * s1 + g * s2),
+                            xsc + 4 * (t * scales + g),
+                            4,
                         );
                     }
                     let code = (s as u64 * c.tokens * kk + entry) as i32;

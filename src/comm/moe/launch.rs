@@ -10,7 +10,7 @@
 //! and touches none of its caller's buffers); the host reads the status words only at calls,
 //! never in a loop.
 
-use super::config::{IndexType, Payload};
+use super::config::{IndexType, Payload, ScaleLayout};
 use super::layout::Layout;
 use super::status::{self, Found, Refusal};
 use super::{host, Combine, Dispatch, Last, Moe, THREADS};
@@ -19,14 +19,25 @@ use crate::comm::collective::Ctx;
 use crate::comm::exec::{self, ArgBlock, Family, KernelId};
 use crate::error::{Error, Result};
 
-/// The kernels, by payload and index type, then the combine (kernels/moe.cu).
-pub const MOE_KERNELS: [&str; 5] = [
+/// The kernels, by payload and index type, then the combine, then the dispatch of bf16 x
+/// quantized to FP8 in the kernel, by index type (kernels/moe.cu).
+pub const MOE_KERNELS: [&str; 7] = [
     "symm_moe_dispatch_bf16_i32",
     "symm_moe_dispatch_bf16_i64",
     "symm_moe_dispatch_fp8_i32",
     "symm_moe_dispatch_fp8_i64",
     "symm_moe_combine_bf16",
+    "symm_moe_dispatch_bf16_to_fp8_i32",
+    "symm_moe_dispatch_bf16_to_fp8_i64",
 ];
+
+/// The index in `MOE_KERNELS` of the dispatch that quantizes bf16 x, for an index type.
+pub fn quantize_index(it: IndexType) -> usize {
+    match it {
+        IndexType::I32 => 5,
+        IndexType::I64 => 6,
+    }
+}
 
 /// The dispatch kernel's name for a payload and an index type.
 pub fn dispatch_kernel(p: Payload, it: IndexType) -> &'static str {
@@ -97,10 +108,16 @@ pub struct MoeArgs {
     pub experts: i32,
     pub local: i32,
     pub refuse_code: i32,
-    pub pad: i32,
+    /// `SCALE_MODE_*` bits: UE8M0 scales (the quantizing dispatch), column-major TMA-aligned
+    /// `recv_scales` (the kernel derives the strides of config.rs `scale_strides` from R).
+    pub scale_mode: i32,
 }
 
 const _: () = assert!(std::mem::size_of::<MoeArgs>() == 256 + 64 + 22 * 8 + 8 * 4);
+
+/// `MoeArgs::scale_mode` bits (kernels/moe.cu `MOE_SCALE_*`).
+pub const SCALE_MODE_UE8M0: i32 = 1;
+pub const SCALE_MODE_COL_TMA: i32 = 2;
 
 /// The host backend's combine after a dispatch that failed (the kernels keep their own word,
 /// so only the CPU twin refuses it).
@@ -141,6 +158,11 @@ impl Moe {
             topk: self.cfg.topk as i32,
             experts: self.cfg.experts as i32,
             local: self.cfg.local_experts(self.world as u64) as i32,
+            scale_mode: if self.cfg.ue8m0 { SCALE_MODE_UE8M0 } else { 0 }
+                | match self.cfg.scales {
+                    ScaleLayout::RowMajor => 0,
+                    ScaleLayout::ColTma => SCALE_MODE_COL_TMA,
+                },
             ..MoeArgs::default()
         }
     }
@@ -193,6 +215,7 @@ pub(super) fn dispatch(
         }
     }
     let i = match (m.cfg.dtype, it) {
+        _ if m.cfg.quantize => quantize_index(it),
         (Payload::Bf16, IndexType::I32) => 0,
         (Payload::Bf16, IndexType::I64) => 1,
         (Payload::Fp8, IndexType::I32) => 2,

@@ -79,12 +79,13 @@ pub struct Layout {
     /// expert in token order (CSR; a source's offsets are the prefix sums of its counts row).
     /// Peers read it to pull their rows.
     pub list: u64,
-    /// `[2][T][H]` payload, per dispatch parity: this rank's `x`, for the peers to pull (0
-    /// bytes at world 1: a rank reads its own rows from the caller's `x`).
+    /// `[2][T][H]` payload, per dispatch parity: this rank's `x` (quantized when the dispatch
+    /// quantizes), for the peers to pull (0 bytes at world 1 without quantization: a rank reads
+    /// its own rows from the caller's `x`).
     pub xstage: u64,
     /// Bytes of one `xstage` parity.
     pub xstage_slot: u64,
-    /// `[2][T][H/128]` fp32 (FP8 at world > 1; else 0 bytes).
+    /// `[2][T][H/128]` fp32, row-major (FP8 with `xstage`; else 0 bytes).
     pub xscales: u64,
     /// Bytes of one `xscales` parity.
     pub xscales_slot: u64,
@@ -126,7 +127,7 @@ impl Layout {
         let recv_src = part(l * r * 4);
         let recv_x = part(l * r * h * c.dtype.bytes());
         let recv_scales = if c.dtype.has_scales() {
-            part(l * r * (h / 128) * 4)
+            part(c.scale_elems(world) * 4)
         } else {
             0
         };
@@ -134,7 +135,9 @@ impl Layout {
         let weights = part(t * k * 4);
         let pos = part(t * k * 4);
         let list = part(2 * t * k * 4);
-        let peers = world > 1;
+        // A dispatch that quantizes stages its quantized rows at world 1 too (its pull reads
+        // them there, not the caller's bf16 x).
+        let peers = world > 1 || c.quantize;
         let xstage_slot = if peers { t * h * c.dtype.bytes() } else { 0 };
         let xstage = part(2 * xstage_slot);
         let xscales_slot = if peers { t * (h / 128) * 4 } else { 0 };

@@ -154,6 +154,13 @@ impl Moe {
         }
         let other = |e: Error| refuse(status::ST_REFUSED, 0, e);
         match (self.cfg.dtype, a.x_scales) {
+            (_, s) if s != 0 && self.cfg.quantize => {
+                return Err(other(Error::invalid(format!(
+                    "{F}: x_scales {s:#x} given, but this object quantizes bf16 x itself \
+                     (input SYMM_MOE_INPUT_BF16); expected NULL"
+                ))))
+            }
+            (Payload::Fp8, 0) if self.cfg.quantize => {}
             (Payload::Bf16, s) if s != 0 => {
                 return Err(other(Error::invalid(format!(
                     "{F}: x_scales {s:#x} given for a bf16 payload; expected NULL (scales are \
@@ -177,7 +184,7 @@ impl Moe {
                 aligned("x", a.x, 16, F)?;
                 aligned("topk_idx", a.idx, it.bytes(), F)?;
                 aligned("topk_weights", a.weights, 4, F)?;
-                if self.cfg.dtype.has_scales() {
+                if self.cfg.dtype.has_scales() && !self.cfg.quantize {
                     aligned("x_scales", a.x_scales, 4, F)?;
                 }
                 Ok(())
@@ -256,7 +263,8 @@ impl Communicator {
             let n = u64::from_le_bytes(m.get(..8).ok_or_else(bad)?.try_into().unwrap()) as usize;
             let t = m.get(8..8 + n).ok_or_else(bad)?;
             let rest = m.get((8 + n).next_multiple_of(8)..).ok_or_else(bad)?;
-            if rest.len() != 9 * 8 {
+            const N: usize = Request::WORDS;
+            if rest.len() != (N + 1) * 8 {
                 return Err(bad());
             }
             let w: Vec<u64> = rest
@@ -265,12 +273,12 @@ impl Communicator {
                 .collect();
             if n > 0 {
                 refusals.push(format!("rank {r}: {}", String::from_utf8_lossy(t)));
-                if w[..8] == Request::UNREADABLE.words() {
+                if w[..N] == Request::UNREADABLE.words() {
                     unreadable.push(format!("rank {r}: {}", String::from_utf8_lossy(t)));
                 }
             }
-            g = g.min(w[8] as u32);
-            words.push(w[..8].to_vec());
+            g = g.min(w[N] as u32);
+            words.push(w[..N].to_vec());
         }
         if let (true, Err(e)) = (unread, &checked) {
             return Err(e.clone()); // this rank's own reason

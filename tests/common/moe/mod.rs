@@ -11,6 +11,7 @@ pub mod cases;
 mod check;
 pub mod edges;
 pub mod errors;
+pub mod quant;
 pub mod repeat;
 pub use check::*;
 
@@ -211,7 +212,7 @@ impl Shape {
             flags: 0,
             max_recv_per_expert: self.max_recv,
             num_sms: self.num_sms,
-            reserved: 0,
+            ..Default::default()
         }
     }
 }
