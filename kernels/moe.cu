@@ -55,6 +55,31 @@
 #define MOE_CTRL_OK_EPOCH 4
 #define MOE_CTRL_D_FIN 5
 #define MOE_CTRL_C_FIN 6
+// The clock probe's words (layout.rs CTRL_PROBE, PROBE_*): %globaltimer at the phase boundaries
+// of the last dispatch (words 0..7) and combine (8..15), in the control part, written only by the
+// probe kernels (`PROBE`), local.
+#define MOE_CTRL_PROBE 64
+#define MOE_P_D_START 0
+#define MOE_P_D_ROUTED 1
+#define MOE_P_D_STAGED 2
+#define MOE_P_D_PUBLISHED 3
+#define MOE_P_D_RECV 4
+#define MOE_P_D_WAITED 5
+#define MOE_P_D_PULLED 6
+#define MOE_P_D_EPOCH 7
+#define MOE_P_C_START 8
+#define MOE_P_C_PUSHED 9
+#define MOE_P_C_RECV 10
+#define MOE_P_C_WAITED 11
+#define MOE_P_C_SUMMED 12
+#define MOE_P_C_EPOCH 13
+// Phases of a kernel instance: the whole call, or its send half (up to and including publishing:
+// no wait on a peer) or its receive half (the wait, then the pull or the sum). The halves are two
+// launches on the same grid; the receive half reads the epoch the send half used (the done count
+// moves at its end only) and finds in the block what the send half left there.
+#define MOE_BOTH 0
+#define MOE_SEND 1
+#define MOE_RECV 2
 // Flag rows (layout.rs FLAG_*): the combine's two, one per parity of its epoch.
 #define MOE_FLAG_COMBINE 0
 // Status codes (src/comm/moe/status.rs ST_*) and status word indices (SW_*).
@@ -172,6 +197,11 @@ __device__ __forceinline__ uint64_t moe_wait(const MoeArgs& a, int which, int sr
   }
 }
 
+// The clock probe's word `i` (PROBE instances only; one thread stores each word).
+__device__ __forceinline__ void moe_probe(const MoeArgs& a, int i) {
+  moe_ctrl(a)[MOE_CTRL_PROBE + i] = globaltimer();
+}
+
 // Records a status for the host (moe/status.rs words: the code last). Plain posted stores.
 __device__ __forceinline__ void moe_record(const MoeArgs& a, uint32_t code, int rank, uint32_t token,
                                            uint32_t k, int64_t value, uint32_t call) {
@@ -266,8 +296,9 @@ __device__ __forceinline__ int64_t moe_warp_scan(const int32_t* in, int32_t* out
   return carry;
 }
 
-// Dispatch (docs/moe.md, "Protocol"): every block runs every step on its share.
-template <int PAYLOAD_BYTES, bool SCALES, typename IDX>
+// Dispatch (docs/moe.md, "Protocol"): every block runs every step on its share. PHASE: the whole
+// call (MOE_BOTH), steps 1-2 (MOE_SEND) or steps 3-4 (MOE_RECV); PROBE: record the clock probe.
+template <int PAYLOAD_BYTES, bool SCALES, typename IDX, int PHASE = MOE_BOTH, bool PROBE = false>
 __device__ void moe_dispatch_body(const MoeArgs& a) {
   __shared__ int32_t hist_s[MOE_MAX_EXPERTS];    // this rank's counts; then rows per source
   __shared__ int32_t run_s[MOE_MAX_EXPERTS];     // entries before this block's chunk, per expert
@@ -289,6 +320,13 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     live_s = !aborted(a.s);
     bad_s = 0xffffffffu;
     cap_s = 0xffffffffu;
+    if constexpr (PHASE == MOE_RECV) found_s[0] = 0;
+    if constexpr (PROBE) {
+      if (blockIdx.x == 0) {
+        moe_probe(a, PHASE == MOE_RECV ? MOE_P_D_RECV : MOE_P_D_START);
+        moe_ctrl(a)[MOE_CTRL_PROBE + MOE_P_D_EPOCH] = epoch_s;
+      }
+    }
   }
   for (int e = tid; e < E; e += MOE_THREADS) {
     hist_s[e] = 0;
@@ -303,6 +341,8 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   int32_t* idx = (int32_t*)(a.blocks[me] + a.off_idx);
   float* wts = (float*)(a.blocks[me] + a.off_weights);
   int32_t* pos = (int32_t*)(a.blocks[me] + a.off_pos);
+  // The send half, steps 1 and 2 (not indented, so the one-call form reads as before).
+  if constexpr (PHASE != MOE_RECV) {
 
   // Step 1a: the whole routing, a thread per token: the first offending entry, the counts per
   // expert and those of the tokens before this block's chunk (aggregated per warp).
@@ -321,6 +361,9 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     }
   }
   __syncthreads();
+  if constexpr (PROBE) {
+    if (blockIdx.x == 0 && tid == 0) moe_probe(a, MOE_P_D_ROUTED);
+  }
   if (tid == 0) {
     found_s[0] = 0;
     if (a.refuse_code) {
@@ -393,6 +436,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     last_s = old + 1 == epoch * gridDim.x;
     if (last_s) {
       if (W > 1) __threadfence_system(); else __threadfence();
+      if constexpr (PROBE) moe_probe(a, MOE_P_D_STAGED);
     }
   }
   __syncthreads();
@@ -414,6 +458,15 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       }
       moe_st_release(moe_row(a, d, epoch, me) + w, moe_tagged(epoch, v), W > 1);
     }
+    if constexpr (PROBE) {
+      __syncthreads();  // last_s is the same in the whole block
+      if (tid == 0) moe_probe(a, MOE_P_D_PUBLISHED);
+    }
+  }
+  }  // the send half
+  if constexpr (PHASE == MOE_SEND) return;
+  if constexpr (PROBE && PHASE == MOE_BOTH) {
+    if (blockIdx.x == 0 && tid == 0) moe_probe(a, MOE_P_D_RECV);
   }
 
   // Step 3, the one wait: every word of every source's row carries this epoch's tag.
@@ -435,6 +488,9 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     }
   }
   if (!__syncthreads_and(ok)) return;
+  if constexpr (PROBE) {
+    if (blockIdx.x == 0 && tid == 0) moe_probe(a, MOE_P_D_WAITED);
+  }
   // The first status (lowest rank), else capacity (lowest expert): the same on every rank.
   if (tid == 0) {
     for (int s = 0; s < W; ++s) {
@@ -561,6 +617,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     if (old + 1 == epoch * gridDim.x) {
       if (!failed) ctrl[MOE_CTRL_OK_EPOCH] = epoch;
       ctrl[MOE_CTRL_D_DONE] = epoch;
+      if constexpr (PROBE) moe_probe(a, MOE_P_D_PULLED);
     }
   }
 }
@@ -569,7 +626,10 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
 // peers' tokens back to their ranks (cbuf[parity][t][k] there); the grid's last block raises the
 // combine flags of the parity; every block waits for every peer, then sums its share of this
 // rank's tokens in k order, reading its own experts' rows in place in expert_out (pos). Any
-// number of combines may follow one dispatch (header: the parity alternation).
+// number of combines may follow one dispatch (header: the parity alternation). PHASE: the whole
+// call, step 1 (MOE_SEND: the rows out and the flags raised) or step 2 (MOE_RECV: the wait and
+// the sum); PROBE: record the clock probe.
+template <int PHASE = MOE_BOTH, bool PROBE = false>
 __device__ void moe_combine_body(const MoeArgs& a) {
   __shared__ uint64_t epoch_s;
   __shared__ int live_s, dispatched_s;
@@ -581,6 +641,12 @@ __device__ void moe_combine_body(const MoeArgs& a) {
     const uint64_t d = *(volatile uint64_t*)&ctrl[MOE_CTRL_D_DONE];
     dispatched_s = d > 0 && *(volatile uint64_t*)&ctrl[MOE_CTRL_OK_EPOCH] == d;
     live_s = !aborted(a.s);
+    if constexpr (PROBE) {
+      if (blockIdx.x == 0) {
+        moe_probe(a, PHASE == MOE_RECV ? MOE_P_C_RECV : MOE_P_C_START);
+        ctrl[MOE_CTRL_PROBE + MOE_P_C_EPOCH] = epoch_s;
+      }
+    }
   }
   __syncthreads();
   if (!live_s) return;
@@ -595,7 +661,7 @@ __device__ void moe_combine_body(const MoeArgs& a) {
   // local experts are numbered through (pre_s: the counts' prefix sums) and dealt to the grid's warps, so a
   // few rows per expert still spread over every warp.
   __shared__ int32_t pre_s[MOE_MAX_EXPERTS + 1];
-  if (!refused && dispatched && W > 1) {
+  if (PHASE != MOE_RECV && !refused && dispatched && W > 1) {
     const int L = a.local;
     const int32_t* counts = (const int32_t*)(a.blocks[me] + a.off_recv_counts);
     const int32_t* src = (const int32_t*)(a.blocks[me] + a.off_recv_src);
@@ -621,11 +687,23 @@ __device__ void moe_combine_body(const MoeArgs& a) {
                    (const uint8_t*)a.expert_out + slot * row_bytes, row_bytes, lane);
     }
   }
+  if constexpr (PHASE != MOE_RECV) {
   __syncthreads();
   if (tid == 0 && W > 1) {  // at world 1 nobody waits for this rank's flag
     __threadfence_system();  // the rows this block pushed into peers' cbuf
     const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_C_SENT], 1ull);
     if (old + 1 == epoch * gridDim.x) moe_raise(a, flag, 2 * epoch + (refused ? 1 : 0));
+    if constexpr (PROBE) {
+      if (old + 1 == epoch * gridDim.x) moe_probe(a, MOE_P_C_PUSHED);
+    }
+  }
+  if constexpr (PROBE) {
+    if (tid == 0 && W == 1 && blockIdx.x == 0) moe_probe(a, MOE_P_C_PUSHED);
+  }
+  }  // the send half
+  if constexpr (PHASE == MOE_SEND) return;
+  if constexpr (PROBE && PHASE == MOE_BOTH) {
+    if (blockIdx.x == 0 && tid == 0) moe_probe(a, MOE_P_C_RECV);
   }
 
   // Step 2: every source's rows are here (a flag is 2 * epoch, plus one when it refused; no
@@ -640,6 +718,9 @@ __device__ void moe_combine_body(const MoeArgs& a) {
     if (ok && v == 2 * epoch + 1) atomicMin(&other_s, tid);
   }
   if (!__syncthreads_and(ok)) return;
+  if constexpr (PROBE) {
+    if (blockIdx.x == 0 && tid == 0) moe_probe(a, MOE_P_C_WAITED);
+  }
   if (!refused) {
     const bool zeros = !dispatched || other_s < W;
     const uint64_t n = a.num_tokens, vecs = H / 8;
@@ -682,6 +763,9 @@ __device__ void moe_combine_body(const MoeArgs& a) {
   if (tid == 0) {
     const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_C_FIN], 1ull);
     if (old + 1 == epoch * gridDim.x) ctrl[MOE_CTRL_C_DONE] = epoch;
+    if constexpr (PROBE) {
+      if (old + 1 == epoch * gridDim.x) moe_probe(a, MOE_P_C_SUMMED);
+    }
   }
 }
 
@@ -690,3 +774,31 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16
 extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t>(a); }
 extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t>(a); }
 extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_bf16(MoeArgs a) { moe_combine_body(a); }
+
+// The split halves (symm_moe_dispatch_send / _recv, symm_moe_combine_send / _recv). The receive
+// half of a dispatch reads only the block (the staged list, idx, pos) and the caller's x and
+// x_scales (its own rows), so it has one instance per payload.
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_i32(MoeArgs a) { moe_dispatch_body<2, false, int32_t, MOE_SEND>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_i64(MoeArgs a) { moe_dispatch_body<2, false, int64_t, MOE_SEND>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t, MOE_SEND>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t, MOE_SEND>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_bf16(MoeArgs a) { moe_dispatch_body<2, false, int32_t, MOE_RECV>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_fp8(MoeArgs a) { moe_dispatch_body<1, true, int32_t, MOE_RECV>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_send_bf16(MoeArgs a) { moe_combine_body<MOE_SEND>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_recv_bf16(MoeArgs a) { moe_combine_body<MOE_RECV>(a); }
+
+// The clock probe's instances of every kernel above (an object created with the probe on uses
+// these; the others carry no probe code).
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_i32_probe(MoeArgs a) { moe_dispatch_body<2, false, int32_t, MOE_BOTH, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_i64_probe(MoeArgs a) { moe_dispatch_body<2, false, int64_t, MOE_BOTH, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_fp8_i32_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, MOE_BOTH, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_fp8_i64_probe(MoeArgs a) { moe_dispatch_body<1, true, int64_t, MOE_BOTH, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_bf16_probe(MoeArgs a) { moe_combine_body<MOE_BOTH, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_i32_probe(MoeArgs a) { moe_dispatch_body<2, false, int32_t, MOE_SEND, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_i64_probe(MoeArgs a) { moe_dispatch_body<2, false, int64_t, MOE_SEND, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_fp8_i32_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, MOE_SEND, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_fp8_i64_probe(MoeArgs a) { moe_dispatch_body<1, true, int64_t, MOE_SEND, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_bf16_probe(MoeArgs a) { moe_dispatch_body<2, false, int32_t, MOE_RECV, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_fp8_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, MOE_RECV, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_send_bf16_probe(MoeArgs a) { moe_combine_body<MOE_SEND, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_recv_bf16_probe(MoeArgs a) { moe_combine_body<MOE_RECV, true>(a); }
