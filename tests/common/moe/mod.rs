@@ -12,6 +12,7 @@ mod check;
 pub mod edges;
 pub mod errors;
 pub mod repeat;
+pub mod split;
 pub use check::*;
 
 use super::{err, init, Child, Comm, Rng, OK};
