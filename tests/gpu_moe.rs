@@ -331,7 +331,10 @@ fn other_stream_rank(comm: Comm, dev: Dev, w: usize, seed: u64) -> u64 {
     let s = Shape::new(32, 256, 4, experts(w, 8), false);
     let o = create(comm, s, dev);
     let other = util::stream_create(dev.device).unwrap();
-    let on_other = Dev { stream: other, ..dev };
+    let on_other = Dev {
+        stream: other,
+        ..dev
+    };
     let rounds = reps(8);
     for i in 0..rounds {
         let c = Case::new(seed ^ (i << 12) ^ 0x0a5, s.t, 4, Route::Random);
