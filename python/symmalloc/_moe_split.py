@@ -170,8 +170,8 @@ class _Split:
             raise _invalid(f"moe.combine_recv: rank {self.rank}: no combine was sent; expected moe.combine_send first")
         if handle is not None and (not isinstance(handle, MoeCombineSend) or handle.moe != self.handle
                                    or handle.seq != p.seq):
-            raise _invalid(f"moe.combine_recv: rank {self.rank}: the handle is not the pending combine_send's; expected "
-                           "what this Moe's latest combine_send returned (or none)")
+            raise _invalid(f"moe.combine_recv: rank {self.rank}: the handle is not the pending combine_send's; "
+                           "expected what this Moe's latest combine_send returned (or none)")
         self._pending = None
         _check(self._lib.symm_moe_combine_recv(ptr, _VOIDP(self._stream())))
         return p.y

@@ -48,8 +48,8 @@ def _expert_out(moe, fp8, shift=0):
     for le in range(L):
         for j in range(cnt[le]):
             b = (le * R + j) * H
-            out[b:b + H] = expert_fn(first + le, pay[b:b + H], sc[(le * R + j) * G:(le * R + j + 1) * G] if fp8 else None,
-                                     H, fp8, shift)
+            srow = sc[(le * R + j) * G:(le * R + j + 1) * G] if fp8 else None
+            out[b:b + H] = expert_fn(first + le, pay[b:b + H], srow, H, fp8, shift)
     return make((L, R, H), "bfloat16", out)
 
 

@@ -82,7 +82,8 @@ class SymmallocDeepEPLLDispatcher(_Base):
 
     def dispatch_a(self, hidden_states, topk_output, x_scales=None):
         if self._pending_dispatch is not None:
-            raise RuntimeError("symmalloc dispatch_a: the previous dispatch_a has no dispatch_b yet; call dispatch_b first")
+            raise RuntimeError("symmalloc dispatch_a: the previous dispatch_a has no dispatch_b yet; "
+                               "call dispatch_b first")
         ids, w = topk_output.topk_ids, topk_output.topk_weights
         h = self.moe.dispatch_send(hidden_states.contiguous(), ids.contiguous(), w.float().contiguous(),
                                    x_scales=None if x_scales is None else x_scales.contiguous())
@@ -97,7 +98,8 @@ class SymmallocDeepEPLLDispatcher(_Base):
 
     def combine_a(self, combine_input):
         if self._pending_combine is not None:
-            raise RuntimeError("symmalloc combine_a: the previous combine_a has no combine_b yet; call combine_b first")
+            raise RuntimeError("symmalloc combine_a: the previous combine_a has no combine_b yet; "
+                               "call combine_b first")
         if self._last is None:
             raise RuntimeError("symmalloc combine_a: no dispatch to combine; call dispatch (or dispatch_a and "
                                "dispatch_b) first")
