@@ -5,8 +5,12 @@ a barrier between them, equal bit for bit to the one-call forms (the layout and 
 the exact reference); two objects' halves interleaved (two-batch overlap) and repeated combines
 through the halves; every out-of-order call raising on every rank, naming what was expected,
 the object usable after; a send one rank refuses, named by the others' receive halves; the
-probe's words in phase order."""
+probe's words in phase order. With torch (the torch venv), moe_gpu_check.py's split cases
+(moe_split_gpu_cases.py) on CPU tensors at 2 and 4 ranks against the gathered reference."""
 import ctypes
+import datetime
+import os
+import tempfile
 import traceback
 
 import pytest
@@ -242,3 +246,45 @@ def test_probe_words_match_the_header():
 
     assert len(_moe_split._PROBE_DISPATCH) == 8 and len(_moe_split._PROBE_COMBINE) == 6
     assert _moe_split._PROBE_WORDS == 16 == ctypes.sizeof(ctypes.c_uint64 * 16) // 8
+
+
+def _torch_split_rank(rank, world, uid, q, init):
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import moe_gpu_check as g
+        import moe_split_gpu_cases as sc
+
+        _child_env()
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        comm = symmalloc.Communicator(rank, world, uid)
+        T, E = 160, 32
+        ctx = g.Ctx(rank, world, comm, torch.device("cpu"), "gloo", T=T, H=128, E=E, K=8)
+        mb = comm.moe(max_tokens_per_rank=T, hidden=128, topk=8, num_experts=E, dtype=torch.bfloat16)
+        mf = comm.moe(max_tokens_per_rank=T, hidden=256, topk=8, num_experts=E, dtype=torch.float8_e4m3fn)
+        results = []
+        if g.run_cases(sc.cases(ctx, comm, mb, mf, 128, True), results):
+            mb.close()
+            mf.close()
+            comm.barrier()
+            comm.close()
+            dist.destroy_process_group()
+        q.put((rank, results, None))
+    except Exception:
+        q.put((rank, None, traceback.format_exc()))
+
+
+@base.needs_torch
+@pytest.mark.parametrize("world", [2, 4])
+def test_torch_split_cases_of_the_gpu_check(world):
+    with tempfile.TemporaryDirectory() as d:
+        got = _spawn(_torch_split_rank, world, "file://" + os.path.join(d, "store"))
+    names = set()
+    for rank, results in sorted(got.items()):
+        bad = [f"rank {rank}, {n}: {detail}" for n, ok, detail, _ in results if not ok]
+        assert not bad, "\n".join(bad)
+        names |= {n for n, *_ in results}
+    assert len(names) == 5, sorted(names)  # 2 eager cases per payload and the probe
