@@ -292,9 +292,36 @@ fn refused(o: &Obj, st: symm_status_t, needle: &str, what: &str) {
 /// error with nothing pending, the others' receive halves name it; then a combine send one rank
 /// refuses (NULL expert_out). After each, a split dispatch + combine is correct.
 pub fn split_misuse(comm: Comm, dev: Dev, w: usize, seed: u64) {
+    // A NULL object, and the probe's NULL output: refused naming them.
+    let (nul, p, sm) = (null_mut(), null_mut(), dev.s());
+    let null = |st: symm_status_t, what: &str| {
+        assert!(
+            st == INVALID && err().contains("moe is NULL"),
+            "{what}: {}",
+            err()
+        );
+    };
+    null(
+        symm_moe_dispatch_send(nul, p, null_mut(), p, 0, null_mut(), 0, 1, sm),
+        "send",
+    );
+    null(symm_moe_dispatch_recv(nul, sm), "recv");
+    null(
+        symm_moe_combine_send(nul, p, null_mut(), sm),
+        "combine_send",
+    );
+    null(symm_moe_combine_recv(nul, sm), "combine_recv");
+    let mut out = [0u64; SYMM_MOE_PROBE_WORDS as usize];
+    null(symm_moe_probe(nul, out.as_mut_ptr(), out.len()), "probe");
     let s = Shape::new(8, 256, 4, experts(w, 8), false);
     let o = create(comm, s, dev);
-    let (me, sm) = (o.rank, o.dev.s());
+    let st = symm_moe_probe(o.moe, null_mut(), out.len());
+    assert!(
+        st == INVALID && err().contains("symm_moe_probe: out is NULL"),
+        "{}",
+        err()
+    );
+    let me = o.rank;
     let c = Case::new(seed ^ 0x6e5, s.t, 4, Route::Random);
     let kind = Expert::Scale;
     let no_d =
