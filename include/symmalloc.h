@@ -104,6 +104,17 @@ struct CUstream_st;
 #define SYMM_MOE_LAYOUT_VERSION 2
 
 /**
+ * `flags` of `symm_moe_create` / `symm_moe_config_t`: record the clock probe (the kernels'
+ * %globaltimer at each phase boundary of the last dispatch and combine; `symm_moe_probe`).
+ */
+#define SYMM_MOE_FLAG_PROBE 1
+
+/**
+ * Words `symm_moe_probe` writes.
+ */
+#define SYMM_MOE_PROBE_WORDS 16
+
+/**
  * The largest configured top-k, and the most experts.
  */
 #define SYMM_MOE_MAX_TOPK 16
@@ -393,7 +404,7 @@ typedef struct {
    */
   uint32_t dtype;
   /**
-   * 0 (reserved; anything else is refused).
+   * 0, or SYMM_MOE_FLAG_PROBE (anything else is refused).
    */
   uint32_t flags;
   /**
@@ -908,7 +919,8 @@ symm_status_t symm_segment_export_close_stale(size_t *closed);
  * [r*L, (r+1)*L)), each token to at most `topk` of them, and the combine back. Its buffers
  * come from the communicator's arena (`buffer_bytes` in `symm_moe_layout`); a too small arena
  * fails naming SYMMALLOC_COMM_ARENA_SIZE and the bytes needed. Collective: every rank passes
- * the same values, SYMM_ERR_NOT_SYMMETRIC on every rank otherwise. `flags` must be 0.
+ * the same values, SYMM_ERR_NOT_SYMMETRIC on every rank otherwise. `flags`: 0, or
+ * SYMM_MOE_FLAG_PROBE (the clock probe, `symm_moe_probe`).
  */
 symm_status_t symm_moe_create(symm_comm_t *comm, size_t max_tokens_per_rank, size_t hidden, uint32_t topk, uint32_t num_experts, uint32_t dtype, uint32_t flags, symm_moe_t **out);
 
@@ -967,6 +979,57 @@ symm_status_t symm_moe_combine(symm_moe_t *moe, const void *expert_out, void *y,
  * still runs, as every rank's does). SYMM_SUCCESS when there is none.
  */
 symm_status_t symm_moe_check(symm_moe_t *moe);
+
+/**
+ * The send half of `symm_moe_dispatch` (same arguments): routes this rank's tokens, stages
+ * their rows and publishes its counts to every rank; waits for no peer, so the caller may run
+ * other work (another micro-batch, attention) before `symm_moe_dispatch_recv`. Stream-ordered,
+ * capturable. `x` and `x_scales` must stay valid and unchanged until the receive half has run
+ * (it reads this rank's own rows from them). Its receive half must come next on this object
+ * (any other moe call on it is refused until then); calls of the communicator on other
+ * streams are ordered after it by the library, as every collective is. A failure (this rank's
+ * bad arguments, an error recorded earlier) completes the call at once: the receive half is
+ * submitted too, nothing stays pending, and the peers' receive halves fail naming this rank.
+ */
+symm_status_t symm_moe_dispatch_send(symm_moe_t *moe, const void *x, const float *x_scales, const void *topk_idx, uint32_t idx_dtype, const float *topk_weights, size_t num_tokens, uint32_t k, struct CUstream_st *stream);
+
+/**
+ * The receive half of the dispatch `symm_moe_dispatch_send` sent: waits for every rank's counts
+ * and pulls this rank's experts' rows; then the layout's buffers hold what `symm_moe_dispatch`
+ * would have left, bit for bit. `stream` may differ from the send half's (the library orders
+ * it after the send half: an event between the streams, or the capture's edge when both are
+ * captured into one graph). SYMM_ERR_INVALID_ARGUMENT without a pending dispatch send.
+ */
+symm_status_t symm_moe_dispatch_recv(symm_moe_t *moe, struct CUstream_st *stream);
+
+/**
+ * The send half of `symm_moe_combine` (same arguments): this rank's experts' rows back to their
+ * tokens' ranks and its flag raised; waits for no peer. `expert_out` must stay valid and
+ * unchanged and `y` untouched until `symm_moe_combine_recv` has run (it reads this rank's own
+ * experts' rows from `expert_out` and writes `y`). Refused while a dispatch's send half is
+ * pending (its receive half first) and before any dispatch. Otherwise as
+ * `symm_moe_dispatch_send`.
+ */
+symm_status_t symm_moe_combine_send(symm_moe_t *moe, const void *expert_out, void *y, struct CUstream_st *stream);
+
+/**
+ * The receive half of the combine `symm_moe_combine_send` sent: waits for every peer's rows and
+ * writes `y` (the send half's), bit for bit what `symm_moe_combine` writes. `stream` as for
+ * `symm_moe_dispatch_recv`. SYMM_ERR_INVALID_ARGUMENT without a pending combine send.
+ */
+symm_status_t symm_moe_combine_recv(symm_moe_t *moe, struct CUstream_st *stream);
+
+/**
+ * Writes the clock probe of an object created with SYMM_MOE_FLAG_PROBE into `out[0..words]`
+ * (`words` must be SYMM_MOE_PROBE_WORDS): the last dispatch's phase times (start, routed,
+ * staged, published, receive start, wait done, pulled) and its epoch, then the last combine's
+ * (start, pushed, receive start, wait done, summed) and its epoch, then two zeros
+ * (docs/moe.md, "Clock probe"). On CUDA the times are %globaltimer (ns) and the call
+ * synchronizes the device first (not capturable; for benchmarks); on the host backend they
+ * are the wall clock in ns since the Unix epoch. Local. SYMM_ERR_INVALID_ARGUMENT when the
+ * probe is off.
+ */
+symm_status_t symm_moe_probe(symm_moe_t *moe, uint64_t *out, size_t words);
 
 /**
  * Collective: every rank passes the same offset (in its symmetric heap) and size. Maps every

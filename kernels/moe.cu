@@ -56,6 +56,31 @@
 #define MOE_CTRL_OK_EPOCH 4
 #define MOE_CTRL_D_FIN 5
 #define MOE_CTRL_C_FIN 6
+// The clock probe's words (layout.rs CTRL_PROBE, PROBE_*): %globaltimer at the phase boundaries
+// of the last dispatch (words 0..7) and combine (8..15), in the control part, written only by the
+// probe kernels (`PROBE`), local.
+#define MOE_CTRL_PROBE 64
+#define MOE_P_D_START 0
+#define MOE_P_D_ROUTED 1
+#define MOE_P_D_STAGED 2
+#define MOE_P_D_PUBLISHED 3
+#define MOE_P_D_RECV 4
+#define MOE_P_D_WAITED 5
+#define MOE_P_D_PULLED 6
+#define MOE_P_D_EPOCH 7
+#define MOE_P_C_START 8
+#define MOE_P_C_PUSHED 9
+#define MOE_P_C_RECV 10
+#define MOE_P_C_WAITED 11
+#define MOE_P_C_SUMMED 12
+#define MOE_P_C_EPOCH 13
+// Phases of a kernel instance: the whole call, or its send half (up to and including publishing:
+// no wait on a peer) or its receive half (the wait, then the pull or the sum). The halves are two
+// launches on the same grid; the receive half reads the epoch the send half used (the done count
+// moves at its end only) and finds in the block what the send half left there.
+#define MOE_BOTH 0
+#define MOE_SEND 1
+#define MOE_RECV 2
 // Flag rows (layout.rs FLAG_*): the combine's two, one per parity of its epoch.
 #define MOE_FLAG_COMBINE 0
 // MoeArgs::scale_mode bits (launch.rs SCALE_MODE_*): the quantizing dispatch rounds its scales up
@@ -176,6 +201,11 @@ __device__ __forceinline__ uint64_t moe_wait(const MoeArgs& a, int which, int sr
     if (v >= want) return v;
     if (give_up(a.s, spins, start, src)) return 0;
   }
+}
+
+// The clock probe's word `i` (PROBE instances only; one thread stores each word).
+__device__ __forceinline__ void moe_probe(const MoeArgs& a, int i) {
+  moe_ctrl(a)[MOE_CTRL_PROBE + i] = globaltimer();
 }
 
 // Records a status for the host (moe/status.rs words: the code last). Plain posted stores.
@@ -303,8 +333,11 @@ __device__ __forceinline__ int64_t moe_warp_scan(const int32_t* in, int32_t* out
 
 // Dispatch (docs/moe.md, "Protocol"): every block runs every step on its share. QUANT: x is bf16,
 // quantized to the FP8 payload (PAYLOAD_BYTES 1, SCALES) once per token when its block stages it
-// (at every world), and every row, this rank's own too, is pulled from the staged copy.
-template <int PAYLOAD_BYTES, bool SCALES, typename IDX, bool QUANT = false>
+// (at every world), and every row, this rank's own too, is pulled from the staged copy. PHASE: the
+// whole call (MOE_BOTH), steps 1-2 (MOE_SEND) or steps 3-4 (MOE_RECV); PROBE: record the clock
+// probe.
+template <int PAYLOAD_BYTES, bool SCALES, typename IDX, bool QUANT = false, int PHASE = MOE_BOTH,
+          bool PROBE = false>
 __device__ void moe_dispatch_body(const MoeArgs& a) {
   __shared__ int32_t hist_s[MOE_MAX_EXPERTS];    // this rank's counts; then rows per source
   __shared__ int32_t run_s[MOE_MAX_EXPERTS];     // entries before this block's chunk, per expert
@@ -326,6 +359,13 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     live_s = !aborted(a.s);
     bad_s = 0xffffffffu;
     cap_s = 0xffffffffu;
+    if constexpr (PHASE == MOE_RECV) found_s[0] = 0;
+    if constexpr (PROBE) {
+      if (blockIdx.x == 0) {
+        moe_probe(a, PHASE == MOE_RECV ? MOE_P_D_RECV : MOE_P_D_START);
+        moe_ctrl(a)[MOE_CTRL_PROBE + MOE_P_D_EPOCH] = epoch_s;
+      }
+    }
   }
   for (int e = tid; e < E; e += MOE_THREADS) {
     hist_s[e] = 0;
@@ -340,6 +380,8 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   int32_t* idx = (int32_t*)(a.blocks[me] + a.off_idx);
   float* wts = (float*)(a.blocks[me] + a.off_weights);
   int32_t* pos = (int32_t*)(a.blocks[me] + a.off_pos);
+  // The send half, steps 1 and 2 (not indented, so the one-call form reads as before).
+  if constexpr (PHASE != MOE_RECV) {
 
   // Step 1a: the whole routing, a thread per token: the first offending entry, the counts per
   // expert and those of the tokens before this block's chunk (aggregated per warp).
@@ -358,6 +400,9 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     }
   }
   __syncthreads();
+  if constexpr (PROBE) {
+    if (blockIdx.x == 0 && tid == 0) moe_probe(a, MOE_P_D_ROUTED);
+  }
   if (tid == 0) {
     found_s[0] = 0;
     if (a.refuse_code) {
@@ -436,6 +481,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     last_s = old + 1 == epoch * gridDim.x;
     if (last_s) {
       if (W > 1) __threadfence_system(); else __threadfence();
+      if constexpr (PROBE) moe_probe(a, MOE_P_D_STAGED);
     }
   }
   __syncthreads();
@@ -457,6 +503,15 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       }
       moe_st_release(moe_row(a, d, epoch, me) + w, moe_tagged(epoch, v), W > 1);
     }
+    if constexpr (PROBE) {
+      __syncthreads();  // last_s is the same in the whole block
+      if (tid == 0) moe_probe(a, MOE_P_D_PUBLISHED);
+    }
+  }
+  }  // the send half
+  if constexpr (PHASE == MOE_SEND) return;
+  if constexpr (PROBE && PHASE == MOE_BOTH) {
+    if (blockIdx.x == 0 && tid == 0) moe_probe(a, MOE_P_D_RECV);
   }
 
   // Step 3, the one wait: every word of every source's row carries this epoch's tag.
@@ -478,6 +533,9 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     }
   }
   if (!__syncthreads_and(ok)) return;
+  if constexpr (PROBE) {
+    if (blockIdx.x == 0 && tid == 0) moe_probe(a, MOE_P_D_WAITED);
+  }
   // The first status (lowest rank), else capacity (lowest expert): the same on every rank.
   if (tid == 0) {
     for (int s = 0; s < W; ++s) {
@@ -608,6 +666,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     if (old + 1 == epoch * gridDim.x) {
       if (!failed) ctrl[MOE_CTRL_OK_EPOCH] = epoch;
       ctrl[MOE_CTRL_D_DONE] = epoch;
+      if constexpr (PROBE) moe_probe(a, MOE_P_D_PULLED);
     }
   }
 }
@@ -616,7 +675,10 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
 // peers' tokens back to their ranks (cbuf[parity][t][k] there); the grid's last block raises the
 // combine flags of the parity; every block waits for every peer, then sums its share of this
 // rank's tokens in k order, reading its own experts' rows in place in expert_out (pos). Any
-// number of combines may follow one dispatch (header: the parity alternation).
+// number of combines may follow one dispatch (header: the parity alternation). PHASE: the whole
+// call, step 1 (MOE_SEND: the rows out and the flags raised) or step 2 (MOE_RECV: the wait and
+// the sum); PROBE: record the clock probe.
+template <int PHASE = MOE_BOTH, bool PROBE = false>
 __device__ void moe_combine_body(const MoeArgs& a) {
   __shared__ uint64_t epoch_s;
   __shared__ int live_s, dispatched_s;
@@ -628,6 +690,12 @@ __device__ void moe_combine_body(const MoeArgs& a) {
     const uint64_t d = *(volatile uint64_t*)&ctrl[MOE_CTRL_D_DONE];
     dispatched_s = d > 0 && *(volatile uint64_t*)&ctrl[MOE_CTRL_OK_EPOCH] == d;
     live_s = !aborted(a.s);
+    if constexpr (PROBE) {
+      if (blockIdx.x == 0) {
+        moe_probe(a, PHASE == MOE_RECV ? MOE_P_C_RECV : MOE_P_C_START);
+        ctrl[MOE_CTRL_PROBE + MOE_P_C_EPOCH] = epoch_s;
+      }
+    }
   }
   __syncthreads();
   if (!live_s) return;
@@ -642,7 +710,7 @@ __device__ void moe_combine_body(const MoeArgs& a) {
   // local experts are numbered through (pre_s: the counts' prefix sums) and dealt to the grid's warps, so a
   // few rows per expert still spread over every warp.
   __shared__ int32_t pre_s[MOE_MAX_EXPERTS + 1];
-  if (!refused && dispatched && W > 1) {
+  if (PHASE != MOE_RECV && !refused && dispatched && W > 1) {
     const int L = a.local;
     const int32_t* counts = (const int32_t*)(a.blocks[me] + a.off_recv_counts);
     const int32_t* src = (const int32_t*)(a.blocks[me] + a.off_recv_src);
@@ -668,11 +736,23 @@ __device__ void moe_combine_body(const MoeArgs& a) {
                    (const uint8_t*)a.expert_out + slot * row_bytes, row_bytes, lane);
     }
   }
+  if constexpr (PHASE != MOE_RECV) {
   __syncthreads();
   if (tid == 0 && W > 1) {  // at world 1 nobody waits for this rank's flag
     __threadfence_system();  // the rows this block pushed into peers' cbuf
     const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_C_SENT], 1ull);
     if (old + 1 == epoch * gridDim.x) moe_raise(a, flag, 2 * epoch + (refused ? 1 : 0));
+    if constexpr (PROBE) {
+      if (old + 1 == epoch * gridDim.x) moe_probe(a, MOE_P_C_PUSHED);
+    }
+  }
+  if constexpr (PROBE) {
+    if (tid == 0 && W == 1 && blockIdx.x == 0) moe_probe(a, MOE_P_C_PUSHED);
+  }
+  }  // the send half
+  if constexpr (PHASE == MOE_SEND) return;
+  if constexpr (PROBE && PHASE == MOE_BOTH) {
+    if (blockIdx.x == 0 && tid == 0) moe_probe(a, MOE_P_C_RECV);
   }
 
   // Step 2: every source's rows are here (a flag is 2 * epoch, plus one when it refused; no
@@ -687,6 +767,9 @@ __device__ void moe_combine_body(const MoeArgs& a) {
     if (ok && v == 2 * epoch + 1) atomicMin(&other_s, tid);
   }
   if (!__syncthreads_and(ok)) return;
+  if constexpr (PROBE) {
+    if (blockIdx.x == 0 && tid == 0) moe_probe(a, MOE_P_C_WAITED);
+  }
   if (!refused) {
     const bool zeros = !dispatched || other_s < W;
     const uint64_t n = a.num_tokens, vecs = H / 8;
@@ -729,6 +812,9 @@ __device__ void moe_combine_body(const MoeArgs& a) {
   if (tid == 0) {
     const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_C_FIN], 1ull);
     if (old + 1 == epoch * gridDim.x) ctrl[MOE_CTRL_C_DONE] = epoch;
+    if constexpr (PROBE) {
+      if (old + 1 == epoch * gridDim.x) moe_probe(a, MOE_P_C_SUMMED);
+    }
   }
 }
 
@@ -739,3 +825,42 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_fp8_
 extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_bf16(MoeArgs a) { moe_combine_body(a); }
 extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_to_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true>(a); }
 extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_to_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t, true>(a); }
+
+// The split halves (symm_moe_dispatch_send / _recv, symm_moe_combine_send / _recv). The receive
+// half of a dispatch reads only the block (the staged list, idx, pos) and the caller's x and
+// x_scales (its own rows), so it has one instance per payload.
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_i32(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_SEND>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_i64(MoeArgs a) { moe_dispatch_body<2, false, int64_t, false, MOE_SEND>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_SEND>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t, false, MOE_SEND>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_bf16(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_RECV>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_fp8(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_RECV>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_send_bf16(MoeArgs a) { moe_combine_body<MOE_SEND>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_recv_bf16(MoeArgs a) { moe_combine_body<MOE_RECV>(a); }
+
+// The clock probe's instances of every kernel above (an object created with the probe on uses
+// these; the others carry no probe code).
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_i32_probe(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_BOTH, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_i64_probe(MoeArgs a) { moe_dispatch_body<2, false, int64_t, false, MOE_BOTH, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_fp8_i32_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_BOTH, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_fp8_i64_probe(MoeArgs a) { moe_dispatch_body<1, true, int64_t, false, MOE_BOTH, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_bf16_probe(MoeArgs a) { moe_combine_body<MOE_BOTH, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_i32_probe(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_SEND, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_i64_probe(MoeArgs a) { moe_dispatch_body<2, false, int64_t, false, MOE_SEND, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_fp8_i32_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_SEND, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_fp8_i64_probe(MoeArgs a) { moe_dispatch_body<1, true, int64_t, false, MOE_SEND, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_bf16_probe(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_RECV, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_fp8_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_RECV, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_send_bf16_probe(MoeArgs a) { moe_combine_body<MOE_SEND, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_recv_bf16_probe(MoeArgs a) { moe_combine_body<MOE_RECV, true>(a); }
+
+// The quantizing dispatch's halves and probe instances (its receive half pulls this rank's own
+// rows from the staged copy too, so it is not the FP8 payload's).
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_to_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_SEND>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_to_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t, true, MOE_SEND>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_bf16_to_fp8(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_RECV>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_to_fp8_i32_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_BOTH, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_to_fp8_i64_probe(MoeArgs a) { moe_dispatch_body<1, true, int64_t, true, MOE_BOTH, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_to_fp8_i32_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_SEND, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_to_fp8_i64_probe(MoeArgs a) { moe_dispatch_body<1, true, int64_t, true, MOE_SEND, true>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_bf16_to_fp8_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_RECV, true>(a); }

@@ -9,7 +9,9 @@
 //! replayed with new routing written into the same buffers before each replay. Repeated
 //! combines of one dispatch (tests/common/moe/repeat.rs) eagerly, back to back on the stream,
 //! and a refused combine retried; and in a graph, one dispatch and two combines with different
-//! device experts, both ys checked after every replay.
+//! device experts, both ys checked after every replay. The split halves
+//! (tests/common/moe/split.rs) eagerly, a receive half on another stream than its send, and
+//! dispatch + combine through the halves inside a CUDA graph with new routing per replay.
 
 mod common;
 use common::moe::cases::*;
@@ -17,6 +19,7 @@ use common::moe::edges::*;
 use common::moe::errors::*;
 use common::moe::quant::*;
 use common::moe::repeat::*;
+use common::moe::split::*;
 use common::moe::*;
 use common::*;
 use std::ptr::null_mut;
@@ -315,4 +318,132 @@ fn gpu_moe_graph_replays_of_two_combines_of_one_dispatch() {
         &[],
         0,
     );
+}
+
+/// The split scenarios of tests/moe_split_host.rs on GPUs (the halves equal to the one-call
+/// forms bit for bit with a barrier or a pause between them, two objects interleaved, repeated
+/// combines through the halves, every misuse, the clock probe's %globaltimer words), then each
+/// receive half on a second stream (the library orders it after its send half).
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_split_halves_match_the_one_call_forms() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::cuda);
+        let cases = split_matches_one_call(comm, dev, w, seed);
+        let rounds = two_batch_overlap(comm, dev, w, seed, reps(12));
+        let made = split_repeated_combines(comm, dev, w, seed, reps(16));
+        split_misuse(comm, dev, w, seed);
+        probe_words(comm, dev, w, seed);
+        let other = other_stream_rank(comm, dev, w, seed);
+        destroy(comm);
+        println!(
+            "rank {r}: {cases} split cases, {rounds} overlapped rounds, {made} split combines, \
+             {other} receives on another stream correct"
+        );
+        return;
+    }
+    run_gpu("gpu_moe_split_halves_match_the_one_call_forms", &[], 0);
+}
+
+/// Sends on the object's stream, receives on a second one (eager: the library puts an event
+/// between them); the results checked after the second stream's work.
+fn other_stream_rank(comm: Comm, dev: Dev, w: usize, seed: u64) -> u64 {
+    let s = Shape::new(32, 256, 4, experts(w, 8), false);
+    let o = create(comm, s, dev);
+    let other = util::stream_create(dev.device).unwrap();
+    let on_other = Dev {
+        stream: other,
+        ..dev
+    };
+    let rounds = reps(8);
+    for i in 0..rounds {
+        let c = Case::new(seed ^ (i << 12) ^ 0x0a5, s.t, 4, Route::Random);
+        let all: Vec<Inputs> = (0..w).map(|src| rank_inputs(&s, &c, w, src)).collect();
+        let me = &all[o.rank];
+        let st = stage(&o, me, 4, false);
+        poison_recv(&o);
+        expect_ok(&o, dispatch_send(&o, &st.a), "send");
+        let rc = symm_moe_dispatch_recv(o.moe, on_other.s());
+        assert_eq!(rc, OK, "recv on another stream: {}", err());
+        on_other.sync();
+        let recv = read_recv(&o);
+        check_recv(&o, &c, &all, &recv, &format!("round {i}"));
+        let eo = Buf::with(dev, &expert_out(&o, Expert::Scale, &recv));
+        let y = Buf::new(dev, me.n * s.h * 2);
+        dev.fill(y.p, y.bytes, POISON);
+        let st2 = symm_moe_combine_send(o.moe, eo.ptr(), y.ptr(), on_other.s());
+        assert_eq!(st2, OK, "combine_send: {}", err());
+        assert_eq!(symm_moe_combine_recv(o.moe, dev.s()), OK, "{}", err());
+        dev.sync();
+        assert_eq!(symm_moe_check(o.moe), OK, "round {i}: {}", err());
+        check_y(&o, &c, Expert::Scale, me, &y.get(), &format!("round {i}"));
+    }
+    rounds
+}
+
+/// Captures dispatch send, other work (the pair expert's copy of the last rows into a scratch
+/// buffer), dispatch receive, the pair expert, combine send, combine receive once; replays it
+/// with new routing; every replay's rows and y checked, then eager split calls still work.
+fn graph_split_rank(c: &Child) {
+    let (comm, dev, w, r, seed) = rank_setup(c, Dev::cuda);
+    let s = Shape::new(64, 256, 4, experts(w, 8), false);
+    let o = create(comm, s, dev);
+    let (n, k, rows) = (s.t, s.topk, o.l * o.r);
+    let x = Buf::new(dev, n * s.row());
+    let idx = Buf::new(dev, n * k as usize * 4);
+    let wts = Buf::new(dev, n * k as usize * 4);
+    let eo = Buf::new(dev, rows * s.h * 2);
+    let scratch = Buf::new(dev, rows * s.h * 2);
+    let y = Buf::new(dev, n * s.h * 2);
+    let a = Args {
+        x: x.ptr(),
+        sc: null_mut(),
+        idx: idx.ptr(),
+        it: SYMM_INDEX_INT32,
+        w: wts.ptr() as _,
+        n,
+        k,
+    };
+    util::capture_begin(dev.device, dev.stream).unwrap();
+    assert_eq!(dispatch_send(&o, &a), OK, "captured send: {}", err());
+    pairs_on_device(&o, &scratch, 2); // work between the halves
+    assert_eq!(dispatch_recv(&o), OK, "captured recv: {}", err());
+    pairs_on_device(&o, &eo, 0);
+    let st = symm_moe_combine_send(o.moe, eo.ptr(), y.ptr(), dev.s());
+    assert_eq!(st, OK, "captured combine send: {}", err());
+    let st = symm_moe_combine_recv(o.moe, dev.s());
+    assert_eq!(st, OK, "captured combine recv: {}", err());
+    let graph = util::capture_end(dev.device, dev.stream).unwrap();
+    let routes = [Route::Random, Route::Holes, Route::Hot(1), Route::Sparse];
+    let replays = reps(40);
+    for i in 0..replays {
+        let c = Case::new(seed ^ (i << 16) ^ 0x5e1, n, k, routes[i as usize % 4]);
+        let all: Vec<Inputs> = (0..w).map(|src| rank_inputs(&s, &c, w, src)).collect();
+        let me = &all[r];
+        dev.put(x.p, &me.x);
+        dev.put(idx.p, &me.idx_bytes(false));
+        dev.put(wts.p, &f32_bytes(&me.w));
+        poison_recv(&o);
+        dev.fill(y.p, y.bytes, POISON);
+        graph.launch(dev.stream).unwrap();
+        dev.sync();
+        assert_eq!(symm_moe_check(o.moe), OK, "replay {i}: {}", err());
+        let what = format!("rank {r} split replay {i}");
+        check_recv(&o, &c, &all, &read_recv(&o), &what);
+        check_y(&o, &c, Expert::Pairs(0), me, &y.get(), &what);
+    }
+    drop(graph);
+    let made = split_repeated_combines(comm, dev, w, seed ^ 0x77, 4);
+    drop(o);
+    destroy(comm);
+    println!("rank {r}: {replays} graph replays of the split halves and {made} eager split combines after them correct");
+}
+
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_split_halves_in_a_cuda_graph() {
+    if let Some(c) = child() {
+        return graph_split_rank(&c);
+    }
+    run_gpu("gpu_moe_split_halves_in_a_cuda_graph", &[], 0);
 }

@@ -89,10 +89,12 @@ fn every_table_name_is_instantiated_and_vice_versa() {
     // one-shot, LL, two-shot, multimem, reduce-scatter (barrier, LL), all-gather, fused RMSNorm (barrier,
     // LL with four vectors per thread, with one, and over a cluster), their FP8 outputs (4 kernels
     // x 3 modes x 2 types), self-test, p2p wait and signal, moe dispatch (2 payloads x 2 index
-    // types), combine and the quantizing dispatch (2 index types)
+    // types) and combine, their send halves (4 + 1) and receive halves (2 payloads + 1), the
+    // quantizing dispatch (2 index types), its send halves (2) and receive half (1), all of these
+    // again as probe instances
     assert_eq!(
         table.len(),
-        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2 + 7
+        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2 + 2 * (5 + 5 + 3 + 5)
     );
     // Names the profiles and earlier results use stay as they were.
     for name in [
@@ -297,7 +299,7 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
         let rest = &src[at + name.len() + 9..];
         rest.split_whitespace().next().unwrap().parse().unwrap()
     };
-    let pairs: [(&str, u64); 22] = [
+    let pairs: [(&str, u64); 37] = [
         ("MOE_SCALE_UE8M0", launch::SCALE_MODE_UE8M0 as u64),
         ("MOE_SCALE_COL_TMA", launch::SCALE_MODE_COL_TMA as u64),
         ("MOE_THREADS", symmalloc::comm::moe::THREADS as u64),
@@ -312,6 +314,21 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
         ("MOE_CTRL_D_FIN", l::CTRL_D_FIN),
         ("MOE_CTRL_BYTES", l::CTRL_BYTES),
         ("MOE_CTRL_C_FIN", l::CTRL_C_FIN),
+        ("MOE_CTRL_PROBE", l::CTRL_PROBE),
+        ("MOE_P_D_START", l::PROBE_D_START),
+        ("MOE_P_D_ROUTED", l::PROBE_D_ROUTED),
+        ("MOE_P_D_STAGED", l::PROBE_D_STAGED),
+        ("MOE_P_D_PUBLISHED", l::PROBE_D_PUBLISHED),
+        ("MOE_P_D_RECV", l::PROBE_D_RECV),
+        ("MOE_P_D_WAITED", l::PROBE_D_WAITED),
+        ("MOE_P_D_PULLED", l::PROBE_D_PULLED),
+        ("MOE_P_D_EPOCH", l::PROBE_D_EPOCH),
+        ("MOE_P_C_START", l::PROBE_C_START),
+        ("MOE_P_C_PUSHED", l::PROBE_C_PUSHED),
+        ("MOE_P_C_RECV", l::PROBE_C_RECV),
+        ("MOE_P_C_WAITED", l::PROBE_C_WAITED),
+        ("MOE_P_C_SUMMED", l::PROBE_C_SUMMED),
+        ("MOE_P_C_EPOCH", l::PROBE_C_EPOCH),
         ("MOE_FLAG_COMBINE", l::FLAG_COMBINE),
         ("MOE_ST_OUT_OF_RANGE", st::ST_OUT_OF_RANGE as u64),
         ("MOE_ST_DUPLICATE", st::ST_DUPLICATE as u64),
@@ -361,5 +378,60 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
             "void __launch_bounds__(MOE_THREADS) {}(MoeArgs a)",
             launch::MOE_KERNELS[launch::quantize_index(it)]
         )));
+    }
+    // Every (phase, probe) launch names the instance of that phase and probe: the split halves
+    // and the probe instances of the kernel the one-call form uses.
+    use launch::Phase;
+    let named = |i: usize, phase: Phase, probe: bool| {
+        let n = launch::MOE_KERNELS[i];
+        let half = match phase {
+            Phase::Both => !n.contains("_send") && !n.contains("_recv"),
+            Phase::Send => n.contains("_send_"),
+            Phase::Recv => n.contains("_recv_"),
+        };
+        assert!(half && n.ends_with("_probe") == probe, "{i}: {n}");
+        assert!(
+            src.contains(&format!(
+                "void __launch_bounds__(MOE_THREADS) {n}(MoeArgs a)"
+            )),
+            "{n}"
+        );
+        n
+    };
+    for probe in [false, true] {
+        for phase in [Phase::Both, Phase::Send, Phase::Recv] {
+            let n = named(launch::combine_index(phase, probe), phase, probe);
+            assert!(n.starts_with("symm_moe_combine"), "{n}");
+            for p in [config::Payload::Bf16, config::Payload::Fp8] {
+                for it in [config::IndexType::I32, config::IndexType::I64] {
+                    let n = named(
+                        launch::dispatch_index(p, it, false, phase, probe),
+                        phase,
+                        probe,
+                    );
+                    assert!(n.contains(&format!("_{}", p.name())), "{n}");
+                    if phase != Phase::Recv {
+                        assert!(n.contains(&format!("_{}", it.name())), "{n}");
+                    }
+                }
+            }
+            for it in [config::IndexType::I32, config::IndexType::I64] {
+                let i = launch::dispatch_index(config::Payload::Fp8, it, true, phase, probe);
+                let n = named(i, phase, probe);
+                assert!(n.contains("_bf16_to_fp8"), "{n}");
+                if phase != Phase::Recv {
+                    assert!(n.contains(&format!("_{}", it.name())), "{n}");
+                }
+            }
+        }
+    }
+    for (i, n) in launch::MOE_KERNELS[..launch::PROBE_OFFSET]
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(
+            launch::MOE_KERNELS[i + launch::PROBE_OFFSET],
+            format!("{n}_probe")
+        );
     }
 }

@@ -149,6 +149,8 @@ _MOE_CONFIG_VERSION = 3  # SYMM_MOE_CONFIG_VERSION
 _MOE_LAYOUT_VERSION = 2  # SYMM_MOE_LAYOUT_VERSION
 _MOE_MAX_TOPK = 16  # SYMM_MOE_MAX_TOPK
 _MOE_MAX_EXPERTS = 1024  # SYMM_MOE_MAX_EXPERTS
+_MOE_FLAG_PROBE = 1  # SYMM_MOE_FLAG_PROBE (flags: the clock probe)
+_MOE_PROBE_WORDS = 16  # SYMM_MOE_PROBE_WORDS
 
 
 class _MoeConfig(ctypes.Structure):
@@ -197,6 +199,11 @@ _MOE_PROTOTYPES = {
     "symm_moe_dispatch": [_VP, _VP, _VP, _VP, _U32, _VP, _SZ, _U32, _VP],
     "symm_moe_combine": [_VP, _VP, _VP, _VP],
     "symm_moe_check": [_VP],
+    "symm_moe_dispatch_send": [_VP, _VP, _VP, _VP, _U32, _VP, _SZ, _U32, _VP],
+    "symm_moe_dispatch_recv": [_VP, _VP],
+    "symm_moe_combine_send": [_VP, _VP, _VP, _VP],
+    "symm_moe_combine_recv": [_VP, _VP],
+    "symm_moe_probe": [_VP, _VP, _SZ],
 }
 
 _moe_bound = False

@@ -70,6 +70,10 @@ is combined by its handle or, eagerly, by ``combine(expert_out)``; after a compi
 Without torch (the host backend), inputs may be any objects with ``data_ptr()``, ``shape``,
 ``dtype``, ``is_contiguous()`` and ``get_device()``; the results are then ``HostView`` objects.
 
+Split halves, for two-batch overlap: ``dispatch_send`` / ``dispatch_recv(handle)`` and
+``combine_send`` / ``combine_recv()`` give what ``dispatch`` and ``combine`` give, bit for bit,
+with other work between the halves (symmalloc/_moe_split.py has the rules).
+
 This module owns the ``Moe`` object (its lifetime, calls, refusals) and the custom ops; the
 argument checks and the views (``HostView``) are in _moe_args.py, and importable from here.
 """
@@ -88,8 +92,9 @@ from ._moe_args import (
     HostView, _check_combine, _check_dispatch, _device_name, _fmt, _is_torch, _payload_code, _quant_codes, _torch_view,
     _uint,
 )
+from ._moe_split import MoeCombineSend, MoeSend, _Split
 
-__all__ = ["Moe", "MoeDispatch", "MoeHandle", "HostView", "moe"]
+__all__ = ["Moe", "MoeDispatch", "MoeHandle", "MoeSend", "MoeCombineSend", "HostView", "moe"]
 
 _VOIDP = ctypes.c_void_p
 _PAYLOAD_NAMES = ("bfloat16", "float8_e4m3fn")  # by SYMM_MOE_* code
@@ -138,17 +143,19 @@ def moe(handle: int) -> "Moe":
     return m
 
 
-class Moe:
+class Moe(_Split):
     """Dispatch and combine of one MoE layer shape over a communicator (see the module's
     docstring). Made by ``Communicator.moe(...)`` on every rank of the communicator (a
     collective: every rank passes the same values, ``SYMM_ERR_NOT_SYMMETRIC`` on every rank
-    otherwise). ``close()``, the context manager or garbage collection destroy it."""
+    otherwise). ``close()``, the context manager or garbage collection destroy it. The split
+    halves (``dispatch_send``/``dispatch_recv``, ``combine_send``/``combine_recv``) and the
+    clock probe (``probe=True``, ``probe()``) are in _moe_split.py."""
 
     _ptr = None
 
     def __init__(self, comm, max_tokens_per_rank: int, hidden: int, topk: int, num_experts: int,
                  dtype="bf16", max_recv_per_expert: Optional[int] = 0, num_sms: Optional[int] = 0,
-                 input_dtype=None, scale_layout: str = "row", ue8m0: bool = False):
+                 input_dtype=None, scale_layout: str = "row", ue8m0: bool = False, probe: bool = False):
         refused = None
         cfg = _MoeConfig()
         try:
@@ -159,7 +166,7 @@ class Moe:
             cfg.hidden = _uint("hidden", hidden, 1, (1 << 63) - 1)
             cfg.topk = _uint("topk", topk, 1, (1 << 32) - 1)
             cfg.num_experts = _uint("num_experts", num_experts, 1, (1 << 32) - 1)
-            cfg.dtype, cfg.flags = code, 0
+            cfg.dtype, cfg.flags = code, (1 if probe else 0)  # SYMM_MOE_FLAG_PROBE
             cfg.max_recv_per_expert = _uint("max_recv_per_expert", max_recv_per_expert or 0, 0, (1 << 63) - 1)
             cfg.num_sms = _uint("num_sms", num_sms or 0, 0, (1 << 32) - 1)
         except SymmallocError as e:
@@ -344,6 +351,7 @@ class Moe:
         if self._compiling():
             return self._dispatch_op(x, topk_idx, topk_weights, x_scales)
         ptr = self._live()
+        self._idle("moe.dispatch")
         try:
             n, k, idx_code = _check_dispatch(self, x, topk_idx, topk_weights, x_scales)
             self._check_device("moe.dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights, x_scales=x_scales)
@@ -401,6 +409,7 @@ class Moe:
             self._last = None
             return y if out is None else out.copy_(y)
         ptr = self._live()
+        self._idle("moe.combine")
         try:
             h = self._handle_of(handle)
             self._check_handle(h)

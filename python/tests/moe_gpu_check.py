@@ -25,8 +25,10 @@ each replay; repeated combines of one dispatch back to back with different exper
 combine refused on one rank then retried, eagerly, and two combines of one dispatch in a CUDA
 graph; errors (an expert out of range, a duplicate, a full expert, a rank's Python-side
 refusal, a combine refused on one rank) raised on every rank naming the rank, the object
-usable after; a split child as the EP group; torch.compile(fullgraph=True) and
-mode="reduce-overhead" against eager. Prints a PASS / FAIL / SKIP line per case and world and
+usable after; a split child as the EP group; the split halves (dispatch_send / dispatch_recv,
+combine_send / combine_recv: equal to the one-call forms bit for bit with work between them and
+the receive halves on a side stream, and in a CUDA graph; moe_split_gpu_cases.py) and the clock
+probe; torch.compile(fullgraph=True) and mode="reduce-overhead" against eager. Prints a PASS / FAIL / SKIP line per case and world and
 exits non-zero on any failure.
 
 With SYMMALLOC_BACKEND=host the same script runs on CPU tensors (no graph cases);
@@ -754,6 +756,9 @@ def rank_main(rank, world, uid, init, q, args):
                           lambda layout=layout, ue=ue: quant_case(ctx, comm, H, layout, ue)))
         cases.append(("capacity error", lambda: capacity_case(ctx, comm, H)))
         cases.append(("split child as the EP group", lambda: split_case(ctx, comm, H, backend)))
+        from moe_split_gpu_cases import cases as split_halves  # the split halves, the clock probe
+
+        cases += split_halves(ctx, comm, mb, mf, H, HOST)
         if not args.quick:
             def deepseek(dtype):
                 try:

@@ -247,6 +247,7 @@ def test_python_constants_are_the_headers(compiled):
         "SYMM_MEMORY_STATS_V1_SIZE": _lib._Stats.requested_bytes.offset,
         "SYMM_MOE_CONFIG_VERSION": _lib._MOE_CONFIG_VERSION, "SYMM_MOE_LAYOUT_VERSION": _lib._MOE_LAYOUT_VERSION,
         "SYMM_MOE_MAX_TOPK": _lib._MOE_MAX_TOPK, "SYMM_MOE_MAX_EXPERTS": _lib._MOE_MAX_EXPERTS,
+        "SYMM_MOE_FLAG_PROBE": _lib._MOE_FLAG_PROBE, "SYMM_MOE_PROBE_WORDS": _lib._MOE_PROBE_WORDS,
         "SYMM_MOE_BF16": _lib._MOE_DTYPES["bf16"], "SYMM_MOE_FP8_E4M3": _lib._MOE_DTYPES["fp8"],
         "SYMM_INDEX_INT32": _lib._INDEX_DTYPES["int32"], "SYMM_INDEX_INT64": _lib._INDEX_DTYPES["int64"],
         "SYMM_MOE_INPUT_PAYLOAD": _lib._MOE_INPUTS["payload"], "SYMM_MOE_INPUT_BF16": _lib._MOE_INPUTS["bfloat16"],

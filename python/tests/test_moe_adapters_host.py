@@ -107,23 +107,58 @@ def _rank(rank, world, uid, q, engine):
             from symmalloc.integrations import sglang as ad
 
             m = comm.moe(max_tokens_per_rank=T, hidden=H, topk=K, num_experts=E, dtype=torch.bfloat16)
-            disp = ad.SymmallocDeepEPLLDispatcher(m)
+            m2 = comm.moe(max_tokens_per_rank=T, hidden=H, topk=K, num_experts=E, dtype=torch.bfloat16)
+            disp, disp2 = ad.SymmallocDeepEPLLDispatcher(m), ad.SymmallocDeepEPLLDispatcher(m2)
             report["real"] = ad.ENGINE is not None
             if ad.ENGINE is not None:
                 from sglang.srt.layers.moe.token_dispatcher import base, deepep
                 assert isinstance(disp, base.BaseDispatcher)
                 assert ad.DeepEPLLDispatchOutput is deepep.DeepEPLLDispatchOutput
             topk = type("TopK", (), {"topk_ids": idx, "topk_weights": w})()
+            # Two-batch overlap: two dispatchers (one per micro-batch), their halves interleaved,
+            # a barrier (another collective) between a send and its receive. The second
+            # micro-batch sends the rows flipped: other data through the same routing.
+            xf = x.flip(1).contiguous()
             disp.dispatch_a(x, topk)
+            with pytest.raises(RuntimeError, match="call dispatch_b first"):
+                disp.dispatch_a(x, topk)
+            disp2.dispatch_a(xf, topk)
+            comm.barrier()
             d = disp.dispatch_b()
+            d2 = disp2.dispatch_b()
+            with pytest.raises(RuntimeError, match="no dispatch_a before it"):
+                disp.dispatch_b()
             assert isinstance(d, ad.DeepEPLLDispatchOutput) and d.hidden_states_scale is None and d.expected_m >= 1
             _check_layout(torch, d.hidden_states, d.masked_m, m, world)
+            assert torch.equal(d2.masked_m, d.masked_m)
+            for le in range(m.local_experts):
+                c = int(d.masked_m[le])
+                assert torch.equal(d2.hidden_states[le, :c], d.hidden_states[le, :c].flip(1)), le
             out = _experts(torch, d.hidden_states, d.masked_m, m.first_expert)
+            out2 = _experts(torch, d2.hidden_states, d2.masked_m, m2.first_expert)
             disp.combine_a(ad.DeepEPLLCombineInput(out, idx, w))
+            disp2.combine_a(ad.DeepEPLLCombineInput(out2, idx, w))
+            comm.barrier()
             y = disp.combine_b()
-            y2 = disp.combine(ad.DeepEPLLCombineInput(out, idx, w))
-            assert torch.equal(y, y2)
+            y2 = disp2.combine_b()
+            with pytest.raises(RuntimeError, match="no combine_a before it"):
+                disp.combine_b()
+            # The halves give what the one-call forms give, bit for bit (rows past the counts are
+            # not compared).
+            assert torch.equal(y, disp.combine(ad.DeepEPLLCombineInput(out, idx, w)))
+            counts, rows = d.masked_m.clone(), d.hidden_states.clone()
+            d.hidden_states.fill_(float("nan"))
+            d1 = disp.dispatch(x, topk)
+            assert torch.equal(d1.masked_m, counts)
+            for le in range(m.local_experts):
+                c = int(counts[le])
+                assert torch.equal(d1.hidden_states[le, :c], rows[le, :c]), le
+            assert torch.equal(y, disp.combine(ad.DeepEPLLCombineInput(out, idx, w)))
+            ref2 = _reference(torch, xf, idx, w)
+            err2 = (y2.double() - ref2).abs().max().item() if x.shape[0] else 0.0
+            assert err2 <= 2 ** -7 * (ref2.abs().max().item() + 1) + 1e-3, err2
             m.close()
+            m2.close()
         err = (y.double() - ref).abs().max().item() if x.shape[0] else 0.0
         tol = 2 ** -7 * (ref.abs().max().item() + 1) + 1e-3
         assert err <= tol, f"rank {rank}: max |y - float64 reference| {err} > {tol}"

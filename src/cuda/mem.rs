@@ -26,6 +26,17 @@ pub fn copy_async(device: i32, dst: u64, src: u64, bytes: u64, stream: u64) -> R
     )
 }
 
+/// Copies `dst.len()` bytes of device memory at `src` into `dst` (synchronous).
+pub fn read_sync(device: i32, dst: &mut [u8], src: u64) -> Result<()> {
+    let _ctx = CtxGuard::new(device)?;
+    // SAFETY: src..src+len is device memory of ours (checked by callers), dst a host buffer of
+    // that length.
+    check(
+        unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len()) },
+        "cuMemcpyDtoH",
+    )
+}
+
 /// 64 bytes of pinned host memory mapped into the device's address space (a communicator's
 /// error words). Cut from pages of `WORDS_PER_PAGE` words, one `cuMemHostAlloc` per page
 /// rather than per communicator (pinning memory is a slow driver call); a word goes back to its

@@ -1,6 +1,8 @@
 //! The C ABI of expert parallelism (docs/moe.md): `symm_moe_create`, `symm_moe_create_config`,
 //! `symm_moe_destroy`, `symm_moe_layout`, `symm_moe_dispatch`, `symm_moe_combine`,
-//! `symm_moe_check`, and their versioned structs. Argument checks, panic guard, status +
+//! `symm_moe_check`, the split halves (`symm_moe_dispatch_send` / `_recv`,
+//! `symm_moe_combine_send` / `_recv`), the clock probe (`symm_moe_probe`), and their versioned
+//! structs. Argument checks, panic guard, status +
 //! `symm_last_error()` as everywhere; the work is comm/moe/.
 //!
 //! A `symm_moe_t` keeps the communicator it was made on; every call goes through that
@@ -34,12 +36,24 @@ pub const SYMM_MOE_INPUT_BF16: u32 = 1;
 pub const SYMM_MOE_SCALES_ROW_MAJOR: u32 = 0;
 pub const SYMM_MOE_SCALES_COL_TMA: u32 = 1;
 /// The `symm_moe_config_t` layout this library writes in its header (`version`): 2 added
+<<<<<<< HEAD
 /// `num_sms`, 3 `input`, `scale_layout` and `scale_ue8m0`. Versions 1 (`size` 48, without
 /// `num_sms`) and 2 (`size` 56) are still read, the missing fields as 0.
 pub const SYMM_MOE_CONFIG_VERSION: u32 = 3;
 /// The `symm_moe_layout_t` layout this library writes (`version`): 2 added the scale layout
 /// and strides. Version 1 (`size` 112, ending at `buffer_bytes`) is still written.
 pub const SYMM_MOE_LAYOUT_VERSION: u32 = 2;
+=======
+/// `num_sms`. Version 1 (`size` 48, without `num_sms`) is still read, as `num_sms` 0.
+pub const SYMM_MOE_CONFIG_VERSION: u32 = 2;
+/// The `symm_moe_layout_t` layout this library writes (`version`).
+pub const SYMM_MOE_LAYOUT_VERSION: u32 = 1;
+/// `flags` of `symm_moe_create` / `symm_moe_config_t`: record the clock probe (the kernels'
+/// %globaltimer at each phase boundary of the last dispatch and combine; `symm_moe_probe`).
+pub const SYMM_MOE_FLAG_PROBE: u32 = 1;
+/// Words `symm_moe_probe` writes.
+pub const SYMM_MOE_PROBE_WORDS: u32 = 16;
+>>>>>>> moesplit
 /// The largest configured top-k, and the most experts.
 pub const SYMM_MOE_MAX_TOPK: u32 = 16;
 pub const SYMM_MOE_MAX_EXPERTS: u32 = 1024;
@@ -50,10 +64,15 @@ const _: () = assert!(
         && SYMM_MOE_FP8_E4M3 == crate::comm::moe::config::PAYLOAD_FP8_E4M3
         && SYMM_INDEX_INT32 == crate::comm::moe::config::INDEX_INT32
         && SYMM_INDEX_INT64 == crate::comm::moe::config::INDEX_INT64
+<<<<<<< HEAD
         && SYMM_MOE_INPUT_PAYLOAD == crate::comm::moe::config::INPUT_PAYLOAD
         && SYMM_MOE_INPUT_BF16 == crate::comm::moe::config::INPUT_BF16
         && SYMM_MOE_SCALES_ROW_MAJOR == crate::comm::moe::config::SCALES_ROW_MAJOR
         && SYMM_MOE_SCALES_COL_TMA == crate::comm::moe::config::SCALES_COL_TMA
+=======
+        && SYMM_MOE_FLAG_PROBE == crate::comm::moe::config::FLAG_PROBE
+        && SYMM_MOE_PROBE_WORDS as u64 == crate::comm::moe::layout::PROBE_WORDS
+>>>>>>> moesplit
 );
 
 /// A moe object's configuration (versioned: `version` and `size` first; set `version` to
@@ -73,7 +92,7 @@ pub struct symm_moe_config_t {
     pub num_experts: u32,
     /// SYMM_MOE_BF16 or SYMM_MOE_FP8_E4M3.
     pub dtype: u32,
-    /// 0 (reserved; anything else is refused).
+    /// 0, or SYMM_MOE_FLAG_PROBE (anything else is refused).
     pub flags: u32,
     /// R: rows per local expert; 0 = world * max_tokens_per_rank (no routing overflows it).
     pub max_recv_per_expert: u64,
@@ -209,7 +228,8 @@ fn create(comm: *mut symm_comm_t, req: Result<Request>, out: *mut *mut symm_moe_
 /// [r*L, (r+1)*L)), each token to at most `topk` of them, and the combine back. Its buffers
 /// come from the communicator's arena (`buffer_bytes` in `symm_moe_layout`); a too small arena
 /// fails naming SYMMALLOC_COMM_ARENA_SIZE and the bytes needed. Collective: every rank passes
-/// the same values, SYMM_ERR_NOT_SYMMETRIC on every rank otherwise. `flags` must be 0.
+/// the same values, SYMM_ERR_NOT_SYMMETRIC on every rank otherwise. `flags`: 0, or
+/// SYMM_MOE_FLAG_PROBE (the clock probe, `symm_moe_probe`).
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub extern "C" fn symm_moe_create(
@@ -480,5 +500,134 @@ pub extern "C" fn symm_moe_check(moe: *mut symm_moe_t) -> symm_status_t {
         with_moe("symm_moe_check", moe, |m, comm| {
             with_comm(comm, |c| c.moe_check(m))
         })
+    })
+}
+
+/// The send half of `symm_moe_dispatch` (same arguments): routes this rank's tokens, stages
+/// their rows and publishes its counts to every rank; waits for no peer, so the caller may run
+/// other work (another micro-batch, attention) before `symm_moe_dispatch_recv`. Stream-ordered,
+/// capturable. `x` and `x_scales` must stay valid and unchanged until the receive half has run
+/// (it reads this rank's own rows from them). Its receive half must come next on this object
+/// (any other moe call on it is refused until then); calls of the communicator on other
+/// streams are ordered after it by the library, as every collective is. A failure (this rank's
+/// bad arguments, an error recorded earlier) completes the call at once: the receive half is
+/// submitted too, nothing stays pending, and the peers' receive halves fail naming this rank.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn symm_moe_dispatch_send(
+    moe: *mut symm_moe_t,
+    x: *const c_void,
+    x_scales: *const f32,
+    topk_idx: *const c_void,
+    idx_dtype: u32,
+    topk_weights: *const f32,
+    num_tokens: usize,
+    k: u32,
+    stream: *mut CUstream_st,
+) -> symm_status_t {
+    guard_status("symm_moe_dispatch_send", || {
+        let a = Dispatch {
+            x: x as u64,
+            x_scales: x_scales as u64,
+            idx: topk_idx as u64,
+            idx_dtype,
+            weights: topk_weights as u64,
+            tokens: num_tokens as u64,
+            k,
+            stream: stream_of(stream),
+        };
+        with_moe("symm_moe_dispatch_send", moe, |m, comm| {
+            with_comm(comm, |c| c.moe_dispatch_send(m, &a))
+        })
+    })
+}
+
+/// The receive half of the dispatch `symm_moe_dispatch_send` sent: waits for every rank's counts
+/// and pulls this rank's experts' rows; then the layout's buffers hold what `symm_moe_dispatch`
+/// would have left, bit for bit. `stream` may differ from the send half's (the library orders
+/// it after the send half: an event between the streams, or the capture's edge when both are
+/// captured into one graph). SYMM_ERR_INVALID_ARGUMENT without a pending dispatch send.
+#[no_mangle]
+pub extern "C" fn symm_moe_dispatch_recv(
+    moe: *mut symm_moe_t,
+    stream: *mut CUstream_st,
+) -> symm_status_t {
+    guard_status("symm_moe_dispatch_recv", || {
+        let s = stream_of(stream);
+        with_moe("symm_moe_dispatch_recv", moe, |m, comm| {
+            with_comm(comm, |c| c.moe_dispatch_recv(m, s))
+        })
+    })
+}
+
+/// The send half of `symm_moe_combine` (same arguments): this rank's experts' rows back to their
+/// tokens' ranks and its flag raised; waits for no peer. `expert_out` must stay valid and
+/// unchanged and `y` untouched until `symm_moe_combine_recv` has run (it reads this rank's own
+/// experts' rows from `expert_out` and writes `y`). Refused while a dispatch's send half is
+/// pending (its receive half first) and before any dispatch. Otherwise as
+/// `symm_moe_dispatch_send`.
+#[no_mangle]
+pub extern "C" fn symm_moe_combine_send(
+    moe: *mut symm_moe_t,
+    expert_out: *const c_void,
+    y: *mut c_void,
+    stream: *mut CUstream_st,
+) -> symm_status_t {
+    guard_status("symm_moe_combine_send", || {
+        let a = Combine {
+            expert_out: expert_out as u64,
+            y: y as u64,
+            stream: stream_of(stream),
+        };
+        with_moe("symm_moe_combine_send", moe, |m, comm| {
+            with_comm(comm, |c| c.moe_combine_send(m, &a))
+        })
+    })
+}
+
+/// The receive half of the combine `symm_moe_combine_send` sent: waits for every peer's rows and
+/// writes `y` (the send half's), bit for bit what `symm_moe_combine` writes. `stream` as for
+/// `symm_moe_dispatch_recv`. SYMM_ERR_INVALID_ARGUMENT without a pending combine send.
+#[no_mangle]
+pub extern "C" fn symm_moe_combine_recv(
+    moe: *mut symm_moe_t,
+    stream: *mut CUstream_st,
+) -> symm_status_t {
+    guard_status("symm_moe_combine_recv", || {
+        let s = stream_of(stream);
+        with_moe("symm_moe_combine_recv", moe, |m, comm| {
+            with_comm(comm, |c| c.moe_combine_recv(m, s))
+        })
+    })
+}
+
+/// Writes the clock probe of an object created with SYMM_MOE_FLAG_PROBE into `out[0..words]`
+/// (`words` must be SYMM_MOE_PROBE_WORDS): the last dispatch's phase times (start, routed,
+/// staged, published, receive start, wait done, pulled) and its epoch, then the last combine's
+/// (start, pushed, receive start, wait done, summed) and its epoch, then two zeros
+/// (docs/moe.md, "Clock probe"). On CUDA the times are %globaltimer (ns) and the call
+/// synchronizes the device first (not capturable; for benchmarks); on the host backend they
+/// are the wall clock in ns since the Unix epoch. Local. SYMM_ERR_INVALID_ARGUMENT when the
+/// probe is off.
+#[no_mangle]
+pub extern "C" fn symm_moe_probe(
+    moe: *mut symm_moe_t,
+    out: *mut u64,
+    words: usize,
+) -> symm_status_t {
+    guard_status("symm_moe_probe", || {
+        if out.is_null() {
+            return Err(Error::invalid("symm_moe_probe: out is NULL"));
+        }
+        if words != SYMM_MOE_PROBE_WORDS as usize {
+            return Err(Error::invalid(format!(
+                "symm_moe_probe: words {words}; expected {SYMM_MOE_PROBE_WORDS} \
+                 (SYMM_MOE_PROBE_WORDS)"
+            )));
+        }
+        let v = with_moe("symm_moe_probe", moe, |m, _| m.probe())?;
+        // SAFETY: out is non-NULL and the caller declared `words` (= the array's length) u64s.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out, v.len()) };
+        Ok(())
     })
 }

@@ -10,9 +10,12 @@ R, H] expert-major, hidden_states_scale [L, R, H / 128] or None, topk_ids, topk_
 masked_m = recv_counts [L] int32 on the device, expected_m)``; ``combine(DeepEPLLCombineInput)``
 returns [num_tokens, H] bf16, the top-k weights applied in symmalloc's combine.
 
-Two-batch overlap: ``dispatch_a``/``dispatch_b`` and ``combine_a``/``combine_b`` exist, but
-symmalloc has no split send/recv API yet, so the ``_a`` half does the whole call and ``_b``
-returns its result: nothing overlaps yet.
+Two-batch overlap: ``dispatch_a`` / ``combine_a`` are the send halves (``Moe.dispatch_send`` /
+``combine_send``: route, stage and publish, or push the rows back; no wait on a peer) and
+``dispatch_b`` / ``combine_b`` the receive halves (the wait and the pull, or the sum), so the
+other micro-batch's work runs between them. One dispatcher (one ``Moe``) per micro-batch: an
+``_a`` half must be followed by its ``_b`` half before the next call of the same dispatcher.
+The results are bit for bit those of ``dispatch`` / ``combine``.
 """
 from typing import NamedTuple, Optional
 
@@ -57,10 +60,13 @@ class SymmallocDeepEPLLDispatcher(_Base):
         self._pending_combine = None
 
     def dispatch(self, hidden_states, topk_output, x_scales=None):
-        m = self.moe
         ids, w = topk_output.topk_ids, topk_output.topk_weights
-        d = m.dispatch(hidden_states.contiguous(), ids.contiguous(), w.float().contiguous(),
-                       x_scales=None if x_scales is None else x_scales.contiguous())
+        d = self.moe.dispatch(hidden_states.contiguous(), ids.contiguous(), w.float().contiguous(),
+                              x_scales=None if x_scales is None else x_scales.contiguous())
+        return self._output(d, ids, w)
+
+    def _output(self, d, ids, w):
+        m = self.moe
         self._last = d
         n, k = ids.shape[0], ids.shape[1]
         # DeepEP's estimate of rows per local expert (a hint for the grouped GEMM's tiling).
@@ -72,22 +78,35 @@ class SymmallocDeepEPLLDispatcher(_Base):
             raise RuntimeError("symmalloc combine: no dispatch to combine; call dispatch first")
         return self.moe.combine(combine_input.hidden_states.contiguous(), self._last)
 
-    # Two-batch overlap halves: the _a half does the whole call (no split send/recv yet).
+    # Two-batch overlap halves: _a sends (no wait on a peer), _b receives.
 
     def dispatch_a(self, hidden_states, topk_output, x_scales=None):
-        self._pending_dispatch = self.dispatch(hidden_states, topk_output, x_scales)
+        if self._pending_dispatch is not None:
+            raise RuntimeError("symmalloc dispatch_a: the previous dispatch_a has no dispatch_b yet; "
+                               "call dispatch_b first")
+        ids, w = topk_output.topk_ids, topk_output.topk_weights
+        h = self.moe.dispatch_send(hidden_states.contiguous(), ids.contiguous(), w.float().contiguous(),
+                                   x_scales=None if x_scales is None else x_scales.contiguous())
+        self._pending_dispatch = (h, ids, w)
 
     def dispatch_b(self):
-        out, self._pending_dispatch = self._pending_dispatch, None
-        if out is None:
+        pending, self._pending_dispatch = self._pending_dispatch, None
+        if pending is None:
             raise RuntimeError("symmalloc dispatch_b: no dispatch_a before it")
-        return out
+        h, ids, w = pending
+        return self._output(self.moe.dispatch_recv(h), ids, w)
 
     def combine_a(self, combine_input):
-        self._pending_combine = self.combine(combine_input)
+        if self._pending_combine is not None:
+            raise RuntimeError("symmalloc combine_a: the previous combine_a has no combine_b yet; "
+                               "call combine_b first")
+        if self._last is None:
+            raise RuntimeError("symmalloc combine_a: no dispatch to combine; call dispatch (or dispatch_a and "
+                               "dispatch_b) first")
+        self._pending_combine = self.moe.combine_send(combine_input.hidden_states.contiguous(), self._last)
 
     def combine_b(self):
-        out, self._pending_combine = self._pending_combine, None
-        if out is None:
+        pending, self._pending_combine = self._pending_combine, None
+        if pending is None:
             raise RuntimeError("symmalloc combine_b: no combine_a before it")
-        return out
+        return self.moe.combine_recv(pending)

@@ -19,6 +19,9 @@ pub const PAYLOAD_FP8_E4M3: u32 = 1;
 /// Index dtype codes (`SYMM_INDEX_INT32`, `SYMM_INDEX_INT64`).
 pub const INDEX_INT32: u32 = 0;
 pub const INDEX_INT64: u32 = 1;
+/// `flags` bit: record the clock probe (launch.rs picks the kernels' probe instances; the host
+/// backend records wall-clock times), read by `symm_moe_probe`.
+pub const FLAG_PROBE: u32 = 1;
 /// Elements per FP8 scale.
 pub const SCALE_GROUP: u64 = 128;
 /// Input codes (`SYMM_MOE_INPUT_PAYLOAD`, `SYMM_MOE_INPUT_BF16`): what a dispatch's `x` holds.
@@ -161,6 +164,8 @@ pub struct Config {
     pub scales: ScaleLayout,
     /// Quantization rounds each scale up to a power of two (only with `quantize`).
     pub ue8m0: bool,
+    /// `FLAG_PROBE` was set: the calls record their phase times.
+    pub probe: bool,
 }
 
 fn bad(msg: String) -> Error {
@@ -216,9 +221,9 @@ impl Request {
     /// Checks every value for a communicator of `world` ranks.
     pub fn check(&self, world: u64) -> Result<Config> {
         let dtype = Payload::from_code(self.dtype).map_err(|e| bad(e.message))?;
-        if self.flags != 0 {
+        if self.flags & !FLAG_PROBE != 0 {
             return Err(bad(format!(
-                "flags {:#x} are not supported; expected 0 (reserved)",
+                "flags {:#x} are not supported; expected 0 or SYMM_MOE_FLAG_PROBE ({FLAG_PROBE:#x})",
                 self.flags
             )));
         }
@@ -292,6 +297,7 @@ impl Request {
             quantize,
             scales,
             ue8m0,
+            probe: self.flags & FLAG_PROBE != 0,
         };
         // The two big parts, checked (the rest are smaller).
         let l = e / world;

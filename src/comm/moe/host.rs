@@ -19,6 +19,14 @@
 //! rows straight from `expert_out` (its entries' rows are in `pos` after the dispatch).
 //! Every wait is bounded by the communicator's timeout and names the rank it waited for.
 //!
+//! The split API runs the same steps in two halves: `dispatch_send` (the local steps and the
+//! published row; no wait) and `dispatch_recv` (the wait and the pull), `combine_send` (the rows
+//! out, the flag raised) and `combine_recv` (the wait and the sum); the one-call forms are the
+//! two halves back to back, so the results are the same bit for bit. The epoch moves at the send
+//! half; the receive half uses it (the object's state machine, mod.rs, pairs the halves).
+//! With the clock probe on, each phase boundary stores the wall clock (ns since the Unix epoch)
+//! into the probe words of the control part, as the kernels store %globaltimer.
+//!
 //! Invariant: every rank runs every step of every call whatever it found (a refusal publishes
 //! a row with a status and sends nothing), so the epochs stay equal on every rank.
 
@@ -118,6 +126,19 @@ fn raise(m: &Moe, which: u64, v: u64) {
         word(m.at(d, m.layout.flag(m.world as u64, which, m.rank as u64)))
             .store(v, Ordering::Release);
     }
+}
+
+/// Stores the wall clock into probe word `i` of this rank's control part (probe on only).
+fn probe(m: &Moe, i: u64, epoch_word: u64, epoch: u64) {
+    if !m.cfg.probe {
+        return;
+    }
+    let ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let at = |w: u64| m.at(m.rank, 8 * (CTRL_PROBE + w));
+    word(at(i)).store(ns, Ordering::Relaxed);
+    word(at(epoch_word)).store(epoch, Ordering::Relaxed);
 }
 
 /// Token t's slot j of the caller's topk_idx, widened.
@@ -257,13 +278,22 @@ pub fn dispatch(
     refusal: Option<&Refusal>,
     timeout: Duration,
 ) -> Result<()> {
+    dispatch_send(m, a, it, refusal);
+    dispatch_recv(m, a, refusal.is_some(), timeout)
+}
+
+/// The send half of a dispatch: steps 1 and 2 (a new epoch; waits for nothing).
+pub fn dispatch_send(m: &mut Moe, a: &Dispatch, it: IndexType, refusal: Option<&Refusal>) {
     m.d_epoch += 1;
     let epoch = m.d_epoch;
+    probe(m, PROBE_D_START, PROBE_D_EPOCH, epoch);
     let (w, me) = (m.world as u64, m.rank);
     let c = m.cfg;
-    let (e_all, kk) = (c.experts as u64, c.topk as u64);
+    let e_all = c.experts as u64;
     let n = if refusal.is_some() { 0 } else { a.tokens };
     let (counts, mut found) = local(m, a, it, n, epoch);
+    probe(m, PROBE_D_ROUTED, PROBE_D_EPOCH, epoch);
+    probe(m, PROBE_D_STAGED, PROBE_D_EPOCH, epoch);
     if let Some(r) = refusal {
         found = Some(Found {
             code: r.code,
@@ -289,8 +319,21 @@ pub fn dispatch(
             word(row + 8 * (e_all + i)).store(tagged(epoch, 0), Ordering::Release);
         }
     }
+    probe(m, PROBE_D_PUBLISHED, PROBE_D_EPOCH, epoch);
+}
+
+/// The receive half of the dispatch whose send half ran last (its epoch): steps 3 and 4.
+/// `refused`: that send half published this rank's refusal (no tokens).
+pub fn dispatch_recv(m: &mut Moe, a: &Dispatch, refused: bool, timeout: Duration) -> Result<()> {
+    let epoch = m.d_epoch;
+    probe(m, PROBE_D_RECV, PROBE_D_EPOCH, epoch);
+    let (w, me) = (m.world as u64, m.rank);
+    let c = m.cfg;
+    let (e_all, kk) = (c.experts as u64, c.topk as u64);
+    let n = if refused { 0 } else { a.tokens };
     // Step 3: the one wait; the first status (lowest rank), else capacity.
     let rows = wait_rows(m, epoch, timeout)?;
+    probe(m, PROBE_D_WAITED, PROBE_D_EPOCH, epoch);
     let mut first = rows.iter().enumerate().find_map(|(s, row)| {
         let ex = &row[e_all as usize..e_all as usize + 5];
         (ex[0] != 0).then(|| status::from_row(s as u32, ex))
@@ -366,6 +409,7 @@ pub fn dispatch(
             }
         }
     }
+    probe(m, PROBE_D_PULLED, PROBE_D_EPOCH, epoch);
     match first {
         None => Ok(()),
         Some(f) if f.rank as usize == me && status::is_refusal(f.code) => {
@@ -386,8 +430,16 @@ pub fn combine(
     refused: bool,
     timeout: Duration,
 ) -> Result<()> {
+    combine_send(m, a, refused);
+    combine_recv(m, a, last, refused, timeout)
+}
+
+/// The send half of a combine: a new epoch, the peers' rows into their landing buffers, this
+/// rank's flag raised on every rank (waits for nothing).
+pub fn combine_send(m: &mut Moe, a: &Combine, refused: bool) {
     m.c_epoch += 1;
     let epoch = m.c_epoch;
+    probe(m, PROBE_C_START, PROBE_C_EPOCH, epoch);
     let (w, me) = (m.world as u64, m.rank);
     let c = m.cfg;
     let (kk, h) = (c.topk as u64, c.hidden);
@@ -413,7 +465,27 @@ pub fn combine(
         }
     }
     raise(m, flag, 2 * epoch + refused as u64);
+    probe(m, PROBE_C_PUSHED, PROBE_C_EPOCH, epoch);
+}
+
+/// The receive half of the combine whose send half ran last (its epoch): the wait and the sum.
+pub fn combine_recv(
+    m: &mut Moe,
+    a: &Combine,
+    last: Last,
+    refused: bool,
+    timeout: Duration,
+) -> Result<()> {
+    let epoch = m.c_epoch;
+    probe(m, PROBE_C_RECV, PROBE_C_EPOCH, epoch);
+    let (w, me) = (m.world as u64, m.rank);
+    let c = m.cfg;
+    let (kk, h) = (c.topk as u64, c.hidden);
+    let l = c.local_experts(w);
+    let row_bytes = h * 2;
+    let (flag, cbuf) = (combine_flag(epoch), m.layout.cbuf_at(epoch));
     let seen = wait_all(m, flag, 2 * epoch, timeout, "symm_moe_combine")?;
+    probe(m, PROBE_C_WAITED, PROBE_C_EPOCH, epoch);
     if refused {
         return Ok(()); // the caller returns this rank's own message
     }
@@ -454,6 +526,7 @@ pub fn combine(
             };
         }
     }
+    probe(m, PROBE_C_SUMMED, PROBE_C_EPOCH, epoch);
     match other {
         None => Ok(()),
         Some(s) => Err(Found {

@@ -2,7 +2,10 @@
 //! executor's kernel cache), the argument struct `MoeArgs` (mirrored field by field with the
 //! CUDA source, checked by tests/kernel_table.rs), the plan submitted to the executor
 //! (comm/exec/; its CPU twin on the host backend is host.rs), and the host-mapped status words
-//! the kernels store a recorded error into (status.rs has the codes).
+//! the kernels store a recorded error into (status.rs has the codes). Each call is one launch
+//! of the whole call (`Phase::Both`) or of one half of it (the split API: `Phase::Send`, up to
+//! and including publishing, and `Phase::Recv`, the wait and the pull or the sum); an object
+//! created with the clock probe on launches the kernels' probe instances.
 //!
 //! Invariants: a launch reads nothing from the device and waits for nothing, so both calls are
 //! capturable; the kernels of the object run after the communicator's earlier kernels (the
@@ -19,36 +22,111 @@ use crate::comm::collective::Ctx;
 use crate::comm::exec::{self, ArgBlock, Family, KernelId};
 use crate::error::{Error, Result};
 
-/// The kernels, by payload and index type, then the combine, then the dispatch of bf16 x
-/// quantized to FP8 in the kernel, by index type (kernels/moe.cu).
-pub const MOE_KERNELS: [&str; 7] = [
+/// The kernels (kernels/moe.cu): the whole calls (dispatch by payload and index type, then the
+/// combine), the send halves of dispatch, the receive halves (by payload only), the combine's
+/// halves, the dispatch of bf16 x quantized to FP8 in the kernel (whole, send halves by index
+/// type, receive half); then the same `PROBE_OFFSET` kernels again as probe instances.
+pub const MOE_KERNELS: [&str; 2 * PROBE_OFFSET] = [
     "symm_moe_dispatch_bf16_i32",
     "symm_moe_dispatch_bf16_i64",
     "symm_moe_dispatch_fp8_i32",
     "symm_moe_dispatch_fp8_i64",
     "symm_moe_combine_bf16",
+    "symm_moe_dispatch_send_bf16_i32",
+    "symm_moe_dispatch_send_bf16_i64",
+    "symm_moe_dispatch_send_fp8_i32",
+    "symm_moe_dispatch_send_fp8_i64",
+    "symm_moe_dispatch_recv_bf16",
+    "symm_moe_dispatch_recv_fp8",
+    "symm_moe_combine_send_bf16",
+    "symm_moe_combine_recv_bf16",
     "symm_moe_dispatch_bf16_to_fp8_i32",
     "symm_moe_dispatch_bf16_to_fp8_i64",
+    "symm_moe_dispatch_send_bf16_to_fp8_i32",
+    "symm_moe_dispatch_send_bf16_to_fp8_i64",
+    "symm_moe_dispatch_recv_bf16_to_fp8",
+    "symm_moe_dispatch_bf16_i32_probe",
+    "symm_moe_dispatch_bf16_i64_probe",
+    "symm_moe_dispatch_fp8_i32_probe",
+    "symm_moe_dispatch_fp8_i64_probe",
+    "symm_moe_combine_bf16_probe",
+    "symm_moe_dispatch_send_bf16_i32_probe",
+    "symm_moe_dispatch_send_bf16_i64_probe",
+    "symm_moe_dispatch_send_fp8_i32_probe",
+    "symm_moe_dispatch_send_fp8_i64_probe",
+    "symm_moe_dispatch_recv_bf16_probe",
+    "symm_moe_dispatch_recv_fp8_probe",
+    "symm_moe_combine_send_bf16_probe",
+    "symm_moe_combine_recv_bf16_probe",
+    "symm_moe_dispatch_bf16_to_fp8_i32_probe",
+    "symm_moe_dispatch_bf16_to_fp8_i64_probe",
+    "symm_moe_dispatch_send_bf16_to_fp8_i32_probe",
+    "symm_moe_dispatch_send_bf16_to_fp8_i64_probe",
+    "symm_moe_dispatch_recv_bf16_to_fp8_probe",
 ];
 
-/// The index in `MOE_KERNELS` of the dispatch that quantizes bf16 x, for an index type.
+/// Kernels without the probe; `MOE_KERNELS[i + PROBE_OFFSET]` is `MOE_KERNELS[i]`'s probe
+/// instance.
+pub const PROBE_OFFSET: usize = 18;
+
+/// What one launch runs of a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// The whole call (`symm_moe_dispatch`, `symm_moe_combine`).
+    Both,
+    /// The send half: up to and including publishing (no wait on a peer).
+    Send,
+    /// The receive half: the wait, then the pull (dispatch) or the sum (combine).
+    Recv,
+}
+
+/// The index in `MOE_KERNELS` of a dispatch launch. `quantize`: x is bf16 and the kernel
+/// quantizes it to the FP8 payload (`p` is then `Fp8`).
+pub fn dispatch_index(
+    p: Payload,
+    it: IndexType,
+    quantize: bool,
+    phase: Phase,
+    probe: bool,
+) -> usize {
+    let pi = match p {
+        Payload::Bf16 => 0,
+        Payload::Fp8 => 1,
+    };
+    let ii = match it {
+        IndexType::I32 => 0,
+        IndexType::I64 => 1,
+    };
+    let i = match (quantize, phase) {
+        (false, Phase::Both) => 2 * pi + ii,
+        (false, Phase::Send) => 5 + 2 * pi + ii,
+        (false, Phase::Recv) => 9 + pi,
+        (true, Phase::Both) => 13 + ii,
+        (true, Phase::Send) => 15 + ii,
+        (true, Phase::Recv) => 17,
+    };
+    i + probe as usize * PROBE_OFFSET
+}
+
+/// The index in `MOE_KERNELS` of the whole-call dispatch that quantizes bf16 x, for an index
+/// type.
 pub fn quantize_index(it: IndexType) -> usize {
-    match it {
-        IndexType::I32 => 5,
-        IndexType::I64 => 6,
-    }
+    dispatch_index(Payload::Fp8, it, true, Phase::Both, false)
+}
+
+/// The index in `MOE_KERNELS` of a combine launch.
+pub fn combine_index(phase: Phase, probe: bool) -> usize {
+    let i = match phase {
+        Phase::Both => 4,
+        Phase::Send => 11,
+        Phase::Recv => 12,
+    };
+    i + probe as usize * PROBE_OFFSET
 }
 
 /// The dispatch kernel's name for a payload and an index type.
 pub fn dispatch_kernel(p: Payload, it: IndexType) -> &'static str {
-    let i = match p {
-        Payload::Bf16 => 0,
-        Payload::Fp8 => 2,
-    } + match it {
-        IndexType::I32 => 0,
-        IndexType::I64 => 1,
-    };
-    MOE_KERNELS[i]
+    MOE_KERNELS[dispatch_index(p, it, false, Phase::Both, false)]
 }
 
 /// The name of a moe kernel id (its index in `MOE_KERNELS`).
@@ -190,13 +268,15 @@ impl Moe {
     }
 }
 
-/// The dispatch's plan, submitted in a begun call (`c`).
+/// The dispatch's plan (`phase`: the whole call or one half), submitted in a begun call (`c`).
+/// The receive half takes the same arguments as its send half.
 pub(super) fn dispatch(
     c: &mut Ctx,
     m: &mut Moe,
     a: &Dispatch,
     it: IndexType,
     refusal: Option<&Refusal>,
+    phase: Phase,
 ) -> Result<()> {
     let mut args = m.args(c, &m.layout);
     match refusal {
@@ -214,16 +294,17 @@ pub(super) fn dispatch(
             args.k = a.k as i32;
         }
     }
-    let i = match (m.cfg.dtype, it) {
-        _ if m.cfg.quantize => quantize_index(it),
-        (Payload::Bf16, IndexType::I32) => 0,
-        (Payload::Bf16, IndexType::I64) => 1,
-        (Payload::Fp8, IndexType::I32) => 2,
-        (Payload::Fp8, IndexType::I64) => 3,
-    };
+    let i = dispatch_index(m.cfg.dtype, it, m.cfg.quantize, phase, m.cfg.probe);
     let l = launch(m, i, &args);
     let timeout = c.settings.timeout;
-    let mut twin = || host::dispatch(m, a, it, refusal, timeout);
+    let mut twin = || match phase {
+        Phase::Both => host::dispatch(m, a, it, refusal, timeout),
+        Phase::Send => {
+            host::dispatch_send(m, a, it, refusal);
+            Ok(())
+        }
+        Phase::Recv => host::dispatch_recv(m, a, refusal.is_some(), timeout),
+    };
     c.exec.submit(exec::Plan {
         stream: a.stream,
         ordered: true,
@@ -234,13 +315,14 @@ pub(super) fn dispatch(
     })
 }
 
-/// The combine's plan, submitted in a begun call (`c`).
+/// The combine's plan (`phase`: the whole call or one half), submitted in a begun call (`c`).
 pub(super) fn combine(
     c: &mut Ctx,
     m: &mut Moe,
     a: &Combine,
     last: Last,
     refused: bool,
+    phase: Phase,
 ) -> Result<()> {
     let mut args = m.args(c, &m.layout);
     args.num_tokens = last.tokens;
@@ -251,13 +333,20 @@ pub(super) fn combine(
         args.expert_out = a.expert_out;
         args.y = a.y;
     }
-    let l = launch(m, 4, &args);
+    let l = launch(m, combine_index(phase, m.cfg.probe), &args);
     let timeout = c.settings.timeout;
     let mut twin = || {
         if !last.ok {
             return Err(Error::invalid(NOTHING_TO_COMBINE));
         }
-        host::combine(m, a, last, refused, timeout)
+        match phase {
+            Phase::Both => host::combine(m, a, last, refused, timeout),
+            Phase::Send => {
+                host::combine_send(m, a, refused);
+                Ok(())
+            }
+            Phase::Recv => host::combine_recv(m, a, last, refused, timeout),
+        }
     };
     c.exec.submit(exec::Plan {
         stream: a.stream,

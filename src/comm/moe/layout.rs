@@ -25,6 +25,31 @@ pub const CTRL_C_SENT: u64 = 3;
 pub const CTRL_OK_EPOCH: u64 = 4;
 pub const CTRL_D_FIN: u64 = 5;
 pub const CTRL_C_FIN: u64 = 6;
+/// The clock probe's first word (kernels/moe.cu MOE_CTRL_PROBE): `PROBE_WORDS` words, the last
+/// dispatch's phase times (`PROBE_D_*`), then the last combine's (`PROBE_C_*`); written only when
+/// the object was created with the probe on.
+pub const CTRL_PROBE: u64 = 64;
+pub const PROBE_WORDS: u64 = 16;
+/// Probe words: dispatch start, routed (the routing read), staged (every block's list and rows
+/// in place), published (the counts row stored into every rank), receive start (the receive
+/// half's start; in the one-call form its wait's), wait done, pulled (the grid's end), its epoch.
+pub const PROBE_D_START: u64 = 0;
+pub const PROBE_D_ROUTED: u64 = 1;
+pub const PROBE_D_STAGED: u64 = 2;
+pub const PROBE_D_PUBLISHED: u64 = 3;
+pub const PROBE_D_RECV: u64 = 4;
+pub const PROBE_D_WAITED: u64 = 5;
+pub const PROBE_D_PULLED: u64 = 6;
+pub const PROBE_D_EPOCH: u64 = 7;
+/// Combine: start, pushed (rows in the peers' landing buffers, flags raised), receive start,
+/// wait done, summed (the grid's end), its epoch; words 14 and 15 stay 0.
+pub const PROBE_C_START: u64 = 8;
+pub const PROBE_C_PUSHED: u64 = 9;
+pub const PROBE_C_RECV: u64 = 10;
+pub const PROBE_C_WAITED: u64 = 11;
+pub const PROBE_C_SUMMED: u64 = 12;
+pub const PROBE_C_EPOCH: u64 = 13;
+const _: () = assert!((CTRL_PROBE + PROBE_WORDS) * 8 <= CTRL_BYTES);
 /// Words after a source rank's counts in a counts row: status, then token, k, value (low and
 /// high halves) of its first offending entry (status.rs has the codes), then padding.
 pub const ROW_EXTRA: u64 = 8;

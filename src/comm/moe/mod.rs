@@ -12,6 +12,9 @@
 //! offset on every rank), zero its control parts and share it (a rendezvous), so dispatch and
 //! combine map nothing and are capturable.
 //!
+//! The split API (`*_send` / `*_recv`, docs/moe.md "Split halves") runs each call as two
+//! launches, paired by the object's state machine (split.rs, which also reads the clock probe).
+//!
 //! Invariants: every rank runs every step of every call (a rank whose own arguments are bad
 //! publishes a refusal instead of counts), so nothing waits for a rank that gave up; errors
 //! found after the ranks met are the same on every rank (status.rs) and leave the object and
@@ -21,6 +24,7 @@ pub mod config;
 pub mod host;
 pub mod launch;
 pub mod layout;
+pub mod split;
 pub mod status;
 
 use crate::comm::collective::kernel_args::MAX_RANKS;
@@ -28,7 +32,9 @@ use crate::comm::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result, Status};
 use config::{Config, IndexType, Payload, Request};
+use launch::Phase;
 use layout::Layout;
+use split::Pending;
 use status::{Bounds, Refusal};
 
 /// The most blocks of a dispatch or combine grid. The grid is the communicator's fewest SMs,
@@ -70,6 +76,8 @@ pub struct Moe {
     d_epoch: u64,
     c_epoch: u64,
     last: Option<Last>,
+    /// The send half whose receive half has not been called yet (split API).
+    pending: Option<Pending>,
 }
 
 /// A dispatch's arguments as the caller passed them.
@@ -390,6 +398,7 @@ impl Communicator {
             d_epoch: 0,
             c_epoch: 0,
             last: None,
+            pending: None,
         })
     }
 
@@ -403,6 +412,7 @@ impl Communicator {
     /// `symm_moe_dispatch` (docs/moe.md, "Protocol").
     pub fn moe_dispatch(&mut self, m: &mut Moe, a: &Dispatch) -> Result<()> {
         let mut c = self.begin(a.stream)?;
+        m.idle("symm_moe_dispatch")?;
         let pending = m.take_status();
         let checked = m.check_dispatch(a);
         let (it, refusal) = match checked {
@@ -412,7 +422,7 @@ impl Communicator {
         let tokens = if refusal.is_some() { 0 } else { a.tokens };
         // The kernel, or on the host backend its CPU twin (host.rs); an error the kernels
         // recorded since the last call after a launch that went well.
-        let r = launch::dispatch(&mut c, m, a, it, refusal.as_ref())
+        let r = launch::dispatch(&mut c, m, a, it, refusal.as_ref(), Phase::Both)
             .map_err(|e| self.moe_fatal(e))
             .and_then(|()| pending.map_or(Ok(()), Err));
         m.last = Some(Last {
@@ -429,6 +439,7 @@ impl Communicator {
     /// `symm_moe_combine`.
     pub fn moe_combine(&mut self, m: &mut Moe, a: &Combine) -> Result<()> {
         let mut c = self.begin(a.stream)?;
+        m.idle("symm_moe_combine")?;
         let Some(last) = m.last else {
             return Err(Error::invalid(
                 "symm_moe_combine: no dispatch on this object yet; expected symm_moe_dispatch \
@@ -437,7 +448,7 @@ impl Communicator {
         };
         let pending = m.take_status();
         let refusal = m.check_combine(a, last.tokens).err();
-        let r = launch::combine(&mut c, m, a, last, refusal.is_some())
+        let r = launch::combine(&mut c, m, a, last, refusal.is_some(), Phase::Both)
             .map_err(|e| self.moe_fatal(e))
             .and_then(|()| pending.map_or(Ok(()), Err));
         match (r, refusal) {

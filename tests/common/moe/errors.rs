@@ -423,8 +423,8 @@ pub fn create_errors(comm: Comm, dev: Dev, w: usize, rank: usize, seed: u64) {
             "topk 17 is out of range; expected 1..=16".into(),
         ),
         (
-            with(&|s| s.max_recv = 1),
-            "flags 0x1 are not supported; expected 0".into(),
+            with(&|s| s.max_recv = 2),
+            "flags 0x2 are not supported; expected 0 or SYMM_MOE_FLAG_PROBE (0x1)".into(),
         ),
         (
             with(&|s| s.t = 0),

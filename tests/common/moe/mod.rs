@@ -13,6 +13,7 @@ pub mod edges;
 pub mod errors;
 pub mod quant;
 pub mod repeat;
+pub mod split;
 pub use check::*;
 
 use super::{err, init, Child, Comm, Rng, OK};
