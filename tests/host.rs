@@ -57,6 +57,8 @@ mod hosts;
 mod kernel_table;
 #[path = "moe_host.rs"]
 mod moe_host;
+#[path = "moe_tp_host.rs"]
+mod moe_tp_host;
 #[path = "multicast_guard.rs"]
 mod multicast_guard;
 #[path = "p2p_host.rs"]

@@ -13,6 +13,7 @@ use super::handles::{self, Handle, Kind};
 use super::types::*;
 use super::{stream_of, symm_comm_t, with_comm};
 use crate::comm::moe::config::Request;
+use crate::comm::moe::throughput::wrong_mode;
 use crate::comm::moe::{Combine, Dispatch, Moe};
 use crate::error::{Error, Result};
 use std::ffi::c_void;
@@ -25,8 +26,15 @@ pub const SYMM_MOE_FP8_E4M3: u32 = 1;
 pub const SYMM_INDEX_INT32: u32 = 0;
 pub const SYMM_INDEX_INT64: u32 = 1;
 /// The `symm_moe_config_t` layout this library writes in its header (`version`): 2 added
-/// `num_sms`. Version 1 (`size` 48, without `num_sms`) is still read, as `num_sms` 0.
-pub const SYMM_MOE_CONFIG_VERSION: u32 = 2;
+/// `num_sms`, 3 the mode group (`mode`). Versions 1 (`size` 48, without `num_sms`) and 2
+/// (`size` 56, without `mode`) are still read, as `num_sms` 0 and low-latency mode.
+pub const SYMM_MOE_CONFIG_VERSION: u32 = 3;
+/// Modes of `symm_moe_config_t.mode` (docs/moe.md): expert-major rows with device-side counts
+/// (`symm_moe_layout`), or one row per (token, destination rank) (`symm_moe_tp_layout`).
+pub const SYMM_MOE_LOW_LATENCY: u32 = 0;
+pub const SYMM_MOE_THROUGHPUT: u32 = 1;
+/// The `symm_moe_tp_layout_t` layout this library writes (`version`).
+pub const SYMM_MOE_TP_LAYOUT_VERSION: u32 = 1;
 /// The `symm_moe_layout_t` layout this library writes (`version`).
 pub const SYMM_MOE_LAYOUT_VERSION: u32 = 1;
 /// The largest configured top-k, and the most experts.
@@ -39,6 +47,8 @@ const _: () = assert!(
         && SYMM_MOE_FP8_E4M3 == crate::comm::moe::config::PAYLOAD_FP8_E4M3
         && SYMM_INDEX_INT32 == crate::comm::moe::config::INDEX_INT32
         && SYMM_INDEX_INT64 == crate::comm::moe::config::INDEX_INT64
+        && SYMM_MOE_LOW_LATENCY == crate::comm::moe::config::MODE_LOW_LATENCY
+        && SYMM_MOE_THROUGHPUT == crate::comm::moe::config::MODE_THROUGHPUT
 );
 
 /// A moe object's configuration (versioned: `version` and `size` first; set `version` to
@@ -67,10 +77,17 @@ pub struct symm_moe_config_t {
     pub num_sms: u32,
     /// Version 2: 0 (reserved; anything else is refused).
     pub reserved: u32,
+    // ---- version 3, the mode group ----
+    /// SYMM_MOE_LOW_LATENCY (0) or SYMM_MOE_THROUGHPUT (1). Every rank passes the same value.
+    pub mode: u32,
+    /// Version 3, mode group: 0 (reserved; anything else is refused).
+    pub mode_reserved: u32,
 }
 
 /// The size of a version 1 `symm_moe_config_t` (the fields before `num_sms`).
 const CONFIG_V1_SIZE: usize = std::mem::offset_of!(symm_moe_config_t, num_sms);
+/// The size of a version 2 `symm_moe_config_t` (the fields before the mode group).
+const CONFIG_V2_SIZE: usize = std::mem::offset_of!(symm_moe_config_t, mode);
 
 /// Where a dispatch leaves its rows (written by `symm_moe_layout`; versioned like
 /// `symm_device_comm_t`: set `version` and `size`, the library writes at most `size` bytes).
@@ -90,6 +107,50 @@ pub struct symm_moe_layout_t {
     pub local_experts: u64,
     pub first_expert: u64,
     pub max_recv: u64,
+    pub hidden: u64,
+    pub max_tokens_per_rank: u64,
+    pub topk: u32,
+    pub num_experts: u32,
+    pub world: u32,
+    pub rank: u32,
+    pub dtype: u32,
+    pub reserved: u32,
+    /// Bytes of the communicator's arena this object holds.
+    pub buffer_bytes: u64,
+}
+
+/// Where a throughput-mode dispatch leaves its rows (written by `symm_moe_tp_layout`; versioned:
+/// set `version` to SYMM_MOE_TP_LAYOUT_VERSION and `size` to `sizeof(symm_moe_tp_layout_t)`).
+/// Rows are ordered by source rank, then token: one per (token, this rank); `max_rows` =
+/// world * max_tokens_per_rank bounds them whatever the routing.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct symm_moe_tp_layout_t {
+    pub version: u32,
+    pub size: u32,
+    /// `[max_rows][H]` payload dtype: the received rows, the first `*num_recv` filled.
+    pub recv_x: *mut c_void,
+    /// `[max_rows][H/128]` fp32 (FP8 only; NULL for bf16).
+    pub recv_scales: *mut f32,
+    /// `[max_rows][K]` int32: each row's top-k slots as local expert ids (0..L), -1 where the
+    /// slot's expert is on another rank or the slot was unused.
+    pub recv_topk_idx: *mut i32,
+    /// `[max_rows][K]` fp32: the weights of those slots (0 where `recv_topk_idx` is -1).
+    pub recv_topk_weights: *mut f32,
+    /// `[max_rows]` int32: `src_rank * max_tokens_per_rank + token` of each row.
+    pub recv_src: *mut i32,
+    /// `[1]` int32 (device memory): rows received by the last dispatch.
+    pub num_recv: *mut i32,
+    /// `[L]` int32 (device memory): rows whose top-k has each local expert.
+    pub num_recv_tokens_per_expert: *mut i32,
+    /// `[L + 1]` int32: the CSR offsets of `expert_rows` (prefix sums of the counts above).
+    pub expert_offsets: *mut i32,
+    /// `[max_rows * K]` int32: `row * K + k` of each (row, slot) of each local expert, grouped
+    /// by local expert, rows increasing.
+    pub expert_rows: *mut i32,
+    pub max_rows: u64,
+    pub local_experts: u64,
+    pub first_expert: u64,
     pub hidden: u64,
     pub max_tokens_per_rank: u64,
     pub topk: u32,
@@ -188,6 +249,7 @@ pub extern "C" fn symm_moe_create(
             flags,
             max_recv: 0,
             num_sms: 0,
+            mode: SYMM_MOE_LOW_LATENCY,
         };
         create(comm, Ok(req), out)
     })
@@ -218,17 +280,19 @@ fn read_config(config: *const symm_moe_config_t) -> Result<Request> {
     // SAFETY: config is non-NULL; the version and size words come first in every version.
     let (version, size) = unsafe { ((*config).version, (*config).size) };
     let have = std::mem::size_of::<symm_moe_config_t>();
-    let v1 = version == 1 && size as usize == CONFIG_V1_SIZE;
-    if !v1 && (version != SYMM_MOE_CONFIG_VERSION || size as usize != have) {
+    let old = (version == 1 && size as usize == CONFIG_V1_SIZE)
+        || (version == 2 && size as usize == CONFIG_V2_SIZE);
+    if !old && (version != SYMM_MOE_CONFIG_VERSION || size as usize != have) {
         return Err(Error::invalid(format!(
             "symm_moe_create_config: config version {version}, size {size}; expected \
              version {SYMM_MOE_CONFIG_VERSION} (SYMM_MOE_CONFIG_VERSION) and size {have} \
-             (sizeof(symm_moe_config_t)), or version 1 and size {CONFIG_V1_SIZE}"
+             (sizeof(symm_moe_config_t)), or version 1 and size {CONFIG_V1_SIZE}, or version 2 \
+             and size {CONFIG_V2_SIZE}"
         )));
     }
     let mut c = symm_moe_config_t::default();
     // SAFETY: the caller declared `size` readable bytes (checked above to be a known layout);
-    // a version 1 struct ends before `num_sms`, which stays 0.
+    // a version 1 struct ends before `num_sms`, which stays 0; version 2 before `mode` (0).
     unsafe {
         std::ptr::copy_nonoverlapping(
             config as *const u8,
@@ -242,6 +306,12 @@ fn read_config(config: *const symm_moe_config_t) -> Result<Request> {
             c.reserved
         )));
     }
+    if c.mode_reserved != 0 {
+        return Err(Error::invalid(format!(
+            "symm_moe_create_config: mode_reserved {:#x}; expected 0",
+            c.mode_reserved
+        )));
+    }
     Ok(Request {
         tokens: c.max_tokens_per_rank,
         hidden: c.hidden,
@@ -251,6 +321,7 @@ fn read_config(config: *const symm_moe_config_t) -> Result<Request> {
         flags: c.flags,
         max_recv: c.max_recv_per_expert,
         num_sms: c.num_sms,
+        mode: c.mode,
     })
 }
 
@@ -298,6 +369,9 @@ pub extern "C" fn symm_moe_layout(
             )));
         }
         let l = with_moe("symm_moe_layout", moe as *mut _, |m, _| {
+            if m.tp.is_some() {
+                return Err(wrong_mode("symm_moe_layout", m));
+            }
             let (w, c, lay) = (m.world as u64, m.cfg, m.layout);
             let local = c.local_experts(w);
             let at = |off: u64| (m.block + off) as *mut c_void;
@@ -327,6 +401,71 @@ pub extern "C" fn symm_moe_layout(
             })
         })?;
         // SAFETY: out is non-NULL and the caller declared sizeof(symm_moe_layout_t) bytes.
+        unsafe { out.write(l) };
+        Ok(())
+    })
+}
+
+/// Fills the first `out->size` bytes of `*out` (set `version` to SYMM_MOE_TP_LAYOUT_VERSION
+/// and `size` to `sizeof(symm_moe_tp_layout_t)`) with where a throughput-mode dispatch leaves
+/// its rows. Local. A low-latency object is refused (use `symm_moe_layout`).
+#[no_mangle]
+pub extern "C" fn symm_moe_tp_layout(
+    moe: *const symm_moe_t,
+    out: *mut symm_moe_tp_layout_t,
+) -> symm_status_t {
+    guard_status("symm_moe_tp_layout", || {
+        if out.is_null() {
+            return Err(Error::invalid("symm_moe_tp_layout: out is NULL"));
+        }
+        // SAFETY: out is non-NULL; version and size come first in every version.
+        let (version, size) = unsafe { ((*out).version, (*out).size as usize) };
+        let have = std::mem::size_of::<symm_moe_tp_layout_t>();
+        if version != SYMM_MOE_TP_LAYOUT_VERSION || size != have {
+            return Err(Error::invalid(format!(
+                "symm_moe_tp_layout: out->version {version}, out->size {size}; expected version \
+                 {SYMM_MOE_TP_LAYOUT_VERSION} (SYMM_MOE_TP_LAYOUT_VERSION) and size {have} \
+                 (sizeof(symm_moe_tp_layout_t))"
+            )));
+        }
+        let l = with_moe("symm_moe_tp_layout", moe as *mut _, |m, _| {
+            let Some(t) = m.tp else {
+                return Err(wrong_mode("symm_moe_tp_layout", m));
+            };
+            let (w, c) = (m.world as u64, m.cfg);
+            let local = c.local_experts(w);
+            let at = |off: u64| (m.block + off) as *mut c_void;
+            Ok(symm_moe_tp_layout_t {
+                version,
+                size: size as u32,
+                recv_x: at(t.recv_x),
+                recv_scales: if c.dtype.has_scales() {
+                    at(t.recv_scales) as *mut f32
+                } else {
+                    std::ptr::null_mut()
+                },
+                recv_topk_idx: at(t.recv_idx) as *mut i32,
+                recv_topk_weights: at(t.recv_weights) as *mut f32,
+                recv_src: at(t.recv_src) as *mut i32,
+                num_recv: at(t.meta) as *mut i32,
+                num_recv_tokens_per_expert: at(t.meta + 4) as *mut i32,
+                expert_offsets: at(t.meta + 4 * (1 + local)) as *mut i32,
+                expert_rows: at(t.expert_rows) as *mut i32,
+                max_rows: w * c.tokens,
+                local_experts: local,
+                first_expert: m.rank as u64 * local,
+                hidden: c.hidden,
+                max_tokens_per_rank: c.tokens,
+                topk: c.topk,
+                num_experts: c.experts,
+                world: m.world as u32,
+                rank: m.rank as u32,
+                dtype: c.dtype.code(),
+                reserved: 0,
+                buffer_bytes: t.bytes,
+            })
+        })?;
+        // SAFETY: out is non-NULL and the caller declared sizeof(symm_moe_tp_layout_t) bytes.
         unsafe { out.write(l) };
         Ok(())
     })

@@ -2,7 +2,7 @@
 //! messages naming the value and what was expected, and the words every rank compares at
 //! create (a mismatch is SYMM_ERR_NOT_SYMMETRIC on every rank, naming the ranks and values).
 //!
-//! Invariants: a `Config` that `check` returned has `E % W == 0`, `1 <= K <= MAX_TOPK`,
+//! Invariants: a `Config` that `check` returned has a known mode (throughput: `R = W * T`), `E % W == 0`, `1 <= K <= MAX_TOPK`,
 //! `E <= MAX_EXPERTS`, `H * elem_bytes % 16 == 0` (FP8: `H % 128 == 0`), `1 <= R <= W * T`, and
 //! `W * T * K` below 2^31 (a `recv_src` code fits an int32), and every part of the layout
 //! fits in a u64 with room to spare.
@@ -21,6 +21,26 @@ pub const INDEX_INT32: u32 = 0;
 pub const INDEX_INT64: u32 = 1;
 /// Elements per FP8 scale.
 pub const SCALE_GROUP: u64 = 128;
+/// Modes (`SYMM_MOE_LOW_LATENCY`, `SYMM_MOE_THROUGHPUT`; docs/moe.md, "Throughput mode").
+pub const MODE_LOW_LATENCY: u32 = 0;
+pub const MODE_THROUGHPUT: u32 = 1;
+
+/// How a moe object lays out what it receives: expert-major with device-side counts (low
+/// latency), or one row per (token, destination rank) in one contiguous buffer (throughput).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    LowLatency,
+    Throughput,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::LowLatency => "low latency",
+            Mode::Throughput => "throughput",
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Payload {
@@ -106,6 +126,8 @@ pub struct Request {
     pub max_recv: u64,
     /// The most SMs (blocks) of the kernels' grid; 0: no cap but the GPUs' (moe/mod.rs).
     pub num_sms: u32,
+    /// MODE_LOW_LATENCY or MODE_THROUGHPUT.
+    pub mode: u32,
 }
 
 /// A checked configuration (the module's invariants hold).
@@ -121,6 +143,7 @@ pub struct Config {
     pub max_recv: u64,
     /// The grid's cap in SMs (0: none but the GPUs').
     pub num_sms: u32,
+    pub mode: Mode,
 }
 
 fn bad(msg: String) -> Error {
@@ -139,10 +162,11 @@ impl Request {
         flags: u32::MAX,
         max_recv: u64::MAX,
         num_sms: u32::MAX,
+        mode: u32::MAX,
     };
 
     /// The words every rank compares at create (as the caller passed them).
-    pub fn words(&self) -> [u64; 8] {
+    pub fn words(&self) -> [u64; 9] {
         [
             self.tokens,
             self.hidden,
@@ -152,6 +176,7 @@ impl Request {
             self.flags as u64,
             self.max_recv,
             self.num_sms as u64,
+            self.mode as u64,
         ]
     }
 
@@ -159,14 +184,24 @@ impl Request {
     pub fn describe(w: &[u64]) -> String {
         format!(
             "max_tokens_per_rank {}, hidden {}, topk {}, num_experts {}, dtype {}, flags {}, \
-             max_recv_per_expert {}, num_sms {}",
-            w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]
+             max_recv_per_expert {}, num_sms {}, mode {}",
+            w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8]
         )
     }
 
     /// Checks every value for a communicator of `world` ranks.
     pub fn check(&self, world: u64) -> Result<Config> {
         let dtype = Payload::from_code(self.dtype).map_err(|e| bad(e.message))?;
+        let mode = match self.mode {
+            MODE_LOW_LATENCY => Mode::LowLatency,
+            MODE_THROUGHPUT => Mode::Throughput,
+            m => {
+                return Err(bad(format!(
+                    "mode {m} is not a mode; expected SYMM_MOE_LOW_LATENCY (0) or \
+                     SYMM_MOE_THROUGHPUT (1)"
+                )))
+            }
+        };
         if self.flags != 0 {
             return Err(bad(format!(
                 "flags {:#x} are not supported; expected 0 (reserved)",
@@ -223,6 +258,14 @@ impl Request {
         }
         let max_recv = match self.max_recv {
             0 => most,
+            // Throughput mode receives at most W*T rows in all (one per token and rank).
+            r if mode == Mode::Throughput => {
+                return Err(bad(format!(
+                    "max_recv_per_expert {r} is for the low-latency mode; expected 0 in \
+                     throughput mode (its buffer holds world x max_tokens_per_rank = {most} rows, \
+                     which no routing overflows)"
+                )))
+            }
             r if r <= most => r,
             r => {
                 return Err(bad(format!(
@@ -239,6 +282,7 @@ impl Request {
             dtype,
             max_recv,
             num_sms: self.num_sms,
+            mode,
         };
         // The two big parts, checked (the rest are smaller).
         let l = e / world;

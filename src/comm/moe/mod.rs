@@ -3,7 +3,8 @@
 //! its configuration (config.rs), its buffer in the communicator's arena and the layout of it
 //! (layout.rs), the codes and messages of what a call can find wrong (status.rs), the CPU
 //! protocol of the host backend (host.rs) and the kernels' launch and argument struct
-//! (launch.rs, kernels/moe.cu).
+//! (launch.rs, kernels/moe.cu); the throughput mode's layout and plans (throughput.rs) and its
+//! CPU protocol (tp_host.rs).
 //!
 //! The object does not live in the communicator: the C handle keeps both, and every call
 //! passes the communicator in (its mesh, arena, peer windows, settings and error words are
@@ -22,6 +23,8 @@ pub mod host;
 pub mod launch;
 pub mod layout;
 pub mod status;
+pub mod throughput;
+pub mod tp_host;
 
 use crate::comm::collective::kernel_args::MAX_RANKS;
 use crate::comm::Communicator;
@@ -70,6 +73,10 @@ pub struct Moe {
     d_epoch: u64,
     c_epoch: u64,
     last: Option<Last>,
+    /// Throughput mode (config `mode`): its layout (`layout` then holds only the block's size
+    /// and zeroed part), and the first combine epoch of the last dispatch (tp_host.rs).
+    pub tp: Option<throughput::TpLayout>,
+    tp_first_combine: u64,
 }
 
 /// A dispatch's arguments as the caller passed them.
@@ -218,7 +225,10 @@ impl Communicator {
         let world = self.world as u64;
         let unread = req.is_err();
         let asked = req.as_ref().map_or(Request::UNREADABLE, |r| **r);
-        let checked = req.and_then(|r| r.check(world));
+        let backend = self.exec.backend();
+        let checked = req
+            .and_then(|r| r.check(world))
+            .and_then(|c| throughput::supported(&c, backend).map(|()| c));
         let req = &asked;
         // One block on the host backend, whose device has one SM; `num_sms` caps it.
         let cap = match asked.num_sms {
@@ -256,7 +266,7 @@ impl Communicator {
             let n = u64::from_le_bytes(m.get(..8).ok_or_else(bad)?.try_into().unwrap()) as usize;
             let t = m.get(8..8 + n).ok_or_else(bad)?;
             let rest = m.get((8 + n).next_multiple_of(8)..).ok_or_else(bad)?;
-            if rest.len() != 9 * 8 {
+            if rest.len() != 10 * 8 {
                 return Err(bad());
             }
             let w: Vec<u64> = rest
@@ -265,12 +275,12 @@ impl Communicator {
                 .collect();
             if n > 0 {
                 refusals.push(format!("rank {r}: {}", String::from_utf8_lossy(t)));
-                if w[..8] == Request::UNREADABLE.words() {
+                if w[..9] == Request::UNREADABLE.words() {
                     unreadable.push(format!("rank {r}: {}", String::from_utf8_lossy(t)));
                 }
             }
-            g = g.min(w[8] as u32);
-            words.push(w[..8].to_vec());
+            g = g.min(w[9] as u32);
+            words.push(w[..9].to_vec());
         }
         if let (true, Err(e)) = (unread, &checked) {
             return Err(e.clone()); // this rank's own reason
@@ -301,9 +311,18 @@ impl Communicator {
                 refusals.join("; ")
             )));
         }
-        let layout = Layout::new(&cfg, world);
+        let (layout, tp) = match cfg.mode {
+            config::Mode::LowLatency => (Layout::new(&cfg, world), None),
+            config::Mode::Throughput => {
+                let t = throughput::TpLayout::new(&cfg, world);
+                (t.block(), Some(t))
+            }
+        };
         let block = self.moe_alloc(layout.bytes)?;
-        match self.moe_share(&cfg, layout, block, g.max(1)) {
+        match self
+            .moe_share(&cfg, layout, block, g.max(1))
+            .map(|m| Moe { tp, ..m })
+        {
             Ok(m) => Ok(m),
             Err(e) => {
                 let _ = self.alloc.free(block, layout.bytes, self.device, 0);
@@ -382,6 +401,8 @@ impl Communicator {
             d_epoch: 0,
             c_epoch: 0,
             last: None,
+            tp: None,
+            tp_first_combine: 0,
         })
     }
 
@@ -404,9 +425,12 @@ impl Communicator {
         let tokens = if refusal.is_some() { 0 } else { a.tokens };
         // The kernel, or on the host backend its CPU twin (host.rs); an error the kernels
         // recorded since the last call after a launch that went well.
-        let r = launch::dispatch(&mut c, m, a, it, refusal.as_ref())
-            .map_err(|e| self.moe_fatal(e))
-            .and_then(|()| pending.map_or(Ok(()), Err));
+        let r = match m.tp {
+            Some(_) => throughput::dispatch(&mut c, m, a, it, refusal.as_ref()),
+            None => launch::dispatch(&mut c, m, a, it, refusal.as_ref()),
+        }
+        .map_err(|e| self.moe_fatal(e))
+        .and_then(|()| pending.map_or(Ok(()), Err));
         m.last = Some(Last {
             tokens,
             k: a.k,
@@ -429,9 +453,12 @@ impl Communicator {
         };
         let pending = m.take_status();
         let refusal = m.check_combine(a, last.tokens).err();
-        let r = launch::combine(&mut c, m, a, last, refusal.is_some())
-            .map_err(|e| self.moe_fatal(e))
-            .and_then(|()| pending.map_or(Ok(()), Err));
+        let r = match m.tp {
+            Some(_) => throughput::combine(&mut c, m, a, last, refusal.is_some()),
+            None => launch::combine(&mut c, m, a, last, refusal.is_some()),
+        }
+        .map_err(|e| self.moe_fatal(e))
+        .and_then(|()| pending.map_or(Ok(()), Err));
         match (r, refusal) {
             // The host backend's combine after a failed dispatch does nothing, and says so
             // before anything else (launch.rs).

@@ -458,11 +458,11 @@ pub fn create_errors(comm: Comm, dev: Dev, w: usize, rank: usize, seed: u64) {
         INVALID,
         &[above],
     );
-    let v = "config version 3, size".to_string();
-    refuse(comm, good, cfg(&|c| c.version = 3), INVALID, &[v]);
-    // Version 1's size under version 2 (and the reverse) is another layout: refused.
+    let v = "config version 4, size".to_string();
+    refuse(comm, good, cfg(&|c| c.version = 4), INVALID, &[v]);
+    // Version 1's size under version 3 (and the reverse) is another layout: refused.
     let v1_size = std::mem::offset_of!(symm_moe_config_t, num_sms) as u32;
-    let v = format!("config version 2, size {v1_size}");
+    let v = format!("config version 3, size {v1_size}");
     refuse(comm, good, cfg(&|c| c.size = v1_size), INVALID, &[v]);
     refuse(
         comm,
@@ -476,7 +476,7 @@ pub fn create_errors(comm: Comm, dev: Dev, w: usize, rank: usize, seed: u64) {
         good,
         cfg(&|c| c.size = 8),
         INVALID,
-        &["size 8; expected version 2".into()],
+        &["size 8; expected version 3".into()],
     );
     let st = symm_moe_create_config(comm, null_mut(), &mut m);
     assert!(
@@ -487,10 +487,10 @@ pub fn create_errors(comm: Comm, dev: Dev, w: usize, rank: usize, seed: u64) {
     // One rank cannot read its request (a config of another version; `out` NULL): every rank
     // fails at once naming it (it still takes part in the agreement), none waits for a timeout.
     let last = w - 1;
-    let own_v = cfg(&|c| c.version = if rank == last { 3 } else { 2 });
-    let named = format!("rank {last}: symm_moe_create_config: config version 3");
+    let own_v = cfg(&|c| c.version = if rank == last { 4 } else { 3 });
+    let named = format!("rank {last}: symm_moe_create_config: config version 4");
     let needle = if rank == last {
-        "config version 3".to_string()
+        "config version 4".to_string()
     } else {
         named
     };

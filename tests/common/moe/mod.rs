@@ -12,6 +12,7 @@ mod check;
 pub mod edges;
 pub mod errors;
 pub mod repeat;
+pub mod tp;
 pub use check::*;
 
 use super::{err, init, Child, Comm, Rng, OK};
@@ -212,6 +213,8 @@ impl Shape {
             max_recv_per_expert: self.max_recv,
             num_sms: self.num_sms,
             reserved: 0,
+            mode: SYMM_MOE_LOW_LATENCY,
+            mode_reserved: 0,
         }
     }
 }
