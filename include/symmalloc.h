@@ -976,7 +976,8 @@ symm_status_t symm_moe_tp_layout(const symm_moe_t *moe, symm_moe_tp_layout_t *ou
  * naming the value, and every other rank's call fails naming that rank; a bad routing (an
  * expert out of range, twice in a token, a full expert) fails on every rank (at this call on
  * the host backend, at the next call or `symm_moe_check` on CUDA). Both leave the object and
- * the communicator usable.
+ * the communicator usable. Throughput mode (`mode` SYMM_MOE_THROUGHPUT): each token goes
+ * once to each rank holding one of its experts, and lands in `symm_moe_tp_layout`'s buffers.
  */
 symm_status_t symm_moe_dispatch(symm_moe_t *moe, const void *x, const float *x_scales, const void *topk_idx, uint32_t idx_dtype, const float *topk_weights, size_t num_tokens, uint32_t k, struct CUstream_st *stream);
 
@@ -989,7 +990,10 @@ symm_status_t symm_moe_dispatch(symm_moe_t *moe, const void *x, const float *x_s
  * Any number of combines may follow one dispatch, back to back on the stream (e.g. with other
  * expert outputs): each writes its own `y`, none disturbs another's. A combine one rank
  * refused (its own arguments) fails on every other rank naming it, with `y` zeros there, and
- * may simply be retried.
+ * may simply be retried. Throughput mode: `expert_out` is `[world * max_tokens_per_rank][hidden]`
+ * bf16, row i the caller's weighted sum over this rank's experts for received row i (rows past
+ * `*num_recv` are not read), and `y[t]` = the sum of token t's rows over the ranks it went to,
+ * in increasing rank order, in fp32, rounded to bf16 once.
  */
 symm_status_t symm_moe_combine(symm_moe_t *moe, const void *expert_out, void *y, struct CUstream_st *stream);
 

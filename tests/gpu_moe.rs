@@ -296,3 +296,39 @@ fn gpu_moe_graph_replays_of_two_combines_of_one_dispatch() {
         0,
     );
 }
+
+/// Throughput mode (docs/moe.md, "Throughput mode") has no CUDA kernels yet: create refuses it
+/// on every rank with SYMM_ERR_UNSUPPORTED naming the host backend, leaves NULL, and the
+/// communicator still makes a low-latency object. When kernels/moe_tp.cu lands, this test
+/// becomes tests/common/moe/tp.rs's `tp_sweep`, `tp_repeated` and `tp_errors` on `Dev::cuda`.
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_throughput_mode_is_refused_until_its_kernels_exist() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, _) = rank_setup(&c, Dev::cuda);
+        let s = Shape::new(8, 128, 4, experts(w, 8), false);
+        refuse(
+            comm,
+            s,
+            Some(common::moe::tp::tp_config(&s)),
+            symmalloc::ffi::types::symm_status_t::SYMM_ERR_UNSUPPORTED,
+            &["runs on the host backend only".into()],
+        );
+        let o = create(comm, s, dev);
+        run_case(
+            &o,
+            &Case::new(7, 8, 4, Route::Random),
+            Expert::Scale,
+            [0, 0],
+        );
+        drop(o);
+        destroy(comm);
+        println!("rank {r}: throughput mode refused; a low-latency object works after");
+        return;
+    }
+    run_gpu(
+        "gpu_moe_throughput_mode_is_refused_until_its_kernels_exist",
+        &[],
+        0,
+    );
+}

@@ -482,7 +482,8 @@ pub extern "C" fn symm_moe_tp_layout(
 /// naming the value, and every other rank's call fails naming that rank; a bad routing (an
 /// expert out of range, twice in a token, a full expert) fails on every rank (at this call on
 /// the host backend, at the next call or `symm_moe_check` on CUDA). Both leave the object and
-/// the communicator usable.
+/// the communicator usable. Throughput mode (`mode` SYMM_MOE_THROUGHPUT): each token goes
+/// once to each rank holding one of its experts, and lands in `symm_moe_tp_layout`'s buffers.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub extern "C" fn symm_moe_dispatch(
@@ -521,7 +522,10 @@ pub extern "C" fn symm_moe_dispatch(
 /// Any number of combines may follow one dispatch, back to back on the stream (e.g. with other
 /// expert outputs): each writes its own `y`, none disturbs another's. A combine one rank
 /// refused (its own arguments) fails on every other rank naming it, with `y` zeros there, and
-/// may simply be retried.
+/// may simply be retried. Throughput mode: `expert_out` is `[world * max_tokens_per_rank][hidden]`
+/// bf16, row i the caller's weighted sum over this rank's experts for received row i (rows past
+/// `*num_recv` are not read), and `y[t]` = the sum of token t's rows over the ranks it went to,
+/// in increasing rank order, in fp32, rounded to bf16 once.
 #[no_mangle]
 pub extern "C" fn symm_moe_combine(
     moe: *mut symm_moe_t,
