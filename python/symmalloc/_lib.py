@@ -141,8 +141,11 @@ def _library():
 _MOE_DTYPES = {"bfloat16": 0, "bf16": 0, "float8_e4m3fn": 1, "fp8": 1, "fp8_e4m3": 1}
 # index dtype name -> SYMM_INDEX_INT32 / SYMM_INDEX_INT64.
 _INDEX_DTYPES = {"int32": 0, "int64": 1}
-_MOE_CONFIG_VERSION = 2  # SYMM_MOE_CONFIG_VERSION
+_MOE_CONFIG_VERSION = 3  # SYMM_MOE_CONFIG_VERSION
 _MOE_LAYOUT_VERSION = 1  # SYMM_MOE_LAYOUT_VERSION
+_MOE_TP_LAYOUT_VERSION = 1  # SYMM_MOE_TP_LAYOUT_VERSION
+# mode name -> SYMM_MOE_LOW_LATENCY / SYMM_MOE_THROUGHPUT.
+_MOE_MODES = {"low_latency": 0, "throughput": 1}
 _MOE_MAX_TOPK = 16  # SYMM_MOE_MAX_TOPK
 _MOE_MAX_EXPERTS = 1024  # SYMM_MOE_MAX_EXPERTS
 
@@ -157,6 +160,7 @@ class _MoeConfig(ctypes.Structure):
         ("dtype", ctypes.c_uint32), ("flags", ctypes.c_uint32),
         ("max_recv_per_expert", ctypes.c_uint64),
         ("num_sms", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+        ("mode", ctypes.c_uint32), ("mode_reserved", ctypes.c_uint32),
     ]
 
 
@@ -176,6 +180,24 @@ class _MoeLayout(ctypes.Structure):
     ]
 
 
+class _MoeTpLayout(ctypes.Structure):
+    """``symm_moe_tp_layout_t``: a throughput-mode object's buffers and its shape."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint32), ("size", ctypes.c_uint32),
+        ("recv_x", ctypes.c_void_p), ("recv_scales", ctypes.c_void_p),
+        ("recv_topk_idx", ctypes.c_void_p), ("recv_topk_weights", ctypes.c_void_p),
+        ("recv_src", ctypes.c_void_p), ("num_recv", ctypes.c_void_p),
+        ("num_recv_tokens_per_expert", ctypes.c_void_p), ("expert_offsets", ctypes.c_void_p),
+        ("expert_rows", ctypes.c_void_p),
+        ("max_rows", ctypes.c_uint64), ("local_experts", ctypes.c_uint64), ("first_expert", ctypes.c_uint64),
+        ("hidden", ctypes.c_uint64), ("max_tokens_per_rank", ctypes.c_uint64),
+        ("topk", ctypes.c_uint32), ("num_experts", ctypes.c_uint32), ("world", ctypes.c_uint32),
+        ("rank", ctypes.c_uint32), ("dtype", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+        ("buffer_bytes", ctypes.c_uint64),
+    ]
+
+
 _VP, _SZ, _U32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32
 # The symm_moe_* prototypes (all return symm_status_t), argument by argument; every pointer is a
 # c_void_p but the structs' and the out handle's.
@@ -184,6 +206,7 @@ _MOE_PROTOTYPES = {
     "symm_moe_create_config": [_VP, ctypes.POINTER(_MoeConfig), ctypes.POINTER(_VP)],
     "symm_moe_destroy": [_VP],
     "symm_moe_layout": [_VP, ctypes.POINTER(_MoeLayout)],
+    "symm_moe_tp_layout": [_VP, ctypes.POINTER(_MoeTpLayout)],
     "symm_moe_dispatch": [_VP, _VP, _VP, _VP, _U32, _VP, _SZ, _U32, _VP],
     "symm_moe_combine": [_VP, _VP, _VP, _VP],
     "symm_moe_check": [_VP],

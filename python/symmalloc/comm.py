@@ -373,7 +373,7 @@ class Communicator:
         return None if child is None else Communicator._adopt(child)
 
     def moe(self, max_tokens_per_rank: int, hidden: int, topk: int, num_experts: int, dtype="bf16",
-            max_recv_per_expert: int = 0, num_sms: int = 0):
+            max_recv_per_expert: int = 0, num_sms: int = 0, mode: str = "low_latency"):
         """Expert parallelism over this communicator (``symm_moe_create_config``): a
         ``symmalloc.moe.Moe`` with ``dispatch(x, topk_idx, topk_weights, x_scales=None)`` and
         ``combine(expert_out)``, for up to ``max_tokens_per_rank`` tokens of ``hidden`` elements
@@ -384,13 +384,16 @@ class Communicator:
         ``max_recv_per_expert``: rows per local expert; 0 (or None) is ``world_size *
         max_tokens_per_rank``, which no routing overflows; a smaller capacity makes an overflow
         an error, never a drop. ``num_sms``: the most SMs the kernels use (0: all, at most 132).
+        ``mode``: ``"low_latency"`` (rows by local expert, ``[L, R, H]``) or ``"throughput"``
+        (one row per token and destination rank, ``[world_size * max_tokens_per_rank, H]``;
+        ``dispatch`` then returns a ``MoeTpDispatch``; host backend only for now).
         Collective: every rank passes the same values. Its buffer
         (``buffer_bytes``) comes from this communicator's arena (SYMMALLOC_COMM_ARENA_SIZE).
         docs/moe.md is the contract."""
         from .moe import Moe
 
         return Moe(self, max_tokens_per_rank, hidden, topk, num_experts, dtype=dtype,
-                   max_recv_per_expert=max_recv_per_expert, num_sms=num_sms)
+                   max_recv_per_expert=max_recv_per_expert, num_sms=num_sms, mode=mode)
 
     def mem_pool(self):
         """A ``torch.cuda.MemPool`` over this communicator's arena (``symm_comm_malloc``): what
