@@ -1,5 +1,5 @@
 //! MoE dispatch and combine in throughput mode (docs/moe.md, "Throughput mode") on the host
-//! backend, one process per rank at 2, 4 and 8 ranks, through the C ABI: the receive buffers
+//! backend, one process per rank at 1, 2, 4 and 8 ranks, through the C ABI: the receive buffers
 //! exactly and y bit for bit against every rank's inputs regenerated from the seed (and within
 //! bf16 rounding of a float64 sum), uniform and skewed routings (every token to one rank,
 //! several experts of one rank per token), the same y on every rank and run, repeated
@@ -11,11 +11,12 @@ use common::moe::tp::*;
 use common::moe::*;
 use common::*;
 
-/// Runs `name` at 2, 4 and 8 ranks on the host backend with the same seed; returns the outputs.
+/// Runs `name` at 1, 2, 4 and 8 ranks on the host backend with the same seed; returns the
+/// outputs.
 fn at_2_4_8(name: &str) -> Vec<Vec<std::process::Output>> {
     let seed = seed().to_string();
     let mut all = Vec::new();
-    for w in [2, 4, 8] {
+    for w in [1, 2, 4, 8] {
         let t = std::time::Instant::now();
         let outs = run_ranks(name, w, &[HOST, SMALL_LL], &seed);
         assert_all_ok(&outs);
