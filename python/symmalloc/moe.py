@@ -498,7 +498,7 @@ class Moe:
         what = f"moe.combine: rank {self.rank}"
         kind = MoeTpHandle if self.mode == "throughput" else MoeHandle
         if not isinstance(handle, kind):
-            raise _invalid(f"{what}: handle is {type(handle).__name__}; expected what this Moe's dispatch returned (a "
+            raise _invalid(f"{what}: handle is {type(handle).__name__}; expected what dispatch returned (a "
                            f"{'MoeTpDispatch' if kind is MoeTpHandle else 'MoeDispatch'} or its handle)")
         if handle.moe != self.handle:
             raise _invalid(f"{what}: the handle is of Moe {handle.moe}; expected one of this Moe ({self.handle})")
