@@ -202,3 +202,55 @@ def test_throughput_errors_on_every_rank_and_usable_after(world):
     got = _spawn(_errors_rank, world)
     for r in range(world):
         assert got[r] == ["mode", "combine", "range"], (r, got[r])
+
+
+def _torch_rank(rank, world, uid, q):
+    import traceback
+
+    try:
+        import torch
+
+        _child_env()
+        comm = symmalloc.Communicator(rank, world, uid)
+        case = CASES[1]  # k=8, max tokens, int64
+        every = [gen_case(case, 11, s) for s in range(world)]
+        x, _, idx, w = every[rank]
+        H, T = H_BF16, T_MAX
+        xt = torch.tensor(x, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(len(idx), H)
+        it = torch.tensor(idx, dtype=torch.int64)
+        wt = torch.tensor(w, dtype=torch.float32)
+        with comm.moe(T, H, TOPK, NUM_EXPERTS, dtype=torch.bfloat16, mode="throughput") as m:
+            d = m.dispatch(xt, it, wt)
+            L, R = m.local_experts, world * T
+            assert isinstance(d.recv_x, torch.Tensor) and d.recv_x.shape == (R, H) and d.recv_x.dtype == torch.bfloat16
+            assert d.recv_topk_idx.dtype == torch.int32 and d.recv_topk_weights.dtype == torch.float32
+            assert d.num_recv_tokens_per_expert.shape == (L,) and d.recv_scales is None
+            n = int(d.num_recv[0])
+            # The caller's per-row sum with torch, in the contract's order (fmaf per slot is what
+            # row_out computes; here the rows are checked against it bit for bit).
+            out = torch.full((R, H), float("nan"), dtype=torch.bfloat16)
+            src = d.recv_src[:n].tolist()
+            for r in range(n):
+                s, t = divmod(src[r], T)
+                bits = row_out(every[s], t, rank, L, H, False)
+                out[r] = torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+            y = m.combine(out, d)
+            assert y.shape == (len(idx), H) and y.dtype == torch.bfloat16
+            got = [v & 0xFFFF for v in y.view(torch.int16).flatten().tolist()]
+            assert got == want_y(every[rank], world, L, H, False), "torch y differs from the reference"
+            # The per-expert counts against the ids (torch ops on the views).
+            ids = d.recv_topk_idx[:n]
+            want = [int((ids == le).sum()) for le in range(L)]
+            assert d.num_recv_tokens_per_expert.tolist() == want
+        comm.barrier()
+        comm.close()
+        q.put((rank, n, None))
+    except Exception:
+        q.put((rank, None, traceback.format_exc()))
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("torch") is None, reason="PyTorch is not installed here")
+@pytest.mark.parametrize("world", [2, 4])
+def test_throughput_with_torch_cpu_tensors(world):
+    got = _spawn(_torch_rank, world)
+    assert sum(got.values()) >= world * T_MAX  # every token went to at least one rank
