@@ -297,38 +297,25 @@ fn gpu_moe_graph_replays_of_two_combines_of_one_dispatch() {
     );
 }
 
-/// Throughput mode (docs/moe.md, "Throughput mode") has no CUDA kernels yet: create refuses it
-/// on every rank with SYMM_ERR_UNSUPPORTED naming the host backend, leaves NULL, and the
-/// communicator still makes a low-latency object. When kernels/moe_tp.cu lands, this test
-/// becomes tests/common/moe/tp.rs's `tp_sweep`, `tp_repeated` and `tp_errors` on `Dev::cuda`.
+/// Throughput mode (docs/moe.md, "Throughput mode", kernels/moe_tp.cu): the host tests'
+/// scenarios (tests/common/moe/tp.rs) on device memory: the reference sweep (uniform, skewed,
+/// every token to one rank, FP8), repeated combines, every error (reported at the next call or
+/// `symm_moe_check` after a sync), create's mode checks.
 #[test]
 #[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
-fn gpu_moe_throughput_mode_is_refused_until_its_kernels_exist() {
+fn gpu_moe_throughput_mode_matches_the_reference() {
     if let Some(c) = child() {
-        let (comm, dev, w, r, _) = rank_setup(&c, Dev::cuda);
-        let s = Shape::new(8, 128, 4, experts(w, 8), false);
-        refuse(
-            comm,
-            s,
-            Some(common::moe::tp::tp_config(&s)),
-            symmalloc::ffi::types::symm_status_t::SYMM_ERR_UNSUPPORTED,
-            &["runs on the host backend only".into()],
-        );
-        let o = create(comm, s, dev);
-        run_case(
-            &o,
-            &Case::new(7, 8, 4, Route::Random),
-            Expert::Scale,
-            [0, 0],
-        );
-        drop(o);
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::cuda);
+        let (cases, hash) = common::moe::tp::tp_sweep(comm, dev, w, seed);
+        let made = common::moe::tp::tp_repeated(comm, dev, w, seed, 6);
+        common::moe::tp::tp_errors(comm, dev, w, seed);
+        common::moe::tp::tp_create_errors(comm, dev, w, r);
         destroy(comm);
-        println!("rank {r}: throughput mode refused; a low-latency object works after");
+        println!(
+            "rank {r}: outputs hash {hash:016x}; {cases} cases and {made} repeated calls correct"
+        );
         return;
     }
-    run_gpu(
-        "gpu_moe_throughput_mode_is_refused_until_its_kernels_exist",
-        &[],
-        0,
-    );
+    let outs = run_gpu("gpu_moe_throughput_mode_matches_the_reference", &[], 0);
+    assert_same_output_hash(&outs);
 }

@@ -386,7 +386,7 @@ class Communicator:
         an error, never a drop. ``num_sms``: the most SMs the kernels use (0: all, at most 132).
         ``mode``: ``"low_latency"`` (rows by local expert, ``[L, R, H]``) or ``"throughput"``
         (one row per token and destination rank, ``[world_size * max_tokens_per_rank, H]``;
-        ``dispatch`` then returns a ``MoeTpDispatch``; host backend only for now).
+        ``dispatch`` then returns a ``MoeTpDispatch``; not under torch.compile yet).
         Collective: every rank passes the same values. Its buffer
         (``buffer_bytes``) comes from this communicator's arena (SYMMALLOC_COMM_ARENA_SIZE).
         docs/moe.md is the contract."""

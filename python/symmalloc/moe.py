@@ -58,8 +58,8 @@ is combined by its handle or, eagerly, by ``combine(expert_out)``; after a compi
 Without torch (the host backend), inputs may be any objects with ``data_ptr()``, ``shape``,
 ``dtype``, ``is_contiguous()`` and ``get_device()``; the results are then ``HostView`` objects.
 
-Throughput mode (``comm.moe(..., mode="throughput")``, DeepEP's normal/prefill mode; host
-backend only for now): a token goes once to each rank holding one of its experts; ``dispatch``
+Throughput mode (``comm.moe(..., mode="throughput")``, DeepEP's normal/prefill mode; its
+CUDA kernels have not run on a GPU yet): a token goes once to each rank holding one of its experts; ``dispatch``
 returns a ``MoeTpDispatch`` ``(recv_x [W*T, H], recv_topk_idx [W*T, K] int32 (local expert ids,
 -1 elsewhere), recv_topk_weights [W*T, K], num_recv_tokens_per_expert [L], handle)`` with
 ``num_recv``, ``recv_src``, ``recv_scales``, ``expert_offsets`` and ``expert_rows`` (a CSR of the

@@ -6,21 +6,138 @@
 //! them over the destination ranks in increasing rank order in fp32, rounded to bf16 once.
 //!
 //! This file owns the mode's block layout (`TpLayout`, a pure function of config and world,
-//! like layout.rs) and its plans; the CPU protocol is tp_host.rs. There is no CUDA kernel of
-//! this mode yet: create refuses the mode on the CUDA backend on every rank (mod.rs), so no
-//! plan of it ever reaches a GPU.
+//! like layout.rs), its kernels' names and argument struct (`MoeTpArgs`, mirrored field by field
+//! with kernels/moe_tp.cu) and its plans; the CPU protocol is tp_host.rs.
 //!
 //! Invariants: the parts are 256-byte aligned in a fixed order, `ctrl`, `counts` and `flags`
 //! first (zeroed at create); the receive buffer holds `W * T` rows, which no routing
 //! overflows (a token goes at most once to each rank).
 
-use super::config::{Config, IndexType};
+use super::config::{Config, IndexType, Payload};
 use super::layout::{Layout, CTRL_BYTES, PART_ALIGN, ROW_EXTRA};
-use super::status::Refusal;
-use super::{tp_host, Combine, Dispatch, Last, Moe};
+use super::status::{self, Refusal};
+use super::{tp_host, Combine, Dispatch, Last, Moe, THREADS};
+use crate::comm::collective::kernel_args::{SymmArgs, COUNTERS_OFFSET, MAX_RANKS};
 use crate::comm::collective::Ctx;
-use crate::comm::exec;
+use crate::comm::exec::{self, ArgBlock, Family, KernelId};
 use crate::error::{Error, Result};
+
+/// The kernels (kernels/moe_tp.cu), by payload and index type, then the combine; their ids are
+/// `Family::Moe` keys from `TP_KEY_BASE` (the low-latency kernels use 0..5).
+pub const TP_KERNELS: [&str; 5] = [
+    "symm_moe_tp_dispatch_bf16_i32",
+    "symm_moe_tp_dispatch_bf16_i64",
+    "symm_moe_tp_dispatch_fp8_i32",
+    "symm_moe_tp_dispatch_fp8_i64",
+    "symm_moe_tp_combine_bf16",
+];
+pub const TP_KEY_BASE: u64 = 16;
+/// Control words (u64 indices in the block's ctrl part) besides layout.rs `CTRL_*`: the first
+/// combine epoch of the last dispatch, and where block 0 leaves this rank's counts row for the
+/// publishing block (W counts, then ROW_EXTRA status words; kernels/moe_tp.cu).
+pub const CTRL_TP_FIRST: u64 = 7;
+pub const CTRL_TP_ROW: u64 = 16;
+const _: () = assert!((CTRL_TP_ROW + MAX_RANKS as u64 + ROW_EXTRA) * 8 <= CTRL_BYTES);
+
+fn tp_kernel_name(id: KernelId) -> Result<String> {
+    id.key()
+        .checked_sub(TP_KEY_BASE)
+        .and_then(|i| TP_KERNELS.get(i as usize))
+        .map(|n| n.to_string())
+        .ok_or_else(|| Error::internal(format!("no throughput moe kernel {:#x}", id.0)))
+}
+
+/// The argument of the throughput kernels (kernels/moe_tp.cu `MoeTpArgs`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MoeTpArgs {
+    pub s: SymmArgs,
+    pub blocks: [u64; MAX_RANKS],
+    /// Dispatch: x; combine: expert_out.
+    pub x_or_expert_out: u64,
+    pub x_scales: u64,
+    pub topk_idx: u64,
+    /// Dispatch: topk_weights; combine: y.
+    pub weights_or_y: u64,
+    pub status: u64,
+    pub off_flags: u64,
+    pub off_meta: u64,
+    pub off_recv_src: u64,
+    pub off_recv_idx: u64,
+    pub off_recv_weights: u64,
+    pub off_expert_rows: u64,
+    pub off_recv_x: u64,
+    pub off_recv_scales: u64,
+    pub off_idx: u64,
+    pub off_weights: u64,
+    pub off_pos: u64,
+    pub off_list: u64,
+    pub off_xstage: u64,
+    pub off_xscales: u64,
+    pub off_cstage: u64,
+    pub num_tokens: u64,
+    pub refuse_value: i64,
+    pub max_tokens: u32,
+    pub hidden: u32,
+    pub k: i32,
+    pub topk: i32,
+    pub experts: i32,
+    pub local: i32,
+    pub refuse_code: i32,
+    pub pad: i32,
+}
+
+const _: () = assert!(std::mem::size_of::<MoeTpArgs>() == 256 + 64 + 22 * 8 + 8 * 4);
+
+fn tp_args(c: &Ctx, m: &Moe, t: &TpLayout) -> MoeTpArgs {
+    let mut s = SymmArgs {
+        timeout_ns: c.settings.timeout.as_nanos().min(u64::MAX as u128) as u64,
+        rank: m.rank as i32,
+        world: m.world as i32,
+        counters: c.internal + COUNTERS_OFFSET,
+        error_word: c.coll.errors.device_ptr(),
+        ..SymmArgs::default()
+    };
+    s.pads[..m.world].copy_from_slice(&c.peer.pads);
+    MoeTpArgs {
+        s,
+        blocks: m.blocks,
+        status: m.status.as_ref().map_or(0, |w| w.device_ptr),
+        off_flags: t.flags,
+        off_meta: t.meta,
+        off_recv_src: t.recv_src,
+        off_recv_idx: t.recv_idx,
+        off_recv_weights: t.recv_weights,
+        off_expert_rows: t.expert_rows,
+        off_recv_x: t.recv_x,
+        off_recv_scales: t.recv_scales,
+        off_idx: t.idx,
+        off_weights: t.weights,
+        off_pos: t.pos,
+        off_list: t.list,
+        off_xstage: t.xstage,
+        off_xscales: t.xscales,
+        off_cstage: t.cstage,
+        max_tokens: m.cfg.tokens as u32,
+        hidden: m.cfg.hidden as u32,
+        topk: m.cfg.topk as i32,
+        experts: m.cfg.experts as i32,
+        local: m.cfg.local_experts(m.world as u64) as i32,
+        ..MoeTpArgs::default()
+    }
+}
+
+fn tp_launch(m: &Moe, index: usize, args: &MoeTpArgs) -> exec::Launch {
+    exec::Launch {
+        id: KernelId::new(Family::Moe, TP_KEY_BASE + index as u64),
+        name: tp_kernel_name,
+        grid: m.grid,
+        block: THREADS,
+        cluster: 1,
+        shared: 0,
+        args: ArgBlock::of(args),
+    }
+}
 
 /// Flag rows: the combine's "rows staged" (`2 * c + refused`) and "done reading" (`c`).
 pub const TP_FLAG_STAGED: u64 = 0;
@@ -177,20 +294,7 @@ pub fn wrong_mode(what: &str, m: &Moe) -> Error {
     ))
 }
 
-/// Create's check of the mode against where the kernels run: throughput mode has no CUDA
-/// kernel yet (module header), so a CUDA communicator refuses it on every rank.
-pub fn supported(c: &Config, backend: &str) -> Result<()> {
-    if c.mode == super::config::Mode::Throughput && backend != "host" {
-        return Err(Error::unsupported(
-            "symm_moe_create: mode SYMM_MOE_THROUGHPUT runs on the host backend only in this \
-             build (its CUDA kernels are not written yet); expected SYMM_MOE_LOW_LATENCY (0) on \
-             GPUs",
-        ));
-    }
-    Ok(())
-}
-
-/// The dispatch's plan (host backend: its CPU twin, tp_host.rs).
+/// The dispatch's plan (the kernel; host backend: its CPU twin, tp_host.rs).
 pub(super) fn dispatch(
     c: &mut Ctx,
     m: &mut Moe,
@@ -198,19 +302,43 @@ pub(super) fn dispatch(
     it: IndexType,
     refusal: Option<&Refusal>,
 ) -> Result<()> {
+    let t = m.tp.expect("a throughput-mode object has its layout");
+    let mut args = tp_args(c, m, &t);
+    match refusal {
+        Some(r) => {
+            args.refuse_code = r.code as i32;
+            args.refuse_value = r.value;
+            args.k = 1;
+        }
+        None => {
+            args.x_or_expert_out = a.x;
+            args.x_scales = a.x_scales;
+            args.topk_idx = a.idx;
+            args.weights_or_y = a.weights;
+            args.num_tokens = a.tokens;
+            args.k = a.k as i32;
+        }
+    }
+    let i = match (m.cfg.dtype, it) {
+        (Payload::Bf16, IndexType::I32) => 0,
+        (Payload::Bf16, IndexType::I64) => 1,
+        (Payload::Fp8, IndexType::I32) => 2,
+        (Payload::Fp8, IndexType::I64) => 3,
+    };
+    let l = tp_launch(m, i, &args);
     let timeout = c.settings.timeout;
     let mut twin = || tp_host::dispatch(m, a, it, refusal, timeout);
     c.exec.submit(exec::Plan {
         stream: a.stream,
         ordered: true,
         copy_in: None,
-        device: exec::Device::Nothing,
+        device: exec::Device::Kernel(l),
         cpu: Some(&mut twin),
         copy_out: None,
     })
 }
 
-/// The combine's plan (host backend: its CPU twin, tp_host.rs).
+/// The combine's plan (the kernel; host backend: its CPU twin, tp_host.rs).
 pub(super) fn combine(
     c: &mut Ctx,
     m: &mut Moe,
@@ -218,6 +346,17 @@ pub(super) fn combine(
     last: Last,
     refused: bool,
 ) -> Result<()> {
+    let t = m.tp.expect("a throughput-mode object has its layout");
+    let mut args = tp_args(c, m, &t);
+    args.num_tokens = last.tokens;
+    args.k = last.k as i32;
+    if refused {
+        args.refuse_code = status::ST_COMBINE_REFUSED as i32;
+    } else {
+        args.x_or_expert_out = a.expert_out;
+        args.weights_or_y = a.y;
+    }
+    let l = tp_launch(m, 4, &args);
     let timeout = c.settings.timeout;
     let mut twin = || {
         if !last.ok {
@@ -229,7 +368,7 @@ pub(super) fn combine(
         stream: a.stream,
         ordered: true,
         copy_in: None,
-        device: exec::Device::Nothing,
+        device: exec::Device::Kernel(l),
         cpu: Some(&mut twin),
         copy_out: None,
     })
