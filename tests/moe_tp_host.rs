@@ -4,10 +4,11 @@
 //! bf16 rounding of a float64 sum), uniform and skewed routings (every token to one rank,
 //! several experts of one rank per token), the same y on every rank and run, repeated
 //! combines, every error on every rank with the object usable after, create's checks of the
-//! mode. The scenarios: tests/common/moe/tp.rs.
+//! mode. The scenarios: tests/common/moe/tp.rs and tp_errors.rs.
 
 use crate::common;
 use common::moe::tp::*;
+use common::moe::tp_errors::*;
 use common::moe::*;
 use common::*;
 

@@ -13,6 +13,7 @@ pub mod edges;
 pub mod errors;
 pub mod repeat;
 pub mod tp;
+pub mod tp_errors;
 pub use check::*;
 
 use super::{err, init, Child, Comm, Rng, OK};
