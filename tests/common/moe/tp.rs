@@ -1,6 +1,6 @@
 //! The throughput mode's scenarios (docs/moe.md, "Throughput mode"), run by tests/moe_tp_host.rs
-//! on the host backend and tests/gpu_moe.rs on CUDA: every rank regenerates every rank's inputs from the case's seed
-//! (`rank_inputs`), builds the receive buffers it must get (one row per (token, this rank), by
+//! on the host backend and tests/gpu_moe.rs on CUDA: every rank regenerates every rank's inputs
+//! from the case's seed (`rank_inputs`), builds the receive buffers it must get (one row per (token, this rank), by
 //! source rank then token; local top-k ids, weights, counts, CSR) and checks them exactly; the
 //! experts' per-row sums are a pure function of the inputs, so each rank also knows every other
 //! rank's combine input and checks `y` bit for bit against the contract's sum (destination
