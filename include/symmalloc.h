@@ -92,8 +92,9 @@ struct CUstream_st;
 
 /**
  * The `symm_moe_config_t` layout this library writes in its header (`version`): 2 added
- * `num_sms`, 3 `input`, `scale_layout` and `scale_ue8m0`. Versions 1 (`size` 48, without
- * `num_sms`) and 2 (`size` 56) are still read, the missing fields as 0.
+ * `num_sms`, 3 `input`, `scale_layout`, `scale_ue8m0` and the mode group (`mode`). Versions 1
+ * (`size` 48, without `num_sms`) and 2 (`size` 56) are still read, the missing fields as 0
+ * (payload input, row-major scales, low-latency mode).
  */
 #define SYMM_MOE_CONFIG_VERSION 3
 
@@ -102,6 +103,19 @@ struct CUstream_st;
  * and strides. Version 1 (`size` 112, ending at `buffer_bytes`) is still written.
  */
 #define SYMM_MOE_LAYOUT_VERSION 2
+
+/**
+ * Modes of `symm_moe_config_t.mode` (docs/moe.md): expert-major rows with device-side counts
+ * (`symm_moe_layout`), or one row per (token, destination rank) (`symm_moe_tp_layout`).
+ */
+#define SYMM_MOE_LOW_LATENCY 0
+
+#define SYMM_MOE_THROUGHPUT 1
+
+/**
+ * The `symm_moe_tp_layout_t` layout this library writes (`version`).
+ */
+#define SYMM_MOE_TP_LAYOUT_VERSION 1
 
 /**
  * `flags` of `symm_moe_create` / `symm_moe_config_t`: record the clock probe (the kernels'
@@ -438,6 +452,15 @@ typedef struct {
    * Version 3: 0 (reserved; anything else is refused).
    */
   uint32_t reserved3;
+  /**
+   * Version 3: SYMM_MOE_LOW_LATENCY (0) or SYMM_MOE_THROUGHPUT (1). Every rank passes the
+   * same value.
+   */
+  uint32_t mode;
+  /**
+   * Version 3, mode group: 0 (reserved; anything else is refused).
+   */
+  uint32_t mode_reserved;
 } symm_moe_config_t;
 
 /**
@@ -501,6 +524,70 @@ typedef struct {
   uint64_t scale_stride_row;
   uint64_t scale_stride_group;
 } symm_moe_layout_t;
+
+/**
+ * Where a throughput-mode dispatch leaves its rows (written by `symm_moe_tp_layout`; versioned:
+ * set `version` to SYMM_MOE_TP_LAYOUT_VERSION and `size` to `sizeof(symm_moe_tp_layout_t)`).
+ * Rows are ordered by source rank, then token: one per (token, this rank); `max_rows` =
+ * world * max_tokens_per_rank bounds them whatever the routing.
+ */
+typedef struct {
+  uint32_t version;
+  uint32_t size;
+  /**
+   * `[max_rows][H]` payload dtype: the received rows, the first `*num_recv` filled.
+   */
+  void *recv_x;
+  /**
+   * `[max_rows][H/128]` fp32 (FP8 only; NULL for bf16).
+   */
+  float *recv_scales;
+  /**
+   * `[max_rows][K]` int32: each row's top-k slots as local expert ids (0..L), -1 where the
+   * slot's expert is on another rank or the slot was unused.
+   */
+  int32_t *recv_topk_idx;
+  /**
+   * `[max_rows][K]` fp32: the weights of those slots (0 where `recv_topk_idx` is -1).
+   */
+  float *recv_topk_weights;
+  /**
+   * `[max_rows]` int32: `src_rank * max_tokens_per_rank + token` of each row.
+   */
+  int32_t *recv_src;
+  /**
+   * `[1]` int32 (device memory): rows received by the last dispatch.
+   */
+  int32_t *num_recv;
+  /**
+   * `[L]` int32 (device memory): rows whose top-k has each local expert.
+   */
+  int32_t *num_recv_tokens_per_expert;
+  /**
+   * `[L + 1]` int32: the CSR offsets of `expert_rows` (prefix sums of the counts above).
+   */
+  int32_t *expert_offsets;
+  /**
+   * `[max_rows * K]` int32: `row * K + k` of each (row, slot) of each local expert, grouped
+   * by local expert, rows increasing.
+   */
+  int32_t *expert_rows;
+  uint64_t max_rows;
+  uint64_t local_experts;
+  uint64_t first_expert;
+  uint64_t hidden;
+  uint64_t max_tokens_per_rank;
+  uint32_t topk;
+  uint32_t num_experts;
+  uint32_t world;
+  uint32_t rank;
+  uint32_t dtype;
+  uint32_t reserved;
+  /**
+   * Bytes of the communicator's arena this object holds.
+   */
+  uint64_t buffer_bytes;
+} symm_moe_tp_layout_t;
 
 /**
  * A communicator as device code sees it (`symm_comm_device` fills it; the helpers of
@@ -944,6 +1031,13 @@ symm_status_t symm_moe_destroy(symm_moe_t *moe);
 symm_status_t symm_moe_layout(const symm_moe_t *moe, symm_moe_layout_t *out);
 
 /**
+ * Fills the first `out->size` bytes of `*out` (set `version` to SYMM_MOE_TP_LAYOUT_VERSION
+ * and `size` to `sizeof(symm_moe_tp_layout_t)`) with where a throughput-mode dispatch leaves
+ * its rows. Local. A low-latency object is refused (use `symm_moe_layout`).
+ */
+symm_status_t symm_moe_tp_layout(const symm_moe_t *moe, symm_moe_tp_layout_t *out);
+
+/**
  * Stream-ordered, capturable, no host synchronization: sends row `x[t]` (and its scales) to
  * the rank of every expert in `topk_idx[t]` (`-1`: slot unused); every rank's `recv_x` then
  * holds its local experts' rows, ordered by source rank then token, with `recv_counts` and
@@ -956,7 +1050,8 @@ symm_status_t symm_moe_layout(const symm_moe_t *moe, symm_moe_layout_t *out);
  * naming the value, and every other rank's call fails naming that rank; a bad routing (an
  * expert out of range, twice in a token, a full expert) fails on every rank (at this call on
  * the host backend, at the next call or `symm_moe_check` on CUDA). Both leave the object and
- * the communicator usable.
+ * the communicator usable. Throughput mode (`mode` SYMM_MOE_THROUGHPUT): each token goes
+ * once to each rank holding one of its experts, and lands in `symm_moe_tp_layout`'s buffers.
  */
 symm_status_t symm_moe_dispatch(symm_moe_t *moe, const void *x, const float *x_scales, const void *topk_idx, uint32_t idx_dtype, const float *topk_weights, size_t num_tokens, uint32_t k, struct CUstream_st *stream);
 
@@ -969,7 +1064,10 @@ symm_status_t symm_moe_dispatch(symm_moe_t *moe, const void *x, const float *x_s
  * Any number of combines may follow one dispatch, back to back on the stream (e.g. with other
  * expert outputs): each writes its own `y`, none disturbs another's. A combine one rank
  * refused (its own arguments) fails on every other rank naming it, with `y` zeros there, and
- * may simply be retried.
+ * may simply be retried. Throughput mode: `expert_out` is `[world * max_tokens_per_rank][hidden]`
+ * bf16, row i the caller's weighted sum over this rank's experts for received row i (rows past
+ * `*num_recv` are not read), and `y[t]` = the sum of token t's rows over the ranks it went to,
+ * in increasing rank order, in fp32, rounded to bf16 once.
  */
 symm_status_t symm_moe_combine(symm_moe_t *moe, const void *expert_out, void *y, struct CUstream_st *stream);
 

@@ -447,3 +447,26 @@ fn gpu_moe_split_halves_in_a_cuda_graph() {
     }
     run_gpu("gpu_moe_split_halves_in_a_cuda_graph", &[], 0);
 }
+
+/// Throughput mode (docs/moe.md, "Throughput mode", kernels/moe_tp.cu): the host tests'
+/// scenarios (tests/common/moe/tp.rs) on device memory: the reference sweep (uniform, skewed,
+/// every token to one rank, FP8), repeated combines, every error (reported at the next call or
+/// `symm_moe_check` after a sync), create's mode checks.
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_throughput_mode_matches_the_reference() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::cuda);
+        let (cases, hash) = common::moe::tp::tp_sweep(comm, dev, w, seed);
+        let made = common::moe::tp::tp_repeated(comm, dev, w, seed, 6);
+        common::moe::tp_errors::tp_errors(comm, dev, w, seed);
+        common::moe::tp_errors::tp_create_errors(comm, dev, w, r);
+        destroy(comm);
+        println!(
+            "rank {r}: outputs hash {hash:016x}; {cases} cases and {made} repeated calls correct"
+        );
+        return;
+    }
+    let outs = run_gpu("gpu_moe_throughput_mode_matches_the_reference", &[], 0);
+    assert_same_output_hash(&outs);
+}

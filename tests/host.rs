@@ -59,6 +59,8 @@ mod kernel_table;
 mod moe_host;
 #[path = "moe_split_host.rs"]
 mod moe_split_host;
+#[path = "moe_tp_host.rs"]
+mod moe_tp_host;
 #[path = "multicast_guard.rs"]
 mod multicast_guard;
 #[path = "p2p_host.rs"]

@@ -4,6 +4,7 @@
 use std::collections::BTreeSet;
 use symmalloc::comm::kernels::all_kernel_names;
 use symmalloc::comm::moe::launch::MOE_KERNELS;
+use symmalloc::comm::moe::throughput::TP_KERNELS;
 use symmalloc::comm::p2p::{P2P_SIGNAL_KERNEL, P2P_WAIT_KERNEL};
 use symmalloc::cuda::util::SELFTEST_SAXPY;
 
@@ -73,6 +74,7 @@ fn every_table_name_is_instantiated_and_vice_versa() {
                 .or_else(|| l.find("(RmsArgs"))
                 .or_else(|| l.find("(P2pArgs"))
                 .or_else(|| l.find("(MoeArgs"))
+                .or_else(|| l.find("(MoeTpArgs"))
                 .expect("kernel signature");
             instantiated.insert(l[..at].split_whitespace().last().unwrap().to_string());
         }
@@ -82,6 +84,7 @@ fn every_table_name_is_instantiated_and_vice_versa() {
     table.insert(P2P_WAIT_KERNEL.to_string());
     table.insert(P2P_SIGNAL_KERNEL.to_string());
     table.extend(MOE_KERNELS.iter().map(|s| s.to_string()));
+    table.extend(TP_KERNELS.iter().map(|s| s.to_string()));
     assert_eq!(
         table, instantiated,
         "kernel table and kernels/*.cu disagree"
@@ -91,10 +94,11 @@ fn every_table_name_is_instantiated_and_vice_versa() {
     // x 3 modes x 2 types), self-test, p2p wait and signal, moe dispatch (2 payloads x 2 index
     // types) and combine, their send halves (4 + 1) and receive halves (2 payloads + 1), the
     // quantizing dispatch (2 index types), its send halves (2) and receive half (1), all of these
-    // again as probe instances
+    // again as probe instances; the throughput mode's dispatch (2 payloads x 2 index types) and
+    // combine
     assert_eq!(
         table.len(),
-        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2 + 2 * (5 + 5 + 3 + 5)
+        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2 + 2 * (5 + 5 + 3 + 5) + 5
     );
     // Names the profiles and earlier results use stay as they were.
     for name in [
@@ -432,6 +436,79 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
         assert_eq!(
             launch::MOE_KERNELS[i + launch::PROBE_OFFSET],
             format!("{n}_probe")
+        );
+    }
+}
+
+/// kernels/moe_tp.cu's `MoeTpArgs` is src/comm/moe/throughput.rs's, field by field, and the
+/// control words and flag rows it shares with the host are the Rust ones.
+#[test]
+fn moe_tp_argument_struct_and_constants_match_the_cuda_source() {
+    use symmalloc::comm::moe::throughput as tp;
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/moe_tp.cu");
+    let src = std::fs::read_to_string(path).unwrap();
+    let u64s = [
+        "x_or_expert_out",
+        "x_scales",
+        "topk_idx",
+        "weights_or_y",
+        "status",
+        "off_flags",
+        "off_meta",
+        "off_recv_src",
+        "off_recv_idx",
+        "off_recv_weights",
+        "off_expert_rows",
+        "off_recv_x",
+        "off_recv_scales",
+        "off_idx",
+        "off_weights",
+        "off_pos",
+        "off_list",
+        "off_xstage",
+        "off_xscales",
+        "off_cstage",
+        "num_tokens",
+    ];
+    let mut want = vec![
+        "SymmArgs s".to_string(),
+        "uint64_t blocks[SYMM_MAX_RANKS]".to_string(),
+    ];
+    want.extend(u64s.iter().map(|f| format!("uint64_t {f}")));
+    want.push("int64_t refuse_value".into());
+    want.extend(["uint32_t max_tokens", "uint32_t hidden"].map(String::from));
+    for f in ["k", "topk", "experts", "local", "refuse_code", "pad"] {
+        want.push(format!("int32_t {f}"));
+    }
+    let got: Vec<String> = struct_fields(&src, "MoeTpArgs")
+        .into_iter()
+        .map(|f| f.to_string())
+        .collect();
+    assert_eq!(
+        got, want,
+        "kernels/moe_tp.cu MoeTpArgs changed: update src/comm/moe/throughput.rs in step"
+    );
+    assert_eq!(
+        std::mem::size_of::<tp::MoeTpArgs>(),
+        256 + 64 + 22 * 8 + 8 * 4
+    );
+    let define = |name: &str| -> u64 {
+        let at = src
+            .find(&format!("#define {name} "))
+            .unwrap_or_else(|| panic!("kernels/moe_tp.cu does not define {name}"));
+        let rest = &src[at + name.len() + 9..];
+        rest.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    for (name, v) in [
+        ("MOE_CTRL_TP_FIRST", tp::CTRL_TP_FIRST),
+        ("MOE_CTRL_TP_ROW", tp::CTRL_TP_ROW),
+        ("MOE_TP_FLAG_STAGED", tp::TP_FLAG_STAGED),
+        ("MOE_TP_FLAG_READ", tp::TP_FLAG_READ),
+    ] {
+        assert_eq!(
+            define(name),
+            v,
+            "kernels/moe_tp.cu {name} differs from the Rust constant"
         );
     }
 }

@@ -147,6 +147,9 @@ _MOE_INPUTS = {"payload": 0, "bfloat16": 1}
 _MOE_SCALE_LAYOUTS = {"row": 0, "col_tma": 1}
 _MOE_CONFIG_VERSION = 3  # SYMM_MOE_CONFIG_VERSION
 _MOE_LAYOUT_VERSION = 2  # SYMM_MOE_LAYOUT_VERSION
+_MOE_TP_LAYOUT_VERSION = 1  # SYMM_MOE_TP_LAYOUT_VERSION
+# mode name -> SYMM_MOE_LOW_LATENCY / SYMM_MOE_THROUGHPUT.
+_MOE_MODES = {"low_latency": 0, "throughput": 1}
 _MOE_MAX_TOPK = 16  # SYMM_MOE_MAX_TOPK
 _MOE_MAX_EXPERTS = 1024  # SYMM_MOE_MAX_EXPERTS
 _MOE_FLAG_PROBE = 1  # SYMM_MOE_FLAG_PROBE (flags: the clock probe)
@@ -165,6 +168,7 @@ class _MoeConfig(ctypes.Structure):
         ("num_sms", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
         ("input", ctypes.c_uint32), ("scale_layout", ctypes.c_uint32),
         ("scale_ue8m0", ctypes.c_uint32), ("reserved3", ctypes.c_uint32),
+        ("mode", ctypes.c_uint32), ("mode_reserved", ctypes.c_uint32),
     ]
 
 
@@ -188,6 +192,24 @@ class _MoeLayout(ctypes.Structure):
     ]
 
 
+class _MoeTpLayout(ctypes.Structure):
+    """``symm_moe_tp_layout_t``: a throughput-mode object's buffers and its shape."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint32), ("size", ctypes.c_uint32),
+        ("recv_x", ctypes.c_void_p), ("recv_scales", ctypes.c_void_p),
+        ("recv_topk_idx", ctypes.c_void_p), ("recv_topk_weights", ctypes.c_void_p),
+        ("recv_src", ctypes.c_void_p), ("num_recv", ctypes.c_void_p),
+        ("num_recv_tokens_per_expert", ctypes.c_void_p), ("expert_offsets", ctypes.c_void_p),
+        ("expert_rows", ctypes.c_void_p),
+        ("max_rows", ctypes.c_uint64), ("local_experts", ctypes.c_uint64), ("first_expert", ctypes.c_uint64),
+        ("hidden", ctypes.c_uint64), ("max_tokens_per_rank", ctypes.c_uint64),
+        ("topk", ctypes.c_uint32), ("num_experts", ctypes.c_uint32), ("world", ctypes.c_uint32),
+        ("rank", ctypes.c_uint32), ("dtype", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+        ("buffer_bytes", ctypes.c_uint64),
+    ]
+
+
 _VP, _SZ, _U32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32
 # The symm_moe_* prototypes (all return symm_status_t), argument by argument; every pointer is a
 # c_void_p but the structs' and the out handle's.
@@ -196,6 +218,7 @@ _MOE_PROTOTYPES = {
     "symm_moe_create_config": [_VP, ctypes.POINTER(_MoeConfig), ctypes.POINTER(_VP)],
     "symm_moe_destroy": [_VP],
     "symm_moe_layout": [_VP, ctypes.POINTER(_MoeLayout)],
+    "symm_moe_tp_layout": [_VP, ctypes.POINTER(_MoeTpLayout)],
     "symm_moe_dispatch": [_VP, _VP, _VP, _VP, _U32, _VP, _SZ, _U32, _VP],
     "symm_moe_combine": [_VP, _VP, _VP, _VP],
     "symm_moe_check": [_VP],

@@ -191,9 +191,15 @@ def _check_dispatch(m: "Moe", x, idx, w, scales) -> Tuple[int, int, int]:
 
 def _check_combine(m: "Moe", expert_out, num_tokens: int, out) -> None:
     what = f"moe.combine: rank {m.rank}"
-    want = (m.local_experts, m.max_recv, m.hidden)
     es, edt = tuple(expert_out.shape), _dname(expert_out.dtype)
-    if edt != "bfloat16" or es != want:
+    if m.mode == "throughput":
+        want = (m.max_rows, m.hidden)
+        if edt != "bfloat16" or es != want:
+            raise _invalid(f"{what}: expert_out is {edt} {_fmt(es)}; expected bfloat16 {_fmt(want)} "
+                           "([world_size * max_tokens_per_rank, hidden]: one row per received row, the caller's "
+                           "weighted sum over this rank's experts)")
+    want = (m.local_experts, m.max_recv, m.hidden)
+    if m.mode != "throughput" and (edt != "bfloat16" or es != want):
         raise _invalid(f"{what}: expert_out is {edt} {_fmt(es)}; expected bfloat16 {_fmt(want)} "
                        "([local_experts, max_recv, hidden], the dispatch layout)")
     if out is not None:

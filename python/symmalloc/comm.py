@@ -374,7 +374,7 @@ class Communicator:
 
     def moe(self, max_tokens_per_rank: int, hidden: int, topk: int, num_experts: int, dtype="bf16",
             max_recv_per_expert: int = 0, num_sms: int = 0, input_dtype=None, scale_layout: str = "row",
-            ue8m0: bool = False, probe: bool = False):
+            ue8m0: bool = False, probe: bool = False, mode: str = "low_latency"):
         """Expert parallelism over this communicator (``symm_moe_create_config``): a
         ``symmalloc.moe.Moe`` with ``dispatch(x, topk_idx, topk_weights, x_scales=None)`` and
         ``combine(expert_out)``, for up to ``max_tokens_per_rank`` tokens of ``hidden`` elements
@@ -392,6 +392,11 @@ class Communicator:
         per expert column-major with rows padded to a multiple of 4: DeepGEMM's TMA-aligned
         scales).
         ``probe``: record the kernels' phase times (``Moe.probe()``; for benchmarks).
+        ``mode``: ``"low_latency"`` (rows by local expert, ``[L, R, H]``) or ``"throughput"``
+        (one row per token and destination rank, ``[world_size * max_tokens_per_rank, H]``;
+        ``dispatch`` then returns a ``MoeTpDispatch``; not under torch.compile yet).
+        The throughput mode takes the caller's payload (no ``input_dtype``), row-major scales and
+        no ``probe``; the split halves are the low-latency mode's.
         Collective: every rank passes the same values. Its buffer
         (``buffer_bytes``) comes from this communicator's arena (SYMMALLOC_COMM_ARENA_SIZE).
         docs/moe.md is the contract."""
@@ -399,7 +404,7 @@ class Communicator:
 
         return Moe(self, max_tokens_per_rank, hidden, topk, num_experts, dtype=dtype,
                    max_recv_per_expert=max_recv_per_expert, num_sms=num_sms, input_dtype=input_dtype,
-                   scale_layout=scale_layout, ue8m0=ue8m0, probe=probe)
+                   scale_layout=scale_layout, ue8m0=ue8m0, probe=probe, mode=mode)
 
     def mem_pool(self):
         """A ``torch.cuda.MemPool`` over this communicator's arena (``symm_comm_malloc``): what

@@ -74,6 +74,14 @@ Split halves, for two-batch overlap: ``dispatch_send`` / ``dispatch_recv(handle)
 ``combine_send`` / ``combine_recv()`` give what ``dispatch`` and ``combine`` give, bit for bit,
 with other work between the halves (symmalloc/_moe_split.py has the rules).
 
+Throughput mode (``comm.moe(..., mode="throughput")``, DeepEP's normal/prefill mode; its
+CUDA kernels have not run on a GPU yet): a token goes once to each rank holding one of its experts; ``dispatch``
+returns a ``MoeTpDispatch`` ``(recv_x [W*T, H], recv_topk_idx [W*T, K] int32 (local expert ids,
+-1 elsewhere), recv_topk_weights [W*T, K], num_recv_tokens_per_expert [L], handle)`` with
+``num_recv``, ``recv_src``, ``recv_scales``, ``expert_offsets`` and ``expert_rows`` (a CSR of the
+rows by local expert) as attributes; ``combine(expert_out)`` takes one row per received row,
+already weighted and summed over this rank's experts. Not under torch.compile yet.
+
 This module owns the ``Moe`` object (its lifetime, calls, refusals) and the custom ops; the
 argument checks and the views (``HostView``) are in _moe_args.py, and importable from here.
 """
@@ -85,7 +93,8 @@ import weakref
 from typing import NamedTuple, Optional, Tuple
 
 from ._lib import (
-    _MOE_CONFIG_VERSION, _MOE_LAYOUT_VERSION, SymmallocError, _check, _invalid, _moe_library, _MoeConfig, _MoeLayout,
+    _MOE_CONFIG_VERSION, _MOE_LAYOUT_VERSION, _MOE_MODES, _MOE_TP_LAYOUT_VERSION, SymmallocError, _check, _invalid,
+    _moe_library, _MoeConfig, _MoeLayout, _MoeTpLayout,
 )
 from ._moe_args import _CTYPES  # noqa: F401 (symmalloc.moe._CTYPES: the host tests read raw elements with it)
 from ._moe_args import (
@@ -94,7 +103,8 @@ from ._moe_args import (
 )
 from ._moe_split import MoeCombineSend, MoeSend, _Split
 
-__all__ = ["Moe", "MoeDispatch", "MoeHandle", "MoeSend", "MoeCombineSend", "HostView", "moe"]
+__all__ = ["Moe", "MoeDispatch", "MoeHandle", "MoeSend", "MoeCombineSend", "MoeTpDispatch", "MoeTpHandle",
+           "HostView", "moe"]
 
 _VOIDP = ctypes.c_void_p
 _PAYLOAD_NAMES = ("bfloat16", "float8_e4m3fn")  # by SYMM_MOE_* code
@@ -135,6 +145,62 @@ class MoeDispatch(NamedTuple):
         return self.handle.num_tokens
 
 
+class MoeTpHandle(NamedTuple):
+    """A throughput-mode dispatch's buffers (views) and what ``combine`` checks: ``recv_src``
+    [W*T] int32 (``src_rank * max_tokens_per_rank + token``), ``num_recv`` [1] int32 (rows
+    received, on the device), ``num_tokens``, the ``Moe``'s handle and dispatch number, the FP8
+    ``recv_scales`` (None for bf16), ``expert_offsets`` [L + 1] and ``expert_rows`` [W*T*K]
+    int32 (``row * K + k`` grouped by local expert)."""
+
+    recv_src: object
+    num_recv: object
+    num_tokens: int
+    moe: int
+    seq: Optional[int]
+    recv_scales: object
+    expert_offsets: object
+    expert_rows: object
+
+
+class MoeTpDispatch(NamedTuple):
+    """What ``Moe.dispatch`` returns in throughput mode, in DeepEP normal mode's order:
+    ``recv_x`` [W*T, H] (the first ``num_recv`` rows filled, by source rank then token),
+    ``recv_topk_idx`` [W*T, K] int32 (local expert ids, -1 for other ranks' experts),
+    ``recv_topk_weights`` [W*T, K] float32 (0 where -1), ``num_recv_tokens_per_expert`` [L]
+    int32 (on the device) and the ``handle`` (a ``MoeTpHandle``); its fields are properties
+    too (``num_recv``, ``recv_src``, ``recv_scales``, ``expert_offsets``, ``expert_rows``)."""
+
+    recv_x: object
+    recv_topk_idx: object
+    recv_topk_weights: object
+    num_recv_tokens_per_expert: object
+    handle: MoeTpHandle
+
+    @property
+    def num_recv(self):
+        return self.handle.num_recv
+
+    @property
+    def recv_src(self):
+        return self.handle.recv_src
+
+    @property
+    def recv_scales(self):
+        return self.handle.recv_scales
+
+    @property
+    def expert_offsets(self):
+        return self.handle.expert_offsets
+
+    @property
+    def expert_rows(self):
+        return self.handle.expert_rows
+
+    @property
+    def num_tokens(self) -> int:
+        return self.handle.num_tokens
+
+
 def moe(handle: int) -> "Moe":
     """The live ``Moe`` behind ``Moe.handle`` (the int the custom ops take)."""
     m = _MOES.get(handle)
@@ -155,7 +221,8 @@ class Moe(_Split):
 
     def __init__(self, comm, max_tokens_per_rank: int, hidden: int, topk: int, num_experts: int,
                  dtype="bf16", max_recv_per_expert: Optional[int] = 0, num_sms: Optional[int] = 0,
-                 input_dtype=None, scale_layout: str = "row", ue8m0: bool = False, probe: bool = False):
+                 input_dtype=None, scale_layout: str = "row", ue8m0: bool = False, probe: bool = False,
+                 mode: str = "low_latency"):
         refused = None
         cfg = _MoeConfig()
         try:
@@ -169,6 +236,9 @@ class Moe(_Split):
             cfg.dtype, cfg.flags = code, (1 if probe else 0)  # SYMM_MOE_FLAG_PROBE
             cfg.max_recv_per_expert = _uint("max_recv_per_expert", max_recv_per_expert or 0, 0, (1 << 63) - 1)
             cfg.num_sms = _uint("num_sms", num_sms or 0, 0, (1 << 32) - 1)
+            if mode not in _MOE_MODES:
+                raise _invalid(f"moe: mode {mode!r}; expected 'low_latency' or 'throughput'")
+            cfg.mode = _MOE_MODES[mode]
         except SymmallocError as e:
             refused = e
         lib = _moe_library()
@@ -182,19 +252,28 @@ class Moe(_Split):
         _check(lib.symm_moe_create_config(comm._live(), ctypes.byref(cfg), ctypes.byref(ptr)))
         self._ptr = ptr
         self._lib = lib
-        lay = _MoeLayout()
-        lay.version, lay.size = _MOE_LAYOUT_VERSION, ctypes.sizeof(_MoeLayout)
-        _check(lib.symm_moe_layout(ptr, ctypes.byref(lay)))
+        self.mode = mode
+        if mode == "throughput":
+            lay = _MoeTpLayout()
+            lay.version, lay.size = _MOE_TP_LAYOUT_VERSION, ctypes.sizeof(_MoeTpLayout)
+            _check(lib.symm_moe_tp_layout(ptr, ctypes.byref(lay)))
+        else:
+            lay = _MoeLayout()
+            lay.version, lay.size = _MOE_LAYOUT_VERSION, ctypes.sizeof(_MoeLayout)
+            _check(lib.symm_moe_layout(ptr, ctypes.byref(lay)))
         self._layout = lay
         self.rank, self.world_size = int(lay.rank), int(lay.world)
         self.hidden, self.topk, self.num_experts = int(lay.hidden), int(lay.topk), int(lay.num_experts)
         self.max_tokens_per_rank = int(lay.max_tokens_per_rank)
         self.dtype = _PAYLOAD_NAMES[lay.dtype]
-        # x is bf16, quantized to the FP8 payload inside the dispatch (input_dtype=torch.bfloat16).
-        self.quantize = bool(lay.input)
+        # x is bf16, quantized to the FP8 payload inside the dispatch (input_dtype=torch.bfloat16;
+        # low-latency mode only: create refuses it in throughput mode, whose layout has no such
+        # fields).
+        tp = mode == "throughput"
+        self.quantize = False if tp else bool(lay.input)
         self.input_dtype = "bfloat16" if self.quantize else self.dtype
-        self.scale_layout = ("row", "col_tma")[lay.scale_layout]
-        self.ue8m0 = bool(lay.scale_ue8m0)
+        self.scale_layout = "row" if tp else ("row", "col_tma")[lay.scale_layout]
+        self.ue8m0 = False if tp else bool(lay.scale_ue8m0)
         self._device = comm._tensor_device  # -1: the host backend (CPU tensors)
         self._seq = 0  # dispatches issued (eager)
         self._tokens = None  # num_tokens of the latest dispatch the library accepted
@@ -235,8 +314,15 @@ class Moe(_Split):
 
     @property
     def max_recv(self) -> int:
-        """R: rows per local expert in ``recv_x``."""
-        return int(self._layout.max_recv)
+        """R: rows per local expert in ``recv_x`` (throughput mode: ``max_rows``, all of them)."""
+        return int(self.max_rows if self.mode == "throughput" else self._layout.max_recv)
+
+    @property
+    def max_rows(self) -> int:
+        """Throughput mode: rows of ``recv_x`` (``world_size * max_tokens_per_rank``)."""
+        if self.mode != "throughput":
+            raise _invalid(f"moe: max_rows is of the throughput mode; this Moe is {self.mode} (see max_recv)")
+        return int(self._layout.max_rows)
 
     # Lifetime.
 
@@ -294,10 +380,18 @@ class Moe(_Split):
 
     def _make_views(self, like_torch: bool):
         lay, L, R, H = self._layout, self.local_experts, self.max_recv, self.hidden
-        shapes = ((L, R, H), (L, R, H // 128), (L,), (L, R))
-        ptrs = (lay.recv_x, lay.recv_scales, lay.recv_counts, lay.recv_src)
-        names = (self.dtype, "float32", "int32", "int32")
-        strides = (None, self.scale_strides(), None, None)  # recv_scales in its layout
+        if self.mode == "throughput":
+            K = self.topk
+            shapes = ((R, H), (R, H // 128), (R, K), (R, K), (L,), (R,), (1,), (L + 1,), (R * K,))
+            ptrs = (lay.recv_x, lay.recv_scales, lay.recv_topk_idx, lay.recv_topk_weights,
+                    lay.num_recv_tokens_per_expert, lay.recv_src, lay.num_recv, lay.expert_offsets, lay.expert_rows)
+            names = (self.dtype, "float32", "int32", "float32", "int32", "int32", "int32", "int32", "int32")
+            strides = (None,) * len(shapes)  # recv_scales row-major [R, H / 128]
+        else:
+            shapes = ((L, R, H), (L, R, H // 128), (L,), (L, R))
+            ptrs = (lay.recv_x, lay.recv_scales, lay.recv_counts, lay.recv_src)
+            names = (self.dtype, "float32", "int32", "int32")
+            strides = (None, self.scale_strides(), None, None)  # recv_scales in its layout
         if like_torch:
             torch = self._torch
             dev = torch.device("cpu") if self._device < 0 else torch.device("cuda", self._device)
@@ -349,6 +443,7 @@ class Moe(_Split):
         next dispatch; see the module's docstring for the arguments. Collective, on the current
         stream, no host synchronization."""
         if self._compiling():
+            self._no_compile("dispatch")
             return self._dispatch_op(x, topk_idx, topk_weights, x_scales)
         ptr = self._live()
         self._idle("moe.dispatch")
@@ -368,10 +463,20 @@ class Moe(_Split):
         like_torch = _is_torch(x)
         if like_torch:
             self._find_torch()
+        if self.mode == "throughput":
+            x_, sc, idx, wt, per, src, nrecv, offs, rows = self._buffer_views(like_torch)
+            h = MoeTpHandle(src, nrecv, n, self.handle, self._seq, sc, offs, rows)
+            self._last = h
+            return MoeTpDispatch(x_, idx, wt, per, h)
         recv_x, recv_scales, recv_counts, recv_src = self._buffer_views(like_torch)
         h = MoeHandle(recv_src, recv_counts, n, self.handle, self._seq)
         self._last = h
         return MoeDispatch(recv_x, recv_scales, recv_counts, h)
+
+    def _no_compile(self, what: str) -> None:
+        if self.mode == "throughput":
+            raise _invalid(f"moe.{what}: rank {self.rank}: the throughput mode has no custom ops yet, so it cannot be "
+                           "traced by torch.compile; call it outside the compiled function (or use mode='low_latency')")
 
     def _dispatch_op(self, x, topk_idx, topk_weights, x_scales) -> MoeDispatch:
         recv_x, recv_scales, recv_counts, recv_src = self._torch.ops.symmalloc.moe_dispatch(
@@ -382,7 +487,7 @@ class Moe(_Split):
 
     def _handle_of(self, handle) -> MoeHandle:
         """The handle to combine: the one given (or a ``MoeDispatch``'s), else the latest."""
-        if isinstance(handle, MoeDispatch):
+        if isinstance(handle, (MoeDispatch, MoeTpDispatch)):
             return handle.handle
         if handle is None:
             if self._last is None:
@@ -399,8 +504,13 @@ class Moe(_Split):
         and an older one is refused. A dispatch may be combined any number of times (other
         expert outputs, back to back), each ``y`` its own; a combine a rank refused (naming it
         on every rank) may be retried. Collective, on the current stream, no host
-        synchronization."""
+        synchronization. Throughput mode: ``expert_out`` is [world_size * max_tokens_per_rank,
+        H] bfloat16, row i the caller's weighted sum over this rank's experts for received row i
+        (rows past ``num_recv`` are not read); ``y[t]`` is the sum of token t's rows over the
+        ranks it went to, in increasing rank order, in fp32, rounded to bf16 once (docs/moe.md,
+        "Throughput mode")."""
         if self._compiling():
+            self._no_compile("combine")
             h = self._handle_of(handle)
             y = self._torch.ops.symmalloc.moe_combine(expert_out, h.recv_counts, h.recv_src, self.handle, h.num_tokens)
             # Nothing of the combined dispatch outlives the graph: a view of the object's buffer
@@ -428,9 +538,10 @@ class Moe(_Split):
 
     def _check_handle(self, handle) -> None:
         what = f"moe.combine: rank {self.rank}"
-        if not isinstance(handle, MoeHandle):
-            raise _invalid(f"{what}: handle is {type(handle).__name__}; expected what dispatch returned (a MoeDispatch "
-                           "or its handle)")
+        kind = MoeTpHandle if self.mode == "throughput" else MoeHandle
+        if not isinstance(handle, kind):
+            raise _invalid(f"{what}: handle is {type(handle).__name__}; expected what dispatch returned (a "
+                           f"{'MoeTpDispatch' if kind is MoeTpHandle else 'MoeDispatch'} or its handle)")
         if handle.moe != self.handle:
             raise _invalid(f"{what}: the handle is of Moe {handle.moe}; expected one of this Moe ({self.handle})")
         if handle.seq is not None and handle.seq != self._seq:
@@ -458,7 +569,7 @@ class Moe(_Split):
                 f"topk={self.topk}, E={self.num_experts}, {self.dtype}"
                 f"{' from bfloat16' if self.quantize else ''}{', ue8m0' if self.ue8m0 else ''}"
                 f"{', col_tma scales' if self.scale_layout == 'col_tma' else ''}, L={self.local_experts}, "
-                f"R={self.max_recv}, {state})")
+                f"R={self.max_recv}, {self.mode}, {state})")
 
 
 _OPS_REGISTERED = False

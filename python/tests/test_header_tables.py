@@ -110,14 +110,18 @@ def test_moe_constants_structs_and_prototypes(header):
     assert _lib._MOE_DTYPES["bfloat16"] == d["MOE_BF16"] and _lib._MOE_DTYPES["float8_e4m3fn"] == d["MOE_FP8_E4M3"]
     assert _lib._INDEX_DTYPES == {"int32": d["INDEX_INT32"], "int64": d["INDEX_INT64"]}
     assert (_lib._MOE_CONFIG_VERSION, _lib._MOE_LAYOUT_VERSION) == (d["MOE_CONFIG_VERSION"], d["MOE_LAYOUT_VERSION"])
+    assert _lib._MOE_TP_LAYOUT_VERSION == d["MOE_TP_LAYOUT_VERSION"]
+    assert _lib._MOE_MODES == {"low_latency": d["MOE_LOW_LATENCY"], "throughput": d["MOE_THROUGHPUT"]}
     assert (_lib._MOE_MAX_TOPK, _lib._MOE_MAX_EXPERTS) == (d["MOE_MAX_TOPK"], d["MOE_MAX_EXPERTS"])
-    for name, struct in (("symm_moe_config_t", _lib._MoeConfig), ("symm_moe_layout_t", _lib._MoeLayout)):
+    structs = {"symm_moe_config_t": _lib._MoeConfig, "symm_moe_layout_t": _lib._MoeLayout,
+               "symm_moe_tp_layout_t": _lib._MoeTpLayout}
+    for name, struct in structs.items():
         assert [(n, t) for n, t in struct._fields_] == _c_fields(header, name), name
-    # On x86-64 / aarch64 (LP64): 72 (version 3) and 152 bytes (version 2), no padding (the
-    # library refuses another size).
-    assert ctypes.sizeof(_lib._MoeConfig) == 72 and ctypes.sizeof(_lib._MoeLayout) == 152
+    # On x86-64 / aarch64 (LP64): 80 (config version 3), 152 (layout version 2) and 152 bytes (the
+    # throughput layout), no padding (the library refuses another size).
+    sizes = [ctypes.sizeof(s) for s in structs.values()]
+    assert sizes == [80, 152, 152], sizes
 
-    structs = {"symm_moe_config_t": _lib._MoeConfig, "symm_moe_layout_t": _lib._MoeLayout}
     scalars = {"size_t": ctypes.c_size_t, "uint32_t": ctypes.c_uint32}
     protos = {}
     for ret, name, args in re.findall(r"^(\w+) (symm_moe_\w+)\((.*?)\);", header, re.M | re.S):
@@ -151,7 +155,7 @@ def _mirrors():
     return {
         "symm_memory_stats_t": _lib._Stats, "symm_comm_info_t": groups.CommInfo,
         "symm_device_comm_t": p2p.DeviceComm, "symm_moe_config_t": _lib._MoeConfig,
-        "symm_moe_layout_t": _lib._MoeLayout,
+        "symm_moe_layout_t": _lib._MoeLayout, "symm_moe_tp_layout_t": _lib._MoeTpLayout,
         "symm_unique_id_t": None,  # passed as a 128-byte buffer (c_char_p)
         "symm_stat_t": None, "symm_device_stats_t": None, "symm_block_info_t": None,
         "symm_segment_event_t": None,  # csrc/api.h
@@ -197,7 +201,7 @@ def test_every_struct_is_mirrored_field_by_field(header):
             assert ctypes.sizeof(t) == ctypes.sizeof(w) and getattr(t, "_type_", t) == getattr(w, "_type_", w), \
                 f"{name}.{n}: {t} in Python, {w} in the header"
         checked += 1
-    assert checked == 5
+    assert checked == 6
 
 
 def _cc():

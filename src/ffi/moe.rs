@@ -14,6 +14,7 @@ use super::guard::{self, guard_status, Handle, Kind};
 use super::types::*;
 use super::{stream_of, symm_comm_t, with_comm};
 use crate::comm::moe::config::Request;
+use crate::comm::moe::throughput::wrong_mode;
 use crate::comm::moe::{Combine, Dispatch, Moe};
 use crate::error::{Error, Result};
 use std::ffi::c_void;
@@ -36,24 +37,24 @@ pub const SYMM_MOE_INPUT_BF16: u32 = 1;
 pub const SYMM_MOE_SCALES_ROW_MAJOR: u32 = 0;
 pub const SYMM_MOE_SCALES_COL_TMA: u32 = 1;
 /// The `symm_moe_config_t` layout this library writes in its header (`version`): 2 added
-<<<<<<< HEAD
-/// `num_sms`, 3 `input`, `scale_layout` and `scale_ue8m0`. Versions 1 (`size` 48, without
-/// `num_sms`) and 2 (`size` 56) are still read, the missing fields as 0.
+/// `num_sms`, 3 `input`, `scale_layout`, `scale_ue8m0` and the mode group (`mode`). Versions 1
+/// (`size` 48, without `num_sms`) and 2 (`size` 56) are still read, the missing fields as 0
+/// (payload input, row-major scales, low-latency mode).
 pub const SYMM_MOE_CONFIG_VERSION: u32 = 3;
 /// The `symm_moe_layout_t` layout this library writes (`version`): 2 added the scale layout
 /// and strides. Version 1 (`size` 112, ending at `buffer_bytes`) is still written.
 pub const SYMM_MOE_LAYOUT_VERSION: u32 = 2;
-=======
-/// `num_sms`. Version 1 (`size` 48, without `num_sms`) is still read, as `num_sms` 0.
-pub const SYMM_MOE_CONFIG_VERSION: u32 = 2;
-/// The `symm_moe_layout_t` layout this library writes (`version`).
-pub const SYMM_MOE_LAYOUT_VERSION: u32 = 1;
+/// Modes of `symm_moe_config_t.mode` (docs/moe.md): expert-major rows with device-side counts
+/// (`symm_moe_layout`), or one row per (token, destination rank) (`symm_moe_tp_layout`).
+pub const SYMM_MOE_LOW_LATENCY: u32 = 0;
+pub const SYMM_MOE_THROUGHPUT: u32 = 1;
+/// The `symm_moe_tp_layout_t` layout this library writes (`version`).
+pub const SYMM_MOE_TP_LAYOUT_VERSION: u32 = 1;
 /// `flags` of `symm_moe_create` / `symm_moe_config_t`: record the clock probe (the kernels'
 /// %globaltimer at each phase boundary of the last dispatch and combine; `symm_moe_probe`).
 pub const SYMM_MOE_FLAG_PROBE: u32 = 1;
 /// Words `symm_moe_probe` writes.
 pub const SYMM_MOE_PROBE_WORDS: u32 = 16;
->>>>>>> moesplit
 /// The largest configured top-k, and the most experts.
 pub const SYMM_MOE_MAX_TOPK: u32 = 16;
 pub const SYMM_MOE_MAX_EXPERTS: u32 = 1024;
@@ -64,15 +65,14 @@ const _: () = assert!(
         && SYMM_MOE_FP8_E4M3 == crate::comm::moe::config::PAYLOAD_FP8_E4M3
         && SYMM_INDEX_INT32 == crate::comm::moe::config::INDEX_INT32
         && SYMM_INDEX_INT64 == crate::comm::moe::config::INDEX_INT64
-<<<<<<< HEAD
         && SYMM_MOE_INPUT_PAYLOAD == crate::comm::moe::config::INPUT_PAYLOAD
         && SYMM_MOE_INPUT_BF16 == crate::comm::moe::config::INPUT_BF16
         && SYMM_MOE_SCALES_ROW_MAJOR == crate::comm::moe::config::SCALES_ROW_MAJOR
         && SYMM_MOE_SCALES_COL_TMA == crate::comm::moe::config::SCALES_COL_TMA
-=======
         && SYMM_MOE_FLAG_PROBE == crate::comm::moe::config::FLAG_PROBE
         && SYMM_MOE_PROBE_WORDS as u64 == crate::comm::moe::layout::PROBE_WORDS
->>>>>>> moesplit
+        && SYMM_MOE_LOW_LATENCY == crate::comm::moe::config::MODE_LOW_LATENCY
+        && SYMM_MOE_THROUGHPUT == crate::comm::moe::config::MODE_THROUGHPUT
 );
 
 /// A moe object's configuration (versioned: `version` and `size` first; set `version` to
@@ -111,6 +111,12 @@ pub struct symm_moe_config_t {
     pub scale_ue8m0: u32,
     /// Version 3: 0 (reserved; anything else is refused).
     pub reserved3: u32,
+    // ---- version 3, the mode group ----
+    /// Version 3: SYMM_MOE_LOW_LATENCY (0) or SYMM_MOE_THROUGHPUT (1). Every rank passes the
+    /// same value.
+    pub mode: u32,
+    /// Version 3, mode group: 0 (reserved; anything else is refused).
+    pub mode_reserved: u32,
 }
 
 /// The size of a version 1 `symm_moe_config_t` (the fields before `num_sms`).
@@ -164,6 +170,49 @@ pub struct symm_moe_layout_t {
 
 /// The size of a version 1 `symm_moe_layout_t` (the fields before `input`).
 const LAYOUT_V1_SIZE: usize = std::mem::offset_of!(symm_moe_layout_t, input);
+/// Where a throughput-mode dispatch leaves its rows (written by `symm_moe_tp_layout`; versioned:
+/// set `version` to SYMM_MOE_TP_LAYOUT_VERSION and `size` to `sizeof(symm_moe_tp_layout_t)`).
+/// Rows are ordered by source rank, then token: one per (token, this rank); `max_rows` =
+/// world * max_tokens_per_rank bounds them whatever the routing.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct symm_moe_tp_layout_t {
+    pub version: u32,
+    pub size: u32,
+    /// `[max_rows][H]` payload dtype: the received rows, the first `*num_recv` filled.
+    pub recv_x: *mut c_void,
+    /// `[max_rows][H/128]` fp32 (FP8 only; NULL for bf16).
+    pub recv_scales: *mut f32,
+    /// `[max_rows][K]` int32: each row's top-k slots as local expert ids (0..L), -1 where the
+    /// slot's expert is on another rank or the slot was unused.
+    pub recv_topk_idx: *mut i32,
+    /// `[max_rows][K]` fp32: the weights of those slots (0 where `recv_topk_idx` is -1).
+    pub recv_topk_weights: *mut f32,
+    /// `[max_rows]` int32: `src_rank * max_tokens_per_rank + token` of each row.
+    pub recv_src: *mut i32,
+    /// `[1]` int32 (device memory): rows received by the last dispatch.
+    pub num_recv: *mut i32,
+    /// `[L]` int32 (device memory): rows whose top-k has each local expert.
+    pub num_recv_tokens_per_expert: *mut i32,
+    /// `[L + 1]` int32: the CSR offsets of `expert_rows` (prefix sums of the counts above).
+    pub expert_offsets: *mut i32,
+    /// `[max_rows * K]` int32: `row * K + k` of each (row, slot) of each local expert, grouped
+    /// by local expert, rows increasing.
+    pub expert_rows: *mut i32,
+    pub max_rows: u64,
+    pub local_experts: u64,
+    pub first_expert: u64,
+    pub hidden: u64,
+    pub max_tokens_per_rank: u64,
+    pub topk: u32,
+    pub num_experts: u32,
+    pub world: u32,
+    pub rank: u32,
+    pub dtype: u32,
+    pub reserved: u32,
+    /// Bytes of the communicator's arena this object holds.
+    pub buffer_bytes: u64,
+}
 
 /// A moe object (opaque): dispatch and combine over one communicator.
 #[allow(non_camel_case_types)]
@@ -255,6 +304,7 @@ pub extern "C" fn symm_moe_create(
             input: 0,
             scale_layout: 0,
             ue8m0: 0,
+            mode: SYMM_MOE_LOW_LATENCY,
         };
         create(comm, Ok(req), out)
     })
@@ -297,7 +347,8 @@ fn read_config(config: *const symm_moe_config_t) -> Result<Request> {
     }
     let mut c = symm_moe_config_t::default();
     // SAFETY: the caller declared `size` readable bytes (checked above to be a known layout);
-    // a version 1 struct ends before `num_sms`, a version 2 one before `input`: those stay 0.
+    // a version 1 struct ends before `num_sms`, a version 2 one before `input`: those stay 0
+    // (payload input, row-major scales, low-latency mode).
     unsafe {
         std::ptr::copy_nonoverlapping(
             config as *const u8,
@@ -312,6 +363,12 @@ fn read_config(config: *const symm_moe_config_t) -> Result<Request> {
             )));
         }
     }
+    if c.mode_reserved != 0 {
+        return Err(Error::invalid(format!(
+            "symm_moe_create_config: mode_reserved {:#x}; expected 0",
+            c.mode_reserved
+        )));
+    }
     Ok(Request {
         tokens: c.max_tokens_per_rank,
         hidden: c.hidden,
@@ -324,6 +381,7 @@ fn read_config(config: *const symm_moe_config_t) -> Result<Request> {
         input: c.input,
         scale_layout: c.scale_layout,
         ue8m0: c.scale_ue8m0,
+        mode: c.mode,
     })
 }
 
@@ -372,6 +430,9 @@ pub extern "C" fn symm_moe_layout(
             )));
         }
         let l = with_moe("symm_moe_layout", moe as *mut _, |m, _| {
+            if m.tp.is_some() {
+                return Err(wrong_mode("symm_moe_layout", m));
+            }
             let (w, c, lay) = (m.world as u64, m.cfg, m.layout);
             let local = c.local_experts(w);
             let at = |off: u64| (m.block + off) as *mut c_void;
@@ -420,6 +481,71 @@ pub extern "C" fn symm_moe_layout(
     })
 }
 
+/// Fills the first `out->size` bytes of `*out` (set `version` to SYMM_MOE_TP_LAYOUT_VERSION
+/// and `size` to `sizeof(symm_moe_tp_layout_t)`) with where a throughput-mode dispatch leaves
+/// its rows. Local. A low-latency object is refused (use `symm_moe_layout`).
+#[no_mangle]
+pub extern "C" fn symm_moe_tp_layout(
+    moe: *const symm_moe_t,
+    out: *mut symm_moe_tp_layout_t,
+) -> symm_status_t {
+    guard_status!("symm_moe_tp_layout", || {
+        if out.is_null() {
+            return Err(Error::invalid("symm_moe_tp_layout: out is NULL"));
+        }
+        // SAFETY: out is non-NULL; version and size come first in every version.
+        let (version, size) = unsafe { ((*out).version, (*out).size as usize) };
+        let have = std::mem::size_of::<symm_moe_tp_layout_t>();
+        if version != SYMM_MOE_TP_LAYOUT_VERSION || size != have {
+            return Err(Error::invalid(format!(
+                "symm_moe_tp_layout: out->version {version}, out->size {size}; expected version \
+                 {SYMM_MOE_TP_LAYOUT_VERSION} (SYMM_MOE_TP_LAYOUT_VERSION) and size {have} \
+                 (sizeof(symm_moe_tp_layout_t))"
+            )));
+        }
+        let l = with_moe("symm_moe_tp_layout", moe as *mut _, |m, _| {
+            let Some(t) = m.tp else {
+                return Err(wrong_mode("symm_moe_tp_layout", m));
+            };
+            let (w, c) = (m.world as u64, m.cfg);
+            let local = c.local_experts(w);
+            let at = |off: u64| (m.block + off) as *mut c_void;
+            Ok(symm_moe_tp_layout_t {
+                version,
+                size: size as u32,
+                recv_x: at(t.recv_x),
+                recv_scales: if c.dtype.has_scales() {
+                    at(t.recv_scales) as *mut f32
+                } else {
+                    std::ptr::null_mut()
+                },
+                recv_topk_idx: at(t.recv_idx) as *mut i32,
+                recv_topk_weights: at(t.recv_weights) as *mut f32,
+                recv_src: at(t.recv_src) as *mut i32,
+                num_recv: at(t.meta) as *mut i32,
+                num_recv_tokens_per_expert: at(t.meta + 4) as *mut i32,
+                expert_offsets: at(t.meta + 4 * (1 + local)) as *mut i32,
+                expert_rows: at(t.expert_rows) as *mut i32,
+                max_rows: w * c.tokens,
+                local_experts: local,
+                first_expert: m.rank as u64 * local,
+                hidden: c.hidden,
+                max_tokens_per_rank: c.tokens,
+                topk: c.topk,
+                num_experts: c.experts,
+                world: m.world as u32,
+                rank: m.rank as u32,
+                dtype: c.dtype.code(),
+                reserved: 0,
+                buffer_bytes: t.bytes,
+            })
+        })?;
+        // SAFETY: out is non-NULL and the caller declared sizeof(symm_moe_tp_layout_t) bytes.
+        unsafe { out.write(l) };
+        Ok(())
+    })
+}
+
 /// Stream-ordered, capturable, no host synchronization: sends row `x[t]` (and its scales) to
 /// the rank of every expert in `topk_idx[t]` (`-1`: slot unused); every rank's `recv_x` then
 /// holds its local experts' rows, ordered by source rank then token, with `recv_counts` and
@@ -432,7 +558,8 @@ pub extern "C" fn symm_moe_layout(
 /// naming the value, and every other rank's call fails naming that rank; a bad routing (an
 /// expert out of range, twice in a token, a full expert) fails on every rank (at this call on
 /// the host backend, at the next call or `symm_moe_check` on CUDA). Both leave the object and
-/// the communicator usable.
+/// the communicator usable. Throughput mode (`mode` SYMM_MOE_THROUGHPUT): each token goes
+/// once to each rank holding one of its experts, and lands in `symm_moe_tp_layout`'s buffers.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub extern "C" fn symm_moe_dispatch(
@@ -471,7 +598,10 @@ pub extern "C" fn symm_moe_dispatch(
 /// Any number of combines may follow one dispatch, back to back on the stream (e.g. with other
 /// expert outputs): each writes its own `y`, none disturbs another's. A combine one rank
 /// refused (its own arguments) fails on every other rank naming it, with `y` zeros there, and
-/// may simply be retried.
+/// may simply be retried. Throughput mode: `expert_out` is `[world * max_tokens_per_rank][hidden]`
+/// bf16, row i the caller's weighted sum over this rank's experts for received row i (rows past
+/// `*num_recv` are not read), and `y[t]` = the sum of token t's rows over the ranks it went to,
+/// in increasing rank order, in fp32, rounded to bf16 once.
 #[no_mangle]
 pub extern "C" fn symm_moe_combine(
     moe: *mut symm_moe_t,
@@ -525,7 +655,7 @@ pub extern "C" fn symm_moe_dispatch_send(
     k: u32,
     stream: *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_moe_dispatch_send", || {
+    guard_status!("symm_moe_dispatch_send", || {
         let a = Dispatch {
             x: x as u64,
             x_scales: x_scales as u64,
@@ -552,7 +682,7 @@ pub extern "C" fn symm_moe_dispatch_recv(
     moe: *mut symm_moe_t,
     stream: *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_moe_dispatch_recv", || {
+    guard_status!("symm_moe_dispatch_recv", || {
         let s = stream_of(stream);
         with_moe("symm_moe_dispatch_recv", moe, |m, comm| {
             with_comm(comm, |c| c.moe_dispatch_recv(m, s))
@@ -573,7 +703,7 @@ pub extern "C" fn symm_moe_combine_send(
     y: *mut c_void,
     stream: *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_moe_combine_send", || {
+    guard_status!("symm_moe_combine_send", || {
         let a = Combine {
             expert_out: expert_out as u64,
             y: y as u64,
@@ -593,7 +723,7 @@ pub extern "C" fn symm_moe_combine_recv(
     moe: *mut symm_moe_t,
     stream: *mut CUstream_st,
 ) -> symm_status_t {
-    guard_status("symm_moe_combine_recv", || {
+    guard_status!("symm_moe_combine_recv", || {
         let s = stream_of(stream);
         with_moe("symm_moe_combine_recv", moe, |m, comm| {
             with_comm(comm, |c| c.moe_combine_recv(m, s))
@@ -615,7 +745,7 @@ pub extern "C" fn symm_moe_probe(
     out: *mut u64,
     words: usize,
 ) -> symm_status_t {
-    guard_status("symm_moe_probe", || {
+    guard_status!("symm_moe_probe", || {
         if out.is_null() {
             return Err(Error::invalid("symm_moe_probe: out is NULL"));
         }

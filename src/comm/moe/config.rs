@@ -2,7 +2,7 @@
 //! messages naming the value and what was expected, and the words every rank compares at
 //! create (a mismatch is SYMM_ERR_NOT_SYMMETRIC on every rank, naming the ranks and values).
 //!
-//! Invariants: a `Config` that `check` returned has `E % W == 0`, `1 <= K <= MAX_TOPK`,
+//! Invariants: a `Config` that `check` returned has a known mode (throughput: `R = W * T`), `E % W == 0`, `1 <= K <= MAX_TOPK`,
 //! `E <= MAX_EXPERTS`, `H * elem_bytes % 16 == 0` (FP8: `H % 128 == 0`), `1 <= R <= W * T`, and
 //! `W * T * K` below 2^31 (a `recv_src` code fits an int32), and every part of the layout
 //! fits in a u64 with room to spare.
@@ -49,6 +49,27 @@ impl ScaleLayout {
         match self {
             ScaleLayout::RowMajor => SCALES_ROW_MAJOR,
             ScaleLayout::ColTma => SCALES_COL_TMA,
+        }
+    }
+}
+
+/// Modes (`SYMM_MOE_LOW_LATENCY`, `SYMM_MOE_THROUGHPUT`; docs/moe.md, "Throughput mode").
+pub const MODE_LOW_LATENCY: u32 = 0;
+pub const MODE_THROUGHPUT: u32 = 1;
+
+/// How a moe object lays out what it receives: expert-major with device-side counts (low
+/// latency), or one row per (token, destination rank) in one contiguous buffer (throughput).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    LowLatency,
+    Throughput,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::LowLatency => "low latency",
+            Mode::Throughput => "throughput",
         }
     }
 }
@@ -143,6 +164,8 @@ pub struct Request {
     pub scale_layout: u32,
     /// Nonzero: quantization rounds each scale up to a power of two (UE8M0).
     pub ue8m0: u32,
+    /// MODE_LOW_LATENCY or MODE_THROUGHPUT.
+    pub mode: u32,
 }
 
 /// A checked configuration (the module's invariants hold).
@@ -166,6 +189,7 @@ pub struct Config {
     pub ue8m0: bool,
     /// `FLAG_PROBE` was set: the calls record their phase times.
     pub probe: bool,
+    pub mode: Mode,
 }
 
 fn bad(msg: String) -> Error {
@@ -187,10 +211,11 @@ impl Request {
         input: u32::MAX,
         scale_layout: u32::MAX,
         ue8m0: u32::MAX,
+        mode: u32::MAX,
     };
 
     /// How many words `words()` gives.
-    pub const WORDS: usize = 11;
+    pub const WORDS: usize = 12;
 
     /// The words every rank compares at create (as the caller passed them).
     pub fn words(&self) -> [u64; Request::WORDS] {
@@ -206,6 +231,7 @@ impl Request {
             self.input as u64,
             self.scale_layout as u64,
             self.ue8m0 as u64,
+            self.mode as u64,
         ]
     }
 
@@ -213,14 +239,24 @@ impl Request {
     pub fn describe(w: &[u64]) -> String {
         format!(
             "max_tokens_per_rank {}, hidden {}, topk {}, num_experts {}, dtype {}, flags {}, \
-             max_recv_per_expert {}, num_sms {}, input {}, scale_layout {}, scale_ue8m0 {}",
-            w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], w[10]
+             max_recv_per_expert {}, num_sms {}, input {}, scale_layout {}, scale_ue8m0 {}, mode {}",
+            w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], w[10], w[11]
         )
     }
 
     /// Checks every value for a communicator of `world` ranks.
     pub fn check(&self, world: u64) -> Result<Config> {
         let dtype = Payload::from_code(self.dtype).map_err(|e| bad(e.message))?;
+        let mode = match self.mode {
+            MODE_LOW_LATENCY => Mode::LowLatency,
+            MODE_THROUGHPUT => Mode::Throughput,
+            m => {
+                return Err(bad(format!(
+                    "mode {m} is not a mode; expected SYMM_MOE_LOW_LATENCY (0) or \
+                     SYMM_MOE_THROUGHPUT (1)"
+                )))
+            }
+        };
         if self.flags & !FLAG_PROBE != 0 {
             return Err(bad(format!(
                 "flags {:#x} are not supported; expected 0 or SYMM_MOE_FLAG_PROBE ({FLAG_PROBE:#x})",
@@ -266,6 +302,30 @@ impl Request {
             )));
         }
         let (quantize, scales, ue8m0) = self.quantization(dtype)?;
+        if mode == Mode::Throughput {
+            // The throughput kernels take the caller's payload, write row-major scales and
+            // carry no probe (launch.rs's instances are the low-latency kernels').
+            let low_latency_only = [
+                (
+                    quantize,
+                    "input SYMM_MOE_INPUT_BF16 (quantizing inside the dispatch)",
+                ),
+                (
+                    scales != ScaleLayout::RowMajor,
+                    "scale_layout SYMM_MOE_SCALES_COL_TMA",
+                ),
+                (
+                    self.flags & FLAG_PROBE != 0,
+                    "flags SYMM_MOE_FLAG_PROBE (the clock probe)",
+                ),
+            ];
+            if let Some((_, what)) = low_latency_only.iter().find(|(on, _)| *on) {
+                return Err(bad(format!(
+                    "{what} is for the low-latency mode; expected it off with mode \
+                     SYMM_MOE_THROUGHPUT (1)"
+                )));
+            }
+        }
         let most = world * self.tokens;
         if most * self.topk as u64 >= 1 << 31 {
             return Err(bad(format!(
@@ -278,6 +338,14 @@ impl Request {
         }
         let max_recv = match self.max_recv {
             0 => most,
+            // Throughput mode receives at most W*T rows in all (one per token and rank).
+            r if mode == Mode::Throughput => {
+                return Err(bad(format!(
+                    "max_recv_per_expert {r} is for the low-latency mode; expected 0 in \
+                     throughput mode (its buffer holds world x max_tokens_per_rank = {most} rows, \
+                     which no routing overflows)"
+                )))
+            }
             r if r <= most => r,
             r => {
                 return Err(bad(format!(
@@ -298,6 +366,7 @@ impl Request {
             scales,
             ue8m0,
             probe: self.flags & FLAG_PROBE != 0,
+            mode,
         };
         // The two big parts, checked (the rest are smaller).
         let l = e / world;

@@ -40,28 +40,28 @@ use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-fn word(addr: u64) -> &'static AtomicU64 {
+pub(super) fn word(addr: u64) -> &'static AtomicU64 {
     // SAFETY: addr is an 8-byte aligned flag word of a moe block (this rank's or a peer's,
     // mapped for the object's life); atomics are the only access to flags.
     unsafe { &*(addr as *const AtomicU64) }
 }
 
-fn rd_i32(addr: u64) -> i32 {
+pub(super) fn rd_i32(addr: u64) -> i32 {
     // SAFETY: addr is a 4-byte aligned int32 of a mapped moe block or of a checked caller
     // buffer; volatile because peers write the blocks.
     unsafe { std::ptr::read_volatile(addr as *const i32) }
 }
 
-fn wr_i32(addr: u64, v: i32) {
+pub(super) fn wr_i32(addr: u64, v: i32) {
     // SAFETY: as rd_i32.
     unsafe { std::ptr::write_volatile(addr as *mut i32, v) }
 }
 
-fn rd_f32(addr: u64) -> f32 {
+pub(super) fn rd_f32(addr: u64) -> f32 {
     f32::from_bits(rd_i32(addr) as u32)
 }
 
-fn copy(dst: u64, src: u64, bytes: u64) {
+pub(super) fn copy(dst: u64, src: u64, bytes: u64) {
     // SAFETY: src is a checked caller row (or a part of this rank's block) and dst a row of a
     // mapped moe block, both `bytes` long; they never overlap (different parts).
     unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes as usize) }
@@ -142,7 +142,7 @@ fn probe(m: &Moe, i: u64, epoch_word: u64, epoch: u64) {
 }
 
 /// Token t's slot j of the caller's topk_idx, widened.
-fn load_idx(a: &Dispatch, it: IndexType, i: u64) -> i64 {
+pub(super) fn load_idx(a: &Dispatch, it: IndexType, i: u64) -> i64 {
     // SAFETY: i < num_tokens * k, a.idx is a checked, aligned [num_tokens][k] buffer.
     unsafe {
         match it {

@@ -3,7 +3,8 @@
 //! its configuration (config.rs), its buffer in the communicator's arena and the layout of it
 //! (layout.rs), the codes and messages of what a call can find wrong (status.rs), the CPU
 //! protocol of the host backend (host.rs) and the kernels' launch and argument struct
-//! (launch.rs, kernels/moe.cu).
+//! (launch.rs, kernels/moe.cu); the throughput mode's layout and plans (throughput.rs) and its
+//! CPU protocol (tp_host.rs).
 //!
 //! The object does not live in the communicator: the C handle keeps both, and every call
 //! passes the communicator in (its mesh, arena, peer windows, settings and error words are
@@ -26,6 +27,8 @@ pub mod launch;
 pub mod layout;
 pub mod split;
 pub mod status;
+pub mod throughput;
+pub mod tp_host;
 
 use crate::comm::collective::kernel_args::MAX_RANKS;
 use crate::comm::Communicator;
@@ -78,6 +81,10 @@ pub struct Moe {
     last: Option<Last>,
     /// The send half whose receive half has not been called yet (split API).
     pending: Option<Pending>,
+    /// Throughput mode (config `mode`): its layout (`layout` then holds only the block's size
+    /// and zeroed part), and the first combine epoch of the last dispatch (tp_host.rs).
+    pub tp: Option<throughput::TpLayout>,
+    tp_first_combine: u64,
 }
 
 /// A dispatch's arguments as the caller passed them.
@@ -317,9 +324,18 @@ impl Communicator {
                 refusals.join("; ")
             )));
         }
-        let layout = Layout::new(&cfg, world);
+        let (layout, tp) = match cfg.mode {
+            config::Mode::LowLatency => (Layout::new(&cfg, world), None),
+            config::Mode::Throughput => {
+                let t = throughput::TpLayout::new(&cfg, world);
+                (t.block(), Some(t))
+            }
+        };
         let block = self.moe_alloc(layout.bytes)?;
-        match self.moe_share(&cfg, layout, block, g.max(1)) {
+        match self
+            .moe_share(&cfg, layout, block, g.max(1))
+            .map(|m| Moe { tp, ..m })
+        {
             Ok(m) => Ok(m),
             Err(e) => {
                 let _ = self.alloc.free(block, layout.bytes, self.device, 0);
@@ -399,6 +415,8 @@ impl Communicator {
             c_epoch: 0,
             last: None,
             pending: None,
+            tp: None,
+            tp_first_combine: 0,
         })
     }
 
@@ -422,9 +440,12 @@ impl Communicator {
         let tokens = if refusal.is_some() { 0 } else { a.tokens };
         // The kernel, or on the host backend its CPU twin (host.rs); an error the kernels
         // recorded since the last call after a launch that went well.
-        let r = launch::dispatch(&mut c, m, a, it, refusal.as_ref(), Phase::Both)
-            .map_err(|e| self.moe_fatal(e))
-            .and_then(|()| pending.map_or(Ok(()), Err));
+        let r = match m.tp {
+            Some(_) => throughput::dispatch(&mut c, m, a, it, refusal.as_ref()),
+            None => launch::dispatch(&mut c, m, a, it, refusal.as_ref(), Phase::Both),
+        }
+        .map_err(|e| self.moe_fatal(e))
+        .and_then(|()| pending.map_or(Ok(()), Err));
         m.last = Some(Last {
             tokens,
             k: a.k,
@@ -448,9 +469,12 @@ impl Communicator {
         };
         let pending = m.take_status();
         let refusal = m.check_combine(a, last.tokens).err();
-        let r = launch::combine(&mut c, m, a, last, refusal.is_some(), Phase::Both)
-            .map_err(|e| self.moe_fatal(e))
-            .and_then(|()| pending.map_or(Ok(()), Err));
+        let r = match m.tp {
+            Some(_) => throughput::combine(&mut c, m, a, last, refusal.is_some()),
+            None => launch::combine(&mut c, m, a, last, refusal.is_some(), Phase::Both),
+        }
+        .map_err(|e| self.moe_fatal(e))
+        .and_then(|()| pending.map_or(Ok(()), Err));
         match (r, refusal) {
             // The host backend's combine after a failed dispatch does nothing, and says so
             // before anything else (launch.rs).

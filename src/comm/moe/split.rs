@@ -43,6 +43,19 @@ impl Moe {
         )))
     }
 
+    /// The split halves are the low-latency mode's: `f` is refused on a throughput-mode object
+    /// (on every rank alike, the mode being agreed at create), before anything is submitted.
+    pub(super) fn split_mode(&self, f: &str) -> Result<()> {
+        if self.tp.is_none() {
+            return Ok(());
+        }
+        Err(Error::invalid(format!(
+            "{f}: this moe object is in throughput mode (SYMM_MOE_THROUGHPUT); the split halves \
+             are for the low-latency mode; expected the one-call symm_moe_dispatch / \
+             symm_moe_combine"
+        )))
+    }
+
     /// The object's clock probe (`symm_moe_probe`): `PROBE_WORDS` words (layout.rs `PROBE_*`):
     /// %globaltimer values on CUDA (after a device synchronization), the wall clock in ns on
     /// the host backend.
@@ -79,6 +92,7 @@ impl Communicator {
     /// receive half is submitted too and nothing stays pending (module header).
     pub fn moe_dispatch_send(&mut self, m: &mut Moe, a: &Dispatch) -> Result<()> {
         let mut c = self.begin(a.stream)?;
+        m.split_mode("symm_moe_dispatch_send")?;
         m.idle("symm_moe_dispatch_send")?;
         let pending = m.take_status();
         let (it, refusal) = match m.check_dispatch(a) {
@@ -113,6 +127,7 @@ impl Communicator {
     /// `symm_moe_dispatch_recv`: steps 3 and 4 of the dispatch `symm_moe_dispatch_send` sent.
     pub fn moe_dispatch_recv(&mut self, m: &mut Moe, stream: u64) -> Result<()> {
         let mut c = self.begin(stream)?;
+        m.split_mode("symm_moe_dispatch_recv")?;
         let Some(Pending::Dispatch(sent, it)) = m.pending else {
             m.idle("symm_moe_dispatch_recv")?;
             return Err(Error::invalid(
@@ -139,6 +154,7 @@ impl Communicator {
     /// call here, as `moe_dispatch_send`'s does.
     pub fn moe_combine_send(&mut self, m: &mut Moe, a: &Combine) -> Result<()> {
         let mut c = self.begin(a.stream)?;
+        m.split_mode("symm_moe_combine_send")?;
         m.idle("symm_moe_combine_send")?;
         let Some(last) = m.last else {
             return Err(Error::invalid(
@@ -174,6 +190,7 @@ impl Communicator {
     /// sent, into the `y` it was given.
     pub fn moe_combine_recv(&mut self, m: &mut Moe, stream: u64) -> Result<()> {
         let mut c = self.begin(stream)?;
+        m.split_mode("symm_moe_combine_recv")?;
         let Some(Pending::Combine(sent, last)) = m.pending else {
             m.idle("symm_moe_combine_recv")?;
             return Err(Error::invalid(

@@ -14,6 +14,8 @@ pub mod errors;
 pub mod quant;
 pub mod repeat;
 pub mod split;
+pub mod tp;
+pub mod tp_errors;
 pub use check::*;
 
 use super::{err, init, Child, Comm, Rng, OK};

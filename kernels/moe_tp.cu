@@ -1,0 +1,523 @@
+// MoE dispatch and combine, throughput mode (docs/moe.md "Throughput mode"; src/comm/moe/tp_host.rs
+// runs the same protocol on the CPU, with the same arithmetic).
+//
+// Owns: the kernels' argument struct `MoeTpArgs` (mirrored by src/comm/moe/throughput.rs), the
+// throughput dispatch kernels (one row per (token, destination rank), by source rank then token,
+// the local top-k of each row, per-expert counts and the CSR of rows by local expert) and the
+// combine kernel (per token, the rows of the ranks it went to summed in increasing rank order in
+// fp32, rounded once). Uses moe.cu's control words, status codes and helpers (build.rs puts every
+// kernels/*.cu in one unit, moe.cu before this file).
+//
+// Correctness first: block 0 routes the whole call (validation, the token lists by destination
+// in token order, a block scan per destination); every block stages and pulls rows. Dispatch: the
+// grid's last block to count itself in (D_SENT) stores this rank's counts row, each word tagged
+// with the epoch, into every rank (the call's one cross-rank wait); every block pulls its share
+// of rows; the last block to count itself in at the end (D_FIN) writes the per-expert counts and
+// the CSR over all rows, then the control words. Combine: the second and later combines of one
+// dispatch first wait for every rank's "read" flag of the previous one (CTRL_TP_FIRST); each rank
+// stages its peers' rows in its cstage, the last block raises "staged" (2c + refused) on every
+// rank, every block waits for all of them (the one wait), sums its share of y, and the last block
+// raises "read" (c). The grid must be resident at once (moe/mod.rs MAX_GRID).
+//
+// Waits follow common.cuh's rule (poll local words, check the clock and the abort word once per
+// SYMM_SPIN_CHECK spins; a timeout aborts the communicator naming the rank).
+
+// Control words of the throughput mode besides moe.cu's (src/comm/moe/throughput.rs CTRL_TP_*):
+// the first combine epoch of the last dispatch, and this rank's counts row as block 0 leaves it
+// for the publishing block (W counts, then the status words).
+#define MOE_CTRL_TP_FIRST 7
+#define MOE_CTRL_TP_ROW 16
+// Flag rows (throughput.rs TP_FLAG_*).
+#define MOE_TP_FLAG_STAGED 0
+#define MOE_TP_FLAG_READ 1
+
+struct MoeTpArgs {
+  SymmArgs s;
+  uint64_t blocks[SYMM_MAX_RANKS];
+  uint64_t x_or_expert_out;        // dispatch: x [n][H]; combine: expert_out [W*T][H] bf16
+  uint64_t x_scales;               // [n][H/128] fp32 (FP8 dispatch)
+  uint64_t topk_idx;               // [n][k] int32 or int64 (dispatch)
+  uint64_t weights_or_y;           // dispatch: topk_weights [n][k] fp32; combine: y [n][H] bf16
+  uint64_t status;                 // uint32_t[16], host-mapped, stored to only
+  uint64_t off_flags;
+  uint64_t off_meta;               // [1 + L + L + 1] int32
+  uint64_t off_recv_src;
+  uint64_t off_recv_idx;
+  uint64_t off_recv_weights;
+  uint64_t off_expert_rows;
+  uint64_t off_recv_x;
+  uint64_t off_recv_scales;
+  uint64_t off_idx;                // [2][T][K] int32, per dispatch parity
+  uint64_t off_weights;            // [2][T][K] fp32
+  uint64_t off_pos;                // [T][W] int32
+  uint64_t off_list;               // [2][W*T] int32
+  uint64_t off_xstage;
+  uint64_t off_xscales;
+  uint64_t off_cstage;             // [W*T][H] bf16
+  uint64_t num_tokens;
+  int64_t refuse_value;
+  uint32_t max_tokens;             // T
+  uint32_t hidden;                 // H
+  int32_t k;
+  int32_t topk;                    // K
+  int32_t experts;                 // E
+  int32_t local;                   // L
+  int32_t refuse_code;
+  int32_t pad;
+};
+
+__device__ __forceinline__ uint64_t* tp_flag(const MoeTpArgs& a, int d, int which, int src) {
+  return (uint64_t*)(a.blocks[d] + a.off_flags) + (uint64_t)which * a.s.world + src;
+}
+
+// The counts row of source `src` for `epoch`'s parity in rank `d`'s block (W + 8 tagged words).
+__device__ __forceinline__ uint64_t* tp_row(const MoeTpArgs& a, int d, uint64_t epoch, int src) {
+  const uint64_t words = (uint64_t)a.s.world + MOE_ROW_EXTRA;
+  return (uint64_t*)(a.blocks[d] + MOE_CTRL_BYTES) + ((epoch & 1) * a.s.world + src) * words;
+}
+
+__device__ __forceinline__ int32_t tp_count(const MoeTpArgs& a, uint64_t epoch, int src, int w) {
+  return (int32_t)(uint32_t)*(volatile uint64_t*)(tp_row(a, a.s.rank, epoch, src) + w);
+}
+
+__device__ __forceinline__ void tp_record(const MoeTpArgs& a, uint32_t code, int rank, uint32_t token, uint32_t k,
+                                          int64_t value, uint32_t call) {
+  volatile uint32_t* w = (volatile uint32_t*)a.status;
+  w[1] = (uint32_t)rank;
+  w[2] = token;
+  w[3] = k;
+  w[4] = (uint32_t)(uint64_t)value;
+  w[5] = (uint32_t)((uint64_t)value >> 32);
+  w[6] = call;
+  __threadfence_system();
+  w[0] = code;
+  __threadfence_system();
+}
+
+template <typename IDX>
+__device__ __forceinline__ int64_t tp_entry(const MoeTpArgs& a, uint64_t t, uint64_t j, uint32_t& code) {
+  code = 0;
+  if ((int)j >= a.k) return -1;
+  const IDX* p = (const IDX*)a.topk_idx + t * a.k;
+  const int64_t e = (int64_t)p[j];
+  if (e < -1 || e >= a.experts) {
+    code = MOE_ST_OUT_OF_RANGE;
+  } else if (e >= 0) {
+    for (uint64_t jj = 0; jj < j; ++jj)
+      if ((int64_t)p[jj] == e) code = MOE_ST_DUPLICATE;
+  }
+  return e;
+}
+
+// Exclusive block scan of one flag per thread; returns the exclusive prefix and sets `total`.
+__device__ __forceinline__ int32_t tp_block_scan(int32_t f, int32_t* warp_s, int32_t& total) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int32_t x = f;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_s[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t v = lane < MOE_WARPS ? warp_s[lane] : 0;
+    const int32_t own = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t y = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += y;
+    }
+    if (lane < MOE_WARPS) warp_s[lane] = v - own;
+    if (lane == MOE_WARPS - 1) warp_s[MOE_WARPS] = v;
+  }
+  __syncthreads();
+  const int32_t ex = warp_s[warp] + x - f;
+  total = warp_s[MOE_WARPS];
+  __syncthreads();
+  return ex;
+}
+
+// The grid's last block to count itself in at ctrl word `which` (target epoch * grid); every
+// block fences first (system scope when peers read what it wrote).
+__device__ __forceinline__ bool tp_count_in(uint64_t* ctrl, int which, uint64_t epoch, bool peers, int* last_s) {
+  if (threadIdx.x == 0) {
+    if (peers) __threadfence_system(); else __threadfence();
+    const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[which], 1ull);
+    *last_s = old + 1 == epoch * gridDim.x;
+    if (*last_s) {
+      if (peers) __threadfence_system(); else __threadfence();
+    }
+  }
+  __syncthreads();
+  return *last_s != 0;
+}
+
+template <int PAYLOAD_BYTES, bool SCALES, typename IDX>
+__device__ void tp_dispatch_body(const MoeTpArgs& a) {
+  __shared__ uint64_t epoch_s;
+  __shared__ int live_s, last_s;
+  __shared__ uint32_t bad_s;
+  __shared__ int32_t found_s[4];
+  __shared__ int64_t found_v;
+  __shared__ int32_t warp_s[MOE_WARPS + 1];
+  __shared__ int32_t rowbase_s[SYMM_MAX_RANKS + 1];  // rows from lower sources here
+  __shared__ int32_t listoff_s[SYMM_MAX_RANKS];      // per source: its list offset for this rank
+  __shared__ int32_t below_s[SYMM_MAX_RANKS];        // per destination: rows of lower sources there
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int me = a.s.rank, W = a.s.world, L = a.local;
+  const uint64_t K = a.topk, T = a.max_tokens, H = a.hidden;
+  const uint64_t row_bytes = H * PAYLOAD_BYTES, S = H / MOE_SCALE_GROUP;
+  const bool peers = W > 1;
+  uint64_t* ctrl = (uint64_t*)a.blocks[me];
+  if (tid == 0) {
+    epoch_s = *(volatile uint64_t*)&ctrl[MOE_CTRL_D_DONE] + 1;
+    live_s = !aborted(a.s);
+    bad_s = 0xffffffffu;
+  }
+  __syncthreads();
+  if (!live_s) return;
+  const uint64_t epoch = epoch_s, par = epoch & 1;
+  const uint64_t n = a.refuse_code ? 0 : a.num_tokens;
+  int32_t* idx = (int32_t*)(a.blocks[me] + a.off_idx) + par * T * K;
+  float* wts = (float*)(a.blocks[me] + a.off_weights) + par * T * K;
+  int32_t* pos = (int32_t*)(a.blocks[me] + a.off_pos);
+  const float* w_in = (const float*)a.weights_or_y;
+
+  // Step 1, block 0: the routing (validated), its copy, the token lists by destination.
+  if (blockIdx.x == 0) {
+    for (uint64_t t = tid; t < n; t += MOE_THREADS) {
+      uint32_t mask = 0;
+      for (uint64_t j = 0; j < K; ++j) {
+        uint32_t code;
+        const int64_t e = tp_entry<IDX>(a, t, j, code);
+        if (code) atomicMin(&bad_s, (uint32_t)(t * K + j));
+        idx[t * K + j] = (int32_t)e;
+        wts[t * K + j] = (int)j < a.k ? w_in[t * a.k + j] : 0.f;
+        if (!code && e >= 0) mask |= 1u << (uint32_t)(e / L);
+      }
+      for (int d = 0; d < W; ++d) pos[t * W + d] = (mask >> d) & 1 ? 0 : -1;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      found_s[0] = 0;
+      if (a.refuse_code) {
+        found_s[0] = a.refuse_code;
+        found_s[2] = found_s[3] = 0;
+        found_v = a.refuse_value;
+      } else if (bad_s != 0xffffffffu) {
+        uint32_t code;
+        const int64_t e = tp_entry<IDX>(a, bad_s / K, bad_s % K, code);
+        found_s[0] = code;
+        found_s[2] = (int32_t)(bad_s / K);
+        found_s[3] = (int32_t)(bad_s % K);
+        found_v = e;
+      }
+    }
+    __syncthreads();
+    const bool own_bad = found_s[0] != 0;
+    int32_t* list = (int32_t*)(a.blocks[me] + a.off_list) + par * (uint64_t)W * T;
+    int32_t off = 0;
+    for (int d = 0; d < W; ++d) {
+      int32_t carry = 0;
+      for (uint64_t b = 0; b < n && !own_bad; b += MOE_THREADS) {
+        const uint64_t t = b + tid;
+        const int32_t f = t < n && pos[t * W + d] >= 0;
+        int32_t total;
+        const int32_t ex = tp_block_scan(f, warp_s, total);
+        if (f) {
+          pos[t * W + d] = carry + ex;
+          list[off + carry + ex] = (int32_t)t;
+        }
+        carry += total;
+      }
+      if (tid == 0) ctrl[MOE_CTRL_TP_ROW + d] = (uint64_t)(uint32_t)carry;
+      off += carry;
+    }
+    if (tid == 0) {
+      const int64_t v = found_v;
+      const int32_t extra[5] = {found_s[0], found_s[2], found_s[3], (int32_t)(uint32_t)(uint64_t)v,
+                                (int32_t)(uint32_t)((uint64_t)v >> 32)};
+      for (int x = 0; x < MOE_ROW_EXTRA; ++x)
+        ctrl[MOE_CTRL_TP_ROW + W + x] = own_bad && x < 5 ? (uint64_t)(uint32_t)extra[x] : 0;
+    }
+  }
+  // Every block stages its share of x for the peers (harmless when the call fails).
+  if (peers) {
+    uint8_t* xs = (uint8_t*)(a.blocks[me] + a.off_xstage) + par * T * row_bytes;
+    const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp, nw = (uint64_t)gridDim.x * MOE_WARPS;
+    for (uint64_t t = gw; t < n; t += nw) {
+      moe_copy_row(xs + t * row_bytes, (const uint8_t*)a.x_or_expert_out + t * row_bytes, row_bytes, lane);
+      if (SCALES) {
+        float* ds = (float*)(a.blocks[me] + a.off_xscales) + par * T * S + t * S;
+        for (uint64_t v = lane; v < S; v += 32) ds[v] = ((const float*)a.x_scales)[t * S + v];
+      }
+    }
+  }
+  __syncthreads();
+
+  // Step 2: the last block to count itself in publishes the row (block 0's words, fenced).
+  if (tp_count_in(ctrl, MOE_CTRL_D_SENT, epoch, peers, &last_s)) {
+    const int words = W + MOE_ROW_EXTRA;
+    const bool bad = *(volatile uint64_t*)&ctrl[MOE_CTRL_TP_ROW + W] != 0;
+    for (int q = tid; q < W * words; q += MOE_THREADS) {
+      const int d = q / words, w = q % words;
+      int32_t v = (int32_t)(uint32_t)*(volatile uint64_t*)&ctrl[MOE_CTRL_TP_ROW + w];
+      if (bad && w < W) v = 0;
+      moe_st_release(tp_row(a, d, epoch, me) + w, moe_tagged(epoch, v), peers);
+    }
+  }
+
+  // Step 3, the one wait: every word of every source's row carries this epoch's tag.
+  int ok = 1;
+  {
+    const int words = W + MOE_ROW_EXTRA;
+    const uint64_t start = globaltimer();
+    uint32_t spins = 0;
+    for (int q = tid; q < W * words && ok; q += MOE_THREADS) {
+      const int s = q / words;
+      const uint64_t* w = tp_row(a, me, epoch, s) + q % words;
+      while ((uint32_t)(moe_ld_acquire(w, peers) >> 32) != (uint32_t)epoch) {
+        if (give_up(a.s, spins, start, s)) {
+          ok = 0;
+          break;
+        }
+      }
+    }
+  }
+  if (!__syncthreads_and(ok)) return;
+  if (tid == 0) {
+    found_s[0] = 0;
+    for (int s = 0; s < W; ++s) {
+      const int32_t code = tp_count(a, epoch, s, W);
+      if (code != 0) {
+        found_s[0] = code;
+        found_s[1] = s;
+        found_s[2] = tp_count(a, epoch, s, W + 1);
+        found_s[3] = tp_count(a, epoch, s, W + 2);
+        found_v = (int64_t)((uint64_t)(uint32_t)tp_count(a, epoch, s, W + 3) |
+                            ((uint64_t)(uint32_t)tp_count(a, epoch, s, W + 4) << 32));
+        break;
+      }
+    }
+    int32_t acc = 0;
+    for (int s = 0; s < W; ++s) {
+      rowbase_s[s] = acc;
+      acc += tp_count(a, epoch, s, me);
+      int32_t lo = 0;
+      for (int d = 0; d < me; ++d) lo += tp_count(a, epoch, s, d);
+      listoff_s[s] = lo;
+    }
+    rowbase_s[W] = acc;
+    for (int d = 0; d < W; ++d) {
+      int32_t b = 0;
+      for (int s = 0; s < me; ++s) b += tp_count(a, epoch, s, d);
+      below_s[d] = b;
+    }
+  }
+  __syncthreads();
+  const bool failed = found_s[0] != 0;
+  int32_t* meta = (int32_t*)(a.blocks[me] + a.off_meta);
+  if (failed) {
+    if (blockIdx.x == 0) {
+      if (tid == 0 && !(moe_is_refusal(found_s[0]) && found_s[1] == me))
+        tp_record(a, found_s[0], found_s[1], found_s[2], found_s[3], found_v, 0);
+      for (int i = tid; i < 2 * L + 2; i += MOE_THREADS) meta[i] = 0;
+    }
+  } else {
+    // Step 4: pull, row r from the source s with rowbase[s] <= r < rowbase[s + 1].
+    const uint64_t N = rowbase_s[W];
+    const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp, nw = (uint64_t)gridDim.x * MOE_WARPS;
+    int32_t* rsrc = (int32_t*)(a.blocks[me] + a.off_recv_src);
+    int32_t* ridx = (int32_t*)(a.blocks[me] + a.off_recv_idx);
+    float* rw = (float*)(a.blocks[me] + a.off_recv_weights);
+    uint8_t* rx = (uint8_t*)(a.blocks[me] + a.off_recv_x);
+    for (uint64_t r = gw; r < N; r += nw) {
+      int s = 0;
+      while (s + 1 < W && (uint64_t)rowbase_s[s + 1] <= r) ++s;
+      const uint64_t i = r - rowbase_s[s];
+      const int32_t* slist = (const int32_t*)(a.blocks[s] + a.off_list) + par * (uint64_t)W * T;
+      const uint64_t t = (uint64_t)__ldcg(slist + listoff_s[s] + i);
+      const uint8_t* src = s == me ? (const uint8_t*)a.x_or_expert_out + t * row_bytes
+                                   : (const uint8_t*)(a.blocks[s] + a.off_xstage) + par * T * row_bytes + t * row_bytes;
+      if (s == me) moe_copy_row(rx + r * row_bytes, src, row_bytes, lane);
+      else moe_pull_row(rx + r * row_bytes, src, row_bytes, lane);
+      if (SCALES) {
+        const float* ss = s == me ? (const float*)a.x_scales + t * S
+                                  : (const float*)(a.blocks[s] + a.off_xscales) + par * T * S + t * S;
+        float* ds = (float*)(a.blocks[me] + a.off_recv_scales) + r * S;
+        for (uint64_t v = lane; v < S; v += 32) ds[v] = __ldcg(ss + v);
+      }
+      const int32_t* sidx = (const int32_t*)(a.blocks[s] + a.off_idx) + par * T * K + t * K;
+      const float* sw = (const float*)(a.blocks[s] + a.off_weights) + par * T * K + t * K;
+      for (uint64_t j = lane; j < K; j += 32) {
+        const int32_t e = __ldcg(sidx + j);
+        const bool mine = e >= 0 && e / L == me;
+        ridx[r * K + j] = mine ? e - me * L : -1;
+        rw[r * K + j] = mine ? __ldcg(sw + j) : 0.f;
+      }
+      if (lane == 0) rsrc[r] = (int32_t)((uint64_t)s * T + t);
+    }
+    // Each of this rank's tokens' row at each rank it went to (after the lower sources').
+    const uint64_t gt = (uint64_t)blockIdx.x * MOE_THREADS + tid, nt = (uint64_t)gridDim.x * MOE_THREADS;
+    for (uint64_t q = gt; q < n * W; q += nt) {
+      const int32_t p = pos[q];
+      if (p >= 0) pos[q] = p + below_s[q % W];
+    }
+  }
+  __syncthreads();
+
+  // The end: the last block writes the counts and the CSR over every row, then the epochs.
+  if (tp_count_in(ctrl, MOE_CTRL_D_FIN, epoch, false, &last_s)) {
+    if (!failed) {
+      const uint64_t N = rowbase_s[W];
+      const volatile int32_t* ridx = (const volatile int32_t*)(a.blocks[me] + a.off_recv_idx);
+      int32_t* rows = (int32_t*)(a.blocks[me] + a.off_expert_rows);
+      int32_t off = 0;
+      for (int le = 0; le < L; ++le) {
+        int32_t carry = 0;
+        for (uint64_t b = 0; b < N; b += MOE_THREADS) {
+          const uint64_t r = b + tid;
+          int32_t slot = -1;
+          if (r < N)
+            for (uint64_t j = 0; j < K; ++j)
+              if (ridx[r * K + j] == le) slot = (int32_t)j;
+          int32_t total;
+          const int32_t ex = tp_block_scan(slot >= 0, warp_s, total);
+          if (slot >= 0) rows[off + carry + ex] = (int32_t)(r * K + slot);
+          carry += total;
+        }
+        if (tid == 0) {
+          meta[1 + le] = carry;
+          meta[1 + L + le] = off;
+        }
+        off += carry;
+      }
+      if (tid == 0) {
+        meta[0] = (int32_t)N;
+        meta[1 + 2 * L] = off;
+      }
+    }
+    if (tid == 0) {
+      __threadfence();
+      if (!failed) ctrl[MOE_CTRL_OK_EPOCH] = epoch;
+      ctrl[MOE_CTRL_TP_FIRST] = *(volatile uint64_t*)&ctrl[MOE_CTRL_C_DONE] + 1;
+      ctrl[MOE_CTRL_D_DONE] = epoch;
+    }
+  }
+}
+
+// Thread `src` (< world) waits until flag `which` of source `src` here is >= want; the value
+// seen, or 0 when the wait ended (aborted or timed out).
+__device__ __forceinline__ uint64_t tp_wait(const MoeTpArgs& a, int which, int src, uint64_t want) {
+  const uint64_t* f = tp_flag(a, a.s.rank, which, src);
+  const uint64_t start = globaltimer();
+  uint32_t spins = 0;
+  for (;;) {
+    const uint64_t v = ld_acquire_sys_u64(f);
+    if (v >= want) return v;
+    if (give_up(a.s, spins, start, src)) return 0;
+  }
+}
+
+__device__ void tp_combine_body(const MoeTpArgs& a) {
+  __shared__ uint64_t epoch_s, first_s;
+  __shared__ int live_s, dispatched_s, last_s;
+  __shared__ uint32_t other_s;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int me = a.s.rank, W = a.s.world;
+  const uint64_t T = a.max_tokens, H = a.hidden, row_bytes = H * 2;
+  const bool refused = a.refuse_code != 0, peers = W > 1;
+  uint64_t* ctrl = (uint64_t*)a.blocks[me];
+  const int32_t* meta = (const int32_t*)(a.blocks[me] + a.off_meta);
+  if (tid == 0) {
+    epoch_s = *(volatile uint64_t*)&ctrl[MOE_CTRL_C_DONE] + 1;
+    first_s = *(volatile uint64_t*)&ctrl[MOE_CTRL_TP_FIRST];
+    const uint64_t d = *(volatile uint64_t*)&ctrl[MOE_CTRL_D_DONE];
+    dispatched_s = d > 0 && *(volatile uint64_t*)&ctrl[MOE_CTRL_OK_EPOCH] == d;
+    live_s = !aborted(a.s);
+    other_s = 0xffffffffu;
+  }
+  __syncthreads();
+  if (!live_s) return;
+  const uint64_t c = epoch_s;
+  const bool dispatched = dispatched_s != 0;
+  // A later combine of the same dispatch: peers may still read this rank's cstage of c - 1.
+  if (c > first_s) {
+    const int ok = tid < W ? tp_wait(a, MOE_TP_FLAG_READ, tid, c - 1) != 0 : 1;
+    if (!__syncthreads_and(ok)) return;
+  }
+  // Stage the rows of peers' tokens.
+  if (!refused && peers && dispatched) {
+    const uint64_t N = (uint64_t)meta[0];
+    const int32_t* rsrc = (const int32_t*)(a.blocks[me] + a.off_recv_src);
+    uint8_t* cs = (uint8_t*)(a.blocks[me] + a.off_cstage);
+    const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp, nw = (uint64_t)gridDim.x * MOE_WARPS;
+    for (uint64_t r = gw; r < N; r += nw) {
+      if ((uint64_t)rsrc[r] / T == (uint64_t)me) continue;
+      moe_copy_row(cs + r * row_bytes, (const uint8_t*)a.x_or_expert_out + r * row_bytes, row_bytes, lane);
+    }
+  }
+  __syncthreads();
+  if (tp_count_in(ctrl, MOE_CTRL_C_SENT, c, peers, &last_s) && tid == 0) {
+    for (int d = 0; d < W; ++d) st_release_sys_u64(tp_flag(a, d, MOE_TP_FLAG_STAGED, me), 2 * c + (refused ? 1 : 0));
+  }
+  // The one wait: every rank's rows are staged (or it refused).
+  {
+    int ok = 1;
+    if (tid < W) {
+      const uint64_t v = tp_wait(a, MOE_TP_FLAG_STAGED, tid, 2 * c);
+      ok = v != 0;
+      if (v == 2 * c + 1) atomicMin(&other_s, (uint32_t)tid);
+    }
+    if (!__syncthreads_and(ok)) return;
+  }
+  const bool zeros = !dispatched || other_s != 0xffffffffu;
+  if (blockIdx.x == 0 && tid == 0 && !refused && other_s != 0xffffffffu)
+    tp_record(a, MOE_ST_COMBINE_REFUSED, (int)other_s, 0, 0, 0, 1);
+  if (!refused) {
+    const int32_t* pos = (const int32_t*)(a.blocks[me] + a.off_pos);
+    const uint64_t vecs = H / 8, items = a.num_tokens * vecs;
+    const uint64_t gt = (uint64_t)blockIdx.x * MOE_THREADS + tid, nt = (uint64_t)gridDim.x * MOE_THREADS;
+    for (uint64_t q = gt; q < items; q += nt) {
+      const uint64_t t = q / vecs, v = q % vecs;
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int d = 0; d < W && !zeros; ++d) {
+        const int32_t p = pos[t * W + d];
+        if (p < 0) continue;
+        uint4 u;
+        if (d == me) {
+          u = ((const uint4*)((const uint8_t*)a.x_or_expert_out + (uint64_t)p * row_bytes))[v];
+        } else {
+          u = __ldcg((const uint4*)((const uint8_t*)(a.blocks[d] + a.off_cstage) + (uint64_t)p * row_bytes) + v);
+        }
+        const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc[2 * i] += __uint_as_float(w4[i] << 16);
+          acc[2 * i + 1] += __uint_as_float(w4[i] & 0xffff0000u);
+        }
+      }
+      uint32_t o[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * i]));
+        const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * i + 1]));
+        o[i] = lo | (hi << 16);
+      }
+      ((uint4*)((uint8_t*)a.weights_or_y + t * row_bytes))[v] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+  __syncthreads();
+  // The end: the last block tells every rank this rank finished reading their cstage.
+  if (tp_count_in(ctrl, MOE_CTRL_C_FIN, c, peers, &last_s) && tid == 0) {
+    for (int d = 0; d < W; ++d) st_release_sys_u64(tp_flag(a, d, MOE_TP_FLAG_READ, me), c);
+    ctrl[MOE_CTRL_C_DONE] = c;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_tp_dispatch_bf16_i32(MoeTpArgs a) { tp_dispatch_body<2, false, int32_t>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_tp_dispatch_bf16_i64(MoeTpArgs a) { tp_dispatch_body<2, false, int64_t>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_tp_dispatch_fp8_i32(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_tp_dispatch_fp8_i64(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t>(a); }
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_tp_combine_bf16(MoeTpArgs a) { tp_combine_body(a); }

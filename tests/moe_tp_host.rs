@@ -1,0 +1,72 @@
+//! MoE dispatch and combine in throughput mode (docs/moe.md, "Throughput mode") on the host
+//! backend, one process per rank at 1, 2, 4 and 8 ranks, through the C ABI: the receive buffers
+//! exactly and y bit for bit against every rank's inputs regenerated from the seed (and within
+//! bf16 rounding of a float64 sum), uniform and skewed routings (every token to one rank,
+//! several experts of one rank per token), the same y on every rank and run, repeated
+//! combines, every error on every rank with the object usable after, create's checks of the
+//! mode. The scenarios: tests/common/moe/tp.rs and tp_errors.rs.
+
+use crate::common;
+use common::moe::tp::*;
+use common::moe::tp_errors::*;
+use common::moe::*;
+use common::*;
+
+/// Runs `name` at 1, 2, 4 and 8 ranks on the host backend with the same seed; returns the
+/// outputs.
+fn at_2_4_8(name: &str) -> Vec<Vec<std::process::Output>> {
+    let seed = seed().to_string();
+    let mut all = Vec::new();
+    for w in [1, 2, 4, 8] {
+        let t = std::time::Instant::now();
+        let outs = run_ranks(name, w, &[HOST, SMALL_LL], &seed);
+        assert_all_ok(&outs);
+        assert_ran(&outs, name, 0);
+        eprintln!("{name}: {w} ranks in {:.1} s", t.elapsed().as_secs_f64());
+        all.push(outs);
+    }
+    all
+}
+
+#[test]
+fn throughput_dispatch_and_combine_match_the_reference_at_2_4_8_ranks() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
+        let (cases, hash) = tp_sweep(comm, dev, w, seed);
+        destroy(comm);
+        println!("rank {r}: outputs hash {hash:016x}; {cases} cases correct");
+        return;
+    }
+    for outs in at_2_4_8("throughput_dispatch_and_combine_match_the_reference_at_2_4_8_ranks") {
+        assert_same_output_hash(&outs);
+    }
+}
+
+/// Three runs per world: a race between a combine's staging and a peer's reads of the
+/// previous one shows in some runs only.
+#[test]
+fn throughput_repeated_combines_each_give_their_own_result() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
+        let made = tp_repeated(comm, dev, w, seed, 8);
+        destroy(comm);
+        println!("rank {r}: {made} dispatches and combines correct");
+        return;
+    }
+    for _ in 0..3 {
+        at_2_4_8("throughput_repeated_combines_each_give_their_own_result");
+    }
+}
+
+#[test]
+fn throughput_errors_name_the_rank_everywhere_and_leave_the_object_usable() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
+        tp_errors(comm, dev, w, seed);
+        tp_create_errors(comm, dev, w, r);
+        destroy(comm);
+        println!("rank {r}: every error reported as expected");
+        return;
+    }
+    at_2_4_8("throughput_errors_name_the_rank_everywhere_and_leave_the_object_usable");
+}
