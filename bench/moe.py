@@ -585,6 +585,13 @@ def dispatch(moe, c):
     return moe.dispatch(x, c.idx, c.w, **kw)
 
 
+def handle_of(d):
+    """A dispatch result's handle for combine: MoeDispatch.handle (both modes, assumed for
+    throughput as in moe_lib TP_FIELDS), else its fourth element."""
+    h = getattr(d, "handle", None)
+    return h if h is not None else d[3]
+
+
 def sym_low_latency(moe, c, kw, check, note):
     """Correctness of a low-latency dispatch (layout bit for bit) and combine (y vs float64), the
     expert buffer and its unused rows poisoned first. Returns the finite expert output for timing."""
@@ -677,7 +684,7 @@ def sym_throughput(moe, c, kw, check, note):
     eo_poisoned = eo.clone()
     eo_poisoned[n:] = float("nan")
     y = torch.full((c.T, c.H), float("nan"), dtype=torch.bfloat16, device=DEV)
-    got = moe.combine(eo_poisoned, getattr(d, "handle", None), out=y)
+    got = moe.combine(eo_poisoned, handle_of(d), out=y)
     sync()
     check("symmalloc", got if got is not None else y, mode="throughput", rows=n)
     return eo
@@ -686,16 +693,16 @@ def sym_throughput(moe, c, kw, check, note):
 def sym_timing(moe, c, eo, mode, sms, row, bb, calls, replays, iters, barrier):
     """dispatch, combine, dispatch+combine: graphed and eager (finite expert outputs; one y)."""
     y = torch.empty(c.T, c.H, dtype=torch.bfloat16, device=DEV)
-    h = {"handle": dispatch(moe, c)[3]}
+    h = {"handle": handle_of(dispatch(moe, c))}
 
     def disp():
-        h["handle"] = dispatch(moe, c)[3]
+        h["handle"] = handle_of(dispatch(moe, c))
 
     def comb():
         moe.combine(eo, h["handle"], out=y)
 
     def both():
-        moe.combine(eo, dispatch(moe, c)[3], out=y)
+        moe.combine(eo, handle_of(dispatch(moe, c)), out=y)
 
     moved = c.moved(mode)
     for op, fn in (("dispatch", disp), ("combine", comb), ("dispatch+combine", both)):
@@ -731,7 +738,7 @@ def probe_case(c, comm, kw, mode, sms, eo, note, info):
     try:
         y = torch.empty(c.T, c.H, dtype=torch.bfloat16, device=DEV)
         for _ in range(2):  # the first untimed, the second probed
-            moe.combine(eo, dispatch(moe, c)[3], out=y)
+            moe.combine(eo, handle_of(dispatch(moe, c)), out=y)
             sync()
             dist.barrier()
         raw = moe.probe()
@@ -937,7 +944,9 @@ def report(runs, link, args, world):
                 for k in keys:
                     unit = "(token, rank)" if k[4] == "throughput" else "(token, expert)"
                     sent.setdefault(unit, (rows[k][0]["rows_remote"], rows[k][0]["rows_all"]))
-                print(f"\n{shape} / {rname} routing / {dname}: {T} tokens per rank; rank 0 sends "
+                how = {"fp8": " (x quantized to e4m3 + scales by a torch step before timing: not in the figures)",
+                       "fp8q": " (bf16 in, quantized inside the dispatch)"}.get(dname, "")
+                print(f"\n{shape} / {rname} routing / {dname}{how}: {T} tokens per rank; rank 0 sends "
                       + "; ".join(f"{r} remote of {a} rows per {u}" for u, (r, a) in sent.items())
                       + f" (uniform model T*K*(W-1)/W = {T * args.topk * (world - 1) / world:.0f} remote pairs); "
                       f"expert load max/mean {rs.get('expert_max_over_mean', 0):.2f}, rank load max/mean "
