@@ -37,8 +37,9 @@ Routing (--routing; every table names its routing). Weights: a softmax of random
            instead of searched, so a row is reproducible from its seed alone. At s = 1, 256
            experts, top-8 the hottest expert is in ~78% of the tokens (~25x the mean expert
            load); with the fixed permutation the busiest rank gets 1.22x the mean load at 2
-           ranks and 2.3x at 8 (printed per table, measured on the actual routing). "Hot ranks" (whole ranks favoured) was not
-           chosen: a model's popularity is per expert, and EPLB-style placement spreads it.
+           ranks and 2.3x at 8 (printed per table, measured on the actual routing). "Hot ranks"
+           (whole ranks favoured) was not chosen: a model's popularity is per expert, and
+           EPLB-style placement spreads it over the ranks.
   The seed is fixed per rank, shape and run; the same routing feeds the check and the timing.
 
 Payload dtypes (--dtypes; every table names its dtype):
@@ -138,9 +139,10 @@ import torch.multiprocessing as mp  # noqa: E402
 from moe_lib import (DTYPES, MODES, PREFILL_LINK_SHARE, PREFILL_MIN_TOKENS, PREFILL_SMS_TARGET,  # noqa: E402
                      ROUTINGS, SHAPES, TP_FIELDS, WORLD1_TARGETS, A2ABaseline, TpUnsupported, bytes_moved,
                      capacity_for, dequantize_fp8, expected_recv, expert_fn, expert_scales, fp8_error_bound,
-                     fp8q_kwargs, gather, gather_json, med, mode_kwargs, model_bytes, moe_params, parse_int_list, parse_list,
-                     probe_phases, quantize_fp8, reference_y, rel_err, routing, routing_stats, scales_rows, stats,
-                     tokens_x, tp_expert_rows, tp_fields, tp_reference_dispatch)
+                     fp8q_kwargs, gather, gather_json, med, mode_kwargs, model_bytes, moe_params,
+                     parse_int_list, parse_list, probe_phases, quantize_fp8, reference_y, rel_err, routing,
+                     routing_stats, scales_rows, stats, tokens_x, tp_expert_rows, tp_fields,
+                     tp_reference_dispatch)
 
 GIB = 1 << 30
 PROBE_ENV = "SYMMALLOC_MOE_PROBE"
@@ -365,8 +367,8 @@ def rank_main(rank, world, port, args, job, out_path):
         group = dist.group.WORLD
         barrier = dist.barrier
         name = "host backend (CPU)" if args.host_check else torch.cuda.get_device_name(dev)
-        info = {"rank": rank, "world": world, "device": name, "torch": torch.__version__, "shared_gpu": shared, "job": job, "rows": [], "checks": [], "notes": [], "probes": [],
-                "routing": {}}
+        info = {"rank": rank, "world": world, "device": name, "torch": torch.__version__, "shared_gpu": shared,
+                "job": job, "rows": [], "checks": [], "notes": [], "probes": [], "routing": {}}
         try:
             info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:  # noqa: BLE001
@@ -956,14 +958,14 @@ def report(runs, link, args, world):
                 print("|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
                 for k in keys:
                     per = rows[k]
-                    p50, p99, mx = med([r["p50"] for r in per]), med([r["p99"] for r in per]), med([r["max"] for r in per])
+                    p50, p99, mx = (med([r[q] for r in per]) for q in ("p50", "p99", "max"))
                     worst = max(r["p50"] for r in per)
                     br, ba = per[0]["bytes_remote"], per[0]["bytes_all"]
                     gr = br / (p50 * 1e-6) / 1e9 if p50 else 0
                     ga = ba / (p50 * 1e-6) / 1e9 if p50 else 0
                     share = gr / lbw if lbw and not shared else None
                     buf = per[0].get("buffer_bytes")
-                    ex = k[7] + (" (host sync)" if k[3] == "nccl" else "") + (" (no grouping)" if k[3] == "torch_1d" else "")
+                    ex = k[7] + {"nccl": " (host sync)", "torch_1d": " (no grouping)"}.get(k[3], "")
                     print(f"| {k[3]} | {k[4]} | {k[5]} | {k[6]} | {ex} | {p50:.1f} | {p99:.1f} | {mx:.1f} | {worst:.1f} | "
                           f"{human(br)} | {gr:.1f} | {human(ba)} | {ga:.1f} | "
                           f"{f'{share:.2f}' if share is not None else 'n/a'} | "
@@ -1026,7 +1028,8 @@ def targets(s, args, world, link, shared):
             continue
         for rname, dname, mode, sms in combos:
             sg = s.get((shape, rname, dname, "symmalloc", mode, sms, "dispatch+combine", "graph"))
-            nb = s.get((shape, rname, "fp8" if dname == "fp8q" else dname, "nccl", "-", "-", "dispatch+combine", "eager"))
+            bd = "fp8" if dname == "fp8q" else dname  # the baseline cannot quantize inside: fp8q vs its fp8 row
+            nb = s.get((shape, rname, bd, "nccl", "-", "-", "dispatch+combine", "eager"))
             if not (sg and nb):
                 verdict, text = "n/a", "missing rows"
             else:
@@ -1077,7 +1080,7 @@ def main():
                                                               "(quantized inside the dispatch, where supported)")
     ap.add_argument("--ue8m0", action="store_true", help="fp8q: scales rounded up to powers of two")
     ap.add_argument("--modes", default="low_latency,throughput", help="comma list of low_latency, throughput")
-    ap.add_argument("--num-sms", default="0", help="comma list of SM budgets, comm.moe(num_sms=); 0: every SM")
+    ap.add_argument("--num-sms", default="0,24", help="comma list of SM budgets, comm.moe(num_sms=); 0: every SM")
     ap.add_argument("--probe", action="store_true", help="per-phase probe (SYMMALLOC_MOE_PROBE=1, moe.probe())")
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--topk", type=int, default=8)

@@ -1,8 +1,9 @@
 """bench/moe.py's pure helpers: routing (uniform and skewed), FP8 quantization and its reference,
 bytes accounting, capacities, list arguments, feature detection of comm.moe's optional keywords,
 the throughput-mode adapter, the per-phase probe's normalization, gathers over a process group
-(tensors as bytes, small JSON results) and the NCCL all_to_all_single baseline. Everything here runs on the CPU (torch CPU tensors, gloo for the baseline) and is
-exercised by `python3 bench/moe.py --selftest`.
+(tensors as bytes, small JSON results) and the NCCL all_to_all_single baseline. Everything here
+runs on the CPU (torch CPU tensors, gloo for the baseline) and is exercised by
+`python3 bench/moe.py --selftest` (bench/moe_selftest.py).
 
 Invariants: nothing here touches a GPU or symmalloc's library; every random draw comes from a
 torch.Generator seeded by the caller, so a routing or a payload is a pure function of its

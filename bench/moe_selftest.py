@@ -73,7 +73,8 @@ def selftest_pure():
     assert routing_stats(torch.tensor([4, 0, 0, 0]), 2) == {"expert_max_over_mean": 4.0, "rank_max_over_mean": 2.0,
                                                            "expert_max": 4, "hottest_expert": 0}
     out.append(f"routing: uniform == legacy topk(rand); skewed Zipf s=1 deterministic, slot 0 vs Categorical(p) "
-               f"TV {tv:.4f}, hottest expert p {float(p[hot]):.4f} drawn {float(f0[hot]):.4f}, in {incl:.3f} of tokens; "
+               f"TV {tv:.4f}, hottest expert p {float(p[hot]):.4f} drawn {float(f0[hot]):.4f}, "
+               f"in {incl:.3f} of tokens; "
                f"EP8 expert max/mean {st['expert_max_over_mean']:.1f}, rank max/mean {st['rank_max_over_mean']:.2f} "
                f"(uniform {su['rank_max_over_mean']:.3f})")
 
@@ -218,7 +219,8 @@ def selftest_rank(rank, world, port, q):
                 assert torch.equal(grouped.view(torch.uint8), all_q[src].view(torch.uint8)), "grouped e4m3 rows"
                 assert torch.equal(gs, all_s[src]), "grouped scales"
             else:
-                assert torch.equal(grouped.view(torch.int16), all_x.reshape(-1, H)[src].view(torch.int16)), "grouped rows"
+                want = all_x.reshape(-1, H)[src]
+                assert torch.equal(grouped.view(torch.int16), want.view(torch.int16)), "grouped rows"
             eo = expert_fn(grouped, scales[rank * L + gle], gs)
             y = bl.combine(eo, h, w, idx)
             c = rel_err(y, ref)
