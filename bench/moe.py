@@ -678,11 +678,14 @@ def sym_throughput(moe, c, kw, check, note):
     eo, n = tp_expert_rows(d, c.scales, moe.first_expert)
     assert n == n_want, f"symmalloc throughput: {n} rows received, want {n_want} (one per (token, this rank))"
     if f["src"] is not None and c.payload == "bf16":
+        # recv_src read as s*T+t, or as the low-latency code (s*T+t)*K+k: the rows must match one.
         src = f["src"].reshape(-1)[:n].long()
-        want = c.all("x").reshape(-1, c.H).index_select(0, src)
-        got = f["x"].reshape(-1, c.H)[:n]
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
-            "symmalloc throughput rows differ from their sources (or recv_src is not s*T+t: see moe_lib TP_FIELDS)"
+        got = f["x"].reshape(-1, c.H)[:n].view(torch.int16)
+        rows = c.all("x").reshape(-1, c.H)
+        ok = [how for how, s_ in (("s*T+t", src), ("(s*T+t)*K+k", src // c.K))
+              if bool((s_ >= 0).all() and (s_ < rows.shape[0]).all())
+              and torch.equal(got, rows.index_select(0, s_).view(torch.int16))]
+        assert ok, "symmalloc throughput rows differ from their sources, recv_src read as s*T+t or (s*T+t)*K+k"
     eo_poisoned = eo.clone()
     eo_poisoned[n:] = float("nan")
     y = torch.full((c.T, c.H), float("nan"), dtype=torch.bfloat16, device=DEV)
