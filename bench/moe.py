@@ -70,8 +70,7 @@ stand-in applies the router weights to each received row, the combine sums the r
 SM budget (--num-sms, a list: rows per budget; 0 = every SM): comm.moe(num_sms=). Prefill at
 <= 24 SMs is a target row (DeepEP's normal-mode figures are quoted at 24 SMs).
 
-Per-phase probe (--probe): when the build has one (SYMMALLOC_MOE_PROBE=1 at create and
-moe.probe()), per configuration a second object, one untimed dispatch+combine, then one probed
+Per-phase probe (--probe, low-latency mode): comm.moe(probe=True) and moe.probe(), per configuration a second object, one untimed dispatch+combine, then one probed
 dispatch+combine; the phases (us per phase, per rank) are printed after the tables.
 
 Peers:
@@ -145,7 +144,6 @@ from moe_lib import (DTYPES, MODES, PREFILL_LINK_SHARE, PREFILL_MIN_TOKENS, PREF
                      tp_reference_dispatch)
 
 GIB = 1 << 30
-PROBE_ENV = "SYMMALLOC_MOE_PROBE"
 DEV = "cuda"  # "cpu" with --host-check (the host backend: CPU tensors, no timing of graphs)
 
 
@@ -356,7 +354,6 @@ def rank_main(rank, world, port, args, job, out_path):
         else:
             torch.cuda.set_device(dev)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        os.environ.pop(PROBE_ENV, None)
         if args.host_check:
             dist.init_process_group("gloo", rank=rank, world_size=world)
         elif shared:
@@ -733,11 +730,10 @@ def probe_case(c, comm, kw, mode, sms, eo, note, info):
     if not hasattr(Moe, "probe"):
         note("per-phase probe: not supported by this build (Moe has no probe())")
         return
-    os.environ[PROBE_ENV] = "1"
-    try:
-        moe, _ = make_moe(c, comm, kw, mode, sms, note)
-    finally:
-        os.environ.pop(PROBE_ENV, None)
+    if mode == "throughput":
+        note("per-phase probe: the clock probe is the low-latency mode's (docs/moe.md)")
+        return
+    moe, _ = make_moe(c, comm, dict(kw, probe=True), mode, sms, note)
     if moe is None:
         return
     try:

@@ -410,6 +410,16 @@ def probe_phases(raw):
     (name, ns) pairs or a dict name -> ns, the ns being timestamps (the first one the start, each
     later one the end of the phase it names), or a dict {"durations_us": {phase: us}}. None for
     anything else (then the raw value is printed)."""
+    if isinstance(raw, dict) and all(isinstance(raw.get(k), dict) for k in ("dispatch", "combine")):
+        # symmalloc's Moe.probe(): {"dispatch": {start, ..., epoch}, "combine": {...}}, ns
+        # timestamps in phase order; "epoch" is a counter, and a word never written is 0.
+        out = []
+        for call in ("dispatch", "combine"):
+            ph = probe_phases([(k, v) for k, v in raw[call].items() if k != "epoch" and v])
+            if ph is None:
+                return None
+            out += [(f"{call}.{k}", us) for k, us in ph]
+        return out
     if isinstance(raw, dict) and isinstance(raw.get("durations_us"), dict):
         return [(str(k), float(v)) for k, v in raw["durations_us"].items()]
     if isinstance(raw, dict):

@@ -427,7 +427,8 @@ typedef struct {
   uint64_t max_recv_per_expert;
   /**
    * Version 2: the most SMs (blocks) a dispatch or combine kernel uses; 0 = as many as the
-   * communicator's GPUs have (at most 132). Every rank passes the same value.
+   * work can keep busy, at most the communicator's GPUs' SMs (and 132). Every rank passes the
+   * same value.
    */
   uint32_t num_sms;
   /**

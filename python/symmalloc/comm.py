@@ -384,7 +384,7 @@ class Communicator:
         ``torch.float8_e4m3fn`` (``"fp8"``, with a float32 scale per 128 elements).
         ``max_recv_per_expert``: rows per local expert; 0 (or None) is ``world_size *
         max_tokens_per_rank``, which no routing overflows; a smaller capacity makes an overflow
-        an error, never a drop. ``num_sms``: the most SMs the kernels use (0: all, at most 132).
+        an error, never a drop. ``num_sms``: the most SMs the kernels use (0: what the work keeps busy, at most 132).
         ``input_dtype=torch.bfloat16`` with ``dtype=torch.float8_e4m3fn``: ``dispatch`` takes
         bf16 ``x`` and quantizes it inside the kernel (one float32 scale per 128 elements,
         ``amax / 448``; ``ue8m0=True`` rounds each up to a power of two). ``scale_layout``:

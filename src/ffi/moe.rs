@@ -97,7 +97,8 @@ pub struct symm_moe_config_t {
     /// R: rows per local expert; 0 = world * max_tokens_per_rank (no routing overflows it).
     pub max_recv_per_expert: u64,
     /// Version 2: the most SMs (blocks) a dispatch or combine kernel uses; 0 = as many as the
-    /// communicator's GPUs have (at most 132). Every rank passes the same value.
+    /// work can keep busy, at most the communicator's GPUs' SMs (and 132). Every rank passes the
+    /// same value.
     pub num_sms: u32,
     /// Version 2: 0 (reserved; anything else is refused).
     pub reserved: u32,

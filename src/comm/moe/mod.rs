@@ -41,12 +41,34 @@ use split::Pending;
 use status::{Bounds, Refusal};
 
 /// The most blocks of a dispatch or combine grid. The grid is the communicator's fewest SMs,
-/// capped by this and by the config's `num_sms` (its SM budget), agreed at create (the least
-/// over the ranks): one block per SM, all resident at once (the blocks wait for each other's
+/// capped by this, by the config's `num_sms` (its SM budget) and by the blocks the work can use
+/// (`Request::work_grid`), agreed at create (the least over the ranks): one block per SM, all resident at once (the blocks wait for each other's
 /// counting-in, kernels/moe.cu).
 pub const MAX_GRID: u32 = 132;
 /// Threads per block of the kernels (kernels/moe.cu `MOE_THREADS`).
 pub const THREADS: u32 = 512;
+/// The fewest blocks a grid sized by the work gets (below the SM budget and the GPUs' SMs).
+pub const MIN_WORK_GRID: u32 = 4;
+
+impl Request {
+    /// The blocks the work of one call can keep busy (`Config`'s fields, equal on every rank, so
+    /// the grid is too): a dispatch copies a row per warp and receives at most W*T*K rows; a
+    /// combine pushes a row per warp and sums T*H/8 16-byte vectors, one per thread. More blocks
+    /// than that only add block-counting and flag traffic (a 1-token call on 132 blocks).
+    /// Unreadable requests (all ones) give `MAX_GRID`.
+    fn work_grid(&self, world: u64) -> u32 {
+        let warps = (THREADS / 32) as u64;
+        let rows = world
+            .saturating_mul(self.tokens)
+            .saturating_mul(self.topk as u64);
+        let vecs = self.tokens.saturating_mul(self.hidden) / 8;
+        let blocks = rows
+            .div_ceil(warps)
+            .max(vecs.div_ceil(THREADS as u64))
+            .max(MIN_WORK_GRID as u64);
+        blocks.min(MAX_GRID as u64) as u32
+    }
+}
 
 /// The last dispatch, as the next combine needs it.
 #[derive(Clone, Copy, Debug)]
@@ -247,7 +269,12 @@ impl Communicator {
             0 => MAX_GRID,
             n => n.min(MAX_GRID),
         };
-        let grid = self.settings.fewest_sms.min(cap).clamp(1, MAX_GRID);
+        let grid = self
+            .settings
+            .fewest_sms
+            .min(cap)
+            .min(asked.work_grid(world))
+            .clamp(1, MAX_GRID);
         // The agreement: refusal text, the requested words, the grid.
         let mut msg = Vec::new();
         let text = checked
@@ -488,5 +515,33 @@ impl Communicator {
     pub fn moe_check(&mut self, m: &mut Moe) -> Result<()> {
         self.begin(0)?;
         m.take_status().map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(tokens: u64, hidden: u64, topk: u32) -> Request {
+        Request {
+            tokens,
+            hidden,
+            topk,
+            ..Request::default()
+        }
+    }
+
+    #[test]
+    fn the_grid_follows_the_work_between_its_bounds() {
+        // 1 token, top-8, H 7168: 8 (W=1) or 64 (W=8) rows, 896 vectors: the floor, then 4.
+        assert_eq!(req(1, 7168, 8).work_grid(1), MIN_WORK_GRID);
+        assert_eq!(req(1, 7168, 8).work_grid(8), 4);
+        // 8 tokens at W=8: 512 rows over 16 warps = 32 blocks.
+        assert_eq!(req(8, 7168, 8).work_grid(8), 32);
+        // 16 tokens, H 7168: 14,336 vectors over 512 threads = 28 blocks (rows: 8).
+        assert_eq!(req(16, 7168, 1).work_grid(1), 28);
+        // DeepEP's decode at 128 tokens and anything unreadable: every block there is.
+        assert_eq!(req(128, 7168, 8).work_grid(8), MAX_GRID);
+        assert_eq!(Request::UNREADABLE.work_grid(8), MAX_GRID);
     }
 }
