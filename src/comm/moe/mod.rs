@@ -41,13 +41,13 @@ use split::Pending;
 use status::{Bounds, Refusal};
 
 /// The most blocks of a dispatch or combine grid. The grid is the communicator's fewest SMs,
-/// capped by this, by the config's `num_sms` (its SM budget) and by the blocks the work can use
-/// (`Request::work_grid`), agreed at create (the least over the ranks): one block per SM, all resident at once (the blocks wait for each other's
+/// capped by this and by the config's `num_sms` (its SM budget; without one, by the blocks the
+/// work can use: `Request::work_grid`), agreed at create (the least over the ranks): one block per SM, all resident at once (the blocks wait for each other's
 /// counting-in, kernels/moe.cu).
 pub const MAX_GRID: u32 = 132;
 /// Threads per block of the kernels (kernels/moe.cu `MOE_THREADS`).
 pub const THREADS: u32 = 512;
-/// The fewest blocks a grid sized by the work gets (below the SM budget and the GPUs' SMs).
+/// The fewest blocks a grid sized by the work gets (`num_sms` 0; at most the GPUs' SMs).
 pub const MIN_WORK_GRID: u32 = 4;
 
 impl Request {
@@ -265,16 +265,12 @@ impl Communicator {
         let checked = req.and_then(|r| r.check(world));
         let req = &asked;
         // One block on the host backend, whose device has one SM; `num_sms` caps it.
+        // Without a budget (0) the grid is what the work keeps busy.
         let cap = match asked.num_sms {
-            0 => MAX_GRID,
+            0 => asked.work_grid(world),
             n => n.min(MAX_GRID),
         };
-        let grid = self
-            .settings
-            .fewest_sms
-            .min(cap)
-            .min(asked.work_grid(world))
-            .clamp(1, MAX_GRID);
+        let grid = self.settings.fewest_sms.min(cap).clamp(1, MAX_GRID);
         // The agreement: refusal text, the requested words, the grid.
         let mut msg = Vec::new();
         let text = checked
