@@ -253,7 +253,10 @@ fn wait_rows(m: &Moe, epoch: u64, timeout: Duration) -> Result<Vec<Vec<i32>>> {
                 if spins % 256 == 0 {
                     if start.elapsed() > timeout {
                         return Err(Error::timeout(format!(
-                            "symm_moe_dispatch on rank {}: rank {s} did not arrive within {:.1}                              s (waited for its counts of call {epoch}, saw call {}; it may have                              died or not made the same call); this communicator is unusable,                              destroy it",
+                            "symm_moe_dispatch on rank {}: rank {s} did not arrive within {:.1} s \
+                             (waited for its counts of call {epoch}, saw call {}; it may have \
+                             died or not made the same call); this communicator is unusable, \
+                             destroy it",
                             m.rank,
                             timeout.as_secs_f64(),
                             v >> 32

@@ -602,6 +602,10 @@ pub fn dead_peer(comm: Comm, dev: Dev, w: usize, seed: u64, timeout_s: f64) {
     assert_eq!(got, timeout, "rank {}: {msg}", o.rank);
     assert!(msg.contains(&format!("rank {}", w - 1)), "{msg}");
     assert!(
+        !msg.contains("  "),
+        "a run of spaces in the message: {msg:?}"
+    );
+    assert!(
         took >= 0.8 * timeout_s && took < timeout_s + 10.0,
         "gave up after {took:.1} s (timeout {timeout_s} s)"
     );
