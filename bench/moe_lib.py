@@ -413,12 +413,14 @@ def probe_phases(raw):
     if isinstance(raw, dict) and all(isinstance(raw.get(k), dict) for k in ("dispatch", "combine")):
         # symmalloc's Moe.probe(): {"dispatch": {start, ..., epoch}, "combine": {...}}, ns
         # timestamps in phase order; "epoch" is a counter, and a word never written is 0.
+        # Different blocks record different events, so they need not be in order: each event is
+        # given as us after its call's start ("+" in the name).
         out = []
         for call in ("dispatch", "combine"):
-            ph = probe_phases([(k, v) for k, v in raw[call].items() if k != "epoch" and v])
-            if ph is None:
+            ev = [(k, v) for k, v in raw[call].items() if k != "epoch" and v]
+            if not ev or ev[0][0] != "start":
                 return None
-            out += [(f"{call}.{k}", us) for k, us in ph]
+            out += [(f"{call}.{k}+", (v - ev[0][1]) / 1000.0) for k, v in ev[1:]]
         return out
     if isinstance(raw, dict) and isinstance(raw.get("durations_us"), dict):
         return [(str(k), float(v)) for k, v in raw["durations_us"].items()]

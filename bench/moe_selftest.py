@@ -175,9 +175,10 @@ def selftest_pure():
     assert probe_phases([("start", 1000), ("route", 3500), ("send", 4000)]) == [("route", 2.5), ("send", 0.5)]
     assert probe_phases({"start": 0, "wait": 1500}) == [("wait", 1.5)]
     assert probe_phases({"durations_us": {"a": 1.25}}) == [("a", 1.25)]
-    nested = {"dispatch": {"start": 1000, "routed": 2000, "published": 4500, "epoch": 7},
+    nested = {"dispatch": {"start": 1000, "routed": 2000, "recv_start": 1500, "published": 4500, "epoch": 7},
               "combine": {"start": 9000, "summed": 9500, "epoch": 3}}
-    assert probe_phases(nested) == [("dispatch.routed", 1.0), ("dispatch.published", 2.5), ("combine.summed", 0.5)]
+    assert probe_phases(nested) == [("dispatch.routed+", 1.0), ("dispatch.recv_start+", 0.5),
+                                    ("dispatch.published+", 3.5), ("combine.summed+", 0.5)]
     assert probe_phases([("a", 5), ("b", 3)]) is None and probe_phases("x") is None and probe_phases(7) is None
     out.append("probe: (phase, ns) timestamps -> us per phase; unordered or unknown shapes -> printed raw")
     return out
