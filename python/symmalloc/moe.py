@@ -75,7 +75,7 @@ Split halves, for two-batch overlap: ``dispatch_send`` / ``dispatch_recv(handle)
 with other work between the halves (symmalloc/_moe_split.py has the rules).
 
 Throughput mode (``comm.moe(..., mode="throughput")``, DeepEP's normal/prefill mode; its
-CUDA kernels have not run on a GPU yet): a token goes once to each rank holding one of its experts; ``dispatch``
+dispatch has a fixed cost of about 220 µs for now, bench/NOTES.md): a token goes once to each rank holding one of its experts; ``dispatch``
 returns a ``MoeTpDispatch`` ``(recv_x [W*T, H], recv_topk_idx [W*T, K] int32 (local expert ids,
 -1 elsewhere), recv_topk_weights [W*T, K], num_recv_tokens_per_expert [L], handle)`` with
 ``num_recv``, ``recv_src``, ``recv_scales``, ``expert_offsets`` and ``expert_rows`` (a CSR of the
