@@ -81,7 +81,8 @@ torch-ext: target/release/libsymmalloc_torch.so
 test-torch: build target/release/_fastcall.abi3.so target/release/libsymmalloc_torch.so
 	cd python && $(TORCH_ENV) SYMMALLOC_LIBRARY_DIR=$(CURDIR)/target/release \
 	  SYMMALLOC_TORCH_EXT=$(CURDIR)/target/release/libsymmalloc_torch.so \
-	  $(TORCH_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests/test_torch_allocator.py tests/test_torch_history.py
+	  $(TORCH_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests/test_torch_allocator.py tests/test_torch_history.py \
+	  tests/test_bench_moe_selftest.py
 
 # Every other supported torch minor (2.10 to 2.15): torch_allocator.cpp compiled against each
 # one's headers (PyPI's wheel, downloaded once into .toolchain/torch-range/), and the latest
