@@ -1080,7 +1080,7 @@ def main():
     ap.add_argument("--ue8m0", action="store_true", help="fp8q: scales rounded up to powers of two")
     ap.add_argument("--modes", default="low_latency,throughput", help="comma list of low_latency, throughput")
     ap.add_argument("--num-sms", default="0,24", help="comma list of SM budgets, comm.moe(num_sms=); 0: every SM")
-    ap.add_argument("--probe", action="store_true", help="per-phase probe (SYMMALLOC_MOE_PROBE=1, moe.probe())")
+    ap.add_argument("--probe", action="store_true", help="per-phase probe (comm.moe(probe=True), moe.probe(); low-latency mode)")
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=256)
