@@ -266,13 +266,17 @@ __device__ __forceinline__ void moe_copy_row(uint8_t* dst, const uint8_t* src, u
   }
 }
 
-// As moe_copy_row, loading past L1 (rows another GPU or another block wrote in this kernel).
-__device__ __forceinline__ void moe_pull_row(uint8_t* dst, const uint8_t* src, uint64_t bytes, int lane) {
+// Vectors per lane a row copy keeps in flight (moe_pull_row).
+#define MOE_PULL_U 4
+// As moe_copy_row, loading past L1 (rows another GPU or another block wrote in this kernel). With
+// `parts` warps on one row, warp `part` copies its every parts-th run of 32 * MOE_PULL_U vectors.
+__device__ __forceinline__ void moe_pull_row(uint8_t* dst, const uint8_t* src, uint64_t bytes, int lane,
+                                             uint64_t part = 0, uint64_t parts = 1) {
   const uint64_t n = bytes / 16;
   const uint4* s = (const uint4*)src;
   uint4* d = (uint4*)dst;
-  constexpr int U = 4;
-  for (uint64_t v = lane; v < n; v += 32 * U) {
+  constexpr int U = MOE_PULL_U;
+  for (uint64_t v = lane + part * 32 * U; v < n; v += 32 * U * parts) {
     uint4 r[U];
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -622,7 +626,12 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     __syncthreads();
     const uint64_t total = (uint64_t)pre_s[L];
     const uint64_t nwarps = (uint64_t)gridDim.x * MOE_WARPS;
-    for (uint64_t q = (uint64_t)blockIdx.x * MOE_WARPS + warp; q < total; q += nwarps) {
+    // Warps the rows leave idle share them: `parts` warps per row (at 1 token 8 rows on 64
+    // warps), at most one run of 32 * MOE_PULL_U vectors each; every block computes the same.
+    const uint64_t runs = (row_bytes / 16 + 32 * MOE_PULL_U - 1) / (32 * MOE_PULL_U);
+    const uint64_t parts = total == 0 ? 1 : max((uint64_t)1, min(nwarps / total, runs));
+    for (uint64_t qp = (uint64_t)blockIdx.x * MOE_WARPS + warp; qp < total * parts; qp += nwarps) {
+      const uint64_t q = qp / parts, part = qp % parts;
       int lo = 0, hi = L;  // the local expert with pre_s[lo] <= q < pre_s[lo + 1]
       while (hi - lo > 1) {
         const int mid = (lo + hi) >> 1;
@@ -635,7 +644,9 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       const uint64_t t = (uint64_t)entry / K, slot = (uint64_t)lo * R + row;
       const uint8_t* src = s == me && !QUANT ? (const uint8_t*)a.x
                                    : (const uint8_t*)(a.blocks[s] + a.off_xstage) + (epoch & 1) * T * row_bytes;
-      moe_pull_row((uint8_t*)(a.blocks[me] + a.off_recv_x) + slot * row_bytes, src + t * row_bytes, row_bytes, lane);
+      moe_pull_row((uint8_t*)(a.blocks[me] + a.off_recv_x) + slot * row_bytes, src + t * row_bytes, row_bytes, lane,
+                   part, parts);
+      if (part != 0) continue;  // the row's scales and source: its first part's warp
       if (SCALES) {
         const float* ss = s == me && !QUANT ? (const float*)a.x_scales
                                             : (const float*)(a.blocks[s] + a.off_xscales) + (epoch & 1) * T * S;
