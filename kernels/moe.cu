@@ -13,7 +13,9 @@
 // writes their list (CSR by expert) and stages its tokens' rows (world > 1). The grid's last
 // block to count itself in then stores this rank's counts row into every rank, each word tagged
 // with the epoch: that is the call's only cross-rank wait. Every block then waits for every
-// source's tagged row and pulls its share of this rank's experts' rows from the sources
+// source's tagged row (keeping what it reads in shared memory: no count word is read twice, and
+// nothing after the wait is a chain of round trips) and pulls its share of this rank's experts'
+// rows from the sources
 // (rows ordered by source rank, then token: the source's list order). Blocks wait for each
 // other's counting-in, so the grid must be resident at once: at most one block per SM
 // (moe/mod.rs `MAX_GRID`, the communicator's fewest SMs, `num_sms`), each fits an SM
@@ -168,11 +170,6 @@ __device__ __forceinline__ uint64_t moe_tagged(uint64_t epoch, int32_t v) {
   return ((epoch & 0xffffffffull) << 32) | (uint64_t)(uint32_t)v;
 }
 
-// The value of word `w` of source `src`'s row here (after the wait saw every word's tag).
-__device__ __forceinline__ int32_t moe_count(const MoeArgs& a, uint64_t epoch, int src, int w) {
-  return (int32_t)(uint32_t)*(volatile uint64_t*)(moe_row(a, a.s.rank, epoch, src) + w);
-}
-
 // This rank's entry list of dispatch `epoch` in rank `d`'s block ([2][T*K] int32).
 __device__ __forceinline__ int32_t* moe_list(const MoeArgs& a, int d, uint64_t epoch) {
   return (int32_t*)(a.blocks[d] + a.off_list) + (epoch & 1) * (uint64_t)a.max_tokens * a.topk;
@@ -249,13 +246,15 @@ __device__ __forceinline__ int64_t moe_entry(const MoeArgs& a, uint64_t i, uint3
   return e;
 }
 
-// Copies `bytes` (a multiple of 16) from src to dst with the 32 lanes of a warp.
-__device__ __forceinline__ void moe_copy_row(uint8_t* dst, const uint8_t* src, uint64_t bytes, int lane) {
+// Copies `bytes` (a multiple of 16) from src to dst with the 32 lanes of a warp. With `parts`
+// warps on one row, warp `part` copies its every parts-th run of 32 * 4 vectors.
+__device__ __forceinline__ void moe_copy_row(uint8_t* dst, const uint8_t* src, uint64_t bytes, int lane,
+                                             uint64_t part = 0, uint64_t parts = 1) {
   const uint64_t n = bytes / 16;
   const uint4* s = (const uint4*)src;
   uint4* d = (uint4*)dst;
   constexpr int U = 4;
-  for (uint64_t v = lane; v < n; v += 32 * U) {
+  for (uint64_t v = lane + part * 32 * U; v < n; v += 32 * U * parts) {
     uint4 r[U];
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -266,13 +265,17 @@ __device__ __forceinline__ void moe_copy_row(uint8_t* dst, const uint8_t* src, u
   }
 }
 
-// As moe_copy_row, loading past L1 (rows another GPU or another block wrote in this kernel).
-__device__ __forceinline__ void moe_pull_row(uint8_t* dst, const uint8_t* src, uint64_t bytes, int lane) {
+// Vectors per lane a row copy keeps in flight (moe_pull_row).
+#define MOE_PULL_U 4
+// As moe_copy_row, loading past L1 (rows another GPU or another block wrote in this kernel). With
+// `parts` warps on one row, warp `part` copies its every parts-th run of 32 * MOE_PULL_U vectors.
+__device__ __forceinline__ void moe_pull_row(uint8_t* dst, const uint8_t* src, uint64_t bytes, int lane,
+                                             uint64_t part = 0, uint64_t parts = 1) {
   const uint64_t n = bytes / 16;
   const uint4* s = (const uint4*)src;
   uint4* d = (uint4*)dst;
-  constexpr int U = 4;
-  for (uint64_t v = lane; v < n; v += 32 * U) {
+  constexpr int U = MOE_PULL_U;
+  for (uint64_t v = lane + part * 32 * U; v < n; v += 32 * U * parts) {
     uint4 r[U];
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -287,11 +290,12 @@ __device__ __forceinline__ void moe_pull_row(uint8_t* dst, const uint8_t* src, u
 // at dst and one fp32 scale per 128 elements at scales[0 .. H/128): quant.cuh's per-group
 // arithmetic (QUANT_PER_GROUP: a half warp holds a group's 16 vectors), s = max(amax / 448,
 // FLT_MIN), rounded up to a power of two when ue8m0, q = e4m3(y * (1 / s)). The host backend does
-// the same (src/comm/moe/host.rs quantize_rows): bit for bit the same bytes and scales.
+// the same (src/comm/moe/host.rs quantize_rows): bit for bit the same bytes and scales. With
+// `parts` warps on one row, warp `part` does its every parts-th run of 32 vectors (two groups).
 __device__ __forceinline__ void moe_quantize_row(uint8_t* dst, float* scales, const uint4* src, uint64_t H,
-                                                 bool ue8m0, int lane) {
+                                                 bool ue8m0, int lane, uint64_t part = 0, uint64_t parts = 1) {
   const uint64_t vecs = H / 8;  // a multiple of 16: a half warp is all in or all out
-  for (uint64_t b = 0; b < vecs; b += 32) {
+  for (uint64_t b = part * 32; b < vecs; b += 32 * parts) {
     const uint64_t v = b + lane;
     float y[8];
     if (v < vecs) {
@@ -344,6 +348,15 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   __shared__ int32_t off_s[MOE_MAX_EXPERTS];     // list offsets; then per (source, local expert)
   __shared__ int32_t base_s[MOE_MAX_EXPERTS];    // rows of lower sources per (source, local expert)
   __shared__ int32_t pre_s[MOE_MAX_EXPERTS + 1]; // rows of lower local experts
+  // What the wait saw (step 3), so steps 3-4 read no count word twice: per expert the sum over
+  // every source (tot_s) and over the sources below this rank (lbel_s); per (source, local
+  // expert) the source's count (loc_s); per source its entries of experts below this rank's
+  // (sbel_s) and its status words (stat_s).
+  __shared__ int32_t tot_s[MOE_MAX_EXPERTS];
+  __shared__ int32_t lbel_s[MOE_MAX_EXPERTS];
+  __shared__ int32_t loc_s[MOE_MAX_EXPERTS];
+  __shared__ int32_t sbel_s[SYMM_MAX_RANKS];
+  __shared__ int32_t stat_s[SYMM_MAX_RANKS][5];
   __shared__ uint64_t epoch_s;
   __shared__ uint32_t bad_s, cap_s;
   __shared__ int32_t found_s[4];                 // code, rank, token, k
@@ -370,7 +383,10 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   for (int e = tid; e < E; e += MOE_THREADS) {
     hist_s[e] = 0;
     run_s[e] = 0;
+    tot_s[e] = 0;
+    lbel_s[e] = 0;
   }
+  if (tid < W) sbel_s[tid] = 0;
   __syncthreads();
   if (!live_s) return;
   const uint64_t epoch = epoch_s;
@@ -383,21 +399,20 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   // The send half, steps 1 and 2 (not indented, so the one-call form reads as before).
   if constexpr (PHASE != MOE_RECV) {
 
-  // Step 1a: the whole routing, a thread per token: the first offending entry, the counts per
-  // expert and those of the tokens before this block's chunk (aggregated per warp).
-  for (uint64_t b = 0; b < n; b += MOE_THREADS) {
-    const uint64_t t = b + tid;
-    for (uint64_t j = 0; j < K; ++j) {
-      uint32_t code = 0;
-      const int64_t e = t < n ? moe_entry<IDX>(a, t * K + j, code) : -1;
-      if (code) atomicMin(&bad_s, (uint32_t)(t * K + j));
-      const int key = (code == 0 && e >= 0) ? (int)e : -1;
-      const uint32_t all = __match_any_sync(0xffffffffu, key);
-      if (key >= 0 && lane == __ffs(all) - 1) atomicAdd(&hist_s[key], __popc(all));
-      const int key2 = t < c0 ? key : -1;
-      const uint32_t before = __match_any_sync(0xffffffffu, key2);
-      if (key2 >= 0 && lane == __ffs(before) - 1) atomicAdd(&run_s[key2], __popc(before));
-    }
+  // Step 1a: the whole routing, a thread per entry (its loads independent of every other
+  // entry's): the first offending entry, the counts per expert and those of the tokens before
+  // this block's chunk (aggregated per warp; sums, so the order does not matter).
+  for (uint64_t b = 0; b < n * K; b += MOE_THREADS) {
+    const uint64_t i = b + tid, t = i / K;
+    uint32_t code = 0;
+    const int64_t e = i < n * K ? moe_entry<IDX>(a, i, code) : -1;
+    if (code) atomicMin(&bad_s, (uint32_t)i);
+    const int key = (code == 0 && e >= 0) ? (int)e : -1;
+    const uint32_t all = __match_any_sync(0xffffffffu, key);
+    if (key >= 0 && lane == __ffs(all) - 1) atomicAdd(&hist_s[key], __popc(all));
+    const int key2 = t < c0 ? key : -1;
+    const uint32_t before = __match_any_sync(0xffffffffu, key2);
+    if (key2 >= 0 && lane == __ffs(before) - 1) atomicAdd(&run_s[key2], __popc(before));
   }
   __syncthreads();
   if constexpr (PROBE) {
@@ -437,32 +452,46 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     __syncthreads();
     if (warp == 0) {
       int32_t* list = moe_list(a, me, epoch);
-      for (uint64_t b = c0 * K; b < c1 * K; b += 32) {
-        const uint64_t i = b + lane;
-        const int32_t e = i < c1 * K ? idx[i] : -1;
-        const uint32_t peers = __match_any_sync(0xffffffffu, e);
-        const uint32_t lower = peers & ((1u << lane) - 1);
-        const int32_t r0 = e >= 0 ? run_s[e] : 0;
-        __syncwarp();
-        if (e >= 0 && lower == 0) run_s[e] = r0 + __popc(peers);
-        __syncwarp();
-        if (i < c1 * K) {
-          const int32_t p = e >= 0 ? r0 + __popc(lower) : -1;
-          pos[i] = p;
-          if (e >= 0) list[off_s[e] + p] = (int32_t)i;
+      // 4 x 32 entries' ids loaded together, then ranked 32 at a time in entry order.
+      for (uint64_t b0 = c0 * K; b0 < c1 * K; b0 += 32 * 4) {
+        int32_t ev[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) ev[u] = b0 + u * 32 + lane < c1 * K ? idx[b0 + u * 32 + lane] : -1;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const uint64_t i = b0 + u * 32 + lane;
+          const int32_t e = ev[u];
+          const uint32_t peers = __match_any_sync(0xffffffffu, e);
+          const uint32_t lower = peers & ((1u << lane) - 1);
+          const int32_t r0 = e >= 0 ? run_s[e] : 0;
+          __syncwarp();
+          if (e >= 0 && lower == 0) run_s[e] = r0 + __popc(peers);
+          __syncwarp();
+          if (i < c1 * K) {
+            const int32_t p = e >= 0 ? r0 + __popc(lower) : -1;
+            pos[i] = p;
+            if (e >= 0) list[off_s[e] + p] = (int32_t)i;
+          }
         }
       }
     }
     if (W > 1 || QUANT) {
+      // The warps a short chunk leaves idle share its rows: `parts` warps per token, each with
+      // its own runs of the row (so a token is not one warp's chain of dependent round trips).
       uint8_t* xs = (uint8_t*)(a.blocks[me] + a.off_xstage) + (epoch & 1) * T * row_bytes;
-      for (uint64_t t = c0 + warp; t < c1; t += MOE_WARPS) {
+      const uint64_t toks = c1 - c0;
+      const uint64_t runs = QUANT ? (H / 8 + 31) / 32 : (row_bytes / 16 + 127) / 128;
+      const uint64_t parts = toks == 0 ? 1 : max((uint64_t)1, min((uint64_t)MOE_WARPS / toks, runs));
+      for (uint64_t qp = warp; qp < toks * parts; qp += MOE_WARPS) {
+        const uint64_t t = c0 + qp / parts, part = qp % parts;
         if (QUANT) {
           float* ds = (float*)(a.blocks[me] + a.off_xscales) + (epoch & 1) * T * S + t * S;
           moe_quantize_row(xs + t * row_bytes, ds, (const uint4*)a.x + t * (H / 8), H,
-                           (a.scale_mode & MOE_SCALE_UE8M0) != 0, lane);
+                           (a.scale_mode & MOE_SCALE_UE8M0) != 0, lane, part, parts);
           continue;
         }
-        moe_copy_row(xs + t * row_bytes, (const uint8_t*)a.x + t * row_bytes, row_bytes, lane);
+        moe_copy_row(xs + t * row_bytes, (const uint8_t*)a.x + t * row_bytes, row_bytes, lane, part, parts);
+        if (part != 0) continue;  // the token's scales: its first part's warp
         if (SCALES) {
           float* ds = (float*)(a.blocks[me] + a.off_xscales) + (epoch & 1) * T * S + t * S;
           for (uint64_t v = lane; v < S; v += 32) ds[v] = ((const float*)a.x_scales)[t * S + v];
@@ -522,13 +551,26 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     uint32_t spins = 0;
     const uint32_t tag = (uint32_t)epoch;
     for (int q = tid; q < W * words && ok; q += MOE_THREADS) {
-      const int s = q / words;
-      const uint64_t* w = moe_row(a, me, epoch, s) + q % words;
-      while ((uint32_t)(moe_ld_acquire(w, W > 1) >> 32) != tag) {
+      const int s = q / words, wi = q % words;
+      const uint64_t* w = moe_row(a, me, epoch, s) + wi;
+      uint64_t got;
+      while ((uint32_t)((got = moe_ld_acquire(w, W > 1)) >> 32) != tag) {
         if (give_up(a.s, spins, start, s)) {
           ok = 0;
           break;
         }
+      }
+      if (!ok) break;
+      const int32_t v = (int32_t)(uint32_t)got;
+      if (wi < E) {
+        if (v != 0) {
+          atomicAdd(&tot_s[wi], v);
+          if (s < me) atomicAdd(&lbel_s[wi], v);
+          if (wi < me * L) atomicAdd(&sbel_s[s], v);
+        }
+        if (wi >= me * L && wi < (me + 1) * L) loc_s[s * L + (wi - me * L)] = v;
+      } else if (wi - E < 5) {
+        stat_s[s][wi - E] = v;
       }
     }
   }
@@ -539,29 +581,24 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   // The first status (lowest rank), else capacity (lowest expert): the same on every rank.
   if (tid == 0) {
     for (int s = 0; s < W; ++s) {
-      const int32_t code = moe_count(a, epoch, s, E);
+      const int32_t code = stat_s[s][0];
       if (code != 0) {
         found_s[0] = code;
         found_s[1] = s;
-        found_s[2] = moe_count(a, epoch, s, E + 1);
-        found_s[3] = moe_count(a, epoch, s, E + 2);
-        found_v = (int64_t)((uint64_t)(uint32_t)moe_count(a, epoch, s, E + 3) |
-                            ((uint64_t)(uint32_t)moe_count(a, epoch, s, E + 4) << 32));
+        found_s[2] = stat_s[s][1];
+        found_s[3] = stat_s[s][2];
+        found_v = (int64_t)((uint64_t)(uint32_t)stat_s[s][3] | ((uint64_t)(uint32_t)stat_s[s][4] << 32));
         break;
       }
     }
   }
   __syncthreads();
   if (found_s[0] == 0) {
-    for (int e = tid; e < E; e += MOE_THREADS) {
-      int64_t total = 0;
-      for (int s = 0; s < W; ++s) total += moe_count(a, epoch, s, e);
-      if (total > (int64_t)R) atomicMin(&cap_s, (uint32_t)e);
-    }
+    for (int e = tid; e < E; e += MOE_THREADS)
+      if ((int64_t)tot_s[e] > (int64_t)R) atomicMin(&cap_s, (uint32_t)e);
     __syncthreads();
     if (tid == 0 && cap_s != 0xffffffffu) {
-      int64_t total = 0;
-      for (int s = 0; s < W; ++s) total += moe_count(a, epoch, s, cap_s);
+      const int64_t total = tot_s[cap_s];
       found_s[0] = MOE_ST_CAPACITY;
       found_s[1] = (int32_t)(cap_s / L);
       found_s[2] = (int32_t)cap_s;
@@ -583,14 +620,10 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     // lower sources (base_s) and its list offset at the source (off_s); per local expert the
     // rows of lower local experts (pre_s).
     for (int s = warp; s < W; s += MOE_WARPS) {
-      int32_t sum = 0;  // the source's entries of experts below this rank's
-      for (int e = lane; e < me * L; e += 32) sum += moe_count(a, epoch, s, e);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      int32_t carry = sum;
+      int32_t carry = sbel_s[s];  // the source's entries of experts below this rank's
       for (int b = 0; b < L; b += 32) {
         const int le = b + lane;
-        const int32_t v = le < L ? moe_count(a, epoch, s, me * L + le) : 0;
+        const int32_t v = le < L ? loc_s[s * L + le] : 0;
         int32_t x = v;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
@@ -622,7 +655,12 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     __syncthreads();
     const uint64_t total = (uint64_t)pre_s[L];
     const uint64_t nwarps = (uint64_t)gridDim.x * MOE_WARPS;
-    for (uint64_t q = (uint64_t)blockIdx.x * MOE_WARPS + warp; q < total; q += nwarps) {
+    // Warps the rows leave idle share them: `parts` warps per row (at 1 token 8 rows on 64
+    // warps), at most one run of 32 * MOE_PULL_U vectors each; every block computes the same.
+    const uint64_t runs = (row_bytes / 16 + 32 * MOE_PULL_U - 1) / (32 * MOE_PULL_U);
+    const uint64_t parts = total == 0 ? 1 : max((uint64_t)1, min(nwarps / total, runs));
+    for (uint64_t qp = (uint64_t)blockIdx.x * MOE_WARPS + warp; qp < total * parts; qp += nwarps) {
+      const uint64_t q = qp / parts, part = qp % parts;
       int lo = 0, hi = L;  // the local expert with pre_s[lo] <= q < pre_s[lo + 1]
       while (hi - lo > 1) {
         const int mid = (lo + hi) >> 1;
@@ -635,7 +673,9 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       const uint64_t t = (uint64_t)entry / K, slot = (uint64_t)lo * R + row;
       const uint8_t* src = s == me && !QUANT ? (const uint8_t*)a.x
                                    : (const uint8_t*)(a.blocks[s] + a.off_xstage) + (epoch & 1) * T * row_bytes;
-      moe_pull_row((uint8_t*)(a.blocks[me] + a.off_recv_x) + slot * row_bytes, src + t * row_bytes, row_bytes, lane);
+      moe_pull_row((uint8_t*)(a.blocks[me] + a.off_recv_x) + slot * row_bytes, src + t * row_bytes, row_bytes, lane,
+                   part, parts);
+      if (part != 0) continue;  // the row's scales and source: its first part's warp
       if (SCALES) {
         const float* ss = s == me && !QUANT ? (const float*)a.x_scales
                                             : (const float*)(a.blocks[s] + a.off_xscales) + (epoch & 1) * T * S;
@@ -654,9 +694,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     for (uint64_t i = c0 * K + tid; i < c1 * K; i += MOE_THREADS) {
       const int32_t e = idx[i];
       if (e < 0) continue;
-      int32_t below = 0;
-      for (int s = 0; s < me; ++s) below += moe_count(a, epoch, s, e);
-      pos[i] = (int32_t)((uint64_t)(e % L) * R + below + pos[i]);
+      pos[i] = (int32_t)((uint64_t)(e % L) * R + lbel_s[e] + pos[i]);
     }
   }
   __syncthreads();

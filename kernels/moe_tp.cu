@@ -13,11 +13,12 @@
 // grid's last block to count itself in (D_SENT) stores this rank's counts row, each word tagged
 // with the epoch, into every rank (the call's one cross-rank wait); every block pulls its share
 // of rows; the last block to count itself in at the end (D_FIN) writes the per-expert counts and
-// the CSR over all rows, then the control words. Combine: the second and later combines of one
-// dispatch first wait for every rank's "read" flag of the previous one (CTRL_TP_FIRST); each rank
-// stages its peers' rows in its cstage, the last block raises "staged" (2c + refused) on every
-// rank, every block waits for all of them (the one wait), sums its share of y, and the last block
-// raises "read" (c). The grid must be resident at once (moe/mod.rs MAX_GRID).
+// the CSR over all rows (a counting sort in tiles of rows, tp_build_csr), then the control words.
+// Combine: the second and later combines of one dispatch first wait for every rank's "read" flag
+// of the previous one (CTRL_TP_FIRST); each rank stages its peers' rows in its cstage, the last
+// block raises "staged" (2c + refused) on every rank, every block waits for all of them (the one
+// wait), sums its share of y, and the last block raises "read" (c). The grid must be resident at
+// once (moe/mod.rs MAX_GRID).
 //
 // Waits follow common.cuh's rule (poll local words, check the clock and the abort word once per
 // SYMM_SPIN_CHECK spins; a timeout aborts the communicator naming the rank).
@@ -151,6 +152,142 @@ __device__ __forceinline__ bool tp_count_in(uint64_t* ctrl, int which, uint64_t 
   }
   __syncthreads();
   return *last_s != 0;
+}
+
+// The CSR of the received rows by local expert, built by one block (the dispatch's last): a
+// counting sort. `rows` gets `r * K + j` for every slot with `ridx[r * K + j] == le`, grouped by
+// le, r increasing within a group; meta gets N, the counts, the offsets and their total. Pass 1
+// counts the slots per local expert (shared atomics: a sum, so the order does not matter) and
+// scans the counts into the offsets. Pass 2 takes the rows in tiles of TR (256; 128 or fewer
+// where L > 256 or K > 8, so that a tile's masks and slots fit): each slot naming le sets bit
+// `r % TR` of le's mask for the tile, and its place is le's slots before the tile (`base`) plus
+// the bits set below its own, so the result does not depend on thread timing. One barrier per
+// tile: three masks rotate (marked, ranked, cleared) and two `base` arrays alternate.
+// Invariants: L <= MOE_MAX_EXPERTS, K <= 64, and a row names a local expert at most once (the
+// routing was validated: a duplicate fails the call before this); a value outside 0..L-1 (-1)
+// names none. Other blocks of the grid wrote `ridx`: it is read past L1 (__ldcg), after the
+// count-in's fence.
+#define MOE_TP_CSR_WORDS 2048  // words of one mask: L * TR / 32 <= this
+#define MOE_TP_CSR_EPT 4       // slots per thread per tile: TR * K <= MOE_THREADS * this
+__device__ void tp_build_csr(const int32_t* ridx, int32_t* rows, int32_t* meta, uint32_t N, uint32_t K, int L,
+                             int32_t* warp_s) {
+  __shared__ int32_t base_s[2][MOE_MAX_EXPERTS];    // counts, then offsets plus the slots of earlier tiles
+  __shared__ uint32_t mask_s[3][MOE_TP_CSR_WORDS];  // per tile, [TR / 32][L]: bit r % TR of le's rows
+  const int tid = threadIdx.x;
+  const uint32_t NK = N * K, UL = (uint32_t)L;
+  uint32_t wpl = 8;  // mask words per local expert: TR = 32 * wpl rows per tile
+  while (wpl > 1 && (wpl * UL > MOE_TP_CSR_WORDS || 32 * wpl * K > MOE_THREADS * MOE_TP_CSR_EPT)) wpl >>= 1;
+  const uint32_t TE = 32 * wpl * K;  // slots per tile
+  const uint32_t tiles = (NK + TE - 1) / TE;
+  // This thread's slots of a tile are u * MOE_THREADS + tid; rt: their row in the tile (~0u: none).
+  uint32_t rt[MOE_TP_CSR_EPT];
+#pragma unroll
+  for (int u = 0; u < MOE_TP_CSR_EPT; ++u) {
+    const uint32_t x = (uint32_t)(u * MOE_THREADS + tid);
+    rt[u] = x < TE ? x / K : ~0u;
+  }
+  int m_rank = 0, m_mark = 1, m_clear = 2;
+  for (uint32_t q = tid; q < wpl * UL; q += MOE_THREADS) mask_s[m_rank][q] = mask_s[m_mark][q] = 0;
+  for (int le = tid; le < L; le += MOE_THREADS) base_s[0][le] = 0;
+  __syncthreads();
+  // Pass 1: the counts, 16 slots a thread at a time (loads first, then the atomics).
+  const uint32_t NV = NK / 4;
+#pragma unroll 1
+  for (uint32_t b = 0; b < NV; b += 4 * MOE_THREADS) {
+    int4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const uint32_t q = b + (uint32_t)(u * MOE_THREADS + tid);
+      v[u] = q < NV ? __ldcg((const int4*)ridx + q) : make_int4(-1, -1, -1, -1);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int32_t e[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if ((uint32_t)e[i] < UL) atomicAdd(&base_s[0][e[i]], 1);
+    }
+  }
+  if ((uint32_t)tid < NK % 4) {
+    const int32_t e = __ldcg(ridx + NV * 4 + tid);
+    if ((uint32_t)e < UL) atomicAdd(&base_s[0][e], 1);
+  }
+  // Tile 0 marked meanwhile.
+  int32_t cur[MOE_TP_CSR_EPT], nxt[MOE_TP_CSR_EPT];
+#pragma unroll
+  for (int u = 0; u < MOE_TP_CSR_EPT; ++u) {
+    const uint32_t q = (uint32_t)(u * MOE_THREADS + tid);
+    cur[u] = rt[u] != ~0u && q < NK ? __ldcg(ridx + q) : -1;
+  }
+#pragma unroll
+  for (int u = 0; u < MOE_TP_CSR_EPT; ++u)
+    if ((uint32_t)cur[u] < UL) atomicOr(&mask_s[m_rank][(rt[u] >> 5) * UL + cur[u]], 1u << (rt[u] & 31));
+  __syncthreads();
+  // The offsets: thread t scans local experts 2t and 2t + 1.
+  {
+    const int le = 2 * tid;
+    const int32_t c0 = le < L ? base_s[0][le] : 0, c1 = le + 1 < L ? base_s[0][le + 1] : 0;
+    int32_t total;
+    const int32_t ex = tp_block_scan(c0 + c1, warp_s, total);
+    if (le < L) {
+      base_s[0][le] = ex;
+      meta[1 + le] = c0;
+      meta[1 + L + le] = ex;
+    }
+    if (le + 1 < L) {
+      base_s[0][le + 1] = ex + c0;
+      meta[1 + le + 1] = c1;
+      meta[1 + L + le + 1] = ex + c0;
+    }
+    if (tid == 0) {
+      meta[0] = (int32_t)N;
+      meta[1 + 2 * L] = total;
+    }
+  }
+  __syncthreads();
+  // Pass 2: tile t's slots are ranked with mask m_rank and base_s[t & 1]; tile t + 1's are marked
+  // in m_mark; m_clear (tile t - 1's) is cleared for tile t + 2.
+#pragma unroll 1
+  for (uint32_t t = 0; t < tiles; ++t) {
+    const uint32_t* rank_m = mask_s[m_rank];
+    const int32_t* base = base_s[t & 1];
+#pragma unroll
+    for (int u = 0; u < MOE_TP_CSR_EPT; ++u) {
+      const uint32_t q = (t + 1) * TE + (uint32_t)(u * MOE_THREADS + tid);
+      nxt[u] = t + 1 < tiles && rt[u] != ~0u && q < NK ? __ldcg(ridx + q) : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < MOE_TP_CSR_EPT; ++u) {
+      const uint32_t le = (uint32_t)cur[u];
+      if (le < UL) {
+        const uint32_t w = rt[u] >> 5;
+        uint32_t rank = __popc(rank_m[w * UL + le] & ((1u << (rt[u] & 31)) - 1));
+#pragma unroll 1
+        for (uint32_t v = 0; v < w; ++v) rank += __popc(rank_m[v * UL + le]);
+        rows[base[le] + (int32_t)rank] = (int32_t)(t * TE + (uint32_t)(u * MOE_THREADS + tid));
+      }
+    }
+#pragma unroll 1
+    for (int le = tid; le < L; le += MOE_THREADS) {
+      int32_t c = 0;
+#pragma unroll 1
+      for (uint32_t v = 0; v < wpl; ++v) {
+        c += __popc(rank_m[v * UL + le]);
+        mask_s[m_clear][v * UL + le] = 0;
+      }
+      base_s[(t + 1) & 1][le] = base[le] + c;
+    }
+#pragma unroll
+    for (int u = 0; u < MOE_TP_CSR_EPT; ++u) {
+      cur[u] = nxt[u];
+      if ((uint32_t)nxt[u] < UL) atomicOr(&mask_s[m_mark][(rt[u] >> 5) * UL + nxt[u]], 1u << (rt[u] & 31));
+    }
+    const int ranked = m_rank;
+    m_rank = m_mark;
+    m_mark = m_clear;
+    m_clear = ranked;
+    __syncthreads();
+  }
 }
 
 template <int PAYLOAD_BYTES, bool SCALES, typename IDX>
@@ -367,37 +504,13 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   }
   __syncthreads();
 
-  // The end: the last block writes the counts and the CSR over every row, then the epochs.
+  // The end: the last block writes the counts and the CSR over every row (tp_build_csr), then
+  // the epochs.
   if (tp_count_in(ctrl, MOE_CTRL_D_FIN, epoch, false, &last_s)) {
-    if (!failed) {
-      const uint64_t N = rowbase_s[W];
-      const volatile int32_t* ridx = (const volatile int32_t*)(a.blocks[me] + a.off_recv_idx);
-      int32_t* rows = (int32_t*)(a.blocks[me] + a.off_expert_rows);
-      int32_t off = 0;
-      for (int le = 0; le < L; ++le) {
-        int32_t carry = 0;
-        for (uint64_t b = 0; b < N; b += MOE_THREADS) {
-          const uint64_t r = b + tid;
-          int32_t slot = -1;
-          if (r < N)
-            for (uint64_t j = 0; j < K; ++j)
-              if (ridx[r * K + j] == le) slot = (int32_t)j;
-          int32_t total;
-          const int32_t ex = tp_block_scan(slot >= 0, warp_s, total);
-          if (slot >= 0) rows[off + carry + ex] = (int32_t)(r * K + slot);
-          carry += total;
-        }
-        if (tid == 0) {
-          meta[1 + le] = carry;
-          meta[1 + L + le] = off;
-        }
-        off += carry;
-      }
-      if (tid == 0) {
-        meta[0] = (int32_t)N;
-        meta[1 + 2 * L] = off;
-      }
-    }
+    if (!failed)
+      tp_build_csr((const int32_t*)(a.blocks[me] + a.off_recv_idx),
+                   (int32_t*)(a.blocks[me] + a.off_expert_rows), meta, (uint32_t)rowbase_s[W], (uint32_t)K, L,
+                   warp_s);
     if (tid == 0) {
       __threadfence();
       if (!failed) ctrl[MOE_CTRL_OK_EPOCH] = epoch;
