@@ -1,4 +1,5 @@
-//! The host backend's dispatch and combine: the kernels' protocol (docs/moe.md, "Protocol")
+//! The host backend's dispatch (its combine: host_combine.rs) and the helpers both use: the
+//! kernels' protocol (docs/moe.md, "Protocol")
 //! run by the CPU over the peers' blocks (memfd mappings), with the same arithmetic: rows in
 //! (source rank, token) order, `recv_src` codes, and the combine's sum in increasing k with
 //! `f32::mul_add` from 0, rounded to bf16 once (what `fmaf` gives on the GPU).
@@ -33,8 +34,8 @@
 use super::config::{IndexType, SCALE_GROUP};
 use super::layout::*;
 use super::status::{self, Found, Refusal};
-use super::{Combine, Dispatch, Last, Moe};
-use crate::comm::collective::convert::{bf16_to_f32, f32_to_bf16};
+use super::{Dispatch, Moe};
+use crate::comm::collective::convert::bf16_to_f32;
 use crate::comm::collective::host_norm::quantize_group;
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -90,7 +91,13 @@ fn quantize_rows(dst: u64, scales: u64, src: u64, n: u64, h: u64, ue8m0: bool) {
 }
 
 /// Waits until every rank's flag `which` here is >= `want`; returns the values seen.
-fn wait_all(m: &Moe, which: u64, want: u64, timeout: Duration, what: &str) -> Result<Vec<u64>> {
+pub(super) fn wait_all(
+    m: &Moe,
+    which: u64,
+    want: u64,
+    timeout: Duration,
+    what: &str,
+) -> Result<Vec<u64>> {
     let start = Instant::now();
     let mut seen = vec![0u64; m.world];
     for (s, v) in seen.iter_mut().enumerate() {
@@ -121,7 +128,7 @@ fn wait_all(m: &Moe, which: u64, want: u64, timeout: Duration, what: &str) -> Re
 }
 
 /// Stores `v` into flag `which` of this rank on every rank (release).
-fn raise(m: &Moe, which: u64, v: u64) {
+pub(super) fn raise(m: &Moe, which: u64, v: u64) {
     for d in 0..m.world {
         word(m.at(d, m.layout.flag(m.world as u64, which, m.rank as u64)))
             .store(v, Ordering::Release);
@@ -129,7 +136,7 @@ fn raise(m: &Moe, which: u64, v: u64) {
 }
 
 /// Stores the wall clock into probe word `i` of this rank's control part (probe on only).
-fn probe(m: &Moe, i: u64, epoch_word: u64, epoch: u64) {
+pub(super) fn probe(m: &Moe, i: u64, epoch_word: u64, epoch: u64) {
     if !m.cfg.probe {
         return;
     }
@@ -420,123 +427,5 @@ pub fn dispatch_recv(m: &mut Moe, a: &Dispatch, refused: bool, timeout: Duration
             Err(Error::invalid("refused"))
         }
         Some(f) => Err(f.error(&m.bounds())),
-    }
-}
-
-/// The host backend's `symm_moe_combine` after a dispatch that succeeded (`last`); any number
-/// of combines may follow one dispatch (module header). Rows of this rank's own experts are
-/// read from `expert_out` where they are; only the peers' go through the landing buffer.
-pub fn combine(
-    m: &mut Moe,
-    a: &Combine,
-    last: Last,
-    refused: bool,
-    timeout: Duration,
-) -> Result<()> {
-    combine_send(m, a, refused);
-    combine_recv(m, a, last, refused, timeout)
-}
-
-/// The send half of a combine: a new epoch, the peers' rows into their landing buffers, this
-/// rank's flag raised on every rank (waits for nothing).
-pub fn combine_send(m: &mut Moe, a: &Combine, refused: bool) {
-    m.c_epoch += 1;
-    let epoch = m.c_epoch;
-    probe(m, PROBE_C_START, PROBE_C_EPOCH, epoch);
-    let (w, me) = (m.world as u64, m.rank);
-    let c = m.cfg;
-    let (kk, h) = (c.topk as u64, c.hidden);
-    let l = c.local_experts(w);
-    let row_bytes = h * 2;
-    let (flag, cbuf) = (combine_flag(epoch), m.layout.cbuf_at(epoch));
-    if !refused {
-        for le in 0..l {
-            let rows = rd_i32(m.at(me, m.layout.recv_counts) + 4 * le) as u64;
-            for row in 0..rows {
-                let slot = le * c.max_recv + row;
-                let code = rd_i32(m.at(me, m.layout.recv_src) + 4 * slot) as u64;
-                let (s, t, j) = (code / (c.tokens * kk), (code / kk) % c.tokens, code % kk);
-                if s as usize == me {
-                    continue; // read in place by this rank's own sum
-                }
-                copy(
-                    m.at(s as usize, cbuf) + (t * kk + j) * row_bytes,
-                    a.expert_out + slot * row_bytes,
-                    row_bytes,
-                );
-            }
-        }
-    }
-    raise(m, flag, 2 * epoch + refused as u64);
-    probe(m, PROBE_C_PUSHED, PROBE_C_EPOCH, epoch);
-}
-
-/// The receive half of the combine whose send half ran last (its epoch): the wait and the sum.
-pub fn combine_recv(
-    m: &mut Moe,
-    a: &Combine,
-    last: Last,
-    refused: bool,
-    timeout: Duration,
-) -> Result<()> {
-    let epoch = m.c_epoch;
-    probe(m, PROBE_C_RECV, PROBE_C_EPOCH, epoch);
-    let (w, me) = (m.world as u64, m.rank);
-    let c = m.cfg;
-    let (kk, h) = (c.topk as u64, c.hidden);
-    let l = c.local_experts(w);
-    let row_bytes = h * 2;
-    let (flag, cbuf) = (combine_flag(epoch), m.layout.cbuf_at(epoch));
-    let seen = wait_all(m, flag, 2 * epoch, timeout, "symm_moe_combine")?;
-    probe(m, PROBE_C_WAITED, PROBE_C_EPOCH, epoch);
-    if refused {
-        return Ok(()); // the caller returns this rank's own message
-    }
-    // Exactly this combine's value (no peer can be two combines ahead: layout.rs).
-    let other = seen.iter().position(|&v| v == 2 * epoch + 1);
-    let mut acc = vec![0f32; h as usize];
-    for t in 0..last.tokens {
-        acc.iter_mut().for_each(|v| *v = 0.0);
-        if other.is_none() {
-            for j in 0..kk {
-                let at = t * kk + j;
-                let e = rd_i32(m.at(me, m.layout.idx) + 4 * at);
-                if e < 0 {
-                    continue;
-                }
-                let wgt = rd_f32(m.at(me, m.layout.weights) + 4 * at);
-                let src = if e as u64 / l == me as u64 {
-                    let slot = rd_i32(m.at(me, m.layout.pos) + 4 * at) as u64;
-                    a.expert_out + slot * row_bytes
-                } else {
-                    m.at(me, cbuf) + at * row_bytes
-                };
-                for (i, v) in acc.iter_mut().enumerate() {
-                    // SAFETY: src is row (t, j) of this rank's cbuf or its row of the caller's
-                    // checked expert_out, h bf16 values.
-                    let x = unsafe { std::ptr::read_volatile((src as *const u16).add(i)) };
-                    *v = wgt.mul_add(bf16_to_f32(x), *v);
-                }
-            }
-        }
-        for (i, v) in acc.iter().enumerate() {
-            // SAFETY: a.y is a checked [num_tokens][h] bf16 buffer of the caller.
-            unsafe {
-                std::ptr::write_volatile(
-                    (a.y as *mut u16).add((t * h) as usize + i),
-                    f32_to_bf16(*v),
-                )
-            };
-        }
-    }
-    probe(m, PROBE_C_SUMMED, PROBE_C_EPOCH, epoch);
-    match other {
-        None => Ok(()),
-        Some(s) => Err(Found {
-            code: status::ST_COMBINE_REFUSED,
-            rank: s as u32,
-            ..Found::default()
-        }
-        .error(&m.bounds())),
     }
 }

@@ -16,7 +16,7 @@
 use super::config::{IndexType, Payload, ScaleLayout};
 use super::layout::Layout;
 use super::status::{self, Found, Refusal};
-use super::{host, Combine, Dispatch, Last, Moe, THREADS};
+use super::{host, host_combine, Combine, Dispatch, Last, Moe, THREADS};
 use crate::comm::collective::kernel_args::{SymmArgs, COUNTERS_OFFSET, MAX_RANKS};
 use crate::comm::collective::Ctx;
 use crate::comm::exec::{self, ArgBlock, Family, KernelId};
@@ -340,12 +340,12 @@ pub(super) fn combine(
             return Err(Error::invalid(NOTHING_TO_COMBINE));
         }
         match phase {
-            Phase::Both => host::combine(m, a, last, refused, timeout),
+            Phase::Both => host_combine::combine(m, a, last, refused, timeout),
             Phase::Send => {
-                host::combine_send(m, a, refused);
+                host_combine::combine_send(m, a, refused);
                 Ok(())
             }
-            Phase::Recv => host::combine_recv(m, a, last, refused, timeout),
+            Phase::Recv => host_combine::combine_recv(m, a, last, refused, timeout),
         }
     };
     c.exec.submit(exec::Plan {

@@ -23,6 +23,7 @@
 
 pub mod config;
 pub mod host;
+pub mod host_combine;
 pub mod launch;
 pub mod layout;
 pub mod split;
