@@ -1,5 +1,5 @@
-// MoE dispatch and combine (docs/moe.md is the contract; src/comm/moe/host.rs runs the same
-// protocol on the CPU, with the same arithmetic).
+// MoE dispatch and combine (docs/moe.md is the contract; src/comm/moe/host.rs and
+// host_combine.rs run the same protocol on the CPU, with the same arithmetic).
 //
 // Owns: the kernels' argument struct `MoeArgs` (mirrored by src/comm/moe/launch.rs, checked by
 // tests/kernel_table.rs), the control words of a moe block (layout.rs `CTRL_*`), the dispatch

@@ -25,6 +25,7 @@ use common::*;
 use std::ptr::null_mut;
 use symmalloc::cuda::{mem, util};
 use symmalloc::ffi::moe::*;
+use symmalloc::ffi::moe_calls::*;
 
 /// Runs `name` on one rank per GPU (or SYMM_TEST_RANKS); every rank must succeed and print its
 /// "rank R:" line.

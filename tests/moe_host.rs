@@ -17,7 +17,7 @@ use common::moe::repeat::*;
 use common::moe::*;
 use common::*;
 use std::ptr::null_mut;
-use symmalloc::ffi::moe::*;
+use symmalloc::ffi::moe_calls::*;
 
 /// Runs `name` at 2, 4 and 8 ranks on the host backend with the same seed; returns the outputs.
 fn at_2_4_8(name: &str, env: &[(&str, &str)]) -> Vec<Vec<std::process::Output>> {

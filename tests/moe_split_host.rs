@@ -10,7 +10,7 @@ use common::moe::split::*;
 use common::moe::*;
 use common::*;
 use std::ptr::null_mut;
-use symmalloc::ffi::moe::*;
+use symmalloc::ffi::moe_calls::*;
 
 fn at_2_4_8(name: &str) {
     let seed = seed().to_string();

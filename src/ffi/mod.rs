@@ -10,6 +10,7 @@ pub mod groups;
 pub mod guard;
 pub mod ipc_export;
 pub mod moe;
+pub mod moe_calls;
 pub mod p2p;
 pub mod peer_access;
 pub mod pool_calls;

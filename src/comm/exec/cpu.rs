@@ -1,6 +1,7 @@
 //! The host backend's executor: a plan runs at once, on the calling thread: the copy in, the
-//! plan's CPU twin (collective/host_reduce.rs, p2p/signal_pad.rs, moe/host.rs: the kernels'
-//! semantics on the peers' memfd mappings), the copy out. No stream, no grid, no device.
+//! plan's CPU twin (collective/host_reduce.rs, p2p/signal_pad.rs, moe/host.rs and
+//! host_combine.rs: the kernels' semantics on the peers' memfd mappings), the copy out. No
+//! stream, no grid, no device.
 //!
 //! Invariants: a plan without a twin runs its copies alone (a put); calls are synchronous, so
 //! there is no stream order to keep; kernels never run, so no word is mapped for them.

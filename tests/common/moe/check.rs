@@ -9,6 +9,7 @@ use std::ffi::c_void;
 use std::ptr::null_mut;
 use symmalloc::comm::convert::bf16_to_f32;
 use symmalloc::ffi::moe::*;
+use symmalloc::ffi::moe_calls::*;
 use symmalloc::ffi::types::*;
 
 /// A rank's receive buffers as a dispatch left them.

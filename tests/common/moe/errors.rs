@@ -6,6 +6,7 @@ use super::*;
 use crate::common::{err, Comm, OK};
 use std::ptr::null_mut;
 use symmalloc::ffi::moe::*;
+use symmalloc::ffi::moe_calls::*;
 use symmalloc::ffi::types::*;
 
 /// How a dispatch fails: every rank may spoil its inputs (`inp`, given its rank), rank `bad`

@@ -24,6 +24,7 @@ use std::ptr::null_mut;
 use symmalloc::comm::convert::bf16_to_f32;
 use symmalloc::cuda::util;
 use symmalloc::ffi::moe::*;
+use symmalloc::ffi::moe_calls::*;
 use symmalloc::ffi::types::*;
 
 pub const INVALID: symm_status_t = symm_status_t::SYMM_ERR_INVALID_ARGUMENT;

@@ -22,6 +22,7 @@ use crate::common::{err, Comm, Rng, OK};
 use std::ptr::null_mut;
 use symmalloc::comm::convert::bf16_to_f32;
 use symmalloc::ffi::moe::*;
+use symmalloc::ffi::moe_calls::*;
 use symmalloc::ffi::types::*;
 
 /// What a quantization case configures (FP8 payload always).

@@ -11,6 +11,7 @@ use super::*;
 use crate::common::{err, Comm, OK};
 use std::ptr::null_mut;
 use symmalloc::ffi::moe::*;
+use symmalloc::ffi::moe_calls::*;
 use symmalloc::ffi::types::*;
 
 pub fn dispatch_send(o: &Obj, a: &Args) -> symm_status_t {

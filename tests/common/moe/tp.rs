@@ -13,6 +13,7 @@ use crate::common::{err, Comm, OK};
 use std::ptr::null_mut;
 use symmalloc::comm::convert::bf16_to_f32;
 use symmalloc::ffi::moe::*;
+use symmalloc::ffi::moe_calls::*;
 use symmalloc::ffi::types::*;
 
 /// A throughput-mode object and its layout; destroyed on drop.

@@ -8,6 +8,7 @@ use super::{rank_inputs, Buf, Case, Dev, Inputs, Route, Shape, INVALID};
 use crate::common::{err, Comm, OK};
 use std::ptr::null_mut;
 use symmalloc::ffi::moe::*;
+use symmalloc::ffi::moe_calls::*;
 use symmalloc::ffi::types::*;
 
 /// The outcome of a call on this rank: its status, or on CUDA (where the kernels record what
