@@ -35,7 +35,7 @@ use super::config::{IndexType, SCALE_GROUP};
 use super::layout::*;
 use super::status::{self, Found, Refusal};
 use super::{Dispatch, Moe};
-use crate::comm::collective::convert::bf16_to_f32;
+use crate::comm::collective::convert::{bf16_to_f32, f32_to_bf16};
 use crate::comm::collective::host_norm::quantize_group;
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -60,6 +60,22 @@ pub(super) fn wr_i32(addr: u64, v: i32) {
 
 pub(super) fn rd_f32(addr: u64) -> f32 {
     f32::from_bits(rd_i32(addr) as u32)
+}
+
+/// Element `i` of the bf16 row at `row` (a mapped moe block's or a checked caller buffer's),
+/// widened to f32; volatile because peers write the blocks.
+pub(super) fn rd_bf16(row: u64, i: usize) -> f32 {
+    // SAFETY: row holds at least i + 1 bf16 values (the caller's row bound), 2-byte aligned.
+    bf16_to_f32(unsafe { std::ptr::read_volatile((row as *const u16).add(i)) })
+}
+
+/// Stores `vals` rounded to bf16 (nearest even) at `dst`, a checked caller row of `vals.len()`
+/// bf16 values.
+pub(super) fn wr_bf16_row(dst: u64, vals: &[f32]) {
+    for (i, v) in vals.iter().enumerate() {
+        // SAFETY: dst holds vals.len() bf16 values (the caller's checked buffer), 2-byte aligned.
+        unsafe { std::ptr::write_volatile((dst as *mut u16).add(i), f32_to_bf16(*v)) };
+    }
 }
 
 pub(super) fn copy(dst: u64, src: u64, bytes: u64) {

@@ -8,11 +8,10 @@
 //! `combine_flag`, `cbuf_at`), so any number of combines of one dispatch may follow each other;
 //! a flag is `2 * epoch + refused`, so a refusal names its rank on every other rank.
 
-use super::host::{copy, probe, raise, rd_f32, rd_i32, wait_all};
+use super::host::{copy, probe, raise, rd_bf16, rd_f32, rd_i32, wait_all, wr_bf16_row};
 use super::layout::*;
 use super::status::{self, Found};
 use super::{Combine, Last, Moe};
-use crate::comm::collective::convert::{bf16_to_f32, f32_to_bf16};
 use crate::error::Result;
 use std::time::Duration;
 
@@ -138,23 +137,13 @@ pub fn combine_recv(
                 } else {
                     m.at(me, cbuf) + at * row_bytes
                 };
+                // src: row (t, j) of this rank's cbuf or its row of the caller's expert_out.
                 for (i, v) in acc.iter_mut().enumerate() {
-                    // SAFETY: src is row (t, j) of this rank's cbuf or its row of the caller's
-                    // checked expert_out, h bf16 values.
-                    let x = unsafe { std::ptr::read_volatile((src as *const u16).add(i)) };
-                    *v = wgt.mul_add(bf16_to_f32(x), *v);
+                    *v = wgt.mul_add(rd_bf16(src, i), *v);
                 }
             }
         }
-        for (i, v) in acc.iter().enumerate() {
-            // SAFETY: a.y is a checked [num_tokens][h] bf16 buffer of the caller.
-            unsafe {
-                std::ptr::write_volatile(
-                    (a.y as *mut u16).add((t * h) as usize + i),
-                    f32_to_bf16(*v),
-                )
-            };
-        }
+        wr_bf16_row(a.y + t * h * 2, &acc);
     }
     probe(m, PROBE_C_SUMMED, PROBE_C_EPOCH, epoch);
     match other {

@@ -23,12 +23,11 @@
 //! status, stages nothing and reads nothing), so the epochs stay equal on every rank.
 
 use super::config::IndexType;
-use super::host::{copy, load_idx, rd_f32, rd_i32, word, wr_i32};
+use super::host::{copy, load_idx, rd_bf16, rd_f32, rd_i32, word, wr_bf16_row, wr_i32};
 use super::layout::{tag_of, tagged, untag, ROW_EXTRA};
 use super::status::{self, Found, Refusal};
 use super::throughput::{tp_row_words, TpLayout, TP_FLAG_READ, TP_FLAG_STAGED};
 use super::{Combine, Dispatch, Last, Moe};
-use crate::comm::collective::convert::{bf16_to_f32, f32_to_bf16};
 use crate::error::{Error, Result};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -367,22 +366,12 @@ pub fn combine(
                 } else {
                     m.at(d, l.cstage) + p as u64 * row_bytes
                 };
+                // src: row p of rank d's cstage (mapped, W*T rows) or of the caller's expert_out.
                 for (i, v) in acc.iter_mut().enumerate() {
-                    // SAFETY: src is row p of rank d's cstage (mapped, W*T rows) or of the
-                    // caller's checked expert_out; h bf16 values.
-                    let x = unsafe { std::ptr::read_volatile((src as *const u16).add(i)) };
-                    *v += bf16_to_f32(x);
+                    *v += rd_bf16(src, i);
                 }
             }
-            for (i, v) in acc.iter().enumerate() {
-                // SAFETY: a.y is a checked [num_tokens][h] bf16 buffer of the caller.
-                unsafe {
-                    std::ptr::write_volatile(
-                        (a.y as *mut u16).add((t * h) as usize + i),
-                        f32_to_bf16(*v),
-                    )
-                };
-            }
+            wr_bf16_row(a.y + t * h * 2, &acc);
         }
     }
     raise(m, TP_FLAG_READ, epoch);
