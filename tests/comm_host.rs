@@ -169,6 +169,106 @@ fn steady_rank(c: Child) {
     assert_eq!(open_fds(), fds_before, "destroy closes every descriptor");
 }
 
+/// A steady call (the same buffers, nothing allocated or freed since) finds its buffers in the
+/// placement cache: no hold of the heap's lock, no lookup, no exchange; anything the heap's
+/// lock guards that changes in between makes the next call look again, and every result is
+/// right throughout.
+fn placement_cache_rank(c: Child) {
+    let comm = init(&c);
+    // (Fetched once: fetching it holds the lock.)
+    let count = symmalloc::heap::global()
+        .unwrap()
+        .heap_releases(c.rank)
+        .unwrap();
+    let holds = || count.load(std::sync::atomic::Ordering::Acquire);
+    let n = 1024usize;
+    let want = (c.world * (c.world + 1) / 2) as f32;
+    let run = |p: *mut std::ffi::c_void, q: *mut std::ffi::c_void, round: usize| {
+        // SAFETY (each slice below): p and q are live blocks of n floats of host memory, and
+        // each slice is dropped before the next is made (p == q in place).
+        let out = || unsafe { std::slice::from_raw_parts_mut(q as *mut f32, n) };
+        out().iter_mut().for_each(|x| *x = f32::NAN); // poisoned, then the input
+        let input = unsafe { std::slice::from_raw_parts_mut(p as *mut f32, n) };
+        input.iter_mut().for_each(|x| *x = (c.rank + 1) as f32);
+        let st = symm_all_reduce(comm, p, q, n, SYMM_FP32, SYMM_SUM, null_mut());
+        assert_eq!(st, symm_status_t::SYMM_SUCCESS, "round {round}: {}", err());
+        assert!(
+            out().iter().all(|&x| x == want),
+            "round {round}: wrong result"
+        );
+    };
+    let a = symm_malloc(n * 4, c.rank, null_mut());
+    let b = symm_malloc(n * 4, c.rank, null_mut());
+    assert!(!a.is_null() && !b.is_null(), "{}", err());
+    run(a, b, 0); // looks up and exchanges
+    run(a, b, 1); // looks up again (the exchange held the lock), nothing new to share
+    let before = holds();
+    for round in 2..50 {
+        run(a, b, round);
+    }
+    assert_eq!(holds(), before, "a steady all-reduce held the heap's lock");
+    // Another buffer pair: looked up (one hold), then steady again.
+    run(b, a, 50);
+    let looked = holds();
+    assert_eq!(
+        looked,
+        before + 1,
+        "a new pair of buffers is looked up in one hold"
+    );
+    run(b, a, 51);
+    assert_eq!(holds(), looked);
+    // Anything under the heap's lock in between (here a block bigger than any cached one,
+    // allocated and freed) makes the next call look again, and it is right.
+    let big = 8usize << 20;
+    let x = symm_malloc(big, c.rank, null_mut());
+    assert!(!x.is_null(), "{}", err());
+    symm_free(x, big, c.rank, null_mut());
+    let changed = holds();
+    assert!(changed > looked);
+    run(b, a, 52);
+    assert_eq!(
+        holds(),
+        changed + 1,
+        "the heap changed: the call looked again"
+    );
+    // A block that is no longer live is refused as before, although the cache held it: the
+    // free (through the thread cache and empty_cache) held the heap's lock. (`b` keeps the
+    // segment, so `a` stays inside the heap.)
+    run(a, a, 53);
+    run(a, a, 54);
+    symm_free(a, n * 4, c.rank, null_mut());
+    symm_empty_cache();
+    let st = symm_all_reduce(comm, a, a, n, SYMM_FP32, SYMM_SUM, null_mut());
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_ERR_INVALID_ARGUMENT,
+        "a freed block was taken"
+    );
+    assert!(
+        err().contains("not inside a live symm_malloc block"),
+        "{}",
+        err()
+    );
+    run(b, b, 55);
+    symm_free(b, n * 4, c.rank, null_mut());
+    destroy(comm);
+}
+
+#[test]
+fn a_steady_call_takes_no_heap_lock_and_a_changed_heap_is_looked_up_again() {
+    if let Some(c) = child() {
+        return placement_cache_rank(c);
+    }
+    for world in [2, 3] {
+        assert_all_ok(&run_ranks(
+            "a_steady_call_takes_no_heap_lock_and_a_changed_heap_is_looked_up_again",
+            world,
+            &[HOST],
+            "",
+        ));
+    }
+}
+
 /// A segment released on every rank is unmapped by the peers at their next call, and the same
 /// memory comes back as a new segment that collectives use correctly.
 fn release_rank(c: Child) {

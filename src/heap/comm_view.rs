@@ -3,9 +3,12 @@
 //! device heap's spin lock. comm reaches DeviceHeap's lock through here for its collective path.
 //!
 //! Invariants: every method takes the lock once and releases it before returning; nothing here
-//! allocates or frees heap memory.
+//! allocates or frees heap memory. `locate_pair`'s stamp is the lock's count of ended holds
+//! after its own: equal to `Allocator::heap_releases` later exactly when nobody held the heap
+//! since, so its answer still stands.
 
 use super::device_heap::SegmentInfo;
+use super::spin_lock::SpinGuard;
 use super::Allocator;
 use crate::error::{Error, Result};
 use std::os::fd::OwnedFd;
@@ -29,9 +32,13 @@ impl<'a> CommView<'a> {
         self.alloc.heap(self.device)?.locate(ptr, bytes)
     }
 
-    /// `locate` for two buffers under one hold of the lock.
-    pub fn locate_pair(&self, a: (u64, u64), b: (u64, u64)) -> Result<(Located, Located)> {
-        self.alloc.heap(self.device)?.locate_pair(a, b)
+    /// `locate` for two buffers under one hold of the lock, with what the lock's count of
+    /// ended holds (`Allocator::heap_releases`) reads once this hold ends: while it still reads
+    /// that, the answer stands.
+    pub fn locate_pair(&self, a: (u64, u64), b: (u64, u64)) -> Result<(Located, Located, u64)> {
+        let heap = self.alloc.heap(self.device)?;
+        let (x, y) = heap.locate_pair(a, b)?;
+        Ok((x, y, SpinGuard::releases_after(&heap)))
     }
 
     /// `locate` for the scratch of a staged call, counting the call in `staged_collectives`

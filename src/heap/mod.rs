@@ -162,6 +162,17 @@ impl Allocator {
         Ok(slot.get().expect("initialised above").lock())
     }
 
+    /// The count of ended holds of `device`'s heap lock (spin_lock.rs, `releases`), made with
+    /// the heap: a reader that finds it unchanged since one of its own holds knows the heap is
+    /// as it left it (comm's placement cache).
+    pub fn heap_releases(&self, device: i32) -> Result<&AtomicU64> {
+        drop(self.heap(device)?);
+        Ok(self.heaps[device as usize]
+            .get()
+            .expect("made by heap() above")
+            .releases())
+    }
+
     /// Grants `peer` read/write access to every segment of `device`'s heap, present and future
     /// (device_heap/peers.rs), as PyTorch's `enablePeerAccess(peer, device)` does for its
     /// segments. Idempotent; `device == peer` needs nothing. A heap not made yet is not made

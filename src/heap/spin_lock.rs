@@ -9,17 +9,22 @@
 //!
 //! Invariants: `locked` is true exactly while a `SpinGuard` exists; the guard gives the only
 //! access to the value. A panic while locked releases the lock when the guard drops (there is
-//! no poisoning; the heap's `validate` is the check that its state is consistent).
+//! no poisoning; the heap's `validate` is the check that its state is consistent). `releases`
+//! counts the holds that ended, bumped by the holder just before it lets go: a reader outside
+//! the lock that finds it unchanged since a hold of its own knows nobody held the value since,
+//! so nothing it read then has changed (comm's placement cache, heap/comm_view.rs).
 
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Busy-wait rounds before a waiter starts yielding.
 const SPINS: u32 = 1 << 12;
 
 pub struct SpinLock<T> {
     locked: AtomicBool,
+    /// Holds that ended (see the module header); written only by the holder.
+    releases: AtomicU64,
     value: UnsafeCell<T>,
 }
 
@@ -35,6 +40,7 @@ impl<T> SpinLock<T> {
     pub fn new(value: T) -> Self {
         SpinLock {
             locked: AtomicBool::new(false),
+            releases: AtomicU64::new(0),
             value: UnsafeCell::new(value),
         }
     }
@@ -58,6 +64,22 @@ impl<T> SpinLock<T> {
     }
 }
 
+impl<T> SpinLock<T> {
+    /// The count of holds that ended: compare it (Acquire) with `SpinGuard::releases_after`
+    /// of an earlier hold to learn whether anyone held the value since.
+    pub fn releases(&self) -> &AtomicU64 {
+        &self.releases
+    }
+}
+
+impl<T> SpinGuard<'_, T> {
+    /// What `SpinLock::releases` reads once this hold ends, while nobody holds the lock after
+    /// it. (An associated function, so that it never shadows a method of `T`.)
+    pub fn releases_after(guard: &Self) -> u64 {
+        guard.lock.releases.load(Ordering::Relaxed) + 1
+    }
+}
+
 impl<T> Deref for SpinGuard<'_, T> {
     type Target = T;
     fn deref(&self) -> &T {
@@ -75,6 +97,9 @@ impl<T> DerefMut for SpinGuard<'_, T> {
 
 impl<T> Drop for SpinGuard<'_, T> {
     fn drop(&mut self) {
+        // Only the holder writes the count, so a load and a store do (no read-modify-write).
+        let n = self.lock.releases.load(Ordering::Relaxed);
+        self.lock.releases.store(n + 1, Ordering::Release);
         self.lock.locked.store(false, Ordering::Release);
     }
 }
@@ -108,6 +133,40 @@ mod tests {
             *l.lock(),
             80_000,
             "the guard released the lock while unwinding"
+        );
+    }
+
+    #[test]
+    fn releases_count_every_hold_and_stamp_the_next_value() {
+        let l = SpinLock::new(0u64);
+        assert_eq!(l.releases().load(Ordering::Acquire), 0);
+        let stamp = {
+            let g = l.lock();
+            SpinGuard::releases_after(&g)
+        };
+        assert_eq!(
+            l.releases().load(Ordering::Acquire),
+            stamp,
+            "unchanged since that hold"
+        );
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..10_000 {
+                        *l.lock() += 1;
+                    }
+                });
+            }
+        });
+        assert_eq!(l.releases().load(Ordering::Acquire), stamp + 40_000);
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _g = l.lock();
+            panic!("while locked");
+        }));
+        assert_eq!(
+            l.releases().load(Ordering::Acquire),
+            stamp + 40_001,
+            "a hold that ended in a panic counts"
         );
     }
 }

@@ -38,7 +38,10 @@ int main(int argc, char **argv) {
   pool_fn release = reinterpret_cast<pool_fn>(dlsym(h, "release_pool"));
   CHECK(a && f && begin && end && release, "shim lacks a symbol");
 
-  const unsigned long long capturing = 0x100, other = 0x200;
+  /* Streams every backend takes: on a GPU the allocator orders frees on them (events), so
+   * they must be real handles, not made-up numbers: CUDA's per-thread (0x2), null (0x0) and
+   * legacy (0x1) default streams, three distinct values for the filter. */
+  const unsigned long long capturing = 0x2, other = 0x0, third = 0x1;
   auto alive = std::make_shared<int>(0);  // held by the filter: counts its copies
   auto calls = std::make_shared<int>(0);
   std::function<bool(struct CUstream_st *)> filter = [alive, calls, capturing](struct CUstream_st *s) {
@@ -98,13 +101,13 @@ int main(int argc, char **argv) {
   CHECK(s2.reserved_bytes > 0, "the default pool's segment went with the pool");
 
   // A filter stored in place (PyTorch's capture filter captures one pointer).
-  begin(0, {8, 1}, [](struct CUstream_st *st) { return st == stream(0x300); });
+  begin(0, {8, 1}, [third](struct CUstream_st *st) { return st == stream(third); });
   void *p3 = NULL;
-  std::thread t([&] { p3 = a(4096, 0, stream(0x300)); });
+  std::thread t([&] { p3 = a(4096, 0, stream(third)); });
   t.join();
   CHECK(p3 != NULL, "allocation failed: %s", last());
   end(0, 8, 1);
-  f(p3, 4096, 0, stream(0x300));
+  f(p3, 4096, 0, stream(third));
   release(0, 8, 1);
   symm_memory_stats_t s3;
   CHECK(stats(0, &s3, sizeof s3) == SYMM_SUCCESS, "stats: %s", last());

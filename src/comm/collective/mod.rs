@@ -44,6 +44,7 @@ use crate::heap::Allocator;
 use crate::ipc::Mesh;
 use error_word::ErrorWords;
 use std::collections::HashSet;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 /// What shapes every collective of a communicator, fixed at init (group/init.rs, `build`): the settings every
@@ -91,11 +92,17 @@ pub(in crate::comm) struct Collectives {
     pub scratch: Option<(u64, u64)>,
     /// Message sizes AUTO has chosen for already (kept only under SYMMALLOC_DEBUG=INFO).
     pub auto_seen: HashSet<u64>,
+    /// The device heap lock's count of ended holds (`Allocator::heap_releases`): the
+    /// placement cache's test that the heap is as it was (place.rs).
+    pub heap_releases: &'static AtomicU64,
+    /// The placement cache (place.rs, `Located`): the last call's buffers' segments.
+    pub located: Option<place::Located>,
 }
 
 impl Collectives {
-    /// Nothing looked up or made yet; kernels report into `errors`.
-    pub fn new(errors: ErrorWords) -> Self {
+    /// Nothing looked up or made yet; kernels report into `errors`; `heap_releases` is the
+    /// communicator's device heap's (`Allocator::heap_releases`).
+    pub fn new(errors: ErrorWords, heap_releases: &'static AtomicU64) -> Self {
         Collectives {
             error_word: errors.device_ptr(),
             errors,
@@ -103,6 +110,8 @@ impl Collectives {
             host_epoch: 0,
             scratch: None,
             auto_seen: HashSet::new(),
+            heap_releases,
+            located: None,
         }
     }
 }

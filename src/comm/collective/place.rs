@@ -5,14 +5,22 @@
 //! a rank holds with its peers before it makes a scratch segment or shares a segment
 //! (`meet_before_sharing`).
 //!
-//! Owns: the scratch (`Communicator::scratch`: address and size; freed at destroy).
+//! Owns: the scratch (`Communicator::scratch`: address and size; freed at destroy), and the
+//! placement cache (`Located`, `Collectives::located`): the segments under the last call's
+//! buffers and which of them the peers have mapped, kept while nobody has held the heap's lock
+//! since they were found (`Allocator::heap_releases`). A steady call (the same buffers, no
+//! allocation or free in between) so takes no lock, looks nothing up and exchanges nothing.
 //!
 //! Invariants: whether a rank stages is decided before it makes any scratch (`place` makes
 //! nothing); the scratch's size is a power of two of at least 1 MiB that depends only on the
 //! call, so equal calls make equal scratches on every rank; a rank that is about to make a
 //! scratch segment or share one first meets its peers on the host backend, so ranks that
 //! disagree fail at once (NOT_SYMMETRIC) and make no scratch (CUDA has no meeting: see
-//! docs/DESIGN.md).
+//! docs/DESIGN.md). The cache answers only what the heap would: its key is the call's buffers
+//! and extents, and any hold of the heap's lock since (a malloc, a free, a segment grown or
+//! given back, a statistics read) makes it look again; a segment it says is shared was
+//! exchanged by this communicator after the cache found it, and a communicator's record of
+//! shared segments only grows (peer/windows.rs).
 
 use super::call::{Call, Coll, Extents};
 use super::exchange::desc::meeting_word;
@@ -23,6 +31,7 @@ use crate::error::Result;
 use crate::heap::comm_view::CommView;
 use crate::heap::device_heap::SegmentInfo;
 use crate::heap::Allocator;
+use std::sync::atomic::Ordering;
 
 /// The chunks of the segment of `device`'s heap holding `ptr..ptr+bytes` (one, unless the
 /// segment grew in place under the block), `None` when `ptr` is outside the heap, an error
@@ -52,14 +61,29 @@ pub(in crate::comm) fn add_chunks(
     }
 }
 
+/// The segments under the last collective's buffers, as the heap gave them (`locate_pair`),
+/// valid while the heap lock's count of ended holds still reads `stamp` (module header).
+pub(in crate::comm) struct Located {
+    /// send, its bytes, recv, its bytes (0, 0 for the fused call: its outputs are its own).
+    key: [u64; 4],
+    stamp: u64,
+    send: Option<Vec<SegmentInfo>>,
+    recv: Option<Vec<SegmentInfo>>,
+    /// The send's and the recv's segments were exchanged after they were found.
+    shared: [bool; 2],
+}
+
 /// Where a call runs, decided before any scratch is made (`place`).
 enum Place {
     /// The caller's buffers (what peers touch is in the heap), with the segments the kernel
-    /// touches, output last (multimem binds it).
+    /// touches, output last (multimem binds it), which buffers' segments those are (send,
+    /// recv), and whether every one of them is known to be mapped by the peers already.
     Heap {
         send: u64,
         recv: u64,
         segs: Vec<SegmentInfo>,
+        uses: [bool; 2],
+        shared: bool,
     },
     /// This rank's scratch, `len` bytes: the input at its start, the output `recv_at` bytes in
     /// (None: the fused call, whose outputs are this rank's own).
@@ -76,6 +100,11 @@ pub(super) struct Placement {
     pub segs: Vec<SegmentInfo>,
     /// The kernel runs on this rank's scratch (`CallDesc::staged`).
     pub staged: bool,
+    /// Every segment in `segs` is mapped by the peers already (the placement cache): a call
+    /// that does not force the comparison has nothing to exchange.
+    pub shared: bool,
+    /// Which of the caller's buffers (send, recv) `segs` came from (none when staged).
+    uses: [bool; 2],
 }
 
 impl Ctx<'_> {
@@ -117,7 +146,7 @@ impl Ctx<'_> {
     /// all-reduce and all-gather. When one is not, the call runs on the scratch: all-reduce in
     /// place there, reduce-scatter and all-gather with both halves apart, the fused call with x
     /// alone (its other buffers are this rank's own), and copies in and out around the kernel.
-    fn place(&self, call: &Call, ext: Extents) -> Result<Place> {
+    fn place(&mut self, call: &Call, ext: Extents) -> Result<Place> {
         match call.coll {
             // The barrier kernel is the one-shot kernel on nothing, "in place" (one barrier).
             Coll::Barrier => {
@@ -126,37 +155,41 @@ impl Ctx<'_> {
                     send: base,
                     recv: base,
                     segs: Vec::new(),
+                    uses: [false; 2],
+                    shared: true,
                 })
             }
-            Coll::AddRmsNorm(_) => Ok(match self.locate(call.send, ext.send)? {
-                Some(segs) => Place::Heap {
+            Coll::AddRmsNorm(_) => Ok(match self.locate_call([call.send, ext.send, 0, 0])? {
+                (Some(segs), _, known) => Place::Heap {
                     send: call.send,
                     recv: 0,
                     segs,
+                    uses: [true, false],
+                    shared: known[0],
                 },
-                None => Place::Scratch {
+                _ => Place::Scratch {
                     len: ext.send,
                     recv_at: None,
                 },
             }),
             _ => {
-                // Both buffers under one hold of the heap's lock.
-                let (a, b) = CommView::new(self.alloc, self.device)
-                    .locate_pair((call.send, ext.send), (call.recv, ext.recv))?;
+                let (a, b, known) = self.locate_call([call.send, ext.send, call.recv, ext.recv])?;
                 if let (Some(a), Some(b)) = (a, b) {
-                    let segs = match call.coll {
-                        Coll::ReduceScatter => a,
-                        Coll::AllGather => b,
+                    let (segs, uses) = match call.coll {
+                        Coll::ReduceScatter => (a, [true, false]),
+                        Coll::AllGather => (b, [false, true]),
                         _ => {
                             let mut both = a;
                             add_chunks(&mut both, b);
-                            both
+                            (both, [true, true])
                         }
                     };
                     return Ok(Place::Heap {
                         send: call.send,
                         recv: call.recv,
                         segs,
+                        uses,
+                        shared: (0..2).all(|i| !uses[i] || known[i]),
                     });
                 }
                 // All-reduce in place in the scratch; reduce-scatter and all-gather with both
@@ -177,7 +210,13 @@ impl Ctx<'_> {
     /// copies in and out.
     fn stage(&mut self, call: &Call, ext: Extents, place: Place) -> Result<Placement> {
         let (len, recv_at) = match place {
-            Place::Heap { send, recv, segs } => {
+            Place::Heap {
+                send,
+                recv,
+                segs,
+                uses,
+                shared,
+            } => {
                 return Ok(Placement {
                     send,
                     recv,
@@ -185,6 +224,8 @@ impl Ctx<'_> {
                     stage_out: None,
                     segs,
                     staged: false,
+                    shared,
+                    uses,
                 })
             }
             Place::Scratch { len, recv_at } => (len, recv_at),
@@ -207,6 +248,8 @@ impl Ctx<'_> {
             }),
             segs,
             staged: true,
+            shared: false,
+            uses: [false; 2],
         })
     }
 
@@ -231,13 +274,43 @@ impl Ctx<'_> {
         Ok(p)
     }
 
-    /// The chunks of the segment holding `ptr..ptr+bytes` (one, unless the segment grew in
-    /// place under the block), `None` when `ptr` is outside the heap, an error when it is
-    /// inside the heap but not inside one live block.
-    fn locate(&self, ptr: u64, bytes: u64) -> Result<Option<Vec<SegmentInfo>>> {
-        locate(self.alloc, self.device, ptr, bytes)
+    /// The segments under a call's two buffers (`key`: send, its bytes, recv, its bytes) as
+    /// `locate` gives them, with whether each buffer's were exchanged since: from the placement
+    /// cache while nobody has held the heap's lock since it was filled, else from the heap
+    /// (both buffers under one hold of its lock), refilling the cache.
+    fn locate_call(&mut self, key: [u64; 4]) -> Result<(Segs, Segs, [bool; 2])> {
+        let now = self.coll.heap_releases.load(Ordering::Acquire);
+        if let Some(l) = &self.coll.located {
+            if l.key == key && l.stamp == now {
+                return Ok((l.send.clone(), l.recv.clone(), l.shared));
+            }
+        }
+        let (send, recv, stamp) = CommView::new(self.alloc, self.device)
+            .locate_pair((key[0], key[1]), (key[2], key[3]))?;
+        self.coll.located = Some(Located {
+            key,
+            stamp,
+            send: send.clone(),
+            recv: recv.clone(),
+            shared: [false; 2],
+        });
+        Ok((send, recv, [false; 2]))
+    }
+
+    /// After `p`'s segments were exchanged: the placement cache records that the buffers they
+    /// came from are mapped by the peers (their entry is this call's: `place` just filled or
+    /// matched it).
+    pub(super) fn note_exchanged(&mut self, p: &Placement) {
+        if let Some(l) = &mut self.coll.located {
+            for i in 0..2 {
+                l.shared[i] |= p.uses[i];
+            }
+        }
     }
 }
+
+/// The segments under a buffer, or None outside the heap (`locate`).
+type Segs = Option<Vec<SegmentInfo>>;
 
 /// Whether running at `place` makes this rank share a segment its peers have not mapped: one of
 /// the caller's, or a scratch it has yet to make (or grow) or to share (`scratch`: the

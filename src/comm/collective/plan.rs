@@ -99,7 +99,12 @@ impl Ctx<'_> {
         };
         // The digest the kernel compares, worked out beside the exchange (both exchange.rs).
         let digest = desc.digest();
-        self.exchange(&p.segs, desc, self.settings.check_symmetry)?;
+        // Nothing to exchange when the placement cache knows the peers map every segment
+        // already, unless every call compares (SYMMALLOC_CHECK_SYMMETRY).
+        if !p.shared || self.settings.check_symmetry {
+            self.exchange(&p.segs, desc, self.settings.check_symmetry)?;
+            self.note_exchanged(&p);
+        }
         // Only offsets every rank shares decide (a rank-local one would let ranks pick
         // different kernels): reduce-scatter's input, all-gather's output, both otherwise.
         let shared: &[u64] = match call.coll {

@@ -416,7 +416,7 @@ impl Communicator {
                 pads: Vec::new(),
                 mc: HashMap::new(),
             },
-            coll: Collectives::new(errors),
+            coll: Collectives::new(errors, alloc.heap_releases(device)?),
             p2p: P2p::new(0),
         });
         let plan = plan.unwrap_or(match settings.reserve {
