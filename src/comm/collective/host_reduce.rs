@@ -84,9 +84,7 @@ pub fn barrier(c: &HostCall<'_>, epoch: u32, check_desc: bool) -> Result<()> {
         }
         let theirs = desc_word(mine).load(Ordering::Relaxed);
         if check_desc && theirs != c.desc {
-            return Err(Error::not_symmetric(super::exchange::desc::mismatch(
-                c.rank, c.desc, p, theirs,
-            )));
+            return Err(Error::not_symmetric(mismatch(c.rank, c.desc, p, theirs)));
         }
     }
     Ok(())
@@ -277,4 +275,118 @@ pub fn run(c: &HostCall<'_>, epoch: &mut u32) -> Result<()> {
     }
     *epoch = epoch.wrapping_add(1);
     barrier(c, *epoch, false)
+}
+
+// The bits of a descriptor's digest (launch.rs, `CallDesc::digest`) that the comparisons read:
+// the word a rank holds up when it meets its peers before it shares segments (`meet`, above),
+// and what a NOT_SYMMETRIC message says differs when two ranks' words do.
+
+/// Bits of a digest (and of the word of `meet_before_sharing`) that say what differs when two
+/// ranks' words do (`mismatch`): always set (a digest is never 0), the rank staged, the rank is
+/// about to make a scratch segment or share a segment (never set in a call's digest). A
+/// meeting's word also carries, from `SCRATCH_SHIFT`, log2 of the scratch the rank makes (0:
+/// none).
+pub(in crate::comm) const DIGEST_SET: u64 = 1;
+pub(in crate::comm) const DIGEST_STAGED: u64 = 2;
+pub(in crate::comm) const DIGEST_SHARING: u64 = 4;
+pub(in crate::comm) const SCRATCH_SHIFT: u32 = 3;
+
+/// The word of `meet_before_sharing`: never a call's digest (DIGEST_SHARING), with whether the
+/// rank staged and log2 of the scratch it makes.
+pub(in crate::comm) fn meeting_word(staged: bool, make: Option<u64>) -> u64 {
+    let log = make.map_or(0, |b| b.trailing_zeros() as u64);
+    DIGEST_SET | DIGEST_SHARING | if staged { DIGEST_STAGED } else { 0 } | log << SCRATCH_SHIFT
+}
+
+/// Why rank `peer`'s word (a digest, or a meeting's word) differs from this rank's, for a
+/// NOT_SYMMETRIC message: one rank staged and the other did not, or one shares a segment for the
+/// first time and the other does not, or else the descriptors differ.
+pub(in crate::comm) fn mismatch(rank: usize, mine: u64, peer: usize, theirs: u64) -> String {
+    let one_side = |bit: u64| {
+        let yes_no = if mine & bit != 0 {
+            (rank, peer)
+        } else {
+            (peer, rank)
+        };
+        ((mine ^ theirs) & bit != 0).then_some(yes_no)
+    };
+    if let Some((yes, no)) = one_side(DIGEST_STAGED) {
+        return format!(
+            "rank {yes} staged this collective through the communicator's scratch (a buffer that \
+             peers touch is outside the symmetric heap there) and rank {no} did not; expected \
+             those buffers from symm_malloc on every rank, at the same offsets"
+        );
+    }
+    if let Some((yes, no)) = one_side(DIGEST_SHARING) {
+        return format!(
+            "rank {yes} touches a segment for the first time in this collective and rank {no} \
+             does not (allocation sequences differ between ranks?); expected the same buffers \
+             on every rank"
+        );
+    }
+    if mine & theirs & DIGEST_SHARING != 0 {
+        let scratch = |w: u64| match (w >> SCRATCH_SHIFT) & 63 {
+            0 => "none".to_string(),
+            log => format!("{} bytes", 1u64 << log),
+        };
+        return format!(
+            "rank {rank} makes a scratch of {} for this collective and rank {peer} {} (the calls' \
+             sizes differ?); expected the same call on every rank",
+            scratch(mine),
+            scratch(theirs)
+        );
+    }
+    format!(
+        "rank {peer} called this collective with other buffer offsets, count, type or algorithm \
+         than rank {rank}"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::collective::algo::{DType, Kernel, ReduceOp};
+    use crate::comm::collective::launch::{CallDesc, DescKind};
+
+    fn desc(staged: bool, count: u64) -> CallDesc {
+        CallDesc {
+            kind: DescKind::AllReduce,
+            kernel: Kernel::OneShot,
+            send_off: 0x1000,
+            recv_off: 0x1000,
+            count,
+            dtype: DType::Fp32,
+            op: ReduceOp::Sum,
+            width: 0,
+            staged,
+        }
+    }
+
+    #[test]
+    fn a_mismatch_says_what_differs() {
+        let (plain, staged) = (desc(false, 8).digest(), desc(true, 8).digest());
+        assert_ne!(plain, staged);
+        let m = mismatch(0, plain, 1, staged);
+        assert!(
+            m.starts_with("rank 1 staged this collective") && m.contains("rank 0 did not"),
+            "{m}"
+        );
+        // A meeting (rank 1 makes its scratch) against a call's first barrier.
+        let meet = meeting_word(true, Some(8 << 20));
+        assert!(mismatch(0, plain, 1, meet).starts_with("rank 1 staged"));
+        let m = mismatch(1, meeting_word(false, None), 0, plain);
+        assert!(
+            m.starts_with("rank 1 touches a segment for the first time"),
+            "{m}"
+        );
+        let m = mismatch(0, meet, 1, meeting_word(true, Some(16 << 20)));
+        assert!(
+            m.contains("rank 0 makes a scratch of 8388608 bytes") && m.contains("rank 1 16777216"),
+            "{m}"
+        );
+        let m = mismatch(0, plain, 1, desc(false, 9).digest());
+        assert!(m.contains("other buffer offsets, count"), "{m}");
+        // A call's digest is never a meeting's word.
+        assert_eq!(staged & DIGEST_SHARING, 0);
+    }
 }

@@ -3,7 +3,8 @@
 //! `KernelId`, `kernel_id`, and its name in the module, `kernel_id_name`) with its argument
 //! struct (`SymmArgs`, or the fused call's `RmsArgs`) on the plan's grid, the copy out, ordered
 //! after the communicator's previous call; and the CPU twin the host backend runs instead
-//! (host_reduce.rs).
+//! (host_reduce.rs). Also the call descriptor the plan carries (`CallDesc`, below) and its
+//! digest.
 //!
 //! Invariants: a plan's kernel and grid are the same on every rank (plan.rs), so block b meets
 //! block b; kernels of one communicator are ordered (exec/gpu.rs, `StreamOrder`), whatever
@@ -14,8 +15,7 @@
 
 use super::algo::{DType, Kernel, Quant, ReduceOp};
 use super::call::{Call, Coll};
-use super::exchange::desc::{CallDesc, RANK_LOCAL};
-use super::host_reduce::{self, HostCall, HostRms};
+use super::host_reduce::{self, HostCall, HostRms, DIGEST_SET, DIGEST_SHARING, DIGEST_STAGED};
 use super::kernel_args::*;
 use super::kernels;
 use super::{CollSettings, Collectives, Ctx};
@@ -27,9 +27,9 @@ pub(in crate::comm) struct Plan {
     pub call: Call,
     pub kernel: Kernel,
     /// The working buffers' offsets (the caller's, or the scratch's when staged).
+    /// What the ranks agreed on; its digest (`CallDesc::digest`, below) is what the kernels
+    /// compare, worked out here when the arguments are made.
     pub desc: CallDesc,
-    /// `desc.digest()` (plan.rs works it out beside the exchange): what the kernels compare.
-    pub digest: u64,
     pub vec: bool,
     pub grid: u32,
     pub threads: u32,
@@ -125,7 +125,7 @@ fn kernel_launch(
         inputs,
         outputs,
         count: plan.desc.count,
-        desc: plan.digest,
+        desc: plan.desc.digest(),
         timeout_ns: v.settings.timeout.as_nanos() as u64,
         rank: v.rank as i32,
         world: v.world as i32,
@@ -198,7 +198,7 @@ fn host_twin(
         op: plan.call.op,
         kernel: plan.kernel,
         in_place: plan.desc.send_off == plan.desc.recv_off,
-        desc: plan.digest,
+        desc: plan.desc.digest(),
         timeout: v.settings.timeout,
         rms,
     };
@@ -297,6 +297,95 @@ pub(in crate::comm) fn kernel_id_name(id: KernelId) -> Result<String> {
             dtype.name()
         ))
     })
+}
+
+// The call descriptor: what every rank must agree on for one collective call (`CallDesc`,
+// typed; plan.rs fills it in), its words on the wire (the segment exchange sends them,
+// exchange.rs) and its 64-bit digest (what the kernels and the host barriers compare, made into
+// the arguments above), with the bits that say what differs when two ranks' words do
+// (host_reduce.rs: `mismatch`, `meeting_word`). It lives beside the plan that carries
+// it, so a steady call works its digest out where it makes the arguments.
+//
+// Invariants: a digest is never 0 and never a meeting's word (`DIGEST_SHARING` is set only in
+// the latter); offsets that only their own rank uses are `RANK_LOCAL` in the words, so ranks
+// never compare them.
+
+/// Which exchange a descriptor belongs to (its tag word).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(in crate::comm) enum DescKind {
+    Init,
+    Barrier,
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    AddRmsNorm,
+    /// `symm_rendezvous` (comm/p2p/): send offset = the range's offset, count = its bytes.
+    Rendezvous,
+}
+
+/// Everything ranks must agree on for one collective call, typed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(in crate::comm) struct CallDesc {
+    pub kind: DescKind,
+    /// The kernel the call runs (ranks that chose differently fail the comparison).
+    pub kernel: Kernel,
+    pub send_off: u64,
+    pub recv_off: u64,
+    /// Elements, as the call counts them (call.rs).
+    pub count: u64,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    /// The fused call's row width (hidden) and, from bit 32, its output format (plan.rs); 0
+    /// otherwise.
+    pub width: u64,
+    /// This rank runs the call on its scratch (a buffer peers touch is outside the heap:
+    /// plan.rs, `place`). Ranks must agree: a peer reads the scratch at the offsets only where
+    /// every rank staged.
+    pub staged: bool,
+}
+
+/// Stands for an offset that only its own rank uses, so ranks need not agree on it.
+pub(in crate::comm) const RANK_LOCAL: u64 = u64::MAX - 1;
+
+/// Words of a descriptor on the wire (exchange messages start with them).
+pub(super) const DESC_WORDS: usize = 7;
+
+/// Bit of the descriptor's first word (above the kind) that says the rank staged.
+pub(super) const WORD_STAGED: u64 = 1 << 8;
+
+impl CallDesc {
+    /// What every rank must agree on, as words. Reduce-scatter and the fused call write only
+    /// the caller's own output, and all-gather reads only the caller's own `send` (in place,
+    /// those offsets differ by rank by design), so those are left out (RANK_LOCAL).
+    pub fn words(&self) -> [u64; DESC_WORDS] {
+        let (send, recv) = match self.kind {
+            DescKind::ReduceScatter | DescKind::AddRmsNorm => (self.send_off, RANK_LOCAL),
+            DescKind::AllGather => (RANK_LOCAL, self.recv_off),
+            _ => (self.send_off, self.recv_off),
+        };
+        [
+            self.kind as u64 | if self.staged { WORD_STAGED } else { 0 },
+            self.kernel as u64,
+            send,
+            recv,
+            self.count,
+            (self.dtype as u64) << 8 | self.op as u64,
+            self.width,
+        ]
+    }
+    /// A 64-bit digest the kernels compare (at their first barrier, or in the LL check): a hash
+    /// of the words, with the low bits as `mismatch` reads them.
+    pub fn digest(&self) -> u64 {
+        let mut x: u64 = 0xcbf29ce484222325;
+        for w in self.words() {
+            for b in w.to_le_bytes() {
+                x ^= b as u64;
+                x = x.wrapping_mul(0x100000001b3);
+            }
+        }
+        let staged = if self.staged { DIGEST_STAGED } else { 0 };
+        x & !(DIGEST_STAGED | DIGEST_SHARING) | DIGEST_SET | staged
+    }
 }
 
 #[cfg(test)]

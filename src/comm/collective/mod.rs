@@ -4,10 +4,11 @@
 //! builds a `Call` (call.rs: what was asked, checked); `begin_call` reports earlier errors
 //! (error_word.rs) and unmaps what peers released (peer/retire.rs); `prepare` turns the call
 //! into a `Plan` (plan.rs: the kernel from algo.rs, its shape (vectors or elements, grid) from
-//! plan.rs's `shape` (the fused call's: fused_shape.rs), the buffers from place.rs, the descriptor and the
-//! segment exchange of exchange.rs); `launch` hands it to the executor as a
-//! comm/exec/ plan (launch.rs: kernel id, grid, argument struct, copies, and the
-//! CPU twin host_reduce.rs / host_norm.rs). `kernels.rs` and `kernel_args.rs` are what the host
+//! plan.rs's `shape` (the fused call's: fused_shape.rs), the buffers from place.rs, the
+//! segment exchange and the comparison of descriptors of exchange.rs, the descriptor being
+//! launch.rs's `CallDesc`); `launch` hands it to the executor as a comm/exec/ plan
+//! (launch.rs: kernel id, grid, argument struct, copies, and the CPU twin host_reduce.rs /
+//! host_norm.rs). `kernels.rs` and `kernel_args.rs` are what the host
 //! shares with the kernels (the generated kernels/instances.cu and kernels/symm_constants.cuh
 //! come from them); `convert.rs` holds the number formats.
 //!
@@ -33,7 +34,7 @@ pub mod host_norm;
 pub mod host_reduce;
 pub mod kernel_args;
 pub mod kernels;
-mod launch;
+pub(in crate::comm) mod launch;
 pub(in crate::comm) mod place;
 mod plan;
 

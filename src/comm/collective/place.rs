@@ -23,8 +23,7 @@
 //! shared segments only grows (peer/windows.rs).
 
 use super::call::{Call, Coll, Extents};
-use super::exchange::desc::meeting_word;
-use super::host_reduce;
+use super::host_reduce::{self, meeting_word};
 use super::{CollSettings, Collectives, Ctx};
 use crate::comm::peer::PeerView;
 use crate::error::Result;

@@ -1,7 +1,8 @@
 //! The first half of every collective call: `prepare` turns a checked `Call` into a `Plan`, doing
 //! the shared setup once (where the buffers are and what is staged through the scratch: place.rs;
 //! which kernel: algo.rs; its vectors and grid: `shape`, below, the fused call's kernel and grid:
-//! fused_shape.rs; the call descriptor and the segment exchange with the peers: exchange.rs;
+//! fused_shape.rs; the call descriptor (launch.rs, `CallDesc`) and the segment exchange with
+//! the peers: exchange.rs;
 //! the multicast window, for MULTIMEM: peer/mc_window.rs). `launch.rs` then enqueues the plan.
 //! NCCL's enqueue.cc (plan, then launch) is the model; docs/DESIGN.md, "The collective pipeline",
 //! walks one call through both.
@@ -16,9 +17,8 @@
 
 use super::algo::{self, DType, Kernel, Quant};
 use super::call::{Call, Coll, Extents};
-use super::exchange::desc::{CallDesc, DescKind, RANK_LOCAL};
 use super::fused_shape::{self, FusedShape};
-use super::launch::{fused_kernel_id, kernel_id_name, Plan};
+use super::launch::{fused_kernel_id, kernel_id_name, CallDesc, DescKind, Plan, RANK_LOCAL};
 use super::{CollSettings, Ctx};
 use crate::comm::exec::Executor;
 use crate::error::{Error, Result};
@@ -97,8 +97,6 @@ impl Ctx<'_> {
             width,
             staged,
         };
-        // The digest the kernel compares, worked out beside the exchange (both exchange.rs).
-        let digest = desc.digest();
         // Nothing to exchange when the placement cache knows the peers map every segment
         // already, unless every call compares (SYMMALLOC_CHECK_SYMMETRY).
         if !p.shared || self.settings.check_symmetry {
@@ -158,7 +156,6 @@ impl Ctx<'_> {
             call: *call,
             kernel,
             desc,
-            digest,
             vec,
             grid,
             threads,

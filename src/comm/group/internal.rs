@@ -16,8 +16,8 @@
 use super::init::{describe_settings, Settings};
 use super::slots::{self, Internal, Plan, SlotBlock, SlotHold};
 use crate::comm::collective::algo::{DType, Kernel, ReduceOp};
-use crate::comm::collective::exchange::desc::{CallDesc, DescKind};
 use crate::comm::collective::kernel_args::*;
+use crate::comm::collective::launch::{CallDesc, DescKind};
 use crate::comm::collective::place::locate;
 use crate::comm::p2p::device_comm::SYMM_SIGNAL_PAD_BYTES;
 use crate::comm::Communicator;

@@ -28,8 +28,8 @@ pub mod device_comm;
 pub mod signal_pad;
 
 use crate::comm::collective::algo::{DType, Kernel, ReduceOp};
-use crate::comm::collective::exchange::desc::{CallDesc, DescKind};
 use crate::comm::collective::kernel_args::ABORT_OFFSET;
+use crate::comm::collective::launch::{CallDesc, DescKind};
 use crate::comm::collective::Ctx;
 use crate::comm::exec::{self, ArgBlock, Family, KernelId};
 use crate::error::{Error, Result, Status};
