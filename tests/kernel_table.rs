@@ -502,8 +502,14 @@ fn moe_tp_argument_struct_and_constants_match_the_cuda_source() {
     for (name, v) in [
         ("MOE_CTRL_TP_FIRST", tp::CTRL_TP_FIRST),
         ("MOE_CTRL_TP_ROW", tp::CTRL_TP_ROW),
-        ("MOE_TP_FLAG_STAGED", tp::TP_FLAG_STAGED),
-        ("MOE_TP_FLAG_READ", tp::TP_FLAG_READ),
+        (
+            "MOE_TP_FLAG_STAGED",
+            symmalloc::comm::moe::layout::TP_FLAG_STAGED,
+        ),
+        (
+            "MOE_TP_FLAG_READ",
+            symmalloc::comm::moe::layout::TP_FLAG_READ,
+        ),
     ] {
         assert_eq!(
             define(name),

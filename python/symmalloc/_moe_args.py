@@ -8,19 +8,16 @@ Invariants: the rules read shapes and dtype names only, never data (moe.py check
 contiguity), so the custom ops' fake implementations apply the same ones as the eager calls;
 each refusal is ``_invalid`` (a ``SymmallocError``) naming the value and what was expected, and
 for dispatch and combine the rank. Nothing here imports torch (``sys.modules`` or an argument
-gives it) or moe.py (the ``Moe`` is an argument; its type hints are strings), so moe.py imports
-this module without a cycle. A view owns no memory, except ``HostView.empty``'s (16-byte
+gives it) or moe.py (the ``Moe`` is an argument ``m``), so moe.py imports this module without a
+cycle. A view owns no memory, except ``HostView.empty``'s (16-byte
 aligned)."""
 
 import ctypes
 import sys
-from typing import TYPE_CHECKING, Tuple
+from typing import Tuple
 
 from ._checks import _device_name, _fmt
 from ._lib import _INDEX_DTYPES, _MOE_DTYPES, _MOE_INPUTS, _MOE_SCALE_LAYOUTS, _invalid
-
-if TYPE_CHECKING:  # for the type checker only: importing moe.py at run time would be a cycle
-    from .moe import Moe
 
 _SIZES = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4, "int32": 4, "int64": 8}
 _CTYPES = {"bfloat16": ctypes.c_uint16, "float8_e4m3fn": ctypes.c_uint8, "float32": ctypes.c_float,
@@ -146,9 +143,9 @@ def _is_torch(t) -> bool:
 # Shape and dtype rules, on shapes and dtype names only, so that the custom ops' fake
 # implementations apply the same ones.
 
-def _check_dispatch(m: "Moe", x, idx, w, scales) -> Tuple[int, int, int]:
-    """(num_tokens, k, index dtype code) of a dispatch's arguments (shapes and dtype names),
-    or the error naming this rank, the value and what was expected."""
+def _check_dispatch(m, x, idx, w, scales) -> Tuple[int, int, int]:
+    """(num_tokens, k, index dtype code) of a dispatch's arguments on the ``Moe`` ``m`` (shapes
+    and dtype names), or the error naming this rank, the value and what was expected."""
     what = f"moe.dispatch: rank {m.rank}"
     H, T = m.hidden, m.max_tokens_per_rank
     xs, dt = tuple(x.shape), _dname(x.dtype)
@@ -189,7 +186,7 @@ def _check_dispatch(m: "Moe", x, idx, w, scales) -> Tuple[int, int, int]:
     return n, k, _INDEX_DTYPES[idt]
 
 
-def _check_combine(m: "Moe", expert_out, num_tokens: int, out) -> None:
+def _check_combine(m, expert_out, num_tokens: int, out) -> None:
     what = f"moe.combine: rank {m.rank}"
     es, edt = tuple(expert_out.shape), _dname(expert_out.dtype)
     if m.mode == "throughput":

@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional
 from ._lib import _MOE_PROBE_WORDS as _PROBE_WORDS
 from ._lib import SymmallocError, _check, _invalid
 from ._moe_args import HostView, _check_combine, _check_dispatch, _is_torch
+from ._moe_types import MoeDispatch, MoeHandle
 
 _VOIDP = ctypes.c_void_p
 # symm_moe_probe's words (layout.rs PROBE_*), by name.
@@ -109,8 +110,6 @@ class _Split:
         every rank's counts and pulls this rank's experts' rows. Returns what ``dispatch``
         returns (a ``MoeDispatch``), bit for bit. Collective, on the current stream (ordered
         after the send by the library)."""
-        from .moe import MoeDispatch, MoeHandle
-
         self._eager("moe.dispatch_recv")
         ptr = self._live()
         p = self._pending

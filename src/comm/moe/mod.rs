@@ -106,7 +106,7 @@ pub struct Moe {
     pending: Option<Pending>,
     /// Throughput mode (config `mode`): its layout (`layout` then holds only the block's size
     /// and zeroed part), and the first combine epoch of the last dispatch (tp_host.rs).
-    pub tp: Option<throughput::TpLayout>,
+    pub tp: Option<layout::TpLayout>,
     tp_first_combine: u64,
 }
 
@@ -351,7 +351,7 @@ impl Communicator {
         let (layout, tp) = match cfg.mode {
             config::Mode::LowLatency => (Layout::new(&cfg, world), None),
             config::Mode::Throughput => {
-                let t = throughput::TpLayout::new(&cfg, world);
+                let t = layout::TpLayout::new(&cfg, world);
                 (t.block(), Some(t))
             }
         };

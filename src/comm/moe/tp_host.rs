@@ -24,9 +24,10 @@
 
 use super::config::IndexType;
 use super::host::{copy, load_idx, rd_bf16, rd_f32, rd_i32, word, wr_bf16_row, wr_i32};
-use super::layout::{tag_of, tagged, untag, ROW_EXTRA};
+use super::layout::{
+    tag_of, tagged, tp_row_words, untag, TpLayout, ROW_EXTRA, TP_FLAG_READ, TP_FLAG_STAGED,
+};
 use super::status::{self, Found, Refusal};
-use super::throughput::{tp_row_words, TpLayout, TP_FLAG_READ, TP_FLAG_STAGED};
 use super::{Combine, Dispatch, Last, Moe};
 use crate::error::{Error, Result};
 use std::sync::atomic::Ordering;
