@@ -1,6 +1,7 @@
 //! The moe object's buffer: one `symm_comm_malloc` block at the same offset on every rank
-//! (docs/moe.md, "Buffers"), cut into parts, each 256-byte aligned, in a fixed order. This file
-//! computes the parts' offsets and sizes from a checked configuration and the world; the host
+//! (docs/moe.md, "Buffers"), cut into parts, each 256-byte aligned, in a fixed order, one
+//! layout per mode (`Layout`, the low-latency mode's; `TpLayout`, the throughput mode's). This
+//! file computes the parts' offsets and sizes from a checked configuration and the world; the host
 //! backend (host.rs) and the kernels (launch.rs passes the offsets, kernels/moe.cu) address the
 //! parts only through these offsets.
 //!

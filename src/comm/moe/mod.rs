@@ -3,8 +3,8 @@
 //! its configuration (config.rs), its buffer in the communicator's arena and the layout of it
 //! (layout.rs), the codes and messages of what a call can find wrong (status.rs), the CPU
 //! protocol of the host backend (host.rs) and the kernels' launch and argument struct
-//! (launch.rs, kernels/moe.cu); the throughput mode's layout and plans (throughput.rs) and its
-//! CPU protocol (tp_host.rs).
+//! (launch.rs, kernels/moe.cu); the throughput mode's plans (throughput.rs; its layout is
+//! layout.rs's too) and its CPU protocol (tp_host.rs).
 //!
 //! The object does not live in the communicator: the C handle keeps both, and every call
 //! passes the communicator in (its mesh, arena, peer windows, settings and error words are

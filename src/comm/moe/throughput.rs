@@ -5,13 +5,12 @@
 //! received row (the caller's weighted sum over this rank's experts) and each token's rank sums
 //! them over the destination ranks in increasing rank order in fp32, rounded to bf16 once.
 //!
-//! This file owns the mode's block layout (`TpLayout`, a pure function of config and world,
-//! like layout.rs), its kernels' names and argument struct (`MoeTpArgs`, mirrored field by field
-//! with kernels/moe_tp.cu) and its plans; the CPU protocol is tp_host.rs.
+//! This file owns the mode's kernels' names and argument struct (`MoeTpArgs`, mirrored field by
+//! field with kernels/moe_tp.cu) and its plans; its block layout is layout.rs's `TpLayout`, the
+//! CPU protocol tp_host.rs.
 //!
-//! Invariants: the parts are 256-byte aligned in a fixed order, `ctrl`, `counts` and `flags`
-//! first (zeroed at create); the receive buffer holds `W * T` rows, which no routing
-//! overflows (a token goes at most once to each rank).
+//! Invariants: the receive buffer holds `W * T` rows, which no routing overflows (a token goes
+//! at most once to each rank); the arguments name the layout's parts and nothing else.
 
 use super::config::{IndexType, Payload};
 use super::layout::{TpLayout, CTRL_BYTES, ROW_EXTRA};
