@@ -10,7 +10,7 @@
 
 use super::host::{copy, probe, raise, rd_bf16, rd_f32, rd_i32, wait_all, wr_bf16_row};
 use super::layout::*;
-use super::status::{self, Found};
+use super::status;
 use super::{Combine, Last, Moe};
 use crate::error::Result;
 use std::time::Duration;
@@ -146,13 +146,5 @@ pub fn combine_recv(
         wr_bf16_row(a.y + t * h * 2, &acc);
     }
     probe(m, PROBE_C_SUMMED, PROBE_C_EPOCH, epoch);
-    match other {
-        None => Ok(()),
-        Some(s) => Err(Found {
-            code: status::ST_COMBINE_REFUSED,
-            rank: s as u32,
-            ..Found::default()
-        }
-        .error(&m.bounds())),
-    }
+    status::combine_refused_by(other, &m.bounds())
 }

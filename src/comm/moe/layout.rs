@@ -86,6 +86,23 @@ pub fn combine_flag(epoch: u64) -> u64 {
     FLAG_COMBINE + (epoch & 1)
 }
 
+/// The block cut front to back, each part starting `PART_ALIGN`-aligned where the last one
+/// ended (both modes' layouts).
+#[derive(Default)]
+struct Parts {
+    /// Where the next part starts: the block's size once every part is taken.
+    end: u64,
+}
+
+impl Parts {
+    /// The offset of the next part of `bytes` bytes.
+    fn take(&mut self, bytes: u64) -> u64 {
+        let off = self.end;
+        self.end = (self.end + bytes).next_multiple_of(PART_ALIGN);
+        off
+    }
+}
+
 /// Byte offsets of the parts in the block, and the block's size.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Layout {
@@ -139,42 +156,37 @@ impl Layout {
             c.max_recv,
         );
         let l = e / world;
-        let mut at = 0u64;
-        let mut part = |bytes: u64| {
-            let off = at;
-            at = (at + bytes).next_multiple_of(PART_ALIGN);
-            off
-        };
-        let _ctrl = part(CTRL_BYTES);
+        let mut parts = Parts::default();
+        let _ctrl = parts.take(CTRL_BYTES);
         // At CTRL_BYTES: the kernels take it from there (kernels/moe.cu MOE_CTRL_BYTES).
-        let counts = part(2 * world * row_words(e) * 8);
-        let flags = part(FLAG_ROWS * world * 8);
-        let recv_counts = part(l * 4);
-        let recv_src = part(l * r * 4);
-        let recv_x = part(l * r * h * c.dtype.bytes());
+        let counts = parts.take(2 * world * row_words(e) * 8);
+        let flags = parts.take(FLAG_ROWS * world * 8);
+        let recv_counts = parts.take(l * 4);
+        let recv_src = parts.take(l * r * 4);
+        let recv_x = parts.take(l * r * h * c.dtype.bytes());
         let recv_scales = if c.dtype.has_scales() {
-            part(c.scale_elems(world) * 4)
+            parts.take(c.scale_elems(world) * 4)
         } else {
             0
         };
-        let idx = part(t * k * 4);
-        let weights = part(t * k * 4);
-        let pos = part(t * k * 4);
-        let list = part(2 * t * k * 4);
+        let idx = parts.take(t * k * 4);
+        let weights = parts.take(t * k * 4);
+        let pos = parts.take(t * k * 4);
+        let list = parts.take(2 * t * k * 4);
         // A dispatch that quantizes stages its quantized rows at world 1 too (its pull reads
         // them there, not the caller's bf16 x).
         let peers = world > 1 || c.quantize;
         let xstage_slot = if peers { t * h * c.dtype.bytes() } else { 0 };
-        let xstage = part(2 * xstage_slot);
+        let xstage = parts.take(2 * xstage_slot);
         let xscales_slot = if peers { t * (h / 128) * 4 } else { 0 };
         let xscales_slot = if c.dtype.has_scales() {
             xscales_slot
         } else {
             0
         };
-        let xscales = part(2 * xscales_slot);
+        let xscales = parts.take(2 * xscales_slot);
         let cbuf_slot = if peers { t * k * h * 2 } else { 0 };
-        let cbuf = part(2 * cbuf_slot);
+        let cbuf = parts.take(2 * cbuf_slot);
         Layout {
             counts,
             flags,
@@ -192,7 +204,7 @@ impl Layout {
             xscales_slot,
             cbuf,
             cbuf_slot,
-            bytes: at,
+            bytes: parts.end,
         }
     }
 
@@ -290,32 +302,27 @@ impl TpLayout {
         let l = e / world;
         let rows = world * t;
         let sc = c.scales_per_row();
-        let mut at = 0u64;
-        let mut part = |bytes: u64| {
-            let off = at;
-            at = (at + bytes).next_multiple_of(PART_ALIGN);
-            off
-        };
-        let _ctrl = part(CTRL_BYTES);
-        let counts = part(2 * world * tp_row_words(world) * 8);
-        let flags = part(TP_FLAG_ROWS * world * 8);
-        let meta = part((2 * l + 2) * 4);
-        let recv_src = part(rows * 4);
-        let recv_idx = part(rows * k * 4);
-        let recv_weights = part(rows * k * 4);
-        let expert_rows = part(rows * k * 4);
-        let recv_x = part(rows * h * c.dtype.bytes());
-        let recv_scales = if sc > 0 { part(rows * sc * 4) } else { 0 };
-        let idx = part(2 * t * k * 4);
-        let weights = part(2 * t * k * 4);
-        let pos = part(t * world * 4);
-        let list = part(2 * world * t * 4);
+        let mut parts = Parts::default();
+        let _ctrl = parts.take(CTRL_BYTES);
+        let counts = parts.take(2 * world * tp_row_words(world) * 8);
+        let flags = parts.take(TP_FLAG_ROWS * world * 8);
+        let meta = parts.take((2 * l + 2) * 4);
+        let recv_src = parts.take(rows * 4);
+        let recv_idx = parts.take(rows * k * 4);
+        let recv_weights = parts.take(rows * k * 4);
+        let expert_rows = parts.take(rows * k * 4);
+        let recv_x = parts.take(rows * h * c.dtype.bytes());
+        let recv_scales = if sc > 0 { parts.take(rows * sc * 4) } else { 0 };
+        let idx = parts.take(2 * t * k * 4);
+        let weights = parts.take(2 * t * k * 4);
+        let pos = parts.take(t * world * 4);
+        let list = parts.take(2 * world * t * 4);
         let peers = world > 1;
         let xstage_slot = if peers { t * h * c.dtype.bytes() } else { 0 };
-        let xstage = part(2 * xstage_slot);
+        let xstage = parts.take(2 * xstage_slot);
         let xscales_slot = if peers { t * sc * 4 } else { 0 };
-        let xscales = part(2 * xscales_slot);
-        let cstage = part(if peers { rows * h * 2 } else { 0 });
+        let xscales = parts.take(2 * xscales_slot);
+        let cstage = parts.take(if peers { rows * h * 2 } else { 0 });
         TpLayout {
             counts,
             flags,
@@ -335,7 +342,7 @@ impl TpLayout {
             xscales,
             xscales_slot,
             cstage,
-            bytes: at,
+            bytes: parts.end,
         }
     }
 

@@ -9,7 +9,7 @@
 //! host): `[1]` bad rank, `[2]` token (or expert), `[3]` k, `[4..6]` value (low, high), `[6]`
 //! the call (0 dispatch, 1 combine), then `[0]` the code, written last.
 
-use crate::error::Error;
+use crate::error::{Error, Result};
 
 /// Codes (0: none). Device-detectable: out of range, duplicate, capacity; host-detectable
 /// refusals: too many tokens, bad k, other arguments; a refused combine.
@@ -54,6 +54,20 @@ pub struct Found {
     pub token: u32,
     pub k: u32,
     pub value: i64,
+}
+
+/// A combine's end on a rank that did its part: the error naming `other`, the lowest rank that
+/// refused its own combine, if one did (both host combines, host_combine.rs and tp_host.rs).
+pub fn combine_refused_by(other: Option<usize>, b: &Bounds) -> Result<()> {
+    match other {
+        None => Ok(()),
+        Some(s) => Err(Found {
+            code: ST_COMBINE_REFUSED,
+            rank: s as u32,
+            ..Found::default()
+        }
+        .error(b)),
+    }
 }
 
 /// What the configuration contributes to the messages.

@@ -379,13 +379,5 @@ pub fn combine(
     if refused {
         return Ok(()); // the caller returns this rank's own message
     }
-    match other {
-        None => Ok(()),
-        Some(s) => Err(Found {
-            code: status::ST_COMBINE_REFUSED,
-            rank: s as u32,
-            ..Found::default()
-        }
-        .error(&m.bounds())),
-    }
+    status::combine_refused_by(other, &m.bounds())
 }
