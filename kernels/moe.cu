@@ -48,6 +48,8 @@
 #define MOE_MAX_EXPERTS 1024
 #define MOE_ROW_EXTRA 8
 #define MOE_SCALE_GROUP 128
+// Entries of a block's chunk the dispatch keeps in shared memory between its steps (ent_s, pos_s).
+#define MOE_ENT_CACHE 1024
 // Bytes of the control part at the start of a moe block; the counts rows follow it.
 #define MOE_CTRL_BYTES 4096
 // Control words (u64) at the start of a moe block (src/comm/moe/layout.rs CTRL_*).
@@ -335,6 +337,49 @@ __device__ __forceinline__ int64_t moe_warp_scan(const int32_t* in, int32_t* out
   return carry;
 }
 
+// Exclusive prefix sums of in[0..n) into out[0..n) by the whole block (n <= MOE_MAX_EXPERTS;
+// in may be out); returns the total to every thread. Each thread sums its run of at most two
+// items, a warp scan and one of the warps' totals follow: two barriers and 5 + 4 shuffle steps,
+// where one warp's scan of 256 items is 8 rounds of 5 dependent steps. Every thread of the block
+// calls it, with `in` complete (the caller's barrier); `out` is readable by all on return.
+#define MOE_SCAN_PER (MOE_MAX_EXPERTS / MOE_THREADS)
+__device__ __forceinline__ int32_t moe_block_scan(const int32_t* in, int32_t* out, int n, int32_t* warp_s) {
+  static_assert(MOE_SCAN_PER * MOE_THREADS == MOE_MAX_EXPERTS && MOE_WARPS <= 32, "scan shape");
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int per = (n + MOE_THREADS - 1) / MOE_THREADS;  // 1 or 2
+  const int i0 = tid * per;
+  int32_t v[MOE_SCAN_PER], sum = 0;
+#pragma unroll
+  for (int u = 0; u < MOE_SCAN_PER; ++u) {
+    v[u] = u < per && i0 + u < n ? in[i0 + u] : 0;
+    sum += v[u];
+  }
+  int32_t x = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_s[warp] = x;
+  __syncthreads();
+  int32_t w = lane < MOE_WARPS ? warp_s[lane] : 0;
+#pragma unroll
+  for (int o = 1; o < MOE_WARPS; o <<= 1) {
+    const int32_t y = __shfl_up_sync(0xffffffffu, w, o);
+    if (lane >= o) w += y;
+  }
+  const int32_t below = __shfl_sync(0xffffffffu, w, (warp + 31) & 31);  // warps below this one
+  const int32_t total = __shfl_sync(0xffffffffu, w, MOE_WARPS - 1);
+  int32_t run = (warp > 0 ? below : 0) + x - sum;
+#pragma unroll
+  for (int u = 0; u < MOE_SCAN_PER; ++u) {
+    if (u < per && i0 + u < n) out[i0 + u] = run;
+    run += v[u];
+  }
+  __syncthreads();
+  return total;
+}
+
 // Dispatch (docs/moe.md, "Protocol"): every block runs every step on its share. QUANT: x is bf16,
 // quantized to the FP8 payload (PAYLOAD_BYTES 1, SCALES) once per token when its block stages it
 // (at every world), and every row, this rank's own too, is pulled from the staged copy. PHASE: the
@@ -362,14 +407,32 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   __shared__ int32_t found_s[4];                 // code, rank, token, k
   __shared__ int64_t found_v;
   __shared__ int live_s, last_s;
+  __shared__ int32_t scan_s[MOE_WARPS];          // moe_block_scan's warp totals
+  // The block's chunk's entries (expert ids) and their rows within (this rank, expert), kept from
+  // step 1b for step 4 when the chunk fits (the one-call form; the receive half reloads them).
+  __shared__ int32_t ent_s[MOE_ENT_CACHE];
+  __shared__ int32_t pos_s[MOE_ENT_CACHE];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int me = a.s.rank, W = a.s.world, E = a.experts, L = a.local;
   const uint64_t K = a.topk, T = a.max_tokens, H = a.hidden, R = a.max_recv;
   const uint64_t row_bytes = H * PAYLOAD_BYTES, S = H / MOE_SCALE_GROUP;
   uint64_t* ctrl = moe_ctrl(a);
+  const uint64_t n = a.refuse_code ? 0 : a.num_tokens;
+  // The routing's first MOE_THREADS entries, loaded while thread 0 reads the control words (one
+  // round trip for both, not one after the other).
+  uint32_t code0 = 0;
+  int32_t key0 = -1;  // the entry's expert, or -1 (none, or offending: code0)
+  if (PHASE != MOE_RECV && tid < n * K) {
+    const int64_t e = moe_entry<IDX>(a, tid, code0);
+    key0 = code0 == 0 && e >= 0 ? (int32_t)e : -1;
+  }
   if (tid == 0) {
-    epoch_s = *(volatile uint64_t*)&ctrl[MOE_CTRL_D_DONE] + 1;
-    live_s = !aborted(a.s);
+    // Both loads in flight before any store (block_start's rule: a store between them would
+    // wait for the first and serialize two round trips).
+    const uint64_t done = *(volatile uint64_t*)&ctrl[MOE_CTRL_D_DONE];
+    const uint32_t dead = *(volatile uint32_t*)abort_word(a.s);
+    epoch_s = done + 1;
+    live_s = dead == 0;
     bad_s = 0xffffffffu;
     cap_s = 0xffffffffu;
     if constexpr (PHASE == MOE_RECV) found_s[0] = 0;
@@ -390,9 +453,9 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   __syncthreads();
   if (!live_s) return;
   const uint64_t epoch = epoch_s;
-  const uint64_t n = a.refuse_code ? 0 : a.num_tokens;
   const uint64_t per = (n + gridDim.x - 1) / gridDim.x;
   const uint64_t c0 = min((uint64_t)blockIdx.x * per, n), c1 = min(c0 + per, n);
+  const bool cached = PHASE == MOE_BOTH && (c1 - c0) * K <= MOE_ENT_CACHE;
   int32_t* idx = (int32_t*)(a.blocks[me] + a.off_idx);
   float* wts = (float*)(a.blocks[me] + a.off_weights);
   int32_t* pos = (int32_t*)(a.blocks[me] + a.off_pos);
@@ -404,10 +467,13 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   // this block's chunk (aggregated per warp; sums, so the order does not matter).
   for (uint64_t b = 0; b < n * K; b += MOE_THREADS) {
     const uint64_t i = b + tid, t = i / K;
-    uint32_t code = 0;
-    const int64_t e = i < n * K ? moe_entry<IDX>(a, i, code) : -1;
+    uint32_t code = code0;
+    int key = key0;
+    if (b > 0) {
+      const int64_t e = i < n * K ? moe_entry<IDX>(a, i, code) : -1;
+      key = (code == 0 && e >= 0) ? (int)e : -1;
+    }
     if (code) atomicMin(&bad_s, (uint32_t)i);
-    const int key = (code == 0 && e >= 0) ? (int)e : -1;
     const uint32_t all = __match_any_sync(0xffffffffu, key);
     if (key >= 0 && lane == __ffs(all) - 1) atomicAdd(&hist_s[key], __popc(all));
     const int key2 = t < c0 ? key : -1;
@@ -442,21 +508,25 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   // Step 1b: this block's chunk of tokens: the local copy of the routing, each entry's row
   // within (this rank, its expert) in token order, the list, the staged rows.
   if (!own_bad) {
-    if (warp == 0) moe_warp_scan(hist_s, off_s, E, lane);
     for (uint64_t i = c0 * K + tid; i < c1 * K; i += MOE_THREADS) {
       const uint64_t t = i / K, j = i % K;
       uint32_t code;
-      idx[i] = (int32_t)moe_entry<IDX>(a, i, code);
+      const int32_t e = (int32_t)moe_entry<IDX>(a, i, code);
+      idx[i] = e;
+      if (cached) ent_s[i - c0 * K] = e;
       wts[i] = (int)j < a.k ? ((const float*)a.topk_weights)[t * a.k + j] : 0.f;
     }
-    __syncthreads();
+    moe_block_scan(hist_s, off_s, E, scan_s);  // its barriers also order ent_s for warp 0
     if (warp == 0) {
       int32_t* list = moe_list(a, me, epoch);
       // 4 x 32 entries' ids loaded together, then ranked 32 at a time in entry order.
       for (uint64_t b0 = c0 * K; b0 < c1 * K; b0 += 32 * 4) {
         int32_t ev[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) ev[u] = b0 + u * 32 + lane < c1 * K ? idx[b0 + u * 32 + lane] : -1;
+        for (int u = 0; u < 4; ++u) {
+          const uint64_t i = b0 + u * 32 + lane;
+          ev[u] = i < c1 * K ? (cached ? ent_s[i - c0 * K] : idx[i]) : -1;
+        }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           const uint64_t i = b0 + u * 32 + lane;
@@ -470,6 +540,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
           if (i < c1 * K) {
             const int32_t p = e >= 0 ? r0 + __popc(lower) : -1;
             pos[i] = p;
+            if (cached) pos_s[i - c0 * K] = p;
             if (e >= 0) list[off_s[e] + p] = (int32_t)i;
           }
         }
@@ -616,44 +687,41 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
         moe_record(a, found_s[0], found_s[1], found_s[2], found_s[3], found_v, 0);
     }
   } else {
-    // Step 4: pull. Per (source, local expert) q = s * L + le: its rows (hist_s), the rows of
-    // lower sources (base_s) and its list offset at the source (off_s); per local expert the
-    // rows of lower local experts (pre_s).
-    for (int s = warp; s < W; s += MOE_WARPS) {
-      int32_t carry = sbel_s[s];  // the source's entries of experts below this rank's
-      for (int b = 0; b < L; b += 32) {
-        const int le = b + lane;
-        const int32_t v = le < L ? loc_s[s * L + le] : 0;
-        int32_t x = v;
+    // Step 4: pull. Per (source, local expert) q = s * L + le: its rows (loc_s), the rows of
+    // lower sources (base_s) and its list offset at the source (off_s: the source's entries of
+    // experts below this rank's, then the scan within its segment); per local expert the rows of
+    // lower local experts (pre_s).
+    moe_block_scan(loc_s, off_s, W * L, scan_s);
+    int32_t fix[MOE_SCAN_PER];
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
-          if (lane >= o) x += y;
-        }
-        if (le < L) {
-          off_s[s * L + le] = carry + x - v;
-          hist_s[s * L + le] = v;
-        }
-        carry += __shfl_sync(0xffffffffu, x, 31);
-      }
+    for (int u = 0; u < MOE_SCAN_PER; ++u) {
+      const int q = tid + u * MOE_THREADS;
+      fix[u] = q < W * L ? sbel_s[q / L] - off_s[q / L * L] : 0;
     }
     __syncthreads();
+#pragma unroll
+    for (int u = 0; u < MOE_SCAN_PER; ++u) {
+      const int q = tid + u * MOE_THREADS;
+      if (q < W * L) off_s[q] += fix[u];
+    }
     for (int le = tid; le < L; le += MOE_THREADS) {
       int32_t below = 0;
       for (int s = 0; s < W; ++s) {
         base_s[s * L + le] = below;
-        below += hist_s[s * L + le];
+        below += loc_s[s * L + le];
       }
       run_s[le] = below;
       if (blockIdx.x == 0) recv_counts[le] = below;
     }
     __syncthreads();
-    if (warp == 0) {
-      const int64_t total = moe_warp_scan(run_s, pre_s, L, lane);
-      if (lane == 0) pre_s[L] = (int32_t)total;
+    const uint64_t total = (uint64_t)moe_block_scan(run_s, pre_s, L, scan_s);
+    // Each of this chunk's entries' row in its expert's rank (the combine reads this rank's own
+    // experts' rows in place); stored before the pull, so these stores drain beside its copies.
+    for (uint64_t i = c0 * K + tid; i < c1 * K; i += MOE_THREADS) {
+      const int32_t e = cached ? ent_s[i - c0 * K] : idx[i];
+      if (e < 0) continue;
+      pos[i] = (int32_t)((uint64_t)(e % L) * R + lbel_s[e] + (cached ? pos_s[i - c0 * K] : pos[i]));
     }
-    __syncthreads();
-    const uint64_t total = (uint64_t)pre_s[L];
     const uint64_t nwarps = (uint64_t)gridDim.x * MOE_WARPS;
     // Warps the rows leave idle share them: `parts` warps per row (at 1 token 8 rows on 64
     // warps), at most one run of 32 * MOE_PULL_U vectors each; every block computes the same.
@@ -689,13 +757,6 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       if (lane == 0)
         ((int32_t*)(a.blocks[me] + a.off_recv_src))[slot] = (int32_t)((uint64_t)s * T * K + (uint64_t)entry);
     }
-    // Each of this chunk's entries' row in its expert's rank (the combine reads this rank's own
-    // experts' rows in place).
-    for (uint64_t i = c0 * K + tid; i < c1 * K; i += MOE_THREADS) {
-      const int32_t e = idx[i];
-      if (e < 0) continue;
-      pos[i] = (int32_t)((uint64_t)(e % L) * R + lbel_s[e] + pos[i]);
-    }
   }
   __syncthreads();
   if (tid == 0) {
@@ -724,10 +785,14 @@ __device__ void moe_combine_body(const MoeArgs& a) {
   const int me = a.s.rank, W = a.s.world;
   uint64_t* ctrl = moe_ctrl(a);
   if (tid == 0) {
-    epoch_s = *(volatile uint64_t*)&ctrl[MOE_CTRL_C_DONE] + 1;
+    // Every load in flight before any store (block_start's rule: one round trip, not four).
+    const uint64_t c = *(volatile uint64_t*)&ctrl[MOE_CTRL_C_DONE];
     const uint64_t d = *(volatile uint64_t*)&ctrl[MOE_CTRL_D_DONE];
-    dispatched_s = d > 0 && *(volatile uint64_t*)&ctrl[MOE_CTRL_OK_EPOCH] == d;
-    live_s = !aborted(a.s);
+    const uint64_t ok = *(volatile uint64_t*)&ctrl[MOE_CTRL_OK_EPOCH];
+    const uint32_t dead = *(volatile uint32_t*)abort_word(a.s);
+    epoch_s = c + 1;
+    dispatched_s = d > 0 && ok == d;
+    live_s = dead == 0;
     if constexpr (PROBE) {
       if (blockIdx.x == 0) {
         moe_probe(a, PHASE == MOE_RECV ? MOE_P_C_RECV : MOE_P_C_START);

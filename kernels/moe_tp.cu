@@ -308,8 +308,11 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   const bool peers = W > 1;
   uint64_t* ctrl = (uint64_t*)a.blocks[me];
   if (tid == 0) {
-    epoch_s = *(volatile uint64_t*)&ctrl[MOE_CTRL_D_DONE] + 1;
-    live_s = !aborted(a.s);
+    // Both loads in flight before any store (block_start's rule).
+    const uint64_t done = *(volatile uint64_t*)&ctrl[MOE_CTRL_D_DONE];
+    const uint32_t dead = *(volatile uint32_t*)abort_word(a.s);
+    epoch_s = done + 1;
+    live_s = dead == 0;
     bad_s = 0xffffffffu;
   }
   __syncthreads();
@@ -544,11 +547,16 @@ __device__ void tp_combine_body(const MoeTpArgs& a) {
   uint64_t* ctrl = (uint64_t*)a.blocks[me];
   const int32_t* meta = (const int32_t*)(a.blocks[me] + a.off_meta);
   if (tid == 0) {
-    epoch_s = *(volatile uint64_t*)&ctrl[MOE_CTRL_C_DONE] + 1;
-    first_s = *(volatile uint64_t*)&ctrl[MOE_CTRL_TP_FIRST];
+    // Every load in flight before any store (block_start's rule: one round trip, not five).
+    const uint64_t c = *(volatile uint64_t*)&ctrl[MOE_CTRL_C_DONE];
+    const uint64_t first = *(volatile uint64_t*)&ctrl[MOE_CTRL_TP_FIRST];
     const uint64_t d = *(volatile uint64_t*)&ctrl[MOE_CTRL_D_DONE];
-    dispatched_s = d > 0 && *(volatile uint64_t*)&ctrl[MOE_CTRL_OK_EPOCH] == d;
-    live_s = !aborted(a.s);
+    const uint64_t ok = *(volatile uint64_t*)&ctrl[MOE_CTRL_OK_EPOCH];
+    const uint32_t dead = *(volatile uint32_t*)abort_word(a.s);
+    epoch_s = c + 1;
+    first_s = first;
+    dispatched_s = d > 0 && ok == d;
+    live_s = dead == 0;
     other_s = 0xffffffffu;
   }
   __syncthreads();
