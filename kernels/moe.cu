@@ -19,7 +19,7 @@
 // (rows ordered by source rank, then token: the source's list order). Blocks wait for each
 // other's counting-in, so the grid must be resident at once: at most one block per SM
 // (moe/mod.rs `MAX_GRID`, the communicator's fewest SMs, `num_sms`), each fits an SM
-// (`__launch_bounds__`).
+// (`MOE_BOUNDS`).
 //
 // Epochs: a call's epoch is the rank's count of earlier calls of its kind plus one, read from
 // the control words at kernel start; the grid's last block to count itself in at the end
@@ -45,6 +45,10 @@
 
 #define MOE_THREADS 512
 #define MOE_WARPS (MOE_THREADS / 32)
+// Every MoE kernel's launch bounds: MOE_THREADS threads and one block per SM (the grid must be
+// resident at once, and at most one block per SM is what moe/mod.rs sizes it for), so ptxas may
+// use up to 128 registers a thread: with the default it capped them at 64 and spilled.
+#define MOE_BOUNDS __launch_bounds__(MOE_THREADS, 1)
 #define MOE_MAX_EXPERTS 1024
 #define MOE_ROW_EXTRA 8
 #define MOE_SCALE_GROUP 128
@@ -337,24 +341,13 @@ __device__ __forceinline__ int64_t moe_warp_scan(const int32_t* in, int32_t* out
   return carry;
 }
 
-// Exclusive prefix sums of in[0..n) into out[0..n) by the whole block (n <= MOE_MAX_EXPERTS;
-// in may be out); returns the total to every thread. Each thread sums its run of at most two
-// items, a warp scan and one of the warps' totals follow: two barriers and 5 + 4 shuffle steps,
-// where one warp's scan of 256 items is 8 rounds of 5 dependent steps. Every thread of the block
-// calls it, with `in` complete (the caller's barrier); `out` is readable by all on return.
-#define MOE_SCAN_PER (MOE_MAX_EXPERTS / MOE_THREADS)
-__device__ __forceinline__ int32_t moe_block_scan(const int32_t* in, int32_t* out, int n, int32_t* warp_s) {
-  static_assert(MOE_SCAN_PER * MOE_THREADS == MOE_MAX_EXPERTS && MOE_WARPS <= 32, "scan shape");
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int per = (n + MOE_THREADS - 1) / MOE_THREADS;  // 1 or 2
-  const int i0 = tid * per;
-  int32_t v[MOE_SCAN_PER], sum = 0;
-#pragma unroll
-  for (int u = 0; u < MOE_SCAN_PER; ++u) {
-    v[u] = u < per && i0 + u < n ? in[i0 + u] : 0;
-    sum += v[u];
-  }
-  int32_t x = sum;
+// Exclusive block scan of one value per thread, up to its last barrier: returns the sum of the
+// lower threads' values and sets `total`. A warp scan, then every warp scans the warps' totals
+// itself (one barrier). warp_s (MOE_WARPS words) stays in use until the caller's next barrier.
+__device__ __forceinline__ int32_t moe_block_scan_open(int32_t f, int32_t* warp_s, int32_t& total) {
+  static_assert(MOE_WARPS <= 32, "one warp scans the warps' totals");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int32_t x = f;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
     const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
@@ -368,9 +361,36 @@ __device__ __forceinline__ int32_t moe_block_scan(const int32_t* in, int32_t* ou
     const int32_t y = __shfl_up_sync(0xffffffffu, w, o);
     if (lane >= o) w += y;
   }
-  const int32_t below = __shfl_sync(0xffffffffu, w, (warp + 31) & 31);  // warps below this one
-  const int32_t total = __shfl_sync(0xffffffffu, w, MOE_WARPS - 1);
-  int32_t run = (warp > 0 ? below : 0) + x - sum;
+  const int32_t below = __shfl_sync(0xffffffffu, w, (warp + 31) & 31);  // lane warp - 1
+  total = __shfl_sync(0xffffffffu, w, MOE_WARPS - 1);
+  return (warp > 0 ? below : 0) + x - f;
+}
+
+// The same, closed: every thread of the block calls it, and warp_s is free again on return.
+__device__ __forceinline__ int32_t moe_block_scan_value(int32_t f, int32_t* warp_s, int32_t& total) {
+  const int32_t ex = moe_block_scan_open(f, warp_s, total);
+  __syncthreads();
+  return ex;
+}
+
+// Exclusive prefix sums of in[0..n) into out[0..n) by the whole block (n <= MOE_MAX_EXPERTS;
+// in may be out); returns the total. Each thread takes a run of at most two items: two barriers
+// and 5 + 4 shuffle steps, where one warp's scan of 256 items is 8 rounds of 5 dependent steps.
+// Every thread calls it, with `in` complete (the caller's barrier); `out` is readable by every
+// thread and warp_s free on return.
+#define MOE_SCAN_PER (MOE_MAX_EXPERTS / MOE_THREADS)
+__device__ __forceinline__ int32_t moe_block_scan(const int32_t* in, int32_t* out, int n, int32_t* warp_s) {
+  static_assert(MOE_SCAN_PER * MOE_THREADS == MOE_MAX_EXPERTS, "a run of at most MOE_SCAN_PER items");
+  const int per = (n + MOE_THREADS - 1) / MOE_THREADS;  // 1 or 2
+  const int i0 = threadIdx.x * per;
+  int32_t v[MOE_SCAN_PER], sum = 0;
+#pragma unroll
+  for (int u = 0; u < MOE_SCAN_PER; ++u) {
+    v[u] = u < per && i0 + u < n ? in[i0 + u] : 0;
+    sum += v[u];
+  }
+  int32_t total;
+  int32_t run = moe_block_scan_open(sum, warp_s, total);
 #pragma unroll
   for (int u = 0; u < MOE_SCAN_PER; ++u) {
     if (u < per && i0 + u < n) out[i0 + u] = run;
@@ -921,49 +941,49 @@ __device__ void moe_combine_body(const MoeArgs& a) {
   }
 }
 
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_i32(MoeArgs a) { moe_dispatch_body<2, false, int32_t>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_i64(MoeArgs a) { moe_dispatch_body<2, false, int64_t>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_bf16(MoeArgs a) { moe_combine_body(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_to_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_to_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_bf16_i32(MoeArgs a) { moe_dispatch_body<2, false, int32_t>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_bf16_i64(MoeArgs a) { moe_dispatch_body<2, false, int64_t>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_combine_bf16(MoeArgs a) { moe_combine_body(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_bf16_to_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_bf16_to_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t, true>(a); }
 
 // The split halves (symm_moe_dispatch_send / _recv, symm_moe_combine_send / _recv). The receive
 // half of a dispatch reads only the block (the staged list, idx, pos) and the caller's x and
 // x_scales (its own rows), so it has one instance per payload.
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_i32(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_SEND>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_i64(MoeArgs a) { moe_dispatch_body<2, false, int64_t, false, MOE_SEND>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_SEND>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t, false, MOE_SEND>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_bf16(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_RECV>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_fp8(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_RECV>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_send_bf16(MoeArgs a) { moe_combine_body<MOE_SEND>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_recv_bf16(MoeArgs a) { moe_combine_body<MOE_RECV>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_send_bf16_i32(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_send_bf16_i64(MoeArgs a) { moe_dispatch_body<2, false, int64_t, false, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_send_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_send_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t, false, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_recv_bf16(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_RECV>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_recv_fp8(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_RECV>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_combine_send_bf16(MoeArgs a) { moe_combine_body<MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_combine_recv_bf16(MoeArgs a) { moe_combine_body<MOE_RECV>(a); }
 
 // The clock probe's instances of every kernel above (an object created with the probe on uses
 // these; the others carry no probe code).
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_i32_probe(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_BOTH, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_i64_probe(MoeArgs a) { moe_dispatch_body<2, false, int64_t, false, MOE_BOTH, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_fp8_i32_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_BOTH, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_fp8_i64_probe(MoeArgs a) { moe_dispatch_body<1, true, int64_t, false, MOE_BOTH, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_bf16_probe(MoeArgs a) { moe_combine_body<MOE_BOTH, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_i32_probe(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_SEND, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_i64_probe(MoeArgs a) { moe_dispatch_body<2, false, int64_t, false, MOE_SEND, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_fp8_i32_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_SEND, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_fp8_i64_probe(MoeArgs a) { moe_dispatch_body<1, true, int64_t, false, MOE_SEND, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_bf16_probe(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_RECV, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_fp8_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_RECV, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_send_bf16_probe(MoeArgs a) { moe_combine_body<MOE_SEND, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_combine_recv_bf16_probe(MoeArgs a) { moe_combine_body<MOE_RECV, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_bf16_i32_probe(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_BOTH, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_bf16_i64_probe(MoeArgs a) { moe_dispatch_body<2, false, int64_t, false, MOE_BOTH, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_fp8_i32_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_BOTH, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_fp8_i64_probe(MoeArgs a) { moe_dispatch_body<1, true, int64_t, false, MOE_BOTH, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_combine_bf16_probe(MoeArgs a) { moe_combine_body<MOE_BOTH, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_send_bf16_i32_probe(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_SEND, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_send_bf16_i64_probe(MoeArgs a) { moe_dispatch_body<2, false, int64_t, false, MOE_SEND, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_send_fp8_i32_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_SEND, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_send_fp8_i64_probe(MoeArgs a) { moe_dispatch_body<1, true, int64_t, false, MOE_SEND, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_recv_bf16_probe(MoeArgs a) { moe_dispatch_body<2, false, int32_t, false, MOE_RECV, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_recv_fp8_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, false, MOE_RECV, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_combine_send_bf16_probe(MoeArgs a) { moe_combine_body<MOE_SEND, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_combine_recv_bf16_probe(MoeArgs a) { moe_combine_body<MOE_RECV, true>(a); }
 
 // The quantizing dispatch's halves and probe instances (its receive half pulls this rank's own
 // rows from the staged copy too, so it is not the FP8 payload's).
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_to_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_SEND>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_to_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t, true, MOE_SEND>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_bf16_to_fp8(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_RECV>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_to_fp8_i32_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_BOTH, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_bf16_to_fp8_i64_probe(MoeArgs a) { moe_dispatch_body<1, true, int64_t, true, MOE_BOTH, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_to_fp8_i32_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_SEND, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_send_bf16_to_fp8_i64_probe(MoeArgs a) { moe_dispatch_body<1, true, int64_t, true, MOE_SEND, true>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_dispatch_recv_bf16_to_fp8_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_RECV, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_send_bf16_to_fp8_i32(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_send_bf16_to_fp8_i64(MoeArgs a) { moe_dispatch_body<1, true, int64_t, true, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_recv_bf16_to_fp8(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_RECV>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_bf16_to_fp8_i32_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_BOTH, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_bf16_to_fp8_i64_probe(MoeArgs a) { moe_dispatch_body<1, true, int64_t, true, MOE_BOTH, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_send_bf16_to_fp8_i32_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_SEND, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_send_bf16_to_fp8_i64_probe(MoeArgs a) { moe_dispatch_body<1, true, int64_t, true, MOE_SEND, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_dispatch_recv_bf16_to_fp8_probe(MoeArgs a) { moe_dispatch_body<1, true, int32_t, true, MOE_RECV, true>(a); }

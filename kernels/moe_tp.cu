@@ -110,35 +110,6 @@ __device__ __forceinline__ int64_t tp_entry(const MoeTpArgs& a, uint64_t t, uint
   return e;
 }
 
-// Exclusive block scan of one flag per thread; returns the exclusive prefix and sets `total`.
-__device__ __forceinline__ int32_t tp_block_scan(int32_t f, int32_t* warp_s, int32_t& total) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int32_t x = f;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) warp_s[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int32_t v = lane < MOE_WARPS ? warp_s[lane] : 0;
-    const int32_t own = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int32_t y = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += y;
-    }
-    if (lane < MOE_WARPS) warp_s[lane] = v - own;
-    if (lane == MOE_WARPS - 1) warp_s[MOE_WARPS] = v;
-  }
-  __syncthreads();
-  const int32_t ex = warp_s[warp] + x - f;
-  total = warp_s[MOE_WARPS];
-  __syncthreads();
-  return ex;
-}
-
 // The grid's last block to count itself in at ctrl word `which` (target epoch * grid); every
 // block fences first (system scope when peers read what it wrote).
 __device__ __forceinline__ bool tp_count_in(uint64_t* ctrl, int which, uint64_t epoch, bool peers, int* last_s) {
@@ -228,7 +199,7 @@ __device__ void tp_build_csr(const int32_t* ridx, int32_t* rows, int32_t* meta, 
     const int le = 2 * tid;
     const int32_t c0 = le < L ? base_s[0][le] : 0, c1 = le + 1 < L ? base_s[0][le + 1] : 0;
     int32_t total;
-    const int32_t ex = tp_block_scan(c0 + c1, warp_s, total);
+    const int32_t ex = moe_block_scan_value(c0 + c1, warp_s, total);
     if (le < L) {
       base_s[0][le] = ex;
       meta[1 + le] = c0;
@@ -364,7 +335,7 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
         const uint64_t t = b + tid;
         const int32_t f = t < n && pos[t * W + d] >= 0;
         int32_t total;
-        const int32_t ex = tp_block_scan(f, warp_s, total);
+        const int32_t ex = moe_block_scan_value(f, warp_s, total);
         if (f) {
           pos[t * W + d] = carry + ex;
           list[off + carry + ex] = (int32_t)t;
@@ -637,8 +608,8 @@ __device__ void tp_combine_body(const MoeTpArgs& a) {
   }
 }
 
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_tp_dispatch_bf16_i32(MoeTpArgs a) { tp_dispatch_body<2, false, int32_t>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_tp_dispatch_bf16_i64(MoeTpArgs a) { tp_dispatch_body<2, false, int64_t>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_tp_dispatch_fp8_i32(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_tp_dispatch_fp8_i64(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t>(a); }
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) symm_moe_tp_combine_bf16(MoeTpArgs a) { tp_combine_body(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_bf16_i32(MoeTpArgs a) { tp_dispatch_body<2, false, int32_t>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_bf16_i64(MoeTpArgs a) { tp_dispatch_body<2, false, int64_t>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i32(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i64(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_combine_bf16(MoeTpArgs a) { tp_combine_body(a); }
