@@ -273,6 +273,8 @@ __device__ __forceinline__ void moe_copy_row(uint8_t* dst, const uint8_t* src, u
 
 // Vectors per lane a row copy keeps in flight (moe_pull_row).
 #define MOE_PULL_U 4
+// Slots whose rows the combine's sum loads together.
+#define MOE_SUM_J 8
 // As moe_copy_row, loading past L1 (rows another GPU or another block wrote in this kernel). With
 // `parts` warps on one row, warp `part` copies its every parts-th run of 32 * MOE_PULL_U vectors.
 __device__ __forceinline__ void moe_pull_row(uint8_t* dst, const uint8_t* src, uint64_t bytes, int lane,
@@ -907,19 +909,37 @@ __device__ void moe_combine_body(const MoeArgs& a) {
 #pragma unroll
       for (int u = 0; u < 8; ++u) acc[u] = 0.f;
       if (!zeros) {
-        for (uint64_t j = 0; j < K; ++j) {
-          const int32_t e = idx[t * K + j];
-          if (e < 0) continue;
-          const float w = wts[t * K + j];
-          // A peer's row: written by the peer in this kernel, loaded past L1 (ld.global.cg).
-          // This rank's own expert's row: where the experts left it.
-          const uint4 raw =
-              e / a.local == me
-                  ? ((const uint4*)((const uint8_t*)a.expert_out + (uint64_t)pos[t * K + j] * row_bytes))[v]
-                  : __ldcg((const uint4*)(cbuf + (t * K + j) * row_bytes) + v);
-          const __nv_bfloat16* b = (const __nv_bfloat16*)&raw;
+        // MOE_SUM_J slots at a time: their ids, weights and places loaded together (every slot
+        // below K has all three: the dispatch writes them), then their rows together, so a slot
+        // is not a chain of round trips of its own; the sum stays in increasing k.
+        for (uint64_t j0 = 0; j0 < K; j0 += MOE_SUM_J) {
+          int32_t e[MOE_SUM_J], p[MOE_SUM_J];
+          float w[MOE_SUM_J];
+          uint4 raw[MOE_SUM_J];
 #pragma unroll
-          for (int u = 0; u < 8; ++u) acc[u] = fmaf(w, __bfloat162float(b[u]), acc[u]);
+          for (int u = 0; u < MOE_SUM_J; ++u) {
+            const bool in = j0 + u < K;
+            e[u] = in ? idx[t * K + j0 + u] : -1;
+            w[u] = in ? wts[t * K + j0 + u] : 0.f;
+            p[u] = in ? pos[t * K + j0 + u] : 0;
+          }
+#pragma unroll
+          for (int u = 0; u < MOE_SUM_J; ++u) {
+            raw[u] = make_uint4(0, 0, 0, 0);
+            // A peer's row: written by the peer in this kernel, loaded past L1 (ld.global.cg).
+            // This rank's own expert's row: where the experts left it.
+            if (e[u] >= 0)
+              raw[u] = e[u] / a.local == me
+                           ? ((const uint4*)((const uint8_t*)a.expert_out + (uint64_t)p[u] * row_bytes))[v]
+                           : __ldcg((const uint4*)(cbuf + (t * K + j0 + u) * row_bytes) + v);
+          }
+#pragma unroll
+          for (int u = 0; u < MOE_SUM_J; ++u) {
+            if (e[u] < 0) continue;
+            const __nv_bfloat16* b = (const __nv_bfloat16*)&raw[u];
+#pragma unroll
+            for (int c = 0; c < 8; ++c) acc[c] = fmaf(w[u], __bfloat162float(b[c]), acc[c]);
+          }
         }
       }
       uint4 out;
