@@ -368,18 +368,23 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
             .all(|l| !l.contains("w[") || l.contains("] = ")),
         "moe_record reads its host-mapped words"
     );
+    // Every MoE kernel is launched with moe::THREADS threads, one block per SM (MOE_BOUNDS).
+    assert!(
+        src.contains("#define MOE_BOUNDS __launch_bounds__(MOE_THREADS, 1)"),
+        "MOE_BOUNDS: MOE_THREADS threads and one block per SM"
+    );
     // The index dtype and payload variants the launch picks exist.
     for p in [config::Payload::Bf16, config::Payload::Fp8] {
         for it in [config::IndexType::I32, config::IndexType::I64] {
             assert!(src.contains(&format!(
-                "void __launch_bounds__(MOE_THREADS) {}(MoeArgs a)",
+                "void MOE_BOUNDS {}(MoeArgs a)",
                 launch::dispatch_kernel(p, it)
             )));
         }
     }
     for it in [config::IndexType::I32, config::IndexType::I64] {
         assert!(src.contains(&format!(
-            "void __launch_bounds__(MOE_THREADS) {}(MoeArgs a)",
+            "void MOE_BOUNDS {}(MoeArgs a)",
             launch::MOE_KERNELS[launch::quantize_index(it)]
         )));
     }
@@ -396,7 +401,7 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
         assert!(half && n.ends_with("_probe") == probe, "{i}: {n}");
         assert!(
             src.contains(&format!(
-                "void __launch_bounds__(MOE_THREADS) {n}(MoeArgs a)"
+                "void MOE_BOUNDS {n}(MoeArgs a)"
             )),
             "{n}"
         );
