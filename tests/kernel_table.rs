@@ -400,9 +400,7 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
         };
         assert!(half && n.ends_with("_probe") == probe, "{i}: {n}");
         assert!(
-            src.contains(&format!(
-                "void MOE_BOUNDS {n}(MoeArgs a)"
-            )),
+            src.contains(&format!("void MOE_BOUNDS {n}(MoeArgs a)")),
             "{n}"
         );
         n
