@@ -324,6 +324,19 @@ __device__ __forceinline__ void moe_quantize_row(uint8_t* dst, float* scales, co
   }
 }
 
+// The inclusive scan of x over a warp's lanes below `lanes` (a power of two <= 32; lanes at or
+// above it get a partial sum their callers do not use). Every lane of the warp calls it.
+template <int lanes = 32>
+__device__ __forceinline__ int32_t moe_warp_inclusive(int32_t x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < lanes; o <<= 1) {
+    const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
 // Exclusive prefix sums of in[0..n) into out[0..n) by one warp, 32 at a time (no block
 // barrier); returns the total. Every lane of the warp calls it.
 __device__ __forceinline__ int64_t moe_warp_scan(const int32_t* in, int32_t* out, int n, int lane) {
@@ -331,12 +344,7 @@ __device__ __forceinline__ int64_t moe_warp_scan(const int32_t* in, int32_t* out
   for (int b = 0; b < n; b += 32) {
     const int i = b + lane;
     const int32_t v = i < n ? in[i] : 0;
-    int32_t x = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
-      if (lane >= o) x += y;
-    }
+    const int32_t x = moe_warp_inclusive(v);
     if (i < n) out[i] = (int32_t)(carry + x - v);
     carry += __shfl_sync(0xffffffffu, x, 31);
   }
@@ -349,20 +357,10 @@ __device__ __forceinline__ int64_t moe_warp_scan(const int32_t* in, int32_t* out
 __device__ __forceinline__ int32_t moe_block_scan_open(int32_t f, int32_t* warp_s, int32_t& total) {
   static_assert(MOE_WARPS <= 32, "one warp scans the warps' totals");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int32_t x = f;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
+  const int32_t x = moe_warp_inclusive(f);
   if (lane == 31) warp_s[warp] = x;
   __syncthreads();
-  int32_t w = lane < MOE_WARPS ? warp_s[lane] : 0;
-#pragma unroll
-  for (int o = 1; o < MOE_WARPS; o <<= 1) {
-    const int32_t y = __shfl_up_sync(0xffffffffu, w, o);
-    if (lane >= o) w += y;
-  }
+  const int32_t w = moe_warp_inclusive<MOE_WARPS>(lane < MOE_WARPS ? warp_s[lane] : 0);
   const int32_t below = __shfl_sync(0xffffffffu, w, (warp + 31) & 31);  // lane warp - 1
   total = __shfl_sync(0xffffffffu, w, MOE_WARPS - 1);
   return (warp > 0 ? below : 0) + x - f;
