@@ -10,22 +10,25 @@
 // block. Dispatch: each block reads the whole routing once (counts per expert, warp-aggregated
 // shared atomics: a sum, so the order does not matter), ranks the entries of its own chunk of
 // tokens in token order (a warp walks the chunk's entries 32 at a time, `__match_any_sync`),
-// writes their list (CSR by expert) and stages its tokens' rows (world > 1). The grid's last
-// block to count itself in then stores this rank's counts row into every rank, each word tagged
-// with the epoch: that is the call's only cross-rank wait. Every block then waits for every
-// source's tagged row (keeping what it reads in shared memory: no count word is read twice, and
-// nothing after the wait is a chain of round trips) and pulls its share of this rank's experts'
-// rows from the sources
-// (rows ordered by source rank, then token: the source's list order). Blocks wait for each
-// other's counting-in, so the grid must be resident at once: at most one block per SM
+// writes their list (CSR by expert) and stages its tokens' rows (world > 1). Block 0 stores this
+// rank's counts into every rank's counts row as soon as the routing is read, and every block,
+// once its chunk's list and rows are in place, fences and stores its own word of that row; each
+// word is tagged with the epoch: that is the call's only cross-rank wait. Every block then waits
+// for every word of every source's tagged row (keeping what it reads in shared memory: no count
+// word is read twice, and nothing after the wait is a chain of round trips) and pulls its share
+// of this rank's experts' rows from the sources (rows ordered by source rank, then token: the
+// source's list order). Blocks wait for each
+// other's block words, so the grid must be resident at once: at most one block per SM
 // (moe/mod.rs `MAX_GRID`, the communicator's fewest SMs, `num_sms`), each fits an SM
 // (`MOE_BOUNDS`).
 //
 // Epochs: a call's epoch is the rank's count of earlier calls of its kind plus one, read from
-// the control words at kernel start; the grid's last block to count itself in at the end
-// (`D_FIN` / `C_FIN`, so none reads it late) stores it: graph replays need no reset. Counts rows,
-// entry lists and staged rows alternate by the dispatch epoch's parity: a source reaches dispatch
-// n + 2 only after every rank published its row of n + 1, i.e. finished pulling call n. The
+// the control words at kernel start, and stored at the call's end where no block reads it late:
+// the dispatch's block 0 (its wait saw every block of this rank past its read; a receive half
+// takes its send half's epoch, D_HALF), the combine's last block to count itself in (C_FIN).
+// Graph replays need no reset. Counts rows, entry lists and staged rows alternate by the
+// dispatch epoch's parity: a source reaches dispatch n + 2 only after every rank published its
+// row of n + 1, i.e. finished pulling call n. The
 // combine's flag row and landing buffer (cbuf) alternate by the combine epoch's parity
 // (moe_cbuf), so combines of one dispatch may follow each other back to back: a rank reaches
 // combine c + 2 only after every rank raised its flag of c + 1, i.e. after every rank's kernel of
@@ -51,6 +54,9 @@
 #define MOE_BOUNDS __launch_bounds__(MOE_THREADS, 1)
 #define MOE_MAX_EXPERTS 1024
 #define MOE_ROW_EXTRA 8
+// Words after ROW_EXTRA in a counts row: one per block of the source's grid (moe/mod.rs
+// MAX_GRID), each stored by its block once its list and staged rows are in place.
+#define MOE_ROW_BLOCKS 132
 #define MOE_SCALE_GROUP 128
 // Entries of a block's chunk the dispatch keeps in shared memory between its steps (ent_s, pos_s).
 #define MOE_ENT_CACHE 1024
@@ -64,6 +70,7 @@
 #define MOE_CTRL_OK_EPOCH 4
 #define MOE_CTRL_D_FIN 5
 #define MOE_CTRL_C_FIN 6
+#define MOE_CTRL_D_HALF 7
 // The clock probe's words (layout.rs CTRL_PROBE, PROBE_*): %globaltimer at the phase boundaries
 // of the last dispatch (words 0..7) and combine (8..15), in the control part, written only by the
 // probe kernels (`PROBE`), local.
@@ -152,7 +159,7 @@ __device__ __forceinline__ uint64_t* moe_flag(const MoeArgs& a, int d, int which
 // The counts row of source `src` for `epoch`'s parity, in rank `d`'s block: u64 words, the
 // epoch's low 32 bits then the value (layout.rs `tagged`).
 __device__ __forceinline__ uint64_t* moe_row(const MoeArgs& a, int d, uint64_t epoch, int src) {
-  const uint64_t words = (uint64_t)a.experts + MOE_ROW_EXTRA;
+  const uint64_t words = (uint64_t)a.experts + MOE_ROW_EXTRA + MOE_ROW_BLOCKS;
   return (uint64_t*)(a.blocks[d] + MOE_CTRL_BYTES) + ((epoch & 1) * a.s.world + src) * words;
 }
 
@@ -163,6 +170,14 @@ __device__ __forceinline__ void moe_st_release(uint64_t* p, uint64_t v, bool pee
     st_release_sys_u64(p, v);
   else
     asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// A counts-row word that releases nothing (the counts: each word is its own value and tag).
+__device__ __forceinline__ void moe_st_relaxed(uint64_t* p, uint64_t v, bool peers) {
+  if (peers)
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  else
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ uint64_t moe_ld_acquire(const uint64_t* p, bool peers) {
@@ -426,7 +441,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   __shared__ uint32_t bad_s, cap_s;
   __shared__ int32_t found_s[4];                 // code, rank, token, k
   __shared__ int64_t found_v;
-  __shared__ int live_s, last_s;
+  __shared__ int live_s;
   __shared__ int32_t scan_s[MOE_WARPS];          // moe_block_scan's warp totals
   // The block's chunk's entries (expert ids) and their rows within (this rank, expert), kept from
   // step 1b for step 4 when the chunk fits (the one-call form; the receive half reloads them).
@@ -438,20 +453,37 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   const uint64_t row_bytes = H * PAYLOAD_BYTES, S = H / MOE_SCALE_GROUP;
   uint64_t* ctrl = moe_ctrl(a);
   const uint64_t n = a.refuse_code ? 0 : a.num_tokens;
-  // The routing's first MOE_THREADS entries, loaded while thread 0 reads the control words (one
-  // round trip for both, not one after the other).
+  // This block's chunk of tokens.
+  const uint64_t per = (n + gridDim.x - 1) / gridDim.x;
+  const uint64_t c0 = min((uint64_t)blockIdx.x * per, n), c1 = min(c0 + per, n);
+  // The routing's first MOE_THREADS entries (step 1a), and this block's chunk's first
+  // MOE_THREADS entries and weights (step 1b), loaded while thread 0 reads the control words
+  // (one round trip for all, not one after the other).
   uint32_t code0 = 0;
   int32_t key0 = -1;  // the entry's expert, or -1 (none, or offending: code0)
-  if (PHASE != MOE_RECV && tid < n * K) {
-    const int64_t e = moe_entry<IDX>(a, tid, code0);
-    key0 = code0 == 0 && e >= 0 ? (int32_t)e : -1;
+  int32_t ent0 = -1;  // chunk entry c0 * K + tid: its expert (-1 past k), and its weight
+  float wt0 = 0.f;
+  if (PHASE != MOE_RECV) {
+    if (tid < n * K) {
+      const int64_t e = moe_entry<IDX>(a, tid, code0);
+      key0 = code0 == 0 && e >= 0 ? (int32_t)e : -1;
+      if (c0 == 0) ent0 = (int32_t)e;
+    }
+    const uint64_t i = c0 * K + tid, j = i % K;
+    if (i < c1 * K) {
+      uint32_t code;
+      if (c0 != 0) ent0 = (int32_t)moe_entry<IDX>(a, i, code);
+      if ((int)j < a.k) wt0 = ((const float*)a.topk_weights)[i / K * a.k + j];
+    }
   }
   if (tid == 0) {
     // Both loads in flight before any store (block_start's rule: a store between them would
-    // wait for the first and serialize two round trips).
-    const uint64_t done = *(volatile uint64_t*)&ctrl[MOE_CTRL_D_DONE];
+    // wait for the first and serialize two round trips). The receive half takes the epoch its
+    // send half stored (D_HALF): D_DONE moves at block 0's end, which other blocks of the
+    // receive half may start after.
+    const uint64_t done = *(volatile uint64_t*)&ctrl[PHASE == MOE_RECV ? MOE_CTRL_D_HALF : MOE_CTRL_D_DONE];
     const uint32_t dead = *(volatile uint32_t*)abort_word(a.s);
-    epoch_s = done + 1;
+    epoch_s = PHASE == MOE_RECV ? done : done + 1;
     live_s = dead == 0;
     bad_s = 0xffffffffu;
     cap_s = 0xffffffffu;
@@ -473,8 +505,6 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   __syncthreads();
   if (!live_s) return;
   const uint64_t epoch = epoch_s;
-  const uint64_t per = (n + gridDim.x - 1) / gridDim.x;
-  const uint64_t c0 = min((uint64_t)blockIdx.x * per, n), c1 = min(c0 + per, n);
   const bool cached = PHASE == MOE_BOTH && (c1 - c0) * K <= MOE_ENT_CACHE;
   int32_t* idx = (int32_t*)(a.blocks[me] + a.off_idx);
   float* wts = (float*)(a.blocks[me] + a.off_weights);
@@ -525,16 +555,45 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   __syncthreads();
   const bool own_bad = found_s[0] != 0;
 
+  // Step 2a: block 0 stores this rank's counts row (or zeros and its refusal / first bad entry)
+  // into every rank, each word tagged with the epoch. Relaxed stores: a count releases nothing
+  // (the block words of step 2b release the lists and staged rows), so the counts leave now,
+  // before the chunk's work, and no store waits for a fence.
+  if (blockIdx.x == 0) {
+    const int words = E + MOE_ROW_EXTRA;
+    for (int q = tid; q < W * words; q += MOE_THREADS) {
+      const int d = q / words, w = q % words;
+      int32_t v = 0;
+      if (w < E) {
+        v = own_bad ? 0 : hist_s[w];
+      } else if (own_bad) {
+        const int x = w - E;
+        v = x == 0 ? found_s[0]
+            : x == 1 ? found_s[2]
+            : x == 2 ? found_s[3]
+            : x == 3 ? (int32_t)(uint32_t)(uint64_t)found_v
+            : x == 4 ? (int32_t)(uint32_t)((uint64_t)found_v >> 32)
+                     : 0;
+      }
+      moe_st_relaxed(moe_row(a, d, epoch, me) + w, moe_tagged(epoch, v), W > 1);
+    }
+  }
+
   // Step 1b: this block's chunk of tokens: the local copy of the routing, each entry's row
   // within (this rank, its expert) in token order, the list, the staged rows.
   if (!own_bad) {
     for (uint64_t i = c0 * K + tid; i < c1 * K; i += MOE_THREADS) {
-      const uint64_t t = i / K, j = i % K;
-      uint32_t code;
-      const int32_t e = (int32_t)moe_entry<IDX>(a, i, code);
+      int32_t e = ent0;
+      float wt = wt0;
+      if (i >= c0 * K + MOE_THREADS) {  // past what the kernel's start loaded
+        const uint64_t t = i / K, j = i % K;
+        uint32_t code;
+        e = (int32_t)moe_entry<IDX>(a, i, code);
+        wt = (int)j < a.k ? ((const float*)a.topk_weights)[t * a.k + j] : 0.f;
+      }
       idx[i] = e;
       if (cached) ent_s[i - c0 * K] = e;
-      wts[i] = (int)j < a.k ? ((const float*)a.topk_weights)[t * a.k + j] : 0.f;
+      wts[i] = wt;
     }
     moe_block_scan(hist_s, off_s, E, scan_s);  // its barriers also order ent_s for warp 0
     if (warp == 0) {
@@ -592,40 +651,19 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   }
   __syncthreads();
 
-  // Step 2: the grid's last block to count itself in stores this rank's row, every word tagged
-  // with the epoch, into every rank (the blocks' fences release their lists and staged rows).
+  // Step 2b: the block's word in this rank's row on every rank, tagged with the epoch, after a
+  // fence (system scope when peers read): it releases the block's list entries and staged rows.
+  // No block waits for another here: the receivers wait for every block's word.
   if (tid == 0) {
-    // Peers read the list and the staged rows (system scope); at world 1 only this GPU does.
     if (W > 1) __threadfence_system(); else __threadfence();
-    const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_D_SENT], 1ull);
-    last_s = old + 1 == epoch * gridDim.x;
-    if (last_s) {
-      if (W > 1) __threadfence_system(); else __threadfence();
-      if constexpr (PROBE) moe_probe(a, MOE_P_D_STAGED);
-    }
-  }
-  __syncthreads();
-  if (last_s) {
-    const int words = E + MOE_ROW_EXTRA;
-    for (int q = tid; q < W * words; q += MOE_THREADS) {
-      const int d = q / words, w = q % words;
-      int32_t v = 0;
-      if (w < E) {
-        v = own_bad ? 0 : hist_s[w];
-      } else if (own_bad) {
-        const int x = w - E;
-        v = x == 0 ? found_s[0]
-            : x == 1 ? found_s[2]
-            : x == 2 ? found_s[3]
-            : x == 3 ? (int32_t)(uint32_t)(uint64_t)found_v
-            : x == 4 ? (int32_t)(uint32_t)((uint64_t)found_v >> 32)
-                     : 0;
-      }
-      moe_st_release(moe_row(a, d, epoch, me) + w, moe_tagged(epoch, v), W > 1);
-    }
     if constexpr (PROBE) {
-      __syncthreads();  // last_s is the same in the whole block
-      if (tid == 0) moe_probe(a, MOE_P_D_PUBLISHED);
+      if (blockIdx.x == 0) moe_probe(a, MOE_P_D_STAGED);
+    }
+    for (int d = 0; d < W; ++d)
+      moe_st_relaxed(moe_row(a, d, epoch, me) + E + MOE_ROW_EXTRA + blockIdx.x, moe_tagged(epoch, 1), W > 1);
+    if (blockIdx.x == 0) {
+      ctrl[MOE_CTRL_D_HALF] = epoch;  // read by the receive half only (a later kernel)
+      if constexpr (PROBE) moe_probe(a, MOE_P_D_PUBLISHED);
     }
   }
   }  // the send half
@@ -634,10 +672,11 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     if (blockIdx.x == 0 && tid == 0) moe_probe(a, MOE_P_D_RECV);
   }
 
-  // Step 3, the one wait: every word of every source's row carries this epoch's tag.
+  // Step 3, the one wait: every word of every source's row carries this epoch's tag: its counts,
+  // its status words and its grid's block words (the grid is the same on every rank).
   int ok = 1;
   {
-    const int words = E + MOE_ROW_EXTRA;
+    const int words = E + MOE_ROW_EXTRA + (int)gridDim.x;
     const uint64_t start = globaltimer();
     uint32_t spins = 0;
     const uint32_t tag = (uint32_t)epoch;
@@ -778,14 +817,20 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
         ((int32_t*)(a.blocks[me] + a.off_recv_src))[slot] = (int32_t)((uint64_t)s * T * K + (uint64_t)entry);
     }
   }
+  // The call's end: block 0 stores the done count. Every block of this rank read it at its start,
+  // before storing its block word, which block 0's wait saw: none reads it late. Plain stores,
+  // no fence: the next call is a later kernel. (The probe counts the blocks in to time the
+  // grid's end.)
   __syncthreads();
   if (tid == 0) {
-    __threadfence();
-    const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_D_FIN], 1ull);
-    if (old + 1 == epoch * gridDim.x) {
+    if constexpr (PROBE) {
+      __threadfence();
+      const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_D_FIN], 1ull);
+      if (old + 1 == epoch * gridDim.x) moe_probe(a, MOE_P_D_PULLED);
+    }
+    if (blockIdx.x == 0) {
       if (!failed) ctrl[MOE_CTRL_OK_EPOCH] = epoch;
       ctrl[MOE_CTRL_D_DONE] = epoch;
-      if constexpr (PROBE) moe_probe(a, MOE_P_D_PULLED);
     }
   }
 }

@@ -303,12 +303,13 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
         let rest = &src[at + name.len() + 9..];
         rest.split_whitespace().next().unwrap().parse().unwrap()
     };
-    let pairs: [(&str, u64); 37] = [
+    let pairs: [(&str, u64); 39] = [
         ("MOE_SCALE_UE8M0", launch::SCALE_MODE_UE8M0 as u64),
         ("MOE_SCALE_COL_TMA", launch::SCALE_MODE_COL_TMA as u64),
         ("MOE_THREADS", symmalloc::comm::moe::THREADS as u64),
         ("MOE_MAX_EXPERTS", config::MAX_EXPERTS as u64),
         ("MOE_ROW_EXTRA", l::ROW_EXTRA),
+        ("MOE_ROW_BLOCKS", l::ROW_BLOCKS),
         ("MOE_SCALE_GROUP", config::SCALE_GROUP),
         ("MOE_CTRL_D_DONE", l::CTRL_D_DONE),
         ("MOE_CTRL_D_SENT", l::CTRL_D_SENT),
@@ -318,6 +319,7 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
         ("MOE_CTRL_D_FIN", l::CTRL_D_FIN),
         ("MOE_CTRL_BYTES", l::CTRL_BYTES),
         ("MOE_CTRL_C_FIN", l::CTRL_C_FIN),
+        ("MOE_CTRL_D_HALF", l::CTRL_D_HALF),
         ("MOE_CTRL_PROBE", l::CTRL_PROBE),
         ("MOE_P_D_START", l::PROBE_D_START),
         ("MOE_P_D_ROUTED", l::PROBE_D_ROUTED),

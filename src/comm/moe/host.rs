@@ -6,7 +6,8 @@
 //!
 //! Dispatch has one cross-rank wait: a rank first leaves its entry list and its staged `x` in
 //! its own block, then stores its counts row, every word tagged with the epoch
-//! (layout.rs `tagged`), into every rank; once every source's row carries the tag, each rank
+//! (layout.rs `tagged`), into every rank, its grid's block words last (this backend is all of
+//! its grid's blocks; on the GPU block 0 stores the counts and each block its own word); once every source's row carries the tag, each rank
 //! pulls its experts' rows from the sources' blocks (and its own from the caller's `x`; from
 //! its own staged rows when the dispatch quantizes bf16 `x`, once per token, as the kernel
 //! does with kernels/quant.cuh's arithmetic: host_norm.rs `quantize_group`). Counts
@@ -256,15 +257,17 @@ fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
 }
 
 /// Waits until every word of every source's counts row of `epoch` carries its tag (the one
-/// cross-rank wait of a dispatch); returns the rows' values, `[W][E + ROW_EXTRA]`.
+/// cross-rank wait of a dispatch: counts, status words, the grid's block words); returns the
+/// rows' values, `[W][E + ROW_EXTRA + grid]`.
 fn wait_rows(m: &Moe, epoch: u64, timeout: Duration) -> Result<Vec<Vec<i32>>> {
     let (w, e_all) = (m.world as u64, m.cfg.experts as u64);
     let start = Instant::now();
     let mut rows = Vec::with_capacity(m.world);
     for s in 0..w {
         let row = m.at(m.rank, m.layout.row(e_all, w, epoch, s));
-        let mut vals = Vec::with_capacity(row_words(e_all) as usize);
-        for i in 0..row_words(e_all) {
+        let used = row_used(e_all, m.grid as u64);
+        let mut vals = Vec::with_capacity(used as usize);
+        for i in 0..used {
             let word = word(row + 8 * i);
             let mut spins = 0u32;
             let v = loop {
@@ -343,6 +346,10 @@ pub fn dispatch_send(m: &mut Moe, a: &Dispatch, it: IndexType, refusal: Option<&
         }
         for i in extra.len() as u64..ROW_EXTRA {
             word(row + 8 * (e_all + i)).store(tagged(epoch, 0), Ordering::Release);
+        }
+        // The grid's block words (the kernels' step 2b; this backend is all of its blocks).
+        for b in 0..m.grid as u64 {
+            word(row + 8 * (e_all + ROW_EXTRA + b)).store(tagged(epoch, 1), Ordering::Release);
         }
     }
     probe(m, PROBE_D_PUBLISHED, PROBE_D_EPOCH, epoch);

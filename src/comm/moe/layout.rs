@@ -26,6 +26,11 @@ pub const CTRL_C_SENT: u64 = 3;
 pub const CTRL_OK_EPOCH: u64 = 4;
 pub const CTRL_D_FIN: u64 = 5;
 pub const CTRL_C_FIN: u64 = 6;
+/// The low-latency dispatch's epoch of its last send part, stored by block 0 (the receive
+/// half's epoch: `CTRL_D_DONE` moves at block 0's end, which other blocks of a receive half may
+/// start after). The low-latency dispatch counts blocks in only for the probe (`CTRL_D_FIN`);
+/// `CTRL_D_SENT` is the throughput mode's.
+pub const CTRL_D_HALF: u64 = 7;
 /// The clock probe's first word (kernels/moe.cu MOE_CTRL_PROBE): `PROBE_WORDS` words, the last
 /// dispatch's phase times (`PROBE_D_*`), then the last combine's (`PROBE_C_*`); written only when
 /// the object was created with the probe on.
@@ -54,6 +59,11 @@ const _: () = assert!((CTRL_PROBE + PROBE_WORDS) * 8 <= CTRL_BYTES);
 /// Words after a source rank's counts in a counts row: status, then token, k, value (low and
 /// high halves) of its first offending entry (status.rs has the codes), then padding.
 pub const ROW_EXTRA: u64 = 8;
+/// Words after `ROW_EXTRA` in a low-latency counts row: one per block of the source's grid
+/// (`MAX_GRID` at most; the grid is the same on every rank), each stored by its block once the
+/// block's list entries and staged rows are in place (the value 1, tagged). A receiver waits
+/// for its grid's words of every source: the dispatch's one cross-rank wait covers the data.
+pub const ROW_BLOCKS: u64 = super::MAX_GRID as u64;
 /// The combine's flag rows, one per parity of its epoch (`combine_flag`).
 pub const FLAG_COMBINE: u64 = 0;
 /// Flag rows in all.
@@ -140,9 +150,15 @@ pub struct Layout {
     pub bytes: u64,
 }
 
-/// `u64` words (`tagged`) of one source rank's counts row.
+/// `u64` words (`tagged`) of one source rank's counts row, its stride: counts, `ROW_EXTRA`
+/// status words, `ROW_BLOCKS` block words (a grid of `g` blocks uses the first `g`).
 pub fn row_words(experts: u64) -> u64 {
-    experts + ROW_EXTRA
+    experts + ROW_EXTRA + ROW_BLOCKS
+}
+
+/// The words of a counts row that a grid of `grid` blocks writes and its receivers wait for.
+pub fn row_used(experts: u64, grid: u64) -> u64 {
+    experts + ROW_EXTRA + grid
 }
 
 impl Layout {
