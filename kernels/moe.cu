@@ -17,10 +17,9 @@
 // for every word of every source's tagged row (keeping what it reads in shared memory: no count
 // word is read twice, and nothing after the wait is a chain of round trips) and pulls its share
 // of this rank's experts' rows from the sources (rows ordered by source rank, then token: the
-// source's list order). Blocks wait for each
-// other's block words, so the grid must be resident at once: at most one block per SM
-// (moe/mod.rs `MAX_GRID`, the communicator's fewest SMs, `num_sms`), each fits an SM
-// (`MOE_BOUNDS`).
+// source's list order). Blocks wait for each other's block words, so the grid must be resident
+// at once: at most one block per SM (moe/mod.rs `MAX_GRID`, the communicator's fewest SMs,
+// `num_sms`), each fits an SM (`MOE_BOUNDS`).
 //
 // Epochs: a call's epoch is the rank's count of earlier calls of its kind plus one, read from
 // the control words at kernel start, and stored at the call's end where no block reads it late:
@@ -28,11 +27,10 @@
 // takes its send half's epoch, D_HALF), the combine's last block to count itself in (C_FIN).
 // Graph replays need no reset. Counts rows, entry lists and staged rows alternate by the
 // dispatch epoch's parity: a source reaches dispatch n + 2 only after every rank published its
-// row of n + 1, i.e. finished pulling call n. The
-// combine's flag row and landing buffer (cbuf) alternate by the combine epoch's parity
-// (moe_cbuf), so combines of one dispatch may follow each other back to back: a rank reaches
-// combine c + 2 only after every rank raised its flag of c + 1, i.e. after every rank's kernel of
-// c finished reading its cbuf and flags. Only peers' rows go through cbuf: a rank sums its own
+// row of n + 1, i.e. finished pulling call n. The combine's flag row and landing buffer (cbuf)
+// alternate by the combine epoch's parity (moe_cbuf), so combines of one dispatch may follow
+// each other back to back: a rank reaches combine c + 2 only after every rank raised its flag of
+// c + 1, i.e. after every rank's kernel of c finished reading its cbuf and flags. Only peers' rows go through cbuf: a rank sums its own
 // experts' rows straight from expert_out.
 //
 // Determinism: each entry's row within (this rank, its expert) follows token order, rows are

@@ -7,10 +7,11 @@
 //! Dispatch has one cross-rank wait: a rank first leaves its entry list and its staged `x` in
 //! its own block, then stores its counts row, every word tagged with the epoch
 //! (layout.rs `tagged`), into every rank, its grid's block words last (this backend is all of
-//! its grid's blocks; on the GPU block 0 stores the counts and each block its own word); once every source's row carries the tag, each rank
-//! pulls its experts' rows from the sources' blocks (and its own from the caller's `x`; from
-//! its own staged rows when the dispatch quantizes bf16 `x`, once per token, as the kernel
-//! does with kernels/quant.cuh's arithmetic: host_norm.rs `quantize_group`). Counts
+//! its grid's blocks; on the GPU block 0 stores the counts and each block its own word). Once
+//! every source's row carries the tag, each rank pulls its experts' rows from the sources'
+//! blocks (and its own from the caller's `x`; from its own staged rows when the dispatch
+//! quantizes bf16 `x`, once per token, as the kernel does with kernels/quant.cuh's
+//! arithmetic: host_norm.rs `quantize_group`). Counts
 //! rows, lists and staged rows alternate by the dispatch epoch's parity: a source reaches
 //! dispatch `n + 2` only after every rank's dispatch `n + 1` published its row, i.e. after
 //! every rank finished pulling call `n`'s.
