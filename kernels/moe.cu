@@ -413,6 +413,46 @@ __device__ __forceinline__ int32_t moe_block_scan(const int32_t* in, int32_t* ou
   return total;
 }
 
+// Two exclusive block scans at once, as moe_block_scan, sharing its two barriers: a[0..na) into
+// oa and b[0..nb) into ob (na, nb <= MOE_MAX_EXPERTS); returns b's total. warp_s: 2 * MOE_WARPS
+// words. Every thread calls it, with the inputs complete up to a point its first barrier orders
+// (what the block wrote before the call is readable by every thread on return).
+__device__ __forceinline__ int32_t moe_block_scan2(const int32_t* a, int32_t* oa, int na, const int32_t* b,
+                                                   int32_t* ob, int nb, int32_t* warp_s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int pa = (na + MOE_THREADS - 1) / MOE_THREADS, pb = (nb + MOE_THREADS - 1) / MOE_THREADS;
+  const int ia = threadIdx.x * pa, ib = threadIdx.x * pb;
+  int32_t va[MOE_SCAN_PER], vb[MOE_SCAN_PER], sa = 0, sb = 0;
+#pragma unroll
+  for (int u = 0; u < MOE_SCAN_PER; ++u) {
+    va[u] = u < pa && ia + u < na ? a[ia + u] : 0;
+    vb[u] = u < pb && ib + u < nb ? b[ib + u] : 0;
+    sa += va[u];
+    sb += vb[u];
+  }
+  const int32_t xa = moe_warp_inclusive(sa), xb = moe_warp_inclusive(sb);
+  if (lane == 31) {
+    warp_s[warp] = xa;
+    warp_s[MOE_WARPS + warp] = xb;
+  }
+  __syncthreads();
+  const int32_t wa = moe_warp_inclusive<MOE_WARPS>(lane < MOE_WARPS ? warp_s[lane] : 0);
+  const int32_t wb = moe_warp_inclusive<MOE_WARPS>(lane < MOE_WARPS ? warp_s[MOE_WARPS + lane] : 0);
+  const int32_t ba = __shfl_sync(0xffffffffu, wa, (warp + 31) & 31);  // lane warp - 1
+  const int32_t bb = __shfl_sync(0xffffffffu, wb, (warp + 31) & 31);
+  const int32_t total = __shfl_sync(0xffffffffu, wb, MOE_WARPS - 1);
+  int32_t ra = (warp > 0 ? ba : 0) + xa - sa, rb = (warp > 0 ? bb : 0) + xb - sb;
+#pragma unroll
+  for (int u = 0; u < MOE_SCAN_PER; ++u) {
+    if (u < pa && ia + u < na) oa[ia + u] = ra;
+    if (u < pb && ib + u < nb) ob[ib + u] = rb;
+    ra += va[u];
+    rb += vb[u];
+  }
+  __syncthreads();
+  return total;
+}
+
 // Dispatch (docs/moe.md, "Protocol"): every block runs every step on its share. QUANT: x is bf16,
 // quantized to the FP8 payload (PAYLOAD_BYTES 1, SCALES) once per token when its block stages it
 // (at every world), and every row, this rank's own too, is pulled from the staged copy. PHASE: the
@@ -434,13 +474,15 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   __shared__ int32_t lbel_s[MOE_MAX_EXPERTS];
   __shared__ int32_t loc_s[MOE_MAX_EXPERTS];
   __shared__ int32_t sbel_s[SYMM_MAX_RANKS];
+  __shared__ int32_t cnt_s[SYMM_MAX_RANKS];      // per source its entries of this rank's experts
+  __shared__ int32_t segadj_s[SYMM_MAX_RANKS];   // off_s's correction per source (step 4)
   __shared__ int32_t stat_s[SYMM_MAX_RANKS][5];
   __shared__ uint64_t epoch_s;
   __shared__ uint32_t bad_s, cap_s;
   __shared__ int32_t found_s[4];                 // code, rank, token, k
   __shared__ int64_t found_v;
   __shared__ int live_s;
-  __shared__ int32_t scan_s[MOE_WARPS];          // moe_block_scan's warp totals
+  __shared__ int32_t scan_s[2 * MOE_WARPS];      // the block scans' warp totals
   // The block's chunk's entries (expert ids) and their rows within (this rank, expert), kept from
   // step 1b for step 4 when the chunk fits (the one-call form; the receive half reloads them).
   __shared__ int32_t ent_s[MOE_ENT_CACHE];
@@ -499,7 +541,10 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     tot_s[e] = 0;
     lbel_s[e] = 0;
   }
-  if (tid < W) sbel_s[tid] = 0;
+  if (tid < W) {
+    sbel_s[tid] = 0;
+    cnt_s[tid] = 0;
+  }
   __syncthreads();
   if (!live_s) return;
   const uint64_t epoch = epoch_s;
@@ -696,7 +741,10 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
           if (s < me) atomicAdd(&lbel_s[wi], v);
           if (wi < me * L) atomicAdd(&sbel_s[s], v);
         }
-        if (wi >= me * L && wi < (me + 1) * L) loc_s[s * L + (wi - me * L)] = v;
+        if (wi >= me * L && wi < (me + 1) * L) {
+          loc_s[s * L + (wi - me * L)] = v;
+          if (v != 0) atomicAdd(&cnt_s[s], v);
+        }
       } else if (wi - E < 5) {
         stat_s[s][wi - E] = v;
       }
@@ -706,72 +754,55 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   if constexpr (PROBE) {
     if (blockIdx.x == 0 && tid == 0) moe_probe(a, MOE_P_D_WAITED);
   }
-  // The first status (lowest rank), else capacity (lowest expert): the same on every rank.
-  if (tid == 0) {
+  // After the wait, one pass and one double block scan (two barriers; everything reads what the
+  // wait left in shared memory): every thread checks its experts' capacity (cap_s: the lowest
+  // expert over R) and writes the rows of lower sources per (source, local expert) (base_s); the
+  // scans give each (source, local expert) q = s * L + le its entries of lower local experts at
+  // the source (off_s; its list offset there is off_s + segadj_s[s]: the source's entries of
+  // experts below this rank's, less the scan's entries of lower sources) and each local expert
+  // the rows of lower local experts (pre_s).
+  for (int e = tid; e < E; e += MOE_THREADS)
+    if ((int64_t)tot_s[e] > (int64_t)R) atomicMin(&cap_s, (uint32_t)e);
+  for (int le = tid; le < L; le += MOE_THREADS) {
+    int32_t below = 0;
     for (int s = 0; s < W; ++s) {
-      const int32_t code = stat_s[s][0];
-      if (code != 0) {
-        found_s[0] = code;
-        found_s[1] = s;
-        found_s[2] = stat_s[s][1];
-        found_s[3] = stat_s[s][2];
-        found_v = (int64_t)((uint64_t)(uint32_t)stat_s[s][3] | ((uint64_t)(uint32_t)stat_s[s][4] << 32));
-        break;
-      }
+      base_s[s * L + le] = below;
+      below += loc_s[s * L + le];
     }
   }
-  __syncthreads();
-  if (found_s[0] == 0) {
-    for (int e = tid; e < E; e += MOE_THREADS)
-      if ((int64_t)tot_s[e] > (int64_t)R) atomicMin(&cap_s, (uint32_t)e);
-    __syncthreads();
-    if (tid == 0 && cap_s != 0xffffffffu) {
-      const int64_t total = tot_s[cap_s];
-      found_s[0] = MOE_ST_CAPACITY;
-      found_s[1] = (int32_t)(cap_s / L);
-      found_s[2] = (int32_t)cap_s;
-      found_s[3] = 0;
-      found_v = total;
-    }
-    __syncthreads();
+  if (tid < W) {
+    int32_t lower = 0;
+    for (int s = 0; s < tid; ++s) lower += cnt_s[s];
+    segadj_s[tid] = sbel_s[tid] - lower;
   }
-  const bool failed = found_s[0] != 0;
+  const uint64_t total = (uint64_t)moe_block_scan2(loc_s, off_s, W * L, tot_s + me * L, pre_s, L, scan_s);
+  // The first status (lowest rank), else capacity (lowest expert): the same on every rank, and
+  // found by every thread from shared memory.
+  int fs = -1;
+  for (int s = 0; s < W && fs < 0; ++s)
+    if (stat_s[s][0] != 0) fs = s;
+  const bool failed = fs >= 0 || cap_s != 0xffffffffu;
   int32_t* recv_counts = (int32_t*)(a.blocks[me] + a.off_recv_counts);
   if (failed) {
     if (blockIdx.x == 0) {
       for (int le = tid; le < L; le += MOE_THREADS) recv_counts[le] = 0;
-      if (tid == 0 && !(found_s[1] == me && moe_is_refusal(found_s[0])))
-        moe_record(a, found_s[0], found_s[1], found_s[2], found_s[3], found_v, 0);
+      if (tid == 0) {
+        if (fs >= 0) {
+          const int32_t code = stat_s[fs][0];
+          if (!(fs == me && moe_is_refusal(code)))
+            moe_record(a, code, fs, stat_s[fs][1], stat_s[fs][2],
+                       (int64_t)((uint64_t)(uint32_t)stat_s[fs][3] | ((uint64_t)(uint32_t)stat_s[fs][4] << 32)), 0);
+        } else {
+          moe_record(a, MOE_ST_CAPACITY, (int32_t)(cap_s / L), cap_s, 0, (int64_t)tot_s[cap_s], 0);
+        }
+      }
     }
   } else {
     // Step 4: pull. Per (source, local expert) q = s * L + le: its rows (loc_s), the rows of
-    // lower sources (base_s) and its list offset at the source (off_s: the source's entries of
-    // experts below this rank's, then the scan within its segment); per local expert the rows of
-    // lower local experts (pre_s).
-    moe_block_scan(loc_s, off_s, W * L, scan_s);
-    int32_t fix[MOE_SCAN_PER];
-#pragma unroll
-    for (int u = 0; u < MOE_SCAN_PER; ++u) {
-      const int q = tid + u * MOE_THREADS;
-      fix[u] = q < W * L ? sbel_s[q / L] - off_s[q / L * L] : 0;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int u = 0; u < MOE_SCAN_PER; ++u) {
-      const int q = tid + u * MOE_THREADS;
-      if (q < W * L) off_s[q] += fix[u];
-    }
-    for (int le = tid; le < L; le += MOE_THREADS) {
-      int32_t below = 0;
-      for (int s = 0; s < W; ++s) {
-        base_s[s * L + le] = below;
-        below += loc_s[s * L + le];
-      }
-      run_s[le] = below;
-      if (blockIdx.x == 0) recv_counts[le] = below;
-    }
-    __syncthreads();
-    const uint64_t total = (uint64_t)moe_block_scan(run_s, pre_s, L, scan_s);
+    // lower sources (base_s) and its list offset at the source (off_s + segadj_s); per local
+    // expert the rows of lower local experts (pre_s).
+    if (blockIdx.x == 0)
+      for (int le = tid; le < L; le += MOE_THREADS) recv_counts[le] = tot_s[me * L + le];
     // Each of this chunk's entries' row in its expert's rank (the combine reads this rank's own
     // experts' rows in place); stored before the pull, so these stores drain beside its copies.
     for (uint64_t i = c0 * K + tid; i < c1 * K; i += MOE_THREADS) {
@@ -794,7 +825,8 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       const int32_t row = (int32_t)(q - (uint64_t)pre_s[lo]);
       int s = 0;
       while (s + 1 < W && base_s[(s + 1) * L + lo] <= row) ++s;
-      const int32_t entry = __ldcg(moe_list(a, s, epoch) + off_s[s * L + lo] + (row - base_s[s * L + lo]));
+      const int32_t entry =
+          __ldcg(moe_list(a, s, epoch) + off_s[s * L + lo] + segadj_s[s] + (row - base_s[s * L + lo]));
       const uint64_t t = (uint64_t)entry / K, slot = (uint64_t)lo * R + row;
       const uint8_t* src = s == me && !QUANT ? (const uint8_t*)a.x
                                    : (const uint8_t*)(a.blocks[s] + a.off_xstage) + (epoch & 1) * T * row_bytes;
