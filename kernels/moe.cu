@@ -170,6 +170,16 @@ __device__ __forceinline__ void moe_st_release(uint64_t* p, uint64_t v, bool pee
     asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// A release fence: with a barrier before it, the block's earlier writes are ordered before the
+// relaxed stores (or atomics) after it. fence.acq_rel, not __threadfence's fence.sc: a release
+// needs no total order of fences, and the SC fence costs more.
+__device__ __forceinline__ void moe_fence_release(bool peers) {
+  if (peers)
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+  else
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
 // A counts-row word that releases nothing (the counts: each word is its own value and tag).
 __device__ __forceinline__ void moe_st_relaxed(uint64_t* p, uint64_t v, bool peers) {
   if (peers)
@@ -252,7 +262,8 @@ __device__ __forceinline__ int64_t moe_load_idx(const MoeArgs& a, uint64_t i) {
 // Entry i = t * K + j of this call: its expert (-1 past k) and the code of what is wrong with it.
 template <typename IDX>
 __device__ __forceinline__ int64_t moe_entry(const MoeArgs& a, uint64_t i, uint32_t& code) {
-  const uint64_t K = a.topk, t = i / K, j = i % K;
+  // 32-bit: i < W * T * K < 2^31 (config.rs), so no 64-bit division on the routing's path.
+  const uint32_t K = (uint32_t)a.topk, t = (uint32_t)i / K, j = (uint32_t)i - t * K;
   code = 0;
   if ((int)j >= a.k) return -1;
   const int64_t e = moe_load_idx<IDX>(a, t * a.k + j);
@@ -494,7 +505,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   uint64_t* ctrl = moe_ctrl(a);
   const uint64_t n = a.refuse_code ? 0 : a.num_tokens;
   // This block's chunk of tokens.
-  const uint64_t per = (n + gridDim.x - 1) / gridDim.x;
+  const uint64_t per = ((uint32_t)n + gridDim.x - 1) / gridDim.x;  // 32-bit: n <= T < 2^31
   const uint64_t c0 = min((uint64_t)blockIdx.x * per, n), c1 = min(c0 + per, n);
   // The routing's first MOE_THREADS entries (step 1a), and this block's chunk's first
   // MOE_THREADS entries and weights (step 1b), loaded while thread 0 reads the control words
@@ -509,11 +520,12 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       key0 = code0 == 0 && e >= 0 ? (int32_t)e : -1;
       if (c0 == 0) ent0 = (int32_t)e;
     }
-    const uint64_t i = c0 * K + tid, j = i % K;
+    const uint64_t i = c0 * K + tid;
+    const uint32_t ti = (uint32_t)i / (uint32_t)K, j = (uint32_t)i - ti * (uint32_t)K;
     if (i < c1 * K) {
       uint32_t code;
       if (c0 != 0) ent0 = (int32_t)moe_entry<IDX>(a, i, code);
-      if ((int)j < a.k) wt0 = ((const float*)a.topk_weights)[i / K * a.k + j];
+      if ((int)j < a.k) wt0 = ((const float*)a.topk_weights)[(uint64_t)ti * a.k + j];
     }
   }
   if (tid == 0) {
@@ -559,7 +571,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   // entry's): the first offending entry, the counts per expert and those of the tokens before
   // this block's chunk (aggregated per warp; sums, so the order does not matter).
   for (uint64_t b = 0; b < n * K; b += MOE_THREADS) {
-    const uint64_t i = b + tid, t = i / K;
+    const uint64_t i = b + tid, t = (uint32_t)i / (uint32_t)K;
     uint32_t code = code0;
     int key = key0;
     if (b > 0) {
@@ -590,8 +602,8 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       const int64_t e = moe_entry<IDX>(a, bad_s, code);
       found_s[0] = code;
       found_s[1] = me;
-      found_s[2] = (int32_t)(bad_s / K);
-      found_s[3] = (int32_t)(bad_s % K);
+      found_s[2] = (int32_t)(bad_s / (uint32_t)K);
+      found_s[3] = (int32_t)(bad_s % (uint32_t)K);
       found_v = e;
     }
   }
@@ -629,7 +641,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       int32_t e = ent0;
       float wt = wt0;
       if (i >= c0 * K + MOE_THREADS) {  // past what the kernel's start loaded
-        const uint64_t t = i / K, j = i % K;
+        const uint32_t t = (uint32_t)i / (uint32_t)K, j = (uint32_t)i - t * (uint32_t)K;
         uint32_t code;
         e = (int32_t)moe_entry<IDX>(a, i, code);
         wt = (int)j < a.k ? ((const float*)a.topk_weights)[t * a.k + j] : 0.f;
@@ -674,9 +686,10 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       uint8_t* xs = (uint8_t*)(a.blocks[me] + a.off_xstage) + (epoch & 1) * T * row_bytes;
       const uint64_t toks = c1 - c0;
       const uint64_t runs = QUANT ? (H / 8 + 31) / 32 : (row_bytes / 16 + 127) / 128;
-      const uint64_t parts = toks == 0 ? 1 : max((uint64_t)1, min((uint64_t)MOE_WARPS / toks, runs));
+      const uint64_t parts = toks == 0 ? 1 : max((uint64_t)1, min((uint64_t)(MOE_WARPS / (uint32_t)toks), runs));
       for (uint64_t qp = warp; qp < toks * parts; qp += MOE_WARPS) {
-        const uint64_t t = c0 + qp / parts, part = qp % parts;
+        const uint32_t qt = (uint32_t)qp / (uint32_t)parts;
+        const uint64_t t = c0 + qt, part = (uint32_t)qp - qt * (uint32_t)parts;
         if (QUANT) {
           float* ds = (float*)(a.blocks[me] + a.off_xscales) + (epoch & 1) * T * S + t * S;
           moe_quantize_row(xs + t * row_bytes, ds, (const uint4*)a.x + t * (H / 8), H,
@@ -698,7 +711,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   // fence (system scope when peers read): it releases the block's list entries and staged rows.
   // No block waits for another here: the receivers wait for every block's word.
   if (tid == 0) {
-    if (W > 1) __threadfence_system(); else __threadfence();
+    moe_fence_release(W > 1);
     if constexpr (PROBE) {
       if (blockIdx.x == 0) moe_probe(a, MOE_P_D_STAGED);
     }
@@ -814,9 +827,9 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     // Warps the rows leave idle share them: `parts` warps per row (at 1 token 8 rows on 64
     // warps), at most one run of 32 * MOE_PULL_U vectors each; every block computes the same.
     const uint64_t runs = (row_bytes / 16 + 32 * MOE_PULL_U - 1) / (32 * MOE_PULL_U);
-    const uint64_t parts = total == 0 ? 1 : max((uint64_t)1, min(nwarps / total, runs));
+    const uint64_t parts = total == 0 ? 1 : max((uint64_t)1, min((uint64_t)((uint32_t)nwarps / (uint32_t)total), runs));
     for (uint64_t qp = (uint64_t)blockIdx.x * MOE_WARPS + warp; qp < total * parts; qp += nwarps) {
-      const uint64_t q = qp / parts, part = qp % parts;
+      const uint32_t q = (uint32_t)qp / (uint32_t)parts, part = (uint32_t)qp - q * (uint32_t)parts;
       int lo = 0, hi = L;  // the local expert with pre_s[lo] <= q < pre_s[lo + 1]
       while (hi - lo > 1) {
         const int mid = (lo + hi) >> 1;
@@ -827,7 +840,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       while (s + 1 < W && base_s[(s + 1) * L + lo] <= row) ++s;
       const int32_t entry =
           __ldcg(moe_list(a, s, epoch) + off_s[s * L + lo] + segadj_s[s] + (row - base_s[s * L + lo]));
-      const uint64_t t = (uint64_t)entry / K, slot = (uint64_t)lo * R + row;
+      const uint64_t t = (uint32_t)entry / (uint32_t)K, slot = (uint64_t)lo * R + row;
       const uint8_t* src = s == me && !QUANT ? (const uint8_t*)a.x
                                    : (const uint8_t*)(a.blocks[s] + a.off_xstage) + (epoch & 1) * T * row_bytes;
       moe_pull_row((uint8_t*)(a.blocks[me] + a.off_recv_x) + slot * row_bytes, src + t * row_bytes, row_bytes, lane,
@@ -927,8 +940,9 @@ __device__ void moe_combine_body(const MoeArgs& a) {
         if ((uint64_t)pre_s[mid] <= q) lo = mid; else hi = mid;
       }
       const uint64_t slot = (uint64_t)lo * R + (q - (uint64_t)pre_s[lo]);
-      const uint64_t code = (uint64_t)src[slot];
-      const uint64_t s = code / (T * K), t = (code / K) % T, j = code % K;
+      // 32-bit: a code is below W * T * K < 2^31 (config.rs).
+      const uint32_t code = (uint32_t)src[slot], TK = (uint32_t)(T * K), s = code / TK;
+      const uint32_t tk = code - s * TK, t = tk / (uint32_t)K, j = tk - t * (uint32_t)K;
       if ((int)s == me) continue;  // summed in place by this rank
       moe_copy_row(moe_cbuf(a, (int)s, epoch) + (t * K + j) * row_bytes,
                    (const uint8_t*)a.expert_out + slot * row_bytes, row_bytes, lane);
@@ -937,7 +951,7 @@ __device__ void moe_combine_body(const MoeArgs& a) {
   if constexpr (PHASE != MOE_RECV) {
   __syncthreads();
   if (tid == 0 && W > 1) {  // at world 1 nobody waits for this rank's flag
-    __threadfence_system();  // the rows this block pushed into peers' cbuf
+    moe_fence_release(true);  // the rows this block pushed into peers' cbuf
     const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_C_SENT], 1ull);
     if (old + 1 == epoch * gridDim.x) moe_raise(a, flag, 2 * epoch + (refused ? 1 : 0));
     if constexpr (PROBE) {
@@ -977,7 +991,9 @@ __device__ void moe_combine_body(const MoeArgs& a) {
     const uint8_t* cbuf = moe_cbuf(a, me, epoch);
     const uint64_t step = (uint64_t)gridDim.x * MOE_THREADS;
     for (uint64_t q = (uint64_t)blockIdx.x * MOE_THREADS + tid; q < n * vecs; q += step) {
-      const uint64_t t = q / vecs, v = q % vecs;
+      // 32-bit division when the items fit (every shape in practice), else 64-bit.
+      const bool small = n * vecs <= 0xffffffffull;
+      const uint64_t t = small ? (uint32_t)q / (uint32_t)vecs : q / vecs, v = q - t * vecs;
       float acc[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) acc[u] = 0.f;
