@@ -114,12 +114,10 @@ __device__ __forceinline__ int64_t tp_entry(const MoeTpArgs& a, uint64_t t, uint
 // block fences first (system scope when peers read what it wrote).
 __device__ __forceinline__ bool tp_count_in(uint64_t* ctrl, int which, uint64_t epoch, bool peers, int* last_s) {
   if (threadIdx.x == 0) {
-    if (peers) __threadfence_system(); else __threadfence();
+    moe_fence_release(peers);
     const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[which], 1ull);
     *last_s = old + 1 == epoch * gridDim.x;
-    if (*last_s) {
-      if (peers) __threadfence_system(); else __threadfence();
-    }
+    if (*last_s) moe_fence_release(peers);  // here an acquire: the others' writes before ours
   }
   __syncthreads();
   return *last_s != 0;
@@ -261,6 +259,10 @@ __device__ void tp_build_csr(const int32_t* ridx, int32_t* rows, int32_t* meta, 
   }
 }
 
+// Block 0's routing: entries of a token loaded together, and the iterations whose destination
+// masks stay in registers (MOE_THREADS tokens each: 4,096 tokens with 512 threads).
+#define MOE_TP_GROUP 8
+#define MOE_TP_MASK_REGS 8
 template <int PAYLOAD_BYTES, bool SCALES, typename IDX>
 __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   __shared__ uint64_t epoch_s;
@@ -297,17 +299,54 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
 
   // Step 1, block 0: the routing (validated), its copy, the token lists by destination.
   if (blockIdx.x == 0) {
-    for (uint64_t t = tid; t < n; t += MOE_THREADS) {
+    // A thread per token (t = tid + it * MOE_THREADS), its entries loaded MOE_TP_GROUP at a time
+    // before any is used (one round trip per group, not one per entry); a duplicate is looked
+    // for in the group's registers and, past the first group, in memory (as tp_entry does). The
+    // token's destination mask stays in a register for the scans below (the first
+    // MOE_TP_MASK_REGS iterations; later ones read pos back).
+    uint32_t mk[MOE_TP_MASK_REGS];
+#pragma unroll
+    for (int u = 0; u < MOE_TP_MASK_REGS; ++u) mk[u] = 0;
+    const uint32_t UK = (uint32_t)a.k, UE = (uint32_t)a.experts, UL = (uint32_t)L;
+    uint32_t it = 0;
+    for (uint64_t t = tid; t < n; t += MOE_THREADS, ++it) {
+      const IDX* p = (const IDX*)a.topk_idx + t * UK;
+      const float* pw = w_in + t * UK;
       uint32_t mask = 0;
-      for (uint64_t j = 0; j < K; ++j) {
-        uint32_t code;
-        const int64_t e = tp_entry<IDX>(a, t, j, code);
-        if (code) atomicMin(&bad_s, (uint32_t)(t * K + j));
-        idx[t * K + j] = (int32_t)e;
-        wts[t * K + j] = (int)j < a.k ? w_in[t * a.k + j] : 0.f;
-        if (!code && e >= 0) mask |= 1u << (uint32_t)(e / L);
+      for (uint32_t j0 = 0; j0 < (uint32_t)K; j0 += MOE_TP_GROUP) {
+        int64_t ev[MOE_TP_GROUP];
+        float wv[MOE_TP_GROUP];
+#pragma unroll
+        for (int u = 0; u < MOE_TP_GROUP; ++u) {
+          const uint32_t j = j0 + u;
+          ev[u] = j < UK ? (int64_t)p[j] : -1;
+          wv[u] = j < UK ? pw[j] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < MOE_TP_GROUP; ++u) {
+          const uint32_t j = j0 + u;
+          if (j >= (uint32_t)K) break;
+          const int64_t e = ev[u];
+          uint32_t code = 0;
+          if (e < -1 || e >= (int64_t)UE) {
+            code = MOE_ST_OUT_OF_RANGE;
+          } else if (e >= 0) {
+#pragma unroll
+            for (int v = 0; v < u; ++v)
+              if (ev[v] == e) code = MOE_ST_DUPLICATE;
+            for (uint32_t jj = 0; jj < j0; ++jj)
+              if ((int64_t)p[jj] == e) code = MOE_ST_DUPLICATE;
+          }
+          if (code) atomicMin(&bad_s, (uint32_t)(t * K + j));
+          idx[t * K + j] = (int32_t)e;
+          wts[t * K + j] = wv[u];
+          if (!code && e >= 0) mask |= 1u << ((uint32_t)e / UL);
+        }
       }
       for (int d = 0; d < W; ++d) pos[t * W + d] = (mask >> d) & 1 ? 0 : -1;
+#pragma unroll
+      for (int u = 0; u < MOE_TP_MASK_REGS; ++u)
+        if (it == (uint32_t)u) mk[u] = mask;
     }
     __syncthreads();
     if (tid == 0) {
@@ -331,9 +370,14 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
     int32_t off = 0;
     for (int d = 0; d < W; ++d) {
       int32_t carry = 0;
-      for (uint64_t b = 0; b < n && !own_bad; b += MOE_THREADS) {
+      uint32_t it2 = 0;
+      for (uint64_t b = 0; b < n && !own_bad; b += MOE_THREADS, ++it2) {
         const uint64_t t = b + tid;
-        const int32_t f = t < n && pos[t * W + d] >= 0;
+        uint32_t m = 0;
+#pragma unroll
+        for (int u = 0; u < MOE_TP_MASK_REGS; ++u)
+          if (it2 == (uint32_t)u) m = mk[u];
+        const int32_t f = t < n && (it2 < MOE_TP_MASK_REGS ? (m >> d) & 1 : pos[t * W + d] >= 0);
         int32_t total;
         const int32_t ex = moe_block_scan_value(f, warp_s, total);
         if (f) {
@@ -473,7 +517,7 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
     const uint64_t gt = (uint64_t)blockIdx.x * MOE_THREADS + tid, nt = (uint64_t)gridDim.x * MOE_THREADS;
     for (uint64_t q = gt; q < n * W; q += nt) {
       const int32_t p = pos[q];
-      if (p >= 0) pos[q] = p + below_s[q % W];
+      if (p >= 0) pos[q] = p + below_s[(uint32_t)q % (uint32_t)W];  // q < T * W < 2^31
     }
   }
   __syncthreads();
@@ -570,9 +614,11 @@ __device__ void tp_combine_body(const MoeTpArgs& a) {
   if (!refused) {
     const int32_t* pos = (const int32_t*)(a.blocks[me] + a.off_pos);
     const uint64_t vecs = H / 8, items = a.num_tokens * vecs;
+    const bool small = items <= 0xffffffffull;
     const uint64_t gt = (uint64_t)blockIdx.x * MOE_THREADS + tid, nt = (uint64_t)gridDim.x * MOE_THREADS;
     for (uint64_t q = gt; q < items; q += nt) {
-      const uint64_t t = q / vecs, v = q % vecs;
+      // 32-bit division when the items fit (every shape in practice), else 64-bit.
+      const uint64_t t = small ? (uint32_t)q / (uint32_t)vecs : q / vecs, v = q - t * vecs;
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int d = 0; d < W && !zeros; ++d) {
         const int32_t p = pos[t * W + d];
