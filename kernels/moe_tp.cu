@@ -9,11 +9,13 @@
 // kernels/*.cu in one unit, moe.cu before this file).
 //
 // Correctness first: block 0 routes the whole call (validation, the token lists by destination
-// in token order, a block scan per destination); every block stages and pulls rows. Dispatch: the
-// grid's last block to count itself in (D_SENT) stores this rank's counts row, each word tagged
-// with the epoch, into every rank (the call's one cross-rank wait); every block pulls its share
-// of rows; the last block to count itself in at the end (D_FIN) writes the per-expert counts and
-// the CSR over all rows (a counting sort in tiles of rows, tp_build_csr), then the control words.
+// in token order, a block scan per destination); every block stages rows. Dispatch: the grid's
+// last block to count itself in (D_SENT) stores this rank's counts row, each word tagged with the
+// epoch, into every rank (the call's one cross-rank wait); every block but the grid's last pulls
+// its share of rows, while the grid's last (the CSR block; the only block of a grid of one, after
+// its pull) computes every received row's local top-k and writes the per-expert counts and the
+// CSR over all rows (a counting sort in tiles of rows, tp_build_csr); the last block to count
+// itself in at the end (D_FIN) writes the control words.
 // Combine: the second and later combines of one dispatch first wait for every rank's "read" flag
 // of the previous one (CTRL_TP_FIRST); each rank stages its peers' rows in its cstage, the last
 // block raises "staged" (2c + refused) on every rank, every block waits for all of them (the one
@@ -134,8 +136,7 @@ __device__ __forceinline__ bool tp_count_in(uint64_t* ctrl, int which, uint64_t 
 // tile: three masks rotate (marked, ranked, cleared) and two `base` arrays alternate.
 // Invariants: L <= MOE_MAX_EXPERTS, K <= 64, and a row names a local expert at most once (the
 // routing was validated: a duplicate fails the call before this); a value outside 0..L-1 (-1)
-// names none. Other blocks of the grid wrote `ridx`: it is read past L1 (__ldcg), after the
-// count-in's fence.
+// names none. The calling block wrote `ridx` before a barrier; it is read past L1 (__ldcg).
 #define MOE_TP_CSR_WORDS 2048  // words of one mask: L * TR / 32 <= this
 #define MOE_TP_CSR_EPT 4       // slots per thread per tile: TR * K <= MOE_THREADS * this
 __device__ void tp_build_csr(const int32_t* ridx, int32_t* rows, int32_t* meta, uint32_t N, uint32_t K, int L,
@@ -263,6 +264,8 @@ __device__ void tp_build_csr(const int32_t* ridx, int32_t* rows, int32_t* meta, 
 // masks stay in registers (MOE_THREADS tokens each: 4,096 tokens with 512 threads).
 #define MOE_TP_GROUP 8
 #define MOE_TP_MASK_REGS 8
+// Rows a thread of the CSR block reads together (their ids and weights: 2 x 8 x 2 registers).
+#define MOE_TP_ROWS 2
 template <int PAYLOAD_BYTES, bool SCALES, typename IDX>
 __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   __shared__ uint64_t epoch_s;
@@ -480,14 +483,17 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
       for (int i = tid; i < 2 * L + 2; i += MOE_THREADS) meta[i] = 0;
     }
   } else {
-    // Step 4: pull, row r from the source s with rowbase[s] <= r < rowbase[s + 1].
+    // Step 4: pull, row r from the source s with rowbase[s] <= r < rowbase[s + 1], by every
+    // block but the grid's last (the CSR block, below) when the grid has more than one.
     const uint64_t N = rowbase_s[W];
-    const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp, nw = (uint64_t)gridDim.x * MOE_WARPS;
+    const uint32_t G = gridDim.x, pullers = G > 1 ? G - 1 : 1;
+    const bool csr_block = blockIdx.x == G - 1;
+    const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp, nw = (uint64_t)pullers * MOE_WARPS;
     int32_t* rsrc = (int32_t*)(a.blocks[me] + a.off_recv_src);
     int32_t* ridx = (int32_t*)(a.blocks[me] + a.off_recv_idx);
     float* rw = (float*)(a.blocks[me] + a.off_recv_weights);
     uint8_t* rx = (uint8_t*)(a.blocks[me] + a.off_recv_x);
-    for (uint64_t r = gw; r < N; r += nw) {
+    for (uint64_t r = gw; r < N && (G == 1 || !csr_block); r += nw) {
       int s = 0;
       while (s + 1 < W && (uint64_t)rowbase_s[s + 1] <= r) ++s;
       const uint64_t i = r - rowbase_s[s];
@@ -503,14 +509,6 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
         float* ds = (float*)(a.blocks[me] + a.off_recv_scales) + r * S;
         for (uint64_t v = lane; v < S; v += 32) ds[v] = __ldcg(ss + v);
       }
-      const int32_t* sidx = (const int32_t*)(a.blocks[s] + a.off_idx) + par * T * K + t * K;
-      const float* sw = (const float*)(a.blocks[s] + a.off_weights) + par * T * K + t * K;
-      for (uint64_t j = lane; j < K; j += 32) {
-        const int32_t e = __ldcg(sidx + j);
-        const bool mine = e >= 0 && e / L == me;
-        ridx[r * K + j] = mine ? e - me * L : -1;
-        rw[r * K + j] = mine ? __ldcg(sw + j) : 0.f;
-      }
       if (lane == 0) rsrc[r] = (int32_t)((uint64_t)s * T + t);
     }
     // Each of this rank's tokens' row at each rank it went to (after the lower sources').
@@ -519,16 +517,60 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
       const int32_t p = pos[q];
       if (p >= 0) pos[q] = p + below_s[(uint32_t)q % (uint32_t)W];  // q < T * W < 2^31
     }
+    // The CSR block, while the others pull: each received row's local top-k (ridx: the local
+    // expert or -1; rw: its weight or 0) from its source's list and routing copy, MOE_TP_ROWS rows
+    // a thread at a time with every load before any store, then the CSR over them.
+    if (csr_block) {
+      const uint32_t UK = (uint32_t)K, UN = (uint32_t)N;
+      for (uint32_t r0 = tid; r0 < UN; r0 += MOE_TP_ROWS * MOE_THREADS) {
+        const int32_t* sx[MOE_TP_ROWS];
+        const float* sv[MOE_TP_ROWS];
+#pragma unroll
+        for (int u = 0; u < MOE_TP_ROWS; ++u) {
+          const uint32_t r = r0 + u * MOE_THREADS;
+          sx[u] = nullptr;
+          sv[u] = nullptr;
+          if (r < UN) {
+            int s = 0;
+            while (s + 1 < W && (uint32_t)rowbase_s[s + 1] <= r) ++s;
+            const int32_t* slist = (const int32_t*)(a.blocks[s] + a.off_list) + par * (uint64_t)W * T;
+            const uint64_t t = (uint64_t)__ldcg(slist + listoff_s[s] + (r - (uint32_t)rowbase_s[s]));
+            sx[u] = (const int32_t*)(a.blocks[s] + a.off_idx) + par * T * K + t * K;
+            sv[u] = (const float*)(a.blocks[s] + a.off_weights) + par * T * K + t * K;
+          }
+        }
+        for (uint32_t j0 = 0; j0 < UK; j0 += MOE_TP_GROUP) {
+          int32_t ev[MOE_TP_ROWS][MOE_TP_GROUP];
+          float wv[MOE_TP_ROWS][MOE_TP_GROUP];
+#pragma unroll
+          for (int u = 0; u < MOE_TP_ROWS; ++u)
+#pragma unroll
+            for (int g = 0; g < MOE_TP_GROUP; ++g) {
+              const bool in = sx[u] != nullptr && j0 + g < UK;
+              ev[u][g] = in ? __ldcg(sx[u] + j0 + g) : -1;
+              wv[u][g] = in ? __ldcg(sv[u] + j0 + g) : 0.f;
+            }
+#pragma unroll
+          for (int u = 0; u < MOE_TP_ROWS; ++u)
+#pragma unroll
+            for (int g = 0; g < MOE_TP_GROUP; ++g) {
+              const uint64_t r = r0 + u * MOE_THREADS;
+              if (sx[u] == nullptr || j0 + g >= UK) continue;
+              const int32_t e = ev[u][g];
+              const bool mine = e >= 0 && e / L == me;
+              ridx[r * K + j0 + g] = mine ? e - me * L : -1;
+              rw[r * K + j0 + g] = mine ? wv[u][g] : 0.f;
+            }
+        }
+      }
+      __syncthreads();  // the block's ridx before the CSR reads it
+      tp_build_csr(ridx, (int32_t*)(a.blocks[me] + a.off_expert_rows), meta, UN, UK, L, warp_s);
+    }
   }
   __syncthreads();
 
-  // The end: the last block writes the counts and the CSR over every row (tp_build_csr), then
-  // the epochs.
+  // The end: the last block to count itself in (after the CSR block's CSR) writes the epochs.
   if (tp_count_in(ctrl, MOE_CTRL_D_FIN, epoch, false, &last_s)) {
-    if (!failed)
-      tp_build_csr((const int32_t*)(a.blocks[me] + a.off_recv_idx),
-                   (int32_t*)(a.blocks[me] + a.off_expert_rows), meta, (uint32_t)rowbase_s[W], (uint32_t)K, L,
-                   warp_s);
     if (tid == 0) {
       __threadfence();
       if (!failed) ctrl[MOE_CTRL_OK_EPOCH] = epoch;

@@ -460,11 +460,13 @@ fn gpu_moe_throughput_mode_matches_the_reference() {
         let (comm, dev, w, r, seed) = rank_setup(&c, Dev::cuda);
         let (cases, hash) = common::moe::tp::tp_sweep(comm, dev, w, seed);
         let made = common::moe::tp::tp_repeated(comm, dev, w, seed, 6);
+        let grids = common::moe::tp::tp_grids(comm, dev, w, seed);
         common::moe::tp_errors::tp_errors(comm, dev, w, seed);
         common::moe::tp_errors::tp_create_errors(comm, dev, w, r);
         destroy(comm);
         println!(
-            "rank {r}: outputs hash {hash:016x}; {cases} cases and {made} repeated calls correct"
+            "rank {r}: outputs hash {hash:016x}; {cases} cases, {made} repeated calls and {grids} \
+             cases on small grids correct"
         );
         return;
     }

@@ -33,8 +33,11 @@ fn throughput_dispatch_and_combine_match_the_reference_at_2_4_8_ranks() {
     if let Some(c) = child() {
         let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
         let (cases, hash) = tp_sweep(comm, dev, w, seed);
+        let grids = tp_grids(comm, dev, w, seed);
         destroy(comm);
-        println!("rank {r}: outputs hash {hash:016x}; {cases} cases correct");
+        println!(
+            "rank {r}: outputs hash {hash:016x}; {cases} cases and {grids} on small grids correct"
+        );
         return;
     }
     for outs in at_2_4_8("throughput_dispatch_and_combine_match_the_reference_at_2_4_8_ranks") {

@@ -465,6 +465,29 @@ pub fn tp_sweep(comm: Comm, dev: Dev, w: usize, seed: u64) -> (usize, u64) {
     (cases, hash)
 }
 
+/// Grids of 1, 2 and 3 blocks: the CSR block alone (it pulls first), one block pulling beside
+/// it, two. Returns how many cases ran.
+pub fn tp_grids(comm: Comm, dev: Dev, w: usize, seed: u64) -> usize {
+    let mut ran = 0;
+    for num_sms in [1u32, 2, 3] {
+        let mut s = Shape::new(16, 128, 4, experts(w, 8), false);
+        s.num_sms = num_sms;
+        let o = tp_create(comm, s, dev);
+        let routes = [Route::Random, Route::Sparse, Route::Hot(0)];
+        for (i, route) in routes.into_iter().enumerate() {
+            let c = Case::new(
+                seed ^ ((num_sms as u64) << 40) ^ i as u64,
+                s.t,
+                s.topk,
+                route,
+            );
+            tp_case(&o, &c, &format!("num_sms {num_sms} case {i} {:?}", c.route));
+            ran += 1;
+        }
+    }
+    ran
+}
+
 /// Several combines of one dispatch back to back (different expert outputs, then the first
 /// again): each y its own; `rounds` dispatches.
 pub fn tp_repeated(comm: Comm, dev: Dev, w: usize, seed: u64, rounds: u64) -> usize {
