@@ -11,11 +11,12 @@
 // Correctness first: block 0 routes the whole call (validation, the token lists by destination
 // in token order, a block scan per destination); every block stages rows. Dispatch: the grid's
 // last block to count itself in (D_SENT) stores this rank's counts row, each word tagged with the
-// epoch, into every rank (the call's one cross-rank wait); every block but the grid's last pulls
-// its share of rows, while the grid's last (the CSR block; the only block of a grid of one, after
-// its pull) computes every received row's local top-k and writes the per-expert counts and the
-// CSR over all rows (a counting sort in tiles of rows, tp_build_csr); the last block to count
-// itself in at the end (D_FIN) writes the control words.
+// epoch, into every rank (the call's one cross-rank wait). On a grid of 2 to MOE_TP_OVERLAP_GRID
+// blocks every block but the last pulls its share of rows while the last (the CSR block)
+// computes every received row's local top-k and writes the per-expert counts and the CSR over
+// all rows (a counting sort in tiles of rows, tp_build_csr); on other grids every block pulls and
+// writes its rows' top-k, and the last block to count itself in at the end (D_FIN) builds the
+// CSR. That block writes the control words.
 // Combine: the second and later combines of one dispatch first wait for every rank's "read" flag
 // of the previous one (CTRL_TP_FIRST); each rank stages its peers' rows in its cstage, the last
 // block raises "staged" (2c + refused) on every rank, every block waits for all of them (the one
@@ -136,7 +137,8 @@ __device__ __forceinline__ bool tp_count_in(uint64_t* ctrl, int which, uint64_t 
 // tile: three masks rotate (marked, ranked, cleared) and two `base` arrays alternate.
 // Invariants: L <= MOE_MAX_EXPERTS, K <= 64, and a row names a local expert at most once (the
 // routing was validated: a duplicate fails the call before this); a value outside 0..L-1 (-1)
-// names none. The calling block wrote `ridx` before a barrier; it is read past L1 (__ldcg).
+// names none. `ridx` is read past L1 (__ldcg): the calling block wrote it before a barrier, or
+// other blocks before the count-in's fence.
 #define MOE_TP_CSR_WORDS 2048  // words of one mask: L * TR / 32 <= this
 #define MOE_TP_CSR_EPT 4       // slots per thread per tile: TR * K <= MOE_THREADS * this
 __device__ void tp_build_csr(const int32_t* ridx, int32_t* rows, int32_t* meta, uint32_t N, uint32_t K, int L,
@@ -266,6 +268,10 @@ __device__ void tp_build_csr(const int32_t* ridx, int32_t* rows, int32_t* meta, 
 #define MOE_TP_MASK_REGS 8
 // Rows a thread of the CSR block reads together (their ids and weights: 2 x 8 x 2 registers).
 #define MOE_TP_ROWS 2
+// Grids up to this many blocks give the CSR to their last block during the pull; larger ones
+// build it after the pull in the last block to finish. Under a full grid's pull the CSR block's
+// round trips slow down more than the pull is shortened (bench/NOTES.md).
+#define MOE_TP_OVERLAP_GRID 64
 template <int PAYLOAD_BYTES, bool SCALES, typename IDX>
 __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   __shared__ uint64_t epoch_s;
@@ -486,14 +492,16 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
     // Step 4: pull, row r from the source s with rowbase[s] <= r < rowbase[s + 1], by every
     // block but the grid's last (the CSR block, below) when the grid has more than one.
     const uint64_t N = rowbase_s[W];
-    const uint32_t G = gridDim.x, pullers = G > 1 ? G - 1 : 1;
-    const bool csr_block = blockIdx.x == G - 1;
+    const uint32_t G = gridDim.x;
+    const bool overlap = G > 1 && G <= MOE_TP_OVERLAP_GRID;
+    const uint32_t pullers = overlap ? G - 1 : G;
+    const bool csr_block = overlap && blockIdx.x == G - 1;
     const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp, nw = (uint64_t)pullers * MOE_WARPS;
     int32_t* rsrc = (int32_t*)(a.blocks[me] + a.off_recv_src);
     int32_t* ridx = (int32_t*)(a.blocks[me] + a.off_recv_idx);
     float* rw = (float*)(a.blocks[me] + a.off_recv_weights);
     uint8_t* rx = (uint8_t*)(a.blocks[me] + a.off_recv_x);
-    for (uint64_t r = gw; r < N && (G == 1 || !csr_block); r += nw) {
+    for (uint64_t r = gw; r < N && !csr_block; r += nw) {
       int s = 0;
       while (s + 1 < W && (uint64_t)rowbase_s[s + 1] <= r) ++s;
       const uint64_t i = r - rowbase_s[s];
@@ -508,6 +516,16 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
                                   : (const float*)(a.blocks[s] + a.off_xscales) + par * T * S + t * S;
         float* ds = (float*)(a.blocks[me] + a.off_recv_scales) + r * S;
         for (uint64_t v = lane; v < S; v += 32) ds[v] = __ldcg(ss + v);
+      }
+      if (!overlap) {  // the row's local top-k, for the CSR after the pull
+        const int32_t* sidx = (const int32_t*)(a.blocks[s] + a.off_idx) + par * T * K + t * K;
+        const float* sw = (const float*)(a.blocks[s] + a.off_weights) + par * T * K + t * K;
+        for (uint64_t j = lane; j < K; j += 32) {
+          const int32_t e = __ldcg(sidx + j);
+          const bool mine = e >= 0 && e / L == me;
+          ridx[r * K + j] = mine ? e - me * L : -1;
+          rw[r * K + j] = mine ? __ldcg(sw + j) : 0.f;
+        }
       }
       if (lane == 0) rsrc[r] = (int32_t)((uint64_t)s * T + t);
     }
@@ -569,8 +587,13 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   }
   __syncthreads();
 
-  // The end: the last block to count itself in (after the CSR block's CSR) writes the epochs.
+  // The end: the last block to count itself in builds the CSR unless the CSR block did, then
+  // writes the epochs.
   if (tp_count_in(ctrl, MOE_CTRL_D_FIN, epoch, false, &last_s)) {
+    if (!failed && !(gridDim.x > 1 && gridDim.x <= MOE_TP_OVERLAP_GRID))
+      tp_build_csr((const int32_t*)(a.blocks[me] + a.off_recv_idx),
+                   (int32_t*)(a.blocks[me] + a.off_expert_rows), meta, (uint32_t)rowbase_s[W], (uint32_t)K, L,
+                   warp_s);
     if (tid == 0) {
       __threadfence();
       if (!failed) ctrl[MOE_CTRL_OK_EPOCH] = epoch;
