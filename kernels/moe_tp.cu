@@ -271,7 +271,7 @@ __device__ void tp_build_csr(const int32_t* ridx, int32_t* rows, int32_t* meta, 
 // Grids up to this many blocks give the CSR to their last block during the pull; larger ones
 // build it after the pull in the last block to finish. Under a full grid's pull the CSR block's
 // round trips slow down more than the pull is shortened (bench/NOTES.md).
-#define MOE_TP_OVERLAP_GRID 64
+#define MOE_TP_OVERLAP_GRID 48
 template <int PAYLOAD_BYTES, bool SCALES, typename IDX>
 __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   __shared__ uint64_t epoch_s;
