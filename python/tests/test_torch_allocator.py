@@ -420,7 +420,7 @@ def test_history_state_names_what_is_recorded():
     no pool route open, before anything was recorded (fresh process, host backend)."""
     code = (
         "import symmalloc, symmalloc._torch_ext as t; "
-        "assert t.selftest(symmalloc.library_path(), 0) is None; "
+        "r = t.selftest(symmalloc.library_path(), 0); assert r is None, r; "
         "print('STATE', t.history_state())"
     )
     line = next(x for x in _run_on_host(code).splitlines() if x.startswith("STATE "))
@@ -440,7 +440,7 @@ def test_profiling_build_times_and_traces_the_allocation_path(tmp_path):
     code = (
         "import json, symmalloc, symmalloc._torch_ext as t; "
         "t.profile_trace(True); "
-        "assert t.selftest(symmalloc.library_path(), 0) is None; "
+        "r = t.selftest(symmalloc.library_path(), 0); assert r is None, r; "
         f"t.profile_trace(False, {str(csv)!r}); "
         "print('PROFILE', json.dumps(t.profile_take())); "
         "print('AGAIN', json.dumps(t.profile_take()))"
