@@ -481,6 +481,8 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   }
   __syncthreads();
   const bool failed = found_s[0] != 0;
+  // The CSR block (step 4) on grids of 2 to MOE_TP_OVERLAP_GRID blocks; else the CSR at the end.
+  const bool overlap = gridDim.x > 1 && gridDim.x <= MOE_TP_OVERLAP_GRID;
   int32_t* meta = (int32_t*)(a.blocks[me] + a.off_meta);
   if (failed) {
     if (blockIdx.x == 0) {
@@ -493,7 +495,6 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
     // block but the grid's last (the CSR block, below) when the grid has more than one.
     const uint64_t N = rowbase_s[W];
     const uint32_t G = gridDim.x;
-    const bool overlap = G > 1 && G <= MOE_TP_OVERLAP_GRID;
     const uint32_t pullers = overlap ? G - 1 : G;
     const bool csr_block = overlap && blockIdx.x == G - 1;
     const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp, nw = (uint64_t)pullers * MOE_WARPS;
@@ -590,7 +591,7 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   // The end: the last block to count itself in builds the CSR unless the CSR block did, then
   // writes the epochs.
   if (tp_count_in(ctrl, MOE_CTRL_D_FIN, epoch, false, &last_s)) {
-    if (!failed && !(gridDim.x > 1 && gridDim.x <= MOE_TP_OVERLAP_GRID))
+    if (!failed && !overlap)
       tp_build_csr((const int32_t*)(a.blocks[me] + a.off_recv_idx),
                    (int32_t*)(a.blocks[me] + a.off_expert_rows), meta, (uint32_t)rowbase_s[W], (uint32_t)K, L,
                    warp_s);
