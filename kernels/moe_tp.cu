@@ -11,12 +11,11 @@
 // Correctness first: block 0 routes the whole call (validation, the token lists by destination
 // in token order, a block scan per destination); every block stages rows. Dispatch: the grid's
 // last block to count itself in (D_SENT) stores this rank's counts row, each word tagged with the
-// epoch, into every rank (the call's one cross-rank wait). On a grid of 2 to MOE_TP_OVERLAP_GRID
-// blocks every block but the last pulls its share of rows while the last (the CSR block)
-// computes every received row's local top-k and writes the per-expert counts and the CSR over
-// all rows (a counting sort in tiles of rows, tp_build_csr); on other grids every block pulls and
-// writes its rows' top-k, and the last block to count itself in at the end (D_FIN) builds the
-// CSR. That block writes the control words.
+// epoch, into every rank (the call's one cross-rank wait); every block pulls its share of rows,
+// then takes a contiguous share of the received rows for their local top-k and the CSR by local
+// expert (tp_grid_csr: per-block counts, two grid barriers, per-expert scans over the blocks,
+// then each block places its own rows); the last block to count itself in at the end (D_FIN)
+// writes the control words.
 // Combine: the second and later combines of one dispatch first wait for every rank's "read" flag
 // of the previous one (CTRL_TP_FIRST); each rank stages its peers' rows in its cstage, the last
 // block raises "staged" (2c + refused) on every rank, every block waits for all of them (the one
@@ -30,6 +29,7 @@
 // the first combine epoch of the last dispatch, and this rank's counts row as block 0 leaves it
 // for the publishing block (W counts, then the status words).
 #define MOE_CTRL_TP_FIRST 7
+#define MOE_CTRL_TP_SYNC 8   // tp_grid_sync's count
 #define MOE_CTRL_TP_ROW 16
 // Flag rows (throughput.rs TP_FLAG_*).
 #define MOE_TP_FLAG_STAGED 0
@@ -58,6 +58,7 @@ struct MoeTpArgs {
   uint64_t off_xstage;
   uint64_t off_xscales;
   uint64_t off_cstage;             // [W*T][H] bf16
+  uint64_t off_csr;                // [MAX_GRID][L] int32: tp_grid_csr's counts, then prefixes
   uint64_t num_tokens;
   int64_t refuse_value;
   uint32_t max_tokens;             // T
@@ -126,27 +127,32 @@ __device__ __forceinline__ bool tp_count_in(uint64_t* ctrl, int which, uint64_t 
   return *last_s != 0;
 }
 
-// The CSR of the received rows by local expert, built by one block (the dispatch's last): a
-// counting sort. `rows` gets `r * K + j` for every slot with `ridx[r * K + j] == le`, grouped by
-// le, r increasing within a group; meta gets N, the counts, the offsets and their total. Pass 1
-// counts the slots per local expert (shared atomics: a sum, so the order does not matter) and
-// scans the counts into the offsets. Pass 2 takes the rows in tiles of TR (256; 128 or fewer
-// where L > 256 or K > 8, so that a tile's masks and slots fit): each slot naming le sets bit
-// `r % TR` of le's mask for the tile, and its place is le's slots before the tile (`base`) plus
-// the bits set below its own, so the result does not depend on thread timing. One barrier per
-// tile: three masks rotate (marked, ranked, cleared) and two `base` arrays alternate.
-// Invariants: L <= MOE_MAX_EXPERTS, K <= 64, and a row names a local expert at most once (the
-// routing was validated: a duplicate fails the call before this); a value outside 0..L-1 (-1)
-// names none. `ridx` is read past L1 (__ldcg): the calling block wrote it before a barrier, or
-// other blocks before the count-in's fence.
+// Entries of a token (or of a received row) loaded together; received rows a thread reads together
+// in tp_grid_csr (their ids and weights: 2 x 8 x 2 registers); the most blocks of a grid
+// (moe/mod.rs MAX_GRID).
+#define MOE_TP_GROUP 8
+#define MOE_TP_ROWS 2
+#define MOE_TP_MAX_GRID 132
+
+// The CSR's placement for rows [r0, r1), by one block: `rows` gets `r * K + j` for every slot
+// of those rows with `ridx[r * K + j] == le`, at `start[le]` (shared memory, this block's first
+// place of le) plus its rank among the range's slots of le, rows increasing. The rows go in tiles
+// of TR (256; 128 or fewer where L > 256 or K > 8, so that a tile's masks and slots fit): each
+// slot naming le sets bit `r % TR` of le's mask for the tile, and its place is le's slots before
+// the tile (`base`) plus the bits set below its own, so the result does not depend on thread
+// timing. One barrier per tile: three masks rotate (marked, ranked, cleared) and two `base`
+// arrays alternate. Invariants: L <= MOE_MAX_EXPERTS, K <= 64, and a row names a local expert at
+// most once (the routing was validated: a duplicate fails the call before this); a value
+// outside 0..L-1 (-1) names none. `ridx` is read past L1 (__ldcg): the calling block wrote it
+// before a barrier.
 #define MOE_TP_CSR_WORDS 2048  // words of one mask: L * TR / 32 <= this
 #define MOE_TP_CSR_EPT 4       // slots per thread per tile: TR * K <= MOE_THREADS * this
-__device__ void tp_build_csr(const int32_t* ridx, int32_t* rows, int32_t* meta, uint32_t N, uint32_t K, int L,
-                             int32_t* warp_s) {
-  __shared__ int32_t base_s[2][MOE_MAX_EXPERTS];    // counts, then offsets plus the slots of earlier tiles
+__device__ void tp_place_rows(const int32_t* ridx, int32_t* rows, uint32_t r0, uint32_t r1, uint32_t K, int L,
+                              const int32_t* start) {
+  __shared__ int32_t base_s[2][MOE_MAX_EXPERTS];    // start plus the slots of earlier tiles
   __shared__ uint32_t mask_s[3][MOE_TP_CSR_WORDS];  // per tile, [TR / 32][L]: bit r % TR of le's rows
   const int tid = threadIdx.x;
-  const uint32_t NK = N * K, UL = (uint32_t)L;
+  const uint32_t q0 = r0 * K, NK = (r1 - r0) * K, UL = (uint32_t)L;
   uint32_t wpl = 8;  // mask words per local expert: TR = 32 * wpl rows per tile
   while (wpl > 1 && (wpl * UL > MOE_TP_CSR_WORDS || 32 * wpl * K > MOE_THREADS * MOE_TP_CSR_EPT)) wpl >>= 1;
   const uint32_t TE = 32 * wpl * K;  // slots per tile
@@ -160,65 +166,21 @@ __device__ void tp_build_csr(const int32_t* ridx, int32_t* rows, int32_t* meta, 
   }
   int m_rank = 0, m_mark = 1, m_clear = 2;
   for (uint32_t q = tid; q < wpl * UL; q += MOE_THREADS) mask_s[m_rank][q] = mask_s[m_mark][q] = 0;
-  for (int le = tid; le < L; le += MOE_THREADS) base_s[0][le] = 0;
+  for (int le = tid; le < L; le += MOE_THREADS) base_s[0][le] = start[le];
   __syncthreads();
-  // Pass 1: the counts, 16 slots a thread at a time (loads first, then the atomics).
-  const uint32_t NV = NK / 4;
-#pragma unroll 1
-  for (uint32_t b = 0; b < NV; b += 4 * MOE_THREADS) {
-    int4 v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const uint32_t q = b + (uint32_t)(u * MOE_THREADS + tid);
-      v[u] = q < NV ? __ldcg((const int4*)ridx + q) : make_int4(-1, -1, -1, -1);
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int32_t e[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if ((uint32_t)e[i] < UL) atomicAdd(&base_s[0][e[i]], 1);
-    }
-  }
-  if ((uint32_t)tid < NK % 4) {
-    const int32_t e = __ldcg(ridx + NV * 4 + tid);
-    if ((uint32_t)e < UL) atomicAdd(&base_s[0][e], 1);
-  }
-  // Tile 0 marked meanwhile.
+  // Tile 0 marked.
   int32_t cur[MOE_TP_CSR_EPT], nxt[MOE_TP_CSR_EPT];
 #pragma unroll
   for (int u = 0; u < MOE_TP_CSR_EPT; ++u) {
     const uint32_t q = (uint32_t)(u * MOE_THREADS + tid);
-    cur[u] = rt[u] != ~0u && q < NK ? __ldcg(ridx + q) : -1;
+    cur[u] = rt[u] != ~0u && q < NK ? __ldcg(ridx + q0 + q) : -1;
   }
 #pragma unroll
   for (int u = 0; u < MOE_TP_CSR_EPT; ++u)
     if ((uint32_t)cur[u] < UL) atomicOr(&mask_s[m_rank][(rt[u] >> 5) * UL + cur[u]], 1u << (rt[u] & 31));
   __syncthreads();
-  // The offsets: thread t scans local experts 2t and 2t + 1.
-  {
-    const int le = 2 * tid;
-    const int32_t c0 = le < L ? base_s[0][le] : 0, c1 = le + 1 < L ? base_s[0][le + 1] : 0;
-    int32_t total;
-    const int32_t ex = moe_block_scan_value(c0 + c1, warp_s, total);
-    if (le < L) {
-      base_s[0][le] = ex;
-      meta[1 + le] = c0;
-      meta[1 + L + le] = ex;
-    }
-    if (le + 1 < L) {
-      base_s[0][le + 1] = ex + c0;
-      meta[1 + le + 1] = c1;
-      meta[1 + L + le + 1] = ex + c0;
-    }
-    if (tid == 0) {
-      meta[0] = (int32_t)N;
-      meta[1 + 2 * L] = total;
-    }
-  }
-  __syncthreads();
-  // Pass 2: tile t's slots are ranked with mask m_rank and base_s[t & 1]; tile t + 1's are marked
-  // in m_mark; m_clear (tile t - 1's) is cleared for tile t + 2.
+  // Tile t's slots are ranked with mask m_rank and base_s[t & 1]; tile t + 1's are marked in
+  // m_mark; m_clear (tile t - 1's) is cleared for tile t + 2.
 #pragma unroll 1
   for (uint32_t t = 0; t < tiles; ++t) {
     const uint32_t* rank_m = mask_s[m_rank];
@@ -226,7 +188,7 @@ __device__ void tp_build_csr(const int32_t* ridx, int32_t* rows, int32_t* meta, 
 #pragma unroll
     for (int u = 0; u < MOE_TP_CSR_EPT; ++u) {
       const uint32_t q = (t + 1) * TE + (uint32_t)(u * MOE_THREADS + tid);
-      nxt[u] = t + 1 < tiles && rt[u] != ~0u && q < NK ? __ldcg(ridx + q) : -1;
+      nxt[u] = t + 1 < tiles && rt[u] != ~0u && q < NK ? __ldcg(ridx + q0 + q) : -1;
     }
 #pragma unroll
     for (int u = 0; u < MOE_TP_CSR_EPT; ++u) {
@@ -236,7 +198,7 @@ __device__ void tp_build_csr(const int32_t* ridx, int32_t* rows, int32_t* meta, 
         uint32_t rank = __popc(rank_m[w * UL + le] & ((1u << (rt[u] & 31)) - 1));
 #pragma unroll 1
         for (uint32_t v = 0; v < w; ++v) rank += __popc(rank_m[v * UL + le]);
-        rows[base[le] + (int32_t)rank] = (int32_t)(t * TE + (uint32_t)(u * MOE_THREADS + tid));
+        rows[base[le] + (int32_t)rank] = (int32_t)(q0 + t * TE + (uint32_t)(u * MOE_THREADS + tid));
       }
     }
 #pragma unroll 1
@@ -262,16 +224,148 @@ __device__ void tp_build_csr(const int32_t* ridx, int32_t* rows, int32_t* meta, 
   }
 }
 
-// Block 0's routing: entries of a token loaded together, and the iterations whose destination
-// masks stay in registers (MOE_THREADS tokens each: 4,096 tokens with 512 threads).
-#define MOE_TP_GROUP 8
+// A barrier across the grid (resident by design): every block counts itself in at
+// MOE_CTRL_TP_SYNC and waits for the rest of its generation (the count's multiple of the grid
+// above its own count: every block passes the same barriers in the same order, failed calls
+// none). Release before, acquire after, at GPU scope. False when the wait gave up (aborted or
+// timed out, naming this rank).
+__device__ __forceinline__ bool tp_grid_sync(const MoeTpArgs& a, uint64_t* ctrl) {
+  __shared__ int sync_ok_s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    moe_fence_release(false);
+    const unsigned long long old = atomicAdd((unsigned long long*)&ctrl[MOE_CTRL_TP_SYNC], 1ull);
+    const uint64_t target = (old / gridDim.x + 1) * gridDim.x;
+    const uint64_t start = globaltimer();
+    uint32_t spins = 0;
+    int ok = 1;
+    while (moe_ld_acquire(&ctrl[MOE_CTRL_TP_SYNC], false) < target) {
+      if (give_up(a.s, spins, start, a.s.rank)) {
+        ok = 0;
+        break;
+      }
+    }
+    sync_ok_s = ok;
+  }
+  __syncthreads();
+  return sync_ok_s != 0;
+}
+
+// The received rows' local top-k and the CSR, spread over the grid (after the wait, beside the
+// pull). Block b takes rows [b * per, (b + 1) * per):
+// 1. their top-k from the sources' lists and routing copies into ridx / rw (MOE_TP_ROWS rows a
+//    thread at a time, every load before any store), and its slots per local expert into
+//    `csr[b][le]`; a grid barrier;
+// 2. it owns local experts [b * lpb, (b + 1) * lpb): per expert an exclusive scan of the G blocks'
+//    counts (a warp per expert) replaces them in `csr`, and the total is meta's count; a grid
+//    barrier;
+// 3. its first place per expert = the offsets (the totals' exclusive scan) plus its `csr` row;
+//    it places its rows (tp_place_rows). Block 0 writes the rest of meta.
+// The result is the one-block sort's, bit for bit: rows by local expert, increasing.
+__device__ bool tp_grid_csr(const MoeTpArgs& a, uint64_t* ctrl, uint64_t par, const int32_t* rowbase_s,
+                            const int32_t* listoff_s, int32_t* meta, int32_t* warp_s) {
+  __shared__ int32_t c_s[MOE_MAX_EXPERTS];                  // this block's slots per le; its starts
+  __shared__ int32_t o_s[MOE_MAX_EXPERTS];                  // the totals; their exclusive scan
+  __shared__ int32_t col_s[MOE_MAX_EXPERTS + MOE_TP_MAX_GRID];  // step 2: [own expert][block]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int me = a.s.rank, W = a.s.world, L = a.local;
+  const uint32_t G = gridDim.x, b = blockIdx.x, UL = (uint32_t)L, UK = (uint32_t)a.topk;
+  const uint64_t T = a.max_tokens, K = a.topk;
+  const uint32_t N = (uint32_t)rowbase_s[W];
+  const uint32_t per = (N + G - 1) / G, r0 = min(b * per, N), r1 = min(r0 + per, N);
+  int32_t* ridx = (int32_t*)(a.blocks[me] + a.off_recv_idx);
+  float* rw = (float*)(a.blocks[me] + a.off_recv_weights);
+  int32_t* csr = (int32_t*)(a.blocks[me] + a.off_csr);
+  for (int le = tid; le < L; le += MOE_THREADS) c_s[le] = 0;
+  __syncthreads();
+  // Step 1.
+  for (uint32_t q0 = r0 + tid; q0 < r1; q0 += MOE_TP_ROWS * MOE_THREADS) {
+    const int32_t* sx[MOE_TP_ROWS];
+    const float* sv[MOE_TP_ROWS];
+#pragma unroll
+    for (int u = 0; u < MOE_TP_ROWS; ++u) {
+      const uint32_t r = q0 + u * MOE_THREADS;
+      sx[u] = nullptr;
+      sv[u] = nullptr;
+      if (r < r1) {
+        int s = 0;
+        while (s + 1 < W && (uint32_t)rowbase_s[s + 1] <= r) ++s;
+        const int32_t* slist = (const int32_t*)(a.blocks[s] + a.off_list) + par * (uint64_t)W * T;
+        const uint64_t t = (uint64_t)__ldcg(slist + listoff_s[s] + (r - (uint32_t)rowbase_s[s]));
+        sx[u] = (const int32_t*)(a.blocks[s] + a.off_idx) + par * T * K + t * K;
+        sv[u] = (const float*)(a.blocks[s] + a.off_weights) + par * T * K + t * K;
+      }
+    }
+    for (uint32_t j0 = 0; j0 < UK; j0 += MOE_TP_GROUP) {
+      int32_t ev[MOE_TP_ROWS][MOE_TP_GROUP];
+      float wv[MOE_TP_ROWS][MOE_TP_GROUP];
+#pragma unroll
+      for (int u = 0; u < MOE_TP_ROWS; ++u)
+#pragma unroll
+        for (int g = 0; g < MOE_TP_GROUP; ++g) {
+          const bool in = sx[u] != nullptr && j0 + g < UK;
+          ev[u][g] = in ? __ldcg(sx[u] + j0 + g) : -1;
+          wv[u][g] = in ? __ldcg(sv[u] + j0 + g) : 0.f;
+        }
+#pragma unroll
+      for (int u = 0; u < MOE_TP_ROWS; ++u)
+#pragma unroll
+        for (int g = 0; g < MOE_TP_GROUP; ++g) {
+          const uint64_t r = q0 + u * MOE_THREADS;
+          if (sx[u] == nullptr || j0 + g >= UK) continue;
+          const int32_t e = ev[u][g];
+          const bool mine = e >= 0 && e / L == me;
+          ridx[r * K + j0 + g] = mine ? e - me * L : -1;
+          rw[r * K + j0 + g] = mine ? wv[u][g] : 0.f;
+          if (mine) atomicAdd(&c_s[e - me * L], 1);
+        }
+    }
+  }
+  __syncthreads();
+  for (int le = tid; le < L; le += MOE_THREADS) csr[(uint64_t)b * UL + le] = c_s[le];
+  if (!tp_grid_sync(a, ctrl)) return false;
+  // Step 2: this block's experts' columns, then a warp per expert scans its column.
+  const uint32_t lpb = (UL + G - 1) / G, e0 = min(b * lpb, UL), e1 = min(e0 + lpb, UL), ne = e1 - e0;
+  for (uint32_t i = tid; i < ne * G; i += MOE_THREADS) {
+    const uint32_t le = e0 + i / G, bb = i % G;
+    col_s[i] = __ldcg(csr + (uint64_t)bb * UL + le);
+  }
+  __syncthreads();
+  for (uint32_t i = warp; i < ne; i += MOE_WARPS) {
+    int32_t carry = 0;
+    for (uint32_t c0 = 0; c0 < G; c0 += 32) {
+      const uint32_t bb = c0 + lane;
+      const int32_t v = bb < G ? col_s[i * G + bb] : 0;
+      const int32_t x = moe_warp_inclusive(v);
+      if (bb < G) csr[(uint64_t)bb * UL + e0 + i] = carry + x - v;
+      carry += __shfl_sync(0xffffffffu, x, 31);
+    }
+    if (lane == 0) meta[1 + e0 + i] = carry;
+  }
+  if (!tp_grid_sync(a, ctrl)) return false;
+  // Step 3.
+  for (int le = tid; le < L; le += MOE_THREADS) {
+    o_s[le] = __ldcg(meta + 1 + le);
+    c_s[le] = __ldcg(csr + (uint64_t)b * UL + le);
+  }
+  __syncthreads();
+  const int32_t total = moe_block_scan(o_s, o_s, L, warp_s);
+  for (int le = tid; le < L; le += MOE_THREADS) {
+    c_s[le] += o_s[le];
+    if (b == 0) meta[1 + L + le] = o_s[le];
+  }
+  if (b == 0 && tid == 0) {
+    meta[0] = (int32_t)N;
+    meta[1 + 2 * L] = total;
+  }
+  __syncthreads();
+  tp_place_rows(ridx, (int32_t*)(a.blocks[me] + a.off_expert_rows), r0, r1, UK, L, c_s);
+  return true;
+}
+
+// Block 0's routing: the iterations whose destination masks stay in registers (MOE_THREADS
+// tokens each: 4,096 tokens with 512 threads).
 #define MOE_TP_MASK_REGS 8
-// Rows a thread of the CSR block reads together (their ids and weights: 2 x 8 x 2 registers).
-#define MOE_TP_ROWS 2
-// Grids up to this many blocks give the CSR to their last block during the pull; larger ones
-// build it after the pull in the last block to finish. Under a full grid's pull the CSR block's
-// round trips slow down more than the pull is shortened (bench/NOTES.md).
-#define MOE_TP_OVERLAP_GRID 48
 template <int PAYLOAD_BYTES, bool SCALES, typename IDX>
 __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   __shared__ uint64_t epoch_s;
@@ -481,8 +575,6 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   }
   __syncthreads();
   const bool failed = found_s[0] != 0;
-  // The CSR block (step 4) on grids of 2 to MOE_TP_OVERLAP_GRID blocks; else the CSR at the end.
-  const bool overlap = gridDim.x > 1 && gridDim.x <= MOE_TP_OVERLAP_GRID;
   int32_t* meta = (int32_t*)(a.blocks[me] + a.off_meta);
   if (failed) {
     if (blockIdx.x == 0) {
@@ -491,18 +583,13 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
       for (int i = tid; i < 2 * L + 2; i += MOE_THREADS) meta[i] = 0;
     }
   } else {
-    // Step 4: pull, row r from the source s with rowbase[s] <= r < rowbase[s + 1], by every
-    // block but the grid's last (the CSR block, below) when the grid has more than one.
+    // Step 4: pull, row r from the source s with rowbase[s] <= r < rowbase[s + 1]; the rows'
+    // top-k and the CSR: tp_grid_csr, after the places below.
     const uint64_t N = rowbase_s[W];
-    const uint32_t G = gridDim.x;
-    const uint32_t pullers = overlap ? G - 1 : G;
-    const bool csr_block = overlap && blockIdx.x == G - 1;
-    const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp, nw = (uint64_t)pullers * MOE_WARPS;
+    const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp, nw = (uint64_t)gridDim.x * MOE_WARPS;
     int32_t* rsrc = (int32_t*)(a.blocks[me] + a.off_recv_src);
-    int32_t* ridx = (int32_t*)(a.blocks[me] + a.off_recv_idx);
-    float* rw = (float*)(a.blocks[me] + a.off_recv_weights);
     uint8_t* rx = (uint8_t*)(a.blocks[me] + a.off_recv_x);
-    for (uint64_t r = gw; r < N && !csr_block; r += nw) {
+    for (uint64_t r = gw; r < N; r += nw) {
       int s = 0;
       while (s + 1 < W && (uint64_t)rowbase_s[s + 1] <= r) ++s;
       const uint64_t i = r - rowbase_s[s];
@@ -518,16 +605,6 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
         float* ds = (float*)(a.blocks[me] + a.off_recv_scales) + r * S;
         for (uint64_t v = lane; v < S; v += 32) ds[v] = __ldcg(ss + v);
       }
-      if (!overlap) {  // the row's local top-k, for the CSR after the pull
-        const int32_t* sidx = (const int32_t*)(a.blocks[s] + a.off_idx) + par * T * K + t * K;
-        const float* sw = (const float*)(a.blocks[s] + a.off_weights) + par * T * K + t * K;
-        for (uint64_t j = lane; j < K; j += 32) {
-          const int32_t e = __ldcg(sidx + j);
-          const bool mine = e >= 0 && e / L == me;
-          ridx[r * K + j] = mine ? e - me * L : -1;
-          rw[r * K + j] = mine ? __ldcg(sw + j) : 0.f;
-        }
-      }
       if (lane == 0) rsrc[r] = (int32_t)((uint64_t)s * T + t);
     }
     // Each of this rank's tokens' row at each rank it went to (after the lower sources').
@@ -536,65 +613,12 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
       const int32_t p = pos[q];
       if (p >= 0) pos[q] = p + below_s[(uint32_t)q % (uint32_t)W];  // q < T * W < 2^31
     }
-    // The CSR block, while the others pull: each received row's local top-k (ridx: the local
-    // expert or -1; rw: its weight or 0) from its source's list and routing copy, MOE_TP_ROWS rows
-    // a thread at a time with every load before any store, then the CSR over them.
-    if (csr_block) {
-      const uint32_t UK = (uint32_t)K, UN = (uint32_t)N;
-      for (uint32_t r0 = tid; r0 < UN; r0 += MOE_TP_ROWS * MOE_THREADS) {
-        const int32_t* sx[MOE_TP_ROWS];
-        const float* sv[MOE_TP_ROWS];
-#pragma unroll
-        for (int u = 0; u < MOE_TP_ROWS; ++u) {
-          const uint32_t r = r0 + u * MOE_THREADS;
-          sx[u] = nullptr;
-          sv[u] = nullptr;
-          if (r < UN) {
-            int s = 0;
-            while (s + 1 < W && (uint32_t)rowbase_s[s + 1] <= r) ++s;
-            const int32_t* slist = (const int32_t*)(a.blocks[s] + a.off_list) + par * (uint64_t)W * T;
-            const uint64_t t = (uint64_t)__ldcg(slist + listoff_s[s] + (r - (uint32_t)rowbase_s[s]));
-            sx[u] = (const int32_t*)(a.blocks[s] + a.off_idx) + par * T * K + t * K;
-            sv[u] = (const float*)(a.blocks[s] + a.off_weights) + par * T * K + t * K;
-          }
-        }
-        for (uint32_t j0 = 0; j0 < UK; j0 += MOE_TP_GROUP) {
-          int32_t ev[MOE_TP_ROWS][MOE_TP_GROUP];
-          float wv[MOE_TP_ROWS][MOE_TP_GROUP];
-#pragma unroll
-          for (int u = 0; u < MOE_TP_ROWS; ++u)
-#pragma unroll
-            for (int g = 0; g < MOE_TP_GROUP; ++g) {
-              const bool in = sx[u] != nullptr && j0 + g < UK;
-              ev[u][g] = in ? __ldcg(sx[u] + j0 + g) : -1;
-              wv[u][g] = in ? __ldcg(sv[u] + j0 + g) : 0.f;
-            }
-#pragma unroll
-          for (int u = 0; u < MOE_TP_ROWS; ++u)
-#pragma unroll
-            for (int g = 0; g < MOE_TP_GROUP; ++g) {
-              const uint64_t r = r0 + u * MOE_THREADS;
-              if (sx[u] == nullptr || j0 + g >= UK) continue;
-              const int32_t e = ev[u][g];
-              const bool mine = e >= 0 && e / L == me;
-              ridx[r * K + j0 + g] = mine ? e - me * L : -1;
-              rw[r * K + j0 + g] = mine ? wv[u][g] : 0.f;
-            }
-        }
-      }
-      __syncthreads();  // the block's ridx before the CSR reads it
-      tp_build_csr(ridx, (int32_t*)(a.blocks[me] + a.off_expert_rows), meta, UN, UK, L, warp_s);
-    }
+    if (!tp_grid_csr(a, ctrl, par, rowbase_s, listoff_s, meta, warp_s)) return;
   }
   __syncthreads();
 
-  // The end: the last block to count itself in builds the CSR unless the CSR block did, then
-  // writes the epochs.
+  // The end: the last block to count itself in writes the epochs.
   if (tp_count_in(ctrl, MOE_CTRL_D_FIN, epoch, false, &last_s)) {
-    if (!failed && !overlap)
-      tp_build_csr((const int32_t*)(a.blocks[me] + a.off_recv_idx),
-                   (int32_t*)(a.blocks[me] + a.off_expert_rows), meta, (uint32_t)rowbase_s[W], (uint32_t)K, L,
-                   warp_s);
     if (tid == 0) {
       __threadfence();
       if (!failed) ctrl[MOE_CTRL_OK_EPOCH] = epoch;

@@ -473,6 +473,7 @@ fn moe_tp_argument_struct_and_constants_match_the_cuda_source() {
         "off_xstage",
         "off_xscales",
         "off_cstage",
+        "off_csr",
         "num_tokens",
     ];
     let mut want = vec![
@@ -495,7 +496,7 @@ fn moe_tp_argument_struct_and_constants_match_the_cuda_source() {
     );
     assert_eq!(
         std::mem::size_of::<tp::MoeTpArgs>(),
-        256 + 64 + 22 * 8 + 8 * 4
+        256 + 64 + 23 * 8 + 8 * 4
     );
     let define = |name: &str| -> u64 {
         let at = src
@@ -506,6 +507,8 @@ fn moe_tp_argument_struct_and_constants_match_the_cuda_source() {
     };
     for (name, v) in [
         ("MOE_CTRL_TP_FIRST", tp::CTRL_TP_FIRST),
+        ("MOE_CTRL_TP_SYNC", tp::CTRL_TP_SYNC),
+        ("MOE_TP_MAX_GRID", symmalloc::comm::moe::MAX_GRID as u64),
         ("MOE_CTRL_TP_ROW", tp::CTRL_TP_ROW),
         (
             "MOE_TP_FLAG_STAGED",

@@ -308,6 +308,9 @@ pub struct TpLayout {
     pub xscales_slot: u64,
     /// `[W*T][H]` bf16: this rank's combine input rows of peers' tokens (peers read them).
     pub cstage: u64,
+    /// `[MAX_GRID][L]` int32: the dispatch's CSR, per block its slots per local expert, then
+    /// the slots of lower blocks (kernels/moe_tp.cu `tp_grid_csr`; only this rank's kernel).
+    pub csr: u64,
     pub bytes: u64,
 }
 
@@ -333,6 +336,7 @@ impl TpLayout {
         let weights = parts.take(2 * t * k * 4);
         let pos = parts.take(t * world * 4);
         let list = parts.take(2 * world * t * 4);
+        let csr = parts.take(super::MAX_GRID as u64 * l * 4);
         let peers = world > 1;
         let xstage_slot = if peers { t * h * c.dtype.bytes() } else { 0 };
         let xstage = parts.take(2 * xstage_slot);
@@ -358,6 +362,7 @@ impl TpLayout {
             xscales,
             xscales_slot,
             cstage,
+            csr,
             bytes: parts.end,
         }
     }
@@ -449,9 +454,9 @@ mod tp_tests {
         let l = TpLayout::new(&c, 8);
         let (w, t, h, k) = (8u64, 4096u64, 7168u64, 8u64);
         // recv_x + cstage + 2 staged x, then the int32 parts (rows x (1 + 3K), 2 T K x 2, T W,
-        // 2 W T) and the counts/flags/meta, each part rounded to 256 bytes.
+        // 2 W T, MAX_GRID L) and the counts/flags/meta, each part rounded to 256 bytes.
         let formula = 2 * w * t * h * 2 + 2 * t * h * 2;
-        let small = w * t * (1 + 3 * k) * 4 + 4 * t * k * 4 + 3 * t * w * 4;
+        let small = w * t * (1 + 3 * k) * 4 + 4 * t * k * 4 + 3 * t * w * 4 + 132 * 32 * 4;
         assert!(l.bytes >= formula + small, "{l:?}");
         assert!(l.bytes <= formula + small + 64 * 1024, "{l:?}");
         assert!(l.bytes <= 1 << 30, "{} bytes", l.bytes);
@@ -491,6 +496,7 @@ mod tp_tests {
                 (l.weights, 2 * t * k * 4),
                 (l.pos, t * w * 4),
                 (l.list, 2 * w * t * 4),
+                (l.csr, 132 * 8 * 4),
                 (l.xstage, 2 * peers * t * h * pay),
                 (l.xscales, 2 * peers * t * sc * 4),
                 (l.cstage, peers * rows * h * 2),

@@ -37,6 +37,8 @@ const _: () = assert!(super::launch::MOE_KERNELS.len() as u64 <= TP_KEY_BASE);
 /// combine epoch of the last dispatch, and where block 0 leaves this rank's counts row for the
 /// publishing block (W counts, then ROW_EXTRA status words; kernels/moe_tp.cu).
 pub const CTRL_TP_FIRST: u64 = 7;
+/// The grid barrier's count of the dispatch's CSR (kernels/moe_tp.cu `tp_grid_sync`).
+pub const CTRL_TP_SYNC: u64 = 8;
 pub const CTRL_TP_ROW: u64 = 16;
 const _: () = assert!((CTRL_TP_ROW + MAX_RANKS as u64 + ROW_EXTRA) * 8 <= CTRL_BYTES);
 
@@ -76,6 +78,8 @@ pub struct MoeTpArgs {
     pub off_xstage: u64,
     pub off_xscales: u64,
     pub off_cstage: u64,
+    /// `[MAX_GRID][L]` int32: the grid CSR's counts per block, then their prefixes.
+    pub off_csr: u64,
     pub num_tokens: u64,
     pub refuse_value: i64,
     pub max_tokens: u32,
@@ -88,7 +92,7 @@ pub struct MoeTpArgs {
     pub pad: i32,
 }
 
-const _: () = assert!(std::mem::size_of::<MoeTpArgs>() == 256 + 64 + 22 * 8 + 8 * 4);
+const _: () = assert!(std::mem::size_of::<MoeTpArgs>() == 256 + 64 + 23 * 8 + 8 * 4);
 
 fn tp_args(c: &Ctx, m: &Moe, t: &TpLayout) -> MoeTpArgs {
     let mut s = SymmArgs {
@@ -119,6 +123,7 @@ fn tp_args(c: &Ctx, m: &Moe, t: &TpLayout) -> MoeTpArgs {
         off_xstage: t.xstage,
         off_xscales: t.xscales,
         off_cstage: t.cstage,
+        off_csr: t.csr,
         max_tokens: m.cfg.tokens as u32,
         hidden: m.cfg.hidden as u32,
         topk: m.cfg.topk as i32,
