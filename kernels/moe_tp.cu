@@ -400,21 +400,31 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   int32_t* pos = (int32_t*)(a.blocks[me] + a.off_pos);
   const float* w_in = (const float*)a.weights_or_y;
 
-  // Step 1, block 0: the routing (validated), its copy, the token lists by destination.
-  if (blockIdx.x == 0) {
-    // A thread per token (t = tid + it * MOE_THREADS), its entries loaded MOE_TP_GROUP at a time
-    // before any is used (one round trip per group, not one per entry); a duplicate is looked
-    // for in the group's registers and, past the first group, in memory (as tp_entry does). The
-    // token's destination mask stays in a register for the scans below (the first
+  // Step 1, every block: the routing of its chunk of tokens [t0, t1) (validated), its copy, the
+  // chunk's ranks per destination; its counts in `rc` (the csr part, [G][W + 1]: W counts, then
+  // its first bad entry t * K + j or -1); a grid barrier; then every block's offsets per
+  // destination (the counts of lower blocks) place its tokens in the lists by destination (token
+  // order) and in pos, and block 0 leaves the counts row and the status words in CTRL_TP_ROW...
+  // The lists and pos come out as one block's serial scan would leave them.
+  const uint32_t G = gridDim.x, UW = (uint32_t)W;
+  const uint32_t per = (uint32_t)((n + G - 1) / G);
+  const uint32_t t0 = min((uint32_t)blockIdx.x * per, (uint32_t)n), t1 = min(t0 + per, (uint32_t)n);
+  int32_t* rc = (int32_t*)(a.blocks[me] + a.off_csr);
+  int32_t* list = (int32_t*)(a.blocks[me] + a.off_list) + par * (uint64_t)W * T;
+  {
+    // A thread per token (t = t0 + tid + it * MOE_THREADS), its entries loaded MOE_TP_GROUP at a
+    // time before any is used (one round trip per group, not one per entry); a duplicate is
+    // looked for in the group's registers and, past the first group, in memory (as tp_entry
+    // does). The token's destination mask stays in a register for the scans below (the first
     // MOE_TP_MASK_REGS iterations; later ones read pos back).
     uint32_t mk[MOE_TP_MASK_REGS];
 #pragma unroll
     for (int u = 0; u < MOE_TP_MASK_REGS; ++u) mk[u] = 0;
     const uint32_t UK = (uint32_t)a.k, UE = (uint32_t)a.experts, UL = (uint32_t)L;
     uint32_t it = 0;
-    for (uint64_t t = tid; t < n; t += MOE_THREADS, ++it) {
-      const IDX* p = (const IDX*)a.topk_idx + t * UK;
-      const float* pw = w_in + t * UK;
+    for (uint32_t t = t0 + tid; t < t1; t += MOE_THREADS, ++it) {
+      const IDX* p = (const IDX*)a.topk_idx + (uint64_t)t * UK;
+      const float* pw = w_in + (uint64_t)t * UK;
       uint32_t mask = 0;
       for (uint32_t j0 = 0; j0 < (uint32_t)K; j0 += MOE_TP_GROUP) {
         int64_t ev[MOE_TP_GROUP];
@@ -440,19 +450,74 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
             for (uint32_t jj = 0; jj < j0; ++jj)
               if ((int64_t)p[jj] == e) code = MOE_ST_DUPLICATE;
           }
-          if (code) atomicMin(&bad_s, (uint32_t)(t * K + j));
-          idx[t * K + j] = (int32_t)e;
-          wts[t * K + j] = wv[u];
+          if (code) atomicMin(&bad_s, t * (uint32_t)K + j);  // < T * K < 2^31
+          idx[(uint64_t)t * K + j] = (int32_t)e;
+          wts[(uint64_t)t * K + j] = wv[u];
           if (!code && e >= 0) mask |= 1u << ((uint32_t)e / UL);
         }
       }
-      for (int d = 0; d < W; ++d) pos[t * W + d] = (mask >> d) & 1 ? 0 : -1;
+      for (int d = 0; d < W; ++d) pos[(uint64_t)t * W + d] = (mask >> d) & 1 ? 0 : -1;
 #pragma unroll
       for (int u = 0; u < MOE_TP_MASK_REGS; ++u)
         if (it == (uint32_t)u) mk[u] = mask;
     }
     __syncthreads();
+    // The chunk's rank of each token per destination (pos, for now), and its counts.
+    for (int d = 0; d < W; ++d) {
+      int32_t carry = 0;
+      uint32_t it2 = 0;
+      for (uint32_t b0 = t0; b0 < t1; b0 += MOE_THREADS, ++it2) {
+        const uint32_t t = b0 + tid;
+        uint32_t m = 0;
+#pragma unroll
+        for (int u = 0; u < MOE_TP_MASK_REGS; ++u)
+          if (it2 == (uint32_t)u) m = mk[u];
+        const int32_t f = t < t1 && (it2 < MOE_TP_MASK_REGS ? (m >> d) & 1 : pos[(uint64_t)t * W + d] >= 0);
+        int32_t total;
+        const int32_t ex = moe_block_scan_value(f, warp_s, total);
+        if (f) pos[(uint64_t)t * W + d] = carry + ex;
+        carry += total;
+      }
+      if (tid == 0) rc[blockIdx.x * (UW + 1) + d] = carry;
+    }
+    if (tid == 0) rc[blockIdx.x * (UW + 1) + UW] = (int32_t)bad_s;  // -1: none
+  }
+  if (!tp_grid_sync(a, ctrl)) return;
+  {
+    // Every block's counts: this block's offset per destination (lower blocks' counts), the
+    // totals, and the first bad entry of the call.
+    __shared__ int32_t boff_s[SYMM_MAX_RANKS], tot_s[SYMM_MAX_RANKS], loff_s[SYMM_MAX_RANKS];
+    if (tid < W) boff_s[tid] = tot_s[tid] = 0;
+    __syncthreads();
+    for (uint32_t q = tid; q < G * (UW + 1); q += MOE_THREADS) {
+      const uint32_t bb = q / (UW + 1), d = q % (UW + 1);
+      const int32_t v = __ldcg(rc + q);
+      if (d == UW) {
+        atomicMin(&bad_s, (uint32_t)v);
+      } else {
+        atomicAdd(&tot_s[d], v);
+        if (bb < blockIdx.x) atomicAdd(&boff_s[d], v);
+      }
+    }
+    __syncthreads();
     if (tid == 0) {
+      int32_t off = 0;
+      for (int d = 0; d < W; ++d) {
+        loff_s[d] = off;
+        off += tot_s[d];
+      }
+    }
+    __syncthreads();
+    const bool any_bad = bad_s != 0xffffffffu || a.refuse_code;
+    for (uint32_t q = t0 * UW + tid; q < t1 * UW && !any_bad; q += MOE_THREADS) {  // < T * W < 2^31
+      const int32_t pq = pos[q];
+      if (pq >= 0) {
+        const uint32_t d = q % UW;
+        pos[q] = pq + boff_s[d];
+        list[loff_s[d] + boff_s[d] + pq] = (int32_t)(q / UW);
+      }
+    }
+    if (blockIdx.x == 0 && tid == 0) {
       found_s[0] = 0;
       if (a.refuse_code) {
         found_s[0] = a.refuse_code;
@@ -466,33 +531,8 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
         found_s[3] = (int32_t)(bad_s % K);
         found_v = e;
       }
-    }
-    __syncthreads();
-    const bool own_bad = found_s[0] != 0;
-    int32_t* list = (int32_t*)(a.blocks[me] + a.off_list) + par * (uint64_t)W * T;
-    int32_t off = 0;
-    for (int d = 0; d < W; ++d) {
-      int32_t carry = 0;
-      uint32_t it2 = 0;
-      for (uint64_t b = 0; b < n && !own_bad; b += MOE_THREADS, ++it2) {
-        const uint64_t t = b + tid;
-        uint32_t m = 0;
-#pragma unroll
-        for (int u = 0; u < MOE_TP_MASK_REGS; ++u)
-          if (it2 == (uint32_t)u) m = mk[u];
-        const int32_t f = t < n && (it2 < MOE_TP_MASK_REGS ? (m >> d) & 1 : pos[t * W + d] >= 0);
-        int32_t total;
-        const int32_t ex = moe_block_scan_value(f, warp_s, total);
-        if (f) {
-          pos[t * W + d] = carry + ex;
-          list[off + carry + ex] = (int32_t)t;
-        }
-        carry += total;
-      }
-      if (tid == 0) ctrl[MOE_CTRL_TP_ROW + d] = (uint64_t)(uint32_t)carry;
-      off += carry;
-    }
-    if (tid == 0) {
+      const bool own_bad = found_s[0] != 0;
+      for (int d = 0; d < W; ++d) ctrl[MOE_CTRL_TP_ROW + d] = own_bad ? 0 : (uint64_t)(uint32_t)tot_s[d];
       const int64_t v = found_v;
       const int32_t extra[5] = {found_s[0], found_s[2], found_s[3], (int32_t)(uint32_t)(uint64_t)v,
                                 (int32_t)(uint32_t)((uint64_t)v >> 32)};

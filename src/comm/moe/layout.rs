@@ -308,8 +308,10 @@ pub struct TpLayout {
     pub xscales_slot: u64,
     /// `[W*T][H]` bf16: this rank's combine input rows of peers' tokens (peers read them).
     pub cstage: u64,
-    /// `[MAX_GRID][L]` int32: the dispatch's CSR, per block its slots per local expert, then
-    /// the slots of lower blocks (kernels/moe_tp.cu `tp_grid_csr`; only this rank's kernel).
+    /// `[MAX_GRID][max(L, W + 1)]` int32, only this rank's kernel reads it: first the dispatch's
+    /// routing, per block its tokens per destination rank and its first bad entry (rows of
+    /// W + 1); after the one cross-rank wait the CSR, per block its slots per local expert, then
+    /// the slots of lower blocks (rows of L; kernels/moe_tp.cu step 1 and `tp_grid_csr`).
     pub csr: u64,
     pub bytes: u64,
 }
@@ -336,7 +338,7 @@ impl TpLayout {
         let weights = parts.take(2 * t * k * 4);
         let pos = parts.take(t * world * 4);
         let list = parts.take(2 * world * t * 4);
-        let csr = parts.take(super::MAX_GRID as u64 * l * 4);
+        let csr = parts.take(super::MAX_GRID as u64 * l.max(world + 1) * 4);
         let peers = world > 1;
         let xstage_slot = if peers { t * h * c.dtype.bytes() } else { 0 };
         let xstage = parts.take(2 * xstage_slot);
@@ -496,7 +498,7 @@ mod tp_tests {
                 (l.weights, 2 * t * k * 4),
                 (l.pos, t * w * 4),
                 (l.list, 2 * w * t * 4),
-                (l.csr, 132 * 8 * 4),
+                (l.csr, 132 * 8u64.max(w + 1) * 4),
                 (l.xstage, 2 * peers * t * h * pay),
                 (l.xscales, 2 * peers * t * sc * 4),
                 (l.cstage, peers * rows * h * 2),
