@@ -8,9 +8,10 @@
 // fp32, rounded once). Uses moe.cu's control words, status codes and helpers (build.rs puts every
 // kernels/*.cu in one unit, moe.cu before this file).
 //
-// Correctness first: block 0 routes the whole call (validation, the token lists by destination
-// in token order, a block scan per destination); every block stages rows. Dispatch: the grid's
-// last block to count itself in (D_SENT) stores this rank's counts row, each word tagged with the
+// Dispatch: every block routes its chunk of tokens (validation, its tokens' ranks per destination
+// by block scans), and after a grid barrier (tp_grid_sync: a count-in every block waits on)
+// places them in the token lists by destination at the lower blocks' counts, so the lists keep
+// token order; every block stages rows. The grid's last block to count itself in (D_SENT) stores this rank's counts row, each word tagged with the
 // epoch, into every rank (the call's one cross-rank wait); every block pulls its share of rows,
 // then takes a contiguous share of the received rows for their local top-k and the CSR by local
 // expert (tp_grid_csr: per-block counts, two grid barriers, per-expert scans over the blocks,
@@ -26,8 +27,8 @@
 // SYMM_SPIN_CHECK spins; a timeout aborts the communicator naming the rank).
 
 // Control words of the throughput mode besides moe.cu's (src/comm/moe/throughput.rs CTRL_TP_*):
-// the first combine epoch of the last dispatch, and this rank's counts row as block 0 leaves it
-// for the publishing block (W counts, then the status words).
+// the first combine epoch of the last dispatch, the grid barrier's count, and this rank's counts
+// row as block 0 leaves it for the publishing block (W counts, then the status words).
 #define MOE_CTRL_TP_FIRST 7
 #define MOE_CTRL_TP_SYNC 8   // tp_grid_sync's count
 #define MOE_CTRL_TP_ROW 16
@@ -363,8 +364,8 @@ __device__ bool tp_grid_csr(const MoeTpArgs& a, uint64_t* ctrl, uint64_t par, co
   return true;
 }
 
-// Block 0's routing: the iterations whose destination masks stay in registers (MOE_THREADS
-// tokens each: 4,096 tokens with 512 threads).
+// The routing: the iterations whose destination masks stay in registers (MOE_THREADS tokens of
+// a block's chunk each: a chunk of 4,096 tokens on a grid of one).
 #define MOE_TP_MASK_REGS 8
 template <int PAYLOAD_BYTES, bool SCALES, typename IDX>
 __device__ void tp_dispatch_body(const MoeTpArgs& a) {
