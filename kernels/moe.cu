@@ -276,14 +276,15 @@ __device__ __forceinline__ int64_t moe_entry(const MoeArgs& a, uint64_t i, uint3
   return e;
 }
 
-// Copies `bytes` (a multiple of 16) from src to dst with the 32 lanes of a warp. With `parts`
-// warps on one row, warp `part` copies its every parts-th run of 32 * 4 vectors.
+// Copies `bytes` (a multiple of 16) from src to dst with the 32 lanes of a warp, U vectors per
+// lane loaded before any is stored. With `parts` warps on one row, warp `part` copies its every
+// parts-th run of 32 * U vectors.
+template <int U = 4>
 __device__ __forceinline__ void moe_copy_row(uint8_t* dst, const uint8_t* src, uint64_t bytes, int lane,
                                              uint64_t part = 0, uint64_t parts = 1) {
   const uint64_t n = bytes / 16;
   const uint4* s = (const uint4*)src;
   uint4* d = (uint4*)dst;
-  constexpr int U = 4;
   for (uint64_t v = lane + part * 32 * U; v < n; v += 32 * U * parts) {
     uint4 r[U];
 #pragma unroll
@@ -295,18 +296,19 @@ __device__ __forceinline__ void moe_copy_row(uint8_t* dst, const uint8_t* src, u
   }
 }
 
-// Vectors per lane a row copy keeps in flight (moe_pull_row).
+// Vectors per lane a row copy keeps in flight (moe_pull_row's default; the throughput mode's:
+// moe_tp.cu MOE_TP_COPY_U).
 #define MOE_PULL_U 4
 // Slots whose rows the combine's sum loads together.
 #define MOE_SUM_J 8
 // As moe_copy_row, loading past L1 (rows another GPU or another block wrote in this kernel). With
-// `parts` warps on one row, warp `part` copies its every parts-th run of 32 * MOE_PULL_U vectors.
+// `parts` warps on one row, warp `part` copies its every parts-th run of 32 * U vectors.
+template <int U = MOE_PULL_U>
 __device__ __forceinline__ void moe_pull_row(uint8_t* dst, const uint8_t* src, uint64_t bytes, int lane,
                                              uint64_t part = 0, uint64_t parts = 1) {
   const uint64_t n = bytes / 16;
   const uint4* s = (const uint4*)src;
   uint4* d = (uint4*)dst;
-  constexpr int U = MOE_PULL_U;
   for (uint64_t v = lane + part * 32 * U; v < n; v += 32 * U * parts) {
     uint4 r[U];
 #pragma unroll

@@ -132,6 +132,10 @@ __device__ __forceinline__ bool tp_count_in(uint64_t* ctrl, int which, uint64_t 
 // in tp_grid_csr (their ids and weights: 2 x 8 x 2 registers); the most blocks of a grid
 // (moe/mod.rs MAX_GRID).
 #define MOE_TP_GROUP 8
+// Vectors per lane a warp's row copy keeps in flight (moe_copy_row, moe_pull_row): twice the
+// low-latency mode's, for fewer SMs to keep the memory busy (4,096 tokens on 24 SMs: 94 -> 87
+// µs; 16 gave no more, and 8 in the low-latency kernels slowed its 1-token dispatch).
+#define MOE_TP_COPY_U 8
 #define MOE_TP_ROWS 2
 #define MOE_TP_MAX_GRID 132
 
@@ -546,7 +550,7 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
     uint8_t* xs = (uint8_t*)(a.blocks[me] + a.off_xstage) + par * T * row_bytes;
     const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp, nw = (uint64_t)gridDim.x * MOE_WARPS;
     for (uint64_t t = gw; t < n; t += nw) {
-      moe_copy_row(xs + t * row_bytes, (const uint8_t*)a.x_or_expert_out + t * row_bytes, row_bytes, lane);
+      moe_copy_row<MOE_TP_COPY_U>(xs + t * row_bytes, (const uint8_t*)a.x_or_expert_out + t * row_bytes, row_bytes, lane);
       if (SCALES) {
         float* ds = (float*)(a.blocks[me] + a.off_xscales) + par * T * S + t * S;
         for (uint64_t v = lane; v < S; v += 32) ds[v] = ((const float*)a.x_scales)[t * S + v];
@@ -638,8 +642,8 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
       const uint64_t t = (uint64_t)__ldcg(slist + listoff_s[s] + i);
       const uint8_t* src = s == me ? (const uint8_t*)a.x_or_expert_out + t * row_bytes
                                    : (const uint8_t*)(a.blocks[s] + a.off_xstage) + par * T * row_bytes + t * row_bytes;
-      if (s == me) moe_copy_row(rx + r * row_bytes, src, row_bytes, lane);
-      else moe_pull_row(rx + r * row_bytes, src, row_bytes, lane);
+      if (s == me) moe_copy_row<MOE_TP_COPY_U>(rx + r * row_bytes, src, row_bytes, lane);
+      else moe_pull_row<MOE_TP_COPY_U>(rx + r * row_bytes, src, row_bytes, lane);
       if (SCALES) {
         const float* ss = s == me ? (const float*)a.x_scales + t * S
                                   : (const float*)(a.blocks[s] + a.off_xscales) + par * T * S + t * S;
@@ -722,7 +726,7 @@ __device__ void tp_combine_body(const MoeTpArgs& a) {
     const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp, nw = (uint64_t)gridDim.x * MOE_WARPS;
     for (uint64_t r = gw; r < N; r += nw) {
       if ((uint64_t)rsrc[r] / T == (uint64_t)me) continue;
-      moe_copy_row(cs + r * row_bytes, (const uint8_t*)a.x_or_expert_out + r * row_bytes, row_bytes, lane);
+      moe_copy_row<MOE_TP_COPY_U>(cs + r * row_bytes, (const uint8_t*)a.x_or_expert_out + r * row_bytes, row_bytes, lane);
     }
   }
   __syncthreads();
