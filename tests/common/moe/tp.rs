@@ -465,8 +465,9 @@ pub fn tp_sweep(comm: Comm, dev: Dev, w: usize, seed: u64) -> (usize, u64) {
     (cases, hash)
 }
 
-/// Grids of 1, 2 and 3 blocks: the CSR block alone (it pulls first), one block pulling beside
-/// it, two. Returns how many cases ran.
+/// Grids of 1, 2 and 3 blocks: the routing and the CSR in one block (its grid barriers pass at
+/// once), then spread over two and three blocks with uneven chunks of tokens and rows. Returns
+/// how many cases ran.
 pub fn tp_grids(comm: Comm, dev: Dev, w: usize, seed: u64) -> usize {
     let mut ran = 0;
     for num_sms in [1u32, 2, 3] {
