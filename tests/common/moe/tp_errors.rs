@@ -101,6 +101,18 @@ pub fn tp_errors(comm: Comm, dev: Dev, w: usize, seed: u64) {
     expect_tp(me, st, INVALID, &needle, "duplicate");
     expect_tp(me, st, INVALID, "repeats an expert", "duplicate");
     ok_case("after duplicate");
+    // Two bad entries on one rank, in different tokens (different blocks of a GPU grid, which
+    // route their own chunks): the first in token order is named, not the later out of range.
+    let mut two = rank_inputs(&s, &good, w, me);
+    if me == last {
+        two.idx[6 * 4 + 3] = 999;
+        two.idx[4 + 2] = two.idx[4 + 1];
+    }
+    let st = outcome(&o, tp_dispatch(&o, &two, 4, false, &mut bufs));
+    let needle = format!("rank {last}: topk_idx[1][2] = ");
+    expect_tp(me, st, INVALID, &needle, "two bad entries");
+    expect_tp(me, st, INVALID, "repeats an expert", "two bad entries");
+    ok_case("after two bad entries");
     // A combine rank 0 refuses (expert_out NULL), then the retry.
     let c = Case::new(seed ^ 99, 8, 4, Route::Holes);
     let all: Vec<Inputs> = (0..w).map(|r| rank_inputs(&s, &c, w, r)).collect();
