@@ -132,6 +132,8 @@ __device__ __forceinline__ bool tp_count_in(uint64_t* ctrl, int which, uint64_t 
 // in tp_grid_csr (their ids and weights: 2 x 8 x 2 registers); the most blocks of a grid
 // (moe/mod.rs MAX_GRID).
 #define MOE_TP_GROUP 8
+#define MOE_TP_ROWS 2
+#define MOE_TP_MAX_GRID 132
 // Vectors per lane a warp's row copy keeps in flight (moe_copy_row, moe_pull_row): twice the
 // low-latency mode's, for fewer SMs to keep the memory busy (4,096 tokens on 24 SMs: 94 -> 87
 // µs; 16 gave no more, and 8 in the low-latency kernels slowed its 1-token dispatch).
@@ -139,8 +141,6 @@ __device__ __forceinline__ bool tp_count_in(uint64_t* ctrl, int which, uint64_t 
 // Items (token, 8 elements) a thread of the combine sums together, their loads batched (4,096
 // tokens, world 1, 24 SMs: 260 µs one at a time, 161 with 4, 136 with 6; 8 spills registers).
 #define MOE_TP_SUM_U 6
-#define MOE_TP_ROWS 2
-#define MOE_TP_MAX_GRID 132
 
 // The CSR's placement for rows [r0, r1), by one block: `rows` gets `r * K + j` for every slot
 // of those rows with `ridx[r * K + j] == le`, at `start[le]` (shared memory, this block's first
