@@ -12,11 +12,11 @@
 // by block scans), and after a grid barrier (tp_grid_sync: a count-in every block waits on)
 // places them in the token lists by destination at the lower blocks' counts, so the lists keep
 // token order; every block stages rows. The grid's last block to count itself in (D_SENT) stores this rank's counts row, each word tagged with the
-// epoch, into every rank (the call's one cross-rank wait); every block pulls its share of rows,
-// then takes a contiguous share of the received rows for their local top-k and the CSR by local
-// expert (tp_grid_csr: per-block counts, two grid barriers, per-expert scans over the blocks,
-// then each block places its own rows); the last block to count itself in at the end (D_FIN)
-// writes the control words.
+// epoch, into every rank (the call's one cross-rank wait); every block pulls a contiguous share of
+// the received rows with their local top-k, counting its slots per local expert, then the CSR by
+// local expert (tp_grid_csr: two grid barriers, per-expert scans over the blocks' counts, then
+// each block places its own rows); the last block to count itself in at the end (D_FIN) writes
+// the control words.
 // Combine: the second and later combines of one dispatch first wait for every rank's "read" flag
 // of the previous one (CTRL_TP_FIRST); each rank stages its peers' rows in its cstage, the last
 // block raises "staged" (2c + refused) on every rank, every block waits for all of them (the one
@@ -128,11 +128,9 @@ __device__ __forceinline__ bool tp_count_in(uint64_t* ctrl, int which, uint64_t 
   return *last_s != 0;
 }
 
-// Entries of a token (or of a received row) loaded together; received rows a thread reads together
-// in tp_grid_csr (their ids and weights: 2 x 8 x 2 registers); the most blocks of a grid
-// (moe/mod.rs MAX_GRID).
+// Entries of a token loaded together (the routing); the most blocks of a grid (moe/mod.rs
+// MAX_GRID).
 #define MOE_TP_GROUP 8
-#define MOE_TP_ROWS 2
 #define MOE_TP_MAX_GRID 132
 // Vectors per lane a warp's row copy keeps in flight (moe_copy_row, moe_pull_row): twice the
 // low-latency mode's, for fewer SMs to keep the memory busy (4,096 tokens on 24 SMs: 94 -> 87
@@ -259,76 +257,26 @@ __device__ __forceinline__ bool tp_grid_sync(const MoeTpArgs& a, uint64_t* ctrl)
   return sync_ok_s != 0;
 }
 
-// The received rows' local top-k and the CSR, spread over the grid (after the wait, beside the
-// pull). Block b takes rows [b * per, (b + 1) * per):
-// 1. their top-k from the sources' lists and routing copies into ridx / rw (MOE_TP_ROWS rows a
-//    thread at a time, every load before any store), and its slots per local expert into
-//    `csr[b][le]`; a grid barrier;
+// The received rows' CSR by local expert, spread over the grid (after the pull). Block b owns the
+// rows [r0, r1) = [b * per, (b + 1) * per) it pulled, whose top-k the pull stored in ridx / rw and
+// counted per local expert into `c_s` (shared memory, this block's slots per le):
+// 1. it stores `c_s` as `csr[b][le]`; a grid barrier;
 // 2. it owns local experts [b * lpb, (b + 1) * lpb): per expert an exclusive scan of the G blocks'
 //    counts (a warp per expert) replaces them in `csr`, and the total is meta's count; a grid
 //    barrier;
 // 3. its first place per expert = the offsets (the totals' exclusive scan) plus its `csr` row;
 //    it places its rows (tp_place_rows). Block 0 writes the rest of meta.
 // The result is the one-block sort's, bit for bit: rows by local expert, increasing.
-__device__ bool tp_grid_csr(const MoeTpArgs& a, uint64_t* ctrl, uint64_t par, const int32_t* rowbase_s,
-                            const int32_t* listoff_s, int32_t* meta, int32_t* warp_s) {
-  __shared__ int32_t c_s[MOE_MAX_EXPERTS];                  // this block's slots per le; its starts
+__device__ bool tp_grid_csr(const MoeTpArgs& a, uint64_t* ctrl, uint32_t N, uint32_t r0, uint32_t r1, int32_t* c_s,
+                            int32_t* meta, int32_t* warp_s) {
   __shared__ int32_t o_s[MOE_MAX_EXPERTS];                  // the totals; their exclusive scan
   __shared__ int32_t col_s[MOE_MAX_EXPERTS + MOE_TP_MAX_GRID];  // step 2: [own expert][block]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int me = a.s.rank, W = a.s.world, L = a.local;
+  const int me = a.s.rank, L = a.local;
   const uint32_t G = gridDim.x, b = blockIdx.x, UL = (uint32_t)L, UK = (uint32_t)a.topk;
-  const uint64_t T = a.max_tokens, K = a.topk;
-  const uint32_t N = (uint32_t)rowbase_s[W];
-  const uint32_t per = (N + G - 1) / G, r0 = min(b * per, N), r1 = min(r0 + per, N);
-  int32_t* ridx = (int32_t*)(a.blocks[me] + a.off_recv_idx);
-  float* rw = (float*)(a.blocks[me] + a.off_recv_weights);
+  const int32_t* ridx = (const int32_t*)(a.blocks[me] + a.off_recv_idx);
   int32_t* csr = (int32_t*)(a.blocks[me] + a.off_csr);
-  for (int le = tid; le < L; le += MOE_THREADS) c_s[le] = 0;
-  __syncthreads();
   // Step 1.
-  for (uint32_t q0 = r0 + tid; q0 < r1; q0 += MOE_TP_ROWS * MOE_THREADS) {
-    const int32_t* sx[MOE_TP_ROWS];
-    const float* sv[MOE_TP_ROWS];
-#pragma unroll
-    for (int u = 0; u < MOE_TP_ROWS; ++u) {
-      const uint32_t r = q0 + u * MOE_THREADS;
-      sx[u] = nullptr;
-      sv[u] = nullptr;
-      if (r < r1) {
-        int s = 0;
-        while (s + 1 < W && (uint32_t)rowbase_s[s + 1] <= r) ++s;
-        const int32_t* slist = (const int32_t*)(a.blocks[s] + a.off_list) + par * (uint64_t)W * T;
-        const uint64_t t = (uint64_t)__ldcg(slist + listoff_s[s] + (r - (uint32_t)rowbase_s[s]));
-        sx[u] = (const int32_t*)(a.blocks[s] + a.off_idx) + par * T * K + t * K;
-        sv[u] = (const float*)(a.blocks[s] + a.off_weights) + par * T * K + t * K;
-      }
-    }
-    for (uint32_t j0 = 0; j0 < UK; j0 += MOE_TP_GROUP) {
-      int32_t ev[MOE_TP_ROWS][MOE_TP_GROUP];
-      float wv[MOE_TP_ROWS][MOE_TP_GROUP];
-#pragma unroll
-      for (int u = 0; u < MOE_TP_ROWS; ++u)
-#pragma unroll
-        for (int g = 0; g < MOE_TP_GROUP; ++g) {
-          const bool in = sx[u] != nullptr && j0 + g < UK;
-          ev[u][g] = in ? __ldcg(sx[u] + j0 + g) : -1;
-          wv[u][g] = in ? __ldcg(sv[u] + j0 + g) : 0.f;
-        }
-#pragma unroll
-      for (int u = 0; u < MOE_TP_ROWS; ++u)
-#pragma unroll
-        for (int g = 0; g < MOE_TP_GROUP; ++g) {
-          const uint64_t r = q0 + u * MOE_THREADS;
-          if (sx[u] == nullptr || j0 + g >= UK) continue;
-          const int32_t e = ev[u][g];
-          const bool mine = e >= 0 && e / L == me;
-          ridx[r * K + j0 + g] = mine ? e - me * L : -1;
-          rw[r * K + j0 + g] = mine ? wv[u][g] : 0.f;
-          if (mine) atomicAdd(&c_s[e - me * L], 1);
-        }
-    }
-  }
   __syncthreads();
   for (int le = tid; le < L; le += MOE_THREADS) csr[(uint64_t)b * UL + le] = c_s[le];
   if (!tp_grid_sync(a, ctrl)) return false;
@@ -385,6 +333,7 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   __shared__ int32_t rowbase_s[SYMM_MAX_RANKS + 1];  // rows from lower sources here
   __shared__ int32_t listoff_s[SYMM_MAX_RANKS];      // per source: its list offset for this rank
   __shared__ int32_t below_s[SYMM_MAX_RANKS];        // per destination: rows of lower sources there
+  __shared__ int32_t csr_c_s[MOE_MAX_EXPERTS];       // its pulled rows' slots per local expert
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int me = a.s.rank, W = a.s.world, L = a.local;
   const uint64_t K = a.topk, T = a.max_tokens, H = a.hidden;
@@ -621,6 +570,7 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
       below_s[d] = b;
     }
   }
+  for (int le = tid; le < L; le += MOE_THREADS) csr_c_s[le] = 0;
   __syncthreads();
   const bool failed = found_s[0] != 0;
   int32_t* meta = (int32_t*)(a.blocks[me] + a.off_meta);
@@ -631,27 +581,44 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
       for (int i = tid; i < 2 * L + 2; i += MOE_THREADS) meta[i] = 0;
     }
   } else {
-    // Step 4: pull, row r from the source s with rowbase[s] <= r < rowbase[s + 1]; the rows'
-    // top-k and the CSR: tp_grid_csr, after the places below.
-    const uint64_t N = rowbase_s[W];
-    const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp, nw = (uint64_t)gridDim.x * MOE_WARPS;
+    // Step 4: pull. Block b takes the received rows [r0, r1) = [b * per, (b + 1) * per), a warp
+    // per row; row r comes from the source s with rowbase[s] <= r < rowbase[s + 1]. Lane j < K
+    // loads the row's entry j and weight from the source's routing copy beside the row's copy,
+    // stores its local top-k and counts it per local expert in c_s (tp_grid_csr's step 1).
+    const uint32_t N = (uint32_t)rowbase_s[W], UK = (uint32_t)K;
+    const uint32_t per = (N + G - 1) / G, r0 = min(blockIdx.x * per, N), r1 = min(r0 + per, N);
     int32_t* rsrc = (int32_t*)(a.blocks[me] + a.off_recv_src);
+    int32_t* ridx = (int32_t*)(a.blocks[me] + a.off_recv_idx);
+    float* rw = (float*)(a.blocks[me] + a.off_recv_weights);
     uint8_t* rx = (uint8_t*)(a.blocks[me] + a.off_recv_x);
-    for (uint64_t r = gw; r < N; r += nw) {
+    for (uint32_t r = r0 + warp; r < r1; r += MOE_WARPS) {
       int s = 0;
-      while (s + 1 < W && (uint64_t)rowbase_s[s + 1] <= r) ++s;
-      const uint64_t i = r - rowbase_s[s];
+      while (s + 1 < W && (uint32_t)rowbase_s[s + 1] <= r) ++s;
+      const uint64_t i = r - (uint32_t)rowbase_s[s];
       const int32_t* slist = (const int32_t*)(a.blocks[s] + a.off_list) + par * (uint64_t)W * T;
       const uint64_t t = (uint64_t)__ldcg(slist + listoff_s[s] + i);
+      int32_t e = -1;
+      float wv = 0.f;
+      if ((uint32_t)lane < UK) {
+        const uint64_t q = par * T * K + t * K + lane;
+        e = __ldcg((const int32_t*)(a.blocks[s] + a.off_idx) + q);
+        wv = __ldcg((const float*)(a.blocks[s] + a.off_weights) + q);
+      }
       const uint8_t* src = s == me ? (const uint8_t*)a.x_or_expert_out + t * row_bytes
                                    : (const uint8_t*)(a.blocks[s] + a.off_xstage) + par * T * row_bytes + t * row_bytes;
-      if (s == me) moe_copy_row<MOE_TP_COPY_U>(rx + r * row_bytes, src, row_bytes, lane);
-      else moe_pull_row<MOE_TP_COPY_U>(rx + r * row_bytes, src, row_bytes, lane);
+      if (s == me) moe_copy_row<MOE_TP_COPY_U>(rx + (uint64_t)r * row_bytes, src, row_bytes, lane);
+      else moe_pull_row<MOE_TP_COPY_U>(rx + (uint64_t)r * row_bytes, src, row_bytes, lane);
       if (SCALES) {
         const float* ss = s == me ? (const float*)a.x_scales + t * S
                                   : (const float*)(a.blocks[s] + a.off_xscales) + par * T * S + t * S;
-        float* ds = (float*)(a.blocks[me] + a.off_recv_scales) + r * S;
+        float* ds = (float*)(a.blocks[me] + a.off_recv_scales) + (uint64_t)r * S;
         for (uint64_t v = lane; v < S; v += 32) ds[v] = __ldcg(ss + v);
+      }
+      if ((uint32_t)lane < UK) {
+        const bool mine = e >= 0 && e / L == me;
+        ridx[(uint64_t)r * K + lane] = mine ? e - me * L : -1;
+        rw[(uint64_t)r * K + lane] = mine ? wv : 0.f;
+        if (mine) atomicAdd(&csr_c_s[e - me * L], 1);
       }
       if (lane == 0) rsrc[r] = (int32_t)((uint64_t)s * T + t);
     }
@@ -661,7 +628,7 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
       const int32_t p = pos[q];
       if (p >= 0) pos[q] = p + below_s[(uint32_t)q % (uint32_t)W];  // q < T * W < 2^31
     }
-    if (!tp_grid_csr(a, ctrl, par, rowbase_s, listoff_s, meta, warp_s)) return;
+    if (!tp_grid_csr(a, ctrl, N, r0, r1, csr_c_s, meta, warp_s)) return;
   }
   __syncthreads();
 
