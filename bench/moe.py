@@ -70,7 +70,7 @@ stand-in applies the router weights to each received row, the combine sums the r
 SM budget (--num-sms, a list: rows per budget; 0 = every SM): comm.moe(num_sms=). Prefill at
 <= 24 SMs is a target row (DeepEP's normal-mode figures are quoted at 24 SMs).
 
-Per-phase probe (--probe, low-latency mode): comm.moe(probe=True) and moe.probe(), per configuration a second object, one untimed dispatch+combine, then one probed
+Per-phase probe (--probe, both modes): comm.moe(probe=True) and moe.probe(), per configuration a second object, one untimed dispatch+combine, then one probed
 dispatch+combine; the phases (us per phase, per rank) are printed after the tables.
 
 Peers:
@@ -730,9 +730,6 @@ def probe_case(c, comm, kw, mode, sms, eo, note, info):
     if not hasattr(Moe, "probe"):
         note("per-phase probe: not supported by this build (Moe has no probe())")
         return
-    if mode == "throughput":
-        note("per-phase probe: the clock probe is the low-latency mode's (docs/moe.md)")
-        return
     moe, _ = make_moe(c, comm, dict(kw, probe=True), mode, sms, note)
     if moe is None:
         return
@@ -1080,7 +1077,7 @@ def main():
     ap.add_argument("--ue8m0", action="store_true", help="fp8q: scales rounded up to powers of two")
     ap.add_argument("--modes", default="low_latency,throughput", help="comma list of low_latency, throughput")
     ap.add_argument("--num-sms", default="0,24", help="comma list of SM budgets, comm.moe(num_sms=); 0: every SM")
-    ap.add_argument("--probe", action="store_true", help="per-phase probe (comm.moe(probe=True), moe.probe(); low-latency mode)")
+    ap.add_argument("--probe", action="store_true", help="per-phase probe (comm.moe(probe=True), moe.probe(); both modes)")
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=256)

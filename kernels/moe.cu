@@ -70,8 +70,8 @@
 #define MOE_CTRL_C_FIN 6
 #define MOE_CTRL_D_HALF 7
 // The clock probe's words (layout.rs CTRL_PROBE, PROBE_*): %globaltimer at the phase boundaries
-// of the last dispatch (words 0..7) and combine (8..15), in the control part, written only by the
-// probe kernels (`PROBE`), local.
+// of the last dispatch (words 0..7, and 14..15 in the throughput mode) and combine (8..13), in the
+// control part, written only by the probe kernels (`PROBE`), local.
 #define MOE_CTRL_PROBE 64
 #define MOE_P_D_START 0
 #define MOE_P_D_ROUTED 1
@@ -87,6 +87,8 @@
 #define MOE_P_C_WAITED 11
 #define MOE_P_C_SUMMED 12
 #define MOE_P_C_EPOCH 13
+#define MOE_P_D_SCANNED 14  // throughput mode: the CSR's per-expert scans over the blocks done
+#define MOE_P_D_SORTED 15   // throughput mode: every block placed its rows (the grid's end)
 // Phases of a kernel instance: the whole call, or its send half (up to and including publishing:
 // no wait on a peer) or its receive half (the wait, then the pull or the sum). The halves are two
 // launches on the same grid; the receive half reads the epoch the send half used (the done count

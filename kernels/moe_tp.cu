@@ -100,6 +100,11 @@ __device__ __forceinline__ void tp_record(const MoeTpArgs& a, uint32_t code, int
   __threadfence_system();
 }
 
+// The clock probe's word `i` (PROBE instances only; one thread stores each word).
+__device__ __forceinline__ void tp_probe(const MoeTpArgs& a, int i) {
+  ((uint64_t*)a.blocks[a.s.rank])[MOE_CTRL_PROBE + i] = globaltimer();
+}
+
 template <typename IDX>
 __device__ __forceinline__ int64_t tp_entry(const MoeTpArgs& a, uint64_t t, uint64_t j, uint32_t& code) {
   code = 0;
@@ -267,6 +272,7 @@ __device__ __forceinline__ bool tp_grid_sync(const MoeTpArgs& a, uint64_t* ctrl)
 // 3. its first place per expert = the offsets (the totals' exclusive scan) plus its `csr` row;
 //    it places its rows (tp_place_rows). Block 0 writes the rest of meta.
 // The result is the one-block sort's, bit for bit: rows by local expert, increasing.
+template <bool PROBE>
 __device__ bool tp_grid_csr(const MoeTpArgs& a, uint64_t* ctrl, uint32_t N, uint32_t r0, uint32_t r1, int32_t* c_s,
                             int32_t* meta, int32_t* warp_s) {
   __shared__ int32_t o_s[MOE_MAX_EXPERTS];                  // the totals; their exclusive scan
@@ -280,6 +286,9 @@ __device__ bool tp_grid_csr(const MoeTpArgs& a, uint64_t* ctrl, uint32_t N, uint
   __syncthreads();
   for (int le = tid; le < L; le += MOE_THREADS) csr[(uint64_t)b * UL + le] = c_s[le];
   if (!tp_grid_sync(a, ctrl)) return false;
+  if constexpr (PROBE) {
+    if (b == 0 && tid == 0) tp_probe(a, MOE_P_D_PULLED);
+  }
   // Step 2: this block's experts' columns, then a warp per expert scans its column.
   const uint32_t lpb = (UL + G - 1) / G, e0 = min(b * lpb, UL), e1 = min(e0 + lpb, UL), ne = e1 - e0;
   for (uint32_t i = tid; i < ne * G; i += MOE_THREADS) {
@@ -299,6 +308,9 @@ __device__ bool tp_grid_csr(const MoeTpArgs& a, uint64_t* ctrl, uint32_t N, uint
     if (lane == 0) meta[1 + e0 + i] = carry;
   }
   if (!tp_grid_sync(a, ctrl)) return false;
+  if constexpr (PROBE) {
+    if (b == 0 && tid == 0) tp_probe(a, MOE_P_D_SCANNED);
+  }
   // Step 3.
   for (int le = tid; le < L; le += MOE_THREADS) {
     o_s[le] = __ldcg(meta + 1 + le);
@@ -322,7 +334,9 @@ __device__ bool tp_grid_csr(const MoeTpArgs& a, uint64_t* ctrl, uint32_t N, uint
 // The routing: the iterations whose destination masks stay in registers (MOE_THREADS tokens of
 // a block's chunk each: a chunk of 4,096 tokens on a grid of one).
 #define MOE_TP_MASK_REGS 8
-template <int PAYLOAD_BYTES, bool SCALES, typename IDX>
+// PROBE: record the clock probe (block 0 at its start, after the routing's barrier, the wait and
+// the CSR's barriers; the last block to count in at D_SENT and D_FIN).
+template <int PAYLOAD_BYTES, bool SCALES, typename IDX, bool PROBE = false>
 __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   __shared__ uint64_t epoch_s;
   __shared__ int live_s, last_s;
@@ -347,6 +361,12 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
     epoch_s = done + 1;
     live_s = dead == 0;
     bad_s = 0xffffffffu;
+    if constexpr (PROBE) {
+      if (blockIdx.x == 0) {
+        tp_probe(a, MOE_P_D_START);
+        ctrl[MOE_CTRL_PROBE + MOE_P_D_EPOCH] = done + 1;
+      }
+    }
   }
   __syncthreads();
   if (!live_s) return;
@@ -440,6 +460,9 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
     if (tid == 0) rc[blockIdx.x * (UW + 1) + UW] = (int32_t)bad_s;  // -1: none
   }
   if (!tp_grid_sync(a, ctrl)) return;
+  if constexpr (PROBE) {
+    if (blockIdx.x == 0 && tid == 0) tp_probe(a, MOE_P_D_ROUTED);
+  }
   {
     // Every block's counts: this block's offset per destination (lower blocks' counts), the
     // totals, and the first bad entry of the call.
@@ -513,6 +536,9 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
 
   // Step 2: the last block to count itself in publishes the row (block 0's words, fenced).
   if (tp_count_in(ctrl, MOE_CTRL_D_SENT, epoch, peers, &last_s)) {
+    if constexpr (PROBE) {
+      if (tid == 0) tp_probe(a, MOE_P_D_STAGED);
+    }
     const int words = W + MOE_ROW_EXTRA;
     const bool bad = *(volatile uint64_t*)&ctrl[MOE_CTRL_TP_ROW + W] != 0;
     for (int q = tid; q < W * words; q += MOE_THREADS) {
@@ -520,6 +546,10 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
       int32_t v = (int32_t)(uint32_t)*(volatile uint64_t*)&ctrl[MOE_CTRL_TP_ROW + w];
       if (bad && w < W) v = 0;
       moe_st_release(tp_row(a, d, epoch, me) + w, moe_tagged(epoch, v), peers);
+    }
+    if constexpr (PROBE) {
+      __syncthreads();
+      if (tid == 0) tp_probe(a, MOE_P_D_PUBLISHED);
     }
   }
 
@@ -541,6 +571,9 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
     }
   }
   if (!__syncthreads_and(ok)) return;
+  if constexpr (PROBE) {
+    if (blockIdx.x == 0 && tid == 0) tp_probe(a, MOE_P_D_WAITED);
+  }
   if (tid == 0) {
     found_s[0] = 0;
     for (int s = 0; s < W; ++s) {
@@ -628,13 +661,14 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
       const int32_t p = pos[q];
       if (p >= 0) pos[q] = p + below_s[(uint32_t)q % (uint32_t)W];  // q < T * W < 2^31
     }
-    if (!tp_grid_csr(a, ctrl, N, r0, r1, csr_c_s, meta, warp_s)) return;
+    if (!tp_grid_csr<PROBE>(a, ctrl, N, r0, r1, csr_c_s, meta, warp_s)) return;
   }
   __syncthreads();
 
   // The end: the last block to count itself in writes the epochs.
   if (tp_count_in(ctrl, MOE_CTRL_D_FIN, epoch, false, &last_s)) {
     if (tid == 0) {
+      if constexpr (PROBE) tp_probe(a, MOE_P_D_SORTED);
       __threadfence();
       if (!failed) ctrl[MOE_CTRL_OK_EPOCH] = epoch;
       ctrl[MOE_CTRL_TP_FIRST] = *(volatile uint64_t*)&ctrl[MOE_CTRL_C_DONE] + 1;
@@ -656,6 +690,9 @@ __device__ __forceinline__ uint64_t tp_wait(const MoeTpArgs& a, int which, int s
   }
 }
 
+// PROBE: record the clock probe (block 0 at its start and after the wait; the last block to count
+// in at C_SENT and C_FIN).
+template <bool PROBE = false>
 __device__ void tp_combine_body(const MoeTpArgs& a) {
   __shared__ uint64_t epoch_s, first_s;
   __shared__ int live_s, dispatched_s, last_s;
@@ -678,6 +715,12 @@ __device__ void tp_combine_body(const MoeTpArgs& a) {
     dispatched_s = d > 0 && ok == d;
     live_s = dead == 0;
     other_s = 0xffffffffu;
+    if constexpr (PROBE) {
+      if (blockIdx.x == 0) {
+        tp_probe(a, MOE_P_C_START);
+        ctrl[MOE_CTRL_PROBE + MOE_P_C_EPOCH] = c + 1;
+      }
+    }
   }
   __syncthreads();
   if (!live_s) return;
@@ -702,6 +745,7 @@ __device__ void tp_combine_body(const MoeTpArgs& a) {
   __syncthreads();
   if (tp_count_in(ctrl, MOE_CTRL_C_SENT, c, peers, &last_s) && tid == 0) {
     for (int d = 0; d < W; ++d) st_release_sys_u64(tp_flag(a, d, MOE_TP_FLAG_STAGED, me), 2 * c + (refused ? 1 : 0));
+    if constexpr (PROBE) tp_probe(a, MOE_P_C_PUSHED);
   }
   // The one wait: every rank's rows are staged (or it refused).
   {
@@ -712,6 +756,9 @@ __device__ void tp_combine_body(const MoeTpArgs& a) {
       if (v == 2 * c + 1) atomicMin(&other_s, (uint32_t)tid);
     }
     if (!__syncthreads_and(ok)) return;
+  }
+  if constexpr (PROBE) {
+    if (blockIdx.x == 0 && tid == 0) tp_probe(a, MOE_P_C_WAITED);
   }
   const bool zeros = !dispatched || other_s != 0xffffffffu;
   if (blockIdx.x == 0 && tid == 0 && !refused && other_s != 0xffffffffu)
@@ -777,12 +824,19 @@ __device__ void tp_combine_body(const MoeTpArgs& a) {
   // The end: the last block tells every rank this rank finished reading their cstage.
   if (tp_count_in(ctrl, MOE_CTRL_C_FIN, c, peers, &last_s) && tid == 0) {
     for (int d = 0; d < W; ++d) st_release_sys_u64(tp_flag(a, d, MOE_TP_FLAG_READ, me), c);
+    if constexpr (PROBE) tp_probe(a, MOE_P_C_SUMMED);
     ctrl[MOE_CTRL_C_DONE] = c;
   }
 }
 
+// The kernels, then their probe instances (src/comm/moe/throughput.rs TP_KERNELS, in this order).
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_bf16_i32(MoeTpArgs a) { tp_dispatch_body<2, false, int32_t>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_bf16_i64(MoeTpArgs a) { tp_dispatch_body<2, false, int64_t>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i32(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i64(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_combine_bf16(MoeTpArgs a) { tp_combine_body(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_bf16_i32_probe(MoeTpArgs a) { tp_dispatch_body<2, false, int32_t, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_bf16_i64_probe(MoeTpArgs a) { tp_dispatch_body<2, false, int64_t, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i32_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i64_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_combine_bf16_probe(MoeTpArgs a) { tp_combine_body<true>(a); }

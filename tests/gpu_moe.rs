@@ -452,7 +452,7 @@ fn gpu_moe_split_halves_in_a_cuda_graph() {
 /// Throughput mode (docs/moe.md, "Throughput mode", kernels/moe_tp.cu): the host tests'
 /// scenarios (tests/common/moe/tp.rs) on device memory: the reference sweep (uniform, skewed,
 /// every token to one rank, FP8), repeated combines, every error (reported at the next call or
-/// `symm_moe_check` after a sync), create's mode checks.
+/// `symm_moe_check` after a sync), create's mode checks, the clock probe's %globaltimer words.
 #[test]
 #[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
 fn gpu_moe_throughput_mode_matches_the_reference() {
@@ -463,6 +463,7 @@ fn gpu_moe_throughput_mode_matches_the_reference() {
         let grids = common::moe::tp::tp_grids(comm, dev, w, seed);
         common::moe::tp_errors::tp_errors(comm, dev, w, seed);
         common::moe::tp_errors::tp_create_errors(comm, dev, w, r);
+        common::moe::tp::tp_probe_words(comm, dev, w, seed);
         destroy(comm);
         println!(
             "rank {r}: outputs hash {hash:016x}; {cases} cases, {made} repeated calls and {grids} \

@@ -95,10 +95,10 @@ fn every_table_name_is_instantiated_and_vice_versa() {
     // types) and combine, their send halves (4 + 1) and receive halves (2 payloads + 1), the
     // quantizing dispatch (2 index types), its send halves (2) and receive half (1), all of these
     // again as probe instances; the throughput mode's dispatch (2 payloads x 2 index types) and
-    // combine
+    // combine, and their probe instances
     assert_eq!(
         table.len(),
-        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2 + 2 * (5 + 5 + 3 + 5) + 5
+        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2 + 2 * (5 + 5 + 3 + 5) + 2 * 5
     );
     // Names the profiles and earlier results use stay as they were.
     for name in [
@@ -303,7 +303,7 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
         let rest = &src[at + name.len() + 9..];
         rest.split_whitespace().next().unwrap().parse().unwrap()
     };
-    let pairs: [(&str, u64); 39] = [
+    let pairs: [(&str, u64); 41] = [
         ("MOE_SCALE_UE8M0", launch::SCALE_MODE_UE8M0 as u64),
         ("MOE_SCALE_COL_TMA", launch::SCALE_MODE_COL_TMA as u64),
         ("MOE_THREADS", symmalloc::comm::moe::THREADS as u64),
@@ -335,6 +335,8 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
         ("MOE_P_C_WAITED", l::PROBE_C_WAITED),
         ("MOE_P_C_SUMMED", l::PROBE_C_SUMMED),
         ("MOE_P_C_EPOCH", l::PROBE_C_EPOCH),
+        ("MOE_P_D_SCANNED", l::PROBE_D_SCANNED),
+        ("MOE_P_D_SORTED", l::PROBE_D_SORTED),
         ("MOE_FLAG_COMBINE", l::FLAG_COMBINE),
         ("MOE_ST_OUT_OF_RANGE", st::ST_OUT_OF_RANGE as u64),
         ("MOE_ST_DUPLICATE", st::ST_DUPLICATE as u64),

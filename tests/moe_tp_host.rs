@@ -4,7 +4,7 @@
 //! bf16 rounding of a float64 sum), uniform and skewed routings (every token to one rank,
 //! several experts of one rank per token), the same y on every rank and run, repeated
 //! combines, every error on every rank with the object usable after, create's checks of the
-//! mode. The scenarios: tests/common/moe/tp.rs and tp_errors.rs.
+//! mode, the clock probe. The scenarios: tests/common/moe/tp.rs and tp_errors.rs.
 
 use crate::common;
 use common::moe::tp::*;
@@ -72,4 +72,16 @@ fn throughput_errors_name_the_rank_everywhere_and_leave_the_object_usable() {
         return;
     }
     at_2_4_8("throughput_errors_name_the_rank_everywhere_and_leave_the_object_usable");
+}
+
+#[test]
+fn throughput_clock_probe_records_the_phases_in_order() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
+        tp_probe_words(comm, dev, w, seed);
+        destroy(comm);
+        println!("rank {r}: the probe read in phase order");
+        return;
+    }
+    at_2_4_8("throughput_clock_probe_records_the_phases_in_order");
 }

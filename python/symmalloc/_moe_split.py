@@ -178,11 +178,15 @@ class _Split:
     def probe(self) -> dict:
         """The clock probe of an object made with ``probe=True``: ``{"dispatch": {start, routed,
         staged, published, recv_start, waited, pulled, epoch}, "combine": {start, pushed,
-        recv_start, waited, summed, epoch}}`` of the last dispatch and combine, times in ns
+        recv_start, waited, summed, epoch}}`` of the last dispatch and combine (a throughput-mode
+        dispatch adds ``scanned`` and ``sorted``; docs/moe.md "Clock probe"), times in ns
         (%globaltimer on GPUs, after a device synchronization; the wall clock on the host
         backend). Local; raises when the probe is off."""
         ptr = self._live()
         words = (ctypes.c_uint64 * _PROBE_WORDS)()
         _check(self._lib.symm_moe_probe(ptr, words, _PROBE_WORDS))
         v = list(words)
-        return {"dispatch": dict(zip(_PROBE_DISPATCH, v[:8])), "combine": dict(zip(_PROBE_COMBINE, v[8:14]))}
+        d = dict(zip(_PROBE_DISPATCH, v[:8]))
+        if v[14] or v[15]:  # the throughput mode's dispatch (docs/moe.md "Clock probe")
+            d.update(scanned=v[14], sorted=v[15])
+        return {"dispatch": d, "combine": dict(zip(_PROBE_COMBINE, v[8:14]))}

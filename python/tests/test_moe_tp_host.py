@@ -139,6 +139,22 @@ def _cases_rank(rank, world, uid, q):
             # Repeated combines of one dispatch: each its own y.
             for shift in (1, 2):
                 run_tp(mb, CASES[0], 50 + shift, rank, world, runs=1, shift=shift)
+        # The clock probe: the dispatch's words in phase order with the CSR's two (docs/moe.md
+        # "Clock probe"), no receive starts, the combine's after the dispatch's.
+        with comm.moe(T_MAX, H_BF16, TOPK, NUM_EXPERTS, mode="throughput", probe=True) as mp:
+            for i in range(2):
+                run_tp(mp, CASES[0], 60 + i, rank, world, runs=1)
+                p = mp.probe()
+                d, cb = p["dispatch"], p["combine"]
+                order = ["start", "routed", "staged", "published"]
+                assert [d[k] for k in order] == sorted(d[k] for k in order) and d["start"] > 0, p
+                order = ["staged", "waited", "pulled", "scanned", "sorted"]
+                assert [d[k] for k in order] == sorted(d[k] for k in order), p
+                order = ["start", "pushed", "summed"]
+                assert [cb[k] for k in order] == sorted(cb[k] for k in order) and d["sorted"] <= cb["start"], p
+                assert cb["start"] <= cb["waited"] <= cb["summed"], p
+                assert d["recv_start"] == cb["recv_start"] == 0, p
+                assert d["epoch"] == cb["epoch"] == i + 1, p
         comm.barrier()
         comm.close()
         q.put((rank, report, None))

@@ -303,8 +303,7 @@ impl Request {
         }
         let (quantize, scales, ue8m0) = self.quantization(dtype)?;
         if mode == Mode::Throughput {
-            // The throughput kernels take the caller's payload, write row-major scales and
-            // carry no probe (launch.rs's instances are the low-latency kernels').
+            // The throughput kernels take the caller's payload and write row-major scales.
             let low_latency_only = [
                 (
                     quantize,
@@ -313,10 +312,6 @@ impl Request {
                 (
                     scales != ScaleLayout::RowMajor,
                     "scale_layout SYMM_MOE_SCALES_COL_TMA",
-                ),
-                (
-                    self.flags & FLAG_PROBE != 0,
-                    "flags SYMM_MOE_FLAG_PROBE (the clock probe)",
                 ),
             ];
             if let Some((_, what)) = low_latency_only.iter().find(|(on, _)| *on) {

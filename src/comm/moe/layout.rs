@@ -48,13 +48,18 @@ pub const PROBE_D_WAITED: u64 = 5;
 pub const PROBE_D_PULLED: u64 = 6;
 pub const PROBE_D_EPOCH: u64 = 7;
 /// Combine: start, pushed (rows in the peers' landing buffers, flags raised), receive start,
-/// wait done, summed (the grid's end), its epoch; words 14 and 15 stay 0.
+/// wait done, summed (the grid's end), its epoch. The throughput mode leaves both receive starts
+/// 0 (it has no halves), stores "pulled" when every block pulled its rows and counted their
+/// slots, and uses words 14 and 15 (`PROBE_D_SCANNED`, `PROBE_D_SORTED`): the CSR's scans over
+/// the blocks done, every block's rows placed (the grid's end); the low-latency mode leaves them 0.
 pub const PROBE_C_START: u64 = 8;
 pub const PROBE_C_PUSHED: u64 = 9;
 pub const PROBE_C_RECV: u64 = 10;
 pub const PROBE_C_WAITED: u64 = 11;
 pub const PROBE_C_SUMMED: u64 = 12;
 pub const PROBE_C_EPOCH: u64 = 13;
+pub const PROBE_D_SCANNED: u64 = 14;
+pub const PROBE_D_SORTED: u64 = 15;
 const _: () = assert!((CTRL_PROBE + PROBE_WORDS) * 8 <= CTRL_BYTES);
 /// Words after a source rank's counts in a counts row: status, then token, k, value (low and
 /// high halves) of its first offending entry (status.rs has the codes), then padding.

@@ -13,7 +13,7 @@
 //! at most once to each rank); the arguments name the layout's parts and nothing else.
 
 use super::config::{IndexType, Payload};
-use super::layout::{TpLayout, CTRL_BYTES, ROW_EXTRA};
+use super::layout::{TpLayout, CTRL_PROBE, ROW_EXTRA};
 use super::status::{self, Refusal};
 use super::{tp_host, Combine, Dispatch, Last, Moe, THREADS};
 use crate::comm::collective::kernel_args::{SymmArgs, COUNTERS_OFFSET, MAX_RANKS};
@@ -21,16 +21,23 @@ use crate::comm::collective::Ctx;
 use crate::comm::exec::{self, ArgBlock, Family, KernelId};
 use crate::error::{Error, Result};
 
-/// The kernels (kernels/moe_tp.cu), by payload and index type, then the combine; their ids are
-/// `Family::Moe` keys from `TP_KEY_BASE` (the low-latency kernels use the keys below it:
+/// The kernels (kernels/moe_tp.cu), by payload and index type, then the combine, then the same
+/// `TP_PROBE_OFFSET` kernels as probe instances (an object created with the clock probe on); their
+/// ids are `Family::Moe` keys from `TP_KEY_BASE` (the low-latency kernels use the keys below it:
 /// launch.rs `MOE_KERNELS`' indices).
-pub const TP_KERNELS: [&str; 5] = [
+pub const TP_KERNELS: [&str; 2 * TP_PROBE_OFFSET] = [
     "symm_moe_tp_dispatch_bf16_i32",
     "symm_moe_tp_dispatch_bf16_i64",
     "symm_moe_tp_dispatch_fp8_i32",
     "symm_moe_tp_dispatch_fp8_i64",
     "symm_moe_tp_combine_bf16",
+    "symm_moe_tp_dispatch_bf16_i32_probe",
+    "symm_moe_tp_dispatch_bf16_i64_probe",
+    "symm_moe_tp_dispatch_fp8_i32_probe",
+    "symm_moe_tp_dispatch_fp8_i64_probe",
+    "symm_moe_tp_combine_bf16_probe",
 ];
+pub const TP_PROBE_OFFSET: usize = 5;
 pub const TP_KEY_BASE: u64 = 64;
 const _: () = assert!(super::launch::MOE_KERNELS.len() as u64 <= TP_KEY_BASE);
 /// Control words (u64 indices in the block's ctrl part) besides layout.rs `CTRL_*`: the first
@@ -41,7 +48,7 @@ pub const CTRL_TP_FIRST: u64 = 7;
 /// (kernels/moe_tp.cu `tp_grid_sync`).
 pub const CTRL_TP_SYNC: u64 = 8;
 pub const CTRL_TP_ROW: u64 = 16;
-const _: () = assert!((CTRL_TP_ROW + MAX_RANKS as u64 + ROW_EXTRA) * 8 <= CTRL_BYTES);
+const _: () = assert!(CTRL_TP_ROW + MAX_RANKS as u64 + ROW_EXTRA <= CTRL_PROBE);
 
 fn tp_kernel_name(id: KernelId) -> Result<String> {
     id.key()
@@ -134,7 +141,9 @@ fn tp_args(c: &Ctx, m: &Moe, t: &TpLayout) -> MoeTpArgs {
     }
 }
 
+/// The launch of `TP_KERNELS[index]` (its probe instance on an object with the probe on).
 fn tp_launch(m: &Moe, index: usize, args: &MoeTpArgs) -> exec::Launch {
+    let index = index + m.cfg.probe as usize * TP_PROBE_OFFSET;
     exec::Launch {
         id: KernelId::new(Family::Moe, TP_KEY_BASE + index as u64),
         name: tp_kernel_name,

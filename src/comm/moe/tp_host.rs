@@ -19,13 +19,19 @@
 //! flag of the previous combine (its `cstage` may still be read); the first needs no such wait:
 //! every rank published the dispatch's counts after its previous combine finished.
 //!
+//! With the clock probe on, each phase boundary stores the wall clock into the probe words
+//! (host.rs `probe`; routed and staged are one step here).
+//!
 //! Invariant: every rank runs every step of every call whatever it found (a refusal publishes a
 //! status, stages nothing and reads nothing), so the epochs stay equal on every rank.
 
 use super::config::IndexType;
-use super::host::{copy, load_idx, rd_bf16, rd_f32, rd_i32, word, wr_bf16_row, wr_i32};
+use super::host::{copy, load_idx, probe, rd_bf16, rd_f32, rd_i32, word, wr_bf16_row, wr_i32};
 use super::layout::{
-    tag_of, tagged, tp_row_words, untag, TpLayout, ROW_EXTRA, TP_FLAG_READ, TP_FLAG_STAGED,
+    tag_of, tagged, tp_row_words, untag, TpLayout, PROBE_C_EPOCH, PROBE_C_PUSHED, PROBE_C_START,
+    PROBE_C_SUMMED, PROBE_C_WAITED, PROBE_D_EPOCH, PROBE_D_PUBLISHED, PROBE_D_PULLED,
+    PROBE_D_ROUTED, PROBE_D_SCANNED, PROBE_D_SORTED, PROBE_D_STAGED, PROBE_D_START, PROBE_D_WAITED,
+    ROW_EXTRA, TP_FLAG_READ, TP_FLAG_STAGED,
 };
 use super::status::{self, Found, Refusal};
 use super::{Combine, Dispatch, Last, Moe};
@@ -195,11 +201,15 @@ pub fn dispatch(
     m.d_epoch += 1;
     m.tp_first_combine = m.c_epoch + 1;
     let epoch = m.d_epoch;
+    let stamp = |m: &Moe, i| probe(m, i, PROBE_D_EPOCH, epoch);
+    stamp(m, PROBE_D_START);
     let (c, l, w, me) = (m.cfg, lay(m), m.world as u64, m.rank);
     let kk = c.topk as u64;
     let local = c.local_experts(w);
     let n = if refusal.is_some() { 0 } else { a.tokens };
     let (counts, mut found) = route(m, a, it, n, epoch);
+    stamp(m, PROBE_D_ROUTED);
+    stamp(m, PROBE_D_STAGED);
     if let Some(r) = refusal {
         found = Some(Found {
             code: r.code,
@@ -221,8 +231,10 @@ pub fn dispatch(
             word(row + 8 * (w + i)).store(tagged(epoch, v), Ordering::Release);
         }
     }
+    stamp(m, PROBE_D_PUBLISHED);
     // Step 3: the one wait; the first status (lowest rank). No capacity: W*T rows suffice.
     let rows = wait_rows(m, epoch, timeout)?;
+    stamp(m, PROBE_D_WAITED);
     let first = rows.iter().enumerate().find_map(|(s, row)| {
         let ex = &row[m.world..m.world + 5];
         (ex[0] != 0).then(|| status::from_row(s as u32, ex))
@@ -277,6 +289,7 @@ pub fn dispatch(
                 r += 1;
             }
         }
+        stamp(m, PROBE_D_PULLED);
         // The counts, the CSR offsets and the rows by local expert (rows increasing).
         wr_i32(meta, r as i32);
         let mut sum = 0u64;
@@ -288,6 +301,7 @@ pub fn dispatch(
             sum += got[le as usize];
         }
         wr_i32(offsets(local), sum as i32);
+        stamp(m, PROBE_D_SCANNED);
         for row in 0..r {
             for j in 0..kk {
                 let le = rd_i32(m.at(me, l.recv_idx) + 4 * (row * kk + j));
@@ -312,6 +326,7 @@ pub fn dispatch(
             }
         }
     }
+    stamp(m, PROBE_D_SORTED);
     match first {
         None => Ok(()),
         Some(f) if f.rank as usize == me && status::is_refusal(f.code) => {
@@ -332,6 +347,8 @@ pub fn combine(
 ) -> Result<()> {
     m.c_epoch += 1;
     let epoch = m.c_epoch;
+    let stamp = |m: &Moe, i| probe(m, i, PROBE_C_EPOCH, epoch);
+    stamp(m, PROBE_C_START);
     let (c, l, w, me) = (m.cfg, lay(m), m.world as u64, m.rank);
     let h = c.hidden;
     let row_bytes = h * 2;
@@ -351,7 +368,9 @@ pub fn combine(
         }
     }
     raise(m, TP_FLAG_STAGED, 2 * epoch + refused as u64);
+    stamp(m, PROBE_C_PUSHED);
     let seen = wait_flags(m, TP_FLAG_STAGED, 2 * epoch, timeout, F)?;
+    stamp(m, PROBE_C_WAITED);
     let other = seen.iter().position(|&v| v == 2 * epoch + 1);
     if !refused {
         let mut acc = vec![0f32; h as usize];
@@ -376,6 +395,7 @@ pub fn combine(
         }
     }
     raise(m, TP_FLAG_READ, epoch);
+    stamp(m, PROBE_C_SUMMED);
     if refused {
         return Ok(()); // the caller returns this rank's own message
     }

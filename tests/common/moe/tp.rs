@@ -8,7 +8,9 @@
 //! The error scenarios: tp_errors.rs.
 
 use super::POISON;
-use super::{bf16, expert_row, experts, rank_inputs, Buf, Case, Dev, Expert, Inputs, Route, Shape};
+use super::{
+    bf16, expert_row, experts, rank_inputs, Buf, Case, Dev, Expert, Inputs, Route, Shape, INVALID,
+};
 use crate::common::{err, Comm, OK};
 use std::ptr::null_mut;
 use symmalloc::comm::convert::bf16_to_f32;
@@ -55,8 +57,13 @@ pub fn tp_layout_of(moe: *const symm_moe_t) -> (symm_status_t, symm_moe_tp_layou
 
 /// Creates a throughput-mode object and checks its layout's fields.
 pub fn tp_create(comm: Comm, s: Shape, dev: Dev) -> Tp {
+    tp_create_with(comm, s, dev, tp_config(&s))
+}
+
+/// As `tp_create`, with the configuration `cfg` (`tp_config(&s)` changed).
+pub fn tp_create_with(comm: Comm, s: Shape, dev: Dev, cfg: symm_moe_config_t) -> Tp {
     let mut moe = null_mut();
-    let st = symm_moe_create_config(comm, &tp_config(&s), &mut moe);
+    let st = symm_moe_create_config(comm, &cfg, &mut moe);
     assert_eq!(
         st,
         OK,
@@ -522,4 +529,49 @@ pub fn tp_repeated(comm: Comm, dev: Dev, w: usize, seed: u64, rounds: u64) -> us
         made += 1;
     }
     made
+}
+
+/// The clock probe of a throughput-mode object: refused on a plain one; with the probe on, two
+/// checked dispatch + combine pairs, each leaving its words in phase order (block 0 records
+/// start, routed, wait done, pulled and scanned, the grid's last block staged, published and
+/// sorted; combine: block 0 start and wait done, the last block pushed and summed), its epochs,
+/// and the receive starts 0 (the mode has no halves).
+pub fn tp_probe_words(comm: Comm, dev: Dev, w: usize, seed: u64) {
+    let s = Shape::new(16, 256, 4, experts(w, 8), false);
+    let mut out = [0u64; SYMM_MOE_PROBE_WORDS as usize];
+    {
+        let plain = tp_create(comm, s, dev);
+        let st = symm_moe_probe(plain.moe, out.as_mut_ptr(), out.len());
+        assert!(
+            st == INVALID && err().contains("the clock probe is off"),
+            "probe of a plain throughput object: {st:?} {}",
+            err()
+        );
+    }
+    let mut cfg = tp_config(&s);
+    cfg.flags = SYMM_MOE_FLAG_PROBE;
+    let o = tp_create_with(comm, s, dev, cfg);
+    for i in 0..2u64 {
+        let c = Case::new(seed ^ 0x7b0 ^ i, s.t, s.topk, Route::Random);
+        tp_case(&o, &c, &format!("probe call {i}"));
+        o.dev.sync();
+        let st = symm_moe_probe(o.moe, out.as_mut_ptr(), out.len());
+        assert_eq!(st, OK, "probe: {}", err());
+        let what = format!("rank {} call {i}: {out:?}", o.rank);
+        assert!(out[0] > 0, "{what}");
+        // Block 0 may see its own rank's row (and end its wait) before the publishing block
+        // stamps "published", so the wait follows "staged", not "published".
+        let chain = |ws: &[usize]| ws.windows(2).all(|p| out[p[0]] <= out[p[1]]);
+        assert!(
+            chain(&[0, 1, 2, 3]) && chain(&[2, 5, 6, 14, 15]),
+            "dispatch: {what}"
+        );
+        assert!(chain(&[8, 9, 12]) && chain(&[8, 11, 12]), "combine: {what}");
+        assert!(out[15] <= out[8], "the combine after the dispatch: {what}");
+        assert_eq!(
+            (out[4], out[10], out[7], out[13]),
+            (0, 0, i + 1, i + 1),
+            "{what}"
+        );
+    }
 }

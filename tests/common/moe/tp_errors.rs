@@ -198,10 +198,6 @@ pub fn tp_create_errors(comm: Comm, dev: Dev, w: usize, rank: usize) {
             &|c: &mut symm_moe_config_t| c.scale_layout = SYMM_MOE_SCALES_COL_TMA,
             "scale_layout SYMM_MOE_SCALES_COL_TMA is for the low-latency mode",
         ),
-        (
-            &|c: &mut symm_moe_config_t| c.flags = SYMM_MOE_FLAG_PROBE,
-            "flags SYMM_MOE_FLAG_PROBE (the clock probe) is for the low-latency mode",
-        ),
     ] {
         let c = cfg(&|c| {
             fp8(c);
