@@ -141,9 +141,11 @@ __device__ __forceinline__ bool tp_count_in(uint64_t* ctrl, int which, uint64_t 
 // low-latency mode's, for fewer SMs to keep the memory busy (4,096 tokens on 24 SMs: 94 -> 87
 // µs; 16 gave no more, and 8 in the low-latency kernels slowed its 1-token dispatch).
 #define MOE_TP_COPY_U 8
-// Items (token, 8 elements) a thread of the combine sums together, their loads batched (4,096
-// tokens, world 1, 24 SMs: 260 µs one at a time, 161 with 4, 136 with 6; 8 spills registers).
-#define MOE_TP_SUM_U 6
+// Vectors (8 elements) per lane of a destination's row the combine's warp loads before adding
+// them (a warp per token).
+#ifndef MOE_TP_SUM_V
+#define MOE_TP_SUM_V 8
+#endif
 
 // The CSR's placement for rows [r0, r1), by one block: `rows` gets `r * K + j` for every slot
 // of those rows with `ridx[r * K + j] == le`, at `start[le]` (shared memory, this block's first
@@ -764,59 +766,62 @@ __device__ void tp_combine_body(const MoeTpArgs& a) {
   if (blockIdx.x == 0 && tid == 0 && !refused && other_s != 0xffffffffu)
     tp_record(a, MOE_ST_COMBINE_REFUSED, (int)other_s, 0, 0, 0, 1);
   if (!refused) {
+    // A warp per token: lane d < W loads the token's row at rank d (pos, once), then per run of
+    // 32 * MOE_TP_SUM_V vectors (8 elements each) the warp loads each destination's vectors, all
+    // of a run before any is added, and sums them over d in increasing order in fp32, rounded
+    // once (the same bits as one element at a time).
+    // With fewer tokens than warps a token's runs are split over `parts` warps.
     const int32_t* pos = (const int32_t*)(a.blocks[me] + a.off_pos);
-    const uint64_t vecs = H / 8, items = a.num_tokens * vecs;
-    const bool small = items <= 0xffffffffull;
-    const uint64_t gt = (uint64_t)blockIdx.x * MOE_THREADS + tid, nt = (uint64_t)gridDim.x * MOE_THREADS;
-    // MOE_TP_SUM_U items per thread at a time (q0 + u * nt), each destination's pos words and
-    // then its rows' vectors loaded for all of them before any is used; each item's sum is over
-    // d in increasing order in fp32, as one item at a time would do it.
-    for (uint64_t q0 = gt; q0 < items; q0 += nt * MOE_TP_SUM_U) {
-      uint64_t t[MOE_TP_SUM_U], v[MOE_TP_SUM_U];
-      float acc[MOE_TP_SUM_U][8];
+    const uint32_t vecs = (uint32_t)(H / 8), run = 32 * MOE_TP_SUM_V;
+    const uint32_t gw = blockIdx.x * MOE_WARPS + warp, nw = gridDim.x * MOE_WARPS;
+    const uint32_t n = (uint32_t)a.num_tokens, runs = (vecs + run - 1) / run;
+    const uint32_t parts = n == 0 ? 1 : max(1u, min(runs, nw / n));
+    for (uint32_t q = gw; q < n * parts; q += nw) {  // n * parts <= max(n, nw)
+      const uint32_t t = q / parts, part = q - t * parts;
+      const int32_t pl = lane < W && !zeros ? pos[(uint64_t)t * W + lane] : -1;
+      uint4* yrow = (uint4*)((uint8_t*)a.weights_or_y + (uint64_t)t * row_bytes);
+      for (uint32_t c0 = part * run; c0 < vecs; c0 += parts * run) {
+        float acc[MOE_TP_SUM_V][8];
 #pragma unroll
-      for (int u = 0; u < MOE_TP_SUM_U; ++u) {
-        const uint64_t q = q0 + u * nt;
-        // 32-bit division when the items fit (every shape in practice), else 64-bit.
-        t[u] = small ? (uint32_t)q / (uint32_t)vecs : q / vecs;
-        v[u] = q - t[u] * vecs;
+        for (int u = 0; u < MOE_TP_SUM_V; ++u)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
-      }
-      for (int d = 0; d < W && !zeros; ++d) {
-        int32_t p[MOE_TP_SUM_U];
+          for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
+        for (int d = 0; d < W; ++d) {
+          const int32_t p = __shfl_sync(0xffffffffu, pl, d);
+          if (p < 0) continue;  // the same for the whole warp
+          const uint4* src = (const uint4*)((d == me ? (const uint8_t*)a.x_or_expert_out
+                                                     : (const uint8_t*)(a.blocks[d] + a.off_cstage)) +
+                                            (uint64_t)p * row_bytes);
+          uint4 x[MOE_TP_SUM_V];
 #pragma unroll
-        for (int u = 0; u < MOE_TP_SUM_U; ++u) p[u] = q0 + u * nt < items ? pos[t[u] * W + d] : -1;
-        const uint8_t* base = d == me ? (const uint8_t*)a.x_or_expert_out : (const uint8_t*)(a.blocks[d] + a.off_cstage);
-        uint4 x[MOE_TP_SUM_U];
+          for (int u = 0; u < MOE_TP_SUM_V; ++u) {
+            const uint32_t v = c0 + u * 32 + lane;
+            if (v < vecs) x[u] = d == me ? src[v] : __ldcg(src + v);
+          }
 #pragma unroll
-        for (int u = 0; u < MOE_TP_SUM_U; ++u) {
-          if (p[u] < 0) continue;
-          const uint4* src = (const uint4*)(base + (uint64_t)p[u] * row_bytes) + v[u];
-          x[u] = d == me ? *src : __ldcg(src);
-        }
+          for (int u = 0; u < MOE_TP_SUM_V; ++u) {
+            if (c0 + u * 32 + lane >= vecs) continue;
+            const uint32_t w4[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
 #pragma unroll
-        for (int u = 0; u < MOE_TP_SUM_U; ++u) {
-          if (p[u] < 0) continue;
-          const uint32_t w4[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            acc[u][2 * i] += __uint_as_float(w4[i] << 16);
-            acc[u][2 * i + 1] += __uint_as_float(w4[i] & 0xffff0000u);
+            for (int i = 0; i < 4; ++i) {
+              acc[u][2 * i] += __uint_as_float(w4[i] << 16);
+              acc[u][2 * i + 1] += __uint_as_float(w4[i] & 0xffff0000u);
+            }
           }
         }
-      }
 #pragma unroll
-      for (int u = 0; u < MOE_TP_SUM_U; ++u) {
-        if (q0 + u * nt >= items) break;
-        uint32_t o[4];
+        for (int u = 0; u < MOE_TP_SUM_V; ++u) {
+          const uint32_t v = c0 + u * 32 + lane;
+          if (v >= vecs) continue;
+          uint32_t o[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(acc[u][2 * i]));
-          const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(acc[u][2 * i + 1]));
-          o[i] = lo | (hi << 16);
+          for (int i = 0; i < 4; ++i) {
+            const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(acc[u][2 * i]));
+            const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(acc[u][2 * i + 1]));
+            o[i] = lo | (hi << 16);
+          }
+          yrow[v] = make_uint4(o[0], o[1], o[2], o[3]);
         }
-        ((uint4*)((uint8_t*)a.weights_or_y + t[u] * row_bytes))[v[u]] = make_uint4(o[0], o[1], o[2], o[3]);
       }
     }
   }
