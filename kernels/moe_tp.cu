@@ -142,7 +142,8 @@ __device__ __forceinline__ bool tp_count_in(uint64_t* ctrl, int which, uint64_t 
 // µs; 16 gave no more, and 8 in the low-latency kernels slowed its 1-token dispatch).
 #define MOE_TP_COPY_U 8
 // Vectors (8 elements) per lane of a destination's row the combine's warp loads before adding
-// them (a warp per token).
+// them (a warp per token; 4,096 tokens, world 1, 24 SMs: 96 µs with 4, 87 with 6, 84 with 8, at
+// 128 registers; -D for a sweep).
 #ifndef MOE_TP_SUM_V
 #define MOE_TP_SUM_V 8
 #endif
