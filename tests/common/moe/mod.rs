@@ -31,6 +31,26 @@ pub const INVALID: symm_status_t = symm_status_t::SYMM_ERR_INVALID_ARGUMENT;
 /// The byte every output is poisoned with before a call (bf16 0xFFFF is a NaN).
 pub const POISON: u8 = 0xFF;
 
+/// The clock probe's words of `moe` after `dev`'s work is done (`symm_moe_probe`, which must
+/// succeed with the start word set); `what` names the call in the messages.
+pub fn probe_read(
+    moe: *mut symm_moe_t,
+    dev: Dev,
+    what: &str,
+) -> [u64; SYMM_MOE_PROBE_WORDS as usize] {
+    dev.sync();
+    let mut out = [0u64; SYMM_MOE_PROBE_WORDS as usize];
+    let st = symm_moe_probe(moe, out.as_mut_ptr(), out.len());
+    assert_eq!(st, OK, "probe of {what}: {}", err());
+    assert!(out[0] > 0, "{what}: {out:?}");
+    out
+}
+
+/// Whether probe words `ws` of `out` are in order (each at most the next).
+pub fn probe_in_order(out: &[u64], ws: &[usize]) -> bool {
+    ws.windows(2).all(|p| out[p[0]] <= out[p[1]])
+}
+
 /// A child rank: its communicator, its buffers' home (`dev`: `Dev::host` or `Dev::cuda`) on its
 /// device, world, rank and the parent's seed.
 pub fn rank_setup(c: &Child, dev: fn(i32) -> Dev) -> (Comm, Dev, usize, usize, u64) {

@@ -9,7 +9,8 @@
 
 use super::POISON;
 use super::{
-    bf16, expert_row, experts, rank_inputs, Buf, Case, Dev, Expert, Inputs, Route, Shape, INVALID,
+    bf16, expert_row, experts, probe_in_order, probe_read, rank_inputs, Buf, Case, Dev, Expert,
+    Inputs, Route, Shape, INVALID,
 };
 use crate::common::{err, Comm, OK};
 use std::ptr::null_mut;
@@ -538,8 +539,8 @@ pub fn tp_repeated(comm: Comm, dev: Dev, w: usize, seed: u64, rounds: u64) -> us
 /// and the receive starts 0 (the mode has no halves).
 pub fn tp_probe_words(comm: Comm, dev: Dev, w: usize, seed: u64) {
     let s = Shape::new(16, 256, 4, experts(w, 8), false);
-    let mut out = [0u64; SYMM_MOE_PROBE_WORDS as usize];
     {
+        let mut out = [0u64; SYMM_MOE_PROBE_WORDS as usize];
         let plain = tp_create(comm, s, dev);
         let st = symm_moe_probe(plain.moe, out.as_mut_ptr(), out.len());
         assert!(
@@ -554,14 +555,11 @@ pub fn tp_probe_words(comm: Comm, dev: Dev, w: usize, seed: u64) {
     for i in 0..2u64 {
         let c = Case::new(seed ^ 0x7b0 ^ i, s.t, s.topk, Route::Random);
         tp_case(&o, &c, &format!("probe call {i}"));
-        o.dev.sync();
-        let st = symm_moe_probe(o.moe, out.as_mut_ptr(), out.len());
-        assert_eq!(st, OK, "probe: {}", err());
+        let out = probe_read(o.moe, o.dev, &format!("rank {} call {i}", o.rank));
         let what = format!("rank {} call {i}: {out:?}", o.rank);
-        assert!(out[0] > 0, "{what}");
         // Block 0 may see its own rank's row (and end its wait) before the publishing block
         // stamps "published", so the wait follows "staged", not "published".
-        let chain = |ws: &[usize]| ws.windows(2).all(|p| out[p[0]] <= out[p[1]]);
+        let chain = |ws: &[usize]| probe_in_order(&out, ws);
         assert!(
             chain(&[0, 1, 2, 3]) && chain(&[2, 5, 6, 14, 15]),
             "dispatch: {what}"
