@@ -620,7 +620,8 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
     // Step 4: pull. Block b takes the received rows [r0, r1) = [b * per, (b + 1) * per), a warp
     // per row; row r comes from the source s with rowbase[s] <= r < rowbase[s + 1]. Lane j < K
     // loads the row's entry j and weight from the source's routing copy beside the row's copy,
-    // stores its local top-k and counts it per local expert in c_s (tp_grid_csr's step 1).
+    // stores its local top-k and counts it per local expert in csr_c_s (what tp_grid_csr's
+    // step 1 stores for the other blocks).
     const uint32_t N = (uint32_t)rowbase_s[W], UK = (uint32_t)K;
     const uint32_t per = (N + G - 1) / G, r0 = min(blockIdx.x * per, N), r1 = min(r0 + per, N);
     int32_t* rsrc = (int32_t*)(a.blocks[me] + a.off_recv_src);
