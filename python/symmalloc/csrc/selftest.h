@@ -20,8 +20,10 @@
 #include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -67,13 +69,36 @@ std::string churn(Allocator& a, int device, int iters, uint64_t seed) {
 
 // A stand-in for the GIL: the recorder below takes it, as PyTorch's Python recorder takes the
 // GIL, and the snapshot thread of selftest_threads holds it while it takes a snapshot, as
-// torch.cuda.memory._snapshot holds the GIL.
-inline std::mutex& gil() {
-  static auto* m = new std::mutex();
+// torch.cuda.memory._snapshot holds the GIL. Fair, as the GIL is (a waiting thread asks the
+// holder to drop it and gets it next): tickets served in order. A plain std::mutex is not; the
+// snapshot thread, taking it again the moment it lets go, could keep an allocating thread
+// waiting for a minute on a loaded 2-core machine, which read as a deadlock.
+class FairGil {
+ public:
+  void lock() {
+    std::unique_lock<std::mutex> l(mu_);
+    uint64_t mine = next_++;
+    cv_.wait(l, [&] { return serving_ == mine; });
+  }
+  void unlock() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      ++serving_;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t next_ = 0, serving_ = 0;
+};
+inline FairGil& gil() {
+  static auto* m = new FairGil();
   return *m;
 }
 inline std::shared_ptr<c10::GatheredContext> gil_recorder() {
-  std::lock_guard<std::mutex> g(gil());
+  std::lock_guard<FairGil> g(gil());
   return std::make_shared<c10::GatheredContext>();
 }
 
@@ -135,7 +160,7 @@ std::string selftest_threads(Allocator& a, int device, int iters, double timeout
     });
   threads.emplace_back([&a, st] {
     while (!st->stop.load()) {
-      std::lock_guard<std::mutex> g(gil());
+      std::lock_guard<FairGil> g(gil());
       (void)a.snapshot({0, 0}, true);
       st->snapshots++;
     }
@@ -146,14 +171,18 @@ std::string selftest_threads(Allocator& a, int device, int iters, double timeout
   while (st->workers_done.load() < 2 && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   st->stop = true;
-  while (!st->snapper_done.load() && std::chrono::steady_clock::now() < deadline)
+  // The snapshot thread ends after the snapshot it is taking: 10 s more at most.
+  auto grace = std::max(deadline, std::chrono::steady_clock::now()) + std::chrono::seconds(10);
+  while (!st->snapper_done.load() && std::chrono::steady_clock::now() < grace)
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   if (st->workers_done.load() < 2 || !st->snapper_done.load()) {
     for (auto& t : threads) t.detach();
     return "selftest: history under threads: " + std::to_string(st->workers_done.load()) +
-           " of 2 allocating threads and " + (st->snapper_done ? "the" : "not the") +
-           " snapshot thread finished in " + std::to_string(timeout_s) +
-           " s (a deadlock: frames gathered under an allocator lock?)";
+           " of 2 allocating threads finished in " + std::to_string(timeout_s) + " s, and " +
+           (st->snapper_done ? "the" : "not the") + " snapshot thread 10 s after (" +
+           std::to_string(st->allocations.load()) + " allocations, " +
+           std::to_string(st->snapshots.load()) +
+           " snapshots taken; a deadlock: frames gathered under an allocator lock?)";
   }
   for (auto& t : threads) t.join();
   size_t allocs = 0, frees = 0;
