@@ -14,6 +14,8 @@
 //! Load it only with `dlopen(RTLD_LOCAL)`: never link or LD_PRELOAD it, or these
 //! names take over the process heap. Its own Rust code still binds to libc's malloc because
 //! the library is linked without -Bsymbolic and `malloc` is resolved through the global scope.
+//! In a test build (`cargo test --lib`) the six functions keep Rust's mangled names, so the
+//! harness keeps libc's heap.
 
 mod std_function;
 
@@ -176,7 +178,7 @@ fn warn_capture_without_pool(stream: *mut c_void) {
 ///
 /// # Safety
 /// Called by a dlopen loader with PyTorch's allocator signature.
-#[no_mangle]
+#[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
     let Some(a) = api() else {
         return std::ptr::null_mut();
@@ -200,7 +202,7 @@ pub unsafe extern "C" fn malloc(size: usize, device: c_int, stream: *mut c_void)
 ///
 /// # Safety
 /// As `symm_free`.
-#[no_mangle]
+#[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
     if let Some(a) = api() {
         // SAFETY: forwarding the caller's arguments unchanged.
@@ -212,7 +214,7 @@ pub unsafe extern "C" fn free(ptr: *mut c_void, size: usize, device: c_int, stre
 ///
 /// # Safety
 /// As `symm_begin_pool`.
-#[no_mangle]
+#[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn begin_pool(device: c_int, first: u64, second: u64) {
     POOL_HOOK_SEEN.store(true, Ordering::Relaxed);
     if let Some(a) = api() {
@@ -232,7 +234,7 @@ pub unsafe extern "C" fn begin_pool(device: c_int, first: u64, second: u64) {
 /// # Safety
 /// `filter` points to a live `std::function<bool(cudaStream_t)>` that the callee may move from
 /// (PyTorch's by-value parameter), or is NULL.
-#[no_mangle]
+#[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn begin_allocate_to_pool(
     device: c_int,
     first: u64,
@@ -277,7 +279,7 @@ pub unsafe extern "C" fn begin_allocate_to_pool(
 ///
 /// # Safety
 /// As `symm_end_pool`.
-#[no_mangle]
+#[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn end_pool(device: c_int, first: u64, second: u64) {
     if let Some(a) = api() {
         // SAFETY: forwarding.
@@ -289,7 +291,7 @@ pub unsafe extern "C" fn end_pool(device: c_int, first: u64, second: u64) {
 ///
 /// # Safety
 /// As `symm_release_pool`.
-#[no_mangle]
+#[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn release_pool(device: c_int, first: u64, second: u64) {
     if let Some(a) = api() {
         // SAFETY: forwarding.
