@@ -231,9 +231,13 @@ __device__ __forceinline__ uint64_t moe_wait(const MoeArgs& a, int which, int sr
   }
 }
 
-// The clock probe's word `i` (PROBE instances only; one thread stores each word).
+// The clock probe's word `i` in a control block (PROBE instances only; one thread stores each
+// word): both modes' probes (moe_probe here, tp_probe in moe_tp.cu).
+__device__ __forceinline__ void moe_probe_at(uint64_t* ctrl, int i) {
+  ctrl[MOE_CTRL_PROBE + i] = globaltimer();
+}
 __device__ __forceinline__ void moe_probe(const MoeArgs& a, int i) {
-  moe_ctrl(a)[MOE_CTRL_PROBE + i] = globaltimer();
+  moe_probe_at(moe_ctrl(a), i);
 }
 
 // Records a status for the host (moe/status.rs words: the code last). Plain posted stores.

@@ -100,9 +100,9 @@ __device__ __forceinline__ void tp_record(const MoeTpArgs& a, uint32_t code, int
   __threadfence_system();
 }
 
-// The clock probe's word `i` (PROBE instances only; one thread stores each word).
+// The clock probe's word `i` (moe_probe_at; PROBE instances only).
 __device__ __forceinline__ void tp_probe(const MoeTpArgs& a, int i) {
-  ((uint64_t*)a.blocks[a.s.rank])[MOE_CTRL_PROBE + i] = globaltimer();
+  moe_probe_at((uint64_t*)a.blocks[a.s.rank], i);
 }
 
 template <typename IDX>
