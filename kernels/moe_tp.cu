@@ -59,7 +59,7 @@ struct MoeTpArgs {
   uint64_t off_xstage;
   uint64_t off_xscales;
   uint64_t off_cstage;             // [W*T][H] bf16
-  uint64_t off_csr;                // [MAX_GRID][L] int32: tp_grid_csr's counts, then prefixes
+  uint64_t off_csr;                // [MAX_GRID][L] int32: tp_grid_csr's counts (then prefixes, on large grids)
   uint64_t num_tokens;
   int64_t refuse_value;
   uint32_t max_tokens;             // T
@@ -269,12 +269,19 @@ __device__ __forceinline__ bool tp_grid_sync(const MoeTpArgs& a, uint64_t* ctrl)
 // rows [r0, r1) = [b * per, (b + 1) * per) it pulled, whose top-k the pull stored in ridx / rw and
 // counted per local expert into `c_s` (shared memory, this block's slots per le):
 // 1. it stores `c_s` as `csr[b][le]`; a grid barrier;
-// 2. it owns local experts [b * lpb, (b + 1) * lpb): per expert an exclusive scan of the G blocks'
-//    counts (a warp per expert) replaces them in `csr`, and the total is meta's count; a grid
-//    barrier;
-// 3. its first place per expert = the offsets (the totals' exclusive scan) plus its `csr` row;
-//    it places its rows (tp_place_rows). Block 0 writes the rest of meta.
+// 2. on a grid of at most MOE_TP_CSR_DIRECT_G blocks, every block reads the G blocks' counts of
+//    each local expert itself (a thread per expert, G independent loads): their sum is the
+//    expert's total, the lower blocks' its own first place in the expert. On a larger grid, where
+//    G reads a block would cost more than a barrier, it owns local experts
+//    [b * lpb, (b + 1) * lpb): per expert an exclusive scan of the G blocks' counts (a warp per
+//    expert) replaces them in `csr`, and the total is meta's count; a grid barrier; then every
+//    block reads the totals and its `csr` row;
+// 3. its first place per expert = the offsets (the totals' exclusive scan) plus its lower
+//    blocks' slots; it places its rows (tp_place_rows). Block 0 writes the rest of meta.
 // The result is the one-block sort's, bit for bit: rows by local expert, increasing.
+#ifndef MOE_TP_CSR_DIRECT_G
+#define MOE_TP_CSR_DIRECT_G 48
+#endif
 template <bool PROBE>
 __device__ bool tp_grid_csr(const MoeTpArgs& a, uint64_t* ctrl, uint32_t N, uint32_t r0, uint32_t r1, int32_t* c_s,
                             int32_t* meta, int32_t* warp_s) {
@@ -292,34 +299,50 @@ __device__ bool tp_grid_csr(const MoeTpArgs& a, uint64_t* ctrl, uint32_t N, uint
   if constexpr (PROBE) {
     if (b == 0 && tid == 0) tp_probe(a, MOE_P_D_PULLED);
   }
-  // Step 2: this block's experts' columns, then a warp per expert scans its column.
-  const uint32_t lpb = (UL + G - 1) / G, e0 = min(b * lpb, UL), e1 = min(e0 + lpb, UL), ne = e1 - e0;
-  for (uint32_t i = tid; i < ne * G; i += MOE_THREADS) {
-    const uint32_t le = e0 + i / G, bb = i % G;
-    col_s[i] = __ldcg(csr + (uint64_t)bb * UL + le);
-  }
-  __syncthreads();
-  for (uint32_t i = warp; i < ne; i += MOE_WARPS) {
-    int32_t carry = 0;
-    for (uint32_t c0 = 0; c0 < G; c0 += 32) {
-      const uint32_t bb = c0 + lane;
-      const int32_t v = bb < G ? col_s[i * G + bb] : 0;
-      const int32_t x = moe_warp_inclusive(v);
-      if (bb < G) csr[(uint64_t)bb * UL + e0 + i] = carry + x - v;
-      carry += __shfl_sync(0xffffffffu, x, 31);
+  // Step 2.
+  if (G <= MOE_TP_CSR_DIRECT_G) {
+    for (int le = tid; le < L; le += MOE_THREADS) {
+      int32_t tot = 0, below = 0;
+#pragma unroll 8
+      for (uint32_t bb = 0; bb < G; ++bb) {
+        const int32_t v = __ldcg(csr + (uint64_t)bb * UL + le);
+        tot += v;
+        below += bb < b ? v : 0;
+      }
+      o_s[le] = tot;
+      c_s[le] = below;
+      if (b == 0) meta[1 + le] = tot;
     }
-    if (lane == 0) meta[1 + e0 + i] = carry;
+  } else {
+    // This block's experts' columns, then a warp per expert scans its column.
+    const uint32_t lpb = (UL + G - 1) / G, e0 = min(b * lpb, UL), e1 = min(e0 + lpb, UL), ne = e1 - e0;
+    for (uint32_t i = tid; i < ne * G; i += MOE_THREADS) {
+      const uint32_t le = e0 + i / G, bb = i % G;
+      col_s[i] = __ldcg(csr + (uint64_t)bb * UL + le);
+    }
+    __syncthreads();
+    for (uint32_t i = warp; i < ne; i += MOE_WARPS) {
+      int32_t carry = 0;
+      for (uint32_t c0 = 0; c0 < G; c0 += 32) {
+        const uint32_t bb = c0 + lane;
+        const int32_t v = bb < G ? col_s[i * G + bb] : 0;
+        const int32_t x = moe_warp_inclusive(v);
+        if (bb < G) csr[(uint64_t)bb * UL + e0 + i] = carry + x - v;
+        carry += __shfl_sync(0xffffffffu, x, 31);
+      }
+      if (lane == 0) meta[1 + e0 + i] = carry;
+    }
+    if (!tp_grid_sync(a, ctrl)) return false;
+    for (int le = tid; le < L; le += MOE_THREADS) {
+      o_s[le] = __ldcg(meta + 1 + le);
+      c_s[le] = __ldcg(csr + (uint64_t)b * UL + le);
+    }
   }
-  if (!tp_grid_sync(a, ctrl)) return false;
+  // Step 3.
+  __syncthreads();
   if constexpr (PROBE) {
     if (b == 0 && tid == 0) tp_probe(a, MOE_P_D_SCANNED);
   }
-  // Step 3.
-  for (int le = tid; le < L; le += MOE_THREADS) {
-    o_s[le] = __ldcg(meta + 1 + le);
-    c_s[le] = __ldcg(csr + (uint64_t)b * UL + le);
-  }
-  __syncthreads();
   const int32_t total = moe_block_scan(o_s, o_s, L, warp_s);
   for (int le = tid; le < L; le += MOE_THREADS) {
     c_s[le] += o_s[le];

@@ -467,7 +467,7 @@ fn gpu_moe_throughput_mode_matches_the_reference() {
         destroy(comm);
         println!(
             "rank {r}: outputs hash {hash:016x}; {cases} cases, {made} repeated calls and {grids} \
-             cases on small grids correct"
+             cases on set grids correct"
         );
         return;
     }

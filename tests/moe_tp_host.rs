@@ -36,7 +36,7 @@ fn throughput_dispatch_and_combine_match_the_reference_at_2_4_8_ranks() {
         let grids = tp_grids(comm, dev, w, seed);
         destroy(comm);
         println!(
-            "rank {r}: outputs hash {hash:016x}; {cases} cases and {grids} on small grids correct"
+            "rank {r}: outputs hash {hash:016x}; {cases} cases and {grids} on set grids correct"
         );
         return;
     }

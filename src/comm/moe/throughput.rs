@@ -44,8 +44,8 @@ const _: () = assert!(super::launch::MOE_KERNELS.len() as u64 <= TP_KEY_BASE);
 /// combine epoch of the last dispatch, and where block 0 leaves this rank's counts row for the
 /// publishing block (W counts, then ROW_EXTRA status words; kernels/moe_tp.cu).
 pub const CTRL_TP_FIRST: u64 = 7;
-/// The count of the dispatch's grid barriers, the routing's and the CSR's two
-/// (kernels/moe_tp.cu `tp_grid_sync`).
+/// The count of the dispatch's grid barriers, the routing's and the CSR's one (two on grids
+/// above 48 blocks, kernels/moe_tp.cu `MOE_TP_CSR_DIRECT_G`; `tp_grid_sync`).
 pub const CTRL_TP_SYNC: u64 = 8;
 pub const CTRL_TP_ROW: u64 = 16;
 const _: () = assert!(CTRL_TP_ROW + MAX_RANKS as u64 + ROW_EXTRA <= CTRL_PROBE);

@@ -474,11 +474,13 @@ pub fn tp_sweep(comm: Comm, dev: Dev, w: usize, seed: u64) -> (usize, u64) {
 }
 
 /// Grids of 1, 2 and 3 blocks: the routing and the CSR in one block (its grid barriers pass at
-/// once), then spread over two and three blocks with uneven chunks of tokens and rows. Returns
-/// how many cases ran.
+/// once), then spread over two and three blocks with uneven chunks of tokens and rows; on a GPU
+/// also 64 and 132 blocks (as many as it has), most of them with no tokens or rows, where the
+/// CSR's per-expert scan takes its grid-barrier path (above `MOE_TP_CSR_DIRECT_G`, 48 blocks);
+/// the host backend's one SM makes those grids of one. Returns how many cases ran.
 pub fn tp_grids(comm: Comm, dev: Dev, w: usize, seed: u64) -> usize {
     let mut ran = 0;
-    for num_sms in [1u32, 2, 3] {
+    for num_sms in [1u32, 2, 3, 64, 132] {
         let mut s = Shape::new(16, 128, 4, experts(w, 8), false);
         s.num_sms = num_sms;
         let o = tp_create(comm, s, dev);
