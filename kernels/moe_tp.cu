@@ -360,8 +360,8 @@ __device__ bool tp_grid_csr(const MoeTpArgs& a, uint64_t* ctrl, uint32_t N, uint
 // The routing: the iterations whose destination masks stay in registers (MOE_THREADS tokens of
 // a block's chunk each: a chunk of 4,096 tokens on a grid of one).
 #define MOE_TP_MASK_REGS 8
-// PROBE: record the clock probe (block 0 at its start, after the routing's barrier, the wait and
-// the CSR's barriers; the last block to count in at D_SENT and D_FIN).
+// PROBE: record the clock probe (block 0 at its start, after the routing's barrier, the wait, the
+// CSR's first barrier and its counts read; the last block to count in at D_SENT and D_FIN).
 template <int PAYLOAD_BYTES, bool SCALES, typename IDX, bool PROBE = false>
 __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   __shared__ uint64_t epoch_s;
