@@ -15,8 +15,8 @@
 // epoch, into every rank (the call's one cross-rank wait); every block pulls a contiguous share of
 // the received rows with their local top-k, counting its slots per local expert, then the CSR by
 // local expert (tp_grid_csr: two grid barriers, per-expert scans over the blocks' counts, then
-// each block places its own rows); the last block to count itself in at the end (D_FIN) writes
-// the control words.
+// each block places its own rows); block 0 writes the control words at its end (the probe's
+// kernels count the blocks in at D_FIN to time the grid's end).
 // Combine: the second and later combines of one dispatch first wait for every rank's "read" flag
 // of the previous one (CTRL_TP_FIRST); each rank stages its peers' rows in its cstage, the last
 // block raises "staged" (2c + refused) on every rank, every block waits for all of them (the one
@@ -692,15 +692,18 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   }
   __syncthreads();
 
-  // The end: the last block to count itself in writes the epochs.
-  if (tp_count_in(ctrl, MOE_CTRL_D_FIN, epoch, false, &last_s)) {
-    if (tid == 0) {
-      if constexpr (PROBE) tp_probe(a, MOE_P_D_SORTED);
-      __threadfence();
-      if (!failed) ctrl[MOE_CTRL_OK_EPOCH] = epoch;
-      ctrl[MOE_CTRL_TP_FIRST] = *(volatile uint64_t*)&ctrl[MOE_CTRL_C_DONE] + 1;
-      ctrl[MOE_CTRL_D_DONE] = epoch;
-    }
+  // The end: block 0 stores the epochs, as moe.cu's dispatch does. Every block read the done
+  // count at its start, before the routing's grid barrier, which block 0 passed: none reads it
+  // late. The combine count moves only in combine kernels. Plain stores, no fence and no
+  // count-in: the next call is a later kernel, which starts after every block has ended. (The
+  // probe counts the blocks in at D_FIN to time the grid's end.)
+  if constexpr (PROBE) {
+    if (tp_count_in(ctrl, MOE_CTRL_D_FIN, epoch, false, &last_s) && tid == 0) tp_probe(a, MOE_P_D_SORTED);
+  }
+  if (blockIdx.x == 0 && tid == 0) {
+    if (!failed) ctrl[MOE_CTRL_OK_EPOCH] = epoch;
+    ctrl[MOE_CTRL_TP_FIRST] = *(volatile uint64_t*)&ctrl[MOE_CTRL_C_DONE] + 1;
+    ctrl[MOE_CTRL_D_DONE] = epoch;
   }
 }
 
