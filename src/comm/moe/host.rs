@@ -177,6 +177,45 @@ pub(super) fn load_idx(a: &Dispatch, it: IndexType, i: u64) -> i64 {
     }
 }
 
+/// Entry `(t, j)` of the caller's routing (`at` = (this rank, t, j)), both host dispatches' one
+/// reading of it: its expert (-1 past the caller's k), its weight (0 there) and its code (0,
+/// out of range, or a repeat of an earlier entry of the token: `row` holds the token's entries
+/// so far and gets this one). The first offending entry of the call is kept in `bad`.
+pub(super) fn read_entry(
+    a: &Dispatch,
+    it: IndexType,
+    at: (usize, u64, u64),
+    e_max: i64,
+    row: &mut [i64; 16],
+    bad: &mut Option<Found>,
+) -> (i64, f32, u32) {
+    let (me, t, j) = at;
+    let (e, w) = if j < a.k as u64 {
+        let i = t * a.k as u64 + j;
+        (load_idx(a, it, i), rd_f32(a.weights + 4 * i))
+    } else {
+        (-1, 0.0)
+    };
+    row[j as usize] = e;
+    let code = if e < -1 || e >= e_max {
+        status::ST_OUT_OF_RANGE
+    } else if e >= 0 && row[..j as usize].contains(&e) {
+        status::ST_DUPLICATE
+    } else {
+        0
+    };
+    if code != 0 && bad.is_none() {
+        *bad = Some(Found {
+            code,
+            rank: me as u32,
+            token: t as u32,
+            k: j as u32,
+            value: e,
+        });
+    }
+    (e, w, code)
+}
+
 /// Step 1: the local copy of the routing (`idx`, `weights`, `-1`/0 past k), the first
 /// offending entry, the counts per expert, each entry's position within its expert (`pos`,
 /// token order) and, when the routing is good, the entry list by expert (`list`, CSR) and the
@@ -191,29 +230,7 @@ fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
         let mut row = [-1i64; 16];
         for j in 0..kk {
             let at = t * kk + j;
-            let (e, w) = if j < a.k as u64 {
-                let i = t * a.k as u64 + j;
-                (load_idx(a, it, i), rd_f32(a.weights + 4 * i))
-            } else {
-                (-1, 0.0)
-            };
-            row[j as usize] = e;
-            let code = if e < -1 || e >= e_max {
-                status::ST_OUT_OF_RANGE
-            } else if e >= 0 && row[..j as usize].contains(&e) {
-                status::ST_DUPLICATE
-            } else {
-                0
-            };
-            if code != 0 && bad.is_none() {
-                bad = Some(Found {
-                    code,
-                    rank: me as u32,
-                    token: t as u32,
-                    k: j as u32,
-                    value: e,
-                });
-            }
+            let (e, w, code) = read_entry(a, it, (me, t, j), e_max, &mut row, &mut bad);
             wr_i32(m.at(me, m.layout.idx) + 4 * at, e as i32);
             wr_i32(m.at(me, m.layout.weights) + 4 * at, w.to_bits() as i32);
             let pos = if code == 0 && e >= 0 {

@@ -26,7 +26,7 @@
 //! status, stages nothing and reads nothing), so the epochs stay equal on every rank.
 
 use super::config::IndexType;
-use super::host::{copy, load_idx, probe, rd_bf16, rd_f32, rd_i32, word, wr_bf16_row, wr_i32};
+use super::host::{copy, probe, rd_bf16, rd_f32, rd_i32, read_entry, word, wr_bf16_row, wr_i32};
 use super::layout::{
     tag_of, tagged, tp_row_words, untag, TpLayout, PROBE_C_EPOCH, PROBE_C_PUSHED, PROBE_C_START,
     PROBE_C_SUMMED, PROBE_C_WAITED, PROBE_D_EPOCH, PROBE_D_PUBLISHED, PROBE_D_PULLED,
@@ -111,29 +111,7 @@ fn route(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
         let mut to = vec![false; m.world];
         for j in 0..kk {
             let at = t * kk + j;
-            let (e, wt) = if j < a.k as u64 {
-                let i = t * a.k as u64 + j;
-                (load_idx(a, it, i), rd_f32(a.weights + 4 * i))
-            } else {
-                (-1, 0.0)
-            };
-            row[j as usize] = e;
-            let code = if e < -1 || e >= e_max {
-                status::ST_OUT_OF_RANGE
-            } else if e >= 0 && row[..j as usize].contains(&e) {
-                status::ST_DUPLICATE
-            } else {
-                0
-            };
-            if code != 0 && bad.is_none() {
-                bad = Some(Found {
-                    code,
-                    rank: me as u32,
-                    token: t as u32,
-                    k: j as u32,
-                    value: e,
-                });
-            }
+            let (e, wt, code) = read_entry(a, it, (me, t, j), e_max, &mut row, &mut bad);
             if code == 0 && e >= 0 {
                 to[(e / local) as usize] = true;
             }
