@@ -240,10 +240,11 @@ __device__ __forceinline__ void moe_probe(const MoeArgs& a, int i) {
   moe_probe_at(moe_ctrl(a), i);
 }
 
-// Records a status for the host (moe/status.rs words: the code last). Plain posted stores.
-__device__ __forceinline__ void moe_record(const MoeArgs& a, uint32_t code, int rank, uint32_t token,
-                                           uint32_t k, int64_t value, uint32_t call) {
-  volatile uint32_t* w = (volatile uint32_t*)a.status;
+// Records a status for the host (moe/status.rs words: the code last) at `status`, the host-mapped
+// words of either mode's arguments. Plain posted stores.
+__device__ __forceinline__ void moe_record_at(uint64_t status, uint32_t code, int rank, uint32_t token, uint32_t k,
+                                              int64_t value, uint32_t call) {
+  volatile uint32_t* w = (volatile uint32_t*)status;
   w[1] = (uint32_t)rank;
   w[2] = token;
   w[3] = k;
@@ -253,6 +254,10 @@ __device__ __forceinline__ void moe_record(const MoeArgs& a, uint32_t code, int 
   __threadfence_system();
   w[0] = code;
   __threadfence_system();
+}
+__device__ __forceinline__ void moe_record(const MoeArgs& a, uint32_t code, int rank, uint32_t token,
+                                           uint32_t k, int64_t value, uint32_t call) {
+  moe_record_at(a.status, code, rank, token, k, value, call);
 }
 
 __device__ __forceinline__ bool moe_is_refusal(uint32_t code) {
@@ -283,9 +288,10 @@ __device__ __forceinline__ int64_t moe_entry(const MoeArgs& a, uint64_t i, uint3
 }
 
 // Copies `bytes` (a multiple of 16) from src to dst with the 32 lanes of a warp, U vectors per
-// lane loaded before any is stored. With `parts` warps on one row, warp `part` copies its every
-// parts-th run of 32 * U vectors.
-template <int U = 4>
+// lane loaded before any is stored (past L1 when CG: rows another GPU or another block wrote in
+// this kernel). With `parts` warps on one row, warp `part` copies its every parts-th run of
+// 32 * U vectors.
+template <int U = 4, bool CG = false>
 __device__ __forceinline__ void moe_copy_row(uint8_t* dst, const uint8_t* src, uint64_t bytes, int lane,
                                              uint64_t part = 0, uint64_t parts = 1) {
   const uint64_t n = bytes / 16;
@@ -295,7 +301,7 @@ __device__ __forceinline__ void moe_copy_row(uint8_t* dst, const uint8_t* src, u
     uint4 r[U];
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (v + u * 32 < n) r[u] = s[v + u * 32];
+      if (v + u * 32 < n) r[u] = CG ? __ldcg(s + v + u * 32) : s[v + u * 32];
 #pragma unroll
     for (int u = 0; u < U; ++u)
       if (v + u * 32 < n) d[v + u * 32] = r[u];
@@ -307,23 +313,11 @@ __device__ __forceinline__ void moe_copy_row(uint8_t* dst, const uint8_t* src, u
 #define MOE_PULL_U 4
 // Slots whose rows the combine's sum loads together.
 #define MOE_SUM_J 8
-// As moe_copy_row, loading past L1 (rows another GPU or another block wrote in this kernel). With
-// `parts` warps on one row, warp `part` copies its every parts-th run of 32 * U vectors.
+// moe_copy_row loading past L1, with the pull's vectors per lane.
 template <int U = MOE_PULL_U>
 __device__ __forceinline__ void moe_pull_row(uint8_t* dst, const uint8_t* src, uint64_t bytes, int lane,
                                              uint64_t part = 0, uint64_t parts = 1) {
-  const uint64_t n = bytes / 16;
-  const uint4* s = (const uint4*)src;
-  uint4* d = (uint4*)dst;
-  for (uint64_t v = lane + part * 32 * U; v < n; v += 32 * U * parts) {
-    uint4 r[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (v + u * 32 < n) r[u] = __ldcg(s + v + u * 32);
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (v + u * 32 < n) d[v + u * 32] = r[u];
-  }
+  moe_copy_row<U, true>(dst, src, bytes, lane, part, parts);
 }
 
 // Quantizes a bf16 row of H elements (H % 128 == 0) with the 32 lanes of a warp into e4m3 bytes

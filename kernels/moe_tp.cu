@@ -88,16 +88,7 @@ __device__ __forceinline__ int32_t tp_count(const MoeTpArgs& a, uint64_t epoch, 
 
 __device__ __forceinline__ void tp_record(const MoeTpArgs& a, uint32_t code, int rank, uint32_t token, uint32_t k,
                                           int64_t value, uint32_t call) {
-  volatile uint32_t* w = (volatile uint32_t*)a.status;
-  w[1] = (uint32_t)rank;
-  w[2] = token;
-  w[3] = k;
-  w[4] = (uint32_t)(uint64_t)value;
-  w[5] = (uint32_t)((uint64_t)value >> 32);
-  w[6] = call;
-  __threadfence_system();
-  w[0] = code;
-  __threadfence_system();
+  moe_record_at(a.status, code, rank, token, k, value, call);
 }
 
 // The clock probe's word `i` (moe_probe_at; PROBE instances only).

@@ -353,24 +353,35 @@ fn moe_argument_struct_and_constants_match_the_cuda_source() {
             "kernels/moe.cu {name} differs from the Rust constant"
         );
     }
-    // The status words are host-mapped: the kernels only ever store to them, in moe_record
-    // (`w` is the volatile pointer to them), and nowhere else name them.
-    let uses: Vec<&str> = src
-        .lines()
-        .map(|l| l.split("//").next().unwrap().trim())
-        .filter(|l| l.contains("a.status"))
-        .collect();
-    assert_eq!(
-        uses,
-        ["volatile uint32_t* w = (volatile uint32_t*)a.status;"]
-    );
-    let body = &src[src.find("void moe_record(").unwrap()..];
+    // The status words are host-mapped: the kernels of both modes only ever store to them, in
+    // moe_record_at (`w` is the volatile pointer to them), and nowhere else name them.
+    let tp = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/moe_tp.cu"),
+    )
+    .unwrap();
+    for (file, text) in [("moe.cu", &src), ("moe_tp.cu", &tp)] {
+        let uses: Vec<&str> = text
+            .lines()
+            .map(|l| l.split("//").next().unwrap().trim())
+            .filter(|l| l.contains("a.status") || l.contains("(volatile uint32_t*)status"))
+            .collect();
+        let want: &[&str] = if file == "moe.cu" {
+            &[
+                "volatile uint32_t* w = (volatile uint32_t*)status;",
+                "moe_record_at(a.status, code, rank, token, k, value, call);",
+            ]
+        } else {
+            &["moe_record_at(a.status, code, rank, token, k, value, call);"]
+        };
+        assert_eq!(uses, want, "kernels/{file} names the status words");
+    }
+    let body = &src[src.find("void moe_record_at(").unwrap()..];
     let body = &body[..body.find("\n}\n").unwrap()];
     assert!(
         body.lines()
             .skip(2)
             .all(|l| !l.contains("w[") || l.contains("] = ")),
-        "moe_record reads its host-mapped words"
+        "moe_record_at reads its host-mapped words"
     );
     // Every MoE kernel is launched with moe::THREADS threads, one block per SM (MOE_BOUNDS).
     assert!(
