@@ -152,6 +152,26 @@ pub struct Plan<'a> {
     pub copy_out: Option<Copy>,
 }
 
+impl<'a> Plan<'a> {
+    /// A plan of one piece of work and no copies: `device` where kernels run, its twin `cpu` on
+    /// the host backend (the MoE calls, p2p's signal and wait).
+    pub fn work(
+        stream: u64,
+        ordered: bool,
+        device: Device,
+        cpu: &'a mut dyn FnMut() -> Result<()>,
+    ) -> Self {
+        Plan {
+            stream,
+            ordered,
+            copy_in: None,
+            device,
+            cpu: Some(cpu),
+            copy_out: None,
+        }
+    }
+}
+
 /// Runs plans, and answers what a plan builder must know of where they run.
 pub trait Executor: Send {
     /// "cuda" or "host" (the heap's backend it was chosen for; at most 8 bytes: the ranks agree

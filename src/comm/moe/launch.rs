@@ -305,14 +305,12 @@ pub(super) fn dispatch(
         }
         Phase::Recv => host::dispatch_recv(m, a, refusal.is_some(), timeout),
     };
-    c.exec.submit(exec::Plan {
-        stream: a.stream,
-        ordered: true,
-        copy_in: None,
-        device: exec::Device::Kernel(l),
-        cpu: Some(&mut twin),
-        copy_out: None,
-    })
+    c.exec.submit(exec::Plan::work(
+        a.stream,
+        true,
+        exec::Device::Kernel(l),
+        &mut twin,
+    ))
 }
 
 /// The combine's plan (`phase`: the whole call or one half), submitted in a begun call (`c`).
@@ -348,12 +346,10 @@ pub(super) fn combine(
             Phase::Recv => host_combine::combine_recv(m, a, last, refused, timeout),
         }
     };
-    c.exec.submit(exec::Plan {
-        stream: a.stream,
-        ordered: true,
-        copy_in: None,
-        device: exec::Device::Kernel(l),
-        cpu: Some(&mut twin),
-        copy_out: None,
-    })
+    c.exec.submit(exec::Plan::work(
+        a.stream,
+        true,
+        exec::Device::Kernel(l),
+        &mut twin,
+    ))
 }

@@ -202,14 +202,12 @@ pub(super) fn dispatch(
     let l = tp_launch(m, i, &args);
     let timeout = c.settings.timeout;
     let mut twin = || tp_host::dispatch(m, a, it, refusal, timeout);
-    c.exec.submit(exec::Plan {
-        stream: a.stream,
-        ordered: true,
-        copy_in: None,
-        device: exec::Device::Kernel(l),
-        cpu: Some(&mut twin),
-        copy_out: None,
-    })
+    c.exec.submit(exec::Plan::work(
+        a.stream,
+        true,
+        exec::Device::Kernel(l),
+        &mut twin,
+    ))
 }
 
 /// The combine's plan (the kernel; host backend: its CPU twin, tp_host.rs).
@@ -238,12 +236,10 @@ pub(super) fn combine(
         }
         tp_host::combine(m, a, last, refused, timeout)
     };
-    c.exec.submit(exec::Plan {
-        stream: a.stream,
-        ordered: true,
-        copy_in: None,
-        device: exec::Device::Kernel(l),
-        cpu: Some(&mut twin),
-        copy_out: None,
-    })
+    c.exec.submit(exec::Plan::work(
+        a.stream,
+        true,
+        exec::Device::Kernel(l),
+        &mut twin,
+    ))
 }

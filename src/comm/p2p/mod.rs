@@ -408,14 +408,9 @@ impl View<'_> {
             signal_pad::host_signal(pad, slot, rank, peer == rank, value);
             Ok(())
         };
-        self.c.exec.submit(exec::Plan {
-            stream,
-            ordered: false,
-            copy_in: None,
-            device,
-            cpu: Some(&mut twin),
-            copy_out: None,
-        })
+        self.c
+            .exec
+            .submit(exec::Plan::work(stream, false, device, &mut twin))
     }
 
     /// `wait` by a chosen mechanism; `StreamWait` is unbounded (benchmark only).
@@ -440,14 +435,9 @@ impl View<'_> {
                 Err(e)
             }
         };
-        self.c.exec.submit(exec::Plan {
-            stream,
-            ordered: false,
-            copy_in: None,
-            device,
-            cpu: Some(&mut twin),
-            copy_out: None,
-        })
+        self.c
+            .exec
+            .submit(exec::Plan::work(stream, false, device, &mut twin))
     }
 
     /// `symm_comm_device`: the communicator as device code sees it (`struct_size` left for the
