@@ -204,7 +204,9 @@ pub(super) const NOTHING_TO_COMBINE: &str =
      said why), so there is nothing to combine; dispatch again";
 
 impl Moe {
-    fn args(&self, c: &Ctx, l: &Layout) -> MoeArgs {
+    /// The communicator's part of either mode's kernel arguments (timeout, rank, world, the
+    /// counters, the error word, the peers' pads).
+    pub(super) fn symm_args(&self, c: &Ctx) -> SymmArgs {
         let mut s = SymmArgs {
             timeout_ns: c.settings.timeout.as_nanos().min(u64::MAX as u128) as u64,
             rank: self.rank as i32,
@@ -214,8 +216,12 @@ impl Moe {
             ..SymmArgs::default()
         };
         s.pads[..self.world].copy_from_slice(&c.peer.pads);
+        s
+    }
+
+    fn args(&self, c: &Ctx, l: &Layout) -> MoeArgs {
         MoeArgs {
-            s,
+            s: self.symm_args(c),
             blocks: self.blocks,
             status: self.status.as_ref().map_or(0, |w| w.device_ptr),
             off_flags: l.flags,

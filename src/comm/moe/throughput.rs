@@ -16,7 +16,7 @@ use super::config::{IndexType, Payload};
 use super::layout::{TpLayout, CTRL_PROBE, ROW_EXTRA};
 use super::status::{self, Refusal};
 use super::{tp_host, Combine, Dispatch, Last, Moe, THREADS};
-use crate::comm::collective::kernel_args::{SymmArgs, COUNTERS_OFFSET, MAX_RANKS};
+use crate::comm::collective::kernel_args::{SymmArgs, MAX_RANKS};
 use crate::comm::collective::Ctx;
 use crate::comm::exec::{self, ArgBlock, Family, KernelId};
 use crate::error::{Error, Result};
@@ -103,17 +103,8 @@ pub struct MoeTpArgs {
 const _: () = assert!(std::mem::size_of::<MoeTpArgs>() == 256 + 64 + 23 * 8 + 8 * 4);
 
 fn tp_args(c: &Ctx, m: &Moe, t: &TpLayout) -> MoeTpArgs {
-    let mut s = SymmArgs {
-        timeout_ns: c.settings.timeout.as_nanos().min(u64::MAX as u128) as u64,
-        rank: m.rank as i32,
-        world: m.world as i32,
-        counters: c.internal + COUNTERS_OFFSET,
-        error_word: c.coll.errors.device_ptr(),
-        ..SymmArgs::default()
-    };
-    s.pads[..m.world].copy_from_slice(&c.peer.pads);
     MoeTpArgs {
-        s,
+        s: m.symm_args(c),
         blocks: m.blocks,
         status: m.status.as_ref().map_or(0, |w| w.device_ptr),
         off_flags: t.flags,
