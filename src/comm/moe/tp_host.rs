@@ -26,7 +26,7 @@
 //! status, stages nothing and reads nothing), so the epochs stay equal on every rank.
 
 use super::config::IndexType;
-use super::host::{copy, probe, rd_bf16, rd_f32, rd_i32, read_entry, word, wr_bf16_row, wr_i32};
+use super::host::{copy, probe, rd_bf16, rd_i32, read_entry, word, wr_bf16_row, wr_i32};
 use super::layout::{
     tag_of, tagged, tp_row_words, untag, TpLayout, PROBE_C_EPOCH, PROBE_C_PUSHED, PROBE_C_START,
     PROBE_C_SUMMED, PROBE_C_WAITED, PROBE_D_EPOCH, PROBE_D_PUBLISHED, PROBE_D_PULLED,
