@@ -75,6 +75,33 @@ fn throughput_errors_name_the_rank_everywhere_and_leave_the_object_usable() {
 }
 
 #[test]
+fn throughput_a_dead_peer_times_out_naming_it() {
+    if let Some(c) = child() {
+        let (comm, dev, w, _, seed) = rank_setup(&c, Dev::host);
+        tp_dead_peer(comm, dev, w, seed, 1.0);
+        destroy(comm);
+        return;
+    }
+    let name = "throughput_a_dead_peer_times_out_naming_it";
+    let seed = seed().to_string();
+    for w in [2, 4] {
+        let outs = run_ranks(
+            name,
+            w,
+            &[HOST, SMALL_LL, ("SYMMALLOC_TIMEOUT_S", "1")],
+            &seed,
+        );
+        assert_all_ok(&outs);
+        assert_ran(&outs, name, 1);
+        let named = outs
+            .iter()
+            .filter(|o| String::from_utf8_lossy(&o.stdout).contains("the dead peer was named"))
+            .count();
+        assert_eq!(named, w as usize - 1, "every live rank names the dead one");
+    }
+}
+
+#[test]
 fn throughput_clock_probe_records_the_phases_in_order() {
     if let Some(c) = child() {
         let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);

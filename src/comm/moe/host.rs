@@ -108,6 +108,52 @@ fn quantize_rows(dst: u64, scales: u64, src: u64, n: u64, h: u64, ue8m0: bool) {
     }
 }
 
+/// A bounded wait of a host call: its name (`what`), its rank's object, when it began and the
+/// communicator's timeout. Every wait of the host backend's MoE calls goes through `word`.
+pub(super) struct Wait<'a> {
+    pub m: &'a Moe,
+    pub what: &'a str,
+    pub start: Instant,
+    pub timeout: Duration,
+}
+
+impl Wait<'_> {
+    /// Waits until `ready(v)` holds for the word at `addr` (acquire) and returns it; past the
+    /// timeout, an error naming `src` (the rank that did not arrive) and what was seen
+    /// (`saw(v)`).
+    pub(super) fn word(
+        &self,
+        addr: u64,
+        src: usize,
+        ready: impl Fn(u64) -> bool,
+        saw: impl Fn(u64) -> String,
+    ) -> Result<u64> {
+        let w = word(addr);
+        let mut spins = 0u32;
+        loop {
+            let v = w.load(Ordering::Acquire);
+            if ready(v) {
+                return Ok(v);
+            }
+            spins = spins.wrapping_add(1);
+            if spins % 256 == 0 {
+                if self.start.elapsed() > self.timeout {
+                    return Err(Error::timeout(format!(
+                        "{} on rank {}: rank {src} did not arrive within {:.1} s ({}; it may \
+                         have died or not made the same call); this communicator is unusable, \
+                         destroy it",
+                        self.what,
+                        self.m.rank,
+                        self.timeout.as_secs_f64(),
+                        saw(v)
+                    )));
+                }
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
 /// Waits until every rank's flag `which` here is >= `want`; returns the values seen.
 pub(super) fn wait_all(
     m: &Moe,
@@ -116,33 +162,23 @@ pub(super) fn wait_all(
     timeout: Duration,
     what: &str,
 ) -> Result<Vec<u64>> {
-    let start = Instant::now();
-    let mut seen = vec![0u64; m.world];
-    for (s, v) in seen.iter_mut().enumerate() {
-        let w = word(m.at(m.rank, m.layout.flag(m.world as u64, which, s as u64)));
-        let mut spins = 0u32;
-        loop {
-            *v = w.load(Ordering::Acquire);
-            if *v >= want {
-                break;
-            }
-            spins = spins.wrapping_add(1);
-            if spins % 256 == 0 {
-                if start.elapsed() > timeout {
-                    return Err(Error::timeout(format!(
-                        "{what} on rank {}: rank {s} did not arrive within {:.1} s (waited for \
-                         {want}, saw {}; it may have died or not made the same call); this \
-                         communicator is unusable, destroy it",
-                        m.rank,
-                        timeout.as_secs_f64(),
-                        *v
-                    )));
-                }
-                std::thread::yield_now();
-            }
-        }
-    }
-    Ok(seen)
+    let wait = Wait {
+        m,
+        what,
+        start: Instant::now(),
+        timeout,
+    };
+    (0..m.world)
+        .map(|s| {
+            let at = m.at(m.rank, m.layout.flag(m.world as u64, which, s as u64));
+            wait.word(
+                at,
+                s,
+                |v| v >= want,
+                |v| format!("waited for {want}, saw {v}"),
+            )
+        })
+        .collect()
 }
 
 /// Stores `v` into flag `which` of this rank on every rank (release).
@@ -279,41 +315,30 @@ fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
 /// rows' values, `[W][E + ROW_EXTRA + grid]`.
 fn wait_rows(m: &Moe, epoch: u64, timeout: Duration) -> Result<Vec<Vec<i32>>> {
     let (w, e_all) = (m.world as u64, m.cfg.experts as u64);
-    let start = Instant::now();
-    let mut rows = Vec::with_capacity(m.world);
-    for s in 0..w {
-        let row = m.at(m.rank, m.layout.row(e_all, w, epoch, s));
-        let used = row_used(e_all, m.grid as u64);
-        let mut vals = Vec::with_capacity(used as usize);
-        for i in 0..used {
-            let word = word(row + 8 * i);
-            let mut spins = 0u32;
-            let v = loop {
-                let v = word.load(Ordering::Acquire);
-                if tag_of(v, epoch) {
-                    break v;
-                }
-                spins = spins.wrapping_add(1);
-                if spins % 256 == 0 {
-                    if start.elapsed() > timeout {
-                        return Err(Error::timeout(format!(
-                            "symm_moe_dispatch on rank {}: rank {s} did not arrive within {:.1} s \
-                             (waited for its counts of call {epoch}, saw call {}; it may have \
-                             died or not made the same call); this communicator is unusable, \
-                             destroy it",
-                            m.rank,
-                            timeout.as_secs_f64(),
+    let wait = Wait {
+        m,
+        what: "symm_moe_dispatch",
+        start: Instant::now(),
+        timeout,
+    };
+    let used = row_used(e_all, m.grid as u64);
+    (0..w)
+        .map(|s| {
+            let row = m.at(m.rank, m.layout.row(e_all, w, epoch, s));
+            (0..used)
+                .map(|i| {
+                    let ready = |v| tag_of(v, epoch);
+                    let saw = |v: u64| {
+                        format!(
+                            "waited for its counts of call {epoch}, saw call {}",
                             v >> 32
-                        )));
-                    }
-                    std::thread::yield_now();
-                }
-            };
-            vals.push(untag(v));
-        }
-        rows.push(vals);
-    }
-    Ok(rows)
+                        )
+                    };
+                    wait.word(row + 8 * i, s as usize, ready, saw).map(untag)
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// The host backend's `symm_moe_dispatch`. A refusal (this rank's own bad arguments) takes

@@ -26,7 +26,7 @@
 //! status, stages nothing and reads nothing), so the epochs stay equal on every rank.
 
 use super::config::IndexType;
-use super::host::{copy, probe, rd_bf16, rd_i32, read_entry, word, wr_bf16_row, wr_i32};
+use super::host::{copy, probe, rd_bf16, rd_i32, read_entry, word, wr_bf16_row, wr_i32, Wait};
 use super::layout::{
     tag_of, tagged, tp_row_words, untag, TpLayout, PROBE_C_EPOCH, PROBE_C_PUSHED, PROBE_C_START,
     PROBE_C_SUMMED, PROBE_C_WAITED, PROBE_D_EPOCH, PROBE_D_PUBLISHED, PROBE_D_PULLED,
@@ -43,46 +43,24 @@ fn lay(m: &Moe) -> TpLayout {
     m.tp.expect("a throughput-mode object has its layout")
 }
 
-/// Waits until `ready(word)` holds for the word at `addr` (acquire); the timeout names `src`.
-fn wait_word(
-    m: &Moe,
-    addr: u64,
-    start: Instant,
-    timeout: Duration,
-    what: &str,
-    src: usize,
-    ready: impl Fn(u64) -> bool,
-) -> Result<u64> {
-    let w = word(addr);
-    let mut spins = 0u32;
-    loop {
-        let v = w.load(Ordering::Acquire);
-        if ready(v) {
-            return Ok(v);
-        }
-        spins = spins.wrapping_add(1);
-        if spins % 256 == 0 {
-            if start.elapsed() > timeout {
-                return Err(Error::timeout(format!(
-                    "{what} on rank {}: rank {src} did not arrive within {:.1} s (saw {v:#x}; \
-                     it may have died or not made the same call); this communicator is \
-                     unusable, destroy it",
-                    m.rank,
-                    timeout.as_secs_f64()
-                )));
-            }
-            std::thread::yield_now();
-        }
-    }
-}
-
 /// Waits until every rank's flag `which` here is >= `want`; returns the values seen.
 fn wait_flags(m: &Moe, which: u64, want: u64, timeout: Duration, what: &str) -> Result<Vec<u64>> {
-    let (l, start) = (lay(m), Instant::now());
+    let l = lay(m);
+    let wait = Wait {
+        m,
+        what,
+        start: Instant::now(),
+        timeout,
+    };
     (0..m.world)
         .map(|s| {
             let at = m.at(m.rank, l.flag(m.world as u64, which, s as u64));
-            wait_word(m, at, start, timeout, what, s, |v| v >= want)
+            wait.word(
+                at,
+                s,
+                |v| v >= want,
+                |v| format!("waited for {want}, saw {v}"),
+            )
         })
         .collect()
 }
@@ -152,15 +130,26 @@ fn route(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
 
 /// The one wait of a dispatch: every source's counts row of `epoch`, `[W][W + ROW_EXTRA]`.
 fn wait_rows(m: &Moe, epoch: u64, timeout: Duration) -> Result<Vec<Vec<i32>>> {
-    let (l, w, start) = (lay(m), m.world as u64, Instant::now());
-    let what = format!("symm_moe_dispatch (throughput mode, its counts of call {epoch})");
+    let (l, w) = (lay(m), m.world as u64);
+    let wait = Wait {
+        m,
+        what: "symm_moe_dispatch (throughput mode)",
+        start: Instant::now(),
+        timeout,
+    };
     (0..w)
         .map(|s| {
             let row = m.at(m.rank, l.row(w, epoch, s));
             (0..tp_row_words(w))
                 .map(|i| {
                     let ready = |v| tag_of(v, epoch);
-                    wait_word(m, row + 8 * i, start, timeout, &what, s as usize, ready).map(untag)
+                    let saw = |v: u64| {
+                        format!(
+                            "waited for its counts of call {epoch}, saw call {}",
+                            v >> 32
+                        )
+                    };
+                    wait.word(row + 8 * i, s as usize, ready, saw).map(untag)
                 })
                 .collect()
         })

@@ -246,3 +246,55 @@ pub fn tp_create_errors(comm: Comm, dev: Dev, w: usize, rank: usize) {
     let st = symm_moe_tp_layout(o.moe, &mut bad);
     expect_tp(rank, st, INVALID, "expected version 1", "tp layout size");
 }
+
+/// A peer that dies after a good call (the last rank): the next dispatch fails on every live
+/// rank with symm_status_t::SYMM_ERR_TIMEOUT naming it, within the communicator's timeout (`timeout_s`), and
+/// the next call says so again.
+pub fn tp_dead_peer(comm: Comm, dev: Dev, w: usize, seed: u64, timeout_s: f64) {
+    let s = Shape::new(8, 128, 4, (4 * w) as u32, false);
+    let o = tp_create(comm, s, dev);
+    tp_case(
+        &o,
+        &Case::new(seed, 8, 4, Route::Random),
+        "before the peer dies",
+    );
+    if o.rank == w - 1 {
+        dev.sync();
+        // SAFETY: ends this process at once: no destroy, no exit handlers.
+        unsafe { libc::_exit(0) };
+    }
+    let inp = rank_inputs(&s, &Case::new(seed ^ 1, 8, 4, Route::Random), w, o.rank);
+    let mut bufs = Vec::new();
+    let t0 = std::time::Instant::now();
+    let st = outcome(&o, tp_dispatch(&o, &inp, 4, false, &mut bufs));
+    let took = t0.elapsed().as_secs_f64();
+    let msg = err();
+    assert_eq!(
+        st,
+        symm_status_t::SYMM_ERR_TIMEOUT,
+        "rank {}: {msg}",
+        o.rank
+    );
+    assert!(
+        msg.contains(&format!("rank {} did not arrive", w - 1)),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("throughput mode") && !msg.contains("  "),
+        "{msg:?}"
+    );
+    assert!(
+        took >= 0.8 * timeout_s && took < timeout_s + 10.0,
+        "gave up after {took:.1} s (timeout {timeout_s} s)"
+    );
+    assert_eq!(
+        symm_moe_check(o.moe),
+        symm_status_t::SYMM_ERR_TIMEOUT,
+        "the next call: {}",
+        err()
+    );
+    println!(
+        "rank {}: the dead peer was named after {took:.1} s: {msg}",
+        o.rank
+    );
+}
