@@ -162,6 +162,19 @@ pub(super) fn wait_all(
     timeout: Duration,
     what: &str,
 ) -> Result<Vec<u64>> {
+    let at = |s: usize| m.at(m.rank, m.layout.flag(m.world as u64, which, s as u64));
+    wait_flags(m, at, want, timeout, what)
+}
+
+/// Waits until the flag of every rank `s` here (at `at(s)`, either mode's layout) is >= `want`;
+/// returns the values seen.
+pub(super) fn wait_flags(
+    m: &Moe,
+    at: impl Fn(usize) -> u64,
+    want: u64,
+    timeout: Duration,
+    what: &str,
+) -> Result<Vec<u64>> {
     let wait = Wait {
         m,
         what,
@@ -170,9 +183,8 @@ pub(super) fn wait_all(
     };
     (0..m.world)
         .map(|s| {
-            let at = m.at(m.rank, m.layout.flag(m.world as u64, which, s as u64));
             wait.word(
-                at,
+                at(s),
                 s,
                 |v| v >= want,
                 |v| format!("waited for {want}, saw {v}"),

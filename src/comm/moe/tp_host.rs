@@ -46,23 +46,8 @@ fn lay(m: &Moe) -> TpLayout {
 /// Waits until every rank's flag `which` here is >= `want`; returns the values seen.
 fn wait_flags(m: &Moe, which: u64, want: u64, timeout: Duration, what: &str) -> Result<Vec<u64>> {
     let l = lay(m);
-    let wait = Wait {
-        m,
-        what,
-        start: Instant::now(),
-        timeout,
-    };
-    (0..m.world)
-        .map(|s| {
-            let at = m.at(m.rank, l.flag(m.world as u64, which, s as u64));
-            wait.word(
-                at,
-                s,
-                |v| v >= want,
-                |v| format!("waited for {want}, saw {v}"),
-            )
-        })
-        .collect()
+    let at = |s: usize| m.at(m.rank, l.flag(m.world as u64, which, s as u64));
+    super::host::wait_flags(m, at, want, timeout, what)
 }
 
 /// Stores `v` into this rank's flag `which` on every rank (release).
