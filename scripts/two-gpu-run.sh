@@ -19,6 +19,12 @@
 #                                            fused ops, NCCL then matmul, matmul alone)
 #   bash scripts/two-gpu-run.sh triton    5. bench/triton_one_shot.py --world 2 (the Triton example
 #                                            against the library's one-shot, 8 KiB-1 MiB)
+#   bash scripts/two-gpu-run.sh global2   global mode with two GPUs in one process, under
+#                                            symmalloc and then PyTorch's allocator:
+#                                            global_multigpu_check.py (copies, a Triton kernel on
+#                                            GPU 1 reading GPU 0, streams), the two ported tests
+#                                            that need 2 GPUs (torch_upstream_check.py), and
+#                                            ipc_check.py's two_devices (symmalloc, torch, mixed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -43,5 +49,16 @@ case "${1:-}" in
     . scripts/device-env.sh
     export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1
     timeout 580 python3 bench/triton_one_shot.py --world 2 2>&1 | tee "$OUT/triton_one_shot.log" ;;
-  *) sed -n 2,25p "$0"; exit 2 ;;
+  global2)
+    . scripts/device-env.sh
+    export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
+    for a in symmalloc torch; do
+      timeout 120 python3 python/tests/global_multigpu_check.py $a 2>&1 | tee "$OUT/global_multigpu_$a.log"
+      timeout 200 python3 python/tests/torch_upstream_check.py $a test_memory_stats_multigpu \
+        test_manager_per_device 2>&1 | tee "$OUT/upstream_multigpu_$a.log"
+    done
+    for a in symmalloc torch mixed; do
+      timeout 150 python3 python/tests/ipc_check.py $a two_devices 2>&1 | tee "$OUT/ipc_two_devices_$a.log"
+    done ;;
+  *) sed -n 2,30p "$0"; exit 2 ;;
 esac

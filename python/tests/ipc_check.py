@@ -33,6 +33,10 @@ Tests (PyTorch's names; "adapted" where one GPU needs a change):
                            it, and goes back (ipc_collect) once the child let go
   bad_handles              (added) a malformed handle and a handle of a process that is gone
                            raise, naming it (symmalloc's consumer)
+  two_devices              (added; needs 2 GPUs, else SKIP with the count found) a tensor made
+                           on GPU 0 read by a child working on GPU 1 (copied there, once as is
+                           and once converted to float64), and the child's GPU 1 tensor read
+                           back by the parent
 """
 import os
 import subprocess
@@ -225,7 +229,25 @@ def bad_handle_child(out):
     out.put(os.getpid())
 
 
+def two_device_child(queue, out, done):
+    torch.cuda.set_device(1)
+    x = queue.get()  # opened in this process; it stays on the producer's GPU 0
+    same = x.to("cuda:1")
+    wide = x.to("cuda:1", torch.float64)  # a conversion: a kernel, across GPUs when P2P is on
+    torch.cuda.synchronize(1)
+    out.put((x.device.index, same.device.index, bool(torch.equal(same.cpu(), x.cpu())),
+             float(wide.sum().item())))
+    r = torch.arange(1 << 16, device="cuda:1", dtype=torch.int32) * 3
+    out.put(r)
+    done.wait()
+    del x, r
+
+
 # ---- tests (parent side) ----
+
+
+class Skip(Exception):
+    """A test that cannot run on this machine (printed as SKIP with the reason, never a pass)."""
 
 
 def _ctx():
@@ -517,6 +539,32 @@ def t_bad_handles():
             raise AssertionError(f"a bad handle opened: {handle!r}")
 
 
+def t_two_devices():
+    found = torch.cuda.device_count()
+    if found < 2:
+        raise Skip(f"needs 2 GPUs, found {found}")
+    n = 1 << 20
+    ctx = _ctx()
+    x = torch.arange(n, device="cuda:0", dtype=torch.float32)
+    q, out, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=two_device_child, args=(q, out, done))
+    p.daemon = True  # a failed assertion here leaves it waiting on `done`: it goes with this process
+    p.start()
+    q.put(x)
+    dev, dev_copy, equal, total = out.get(timeout=WAIT)
+    assert (dev, dev_copy) == (0, 1), f"the child saw the tensor on GPU {dev}, its copy on {dev_copy}"
+    assert equal, "the child's copy on GPU 1 differs from the GPU 0 tensor it got"
+    assert total == n * (n - 1) / 2, f"the float64 conversion on GPU 1 summed to {total}"
+    r = out.get(timeout=WAIT)
+    assert r.device.index == 1, f"the child's GPU 1 tensor opened on GPU {r.device.index}"
+    want = torch.arange(1 << 16, dtype=torch.int32) * 3
+    assert torch.equal(r.cpu(), want), "the child's GPU 1 tensor reads wrong in the parent"
+    assert torch.equal(r.to("cuda:0").cpu(), want), "its copy to GPU 0 reads wrong"
+    del r
+    done.set()
+    _join(p)
+
+
 TESTS = {name[2:]: fn for name, fn in globals().items() if name.startswith("t_")}
 
 
@@ -538,6 +586,8 @@ def run_config(parent, child, only):
         try:
             fn()
             print(f"RESULT {name} PASS {time.time() - t0:.1f}s", flush=True)
+        except Skip as e:
+            print(f"RESULT {name} SKIP {e}", flush=True)
         except Exception as e:  # noqa: BLE001
             msg = " ".join(f"{type(e).__name__}: {e}".split())[:400]
             print(f"RESULT {name} FAIL {msg}", flush=True)
@@ -592,7 +642,7 @@ def main():
                         seen.add(n)
                     continue
                 seen.add(name)
-                counts[name][0 if verdict == "PASS" else 1] += 1
+                counts[name][{"PASS": 0, "SKIP": 2}.get(verdict, 1)] += 1
             for name in counts:
                 if name not in seen:
                     print(f"FAIL {name} [{label}] no result (the run died)")

@@ -60,7 +60,7 @@ test/test_cuda.py, class TestMemPool
             test_tensor_delete_after_allocator_delete, test_mempool_no_split (S),
             test_mempool_limited_memory_with_allocator (S), test_deleted_mempool_not_used_on_oom
             (S), test_graph_capture_reclaim_2_streams (S)
-test/test_cuda_multigpu.py: test_memory_stats_multigpu (skipped: 2 GPUs)
+test/test_cuda_multigpu.py: test_memory_stats_multigpu (2 GPUs, else skipped; (W) below)
 test/inductor/test_cudagraph_trees.py, class CudaGraphTreeTests (setUp/tearDown as upstream:
   inductor config patches, torch._dynamo.reset(), fresh inductor cache; tearDown asserts no tree
   manager, no live block and no segment left in any graph pool)
@@ -75,9 +75,11 @@ test/inductor/test_cudagraph_trees.py, class CudaGraphTreeTests (setUp/tearDown 
             test_checkpoint_shared_output_storage_deallocation, test_cleanup,
             test_forward_backward, test_separate_recordings, test_error_on_dealloc_use,
             test_single_stream_use, test_forward_generation, test_conv_benchmark (cudnn),
-            test_manager_per_device (skipped: 2 GPUs)
+            test_manager_per_device (2 GPUs, else skipped; (W) below)
 (S) = skipped under symmalloc with a one-line reason (PyTorch's own allocator settings,
 expandable segments, MemPool options symmalloc refuses); `--list` prints every reason.
+(W) = written here for what the upstream test checks (not its body): each device's statistics
+move with its own allocations only; a graph tree on GPU 1 gets its own manager and GPU 0 none.
 (P) = one part needs what the offline device machine lacks: test_memory_snapshot's
 _save_segment_usage check renders through flamegraph.pl, which torch downloads on first use; it
 runs only where ~/.cache/flamegraph.pl already exists, else the PASS line says it was not run.
@@ -455,9 +457,58 @@ class TestCuda(Case):
         self.assertEqual(torch.accelerator.max_memory_allocated(), prev_max_allocated)
         self.assertEqual(torch.accelerator.max_memory_reserved(), prev_max_reserved)
 
-    @skip("needs 2 GPUs (upstream test/test_cuda_multigpu.py); the GPU part runs on one GPU")
     def test_memory_stats_multigpu(self):
-        pass
+        # port: written for this file, not upstream's body (which interleaves its one-GPU stats
+        # generator on cuda:0 and cuda:1): the same claim, that each device's statistics move
+        # with that device's allocations only. Allocations and frees on GPU 0 and GPU 1,
+        # alternating and then in a seeded random order; after each step the device's
+        # memory_allocated moved by exactly what that tensor added (its block), the other
+        # device's allocated / reserved / active / allocation count did not move, and allocated
+        # <= reserved; then a peak reset on one device only, and empty_cache back to the start.
+        if torch.cuda.device_count() < 2:
+            raise unittest.SkipTest(f"needs 2 GPUs, found {torch.cuda.device_count()}")
+        devs = (0, 1)
+
+        def snap(d):
+            st = torch.cuda.memory_stats(d)
+            return (torch.cuda.memory_allocated(d), torch.cuda.memory_reserved(d),
+                    st.get("active_bytes.all.current", 0), st.get("allocation.all.current", 0))
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        base = {d: snap(d) for d in devs}
+        rng = random.Random(35)
+        live = {d: [] for d in devs}
+        sizes = (1, 511, 4096, 1 << 20, 3 << 20, 25 << 20)
+        for step in range(140):
+            d = devs[step % 2] if step < 70 else rng.choice(devs)
+            other = 1 - d
+            seen_other = snap(other)
+            before = torch.cuda.memory_allocated(d)
+            if live[d] and rng.random() < 0.4:
+                t, added = live[d].pop(rng.randrange(len(live[d])))
+                del t
+                self.assertEqual(before - torch.cuda.memory_allocated(d), added)
+            else:
+                n = rng.choice(sizes)
+                t = torch.empty(n, dtype=torch.uint8, device=f"cuda:{d}")
+                added = torch.cuda.memory_allocated(d) - before
+                self.assertGreaterEqual(added, n)
+                live[d].append((t, added))
+                del t
+            self.assertLessEqual(torch.cuda.memory_allocated(d), torch.cuda.memory_reserved(d))
+            self.assertEqual(snap(other), seen_other)
+        for d in devs:
+            self.assertGreaterEqual(torch.cuda.max_memory_allocated(d), torch.cuda.memory_allocated(d))
+        peak1 = torch.cuda.max_memory_allocated(1)
+        torch.cuda.reset_peak_memory_stats(0)
+        self.assertEqual(torch.cuda.max_memory_allocated(0), torch.cuda.memory_allocated(0))
+        self.assertEqual(torch.cuda.max_memory_allocated(1), peak1)
+        live.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+        for d in devs:
+            self.assertEqual(snap(d), base[d])
 
     def test_out_of_memory(self):
         tensor = torch.zeros(1024, device="cuda")
@@ -3806,9 +3857,31 @@ class CudaGraphTreeTests(Case):
         # two separate roots
         self.assertEqual(self.get_root_children(), [0, 0])
 
-    @skip("needs 2 GPUs (a tree manager per device); the GPU part runs on one GPU")
     def test_manager_per_device(self):
-        pass
+        # port: written for this file, not upstream's body: a function cudagraphified on GPU 1
+        # gives eager's result, makes a tree manager for GPU 1 and none for GPU 0, and the manager
+        # is gone once the function and its outputs are (tearDown checks GPU 0's side).
+        if torch.cuda.device_count() < 2:
+            raise unittest.SkipTest(f"needs 2 GPUs, found {torch.cuda.device_count()}")
+        from torch._inductor.cudagraph_trees import cudagraphify_impl as tree_cudagraphify_impl
+
+        def run():
+            def foo(args):
+                x = args[0]
+                args.clear()
+                return (x * 2 + 1,)
+
+            inp = torch.rand([20, 20], device="cuda:1")
+            foo_cg = tree_cudagraphify_impl(foo, [inp], (), device_index=1, is_backward=False,
+                                            is_inference=True)
+            for _ in range(3):
+                self.assertEqual(foo_cg([inp])[0], inp * 2 + 1)
+            self.assertIsNone(torch._inductor.cudagraph_trees.get_container(0).tree_manager)
+            self.assertIsNotNone(torch._inductor.cudagraph_trees.get_container(1).tree_manager)
+
+        run()
+        gc.collect()
+        self.assertIsNone(torch._inductor.cudagraph_trees.get_container(1).tree_manager)
 
     def test_error_on_dealloc_use(self):
         @torch.compile()
