@@ -25,6 +25,9 @@
 #                                            GPU 1 reading GPU 0, streams), the two ported tests
 #                                            that need 2 GPUs (torch_upstream_check.py), and
 #                                            ipc_check.py's two_devices (symmalloc, torch, mixed)
+#   bash scripts/two-gpu-run.sh ddp       bench/ddp_memory.py --rounds ROUNDS (3): DDP step time
+#                                            and memory against PyTorch's allocator, alternating
+#                                            fresh jobs; COMPILE=1 adds --compile (reduce-overhead)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -60,5 +63,10 @@ case "${1:-}" in
     for a in symmalloc torch mixed; do
       timeout 150 python3 python/tests/ipc_check.py $a two_devices 2>&1 | tee "$OUT/ipc_two_devices_$a.log"
     done ;;
-  *) sed -n 2,30p "$0"; exit 2 ;;
+  ddp)
+    . scripts/device-env.sh
+    export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
+    timeout 580 python3 bench/ddp_memory.py --rounds "${ROUNDS:-3}" ${COMPILE:+--compile} --out "$OUT" 2>&1 \
+      | tee "$OUT/ddp${COMPILE:+_compiled}.log" ;;
+  *) sed -n 2,33p "$0"; exit 2 ;;
 esac
