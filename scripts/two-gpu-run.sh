@@ -28,6 +28,12 @@
 #   bash scripts/two-gpu-run.sh ddp       bench/ddp_memory.py --rounds ROUNDS (3): DDP step time
 #                                            and memory against PyTorch's allocator, alternating
 #                                            fresh jobs; COMPILE=1 adds --compile (reduce-overhead)
+#   bash scripts/two-gpu-run.sh moe       bench/moe.py --ranks 2, one rank per GPU: RUNS (3) fresh
+#                                            sets, SHAPES (decode1,decode128; prefill4096 in a
+#                                            call of its own), MOE_ARGS for the rest (every mode,
+#                                            dtype, routing, SM budget and peer by default)
+#   bash scripts/two-gpu-run.sh moecheck  MoE correctness over the two GPUs: t_gpu_moe at 2 ranks
+#                                            (one per GPU) and moe_gpu_check.py at 2 and 4 ranks
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -68,5 +74,15 @@ case "${1:-}" in
     export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
     timeout 580 python3 bench/ddp_memory.py --rounds "${ROUNDS:-3}" ${COMPILE:+--compile} --out "$OUT" 2>&1 \
       | tee "$OUT/ddp${COMPILE:+_compiled}.log" ;;
-  *) sed -n 2,33p "$0"; exit 2 ;;
+  moe)
+    . scripts/device-env.sh
+    export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
+    timeout 580 python3 bench/moe.py --ranks 2 --runs "${RUNS:-3}" --shapes "${SHAPES:-decode1,decode128}" \
+      ${MOE_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/moe_2gpu.log" ;;
+  moecheck)
+    . scripts/device-env.sh
+    export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
+    SYMM_TEST_RANKS=2 timeout 200 "$D/t_gpu_moe" --include-ignored --test-threads=1 --nocapture 2>&1 | tee "$OUT/gpu_moe_2gpu.log" | tail -16
+    timeout 360 python3 python/tests/moe_gpu_check.py --world 2 4 --reference gloo 2>&1 | tee "$OUT/moe_check_2gpu.log" | tail -30 ;;
+  *) sed -n 2,36p "$0"; exit 2 ;;
 esac
