@@ -487,8 +487,6 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   __shared__ int32_t lbel_s[MOE_MAX_EXPERTS];
   __shared__ int32_t loc_s[MOE_MAX_EXPERTS];
   __shared__ int32_t sbel_s[SYMM_MAX_RANKS];
-  __shared__ int32_t cnt_s[SYMM_MAX_RANKS];      // per source its entries of this rank's experts
-  __shared__ int32_t segadj_s[SYMM_MAX_RANKS];   // off_s's correction per source (step 4)
   __shared__ int32_t stat_s[SYMM_MAX_RANKS][5];
   __shared__ uint64_t epoch_s;
   __shared__ uint32_t bad_s, cap_s;
@@ -555,10 +553,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     tot_s[e] = 0;
     lbel_s[e] = 0;
   }
-  if (tid < W) {
-    sbel_s[tid] = 0;
-    cnt_s[tid] = 0;
-  }
+  if (tid < W) sbel_s[tid] = 0;
   __syncthreads();
   if (!live_s) return;
   const uint64_t epoch = epoch_s;
@@ -731,37 +726,51 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   }
 
   // Step 3, the one wait: every word of every source's row carries this epoch's tag: its counts,
-  // its status words and its grid's block words (the grid is the same on every rank).
+  // its status words and its grid's block words (the grid is the same on every rank). A warp
+  // takes 32 consecutive words a pass, all its lanes every pass (a warp-uniform trip count), so
+  // the per-source sum sbel_s is a warp reduction per source the pass spans and one shared
+  // atomic each: an atomic per word would serialize up to E words on one address. The other
+  // sums are per expert, W words each at most.
   int ok = 1;
   {
-    const int words = E + MOE_ROW_EXTRA + (int)gridDim.x;
+    const int words = E + MOE_ROW_EXTRA + (int)gridDim.x, all = W * words;
     const uint64_t start = globaltimer();
     uint32_t spins = 0;
     const uint32_t tag = (uint32_t)epoch;
-    for (int q = tid; q < W * words && ok; q += MOE_THREADS) {
-      const int s = q / words, wi = q % words;
-      const uint64_t* w = moe_row(a, me, epoch, s) + wi;
-      uint64_t got;
-      while ((uint32_t)((got = moe_ld_acquire(w, W > 1)) >> 32) != tag) {
-        if (give_up(a.s, spins, start, s)) {
-          ok = 0;
-          break;
+    for (int b = warp * 32; b < all; b += MOE_THREADS) {
+      const int q = b + lane, s = q / words, wi = q - s * words;
+      int32_t below = 0;  // this word's entries of an expert below this rank's
+      if (q < all && ok) {
+        const uint64_t* w = moe_row(a, me, epoch, s) + wi;
+        uint64_t got;
+        while ((uint32_t)((got = moe_ld_acquire(w, W > 1)) >> 32) != tag) {
+          if (give_up(a.s, spins, start, s)) {
+            ok = 0;
+            break;
+          }
+        }
+        if (ok) {
+          const int32_t v = (int32_t)(uint32_t)got;
+          if (wi < E) {
+            if (v != 0) {
+              atomicAdd(&tot_s[wi], v);
+              if (s < me) atomicAdd(&lbel_s[wi], v);
+            }
+            if (wi < me * L) below = v;
+            if (wi >= me * L && wi < (me + 1) * L) loc_s[s * L + (wi - me * L)] = v;
+          } else if (wi - E < 5) {
+            stat_s[s][wi - E] = v;
+          }
         }
       }
+      ok = __all_sync(0xffffffffu, ok);  // one lane's timeout or abort ends its warp's wait
       if (!ok) break;
-      const int32_t v = (int32_t)(uint32_t)got;
-      if (wi < E) {
-        if (v != 0) {
-          atomicAdd(&tot_s[wi], v);
-          if (s < me) atomicAdd(&lbel_s[wi], v);
-          if (wi < me * L) atomicAdd(&sbel_s[s], v);
+      if (me > 0) {  // at rank 0 no expert is below this rank's
+        const int s0 = b / words, s1 = min(b + 31, all - 1) / words;
+        for (int ss = s0; ss <= s1; ++ss) {
+          const int32_t sum = __reduce_add_sync(0xffffffffu, s == ss ? below : 0);
+          if (lane == 0 && sum != 0) atomicAdd(&sbel_s[ss], sum);
         }
-        if (wi >= me * L && wi < (me + 1) * L) {
-          loc_s[s * L + (wi - me * L)] = v;
-          if (v != 0) atomicAdd(&cnt_s[s], v);
-        }
-      } else if (wi - E < 5) {
-        stat_s[s][wi - E] = v;
       }
     }
   }
@@ -772,10 +781,10 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   // After the wait, one pass and one double block scan (two barriers; everything reads what the
   // wait left in shared memory): every thread checks its experts' capacity (cap_s: the lowest
   // expert over R) and writes the rows of lower sources per (source, local expert) (base_s); the
-  // scans give each (source, local expert) q = s * L + le its entries of lower local experts at
-  // the source (off_s; its list offset there is off_s + segadj_s[s]: the source's entries of
-  // experts below this rank's, less the scan's entries of lower sources) and each local expert
-  // the rows of lower local experts (pre_s).
+  // scans give each (source, local expert) q = s * L + le the entries before it in (source, local
+  // expert) order (off_s; its list offset at the source is sbel_s[s] + off_s[q] - off_s[s * L]:
+  // the source's entries of experts below this rank's, then its entries of lower local experts)
+  // and each local expert the rows of lower local experts (pre_s).
   for (int e = tid; e < E; e += MOE_THREADS)
     if ((int64_t)tot_s[e] > (int64_t)R) atomicMin(&cap_s, (uint32_t)e);
   for (int le = tid; le < L; le += MOE_THREADS) {
@@ -784,11 +793,6 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       base_s[s * L + le] = below;
       below += loc_s[s * L + le];
     }
-  }
-  if (tid < W) {
-    int32_t lower = 0;
-    for (int s = 0; s < tid; ++s) lower += cnt_s[s];
-    segadj_s[tid] = sbel_s[tid] - lower;
   }
   const uint64_t total = (uint64_t)moe_block_scan2(loc_s, off_s, W * L, tot_s + me * L, pre_s, L, scan_s);
   // The first status (lowest rank), else capacity (lowest expert): the same on every rank, and
@@ -814,7 +818,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     }
   } else {
     // Step 4: pull. Per (source, local expert) q = s * L + le: its rows (loc_s), the rows of
-    // lower sources (base_s) and its list offset at the source (off_s + segadj_s); per local
+    // lower sources (base_s) and its list offset at the source (sbel_s, off_s); per local
     // expert the rows of lower local experts (pre_s).
     if (blockIdx.x == 0)
       for (int le = tid; le < L; le += MOE_THREADS) recv_counts[le] = tot_s[me * L + le];
@@ -841,7 +845,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       int s = 0;
       while (s + 1 < W && base_s[(s + 1) * L + lo] <= row) ++s;
       const int32_t entry =
-          __ldcg(moe_list(a, s, epoch) + off_s[s * L + lo] + segadj_s[s] + (row - base_s[s * L + lo]));
+          __ldcg(moe_list(a, s, epoch) + sbel_s[s] + (off_s[s * L + lo] - off_s[s * L]) + (row - base_s[s * L + lo]));
       const uint64_t t = (uint32_t)entry / (uint32_t)K, slot = (uint64_t)lo * R + row;
       const uint8_t* src = s == me && !QUANT ? (const uint8_t*)a.x
                                    : (const uint8_t*)(a.blocks[s] + a.off_xstage) + (epoch & 1) * T * row_bytes;
