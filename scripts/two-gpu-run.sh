@@ -36,6 +36,13 @@
 #                                            (one per GPU) and moe_gpu_check.py at 2 and 4 ranks
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The parts that run a script themselves: the device machine's environment (multicast off, D,
+# OUT: scripts/device-env.sh), this build's libraries, and this checkout's Python package (which
+# every script also puts on its own sys.path).
+device_env() {
+  . scripts/device-env.sh
+  export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
+}
 case "${1:-}" in
   prepare)
     set -e
@@ -51,16 +58,13 @@ case "${1:-}" in
   ab) ROUNDS=${ROUNDS:-4} bash scripts/device-run.sh ab ;;
   fused) bash scripts/device-run.sh fused ;;
   atp)
-    . scripts/device-env.sh
-    export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1
+    device_env
     timeout 580 python3 bench/async_tp.py --world 2 --out "$OUT" 2>&1 | tee "$OUT/async_tp.log" ;;
   triton)
-    . scripts/device-env.sh
-    export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1
+    device_env
     timeout 580 python3 bench/triton_one_shot.py --world 2 2>&1 | tee "$OUT/triton_one_shot.log" ;;
   global2)
-    . scripts/device-env.sh
-    export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
+    device_env
     for a in symmalloc torch; do
       timeout 120 python3 python/tests/global_multigpu_check.py $a 2>&1 | tee "$OUT/global_multigpu_$a.log"
       timeout 200 python3 python/tests/torch_upstream_check.py $a test_memory_stats_multigpu \
@@ -70,18 +74,15 @@ case "${1:-}" in
       timeout 150 python3 python/tests/ipc_check.py $a two_devices 2>&1 | tee "$OUT/ipc_two_devices_$a.log"
     done ;;
   ddp)
-    . scripts/device-env.sh
-    export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
+    device_env
     timeout 580 python3 bench/ddp_memory.py --rounds "${ROUNDS:-3}" ${COMPILE:+--compile} --out "$OUT" 2>&1 \
       | tee "$OUT/ddp${COMPILE:+_compiled}.log" ;;
   moe)
-    . scripts/device-env.sh
-    export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
+    device_env
     timeout 580 python3 bench/moe.py --ranks 2 --runs "${RUNS:-3}" --shapes "${SHAPES:-decode1,decode128}" \
       ${MOE_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/moe_2gpu.log" ;;
   moecheck)
-    . scripts/device-env.sh
-    export SYMMALLOC_LIBRARY_DIR=$D PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
+    device_env
     SYMM_TEST_RANKS=2 timeout 200 "$D/t_gpu_moe" --include-ignored --test-threads=1 --nocapture 2>&1 | tee "$OUT/gpu_moe_2gpu.log" | tail -16
     timeout 360 python3 python/tests/moe_gpu_check.py --world 2 4 --reference gloo 2>&1 | tee "$OUT/moe_check_2gpu.log" | tail -30 ;;
   *) sed -n 2,36p "$0"; exit 2 ;;
