@@ -109,10 +109,9 @@ CHECKS = {"copies": check_copies, "peer_kernel": check_peer_kernel, "streams": c
 
 def main():
     counts = [0, 0, 0]
-    found = FOUND
     for name, fn in CHECKS.items():
-        if found < 2:
-            print(f"SKIP {name}: needs 2 GPUs, found {found}")
+        if FOUND < 2:
+            print(f"SKIP {name}: needs 2 GPUs, found {FOUND}")
             counts[2] += 1
             continue
         t0 = time.time()
@@ -127,7 +126,7 @@ def main():
             print(f"FAIL {name}: {type(e).__name__}: {e}")
             traceback.print_exc(limit=4)
             counts[1] += 1
-    if MODE == "symmalloc" and found >= 2:
+    if MODE == "symmalloc" and FOUND >= 2:
         import symmalloc.memory
 
         assert symmalloc.memory.installed() == "cpp", symmalloc.memory.installed()
