@@ -7,10 +7,11 @@
 // to their tokens' ranks, the weighted sum in a fixed order).
 //
 // One kernel per call, and every block does the same work on its share: there is no routing
-// block. Dispatch: each block reads the whole routing once (counts per expert, warp-aggregated
-// shared atomics: a sum, so the order does not matter), ranks the entries of its own chunk of
-// tokens in token order (a warp walks the chunk's entries 32 at a time, `__match_any_sync`),
-// writes their list (CSR by expert) and stages its tokens' rows (world > 1). Block 0 stores this
+// block. Dispatch: each block reads the whole routing once (block 0 the counts per expert, the
+// others those of the tokens before their chunk; warp-aggregated shared atomics: sums, so the
+// order does not matter), ranks the entries of its own chunk of tokens in token order (a warp
+// walks the chunk's entries 32 at a time, `__match_any_sync`), writes their list (a slot per
+// expert and token: no scan) and stages its tokens' rows (world > 1). Block 0 stores this
 // rank's counts into every rank's counts row as soon as the routing is read, and every block,
 // once its chunk's list and rows are in place, fences and stores its own word of that row; each
 // word is tagged with the epoch: that is the call's only cross-rank wait. Every block then waits
@@ -201,9 +202,12 @@ __device__ __forceinline__ uint64_t moe_tagged(uint64_t epoch, int32_t v) {
   return ((epoch & 0xffffffffull) << 32) | (uint64_t)(uint32_t)v;
 }
 
-// This rank's entry list of dispatch `epoch` in rank `d`'s block ([2][T*K] int32).
+// This rank's entry list of dispatch `epoch` in rank `d`'s block ([2][E][T] int32): list[e * T +
+// p] is the entry (t * K + k) of the p-th token, in token order, that this rank routed to expert
+// e. A slot per (expert, token) bound, so a sender places an entry without a scan over the
+// experts, and a receiver finds (source, expert, row) without the source's offsets.
 __device__ __forceinline__ int32_t* moe_list(const MoeArgs& a, int d, uint64_t epoch) {
-  return (int32_t*)(a.blocks[d] + a.off_list) + (epoch & 1) * (uint64_t)a.max_tokens * a.topk;
+  return (int32_t*)(a.blocks[d] + a.off_list) + (epoch & 1) * (uint64_t)a.experts * a.max_tokens;
 }
 
 // The landing buffer of combine `epoch` in rank `d`'s block: two [T][K][H] bf16 buffers, one per
@@ -426,46 +430,6 @@ __device__ __forceinline__ int32_t moe_block_scan(const int32_t* in, int32_t* ou
   return total;
 }
 
-// Two exclusive block scans at once, as moe_block_scan, sharing its two barriers: a[0..na) into
-// oa and b[0..nb) into ob (na, nb <= MOE_MAX_EXPERTS); returns b's total. warp_s: 2 * MOE_WARPS
-// words. Every thread calls it, with the inputs complete up to a point its first barrier orders
-// (what the block wrote before the call is readable by every thread on return).
-__device__ __forceinline__ int32_t moe_block_scan2(const int32_t* a, int32_t* oa, int na, const int32_t* b,
-                                                   int32_t* ob, int nb, int32_t* warp_s) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int pa = (na + MOE_THREADS - 1) / MOE_THREADS, pb = (nb + MOE_THREADS - 1) / MOE_THREADS;
-  const int ia = threadIdx.x * pa, ib = threadIdx.x * pb;
-  int32_t va[MOE_SCAN_PER], vb[MOE_SCAN_PER], sa = 0, sb = 0;
-#pragma unroll
-  for (int u = 0; u < MOE_SCAN_PER; ++u) {
-    va[u] = u < pa && ia + u < na ? a[ia + u] : 0;
-    vb[u] = u < pb && ib + u < nb ? b[ib + u] : 0;
-    sa += va[u];
-    sb += vb[u];
-  }
-  const int32_t xa = moe_warp_inclusive(sa), xb = moe_warp_inclusive(sb);
-  if (lane == 31) {
-    warp_s[warp] = xa;
-    warp_s[MOE_WARPS + warp] = xb;
-  }
-  __syncthreads();
-  const int32_t wa = moe_warp_inclusive<MOE_WARPS>(lane < MOE_WARPS ? warp_s[lane] : 0);
-  const int32_t wb = moe_warp_inclusive<MOE_WARPS>(lane < MOE_WARPS ? warp_s[MOE_WARPS + lane] : 0);
-  const int32_t ba = __shfl_sync(0xffffffffu, wa, (warp + 31) & 31);  // lane warp - 1
-  const int32_t bb = __shfl_sync(0xffffffffu, wb, (warp + 31) & 31);
-  const int32_t total = __shfl_sync(0xffffffffu, wb, MOE_WARPS - 1);
-  int32_t ra = (warp > 0 ? ba : 0) + xa - sa, rb = (warp > 0 ? bb : 0) + xb - sb;
-#pragma unroll
-  for (int u = 0; u < MOE_SCAN_PER; ++u) {
-    if (u < pa && ia + u < na) oa[ia + u] = ra;
-    if (u < pb && ib + u < nb) ob[ib + u] = rb;
-    ra += va[u];
-    rb += vb[u];
-  }
-  __syncthreads();
-  return total;
-}
-
 // Dispatch (docs/moe.md, "Protocol"): every block runs every step on its share. QUANT: x is bf16,
 // quantized to the FP8 payload (PAYLOAD_BYTES 1, SCALES) once per token when its block stages it
 // (at every world), and every row, this rank's own too, is pulled from the staged copy. PHASE: the
@@ -474,26 +438,23 @@ __device__ __forceinline__ int32_t moe_block_scan2(const int32_t* a, int32_t* oa
 template <int PAYLOAD_BYTES, bool SCALES, typename IDX, bool QUANT = false, int PHASE = MOE_BOTH,
           bool PROBE = false>
 __device__ void moe_dispatch_body(const MoeArgs& a) {
-  __shared__ int32_t hist_s[MOE_MAX_EXPERTS];    // this rank's counts; then rows per source
+  __shared__ int32_t hist_s[MOE_MAX_EXPERTS];    // this rank's counts per expert (block 0 only)
   __shared__ int32_t run_s[MOE_MAX_EXPERTS];     // entries before this block's chunk, per expert
-  __shared__ int32_t off_s[MOE_MAX_EXPERTS];     // list offsets; then per (source, local expert)
   __shared__ int32_t base_s[MOE_MAX_EXPERTS];    // rows of lower sources per (source, local expert)
   __shared__ int32_t pre_s[MOE_MAX_EXPERTS + 1]; // rows of lower local experts
   // What the wait saw (step 3), so steps 3-4 read no count word twice: per expert the sum over
   // every source (tot_s) and over the sources below this rank (lbel_s); per (source, local
-  // expert) the source's count (loc_s); per source its entries of experts below this rank's
-  // (sbel_s) and its status words (stat_s).
+  // expert) the source's count (loc_s); per source its status words (stat_s).
   __shared__ int32_t tot_s[MOE_MAX_EXPERTS];
   __shared__ int32_t lbel_s[MOE_MAX_EXPERTS];
   __shared__ int32_t loc_s[MOE_MAX_EXPERTS];
-  __shared__ int32_t sbel_s[SYMM_MAX_RANKS];
   __shared__ int32_t stat_s[SYMM_MAX_RANKS][5];
   __shared__ uint64_t epoch_s;
   __shared__ uint32_t bad_s, cap_s;
   __shared__ int32_t found_s[4];                 // code, rank, token, k
   __shared__ int64_t found_v;
   __shared__ int live_s;
-  __shared__ int32_t scan_s[2 * MOE_WARPS];      // the block scans' warp totals
+  __shared__ int32_t scan_s[MOE_WARPS];          // the block scan's warp totals
   // The block's chunk's entries (expert ids) and their rows within (this rank, expert), kept from
   // step 1b for step 4 when the chunk fits (the one-call form; the receive half reloads them).
   __shared__ int32_t ent_s[MOE_ENT_CACHE];
@@ -553,7 +514,6 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     tot_s[e] = 0;
     lbel_s[e] = 0;
   }
-  if (tid < W) sbel_s[tid] = 0;
   __syncthreads();
   if (!live_s) return;
   const uint64_t epoch = epoch_s;
@@ -565,8 +525,10 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   if constexpr (PHASE != MOE_RECV) {
 
   // Step 1a: the whole routing, a thread per entry (its loads independent of every other
-  // entry's): the first offending entry, the counts per expert and those of the tokens before
-  // this block's chunk (aggregated per warp; sums, so the order does not matter).
+  // entry's): the first offending entry; block 0 the counts per expert (its counts row), every
+  // other block those of the tokens before its chunk (its entries' rows); aggregated per warp,
+  // sums, so the order does not matter.
+  const bool first = blockIdx.x == 0;
   for (uint64_t b = 0; b < n * K; b += MOE_THREADS) {
     const uint64_t i = b + tid, t = (uint32_t)i / (uint32_t)K;
     uint32_t code = code0;
@@ -576,11 +538,14 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       key = (code == 0 && e >= 0) ? (int)e : -1;
     }
     if (code) atomicMin(&bad_s, (uint32_t)i);
-    const uint32_t all = __match_any_sync(0xffffffffu, key);
-    if (key >= 0 && lane == __ffs(all) - 1) atomicAdd(&hist_s[key], __popc(all));
-    const int key2 = t < c0 ? key : -1;
-    const uint32_t before = __match_any_sync(0xffffffffu, key2);
-    if (key2 >= 0 && lane == __ffs(before) - 1) atomicAdd(&run_s[key2], __popc(before));
+    if (first) {
+      const uint32_t all = __match_any_sync(0xffffffffu, key);
+      if (key >= 0 && lane == __ffs(all) - 1) atomicAdd(&hist_s[key], __popc(all));
+    } else {
+      const int key2 = t < c0 ? key : -1;
+      const uint32_t before = __match_any_sync(0xffffffffu, key2);
+      if (key2 >= 0 && lane == __ffs(before) - 1) atomicAdd(&run_s[key2], __popc(before));
+    }
   }
   __syncthreads();
   if constexpr (PROBE) {
@@ -647,7 +612,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       if (cached) ent_s[i - c0 * K] = e;
       wts[i] = wt;
     }
-    moe_block_scan(hist_s, off_s, E, scan_s);  // its barriers also order ent_s for warp 0
+    __syncthreads();  // ent_s for warp 0
     if (warp == 0) {
       int32_t* list = moe_list(a, me, epoch);
       // 4 x 32 entries' ids loaded together, then ranked 32 at a time in entry order.
@@ -672,7 +637,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
             const int32_t p = e >= 0 ? r0 + __popc(lower) : -1;
             pos[i] = p;
             if (cached) pos_s[i - c0 * K] = p;
-            if (e >= 0) list[off_s[e] + p] = (int32_t)i;
+            if (e >= 0) list[(uint64_t)e * T + p] = (int32_t)i;
           }
         }
       }
@@ -727,10 +692,8 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
 
   // Step 3, the one wait: every word of every source's row carries this epoch's tag: its counts,
   // its status words and its grid's block words (the grid is the same on every rank). A warp
-  // takes 32 consecutive words a pass, all its lanes every pass (a warp-uniform trip count), so
-  // the per-source sum sbel_s is a warp reduction per source the pass spans and one shared
-  // atomic each: an atomic per word would serialize up to E words on one address. The other
-  // sums are per expert, W words each at most.
+  // takes 32 consecutive words a pass, all its lanes every pass (a warp-uniform trip count), and
+  // leaves together when one lane gives up. The sums are per expert, W words each at most.
   int ok = 1;
   {
     const int words = E + MOE_ROW_EXTRA + (int)gridDim.x, all = W * words;
@@ -739,7 +702,6 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     const uint32_t tag = (uint32_t)epoch;
     for (int b = warp * 32; b < all; b += MOE_THREADS) {
       const int q = b + lane, s = q / words, wi = q - s * words;
-      int32_t below = 0;  // this word's entries of an expert below this rank's
       if (q < all && ok) {
         const uint64_t* w = moe_row(a, me, epoch, s) + wi;
         uint64_t got;
@@ -756,7 +718,6 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
               atomicAdd(&tot_s[wi], v);
               if (s < me) atomicAdd(&lbel_s[wi], v);
             }
-            if (wi < me * L) below = v;
             if (wi >= me * L && wi < (me + 1) * L) loc_s[s * L + (wi - me * L)] = v;
           } else if (wi - E < 5) {
             stat_s[s][wi - E] = v;
@@ -765,26 +726,17 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       }
       ok = __all_sync(0xffffffffu, ok);  // one lane's timeout or abort ends its warp's wait
       if (!ok) break;
-      if (me > 0) {  // at rank 0 no expert is below this rank's
-        const int s0 = b / words, s1 = min(b + 31, all - 1) / words;
-        for (int ss = s0; ss <= s1; ++ss) {
-          const int32_t sum = __reduce_add_sync(0xffffffffu, s == ss ? below : 0);
-          if (lane == 0 && sum != 0) atomicAdd(&sbel_s[ss], sum);
-        }
-      }
     }
   }
   if (!__syncthreads_and(ok)) return;
   if constexpr (PROBE) {
     if (blockIdx.x == 0 && tid == 0) moe_probe(a, MOE_P_D_WAITED);
   }
-  // After the wait, one pass and one double block scan (two barriers; everything reads what the
-  // wait left in shared memory): every thread checks its experts' capacity (cap_s: the lowest
-  // expert over R) and writes the rows of lower sources per (source, local expert) (base_s); the
-  // scans give each (source, local expert) q = s * L + le the entries before it in (source, local
-  // expert) order (off_s; its list offset at the source is sbel_s[s] + off_s[q] - off_s[s * L]:
-  // the source's entries of experts below this rank's, then its entries of lower local experts)
-  // and each local expert the rows of lower local experts (pre_s).
+  // After the wait, one pass and one block scan (two barriers; everything reads what the wait
+  // left in shared memory): every thread checks its experts' capacity (cap_s: the lowest expert
+  // over R) and writes the rows of lower sources per (source, local expert) (base_s); the scan
+  // gives each local expert the rows of lower local experts (pre_s). A row's entry is then at
+  // its source's list[e * T + (row - base_s)] (moe_list): no offset of the source's is needed.
   for (int e = tid; e < E; e += MOE_THREADS)
     if ((int64_t)tot_s[e] > (int64_t)R) atomicMin(&cap_s, (uint32_t)e);
   for (int le = tid; le < L; le += MOE_THREADS) {
@@ -794,7 +746,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       below += loc_s[s * L + le];
     }
   }
-  const uint64_t total = (uint64_t)moe_block_scan2(loc_s, off_s, W * L, tot_s + me * L, pre_s, L, scan_s);
+  const uint64_t total = (uint64_t)moe_block_scan(tot_s + me * L, pre_s, L, scan_s);
   // The first status (lowest rank), else capacity (lowest expert): the same on every rank, and
   // found by every thread from shared memory.
   int fs = -1;
@@ -817,9 +769,8 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       }
     }
   } else {
-    // Step 4: pull. Per (source, local expert) q = s * L + le: its rows (loc_s), the rows of
-    // lower sources (base_s) and its list offset at the source (sbel_s, off_s); per local
-    // expert the rows of lower local experts (pre_s).
+    // Step 4: pull. Per (source, local expert) q = s * L + le: its rows (loc_s) and the rows of
+    // lower sources (base_s); per local expert the rows of lower local experts (pre_s).
     if (blockIdx.x == 0)
       for (int le = tid; le < L; le += MOE_THREADS) recv_counts[le] = tot_s[me * L + le];
     // Each of this chunk's entries' row in its expert's rank (the combine reads this rank's own
@@ -844,8 +795,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       const int32_t row = (int32_t)(q - (uint64_t)pre_s[lo]);
       int s = 0;
       while (s + 1 < W && base_s[(s + 1) * L + lo] <= row) ++s;
-      const int32_t entry =
-          __ldcg(moe_list(a, s, epoch) + sbel_s[s] + (off_s[s * L + lo] - off_s[s * L]) + (row - base_s[s * L + lo]));
+      const int32_t entry = __ldcg(moe_list(a, s, epoch) + (uint64_t)(me * L + lo) * T + (row - base_s[s * L + lo]));
       const uint64_t t = (uint32_t)entry / (uint32_t)K, slot = (uint64_t)lo * R + row;
       const uint8_t* src = s == me && !QUANT ? (const uint8_t*)a.x
                                    : (const uint8_t*)(a.blocks[s] + a.off_xstage) + (epoch & 1) * T * row_bytes;

@@ -293,19 +293,14 @@ fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
     if bad.is_some() {
         return (counts, bad);
     }
-    // The entries by expert, in token order: list[off[e] + pos] = t * K + k.
-    let mut off = vec![0u64; c.experts as usize];
-    let mut sum = 0u64;
-    for (o, &v) in off.iter_mut().zip(&counts) {
-        *o = sum;
-        sum += v as u64;
-    }
-    let list = m.at(me, m.layout.list_at(c.tokens, kk, epoch));
+    // The entries by expert, in token order: list[e * T + pos] = t * K + k (a slot per expert
+    // and token, layout.rs `list_at`).
+    let list = m.at(me, m.layout.list_at(c.experts as u64, c.tokens, epoch));
     for at in 0..n * kk {
         let pos = rd_i32(m.at(me, m.layout.pos) + 4 * at);
         if pos >= 0 {
-            let e = rd_i32(m.at(me, m.layout.idx) + 4 * at) as usize;
-            wr_i32(list + 4 * (off[e] + pos as u64), at as i32);
+            let e = rd_i32(m.at(me, m.layout.idx) + 4 * at) as u64;
+            wr_i32(list + 4 * (e * c.tokens + pos as u64), at as i32);
         }
     }
     if c.quantize && n > 0 {
@@ -450,11 +445,10 @@ pub fn dispatch_recv(m: &mut Moe, a: &Dispatch, refused: bool, timeout: Duration
         let mut row = 0u64;
         if ok {
             for (s, src_row) in rows.iter().enumerate() {
-                let off: u64 = src_row[..e as usize].iter().map(|&v| v as u64).sum();
-                let list = m.at(s, m.layout.list_at(c.tokens, kk, epoch));
+                let list = m.at(s, m.layout.list_at(e_all, c.tokens, epoch)) + 4 * e * c.tokens;
                 let (xs, ss) = m.layout.xstage_at(epoch);
                 for i in 0..src_row[e as usize] as u64 {
-                    let entry = rd_i32(list + 4 * (off + i)) as u64;
+                    let entry = rd_i32(list + 4 * i) as u64;
                     let t = entry / kk;
                     let slot = le * c.max_recv + row;
                     let (x, xsc) = if s == me && !c.quantize {

@@ -193,7 +193,7 @@ impl Layout {
         let idx = parts.take(t * k * 4);
         let weights = parts.take(t * k * 4);
         let pos = parts.take(t * k * 4);
-        let list = parts.take(2 * t * k * 4);
+        let list = parts.take(2 * e * t * 4);
         // A dispatch that quantizes stages its quantized rows at world 1 too (its pull reads
         // them there, not the caller's bf16 x).
         let peers = world > 1 || c.quantize;
@@ -244,9 +244,11 @@ impl Layout {
         self.cbuf + (epoch & 1) * self.cbuf_slot
     }
 
-    /// This rank's entry list of dispatch `epoch` (its parity's).
-    pub fn list_at(&self, tokens: u64, topk: u64, epoch: u64) -> u64 {
-        self.list + (epoch & 1) * tokens * topk * 4
+    /// This rank's entry list of dispatch `epoch` (its parity's): `[experts][tokens]` i32, entry
+    /// `e * tokens + p` the routing entry (t * K + k) of the p-th token, in token order, routed
+    /// to expert e (kernels/moe.cu `moe_list`).
+    pub fn list_at(&self, experts: u64, tokens: u64, epoch: u64) -> u64 {
+        self.list + (epoch & 1) * experts * tokens * 4
     }
 
     /// The staged `x` (and FP8 scales) of dispatch `epoch` (its parity's).
