@@ -295,7 +295,7 @@ fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
     }
     // The entries by expert, in token order: list[e * T + pos] = t * K + k (a slot per expert
     // and token, layout.rs `list_at`).
-    let list = m.at(me, m.layout.list_at(c.experts as u64, c.tokens, epoch));
+    let list = m.at(me, m.layout.list_at(epoch));
     for at in 0..n * kk {
         let pos = rd_i32(m.at(me, m.layout.pos) + 4 * at);
         if pos >= 0 {
@@ -445,7 +445,7 @@ pub fn dispatch_recv(m: &mut Moe, a: &Dispatch, refused: bool, timeout: Duration
         let mut row = 0u64;
         if ok {
             for (s, src_row) in rows.iter().enumerate() {
-                let list = m.at(s, m.layout.list_at(e_all, c.tokens, epoch)) + 4 * e * c.tokens;
+                let list = m.at(s, m.layout.list_at(epoch)) + 4 * e * c.tokens;
                 let (xs, ss) = m.layout.xstage_at(epoch);
                 for i in 0..src_row[e as usize] as u64 {
                     let entry = rd_i32(list + 4 * i) as u64;

@@ -133,10 +133,13 @@ pub struct Layout {
     /// `[T][K]` int32: each of this rank's (t, k) row in its expert's rank (`le * R + row`),
     /// or -1; the combine reads the rows of this rank's own experts straight from expert_out.
     pub pos: u64,
-    /// `[2][T*K]` int32, per dispatch parity: this rank's entries (`t * K + k`) grouped by
-    /// expert in token order (CSR; a source's offsets are the prefix sums of its counts row).
-    /// Peers read it to pull their rows.
+    /// `[2][E][T]` int32, per dispatch parity (`list_at`): entry `e * T + p` is this rank's
+    /// routing entry (`t * K + k`) of the p-th token, in token order, routed to expert e (a slot
+    /// per expert and token, so no offsets; kernels/moe.cu `moe_list`). Peers read it to pull
+    /// their rows.
     pub list: u64,
+    /// Bytes of one `list` parity.
+    pub list_slot: u64,
     /// `[2][T][H]` payload, per dispatch parity: this rank's `x` (quantized when the dispatch
     /// quantizes), for the peers to pull (0 bytes at world 1 without quantization: a rank reads
     /// its own rows from the caller's `x`).
@@ -193,7 +196,8 @@ impl Layout {
         let idx = parts.take(t * k * 4);
         let weights = parts.take(t * k * 4);
         let pos = parts.take(t * k * 4);
-        let list = parts.take(2 * e * t * 4);
+        let list_slot = e * t * 4;
+        let list = parts.take(2 * list_slot);
         // A dispatch that quantizes stages its quantized rows at world 1 too (its pull reads
         // them there, not the caller's bf16 x).
         let peers = world > 1 || c.quantize;
@@ -219,6 +223,7 @@ impl Layout {
             weights,
             pos,
             list,
+            list_slot,
             xstage,
             xstage_slot,
             xscales,
@@ -244,11 +249,9 @@ impl Layout {
         self.cbuf + (epoch & 1) * self.cbuf_slot
     }
 
-    /// This rank's entry list of dispatch `epoch` (its parity's): `[experts][tokens]` i32, entry
-    /// `e * tokens + p` the routing entry (t * K + k) of the p-th token, in token order, routed
-    /// to expert e (kernels/moe.cu `moe_list`).
-    pub fn list_at(&self, experts: u64, tokens: u64, epoch: u64) -> u64 {
-        self.list + (epoch & 1) * experts * tokens * 4
+    /// This rank's entry list of dispatch `epoch` (its parity's; `list`).
+    pub fn list_at(&self, epoch: u64) -> u64 {
+        self.list + (epoch & 1) * self.list_slot
     }
 
     /// The staged `x` (and FP8 scales) of dispatch `epoch` (its parity's).
@@ -414,7 +417,89 @@ impl TpLayout {
 
 #[cfg(test)]
 mod tests {
+    use super::super::config::Request;
     use super::*;
+
+    /// The low-latency block's parts in order, each at its documented size (docs/moe.md,
+    /// "Buffers"), none overlapping the next, each aligned; the list has a slot per expert and
+    /// token in each parity, and `list_at` alternates between the two.
+    #[test]
+    fn parts_do_not_overlap_and_the_list_has_a_slot_per_expert_and_token() {
+        for (w, dtype, input) in [(1u64, 0u32, 0u32), (2, 1, 0), (4, 1, 1), (8, 0, 0)] {
+            let req = Request {
+                tokens: 5,
+                hidden: 256,
+                topk: 3,
+                experts: 8 * w as u32,
+                dtype,
+                input,
+                ..Request::default()
+            };
+            let c = req.check(w).unwrap();
+            let l = Layout::new(&c, w);
+            let (t, h, k, e) = (5u64, 256u64, 3u64, 8 * w);
+            let (lx, r) = (e / w, c.max_recv);
+            let pay = c.dtype.bytes();
+            let peers = (w > 1 || c.quantize) as u64;
+            let scales = if c.dtype.has_scales() {
+                c.scale_elems(w) * 4
+            } else {
+                0
+            };
+            let xscales = if c.dtype.has_scales() {
+                peers * t * (h / 128) * 4
+            } else {
+                0
+            };
+            // (offset, bytes) in block order; recv_scales only with FP8 (else its offset is 0).
+            let mut parts = vec![
+                (l.counts, 2 * w * row_words(e) * 8),
+                (l.flags, FLAG_ROWS * w * 8),
+                (l.recv_counts, lx * 4),
+                (l.recv_src, lx * r * 4),
+                (l.recv_x, lx * r * h * pay),
+            ];
+            if c.dtype.has_scales() {
+                parts.push((l.recv_scales, scales));
+            }
+            parts.extend([
+                (l.idx, t * k * 4),
+                (l.weights, t * k * 4),
+                (l.pos, t * k * 4),
+                (l.list, 2 * e * t * 4),
+                (l.xstage, 2 * peers * t * h * pay),
+                (l.xscales, 2 * xscales),
+                (l.cbuf, 2 * peers * t * k * h * 2),
+                (l.bytes, 0),
+            ]);
+            for p in parts.windows(2) {
+                assert!(p[0].0 + p[0].1 <= p[1].0, "{p:?} {l:?}");
+            }
+            assert!(parts.iter().all(|p| p.0 % PART_ALIGN == 0), "{l:?}");
+            assert!(l.counts >= CTRL_BYTES);
+            assert_eq!(l.list_slot, e * t * 4);
+            assert_eq!(l.list_at(2), l.list);
+            assert_eq!(l.list_at(3), l.list + e * t * 4);
+            assert_eq!(l.list_at(4), l.list);
+        }
+    }
+
+    /// docs/moe.md's 1 GiB bound for the low-latency block at 128 tokens x hidden 7168 x top-8
+    /// of 256 experts, bf16, default R, at every world up to 8.
+    #[test]
+    fn the_low_latency_block_fits_one_gib_at_128_tokens_hidden_7168() {
+        for w in [1u64, 2, 4, 8] {
+            let req = Request {
+                tokens: 128,
+                hidden: 7168,
+                topk: 8,
+                experts: 256,
+                ..Request::default()
+            };
+            let l = Layout::new(&req.check(w).unwrap(), w);
+            assert!(l.bytes <= 1 << 30, "world {w}: {} bytes", l.bytes);
+        }
+    }
 
     #[test]
     fn tags_tell_a_call_from_the_one_two_before_across_the_wrap() {
