@@ -415,6 +415,17 @@ impl TpLayout {
     }
 }
 
+/// Both layouts' check: `parts` ((offset, bytes) in block order, the block's end last) each end
+/// before the next begins, all `PART_ALIGN`-aligned, the counts past the control words.
+#[cfg(test)]
+fn assert_parts_in_order(parts: &[(u64, u64)], counts: u64, layout: &dyn std::fmt::Debug) {
+    for p in parts.windows(2) {
+        assert!(p[0].0 + p[0].1 <= p[1].0, "{p:?} {layout:?}");
+    }
+    assert!(parts.iter().all(|p| p.0 % PART_ALIGN == 0), "{layout:?}");
+    assert!(counts >= CTRL_BYTES);
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::config::Request;
@@ -472,11 +483,7 @@ mod tests {
                 (l.cbuf, 2 * peers * t * k * h * 2),
                 (l.bytes, 0),
             ]);
-            for p in parts.windows(2) {
-                assert!(p[0].0 + p[0].1 <= p[1].0, "{p:?} {l:?}");
-            }
-            assert!(parts.iter().all(|p| p.0 % PART_ALIGN == 0), "{l:?}");
-            assert!(l.counts >= CTRL_BYTES);
+            assert_parts_in_order(&parts, l.counts, &l);
             assert_eq!(l.list_slot, e * t * 4);
             assert_eq!(l.list_at(2), l.list);
             assert_eq!(l.list_at(3), l.list + e * t * 4);
@@ -596,11 +603,7 @@ mod tp_tests {
                 (l.cstage, peers * rows * h * 2),
                 (l.bytes, 0),
             ];
-            for p in parts.windows(2) {
-                assert!(p[0].0 + p[0].1 <= p[1].0, "{p:?} {l:?}");
-            }
-            assert!(parts.iter().all(|p| p.0 % PART_ALIGN == 0), "{l:?}");
-            assert!(l.counts >= CTRL_BYTES);
+            assert_parts_in_order(&parts, l.counts, &l);
             if fp8 {
                 assert!(l.recv_x + rows * h <= l.recv_scales && l.recv_scales + rows * 8 <= l.idx);
             }
