@@ -202,12 +202,14 @@ __device__ __forceinline__ uint64_t moe_tagged(uint64_t epoch, int32_t v) {
   return ((epoch & 0xffffffffull) << 32) | (uint64_t)(uint32_t)v;
 }
 
-// This rank's entry list of dispatch `epoch` in rank `d`'s block ([2][E][T] int32): list[e * T +
-// p] is the entry (t * K + k) of the p-th token, in token order, that this rank routed to expert
-// e. A slot per (expert, token) bound, so a sender places an entry without a scan over the
-// experts, and a receiver finds (source, expert, row) without the source's offsets.
-__device__ __forceinline__ int32_t* moe_list(const MoeArgs& a, int d, uint64_t epoch) {
-  return (int32_t*)(a.blocks[d] + a.off_list) + (epoch & 1) * (uint64_t)a.experts * a.max_tokens;
+// Rank `d`'s entry list of dispatch `epoch` for expert `e` (its parity's part of [2][E][T] int32,
+// layout.rs `list_at`): element p is the entry (t * K + k) of the p-th token, in token order,
+// that rank `d` routed to expert e. A slot per (expert, token), so a sender places an entry
+// without a scan over the experts, and a receiver finds (source, expert, row) without the
+// source's offsets.
+__device__ __forceinline__ int32_t* moe_list(const MoeArgs& a, int d, uint64_t epoch, int e) {
+  return (int32_t*)(a.blocks[d] + a.off_list) + (epoch & 1) * (uint64_t)a.experts * a.max_tokens +
+         (uint64_t)e * a.max_tokens;
 }
 
 // The landing buffer of combine `epoch` in rank `d`'s block: two [T][K][H] bf16 buffers, one per
@@ -614,7 +616,6 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     }
     __syncthreads();  // ent_s for warp 0
     if (warp == 0) {
-      int32_t* list = moe_list(a, me, epoch);
       // 4 x 32 entries' ids loaded together, then ranked 32 at a time in entry order.
       for (uint64_t b0 = c0 * K; b0 < c1 * K; b0 += 32 * 4) {
         int32_t ev[4];
@@ -637,7 +638,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
             const int32_t p = e >= 0 ? r0 + __popc(lower) : -1;
             pos[i] = p;
             if (cached) pos_s[i - c0 * K] = p;
-            if (e >= 0) list[(uint64_t)e * T + p] = (int32_t)i;
+            if (e >= 0) moe_list(a, me, epoch, e)[p] = (int32_t)i;
           }
         }
       }
@@ -736,7 +737,8 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
   // left in shared memory): every thread checks its experts' capacity (cap_s: the lowest expert
   // over R) and writes the rows of lower sources per (source, local expert) (base_s); the scan
   // gives each local expert the rows of lower local experts (pre_s). A row's entry is then at
-  // its source's list[e * T + (row - base_s)] (moe_list): no offset of the source's is needed.
+  // element row - base_s of its source's list for expert e (moe_list): no offset of the source's
+  // is needed.
   for (int e = tid; e < E; e += MOE_THREADS)
     if ((int64_t)tot_s[e] > (int64_t)R) atomicMin(&cap_s, (uint32_t)e);
   for (int le = tid; le < L; le += MOE_THREADS) {
@@ -795,7 +797,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       const int32_t row = (int32_t)(q - (uint64_t)pre_s[lo]);
       int s = 0;
       while (s + 1 < W && base_s[(s + 1) * L + lo] <= row) ++s;
-      const int32_t entry = __ldcg(moe_list(a, s, epoch) + (uint64_t)(me * L + lo) * T + (row - base_s[s * L + lo]));
+      const int32_t entry = __ldcg(moe_list(a, s, epoch, me * L + lo) + (row - base_s[s * L + lo]));
       const uint64_t t = (uint32_t)entry / (uint32_t)K, slot = (uint64_t)lo * R + row;
       const uint8_t* src = s == me && !QUANT ? (const uint8_t*)a.x
                                    : (const uint8_t*)(a.blocks[s] + a.off_xstage) + (epoch & 1) * T * row_bytes;

@@ -266,8 +266,8 @@ pub(super) fn read_entry(
 
 /// Step 1: the local copy of the routing (`idx`, `weights`, `-1`/0 past k), the first
 /// offending entry, the counts per expert, each entry's position within its expert (`pos`,
-/// token order) and, when the routing is good, the entry list by expert (`list`, CSR) and the
-/// staged `x` the peers pull from.
+/// token order) and, when the routing is good, the entry list by expert (`list`, a slot per
+/// expert and token) and the staged `x` the peers pull from.
 fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>, Option<Found>) {
     let c = &m.cfg;
     let (kk, e_max) = (c.topk as u64, c.experts as i64);
@@ -293,14 +293,16 @@ fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
     if bad.is_some() {
         return (counts, bad);
     }
-    // The entries by expert, in token order: list[e * T + pos] = t * K + k (a slot per expert
-    // and token, layout.rs `list_at`).
-    let list = m.at(me, m.layout.list_at(epoch));
+    // The entries by expert, in token order: element pos of expert e's list = t * K + k (a slot
+    // per expert and token, layout.rs `list_at`).
     for at in 0..n * kk {
         let pos = rd_i32(m.at(me, m.layout.pos) + 4 * at);
         if pos >= 0 {
             let e = rd_i32(m.at(me, m.layout.idx) + 4 * at) as u64;
-            wr_i32(list + 4 * (e * c.tokens + pos as u64), at as i32);
+            wr_i32(
+                m.at(me, m.layout.list_at(epoch, e)) + 4 * pos as u64,
+                at as i32,
+            );
         }
     }
     if c.quantize && n > 0 {
@@ -445,7 +447,7 @@ pub fn dispatch_recv(m: &mut Moe, a: &Dispatch, refused: bool, timeout: Duration
         let mut row = 0u64;
         if ok {
             for (s, src_row) in rows.iter().enumerate() {
-                let list = m.at(s, m.layout.list_at(epoch)) + 4 * e * c.tokens;
+                let list = m.at(s, m.layout.list_at(epoch, e));
                 let (xs, ss) = m.layout.xstage_at(epoch);
                 for i in 0..src_row[e as usize] as u64 {
                     let entry = rd_i32(list + 4 * i) as u64;

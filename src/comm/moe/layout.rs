@@ -133,13 +133,15 @@ pub struct Layout {
     /// `[T][K]` int32: each of this rank's (t, k) row in its expert's rank (`le * R + row`),
     /// or -1; the combine reads the rows of this rank's own experts straight from expert_out.
     pub pos: u64,
-    /// `[2][E][T]` int32, per dispatch parity (`list_at`): entry `e * T + p` is this rank's
-    /// routing entry (`t * K + k`) of the p-th token, in token order, routed to expert e (a slot
-    /// per expert and token, so no offsets; kernels/moe.cu `moe_list`). Peers read it to pull
-    /// their rows.
+    /// `[2][E][T]` int32, per dispatch parity and expert (`list_at`): element p of expert e's
+    /// part is this rank's routing entry (`t * K + k`) of the p-th token, in token order, routed
+    /// to e (a slot per expert and token, so no offsets; kernels/moe.cu `moe_list`). Peers read
+    /// it to pull their rows.
     pub list: u64,
-    /// Bytes of one `list` parity.
+    /// Bytes of one `list` parity (`E` experts' parts).
     pub list_slot: u64,
+    /// Bytes of one expert's part of a parity (`T` entries).
+    pub list_row: u64,
     /// `[2][T][H]` payload, per dispatch parity: this rank's `x` (quantized when the dispatch
     /// quantizes), for the peers to pull (0 bytes at world 1 without quantization: a rank reads
     /// its own rows from the caller's `x`).
@@ -196,7 +198,8 @@ impl Layout {
         let idx = parts.take(t * k * 4);
         let weights = parts.take(t * k * 4);
         let pos = parts.take(t * k * 4);
-        let list_slot = e * t * 4;
+        let list_row = t * 4;
+        let list_slot = e * list_row;
         let list = parts.take(2 * list_slot);
         // A dispatch that quantizes stages its quantized rows at world 1 too (its pull reads
         // them there, not the caller's bf16 x).
@@ -224,6 +227,7 @@ impl Layout {
             pos,
             list,
             list_slot,
+            list_row,
             xstage,
             xstage_slot,
             xscales,
@@ -249,9 +253,9 @@ impl Layout {
         self.cbuf + (epoch & 1) * self.cbuf_slot
     }
 
-    /// This rank's entry list of dispatch `epoch` (its parity's; `list`).
-    pub fn list_at(&self, epoch: u64) -> u64 {
-        self.list + (epoch & 1) * self.list_slot
+    /// This rank's entry list of dispatch `epoch` (its parity's; `list`) for `expert`.
+    pub fn list_at(&self, epoch: u64, expert: u64) -> u64 {
+        self.list + (epoch & 1) * self.list_slot + expert * self.list_row
     }
 
     /// The staged `x` (and FP8 scales) of dispatch `epoch` (its parity's).
@@ -433,7 +437,7 @@ mod tests {
 
     /// The low-latency block's parts in order, each at its documented size (docs/moe.md,
     /// "Buffers"), none overlapping the next, each aligned; the list has a slot per expert and
-    /// token in each parity, and `list_at` alternates between the two.
+    /// token in each parity, and `list_at` alternates between the two and steps by expert.
     #[test]
     fn parts_do_not_overlap_and_the_list_has_a_slot_per_expert_and_token() {
         for (w, dtype, input) in [(1u64, 0u32, 0u32), (2, 1, 0), (4, 1, 1), (8, 0, 0)] {
@@ -485,9 +489,12 @@ mod tests {
             ]);
             assert_parts_in_order(&parts, l.counts, &l);
             assert_eq!(l.list_slot, e * t * 4);
-            assert_eq!(l.list_at(2), l.list);
-            assert_eq!(l.list_at(3), l.list + e * t * 4);
-            assert_eq!(l.list_at(4), l.list);
+            assert_eq!(l.list_at(2, 0), l.list);
+            assert_eq!(l.list_at(3, 0), l.list + e * t * 4);
+            assert_eq!(l.list_at(4, 0), l.list);
+            // Expert parts of T entries each: the last expert's ends where the parity does.
+            assert_eq!(l.list_at(2, 1), l.list + t * 4);
+            assert_eq!(l.list_at(3, e - 1) + t * 4, l.list + 2 * e * t * 4);
         }
     }
 
