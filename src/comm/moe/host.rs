@@ -152,6 +152,32 @@ impl Wait<'_> {
             }
         }
     }
+
+    /// Waits until each of the `words` words of every source's counts row of `epoch` (source
+    /// `s`'s row at `row(s)` here) carries the epoch's tag (layout.rs `tagged`); returns the
+    /// rows' values, `[W][words]`. Both modes' one cross-rank wait of a dispatch.
+    pub(super) fn rows(
+        &self,
+        epoch: u64,
+        words: u64,
+        row: impl Fn(u64) -> u64,
+    ) -> Result<Vec<Vec<i32>>> {
+        let ready = |v| tag_of(v, epoch);
+        let saw = |v: u64| {
+            format!(
+                "waited for its counts of call {epoch}, saw call {}",
+                v >> 32
+            )
+        };
+        (0..self.m.world as u64)
+            .map(|s| {
+                let r = row(s);
+                (0..words)
+                    .map(|i| self.word(r + 8 * i, s as usize, ready, saw).map(untag))
+                    .collect()
+            })
+            .collect()
+    }
 }
 
 /// Waits until every rank's flag `which` here is >= `want`; returns the values seen.
@@ -311,12 +337,19 @@ fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
         quantize_rows(m.at(me, xs), m.at(me, ss), a.x, n, c.hidden, c.ue8m0);
     } else if m.world > 1 && n > 0 {
         let (xs, ss) = m.layout.xstage_at(epoch);
-        copy(m.at(me, xs), a.x, n * c.row_bytes());
-        if c.dtype.has_scales() {
-            copy(m.at(me, ss), a.x_scales, n * c.scales_per_row() * 4);
-        }
+        stage_x(m, a, n, xs, ss);
     }
     (counts, bad)
+}
+
+/// Copies the caller's first `n` rows of `x` (and their FP8 scales) to this rank's staging
+/// buffers at offsets `xs` and `ss` of its block, where the peers pull them (both modes).
+pub(super) fn stage_x(m: &Moe, a: &Dispatch, n: u64, xs: u64, ss: u64) {
+    let c = &m.cfg;
+    copy(m.at(m.rank, xs), a.x, n * c.row_bytes());
+    if c.dtype.has_scales() {
+        copy(m.at(m.rank, ss), a.x_scales, n * c.scales_per_row() * 4);
+    }
 }
 
 /// Waits until every word of every source's counts row of `epoch` carries its tag (the one
@@ -330,24 +363,9 @@ fn wait_rows(m: &Moe, epoch: u64, timeout: Duration) -> Result<Vec<Vec<i32>>> {
         start: Instant::now(),
         timeout,
     };
-    let used = row_used(e_all, m.grid as u64);
-    (0..w)
-        .map(|s| {
-            let row = m.at(m.rank, m.layout.row(e_all, w, epoch, s));
-            (0..used)
-                .map(|i| {
-                    let ready = |v| tag_of(v, epoch);
-                    let saw = |v: u64| {
-                        format!(
-                            "waited for its counts of call {epoch}, saw call {}",
-                            v >> 32
-                        )
-                    };
-                    wait.word(row + 8 * i, s as usize, ready, saw).map(untag)
-                })
-                .collect()
-        })
-        .collect()
+    wait.rows(epoch, row_used(e_all, m.grid as u64), |s| {
+        m.at(m.rank, m.layout.row(e_all, w, epoch, s))
+    })
 }
 
 /// The host backend's `symm_moe_dispatch`. A refusal (this rank's own bad arguments) takes

@@ -26,12 +26,14 @@
 //! status, stages nothing and reads nothing), so the epochs stay equal on every rank.
 
 use super::config::IndexType;
-use super::host::{copy, probe, rd_bf16, rd_i32, read_entry, word, wr_bf16_row, wr_i32, Wait};
+use super::host::{
+    copy, probe, rd_bf16, rd_i32, read_entry, stage_x, word, wr_bf16_row, wr_i32, Wait,
+};
 use super::layout::{
-    tag_of, tagged, tp_row_words, untag, TpLayout, PROBE_C_EPOCH, PROBE_C_PUSHED, PROBE_C_START,
-    PROBE_C_SUMMED, PROBE_C_WAITED, PROBE_D_EPOCH, PROBE_D_PUBLISHED, PROBE_D_PULLED,
-    PROBE_D_ROUTED, PROBE_D_SCANNED, PROBE_D_SORTED, PROBE_D_STAGED, PROBE_D_START, PROBE_D_WAITED,
-    ROW_EXTRA, TP_FLAG_READ, TP_FLAG_STAGED,
+    tagged, tp_row_words, TpLayout, PROBE_C_EPOCH, PROBE_C_PUSHED, PROBE_C_START, PROBE_C_SUMMED,
+    PROBE_C_WAITED, PROBE_D_EPOCH, PROBE_D_PUBLISHED, PROBE_D_PULLED, PROBE_D_ROUTED,
+    PROBE_D_SCANNED, PROBE_D_SORTED, PROBE_D_STAGED, PROBE_D_START, PROBE_D_WAITED, ROW_EXTRA,
+    TP_FLAG_READ, TP_FLAG_STAGED,
 };
 use super::status::{self, Found, Refusal};
 use super::{Combine, Dispatch, Last, Moe};
@@ -105,10 +107,7 @@ fn route(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
         off += cnt as u64;
     }
     if m.world > 1 && n > 0 {
-        copy(m.at(me, xs), a.x, n * c.row_bytes());
-        if c.dtype.has_scales() {
-            copy(m.at(me, ss), a.x_scales, n * c.scales_per_row() * 4);
-        }
+        stage_x(m, a, n, xs, ss);
     }
     (counts, bad)
 }
@@ -122,23 +121,7 @@ fn wait_rows(m: &Moe, epoch: u64, timeout: Duration) -> Result<Vec<Vec<i32>>> {
         start: Instant::now(),
         timeout,
     };
-    (0..w)
-        .map(|s| {
-            let row = m.at(m.rank, l.row(w, epoch, s));
-            (0..tp_row_words(w))
-                .map(|i| {
-                    let ready = |v| tag_of(v, epoch);
-                    let saw = |v: u64| {
-                        format!(
-                            "waited for its counts of call {epoch}, saw call {}",
-                            v >> 32
-                        )
-                    };
-                    wait.word(row + 8 * i, s as usize, ready, saw).map(untag)
-                })
-                .collect()
-        })
-        .collect()
+    wait.rows(epoch, tp_row_words(w), |s| m.at(m.rank, l.row(w, epoch, s)))
 }
 
 /// The host backend's throughput-mode `symm_moe_dispatch` (module header). A refusal takes
