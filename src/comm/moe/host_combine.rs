@@ -8,7 +8,7 @@
 //! `combine_flag`, `cbuf_at`), so any number of combines of one dispatch may follow each other;
 //! a flag is `2 * epoch + refused`, so a refusal names its rank on every other rank.
 
-use super::host::{copy, probe, raise, rd_bf16, rd_f32, rd_i32, wait_all, wr_bf16_row};
+use super::host_mem::{copy, probe, raise, rd_bf16, rd_f32, rd_i32, wait_all, wr_bf16_row};
 use super::layout::*;
 use super::status;
 use super::{Combine, Last, Moe};

@@ -2,7 +2,8 @@
 //! contract: C ABI, buffer layout, protocol, errors). This folder owns the moe object (`Moe`):
 //! its configuration (config.rs), its buffer in the communicator's arena and the layout of it
 //! (layout.rs), the codes and messages of what a call can find wrong (status.rs), the CPU
-//! protocol of the host backend (host.rs) and the kernels' launch and argument struct
+//! protocol of the host backend (host.rs, host_combine.rs; their loads, stores and waits:
+//! host_mem.rs) and the kernels' launch and argument struct
 //! (launch.rs, kernels/moe.cu); the throughput mode's plans (throughput.rs; its layout is
 //! layout.rs's too) and its CPU protocol (tp_host.rs).
 //!
@@ -24,6 +25,7 @@
 pub mod config;
 pub mod host;
 pub mod host_combine;
+pub mod host_mem;
 pub mod launch;
 pub mod layout;
 pub mod split;

@@ -26,9 +26,8 @@
 //! status, stages nothing and reads nothing), so the epochs stay equal on every rank.
 
 use super::config::IndexType;
-use super::host::{
-    copy, probe, rd_bf16, rd_i32, read_entry, stage_x, word, wr_bf16_row, wr_i32, Wait,
-};
+use super::host::{read_entry, stage_x};
+use super::host_mem::{copy, probe, rd_bf16, rd_i32, word, wr_bf16_row, wr_i32, Wait};
 use super::layout::{
     tagged, tp_row_words, TpLayout, PROBE_C_EPOCH, PROBE_C_PUSHED, PROBE_C_START, PROBE_C_SUMMED,
     PROBE_C_WAITED, PROBE_D_EPOCH, PROBE_D_PUBLISHED, PROBE_D_PULLED, PROBE_D_ROUTED,
@@ -49,7 +48,7 @@ fn lay(m: &Moe) -> TpLayout {
 fn wait_flags(m: &Moe, which: u64, want: u64, timeout: Duration, what: &str) -> Result<Vec<u64>> {
     let l = lay(m);
     let at = |s: usize| m.at(m.rank, l.flag(m.world as u64, which, s as u64));
-    super::host::wait_flags(m, at, want, timeout, what)
+    super::host_mem::wait_flags(m, at, want, timeout, what)
 }
 
 /// Stores `v` into this rank's flag `which` on every rank (release).
