@@ -126,6 +126,8 @@ fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
     let mut counts = vec![0i32; c.experts as usize];
     let mut bad: Option<Found> = None;
     let me = m.rank;
+    // (expert, position, entry) of each good entry, for the list once the routing is known good.
+    let mut placed = Vec::with_capacity((n * kk) as usize);
     for t in 0..n {
         let mut row = [-1i64; 16];
         for j in 0..kk {
@@ -135,6 +137,7 @@ fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
             wr_i32(m.at(me, m.layout.weights) + 4 * at, w.to_bits() as i32);
             let pos = if code == 0 && e >= 0 {
                 counts[e as usize] += 1;
+                placed.push((e as u64, counts[e as usize] as u64 - 1, at));
                 counts[e as usize] - 1
             } else {
                 -1
@@ -147,15 +150,8 @@ fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
     }
     // The entries by expert, in token order: element pos of expert e's list = t * K + k (a slot
     // per expert and token, layout.rs `list_at`).
-    for at in 0..n * kk {
-        let pos = rd_i32(m.at(me, m.layout.pos) + 4 * at);
-        if pos >= 0 {
-            let e = rd_i32(m.at(me, m.layout.idx) + 4 * at) as u64;
-            wr_i32(
-                m.at(me, m.layout.list_at(epoch, e)) + 4 * pos as u64,
-                at as i32,
-            );
-        }
+    for (e, pos, at) in placed {
+        wr_i32(m.at(me, m.layout.list_at(epoch, e)) + 4 * pos, at as i32);
     }
     if c.quantize && n > 0 {
         // Quantized once per token, at every world (the pull reads this rank's own rows here too).
