@@ -326,32 +326,71 @@ __device__ __forceinline__ void moe_pull_row(uint8_t* dst, const uint8_t* src, u
   moe_copy_row<U, true>(dst, src, bytes, lane, part, parts);
 }
 
+// A row's S fp32 scales copied by the 32 lanes of a warp in two steps, so that its row's copy
+// goes between them and both are one round trip, not two: moe_scales_load issues the loads of
+// the first 64 (past L1 when CG), moe_scales_store stores them at dst[v * stride] and copies any
+// others (S > 64: hidden > 8192) itself.
+struct MoeScales {
+  float v[2];
+};
+template <bool CG>
+__device__ __forceinline__ MoeScales moe_scales_load(const float* src, uint64_t S, int lane) {
+  MoeScales r;
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const uint64_t v = lane + u * 32;
+    r.v[u] = v < S ? (CG ? __ldcg(src + v) : src[v]) : 0.f;
+  }
+  return r;
+}
+template <bool CG>
+__device__ __forceinline__ void moe_scales_store(const MoeScales& r, float* dst, uint64_t stride, const float* src,
+                                                 uint64_t S, int lane) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const uint64_t v = lane + u * 32;
+    if (v < S) dst[v * stride] = r.v[u];
+  }
+  for (uint64_t v = lane + 64; v < S; v += 32) dst[v * stride] = CG ? __ldcg(src + v) : src[v];
+}
+
 // Quantizes a bf16 row of H elements (H % 128 == 0) with the 32 lanes of a warp into e4m3 bytes
 // at dst and one fp32 scale per 128 elements at scales[0 .. H/128): quant.cuh's per-group
 // arithmetic (QUANT_PER_GROUP: a half warp holds a group's 16 vectors), s = max(amax / 448,
 // FLT_MIN), rounded up to a power of two when ue8m0, q = e4m3(y * (1 / s)). The host backend does
 // the same (src/comm/moe/host.rs quantize_rows): bit for bit the same bytes and scales. With
 // `parts` warps on one row, warp `part` does its every parts-th run of 32 vectors (two groups).
+template <int U = 4>
 __device__ __forceinline__ void moe_quantize_row(uint8_t* dst, float* scales, const uint4* src, uint64_t H,
                                                  bool ue8m0, int lane, uint64_t part = 0, uint64_t parts = 1) {
   const uint64_t vecs = H / 8;  // a multiple of 16: a half warp is all in or all out
-  for (uint64_t b = part * 32; b < vecs; b += 32 * parts) {
-    const uint64_t v = b + lane;
-    float y[8];
-    if (v < vecs) {
-      const uint4 raw = src[v];
-      const __nv_bfloat16* h = (const __nv_bfloat16*)&raw;
+  // U of the warp's runs loaded before any is converted: one round trip for them, not U.
+  for (uint64_t b = part * 32; b < vecs; b += 32 * parts * U) {
+    uint4 raw[U];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) y[u] = __bfloat162float(h[u]);
-    } else {
-#pragma unroll
-      for (int u = 0; u < 8; ++u) y[u] = 0.f;
+    for (int u = 0; u < U; ++u) {
+      const uint64_t v = b + u * 32 * parts + lane;
+      if (v < vecs) raw[u] = src[v];
     }
-    float s = amax_scale(half_warp_max(vec_amax(y)));
-    if (ue8m0) s = ue8m0_ceil(s);
-    if (v < vecs) {
-      ((uint2*)dst)[v] = to_e4m3x8(y, 1.f / s);
-      if ((lane & 15) == 0) scales[v / 16] = s;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint64_t v = b + u * 32 * parts + lane;
+      if (b + u * 32 * parts >= vecs) break;  // warp-uniform
+      float y[8];
+      if (v < vecs) {
+        const __nv_bfloat16* h = (const __nv_bfloat16*)&raw[u];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) y[i] = __bfloat162float(h[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) y[i] = 0.f;
+      }
+      float s = amax_scale(half_warp_max(vec_amax(y)));
+      if (ue8m0) s = ue8m0_ceil(s);
+      if (v < vecs) {
+        ((uint2*)dst)[v] = to_e4m3x8(y, 1.f / s);
+        if ((lane & 15) == 0) scales[v / 16] = s;
+      }
     }
   }
 }
@@ -511,7 +550,7 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
     }
   }
   for (int e = tid; e < E; e += MOE_THREADS) {
-    hist_s[e] = 0;
+    if (blockIdx.x == 0) hist_s[e] = 0;  // block 0's counts (step 1a)
     run_s[e] = 0;
     tot_s[e] = 0;
     lbel_s[e] = 0;
@@ -659,11 +698,14 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
                            (a.scale_mode & MOE_SCALE_UE8M0) != 0, lane, part, parts);
           continue;
         }
+        // The token's scales: its first part's warp, loaded before its run of the row.
+        const float* xsc = SCALES ? (const float*)a.x_scales + t * S : nullptr;
+        MoeScales sc{};
+        if (SCALES && part == 0) sc = moe_scales_load<false>(xsc, S, lane);
         moe_copy_row(xs + t * row_bytes, (const uint8_t*)a.x + t * row_bytes, row_bytes, lane, part, parts);
-        if (part != 0) continue;  // the token's scales: its first part's warp
-        if (SCALES) {
+        if (SCALES && part == 0) {
           float* ds = (float*)(a.blocks[me] + a.off_xscales) + (epoch & 1) * T * S + t * S;
-          for (uint64_t v = lane; v < S; v += 32) ds[v] = ((const float*)a.x_scales)[t * S + v];
+          moe_scales_store<false>(sc, ds, 1, xsc, S, lane);
         }
       }
     }
@@ -801,18 +843,22 @@ __device__ void moe_dispatch_body(const MoeArgs& a) {
       const uint64_t t = (uint32_t)entry / (uint32_t)K, slot = (uint64_t)lo * R + row;
       const uint8_t* src = s == me && !QUANT ? (const uint8_t*)a.x
                                    : (const uint8_t*)(a.blocks[s] + a.off_xstage) + (epoch & 1) * T * row_bytes;
+      // The row's scales: its first part's warp, loaded before its run of the row.
+      const float* ss = !SCALES             ? nullptr
+                        : s == me && !QUANT ? (const float*)a.x_scales + t * S
+                                            : (const float*)(a.blocks[s] + a.off_xscales) + (epoch & 1) * T * S + t * S;
+      MoeScales sc{};
+      if (SCALES && part == 0) sc = moe_scales_load<true>(ss, S, lane);
       moe_pull_row((uint8_t*)(a.blocks[me] + a.off_recv_x) + slot * row_bytes, src + t * row_bytes, row_bytes, lane,
                    part, parts);
       if (part != 0) continue;  // the row's scales and source: its first part's warp
       if (SCALES) {
-        const float* ss = s == me && !QUANT ? (const float*)a.x_scales
-                                            : (const float*)(a.blocks[s] + a.off_xscales) + (epoch & 1) * T * S;
         // Scale (lo, row, g) at lo * se + row * sr + g * sg (config.rs scale_strides).
         const uint64_t R4 = (R + 3) & ~3ull;
         const bool col = (a.scale_mode & MOE_SCALE_COL_TMA) != 0;
         const uint64_t se = col ? S * R4 : R * S, sr = col ? 1 : S, sg = col ? R4 : 1;
         float* ds = (float*)(a.blocks[me] + a.off_recv_scales) + (uint64_t)lo * se + (uint64_t)row * sr;
-        for (uint64_t v = lane; v < S; v += 32) ds[v * sg] = __ldcg(ss + t * S + v);
+        moe_scales_store<true>(sc, ds, sg, ss, S, lane);
       }
       if (lane == 0)
         ((int32_t*)(a.blocks[me] + a.off_recv_src))[slot] = (int32_t)((uint64_t)s * T * K + (uint64_t)entry);
