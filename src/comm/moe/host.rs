@@ -136,9 +136,10 @@ fn local(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
             wr_i32(m.at(me, m.layout.idx) + 4 * at, e as i32);
             wr_i32(m.at(me, m.layout.weights) + 4 * at, w.to_bits() as i32);
             let pos = if code == 0 && e >= 0 {
+                let pos = counts[e as usize];
                 counts[e as usize] += 1;
-                placed.push((e as u64, counts[e as usize] as u64 - 1, at));
-                counts[e as usize] - 1
+                placed.push((e as u64, pos as u64, at));
+                pos
             } else {
                 -1
             };
