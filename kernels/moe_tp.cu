@@ -542,11 +542,13 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
     uint8_t* xs = (uint8_t*)(a.blocks[me] + a.off_xstage) + par * T * row_bytes;
     const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp, nw = (uint64_t)gridDim.x * MOE_WARPS;
     for (uint64_t t = gw; t < n; t += nw) {
+      // The row's scales load before its bytes: one round trip, not two in a row (moe.cu).
+      const float* xsc = SCALES ? (const float*)a.x_scales + t * S : nullptr;
+      MoeScales sc{};
+      if (SCALES) sc = moe_scales_load<false>(xsc, S, lane);
       moe_copy_row<MOE_TP_COPY_U>(xs + t * row_bytes, (const uint8_t*)a.x_or_expert_out + t * row_bytes, row_bytes, lane);
-      if (SCALES) {
-        float* ds = (float*)(a.blocks[me] + a.off_xscales) + par * T * S + t * S;
-        for (uint64_t v = lane; v < S; v += 32) ds[v] = ((const float*)a.x_scales)[t * S + v];
-      }
+      if (SCALES)
+        moe_scales_store<false>(sc, (float*)(a.blocks[me] + a.off_xscales) + par * T * S + t * S, 1, xsc, S, lane);
     }
   }
   __syncthreads();
@@ -657,14 +659,14 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
       }
       const uint8_t* src = s == me ? (const uint8_t*)a.x_or_expert_out + t * row_bytes
                                    : (const uint8_t*)(a.blocks[s] + a.off_xstage) + par * T * row_bytes + t * row_bytes;
+      const float* ss = !SCALES ? nullptr
+                        : s == me ? (const float*)a.x_scales + t * S
+                                  : (const float*)(a.blocks[s] + a.off_xscales) + par * T * S + t * S;
+      MoeScales sc{};
+      if (SCALES) sc = moe_scales_load<true>(ss, S, lane);  // before the row: one round trip
       if (s == me) moe_copy_row<MOE_TP_COPY_U>(rx + (uint64_t)r * row_bytes, src, row_bytes, lane);
       else moe_pull_row<MOE_TP_COPY_U>(rx + (uint64_t)r * row_bytes, src, row_bytes, lane);
-      if (SCALES) {
-        const float* ss = s == me ? (const float*)a.x_scales + t * S
-                                  : (const float*)(a.blocks[s] + a.off_xscales) + par * T * S + t * S;
-        float* ds = (float*)(a.blocks[me] + a.off_recv_scales) + (uint64_t)r * S;
-        for (uint64_t v = lane; v < S; v += 32) ds[v] = __ldcg(ss + v);
-      }
+      if (SCALES) moe_scales_store<true>(sc, (float*)(a.blocks[me] + a.off_recv_scales) + (uint64_t)r * S, 1, ss, S, lane);
       if ((uint32_t)lane < UK) {
         const bool mine = e >= 0 && e / L == me;
         ridx[(uint64_t)r * K + lane] = mine ? e - me * L : -1;
