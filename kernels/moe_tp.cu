@@ -644,12 +644,23 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
     int32_t* ridx = (int32_t*)(a.blocks[me] + a.off_recv_idx);
     float* rw = (float*)(a.blocks[me] + a.off_recv_weights);
     uint8_t* rx = (uint8_t*)(a.blocks[me] + a.off_recv_x);
-    for (uint32_t r = r0 + warp; r < r1; r += MOE_WARPS) {
-      int s = 0;
-      while (s + 1 < W && (uint32_t)rowbase_s[s + 1] <= r) ++s;
-      const uint64_t i = r - (uint32_t)rowbase_s[s];
-      const int32_t* slist = (const int32_t*)(a.blocks[s] + a.off_list) + par * (uint64_t)W * T;
-      const uint64_t t = (uint64_t)__ldcg(slist + listoff_s[s] + i);
+    // A row's token is an entry of its source's list. Lane j of a warp loads the entry of the
+    // warp's j-th next row, 32 rows at a time, so no row's copy waits for a load of its own entry.
+    int src_l = 0;
+    int32_t tok_l = 0;
+    uint32_t k = 0;
+    for (uint32_t r = r0 + warp; r < r1; r += MOE_WARPS, ++k) {
+      if ((k & 31) == 0) {
+        const uint32_t q = r + (uint32_t)lane * MOE_WARPS;
+        if (q < r1) {
+          src_l = 0;
+          while (src_l + 1 < W && (uint32_t)rowbase_s[src_l + 1] <= q) ++src_l;
+          const int32_t* slist = (const int32_t*)(a.blocks[src_l] + a.off_list) + par * (uint64_t)W * T;
+          tok_l = __ldcg(slist + listoff_s[src_l] + (q - (uint32_t)rowbase_s[src_l]));
+        }
+      }
+      const int s = __shfl_sync(0xffffffffu, src_l, k & 31);
+      const uint64_t t = (uint64_t)__shfl_sync(0xffffffffu, tok_l, k & 31);
       int32_t e = -1;
       float wv = 0.f;
       if ((uint32_t)lane < UK) {
