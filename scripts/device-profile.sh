@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Reads what limits the large all-reduce on a 2-GPU machine, from prebuilt artifacts in
-# .device/ (scripts/stage-device.sh). Logs go to $OUT.
+# Reads what limits the large all-reduce (2 GPUs) and the MoE throughput kernels (one GPU), from
+# prebuilt artifacts in .device/ (scripts/stage-device.sh) or bench sources. Logs go to $OUT.
 #   probe: bench/link_probe.cu, the NVLink traffic patterns without symmalloc
+#   copy:  bench/copy_sms.cu, a row copy on 24, 32 and all SMs (registers or the bulk-copy
+#          engine), one GPU: the floor under the MoE throughput kernels at an SM budget
 #   ncu:   Nsight Compute on the two-shot kernel at 64 MiB; rank 0 alone runs under ncu and
 #          the peer runs unprofiled, so the profiled kernel's barriers find a live peer. The
 #          metrics must fit in one pass: a replayed pass would wait for a peer that has moved on.
@@ -9,6 +11,12 @@
 . "$(dirname "$0")/device-env.sh"
 export PATH=$PATH:/usr/local/cuda/bin
 what=${1:-all}
+
+if [ "$what" = copy ]; then
+  nvcc -O3 -arch=sm_90 -o /tmp/copy_sms bench/copy_sms.cu || exit 1
+  timeout 300 /tmp/copy_sms | tee "$OUT/copy_sms.log"
+  exit "${PIPESTATUS[0]}"
+fi
 
 P=/tmp/link_probe
 nvcc -O3 -arch=sm_90 -o $P bench/link_probe.cu || exit 1
