@@ -22,14 +22,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                        \
-  do {                                                                               \
-    cudaError_t e_ = (x);                                                            \
-    if (e_ != cudaSuccess) {                                                         \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                       \
-    }                                                                                \
-  } while (0)
+#include "cuda_check.cuh"
 
 static constexpr uint64_t ROWS = 4096, ROW_BYTES = 14336;
 
@@ -124,50 +117,50 @@ template <typename F>
 static void run(const char* name, int G, uint8_t* dst, const uint8_t* src, unsigned long long* bad, F launch) {
   const uint64_t n = ROWS * ROW_BYTES;
   fill<<<264, 512>>>(dst, n, 99);  // poison
-  CK(cudaMemset(bad, 0, 8));
+  CHECK(cudaMemset(bad, 0, 8));
   launch();
-  CK(cudaGetLastError());
+  CHECK(cudaGetLastError());
   check<<<264, 512>>>(dst, src, n, bad);
   unsigned long long nbad = 0;
-  CK(cudaMemcpy(&nbad, bad, 8, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(&nbad, bad, 8, cudaMemcpyDeviceToHost));
   if (nbad) {
     printf("%-28s G=%3d  FAILED: %llu bytes differ\n", name, G, nbad);
     exit(1);
   }
   cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
   for (int i = 0; i < 5; ++i) launch();
   std::vector<float> us;
   for (int rep = 0; rep < 7; ++rep) {
-    CK(cudaEventRecord(e0));
+    CHECK(cudaEventRecord(e0));
     for (int i = 0; i < 50; ++i) launch();
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
+    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventSynchronize(e1));
     float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
     us.push_back(ms * 1000.f / 50);
   }
   std::sort(us.begin(), us.end());
   printf("%-28s G=%3d  p50 %7.2f us  max %7.2f us  %5.2f TB/s (read + write)\n", name, G, us[3], us.back(),
          2.0 * n / (us[3] * 1e-6) / 1e12);
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
+  CHECK(cudaEventDestroy(e0));
+  CHECK(cudaEventDestroy(e1));
 }
 
 int main() {
   const uint64_t n = ROWS * ROW_BYTES;
   uint8_t *src, *dst;
   unsigned long long* bad;
-  CK(cudaMalloc(&src, n));
-  CK(cudaMalloc(&dst, n));
-  CK(cudaMalloc(&bad, 8));
+  CHECK(cudaMalloc(&src, n));
+  CHECK(cudaMalloc(&dst, n));
+  CHECK(cudaMalloc(&bad, 8));
   fill<<<264, 512>>>(src, n, 1);
-  CK(cudaFuncSetAttribute(copy_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+  CHECK(cudaFuncSetAttribute(copy_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
   int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
+  CHECK(cudaGetDeviceProperties(&prop, 0));
   printf("%s, %d SMs; %llu rows of %llu bytes\n", prop.name, sms, (unsigned long long)ROWS,
          (unsigned long long)ROW_BYTES);
   for (int G : {24, 32, sms}) {
