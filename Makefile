@@ -276,7 +276,7 @@ wheel: toolchain
 # builds nothing (its build cache stays empty); the 2.11 and 2.15 prebuilts have a real build's
 # NEEDED set and pass the host selftest in venvs with those torches (build-torch-prebuilts.sh
 # --verify; the 2.15 venv is check-torch-range.sh's, made if missing).
-WHEEL_TESTS := test_torch_allocator.py test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py test_p2p_host.py test_host_groups.py test_async_tp_host.py test_hier.py test_hier_model.py test_moe_host.py test_moe_quant_host.py test_moe_adapters_host.py
+WHEEL_TESTS := test_torch_allocator.py test_no_gpu.py test_host_collectives.py test_torch_native.py test_misuse.py test_header_tables.py test_p2p_host.py test_host_groups.py test_async_tp_host.py test_hier.py test_hier_model.py test_moe_host.py test_moe_quant_host.py test_moe_adapters_host.py test_moe_tp_host.py test_moe_split_host.py
 $(TORCH_VENV)/.installed: python/tests/torch-requirements.txt
 	rm -rf $(TORCH_VENV) && $(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/pip install --quiet --disable-pip-version-check -r $<
@@ -292,7 +292,7 @@ test-wheel: build wheel $(TORCH_VENV)/.installed
 	$(PYTHON) -m venv $$d/tvenv; \
 	site $(TORCH_VENV)/bin/python > $$(site $$d/tvenv/bin/python)/torch-cache.pth; \
 	$$d/tvenv/bin/pip install --quiet --disable-pip-version-check --no-deps .whl/symmalloc-*manylinux*.whl; \
-	(cd python/tests && cp $(WHEEL_TESTS) torch_compile_check.py from_env_check.py groups_check.py fp8_check.py hier_check.py moe_gpu_check.py error_text.py $$d/); \
+	(cd python/tests && cp $(WHEEL_TESTS) torch_compile_check.py from_env_check.py groups_check.py fp8_check.py hier_check.py moe_gpu_check.py moe_split_gpu_cases.py error_text.py $$d/); \
 	cd $$d; unset $$(env | sed -n 's/^\(SYMMALLOC_[A-Z_]*\)=.*/\1/p'); \
 	for v in venv tvenv; do \
 	  $$v/bin/python -c "import symmalloc, os; p = symmalloc.library_path(); assert p.startswith('$$d/$$v/'), p; \
