@@ -191,6 +191,7 @@ class Moe(_Split):
         self._tokens = None  # num_tokens of the latest dispatch the library accepted
         self._last = None  # that dispatch's MoeHandle (what combine(expert_out) combines)
         self._views = {}  # "torch" / "host" -> the buffer's views
+        self._op_layout = self._make_op_layout()
         self.handle = next(_HANDLES)
         _MOES[self.handle] = self
         self._torch = None
@@ -355,7 +356,6 @@ class Moe(_Split):
         next dispatch; see the module's docstring for the arguments. Collective, on the current
         stream, no host synchronization."""
         if self._compiling():
-            self._no_compile("dispatch")
             return self._dispatch_op(x, topk_idx, topk_weights, x_scales)
         ptr = self._live()
         self._idle("moe.dispatch")
@@ -385,14 +385,32 @@ class Moe(_Split):
         self._last = h
         return MoeDispatch(recv_x, recv_scales, recv_counts, h)
 
-    def _no_compile(self, what: str) -> None:
-        if self.mode == "throughput":
-            raise _invalid(f"moe.{what}: rank {self.rank}: the throughput mode has no custom ops yet, so it cannot be "
-                           "traced by torch.compile; call it outside the compiled function (or use mode='low_latency')")
+    def op_layout(self) -> str:
+        """The shapes, dtypes and strides of this object's dispatch results, as the dispatch
+        ops' ``layout`` argument: a constant of every traced graph, so that a compiled graph
+        (and torch's on-disk caches of it, keyed by the graph) is never reused for an object
+        whose results have other shapes, which the ``moe`` handle alone (a number per process)
+        does not tell apart. The ops refuse a ``layout`` that is not their object's. Made once,
+        at creation (a plain string Dynamo reads without tracing the layout's fields)."""
+        return self._op_layout
 
-    def _dispatch_op(self, x, topk_idx, topk_weights, x_scales) -> MoeDispatch:
+    def _make_op_layout(self) -> str:
+        if self.mode == "throughput":
+            return (f"throughput rows={self.max_rows} hidden={self.hidden} topk={self.topk} "
+                    f"local_experts={self.local_experts} {self.dtype}")
+        return (f"low_latency local_experts={self.local_experts} max_recv={self.max_recv} hidden={self.hidden} "
+                f"{self.dtype} from {self.input_dtype} scale_strides={self.scale_strides()}")
+
+    def _dispatch_op(self, x, topk_idx, topk_weights, x_scales):
+        if self.mode == "throughput":
+            x_, sc, idx, wt, per, src, nrecv, offs, rows = self._torch.ops.symmalloc.moe_tp_dispatch(
+                x, topk_idx, topk_weights, x_scales, self.handle, self.op_layout())
+            h = MoeTpHandle(src, nrecv, x.shape[0], self.handle, None, None if self.dtype == "bfloat16" else sc,
+                            offs, rows)
+            self._last = h  # as below
+            return MoeTpDispatch(x_, idx, wt, per, h)
         recv_x, recv_scales, recv_counts, recv_src = self._torch.ops.symmalloc.moe_dispatch(
-            x, topk_idx, topk_weights, x_scales, self.handle)
+            x, topk_idx, topk_weights, x_scales, self.handle, self.op_layout())
         h = MoeHandle(recv_src, recv_counts, x.shape[0], self.handle, None)
         self._last = h  # a side effect Dynamo keeps, for combine(expert_out); combine clears it
         return MoeDispatch(recv_x, None if self.dtype == "bfloat16" else recv_scales, recv_counts, h)
@@ -422,9 +440,13 @@ class Moe(_Split):
         ranks it went to, in increasing rank order, in fp32, rounded to bf16 once (docs/moe.md,
         "Throughput mode")."""
         if self._compiling():
-            self._no_compile("combine")
             h = self._handle_of(handle)
-            y = self._torch.ops.symmalloc.moe_combine(expert_out, h.recv_counts, h.recv_src, self.handle, h.num_tokens)
+            if self.mode == "throughput":
+                y = self._torch.ops.symmalloc.moe_tp_combine(expert_out, h.num_recv, h.recv_src, self.handle,
+                                                            h.num_tokens)
+            else:
+                y = self._torch.ops.symmalloc.moe_combine(expert_out, h.recv_counts, h.recv_src, self.handle,
+                                                         h.num_tokens)
             # Nothing of the combined dispatch outlives the graph: a view of the object's buffer
             # kept on it would become a graph output, which CUDA graph trees (mode=
             # "reduce-overhead") refuse (it is not the graph pool's memory).
@@ -488,13 +510,22 @@ _OPS_REGISTERED = False
 
 
 def _register_ops(torch) -> None:
-    """Registers ``torch.ops.symmalloc.moe_dispatch`` / ``moe_combine`` (once; torch is passed
+    """Registers ``torch.ops.symmalloc.moe_dispatch`` / ``moe_combine`` and the throughput mode's
+    ``moe_tp_dispatch`` / ``moe_tp_combine`` (once; torch is passed
     in, so this module never imports it itself)."""
     global _OPS_REGISTERED
     if _OPS_REGISTERED:
         return
     _OPS_REGISTERED = True
     find = moe  # the module's lookup (the ops' parameter `moe` is a handle and shadows it)
+
+    def find_as(handle: int, layout: str) -> "Moe":
+        """The Moe of ``handle``, refused unless its results have ``layout`` (Moe.op_layout)."""
+        m = find(handle)
+        if layout != m.op_layout():
+            raise _invalid(f"symmalloc::moe dispatch op: rank {m.rank}: layout {layout!r} is not Moe {handle}'s "
+                           f"({m.op_layout()!r}); expected the op_layout() of the Moe the handle names")
+        return m
 
     # Expert parallelism (symmalloc/moe.py). The results of moe_dispatch are views of the Moe's
     # symmetric buffer (fresh tensor objects each call, over the same memory): valid until the next
@@ -503,8 +534,8 @@ def _register_ops(torch) -> None:
 
     @torch.library.custom_op("symmalloc::moe_dispatch", mutates_args=())
     def _moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, x_scales: Optional[torch.Tensor],
-                      moe: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        m = find(moe)
+                      moe: int, layout: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        m = find_as(moe, layout)
         m.dispatch(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(),
                    None if x_scales is None else x_scales.contiguous())
         recv_x, recv_scales, recv_counts, recv_src = m._make_views(True)
@@ -514,8 +545,8 @@ def _register_ops(torch) -> None:
 
 
     @_moe_dispatch.register_fake
-    def _(x, topk_idx, topk_weights, x_scales, moe):
-        m = find(moe)
+    def _(x, topk_idx, topk_weights, x_scales, moe, layout):
+        m = find_as(moe, layout)
         _check_dispatch(m, x, topk_idx, topk_weights, x_scales)
         L, R, H = m.local_experts, m.max_recv, m.hidden
         scales = (x.new_empty((0,), dtype=torch.float32) if m.dtype == "bfloat16" else
@@ -534,6 +565,49 @@ def _register_ops(torch) -> None:
 
     @_moe_combine.register_fake
     def _(expert_out, recv_counts, recv_src, moe, num_tokens):
+        m = find(moe)
+        _check_combine(m, expert_out, num_tokens, None)
+        return expert_out.new_empty((num_tokens, m.hidden))
+
+    # The throughput mode's pair (docs/moe.md, "Throughput mode"): the dispatch returns every
+    # view of MoeTpDispatch and its handle (recv_scales an empty tensor for bf16), the combine
+    # takes what it reads of the handle.
+
+    @torch.library.custom_op("symmalloc::moe_tp_dispatch", mutates_args=())
+    def _moe_tp_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                         x_scales: Optional[torch.Tensor], moe: int, layout: str) -> Tuple[
+                             torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                             torch.Tensor, torch.Tensor, torch.Tensor]:
+        m = find_as(moe, layout)
+        m.dispatch(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(),
+                   None if x_scales is None else x_scales.contiguous())
+        views = list(m._make_views(True))  # fresh tensor objects over the buffer
+        if views[1] is None:
+            views[1] = x.new_empty((0,), dtype=torch.float32)
+        return tuple(views)
+
+
+    @_moe_tp_dispatch.register_fake
+    def _(x, topk_idx, topk_weights, x_scales, moe, layout):
+        m = find_as(moe, layout)
+        _check_dispatch(m, x, topk_idx, topk_weights, x_scales)
+        R, H, K, L = m.max_rows, m.hidden, m.topk, m.local_experts
+        i32 = lambda *shape: x.new_empty(shape, dtype=torch.int32)  # noqa: E731
+        return (x.new_empty((R, H), dtype=getattr(torch, m.dtype)),
+                x.new_empty((0,) if m.dtype == "bfloat16" else (R, H // 128), dtype=torch.float32),
+                i32(R, K), x.new_empty((R, K), dtype=torch.float32), i32(L), i32(R), i32(1), i32(L + 1), i32(R * K))
+
+
+    @torch.library.custom_op("symmalloc::moe_tp_combine", mutates_args=())
+    def _moe_tp_combine(expert_out: torch.Tensor, num_recv: torch.Tensor, recv_src: torch.Tensor, moe: int,
+                        num_tokens: int) -> torch.Tensor:
+        m = find(moe)
+        h = MoeTpHandle(recv_src, num_recv, num_tokens, moe, None, None, None, None)
+        return m.combine(expert_out.contiguous(), h)
+
+
+    @_moe_tp_combine.register_fake
+    def _(expert_out, num_recv, recv_src, moe, num_tokens):
         m = find(moe)
         _check_combine(m, expert_out, num_tokens, None)
         return expert_out.new_empty((num_tokens, m.hidden))

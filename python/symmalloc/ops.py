@@ -55,7 +55,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import moe as _moe  # noqa: F401 (registers the MoE ops)
+from . import moe as _moe  # registers the MoE ops; its lookup of a handle
 from ._checks import _check_op, _check_rms_norm, _dtype_code, _fp8_mode
 from ._lib import _ALGOS, SymmallocError
 from ._registry import communicator
@@ -353,8 +353,11 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
                  x_scales: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(recv_x, recv_scales, recv_counts, recv_src)`` of a dispatch of ``moe`` (a
     ``symmalloc.moe.Moe`` or its handle; ``torch.ops.symmalloc.moe_dispatch``); ``recv_scales``
-    is empty for bf16. ``Moe.dispatch`` is the same call with a ``MoeDispatch`` result."""
-    return torch.ops.symmalloc.moe_dispatch(x, topk_idx, topk_weights, x_scales, _moe_handle(moe))
+    is empty for bf16. ``Moe.dispatch`` is the same call with a ``MoeDispatch`` result. The op's
+    last argument, the object's ``op_layout()``, keeps a compiled graph to objects whose results
+    have its shapes."""
+    h = _moe_handle(moe)
+    return torch.ops.symmalloc.moe_dispatch(x, topk_idx, topk_weights, x_scales, h, _moe.moe(h).op_layout())
 
 
 def moe_combine(expert_out: torch.Tensor, recv_counts: torch.Tensor, recv_src: torch.Tensor, num_tokens: int,

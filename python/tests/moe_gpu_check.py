@@ -28,7 +28,8 @@ refusal, a combine refused on one rank) raised on every rank naming the rank, th
 usable after; a split child as the EP group; the split halves (dispatch_send / dispatch_recv,
 combine_send / combine_recv: equal to the one-call forms bit for bit with work between them and
 the receive halves on a side stream, and in a CUDA graph; moe_split_gpu_cases.py) and the clock
-probe; torch.compile(fullgraph=True) and mode="reduce-overhead" against eager. Prints a PASS / FAIL / SKIP line per case and world and
+probe; torch.compile(fullgraph=True) and mode="reduce-overhead" against eager, in both modes
+(the throughput mode's custom ops: tp_compile_case). Prints a PASS / FAIL / SKIP line per case and world and
 exits non-zero on any failure.
 
 With SYMMALLOC_BACKEND=host the same script runs on CPU tensors (no graph cases);
@@ -688,6 +689,94 @@ def compile_case(ctx, moe, mode, backend="inductor"):
     return ck.done("0 graph breaks" + (", 0 cudagraph skips" if mode == "reduce-overhead" else ""))
 
 
+def tp_compile_case(ctx, comm, mode, backend="inductor"):
+    """The throughput mode under torch.compile (custom ops symmalloc::moe_tp_dispatch /
+    moe_tp_combine): dispatch -> the caller's per-row sum over this rank's experts -> combine,
+    fullgraph=True, bf16 and FP8 payloads (the scales' view used by the compiled code): 0 graph
+    breaks, one graph, eager's bits and the contract's over 4 steps of fresh routing and two
+    token counts (the second compile has a symbolic one); a float32 x refused while tracing,
+    naming the rank. Weights are multiples of 1/64 and FP8 scales powers of two, so every fp32
+    step is exact: the bits cannot depend on how a compiler fuses or orders them (only the
+    roundings to bf16 remain, which the contract fixes)."""
+    import torch._dynamo
+
+    ck = Check()
+    T, H, K, E = 16, 256, 4, 8
+    for dtype in (BF16, FP8):
+        fp8 = dtype == FP8
+        with comm.moe(T, H, K, E, dtype=dtype, mode="throughput") as m:
+            fe, L = m.first_expert, m.local_experts
+
+            def deq(x, s):
+                return x.float() * s.repeat_interleave(128, dim=1) if fp8 else x.float()
+
+            def experts(d):
+                """Row i: sum over its slots on this rank, in increasing k, of w * (e + 1) / 8 * x."""
+                ids, w = d.recv_topk_idx, d.recv_topk_weights
+                xf = deq(d.recv_x, d.recv_scales)
+                acc = torch.zeros_like(xf)
+                for k in range(K):
+                    sel = ids[:, k:k + 1]
+                    acc = acc + torch.where(sel >= 0, w[:, k:k + 1] * (fe + sel + 1).float() / 8, 0.0) * xf
+                return acc.to(BF16)
+
+            def layer(x, idx, w, s):
+                d = m.dispatch(x, idx, w, s)
+                return m.combine(experts(d))
+
+            def want(x, idx, w, s):
+                """y[t]: over the ranks t went to, in increasing order, its row there (bf16)."""
+                xf, y = deq(x, s), torch.zeros(x.shape[0], H)
+                for t in range(x.shape[0]):
+                    for dest in range(ctx.world):
+                        on = [k for k in range(K) if idx[t, k] >= 0 and int(idx[t, k]) // L == dest]
+                        if on:
+                            row = sum(float(w[t, k]) * (int(idx[t, k]) + 1) / 8 * xf[t].double() for k in on)
+                            y[t] += row.to(BF16).float()
+                return y.to(BF16)
+
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            f = torch.compile(layer, fullgraph=True, backend=backend, **({} if mode == "default" else {"mode": mode}))
+            for step, n in enumerate((16, 7, 12, 16)):
+                g = torch.Generator().manual_seed(seed_of(f"tp compile {mode} {dtype}", ctx.rank, step))
+                xb = torch.randn(n, H, generator=g)
+                if fp8:
+                    amax = xb.view(n, H // 128, 128).abs().amax(-1).clamp_min(1e-4)
+                    s = torch.exp2(torch.ceil(torch.log2(amax / 448)))
+                    x = (xb / s.repeat_interleave(128, dim=1)).to(FP8)
+                else:
+                    s, x = None, xb.to(BF16)
+                idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)]).to(torch.int32)
+                if n:
+                    idx[0, 1:] = -1  # unused slots
+                w = torch.randint(1, 65, (n, K), generator=g).float() / 64
+                ref = want(x, idx, w, s)
+                dev = [None if v is None else v.to(ctx.dev) for v in (x, idx, w, s)]
+                eager = layer(*dev).clone()
+                got = f(*dev).clone()
+                ctx.sync()
+                tag = f"{str(dtype)[6:]} ({mode}) step {step}"
+                ck(torch.equal(bits(got), bits(eager)), f"{tag}: compiled y differs from eager")
+                ck(torch.equal(bits(eager.cpu()), bits(ref)), f"{tag}: y differs from the contract")
+            breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+            ck(breaks == 0, f"{dtype}: {breaks} graph breaks: {dict(torch._dynamo.utils.counters['graph_break'])}")
+            explained = torch._dynamo.explain(layer)(*dev)  # one more call, on every rank
+            ck(explained.graph_count == 1 and explained.graph_break_count == 0,
+               f"{dtype} explain: {explained.graph_count} graphs, {explained.graph_break_count} breaks")
+            try:
+                torch.compile(layer, fullgraph=True, backend="aot_eager")(dev[0].float(), *dev[1:])
+                err = None
+            except Exception as e:  # noqa: BLE001 (Dynamo wraps it, the message kept)
+                err = str(e)
+            ck(err is not None and f"rank {ctx.rank}: x has dtype float32; expected {str(dtype)[6:]}" in err,
+               f"{dtype}: a float32 x under torch.compile: {err}")
+            skips = {k: v for k, v in torch._dynamo.utils.counters["inductor"].items() if "cudagraph_skips" in k}
+            if mode == "reduce-overhead":
+                ck(not any(skips.values()), f"{dtype}: CUDA graphs skipped: {skips}")
+    return ck.done("bf16 and fp8, 0 graph breaks" + (", 0 cudagraph skips" if mode == "reduce-overhead" else ""))
+
+
 # One rank; the driver -----------------------------------------------------------------------------
 
 def run_cases(cases, results):
@@ -775,6 +864,10 @@ def rank_main(rank, world, uid, init, q, args):
             cases.append(("torch.compile fullgraph", lambda: compile_case(ctx, mb, "default")))
             if not HOST:
                 cases.append(("torch.compile fullgraph reduce-overhead", lambda: compile_case(ctx, mb, "reduce-overhead")))
+            cases.append(("torch.compile fullgraph, throughput mode", lambda: tp_compile_case(ctx, comm, "default")))
+            if not HOST:
+                cases.append(("torch.compile fullgraph reduce-overhead, throughput mode",
+                              lambda: tp_compile_case(ctx, comm, "reduce-overhead")))
         cases = [(n, f) for n, f in cases if args.only in n]
         if run_cases(cases, results):  # the sequence intact: shut down cleanly
             for m in objs:

@@ -7,7 +7,12 @@ Python reference of the contract (the caller's per-row sum: fmaf over this rank'
 increasing k, rounded to bf16; then fp32 adds over the destination ranks in increasing order,
 one bf16 rounding), at 2, 4 and 8 ranks, uniform and skewed routing (every token to one rank),
 bf16 and FP8, each case twice; the same y on every rank for the same inputs; errors on one rank
-raised on every rank, the object usable after."""
+raised on every rank, the object usable after. With torch (make test-wheel's torch venv): torch CPU
+tensors at 2 and 4 ranks, and ``torch.compile(fullgraph=True)`` through the mode's custom ops at 2
+ranks against eager and the contract."""
+import importlib.util
+import os
+
 import pytest
 
 import symmalloc
@@ -17,6 +22,8 @@ from test_moe_host import (  # noqa: E402 (the tests directory is on sys.path)
 )
 
 pytestmark = pytest.mark.skipif(not HOST, reason="needs SYMMALLOC_BACKEND=host")
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                 reason="PyTorch is not installed here (make test-wheel's torch venv runs this)")
 
 CASES = [
     Case("k=2, 7 tokens", "bf16", 2, 7),
@@ -258,6 +265,14 @@ def _torch_rank(rank, world, uid, q):
             ids = d.recv_topk_idx[:n]
             want = [int((ids == le).sum()) for le in range(L)]
             assert d.num_recv_tokens_per_expert.tolist() == want
+            # The op refuses a layout argument that is not its object's (a graph traced for
+            # another object's shapes), before any call of the library.
+            try:
+                wrong = m.op_layout().replace("rows=", "rows=1")
+                torch.ops.symmalloc.moe_tp_dispatch(xt, it, wt, None, m.handle, wrong)
+                raise AssertionError("a wrong layout was accepted")
+            except symmalloc.SymmallocError as e:
+                assert f"rank {rank}: layout 'throughput rows=1" in str(e) and "expected the op_layout()" in str(e), e
         comm.barrier()
         comm.close()
         q.put((rank, n, None))
@@ -265,8 +280,54 @@ def _torch_rank(rank, world, uid, q):
         q.put((rank, None, traceback.format_exc()))
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("torch") is None, reason="PyTorch is not installed here")
+@needs_torch
 @pytest.mark.parametrize("world", [2, 4])
 def test_throughput_with_torch_cpu_tensors(world):
     got = _spawn(_torch_rank, world)
     assert sum(got.values()) >= world * T_MAX  # every token went to at least one rank
+
+
+
+
+# torch.compile: the throughput mode's custom ops (moe_gpu_check.py's tp_compile_case) -----------
+
+def _compile_rank(rank, world, uid, q, backend="aot_eager", cache=None):
+    try:
+        if cache is not None:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # before torch is imported
+        import torch
+
+        import moe_gpu_check as g
+
+        _child_env()
+        torch.set_num_threads(1)
+        comm = symmalloc.Communicator(rank, world, uid)
+        ctx = g.Ctx(rank, world, comm, torch.device("cpu"), "gloo")
+        detail = g.tp_compile_case(ctx, comm, "default", backend=backend)
+        comm.barrier()
+        comm.close()
+        q.put((rank, detail, None))
+    except Exception:
+        import traceback
+
+        q.put((rank, None, traceback.format_exc()))
+
+
+@needs_torch
+def test_throughput_torch_compile_fullgraph_matches_eager_and_the_contract():
+    got = _spawn(_compile_rank, 2)
+    assert got == {r: "bf16 and fp8, 0 graph breaks" for r in range(2)}, got
+
+
+@needs_torch
+def test_a_compiled_graph_is_not_reused_for_another_world_through_torchs_caches(tmp_path):
+    """Inductor keeps compiled graphs on disk, keyed by the graph. The Moe's handle is a number
+    per process, so a world-2 and a world-4 run trace the same graph but for results of other
+    shapes ([2T, H] and [4T, H] rows): the dispatch ops' layout argument (Moe.op_layout) makes
+    their graphs differ. Two runs sharing one cache directory, world 2 then world 4, must both
+    pass (before it, the second failed in the cached code's size assertion)."""
+    cache = str(tmp_path / "inductor")
+    for world in (2, 4):
+        got = _spawn(_compile_rank, world, "inductor", cache)
+        assert got == {r: "bf16 and fp8, 0 graph breaks" for r in range(world)}, (world, got)
+    assert os.listdir(cache), "inductor wrote no cache: the test did not exercise it"
