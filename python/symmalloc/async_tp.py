@@ -48,6 +48,7 @@ from typing import Dict, List, Tuple, Union
 import torch
 
 from ._lib import SymmallocError, _check, _library
+from ._registry import communicator_of_world, world_of
 from .comm import Communicator, communicator
 from .p2p import MAX_RANKS, SIGNAL_SLOTS, _tensor_at
 
@@ -273,8 +274,9 @@ def _matmul_reduce_scatter(a, b_shard, comm: Communicator, scatter_dim: int):
 # Custom ops (torch.compile) and the public calls -------------------------------------------------
 
 @torch.library.custom_op("symmalloc::all_gather_matmul", mutates_args=())
-def _ag_mm_op(a_shard: torch.Tensor, b: torch.Tensor, comm: int, gather_dim: int, return_a: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    y, a = _all_gather_matmul(a_shard, b, communicator(comm), gather_dim, return_a)
+def _ag_mm_op(a_shard: torch.Tensor, b: torch.Tensor, comm: int, gather_dim: int, return_a: bool,
+              world: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    y, a = _all_gather_matmul(a_shard, b, communicator_of_world(comm, world, "all_gather_matmul"), gather_dim, return_a)
     return y, (a if a is not None else a_shard.new_empty(0))
 
 
@@ -285,8 +287,8 @@ def _gathered_shape(shape, d: int, world: int) -> List[int]:
 
 
 @_ag_mm_op.register_fake
-def _(a_shard, b, comm, gather_dim, return_a):
-    c = communicator(comm)
+def _(a_shard, b, comm, gather_dim, return_a, world):
+    c = communicator_of_world(comm, world, "all_gather_matmul")
     d = _check_matmul("all_gather_matmul", a_shard, b, c, gather_dim, "a_shard", "b")
     shape = _gathered_shape(a_shard.shape, d, c.world_size)
     y = a_shard.new_empty(shape[:-1] + [b.shape[1]])
@@ -294,13 +296,13 @@ def _(a_shard, b, comm, gather_dim, return_a):
 
 
 @torch.library.custom_op("symmalloc::matmul_reduce_scatter", mutates_args=())
-def _mm_rs_op(a: torch.Tensor, b_shard: torch.Tensor, comm: int, scatter_dim: int) -> torch.Tensor:
-    return _matmul_reduce_scatter(a, b_shard, communicator(comm), scatter_dim)
+def _mm_rs_op(a: torch.Tensor, b_shard: torch.Tensor, comm: int, scatter_dim: int, world: int) -> torch.Tensor:
+    return _matmul_reduce_scatter(a, b_shard, communicator_of_world(comm, world, "matmul_reduce_scatter"), scatter_dim)
 
 
 @_mm_rs_op.register_fake
-def _(a, b_shard, comm, scatter_dim):
-    c = communicator(comm)
+def _(a, b_shard, comm, scatter_dim, world):
+    c = communicator_of_world(comm, world, "matmul_reduce_scatter")
     d = _check_matmul("matmul_reduce_scatter", a, b_shard, c, scatter_dim, "a", "b_shard")
     if a.shape[d] % c.world_size:
         raise _invalid(f"matmul_reduce_scatter: a has shape {list(a.shape)}; dim {d} ({a.shape[d]}) must be divisible by the world size {c.world_size}")
@@ -319,7 +321,7 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, comm: Comm, gather
     the blocks already here are multiplied (``torch.ops.symmalloc.all_gather_matmul``).
     ``a_shard`` is ``[..., K]`` (bf16 or fp16) on every rank, ``b`` is ``[K, N]``. Returns the
     product, or ``(product, gathered a)`` with ``return_a=True``."""
-    y, a = torch.ops.symmalloc.all_gather_matmul(a_shard, b, _handle(comm), gather_dim, return_a)
+    y, a = torch.ops.symmalloc.all_gather_matmul(a_shard, b, _handle(comm), gather_dim, return_a, world_of(comm))
     return (y, a) if return_a else y
 
 
@@ -328,4 +330,4 @@ def matmul_reduce_scatter(a: torch.Tensor, b_shard: torch.Tensor, comm: Comm, sc
     peer's rows is put to that peer as soon as it is computed, and the owner adds up what has
     arrived (``torch.ops.symmalloc.matmul_reduce_scatter``). ``a`` is ``[..., K]``, ``b_shard``
     ``[K, n]``; dim ``scatter_dim`` of ``a`` must be divisible by the world size."""
-    return torch.ops.symmalloc.matmul_reduce_scatter(a, b_shard, _handle(comm), scatter_dim)
+    return torch.ops.symmalloc.matmul_reduce_scatter(a, b_shard, _handle(comm), scatter_dim, world_of(comm))

@@ -58,7 +58,7 @@ import torch
 from . import moe as _moe  # registers the MoE ops; its lookup of a handle
 from ._checks import _check_op, _check_rms_norm, _dtype_code, _fp8_mode
 from ._lib import _ALGOS, SymmallocError
-from ._registry import communicator
+from ._registry import communicator, communicator_of_world, world_of
 from .comm import Communicator
 
 __all__ = ["all_reduce", "all_reduce_", "reduce_scatter", "all_gather", "all_reduce_add_rms_norm",
@@ -119,8 +119,8 @@ def _(x, comm, op, algo):
 
 
 @torch.library.custom_op("symmalloc::reduce_scatter", mutates_args=())
-def _reduce_scatter(x: torch.Tensor, comm: int, op: str) -> torch.Tensor:
-    c = communicator(comm)
+def _reduce_scatter(x: torch.Tensor, comm: int, op: str, world: int) -> torch.Tensor:
+    c = communicator_of_world(comm, world, "reduce_scatter")
     x = x.contiguous()
     out = x.new_empty((_rows(x, c.world_size, "reduce_scatter"),) + tuple(x.shape[1:]))
     c.reduce_scatter(out, x, op=op)
@@ -128,15 +128,15 @@ def _reduce_scatter(x: torch.Tensor, comm: int, op: str) -> torch.Tensor:
 
 
 @_reduce_scatter.register_fake
-def _(x, comm, op):
-    world = communicator(comm).world_size
+def _(x, comm, op, world):
+    communicator_of_world(comm, world, "reduce_scatter")
     _check_names("reduce_scatter", x, op)
     return x.new_empty((_rows(x, world, "reduce_scatter"),) + tuple(x.shape[1:]))
 
 
 @torch.library.custom_op("symmalloc::all_gather", mutates_args=())
-def _all_gather(x: torch.Tensor, comm: int) -> torch.Tensor:
-    c = communicator(comm)
+def _all_gather(x: torch.Tensor, comm: int, world: int) -> torch.Tensor:
+    c = communicator_of_world(comm, world, "all_gather")
     x = x.contiguous()
     out = x.new_empty((x.shape[0] * c.world_size,) + tuple(x.shape[1:])) if x.dim() else x.new_empty(c.world_size)
     c.all_gather(out, x)
@@ -144,8 +144,8 @@ def _all_gather(x: torch.Tensor, comm: int) -> torch.Tensor:
 
 
 @_all_gather.register_fake
-def _(x, comm):
-    world = communicator(comm).world_size
+def _(x, comm, world):
+    communicator_of_world(comm, world, "all_gather")
     _check_names("all_gather", x, "sum")
     return x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:])) if x.dim() else x.new_empty(world)
 
@@ -250,12 +250,12 @@ def all_reduce_(x: torch.Tensor, comm: Comm, op: str = "sum", algo: str = "auto"
 
 def reduce_scatter(x: torch.Tensor, comm: Comm, op: str = "sum") -> torch.Tensor:
     """Rank r's slice r (along dim 0) of the reduction of every rank's ``x``."""
-    return torch.ops.symmalloc.reduce_scatter(x, _handle(comm), op)
+    return torch.ops.symmalloc.reduce_scatter(x, _handle(comm), op, world_of(comm))
 
 
 def all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Every rank's ``x`` concatenated along dim 0, in rank order."""
-    return torch.ops.symmalloc.all_gather(x, _handle(comm))
+    return torch.ops.symmalloc.all_gather(x, _handle(comm), world_of(comm))
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, comm: Comm, eps: float = 1e-6) -> torch.Tensor:

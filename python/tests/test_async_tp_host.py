@@ -170,3 +170,66 @@ def test_a_rank_dying_mid_pipeline_is_named():
         assert took < 30, f"rank {rank} took {took:.1f} s to report the dead rank"
     for p in procs:
         p.join(30)
+
+
+def _worlds_rank(rank, world, uid, q, cache):
+    try:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # the shared on-disk cache, set before compiling
+        import symmalloc.async_tp as atp
+        import symmalloc.ops as sops
+
+        torch.set_num_threads(1)
+        comm = symmalloc.Communicator(rank, world, uid)
+        K, N = 32, 16
+        x = _data(7, rank, (4, K), torch.bfloat16)  # the same shapes at every world size
+        b = _data(8, 100, (K, N), torch.bfloat16)
+
+        def step(x, b):  # downstream ops that name no shape: the graph is the same at every world
+            g = sops.all_gather(x, comm.handle) * 2  # a handle traces too (world_of's plain dict)
+            s = sops.reduce_scatter(g, comm)
+            y = atp.all_gather_matmul(x, b, comm) + 1
+            z = atp.matmul_reduce_scatter(y, b.t().contiguous(), comm)
+            return g, s, y, z
+
+        want = step(x, b)
+        got = torch.compile(step, fullgraph=True, backend="inductor")(x, b)
+        assert [t.shape for t in got] == [t.shape for t in want], ([t.shape for t in got], [t.shape for t in want])
+        assert all(torch.equal(u, v) for u, v in zip(got[:3], want[:3])), "compiled gather / scatter / matmul differ"
+        _close(got[3], want[3].double(), "compiled matmul_reduce_scatter")
+        err = error_of(lambda: torch.ops.symmalloc.all_gather(x, comm.handle, world + 1))
+        assert f"all_gather: world {world + 1} is not the world size of communicator handle" in err, err
+        comm.barrier()
+        comm.close()
+        q.put((rank, [tuple(t.shape) for t in got], None))
+    except Exception:
+        import traceback
+
+        q.put((rank, None, traceback.format_exc()))
+
+
+def test_compiled_graphs_are_not_reused_across_world_sizes_through_torchs_caches(tmp_path):
+    """Inductor keeps compiled graphs on disk, keyed by the graph; a communicator handle is a
+    number per process, so a world-2 and a world-4 run of the same code trace the same graph
+    while reduce_scatter, all_gather and async TP's ops return other shapes. The ops take the
+    world size as an argument, so the graphs differ: world 2, then world 4 on the same cache
+    directory, both give eager's results (before, the second replayed the first's code)."""
+    cache = str(tmp_path / "inductor")
+    ctx = mp.get_context("spawn")
+    for world in (2, 4):
+        q = ctx.Queue()
+        uid = symmalloc.get_unique_id()
+        procs = [ctx.Process(target=_worlds_rank, args=(r, world, uid, q, cache)) for r in range(world)]
+        for p in procs:
+            p.start()
+        got, failures = {}, []
+        for _ in procs:
+            rank, report, failure = q.get(timeout=300)
+            if failure is not None:
+                failures.append(f"world {world}, rank {rank}: {failure}")
+            got[rank] = report
+        assert not failures, "\n".join(failures)
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+        assert got[0][0] == (4 * world, 32), got
+    assert os.listdir(cache), "inductor wrote no cache: the test did not exercise it"
