@@ -641,6 +641,31 @@ def split_case(ctx, comm, hidden, backend):
         child.close()
 
 
+def compiled_checks(ck, layer, args, mode, refusal, tag=""):
+    """What a compiled MoE layer must show after its steps: no graph break (Dynamo's counters),
+    one graph (``explain``, which calls the layer once more, on every rank), a float32 ``x``
+    (``args[0]``) refused while tracing with ``refusal`` in the message (the fake refuses what
+    the method refuses; no rank calls the library), and under reduce-overhead no CUDA graph
+    skipped."""
+    import torch._dynamo
+
+    counters = torch._dynamo.utils.counters
+    breaks = sum(counters["graph_break"].values())
+    ck(breaks == 0, f"{tag}{breaks} graph breaks: {dict(counters['graph_break'])}")
+    explained = torch._dynamo.explain(layer)(*args)
+    ck(explained.graph_count == 1 and explained.graph_break_count == 0,
+       f"{tag}explain: {explained.graph_count} graphs, {explained.graph_break_count} breaks")
+    try:
+        torch.compile(layer, fullgraph=True, backend="aot_eager")(args[0].float(), *args[1:])
+        err = None
+    except Exception as e:  # noqa: BLE001 (Dynamo wraps it, the message kept)
+        err = str(e)
+    ck(err is not None and refusal in err, f"{tag}a float32 x under torch.compile: {err}")
+    skips = {k: v for k, v in counters["inductor"].items() if "cudagraph_skips" in k}
+    if mode == "reduce-overhead":
+        ck(not any(skips.values()), f"{tag}CUDA graphs skipped: {skips}")
+
+
 def compile_case(ctx, moe, mode, backend="inductor"):
     """dispatch -> experts -> combine compiled with fullgraph=True (``mode``; ``backend``:
     "aot_eager" traces the ops' fake implementations as inductor does, without generating
@@ -670,22 +695,7 @@ def compile_case(ctx, moe, mode, backend="inductor"):
         ctx.sync()
         check_y(ck, got, combine_reference(x.cpu(), None, idx.cpu(), w.cpu()), f"compiled ({mode}) step {step}")
         ck(torch.equal(bits(got), bits(eager)), f"compiled ({mode}) step {step}: y differs from eager")
-    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
-    ck(breaks == 0, f"{breaks} graph breaks: {dict(torch._dynamo.utils.counters['graph_break'])}")
-    explained = torch._dynamo.explain(layer)(x, idx, w)  # runs the layer once more (every rank)
-    ck(explained.graph_count == 1 and explained.graph_break_count == 0,
-       f"explain: {explained.graph_count} graphs, {explained.graph_break_count} breaks")
-    # The fake implementation refuses what the method refuses, while tracing (no rank calls).
-    try:
-        torch.compile(layer, fullgraph=True, backend="aot_eager")(x.float(), idx, w)
-        err = None
-    except Exception as e:  # noqa: BLE001 (Dynamo wraps it, the message kept)
-        err = str(e)
-    ck(err is not None and f"rank {moe.rank}: x has dtype float32; expected bfloat16" in err,
-       f"a float32 x under torch.compile: {err}")
-    skips = {k: v for k, v in torch._dynamo.utils.counters["inductor"].items() if "cudagraph_skips" in k}
-    if mode == "reduce-overhead":
-        ck(not any(skips.values()), f"CUDA graphs skipped: {skips}")
+    compiled_checks(ck, layer, (x, idx, w), mode, f"rank {moe.rank}: x has dtype float32; expected bfloat16")
     return ck.done("0 graph breaks" + (", 0 cudagraph skips" if mode == "reduce-overhead" else ""))
 
 
@@ -759,21 +769,8 @@ def tp_compile_case(ctx, comm, mode, backend="inductor"):
                 tag = f"{str(dtype)[6:]} ({mode}) step {step}"
                 ck(torch.equal(bits(got), bits(eager)), f"{tag}: compiled y differs from eager")
                 ck(torch.equal(bits(eager.cpu()), bits(ref)), f"{tag}: y differs from the contract")
-            breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
-            ck(breaks == 0, f"{dtype}: {breaks} graph breaks: {dict(torch._dynamo.utils.counters['graph_break'])}")
-            explained = torch._dynamo.explain(layer)(*dev)  # one more call, on every rank
-            ck(explained.graph_count == 1 and explained.graph_break_count == 0,
-               f"{dtype} explain: {explained.graph_count} graphs, {explained.graph_break_count} breaks")
-            try:
-                torch.compile(layer, fullgraph=True, backend="aot_eager")(dev[0].float(), *dev[1:])
-                err = None
-            except Exception as e:  # noqa: BLE001 (Dynamo wraps it, the message kept)
-                err = str(e)
-            ck(err is not None and f"rank {ctx.rank}: x has dtype float32; expected {str(dtype)[6:]}" in err,
-               f"{dtype}: a float32 x under torch.compile: {err}")
-            skips = {k: v for k, v in torch._dynamo.utils.counters["inductor"].items() if "cudagraph_skips" in k}
-            if mode == "reduce-overhead":
-                ck(not any(skips.values()), f"{dtype}: CUDA graphs skipped: {skips}")
+            compiled_checks(ck, layer, dev, mode, f"rank {ctx.rank}: x has dtype float32; expected {str(dtype)[6:]}",
+                            f"{dtype}: ")
     return ck.done("bf16 and fp8, 0 graph breaks" + (", 0 cudagraph skips" if mode == "reduce-overhead" else ""))
 
 

@@ -99,24 +99,31 @@ def _rank(rank, world, uid, q):
         q.put((rank, None, traceback.format_exc()))
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_async_tp_against_float64(world):
+def _run(target, world, *args):
+    """``target(rank, world, uid, q, *args)`` in a spawned process per rank: {rank: report},
+    every rank's failure raised together."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     uid = symmalloc.get_unique_id()
-    procs = [ctx.Process(target=_rank, args=(r, world, uid, q)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, uid, q) + args) for r in range(world)]
     for p in procs:
         p.start()
     got, failures = {}, []
     for _ in procs:
         rank, report, failure = q.get(timeout=300)
         if failure is not None:
-            failures.append(f"rank {rank}: {failure}")
+            failures.append(f"world {world}, rank {rank}: {failure}")
         got[rank] = report
     assert not failures, "\n".join(failures)
     for p in procs:
         p.join(30)
         assert p.exitcode == 0
+    return got
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_async_tp_against_float64(world):
+    got = _run(_rank, world)
     for rank, report in got.items():
         assert report["compiled"], f"rank {rank}: the compiled calls differ from the eager ones"
         e = report["errors"]
@@ -214,22 +221,7 @@ def test_compiled_graphs_are_not_reused_across_world_sizes_through_torchs_caches
     world size as an argument, so the graphs differ: world 2, then world 4 on the same cache
     directory, both give eager's results (before, the second replayed the first's code)."""
     cache = str(tmp_path / "inductor")
-    ctx = mp.get_context("spawn")
     for world in (2, 4):
-        q = ctx.Queue()
-        uid = symmalloc.get_unique_id()
-        procs = [ctx.Process(target=_worlds_rank, args=(r, world, uid, q, cache)) for r in range(world)]
-        for p in procs:
-            p.start()
-        got, failures = {}, []
-        for _ in procs:
-            rank, report, failure = q.get(timeout=300)
-            if failure is not None:
-                failures.append(f"world {world}, rank {rank}: {failure}")
-            got[rank] = report
-        assert not failures, "\n".join(failures)
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0
+        got = _run(_worlds_rank, world, cache)
         assert got[0][0] == (4 * world, 32), got
     assert os.listdir(cache), "inductor wrote no cache: the test did not exercise it"
