@@ -2,18 +2,20 @@
 // at 24 SMs (bench/NOTES.md, "The throughput pull at 24 SMs is a chain of rows per warp").
 //
 // Copies ROWS rows of ROW_BYTES (4,096 x 14 KiB, the prefill shape's bf16 rows: 58.7 MB read and
-// 58.7 MB written) from one buffer to another on G blocks, two ways:
+// 58.7 MB written) from one buffer to another on G blocks, three ways:
 // - regs: a warp per row, U 16-byte vectors per lane loaded (past L1) before any is stored, as
 //   kernels/moe.cu's moe_copy_row does;
 // - bulk: the Hopper bulk-copy engine (cp.async.bulk), global -> shared -> global, P pipes a
 //   block (one thread each), a ring of NS stages of C bytes per pipe: the shared memory, not
 //   the registers, holds what is in flight.
-// Every configuration's output is checked against the source (a byte pattern per row) before it
-// is timed. Timing: CUDA events around 50 launches after 5 warm ones, 7 repetitions: p50 and max
-// per launch in µs.
+// - sum: the throughput combine's arithmetic at one rank on copy_regs's bytes (below).
+// Every configuration's output is checked against the source (a pattern of finite bf16 values)
+// before it is timed. Timing: CUDA events around 50 launches after 5 warm ones, 7 repetitions:
+// p50 and max per launch in µs.
 //
 // Build and run on a GPU machine (sm_90):
 //   nvcc -O3 -arch=sm_90 -o /tmp/copy_sms bench/copy_sms.cu && /tmp/copy_sms
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -45,6 +47,61 @@ __global__ void __launch_bounds__(512, 1) copy_regs(uint8_t* dst, const uint8_t*
       for (int u = 0; u < U; ++u) {
         const uint32_t v = v0 + u * 32 + lane;
         if (v < vecs) d[v] = x[u];
+      }
+    }
+  }
+}
+
+// The throughput combine's sum at one rank (kernels/moe_tp.cu tp_combine_body): each run's
+// vectors loaded, their 8 bf16 added to fp32 zeros, rounded back to bf16 (a packed convert), stored.
+// The bytes are copy_regs's; what it adds is the arithmetic between the loads and the stores.
+// PIPE: the next run's vectors load before this run's arithmetic (two runs of U in registers).
+__device__ __forceinline__ uint4 sum1(const uint4 x) {
+  const uint32_t w4[4] = {x.x, x.y, x.z, x.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float lo = 0.f, hi = 0.f;
+    lo += __uint_as_float(w4[i] << 16);
+    hi += __uint_as_float(w4[i] & 0xffff0000u);
+    const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+    o[i] = *(const uint32_t*)&b;
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+template <int U, bool PIPE>
+__global__ void __launch_bounds__(512, 1) sum_regs(uint8_t* dst, const uint8_t* src) {
+  const int lane = threadIdx.x & 31;
+  const uint64_t gw = (uint64_t)blockIdx.x * 16 + (threadIdx.x >> 5), nw = (uint64_t)gridDim.x * 16;
+  const uint32_t vecs = ROW_BYTES / 16;
+  for (uint64_t r = gw; r < ROWS; r += nw) {
+    const uint4* s = (const uint4*)(src + r * ROW_BYTES);
+    uint4* d = (uint4*)(dst + r * ROW_BYTES);
+    uint4 x[U], nx[U];
+    if (PIPE) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint32_t v = u * 32 + lane;
+        if (v < vecs) nx[u] = __ldcg(s + v);
+      }
+    }
+    for (uint32_t v0 = 0; v0 < vecs; v0 += 32 * U) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint32_t v = v0 + u * 32 + lane;
+        if (PIPE) {
+          x[u] = nx[u];
+          const uint32_t vn = v + 32 * U;
+          if (vn < vecs) nx[u] = __ldcg(s + vn);
+        } else if (v < vecs) {
+          x[u] = __ldcg(s + v);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint32_t v = v0 + u * 32 + lane;
+        if (v < vecs) d[v] = sum1(x[u]);
       }
     }
   }
@@ -105,7 +162,12 @@ __global__ void __launch_bounds__(32, 1) copy_bulk(uint8_t* dst, const uint8_t* 
 
 __global__ void fill(uint8_t* x, uint64_t n, uint32_t salt) {
   for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
-    x[i] = (uint8_t)((i / ROW_BYTES) * 131 + (i % ROW_BYTES) * 7 + salt);
+  {
+    // Little-endian bf16 pairs whose high byte keeps them normal and finite (0x3C..0x43), so
+    // the sums' round trip through fp32 gives the same bits back.
+    const uint8_t h = (uint8_t)((i / ROW_BYTES) * 131 + (i % ROW_BYTES) * 7 + salt);
+    x[i] = (i & 1) ? (uint8_t)(0x3C + (h & 7)) : h;
+  }
 }
 
 __global__ void check(const uint8_t* a, const uint8_t* b, uint64_t n, unsigned long long* bad) {
@@ -167,6 +229,9 @@ int main() {
     run("regs U=4", G, dst, src, bad, [&] { copy_regs<4><<<G, 512>>>(dst, src); });
     run("regs U=8", G, dst, src, bad, [&] { copy_regs<8><<<G, 512>>>(dst, src); });
     run("regs U=16", G, dst, src, bad, [&] { copy_regs<16><<<G, 512>>>(dst, src); });
+    run("sum U=8", G, dst, src, bad, [&] { sum_regs<8, false><<<G, 512>>>(dst, src); });
+    run("sum U=4 pipelined", G, dst, src, bad, [&] { sum_regs<4, true><<<G, 512>>>(dst, src); });
+    run("sum U=8 pipelined", G, dst, src, bad, [&] { sum_regs<8, true><<<G, 512>>>(dst, src); });
     struct Cfg {
       int P, NS;
       uint32_t C;
