@@ -115,7 +115,7 @@ struct CUstream_st;
 /**
  * The `symm_moe_tp_layout_t` layout this library writes (`version`).
  */
-#define SYMM_MOE_TP_LAYOUT_VERSION 1
+#define SYMM_MOE_TP_LAYOUT_VERSION 2
 
 /**
  * `flags` of `symm_moe_create` / `symm_moe_config_t`: record the clock probe (the kernels'
@@ -540,7 +540,9 @@ typedef struct {
    */
   void *recv_x;
   /**
-   * `[max_rows][H/128]` fp32 (FP8 only; NULL for bf16).
+   * FP8 only (NULL for bf16): the scale of (row, group `g`) is `recv_scales[row *
+   * scale_stride_row + g * scale_stride_group]` (row-major `[max_rows][H/128]`, or with
+   * SYMM_MOE_SCALES_COL_TMA column-major `[H/128][R4]`, `R4` = max_rows rounded up to 4).
    */
   float *recv_scales;
   /**
@@ -588,6 +590,25 @@ typedef struct {
    * Bytes of the communicator's arena this object holds.
    */
   uint64_t buffer_bytes;
+  /**
+   * Version 2: the config's `input` (SYMM_MOE_INPUT_*).
+   */
+  uint32_t input;
+  /**
+   * Version 2: SYMM_MOE_SCALES_ROW_MAJOR or SYMM_MOE_SCALES_COL_TMA (0 for bf16).
+   */
+  uint32_t scale_layout;
+  /**
+   * Version 2: 1 when the dispatch's scales are powers of two (UE8M0).
+   */
+  uint32_t scale_ue8m0;
+  uint32_t reserved2;
+  /**
+   * Version 2: `recv_scales` strides in fp32 elements (row-major: `H/128, 1`; column-major
+   * TMA: `1, R4`; both 0 for bf16).
+   */
+  uint64_t scale_stride_row;
+  uint64_t scale_stride_group;
 } symm_moe_tp_layout_t;
 
 /**

@@ -11,7 +11,8 @@
 // Dispatch: every block routes its chunk of tokens (validation, its tokens' ranks per destination
 // by block scans), and after a grid barrier (tp_grid_sync: a count-in every block waits on)
 // places them in the token lists by destination at the lower blocks' counts, so the lists keep
-// token order; every block stages rows. The grid's last block to count itself in (D_SENT) stores this rank's counts row, each word tagged with the
+// token order; every block stages rows (quantized, the fp8q kernels, at every world). The grid's
+// last block to count itself in (D_SENT) stores this rank's counts row, each word tagged with the
 // epoch, into every rank (the call's one cross-rank wait); every block pulls a contiguous share of
 // the received rows with their local top-k, counting its slots per local expert, then the CSR by
 // local expert (tp_grid_csr: two grid barriers, per-expert scans over the blocks' counts, then
@@ -69,7 +70,7 @@ struct MoeTpArgs {
   int32_t experts;                 // E
   int32_t local;                   // L
   int32_t refuse_code;
-  int32_t pad;
+  int32_t scale_mode;              // MOE_SCALE_* bits (moe.cu): UE8M0 (QUANT), column-major recv_scales
 };
 
 __device__ __forceinline__ uint64_t* tp_flag(const MoeTpArgs& a, int d, int which, int src) {
@@ -353,7 +354,9 @@ __device__ bool tp_grid_csr(const MoeTpArgs& a, uint64_t* ctrl, uint32_t N, uint
 #define MOE_TP_MASK_REGS 8
 // PROBE: record the clock probe (block 0 at its start, after the routing's barrier, the wait, the
 // CSR's first barrier and its counts read; the last block to count in at D_SENT and D_FIN).
-template <int PAYLOAD_BYTES, bool SCALES, typename IDX, bool PROBE = false>
+// QUANT: x is bf16, quantized to the FP8 payload (PAYLOAD_BYTES 1, SCALES) once per token when
+// its block stages it, at every world (the pull reads this rank's own rows from the stage too).
+template <int PAYLOAD_BYTES, bool SCALES, typename IDX, bool QUANT = false, bool PROBE = false>
 __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   __shared__ uint64_t epoch_s;
   __shared__ int live_s, last_s;
@@ -538,10 +541,16 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
     }
   }
   // Every block stages its share of x for the peers (harmless when the call fails).
-  if (peers) {
+  if (peers || QUANT) {
     uint8_t* xs = (uint8_t*)(a.blocks[me] + a.off_xstage) + par * T * row_bytes;
     const uint64_t gw = (uint64_t)blockIdx.x * MOE_WARPS + warp, nw = (uint64_t)gridDim.x * MOE_WARPS;
     for (uint64_t t = gw; t < n; t += nw) {
+      if (QUANT) {
+        float* ds = (float*)(a.blocks[me] + a.off_xscales) + par * T * S + t * S;
+        moe_quantize_row<MOE_TP_COPY_U>(xs + t * row_bytes, ds, (const uint4*)a.x_or_expert_out + t * (H / 8), H,
+                                        (a.scale_mode & MOE_SCALE_UE8M0) != 0, lane);
+        continue;
+      }
       // The row's scales load before its bytes: one round trip, not two in a row (moe.cu).
       const float* xsc = SCALES ? (const float*)a.x_scales + t * S : nullptr;
       MoeScales sc{};
@@ -668,16 +677,22 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
         e = __ldcg((const int32_t*)(a.blocks[s] + a.off_idx) + q);
         wv = __ldcg((const float*)(a.blocks[s] + a.off_weights) + q);
       }
-      const uint8_t* src = s == me ? (const uint8_t*)a.x_or_expert_out + t * row_bytes
-                                   : (const uint8_t*)(a.blocks[s] + a.off_xstage) + par * T * row_bytes + t * row_bytes;
+      const bool caller = s == me && !QUANT;  // this rank's own rows, from the caller's x
+      const uint8_t* src = caller ? (const uint8_t*)a.x_or_expert_out + t * row_bytes
+                                  : (const uint8_t*)(a.blocks[s] + a.off_xstage) + par * T * row_bytes + t * row_bytes;
       const float* ss = !SCALES ? nullptr
-                        : s == me ? (const float*)a.x_scales + t * S
-                                  : (const float*)(a.blocks[s] + a.off_xscales) + par * T * S + t * S;
+                        : caller ? (const float*)a.x_scales + t * S
+                                 : (const float*)(a.blocks[s] + a.off_xscales) + par * T * S + t * S;
       MoeScales sc{};
       if (SCALES) sc = moe_scales_load<true>(ss, S, lane);  // before the row: one round trip
-      if (s == me) moe_copy_row<MOE_TP_COPY_U>(rx + (uint64_t)r * row_bytes, src, row_bytes, lane);
+      if (caller) moe_copy_row<MOE_TP_COPY_U>(rx + (uint64_t)r * row_bytes, src, row_bytes, lane);
       else moe_pull_row<MOE_TP_COPY_U>(rx + (uint64_t)r * row_bytes, src, row_bytes, lane);
-      if (SCALES) moe_scales_store<true>(sc, (float*)(a.blocks[me] + a.off_recv_scales) + (uint64_t)r * S, 1, ss, S, lane);
+      if (SCALES) {
+        // Scale (row, g) at row * sr + g * sg (config.rs scale_strides with R = W*T).
+        const bool col = (a.scale_mode & MOE_SCALE_COL_TMA) != 0;
+        const uint64_t R4 = ((uint64_t)W * T + 3) & ~3ull, sr = col ? 1 : S, sg = col ? R4 : 1;
+        moe_scales_store<true>(sc, (float*)(a.blocks[me] + a.off_recv_scales) + (uint64_t)r * sr, sg, ss, S, lane);
+      }
       if ((uint32_t)lane < UK) {
         const bool mine = e >= 0 && e / L == me;
         ridx[(uint64_t)r * K + lane] = mine ? e - me * L : -1;
@@ -871,9 +886,13 @@ extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_bf16_i32(MoeTpArgs a)
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_bf16_i64(MoeTpArgs a) { tp_dispatch_body<2, false, int64_t>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i32(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i64(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8q_i32(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8q_i64(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t, true>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_combine_bf16(MoeTpArgs a) { tp_combine_body(a); }
-extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_bf16_i32_probe(MoeTpArgs a) { tp_dispatch_body<2, false, int32_t, true>(a); }
-extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_bf16_i64_probe(MoeTpArgs a) { tp_dispatch_body<2, false, int64_t, true>(a); }
-extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i32_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, true>(a); }
-extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i64_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_bf16_i32_probe(MoeTpArgs a) { tp_dispatch_body<2, false, int32_t, false, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_bf16_i64_probe(MoeTpArgs a) { tp_dispatch_body<2, false, int64_t, false, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i32_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, false, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i64_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t, false, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8q_i32_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, true, true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8q_i64_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t, true, true>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_combine_bf16_probe(MoeTpArgs a) { tp_combine_body<true>(a); }

@@ -474,3 +474,21 @@ fn gpu_moe_throughput_mode_matches_the_reference() {
     let outs = run_gpu("gpu_moe_throughput_mode_matches_the_reference", &[], 0);
     assert_same_output_hash(&outs);
 }
+
+/// The throughput mode's FP8 options (tests/common/moe/tp_quant.rs): bf16 x quantized inside
+/// the dispatch kernel, every scale and e4m3 byte exact against the host arithmetic and within
+/// one step of float64 at midpoints, row-major and column-major TMA scales, UE8M0, the caller's
+/// FP8 with column-major scales, `x_scales` refused on a quantizing object.
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_throughput_fp8_quantized_in_the_dispatch() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::cuda);
+        let (rows, steps) = common::moe::tp_quant::tp_quantized(comm, dev, w, seed);
+        common::moe::tp_quant::tp_quant_errors(comm, dev, w, seed);
+        destroy(comm);
+        println!("rank {r}: {rows} rows exact ({steps} bytes one step from float64 at a midpoint)");
+        return;
+    }
+    run_gpu("gpu_moe_throughput_fp8_quantized_in_the_dispatch", &[], 0);
+}

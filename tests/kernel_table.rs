@@ -94,11 +94,11 @@ fn every_table_name_is_instantiated_and_vice_versa() {
     // x 3 modes x 2 types), self-test, p2p wait and signal, moe dispatch (2 payloads x 2 index
     // types) and combine, their send halves (4 + 1) and receive halves (2 payloads + 1), the
     // quantizing dispatch (2 index types), its send halves (2) and receive half (1), all of these
-    // again as probe instances; the throughput mode's dispatch (2 payloads x 2 index types) and
-    // combine, and their probe instances
+    // again as probe instances; the throughput mode's dispatch (2 payloads x 2 index types, and
+    // the quantizing one's 2 index types) and combine, and their probe instances
     assert_eq!(
         table.len(),
-        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2 + 2 * (5 + 5 + 3 + 5) + 2 * 5
+        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2 + 2 * (5 + 5 + 3 + 5) + 2 * 7
     );
     // Names the profiles and earlier results use stay as they were.
     for name in [
@@ -496,7 +496,7 @@ fn moe_tp_argument_struct_and_constants_match_the_cuda_source() {
     want.extend(u64s.iter().map(|f| format!("uint64_t {f}")));
     want.push("int64_t refuse_value".into());
     want.extend(["uint32_t max_tokens", "uint32_t hidden"].map(String::from));
-    for f in ["k", "topk", "experts", "local", "refuse_code", "pad"] {
+    for f in ["k", "topk", "experts", "local", "refuse_code", "scale_mode"] {
         want.push(format!("int32_t {f}"));
     }
     let got: Vec<String> = struct_fields(&src, "MoeTpArgs")

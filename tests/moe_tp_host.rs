@@ -61,6 +61,22 @@ fn throughput_repeated_combines_each_give_their_own_result() {
     }
 }
 
+/// FP8 options (tests/common/moe/tp_quant.rs): bf16 x quantized in the dispatch, row-major and
+/// column-major scales, UE8M0; the caller's FP8 with column-major scales; `x_scales` refused on
+/// a quantizing object.
+#[test]
+fn throughput_fp8_quantized_in_the_dispatch_and_column_major_scales() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
+        let (rows, steps) = common::moe::tp_quant::tp_quantized(comm, dev, w, seed);
+        common::moe::tp_quant::tp_quant_errors(comm, dev, w, seed);
+        destroy(comm);
+        println!("rank {r}: {rows} rows exact ({steps} bytes one step from float64 at a midpoint)");
+        return;
+    }
+    at_2_4_8("throughput_fp8_quantized_in_the_dispatch_and_column_major_scales");
+}
+
 #[test]
 fn throughput_errors_name_the_rank_everywhere_and_leave_the_object_usable() {
     if let Some(c) = child() {

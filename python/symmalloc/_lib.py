@@ -147,7 +147,7 @@ _MOE_INPUTS = {"payload": 0, "bfloat16": 1}
 _MOE_SCALE_LAYOUTS = {"row": 0, "col_tma": 1}
 _MOE_CONFIG_VERSION = 3  # SYMM_MOE_CONFIG_VERSION
 _MOE_LAYOUT_VERSION = 2  # SYMM_MOE_LAYOUT_VERSION
-_MOE_TP_LAYOUT_VERSION = 1  # SYMM_MOE_TP_LAYOUT_VERSION
+_MOE_TP_LAYOUT_VERSION = 2  # SYMM_MOE_TP_LAYOUT_VERSION
 # mode name -> SYMM_MOE_LOW_LATENCY / SYMM_MOE_THROUGHPUT.
 _MOE_MODES = {"low_latency": 0, "throughput": 1}
 _MOE_MAX_TOPK = 16  # SYMM_MOE_MAX_TOPK
@@ -207,6 +207,10 @@ class _MoeTpLayout(ctypes.Structure):
         ("topk", ctypes.c_uint32), ("num_experts", ctypes.c_uint32), ("world", ctypes.c_uint32),
         ("rank", ctypes.c_uint32), ("dtype", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
         ("buffer_bytes", ctypes.c_uint64),
+        # version 2
+        ("input", ctypes.c_uint32), ("scale_layout", ctypes.c_uint32), ("scale_ue8m0", ctypes.c_uint32),
+        ("reserved2", ctypes.c_uint32),
+        ("scale_stride_row", ctypes.c_uint64), ("scale_stride_group", ctypes.c_uint64),
     ]
 
 

@@ -75,12 +75,15 @@ Split halves, for two-batch overlap: ``dispatch_send`` / ``dispatch_recv(handle)
 with other work between the halves (symmalloc/_moe_split.py has the rules).
 
 Throughput mode (``comm.moe(..., mode="throughput")``, DeepEP's normal/prefill mode; its
-dispatch has a fixed cost of about 220 µs for now, bench/NOTES.md): a token goes once to each rank holding one of its experts; ``dispatch``
+figures: bench/RESULTS.md): a token goes once to each rank holding one of its experts; ``dispatch``
 returns a ``MoeTpDispatch`` ``(recv_x [W*T, H], recv_topk_idx [W*T, K] int32 (local expert ids,
 -1 elsewhere), recv_topk_weights [W*T, K], num_recv_tokens_per_expert [L], handle)`` with
 ``num_recv``, ``recv_src``, ``recv_scales``, ``expert_offsets`` and ``expert_rows`` (a CSR of the
 rows by local expert) as attributes; ``combine(expert_out)`` takes one row per received row,
-already weighted and summed over this rank's experts. Not under torch.compile yet.
+already weighted and summed over this rank's experts. ``input_dtype``, ``scale_layout`` and
+``ue8m0`` work as above, ``recv_scales`` being [W*T, H / 128] (``"col_tma"``: strides ``(1,
+R4)``, ``R4`` = W*T rounded up to 4). Under torch.compile the methods call the custom ops
+``symmalloc::moe_tp_dispatch`` / ``moe_tp_combine``.
 
 This module owns the ``Moe`` object (its lifetime, calls, refusals) and the custom ops; the
 argument checks and the views (``HostView``) are in _moe_args.py, and importable from here.
@@ -178,14 +181,11 @@ class Moe(_Split):
         self.hidden, self.topk, self.num_experts = int(lay.hidden), int(lay.topk), int(lay.num_experts)
         self.max_tokens_per_rank = int(lay.max_tokens_per_rank)
         self.dtype = _PAYLOAD_NAMES[lay.dtype]
-        # x is bf16, quantized to the FP8 payload inside the dispatch (input_dtype=torch.bfloat16;
-        # low-latency mode only: create refuses it in throughput mode, whose layout has no such
-        # fields).
-        tp = mode == "throughput"
-        self.quantize = False if tp else bool(lay.input)
+        # x is bf16, quantized to the FP8 payload inside the dispatch (input_dtype=torch.bfloat16).
+        self.quantize = bool(lay.input)
         self.input_dtype = "bfloat16" if self.quantize else self.dtype
-        self.scale_layout = "row" if tp else ("row", "col_tma")[lay.scale_layout]
-        self.ue8m0 = False if tp else bool(lay.scale_ue8m0)
+        self.scale_layout = ("row", "col_tma")[lay.scale_layout]
+        self.ue8m0 = bool(lay.scale_ue8m0)
         self._device = comm._tensor_device  # -1: the host backend (CPU tensors)
         self._seq = 0  # dispatches issued (eager)
         self._tokens = None  # num_tokens of the latest dispatch the library accepted
@@ -287,8 +287,15 @@ class Moe(_Split):
     def scale_strides(self) -> Tuple[int, int, int]:
         """``recv_scales``' strides in float32 elements (local expert, row, group): ``(R * G, G,
         1)`` row-major, ``(G * R4, 1, R4)`` for ``scale_layout="col_tma"`` (``G = hidden / 128``,
-        ``R4`` = ``max_recv`` rounded up to a multiple of 4); zeros for bf16."""
+        ``R4`` = ``max_recv`` rounded up to a multiple of 4); zeros for bf16. Throughput mode:
+        ``recv_scales`` is [R, G] (``R = max_rows``), one "expert" of these strides."""
         lay = self._layout
+        if self.mode == "throughput":
+            row, group = int(lay.scale_stride_row), int(lay.scale_stride_group)
+            if row == 0:
+                return 0, 0, 0
+            R, G = self.max_rows, self.hidden // 128
+            return (G * group if lay.scale_layout else R * G), row, group
         return int(lay.scale_stride_expert), int(lay.scale_stride_row), int(lay.scale_stride_group)
 
     def _make_views(self, like_torch: bool):
@@ -299,7 +306,8 @@ class Moe(_Split):
             ptrs = (lay.recv_x, lay.recv_scales, lay.recv_topk_idx, lay.recv_topk_weights,
                     lay.num_recv_tokens_per_expert, lay.recv_src, lay.num_recv, lay.expert_offsets, lay.expert_rows)
             names = (self.dtype, "float32", "int32", "float32", "int32", "int32", "int32", "int32", "int32")
-            strides = (None,) * len(shapes)  # recv_scales row-major [R, H / 128]
+            strides = [None] * len(shapes)
+            strides[1] = self.scale_strides()[1:]  # recv_scales [R, H / 128] in its layout
         else:
             shapes = ((L, R, H), (L, R, H // 128), (L,), (L, R))
             ptrs = (lay.recv_x, lay.recv_scales, lay.recv_counts, lay.recv_src)
@@ -397,7 +405,8 @@ class Moe(_Split):
     def _make_op_layout(self) -> str:
         if self.mode == "throughput":
             return (f"throughput rows={self.max_rows} hidden={self.hidden} topk={self.topk} "
-                    f"local_experts={self.local_experts} {self.dtype}")
+                    f"local_experts={self.local_experts} {self.dtype} from {self.input_dtype} "
+                    f"scale_strides={self.scale_strides()}")
         return (f"low_latency local_experts={self.local_experts} max_recv={self.max_recv} hidden={self.hidden} "
                 f"{self.dtype} from {self.input_dtype} scale_strides={self.scale_strides()}")
 
@@ -594,7 +603,8 @@ def _register_ops(torch) -> None:
         R, H, K, L = m.max_rows, m.hidden, m.topk, m.local_experts
         i32 = lambda *shape: x.new_empty(shape, dtype=torch.int32)  # noqa: E731
         return (x.new_empty((R, H), dtype=getattr(torch, m.dtype)),
-                x.new_empty((0,) if m.dtype == "bfloat16" else (R, H // 128), dtype=torch.float32),
+                (x.new_empty((0,), dtype=torch.float32) if m.dtype == "bfloat16" else
+                 x.new_empty_strided((R, H // 128), m.scale_strides()[1:], dtype=torch.float32)),
                 i32(R, K), x.new_empty((R, K), dtype=torch.float32), i32(L), i32(R), i32(1), i32(L + 1), i32(R * K))
 
 

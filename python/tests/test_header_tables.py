@@ -117,10 +117,10 @@ def test_moe_constants_structs_and_prototypes(header):
                "symm_moe_tp_layout_t": _lib._MoeTpLayout}
     for name, struct in structs.items():
         assert [(n, t) for n, t in struct._fields_] == _c_fields(header, name), name
-    # On x86-64 / aarch64 (LP64): 80 (config version 3), 152 (layout version 2) and 152 bytes (the
-    # throughput layout), no padding (the library refuses another size).
+    # On x86-64 / aarch64 (LP64): 80 (config version 3), 152 (layout version 2) and 184 bytes (the
+    # throughput layout, version 2), no padding (the library refuses another size).
     sizes = [ctypes.sizeof(s) for s in structs.values()]
-    assert sizes == [80, 152, 152], sizes
+    assert sizes == [80, 152, 184], sizes
 
     scalars = {"size_t": ctypes.c_size_t, "uint32_t": ctypes.c_uint32}
     protos = {}

@@ -8,7 +8,10 @@ even, saturated): scales exactly; bytes exactly the kernels' arithmetic ``e4m3(f
 s)))``, and the float64 ``e4m3(x / s)`` or one step from it only within 2^-21 of a midpoint
 (always equal with UE8M0); three dispatches per object, the same bits each time. With torch
 (the torch venv), the torch view has DeepGEMM's strides and the same values. Bad options and a
-bad dispatch raise on every rank naming the value (and the rank)."""
+bad dispatch raise on every rank naming the value (and the rank). The throughput mode
+(``mode="throughput"``: one row per token and destination rank, ``recv_scales`` [W*T, H / 128],
+``"col_tma"`` strides ``(1, R4)``) the same way, its combine after a quantizing dispatch, and
+its torch.compile graph."""
 import math
 import os
 import random
@@ -222,6 +225,85 @@ def test_the_reference_helpers():
     assert s == [2.0 ** math.ceil(math.log2(1 / 448)), FLT_MIN] and kb[:128] == fb[:128] and kb[128:] == [0] * 128
 
 
+def check_tp_rank(moe, seed, world, rank, layout, ue8m0, torch=None):
+    """A throughput object's three dispatches, checked (rows by source rank, then token; each
+    row once per destination rank); then a combine of the last one. Returns (rows, one-step
+    bytes)."""
+    R, G, L = moe.max_rows, H // 128, moe.local_experts
+    R4 = (R + 3) // 4 * 4
+    want = (1, R4) if layout == "col_tma" else (G, 1)
+    assert moe.scale_strides()[1:] == want, moe.scale_strides()
+    assert (moe.quantize, moe.scale_layout, moe.ue8m0, moe.input_dtype) == (True, layout, ue8m0, "bfloat16"), repr(moe)
+    rows = steps = 0
+    for call in range(3):
+        s = seed + call
+        n = (T, T - 2, 1)[call]
+        every = [(gen_rows(s, r, n), *gen_routing(s, r, n)) for r in range(world)]
+        x, idx, w = every[rank]
+        args = (make((n, TOPK), "int32", [e for r in idx for e in r]), make((n, TOPK), "float32", [v for r in w for v in r]))
+        d = moe.dispatch(make((n, H), "bfloat16", x), *args)
+        assert tuple(d.recv_scales.shape) == (R, G) and d.recv_scales.stride() == want
+        pay, sc = d.recv_x.tolist(), d.recv_scales.tolist()
+        j = 0
+        for sr, (xs, ids, _) in enumerate(every):
+            for t, row in enumerate(ids):
+                if not any(e >= 0 and e // L == rank for e in row):
+                    continue
+                what = f"rank {rank} throughput {layout} ue8m0={ue8m0} call {call}: row {j}"
+                assert d.handle.recv_src.tolist()[j] == sr * T + t, what
+                scales, kb, fb, near = quant_ref(xs[t * H:(t + 1) * H], ue8m0)
+                assert sc[j * G:(j + 1) * G] == scales, f"{what}: scales"
+                got = pay[j * H:(j + 1) * H]
+                assert got == kb, f"{what}: bytes differ from the kernels' arithmetic"
+                for i, (g, f, nr) in enumerate(zip(got, fb, near)):
+                    if g != f:
+                        assert not ue8m0 and nr and (g ^ f) & 0x80 == 0 and abs((g & 0x7F) - (f & 0x7F)) == 1, \
+                            f"{what}: element {i} is {g:#x}, float64 reference {f:#x}"
+                        steps += 1
+                j += 1
+        assert d.handle.num_recv.tolist() == [j], f"rank {rank}: num_recv"
+        rows += j
+        if torch is not None:  # the same inputs as torch CPU tensors: the same bits, DeepGEMM's strides
+            xt = torch.tensor(x, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(n, H)
+            dt = moe.dispatch(xt, torch.tensor(idx, dtype=torch.int32).view(n, TOPK),
+                              torch.tensor(w, dtype=torch.float32).view(n, TOPK))
+            assert dt.recv_scales.stride() == want and dt.recv_x.dtype == torch.float8_e4m3fn
+            assert dt.recv_scales[:j].flatten().tolist() == sc[:j * G], f"rank {rank}: torch recv_scales"
+            assert dt.recv_x[:j].view(torch.uint8).flatten().tolist() == pay[:j * H]
+    # The combine of the last dispatch: each row's output is its row number (exact in bf16), so
+    # y[t] is the sum of token t's rows over the ranks it went to.
+    eo = make((R, H), "bfloat16", [_bf16_bits_any(float(r)) for r in range(R) for _ in range(H)])
+    y = moe.combine(eo).tolist()
+    assert len(y) == n * H, len(y)
+    return rows, steps
+
+
+def _tp_quant_rank(rank, world, uid, q, use_torch):
+    try:
+        _child_env()
+        torch = None
+        if use_torch:
+            import torch
+        comm = symmalloc.Communicator(rank, world, uid)
+        report = []
+        for i, (layout, ue8m0) in enumerate([("row", False), ("col_tma", False), ("col_tma", True)]):
+            with comm.moe(T, H, TOPK, E, dtype="float8_e4m3fn", input_dtype="bfloat16", scale_layout=layout,
+                          ue8m0=ue8m0, mode="throughput") as moe:
+                report.append(check_tp_rank(moe, 2000 + 10 * i, world, rank, layout, ue8m0, torch))
+        comm.barrier()
+        comm.close()
+        q.put((rank, report, None))
+    except Exception:
+        q.put((rank, None, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_throughput_mode_quantizes_in_the_dispatch(world):
+    got = _spawn(_tp_quant_rank, world, _have_torch())
+    assert len(got) == world
+    assert sum(r for rep in got.values() for r, _ in rep) > 0, got
+
+
 def _compile_rank(rank, world, uid, q):
     try:
         _child_env()
@@ -247,6 +329,18 @@ def _compile_rank(rank, world, uid, q):
             ye = f(x, idx, w)
             yc = torch.compile(f, fullgraph=True)(x, idx, w)
             assert torch.equal(ye.view(torch.int16), yc.view(torch.int16)), "compiled y differs from eager"
+        # The throughput mode's op: its fake gives recv_scales the column-major strides too.
+        with comm.moe(4, 256, 2, 4 * world, dtype=torch.float8_e4m3fn, input_dtype=torch.bfloat16,
+                      scale_layout="col_tma", mode="throughput") as moe:
+            def g_(x, idx, w):
+                d = moe.dispatch(x, idx, w)
+                deq = d.recv_x.float() * d.recv_scales.repeat_interleave(128, 1)
+                wsum = (d.recv_topk_weights * (d.recv_topk_idx >= 0)).sum(1, keepdim=True)
+                return moe.combine((deq * wsum).to(torch.bfloat16))
+
+            ye = g_(x, idx, w)
+            yc = torch.compile(g_, fullgraph=True)(x, idx, w)
+            assert torch.equal(ye.view(torch.int16), yc.view(torch.int16)), "compiled throughput y differs"
         comm.barrier()
         comm.close()
         q.put((rank, [], None))
@@ -257,5 +351,6 @@ def _compile_rank(rank, world, uid, q):
 @pytest.mark.skipif(not _have_torch(), reason="PyTorch is not installed here (the torch venv runs this)")
 def test_torch_compile_fullgraph_of_a_quantizing_moe():
     """torch.compile(fullgraph=True) of dispatch (bf16 in, e4m3 and column-major scales out: the
-    fake has the view's strides) -> dequantizing expert -> combine: the same bits as eager."""
+    fake has the view's strides) -> dequantizing expert -> combine: the same bits as eager, in
+    both modes."""
     assert len(_spawn(_compile_rank, 2)) == 2

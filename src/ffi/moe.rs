@@ -47,7 +47,7 @@ pub const SYMM_MOE_LAYOUT_VERSION: u32 = 2;
 pub const SYMM_MOE_LOW_LATENCY: u32 = 0;
 pub const SYMM_MOE_THROUGHPUT: u32 = 1;
 /// The `symm_moe_tp_layout_t` layout this library writes (`version`).
-pub const SYMM_MOE_TP_LAYOUT_VERSION: u32 = 1;
+pub const SYMM_MOE_TP_LAYOUT_VERSION: u32 = 2;
 /// `flags` of `symm_moe_create` / `symm_moe_config_t`: record the clock probe (the kernels'
 /// %globaltimer at each phase boundary of the last dispatch and combine; `symm_moe_probe`).
 pub const SYMM_MOE_FLAG_PROBE: u32 = 1;
@@ -180,7 +180,9 @@ pub struct symm_moe_tp_layout_t {
     pub size: u32,
     /// `[max_rows][H]` payload dtype: the received rows, the first `*num_recv` filled.
     pub recv_x: *mut c_void,
-    /// `[max_rows][H/128]` fp32 (FP8 only; NULL for bf16).
+    /// FP8 only (NULL for bf16): the scale of (row, group `g`) is `recv_scales[row *
+    /// scale_stride_row + g * scale_stride_group]` (row-major `[max_rows][H/128]`, or with
+    /// SYMM_MOE_SCALES_COL_TMA column-major `[H/128][R4]`, `R4` = max_rows rounded up to 4).
     pub recv_scales: *mut f32,
     /// `[max_rows][K]` int32: each row's top-k slots as local expert ids (0..L), -1 where the
     /// slot's expert is on another rank or the slot was unused.
@@ -211,7 +213,21 @@ pub struct symm_moe_tp_layout_t {
     pub reserved: u32,
     /// Bytes of the communicator's arena this object holds.
     pub buffer_bytes: u64,
+    /// Version 2: the config's `input` (SYMM_MOE_INPUT_*).
+    pub input: u32,
+    /// Version 2: SYMM_MOE_SCALES_ROW_MAJOR or SYMM_MOE_SCALES_COL_TMA (0 for bf16).
+    pub scale_layout: u32,
+    /// Version 2: 1 when the dispatch's scales are powers of two (UE8M0).
+    pub scale_ue8m0: u32,
+    pub reserved2: u32,
+    /// Version 2: `recv_scales` strides in fp32 elements (row-major: `H/128, 1`; column-major
+    /// TMA: `1, R4`; both 0 for bf16).
+    pub scale_stride_row: u64,
+    pub scale_stride_group: u64,
 }
+
+/// The size of a version 1 `symm_moe_tp_layout_t` (the fields before `input`).
+const TP_LAYOUT_V1_SIZE: usize = std::mem::offset_of!(symm_moe_tp_layout_t, input);
 
 /// A moe object (opaque): dispatch and combine over one communicator.
 #[allow(non_camel_case_types)]
@@ -495,11 +511,12 @@ pub extern "C" fn symm_moe_tp_layout(
         // SAFETY: out is non-NULL; version and size come first in every version.
         let (version, size) = unsafe { ((*out).version, (*out).size as usize) };
         let have = std::mem::size_of::<symm_moe_tp_layout_t>();
-        if version != SYMM_MOE_TP_LAYOUT_VERSION || size != have {
+        let v1 = version == 1 && size == TP_LAYOUT_V1_SIZE;
+        if !v1 && (version != SYMM_MOE_TP_LAYOUT_VERSION || size != have) {
             return Err(Error::invalid(format!(
                 "symm_moe_tp_layout: out->version {version}, out->size {size}; expected version \
                  {SYMM_MOE_TP_LAYOUT_VERSION} (SYMM_MOE_TP_LAYOUT_VERSION) and size {have} \
-                 (sizeof(symm_moe_tp_layout_t))"
+                 (sizeof(symm_moe_tp_layout_t)), or version 1 and size {TP_LAYOUT_V1_SIZE}"
             )));
         }
         let l = with_moe("symm_moe_tp_layout", moe as *mut _, |m, _| {
@@ -537,10 +554,23 @@ pub extern "C" fn symm_moe_tp_layout(
                 dtype: c.dtype.code(),
                 reserved: 0,
                 buffer_bytes: t.bytes,
+                input: c.quantize as u32,
+                scale_layout: c.scales.code(),
+                scale_ue8m0: c.ue8m0 as u32,
+                reserved2: 0,
+                scale_stride_row: c.scale_strides()[1],
+                scale_stride_group: c.scale_strides()[2],
             })
         })?;
-        // SAFETY: out is non-NULL and the caller declared sizeof(symm_moe_tp_layout_t) bytes.
-        unsafe { out.write(l) };
+        // SAFETY: out is non-NULL and the caller declared `size` bytes (checked: a known
+        // version's size); a version 1 struct gets the fields before `input` only.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                &l as *const symm_moe_tp_layout_t as *const u8,
+                out as *mut u8,
+                size,
+            )
+        };
         Ok(())
     })
 }

@@ -302,25 +302,6 @@ impl Request {
             )));
         }
         let (quantize, scales, ue8m0) = self.quantization(dtype)?;
-        if mode == Mode::Throughput {
-            // The throughput kernels take the caller's payload and write row-major scales.
-            let low_latency_only = [
-                (
-                    quantize,
-                    "input SYMM_MOE_INPUT_BF16 (quantizing inside the dispatch)",
-                ),
-                (
-                    scales != ScaleLayout::RowMajor,
-                    "scale_layout SYMM_MOE_SCALES_COL_TMA",
-                ),
-            ];
-            if let Some((_, what)) = low_latency_only.iter().find(|(on, _)| *on) {
-                return Err(bad(format!(
-                    "{what} is for the low-latency mode; expected it off with mode \
-                     SYMM_MOE_THROUGHPUT (1)"
-                )));
-            }
-        }
         let most = world * self.tokens;
         if most * self.topk as u64 >= 1 << 31 {
             return Err(bad(format!(

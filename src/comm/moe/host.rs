@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 /// Quantizes `n` bf16 rows of `h` elements at `src` into e4m3 rows at `dst` and their fp32
 /// scales, one per 128 elements, row-major at `scales`: kernels/quant.cuh's per-group
 /// arithmetic (host_norm.rs `quantize_group`), as the dispatch kernel stages them.
-fn quantize_rows(dst: u64, scales: u64, src: u64, n: u64, h: u64, ue8m0: bool) {
+pub(super) fn quantize_rows(dst: u64, scales: u64, src: u64, n: u64, h: u64, ue8m0: bool) {
     let g = SCALE_GROUP as usize;
     let mut y = vec![0f32; g];
     for i in 0..n * h / SCALE_GROUP {

@@ -242,13 +242,18 @@ impl Moe {
             topk: self.cfg.topk as i32,
             experts: self.cfg.experts as i32,
             local: self.cfg.local_experts(self.world as u64) as i32,
-            scale_mode: if self.cfg.ue8m0 { SCALE_MODE_UE8M0 } else { 0 }
-                | match self.cfg.scales {
-                    ScaleLayout::RowMajor => 0,
-                    ScaleLayout::ColTma => SCALE_MODE_COL_TMA,
-                },
+            scale_mode: self.scale_mode(),
             ..MoeArgs::default()
         }
+    }
+
+    /// Both modes' `scale_mode` argument (`SCALE_MODE_*` bits).
+    pub(super) fn scale_mode(&self) -> i32 {
+        (if self.cfg.ue8m0 { SCALE_MODE_UE8M0 } else { 0 })
+            | match self.cfg.scales {
+                ScaleLayout::RowMajor => 0,
+                ScaleLayout::ColTma => SCALE_MODE_COL_TMA,
+            }
     }
 
     /// The error the kernels recorded since the last call (cleared: reported once).

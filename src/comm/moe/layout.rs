@@ -305,7 +305,8 @@ pub struct TpLayout {
     pub expert_rows: u64,
     /// `[W*T][H]` payload.
     pub recv_x: u64,
-    /// `[W*T][H/128]` fp32 (FP8 only; else 0).
+    /// FP8 only (else 0): `[W*T][H/128]` fp32 row-major, or column-major `[H/128][R4]` (`R4` =
+    /// `W*T` rounded up to 4; config.rs `scale_strides`).
     pub recv_scales: u64,
     /// `[2][T][K]` int32 / fp32, per dispatch parity: this rank's routing (peers read it).
     pub idx: u64,
@@ -315,7 +316,9 @@ pub struct TpLayout {
     /// `[2][W][T]` int32, per dispatch parity: this rank's tokens by destination rank, in
     /// token order (CSR; offsets are prefix sums of its counts row). Peers read it.
     pub list: u64,
-    /// `[2][T][H]` payload and `[2][T][H/128]` fp32 (FP8), per dispatch parity: this rank's x.
+    /// `[2][T][H]` payload and `[2][T][H/128]` fp32 (FP8), per dispatch parity: this rank's x
+    /// (quantized when the dispatch quantizes; 0 bytes at world 1 without quantization: a rank
+    /// reads its own rows from the caller's x).
     pub xstage: u64,
     pub xstage_slot: u64,
     pub xscales: u64,
@@ -347,16 +350,24 @@ impl TpLayout {
         let recv_weights = parts.take(rows * k * 4);
         let expert_rows = parts.take(rows * k * 4);
         let recv_x = parts.take(rows * h * c.dtype.bytes());
-        let recv_scales = if sc > 0 { parts.take(rows * sc * 4) } else { 0 };
+        // One "expert" of config.rs's strides: the whole buffer (R = W*T in this mode).
+        let recv_scales = if sc > 0 {
+            parts.take(c.scale_strides()[0] * 4)
+        } else {
+            0
+        };
         let idx = parts.take(2 * t * k * 4);
         let weights = parts.take(2 * t * k * 4);
         let pos = parts.take(t * world * 4);
         let list = parts.take(2 * world * t * 4);
         let csr = parts.take(super::MAX_GRID as u64 * l.max(world + 1) * 4);
         let peers = world > 1;
-        let xstage_slot = if peers { t * h * c.dtype.bytes() } else { 0 };
+        // A dispatch that quantizes stages its quantized rows at world 1 too (its pull reads
+        // its own rows there).
+        let staged = peers || c.quantize;
+        let xstage_slot = if staged { t * h * c.dtype.bytes() } else { 0 };
         let xstage = parts.take(2 * xstage_slot);
-        let xscales_slot = if peers { t * sc * 4 } else { 0 };
+        let xscales_slot = if staged { t * sc * 4 } else { 0 };
         let xscales = parts.take(2 * xscales_slot);
         let cstage = parts.take(if peers { rows * h * 2 } else { 0 });
         TpLayout {
@@ -575,13 +586,24 @@ mod tp_tests {
 
     #[test]
     fn parts_do_not_overlap_and_are_aligned() {
-        for (w, fp8) in [(1u64, false), (2, true), (8, false)] {
+        // (world, FP8, quantizing, column-major scales)
+        let cases = [
+            (1u64, false, false, false),
+            (2, true, false, false),
+            (8, false, false, false),
+            (1, true, true, true),
+            (2, true, true, false),
+            (3, true, false, true),
+        ];
+        for (w, fp8, quant, col) in cases {
             let req = Request {
                 tokens: 5,
                 hidden: 256,
                 topk: 3,
                 experts: 8 * w as u32,
                 dtype: fp8 as u32,
+                input: quant as u32,
+                scale_layout: col as u32,
                 mode: super::super::config::MODE_THROUGHPUT,
                 ..Request::default()
             };
@@ -590,6 +612,9 @@ mod tp_tests {
             let (t, h, k, rows) = (5u64, 256u64, 3u64, w * 5);
             let (pay, sc) = (if fp8 { 1 } else { 2 }, if fp8 { 2 } else { 0 });
             let peers = (w > 1) as u64;
+            let staged = (w > 1 || quant) as u64;
+            // Column-major: a column of R4 = rows rounded up to 4 per group.
+            let scale_rows = if col { rows.next_multiple_of(4) } else { rows };
             // (offset, bytes) in block order: each part ends before the next begins.
             let parts = [
                 (l.counts, 2 * w * tp_row_words(w) * 8),
@@ -605,14 +630,19 @@ mod tp_tests {
                 (l.pos, t * w * 4),
                 (l.list, 2 * w * t * 4),
                 (l.csr, 132 * 8u64.max(w + 1) * 4),
-                (l.xstage, 2 * peers * t * h * pay),
-                (l.xscales, 2 * peers * t * sc * 4),
+                (l.xstage, 2 * staged * t * h * pay),
+                (l.xscales, 2 * staged * t * sc * 4),
                 (l.cstage, peers * rows * h * 2),
                 (l.bytes, 0),
             ];
             assert_parts_in_order(&parts, l.counts, &l);
             if fp8 {
-                assert!(l.recv_x + rows * h <= l.recv_scales && l.recv_scales + rows * 8 <= l.idx);
+                let end = l.recv_scales + scale_rows * sc * 4;
+                assert!(
+                    l.recv_x + rows * h <= l.recv_scales && end <= l.idx,
+                    "{l:?}"
+                );
+                assert_eq!(c.scale_strides()[0], scale_rows * sc);
             }
             assert_eq!(l.block().zeroed_bytes(), l.meta);
         }

@@ -25,19 +25,26 @@ use crate::error::{Error, Result};
 /// `TP_PROBE_OFFSET` kernels as probe instances (an object created with the clock probe on); their
 /// ids are `Family::Moe` keys from `TP_KEY_BASE` (the low-latency kernels use the keys below it:
 /// launch.rs `MOE_KERNELS`' indices).
+/// `fp8q`: bf16 `x` quantized to the FP8 payload in the dispatch.
 pub const TP_KERNELS: [&str; 2 * TP_PROBE_OFFSET] = [
     "symm_moe_tp_dispatch_bf16_i32",
     "symm_moe_tp_dispatch_bf16_i64",
     "symm_moe_tp_dispatch_fp8_i32",
     "symm_moe_tp_dispatch_fp8_i64",
+    "symm_moe_tp_dispatch_fp8q_i32",
+    "symm_moe_tp_dispatch_fp8q_i64",
     "symm_moe_tp_combine_bf16",
     "symm_moe_tp_dispatch_bf16_i32_probe",
     "symm_moe_tp_dispatch_bf16_i64_probe",
     "symm_moe_tp_dispatch_fp8_i32_probe",
     "symm_moe_tp_dispatch_fp8_i64_probe",
+    "symm_moe_tp_dispatch_fp8q_i32_probe",
+    "symm_moe_tp_dispatch_fp8q_i64_probe",
     "symm_moe_tp_combine_bf16_probe",
 ];
-pub const TP_PROBE_OFFSET: usize = 5;
+pub const TP_PROBE_OFFSET: usize = 7;
+/// `TP_KERNELS`' index of the combine.
+const TP_COMBINE: usize = 6;
 pub const TP_KEY_BASE: u64 = 64;
 const _: () = assert!(super::launch::MOE_KERNELS.len() as u64 <= TP_KEY_BASE);
 /// Control words (u64 indices in the block's ctrl part) besides layout.rs `CTRL_*`: the first
@@ -97,7 +104,9 @@ pub struct MoeTpArgs {
     pub experts: i32,
     pub local: i32,
     pub refuse_code: i32,
-    pub pad: i32,
+    /// launch.rs `SCALE_MODE_*` bits: UE8M0 scales (quantizing), column-major `recv_scales`
+    /// (the kernel derives config.rs `scale_strides` from `W * T`).
+    pub scale_mode: i32,
 }
 
 const _: () = assert!(std::mem::size_of::<MoeTpArgs>() == 256 + 64 + 23 * 8 + 8 * 4);
@@ -128,6 +137,7 @@ fn tp_args(c: &Ctx, m: &Moe, t: &TpLayout) -> MoeTpArgs {
         topk: m.cfg.topk as i32,
         experts: m.cfg.experts as i32,
         local: m.cfg.local_experts(m.world as u64) as i32,
+        scale_mode: m.scale_mode(),
         ..MoeTpArgs::default()
     }
 }
@@ -184,11 +194,13 @@ pub(super) fn dispatch(
             args.k = a.k as i32;
         }
     }
-    let i = match (m.cfg.dtype, it) {
-        (Payload::Bf16, IndexType::I32) => 0,
-        (Payload::Bf16, IndexType::I64) => 1,
-        (Payload::Fp8, IndexType::I32) => 2,
-        (Payload::Fp8, IndexType::I64) => 3,
+    let i = match (m.cfg.dtype, m.cfg.quantize, it) {
+        (Payload::Bf16, _, IndexType::I32) => 0,
+        (Payload::Bf16, _, IndexType::I64) => 1,
+        (Payload::Fp8, false, IndexType::I32) => 2,
+        (Payload::Fp8, false, IndexType::I64) => 3,
+        (Payload::Fp8, true, IndexType::I32) => 4,
+        (Payload::Fp8, true, IndexType::I64) => 5,
     };
     let l = tp_launch(m, i, &args);
     let timeout = c.settings.timeout;
@@ -219,7 +231,7 @@ pub(super) fn combine(
         args.x_or_expert_out = a.expert_out;
         args.weights_or_y = a.y;
     }
-    let l = tp_launch(m, 4, &args);
+    let l = tp_launch(m, TP_COMBINE, &args);
     let timeout = c.settings.timeout;
     let mut twin = || {
         if !last.ok {

@@ -3,9 +3,9 @@
 //!
 //! Dispatch, one cross-rank wait: a rank copies its routing into its block (`idx`, `weights`
 //! of the epoch's parity), lists its tokens by destination rank (a token whose top-k has
-//! several experts on one rank is listed once for it), stages its `x`, then stores its counts
-//! row (tokens per destination rank, then its status), every word tagged with the epoch, into
-//! every rank. Once every source's row carries the tag, each rank pulls its rows source by
+//! several experts on one rank is listed once for it), stages its `x` (quantized when the
+//! object quantizes, then at every world), then stores its counts row (tokens per destination
+//! rank, then its status), every word tagged with the epoch, into every rank. Once every source's row carries the tag, each rank pulls its rows source by
 //! source in rank order, each source's in token order, and derives each row's local top-k from
 //! the source's routing. Parity: a source rewrites its parity-`p` parts at dispatch `n + 2`,
 //! after dispatch `n + 1` saw every rank's row, which a rank publishes after its pulls of `n`.
@@ -26,7 +26,7 @@
 //! status, stages nothing and reads nothing), so the epochs stay equal on every rank.
 
 use super::config::IndexType;
-use super::host::{read_entry, stage_x};
+use super::host::{quantize_rows, read_entry, stage_x};
 use super::host_mem::{copy, probe, rd_bf16, rd_i32, word, wr_bf16_row, wr_i32, Wait};
 use super::layout::{
     tagged, tp_row_words, TpLayout, PROBE_C_EPOCH, PROBE_C_PUSHED, PROBE_C_START, PROBE_C_SUMMED,
@@ -105,7 +105,10 @@ fn route(m: &Moe, a: &Dispatch, it: IndexType, n: u64, epoch: u64) -> (Vec<i32>,
         }
         off += cnt as u64;
     }
-    if m.world > 1 && n > 0 {
+    if c.quantize && n > 0 {
+        // Quantized once per token, at every world (the pull reads this rank's own rows here too).
+        quantize_rows(m.at(me, xs), m.at(me, ss), a.x, n, c.hidden, c.ue8m0);
+    } else if m.world > 1 && n > 0 {
         stage_x(m, a, n, xs, ss);
     }
     (counts, bad)
@@ -190,16 +193,18 @@ pub fn dispatch(
             let (idx, weights, list, xs, ss) = l.parity(&c, w, epoch);
             for i in 0..srow[me] as u64 {
                 let t = rd_i32(m.at(s, list) + 4 * (below + i)) as u64;
-                let (x, xsc) = if s == me {
+                let (x, xsc) = if s == me && !c.quantize {
                     (a.x, a.x_scales)
                 } else {
                     (m.at(s, xs), m.at(s, ss))
                 };
                 let dst = m.at(me, l.recv_x) + r * row_bytes;
                 copy(dst, x + t * row_bytes, row_bytes);
-                if sc > 0 {
-                    let dst = m.at(me, l.recv_scales) + r * sc * 4;
-                    copy(dst, xsc + t * sc * 4, sc * 4);
+                // Scale (row, g) at row * s1 + g * s2 (config.rs `scale_strides`, R = W*T).
+                let [_, s1, s2] = c.scale_strides();
+                for g in 0..sc {
+                    let dst = m.at(me, l.recv_scales) + 4 * (r * s1 + g * s2);
+                    copy(dst, xsc + 4 * (t * sc + g), 4);
                 }
                 wr_i32(
                     m.at(me, l.recv_src) + 4 * r,

@@ -16,6 +16,7 @@ pub mod repeat;
 pub mod split;
 pub mod tp;
 pub mod tp_errors;
+pub mod tp_quant;
 pub use check::*;
 
 use super::{err, init, Child, Comm, Rng, OK};

@@ -63,7 +63,7 @@ pub const QS: [Q; 5] = [
     },
 ];
 
-fn qconfig(s: &Shape, q: Q) -> symm_moe_config_t {
+pub fn qconfig(s: &Shape, q: Q) -> symm_moe_config_t {
     let mut c = s.config();
     c.input = if q.quantize {
         SYMM_MOE_INPUT_BF16
@@ -189,7 +189,7 @@ pub fn bf16_rows(seed: u64, rank: usize, n: usize, h: usize) -> Vec<u16> {
 }
 
 /// The e4m3 values of codes 0..=0x7e (increasing).
-fn grid() -> Vec<f64> {
+pub fn grid() -> Vec<f64> {
     (0u8..=0x7e).map(|b| e4m3(b) as f64).collect()
 }
 
@@ -251,7 +251,7 @@ pub fn quant_ref(grid: &[f64], row: &[u16], ue8m0: bool) -> RowRef {
 }
 
 /// Whether e4m3 codes `a` and `b` of the same sign are neighbours.
-fn one_step(a: u8, b: u8) -> bool {
+pub fn one_step(a: u8, b: u8) -> bool {
     a & 0x80 == b & 0x80 && (a & 0x7f).abs_diff(b & 0x7f) == 1
 }
 

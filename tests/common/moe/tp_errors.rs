@@ -186,25 +186,6 @@ pub fn tp_create_errors(comm: Comm, dev: Dev, w: usize, rank: usize) {
     );
     let r = "mode_reserved 0x1; expected 0".to_string();
     refuse(comm, good, cfg(&|c| c.mode_reserved = 1), INVALID, &[r]);
-    // What stays the low-latency mode's: quantizing in the dispatch, column-major scales, the
-    // clock probe.
-    let fp8 = |c: &mut symm_moe_config_t| c.dtype = SYMM_MOE_FP8_E4M3;
-    for (f, needle) in [
-        (
-            &(|c: &mut symm_moe_config_t| c.input = SYMM_MOE_INPUT_BF16) as &dyn Fn(&mut _),
-            "input SYMM_MOE_INPUT_BF16 (quantizing inside the dispatch) is for the low-latency",
-        ),
-        (
-            &|c: &mut symm_moe_config_t| c.scale_layout = SYMM_MOE_SCALES_COL_TMA,
-            "scale_layout SYMM_MOE_SCALES_COL_TMA is for the low-latency mode",
-        ),
-    ] {
-        let c = cfg(&|c| {
-            fp8(c);
-            f(c)
-        });
-        refuse(comm, good, c, INVALID, &[needle.to_string()]);
-    }
     let ns = symm_status_t::SYMM_ERR_NOT_SYMMETRIC;
     let mixed = cfg(&|c| c.mode = (rank == 0) as u32);
     if w > 1 {
@@ -244,7 +225,19 @@ pub fn tp_create_errors(comm: Comm, dev: Dev, w: usize, rank: usize) {
     let mut bad: symm_moe_tp_layout_t = o.lay;
     bad.size -= 8;
     let st = symm_moe_tp_layout(o.moe, &mut bad);
-    expect_tp(rank, st, INVALID, "expected version 1", "tp layout size");
+    let needle = format!(
+        "out->size {}; expected version 2 (SYMM_MOE_TP_LAYOUT_VERSION) and size {}",
+        bad.size, o.lay.size
+    );
+    expect_tp(rank, st, INVALID, &needle, "tp layout size");
+    // A version 1 query of a version 2 size, and version 2 of the version 1 size: refused.
+    for (v, size) in [(1, o.lay.size), (2, 152)] {
+        bad.version = v;
+        bad.size = size;
+        let st = symm_moe_tp_layout(o.moe, &mut bad);
+        let needle = format!("out->version {v}, out->size {size}");
+        expect_tp(rank, st, INVALID, &needle, "tp layout version");
+    }
 }
 
 /// A peer that dies after a good call (the last rank): the next dispatch fails on every live
