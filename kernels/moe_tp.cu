@@ -356,7 +356,10 @@ __device__ bool tp_grid_csr(const MoeTpArgs& a, uint64_t* ctrl, uint32_t N, uint
 // CSR's first barrier and its counts read; the last block to count in at D_SENT and D_FIN).
 // QUANT: x is bf16, quantized to the FP8 payload (PAYLOAD_BYTES 1, SCALES) once per token when
 // its block stages it, at every world (the pull reads this rank's own rows from the stage too).
-template <int PAYLOAD_BYTES, bool SCALES, typename IDX, bool QUANT = false, bool PROBE = false>
+// PHASE: the whole call (MOE_BOTH), steps 1-2 (MOE_SEND: up to and including the counts row) or
+// steps 3-4 (MOE_RECV: the wait, the pull and the CSR; the same arguments). The halves find the
+// same epoch: only the receive half's end moves the done count.
+template <int PAYLOAD_BYTES, bool SCALES, typename IDX, bool QUANT = false, bool PROBE = false, int PHASE = MOE_BOTH>
 __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   __shared__ uint64_t epoch_s;
   __shared__ int live_s, last_s;
@@ -381,7 +384,7 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
     epoch_s = done + 1;
     live_s = dead == 0;
     bad_s = 0xffffffffu;
-    if constexpr (PROBE) {
+    if constexpr (PROBE && PHASE != MOE_RECV) {
       if (blockIdx.x == 0) {
         tp_probe(a, MOE_P_D_START);
         ctrl[MOE_CTRL_PROBE + MOE_P_D_EPOCH] = done + 1;
@@ -392,9 +395,11 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   if (!live_s) return;
   const uint64_t epoch = epoch_s, par = epoch & 1;
   const uint64_t n = a.refuse_code ? 0 : a.num_tokens;
+  int32_t* pos = (int32_t*)(a.blocks[me] + a.off_pos);
+  const uint32_t G = gridDim.x, UW = (uint32_t)W;
+  if constexpr (PHASE != MOE_RECV) {
   int32_t* idx = (int32_t*)(a.blocks[me] + a.off_idx) + par * T * K;
   float* wts = (float*)(a.blocks[me] + a.off_weights) + par * T * K;
-  int32_t* pos = (int32_t*)(a.blocks[me] + a.off_pos);
   const float* w_in = (const float*)a.weights_or_y;
 
   // Step 1, every block: the routing of its chunk of tokens [t0, t1) (validated), its copy, the
@@ -403,7 +408,6 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   // destination (the counts of lower blocks) place its tokens in the lists by destination (token
   // order) and in pos, and block 0 leaves the counts row and the status words in CTRL_TP_ROW...
   // The lists and pos come out as one block's serial scan would leave them.
-  const uint32_t G = gridDim.x, UW = (uint32_t)W;
   const uint32_t per = (uint32_t)((n + G - 1) / G);
   const uint32_t t0 = min((uint32_t)blockIdx.x * per, (uint32_t)n), t1 = min(t0 + per, (uint32_t)n);
   int32_t* rc = (int32_t*)(a.blocks[me] + a.off_csr);
@@ -580,6 +584,8 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
       if (tid == 0) tp_probe(a, MOE_P_D_PUBLISHED);
     }
   }
+  }  // PHASE != MOE_RECV
+  if constexpr (PHASE == MOE_SEND) return;
 
   // Step 3, the one wait: every word of every source's row carries this epoch's tag.
   int ok = 1;
@@ -640,6 +646,11 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
       if (tid == 0 && !(moe_is_refusal(found_s[0]) && found_s[1] == me))
         tp_record(a, found_s[0], found_s[1], found_s[2], found_s[3], found_v, 0);
       for (int i = tid; i < 2 * L + 2; i += MOE_THREADS) meta[i] = 0;
+    }
+    // The receive half has no routing barrier: one here, so that every block has read the done
+    // count before block 0 moves it (every block sees the same rows, so all come here).
+    if constexpr (PHASE == MOE_RECV) {
+      if (!tp_grid_sync(a, ctrl)) return;
     }
   } else {
     // Step 4: pull. Block b takes the received rows [r0, r1) = [b * per, (b + 1) * per), a warp
@@ -712,8 +723,8 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
   __syncthreads();
 
   // The end: block 0 stores the epochs, as moe.cu's dispatch does. Every block read the done
-  // count at its start, before the routing's grid barrier, which block 0 passed: none reads it
-  // late. The combine count moves only in combine kernels. Plain stores, no fence and no
+  // count at its start, before the routing's grid barrier (the receive half: the CSR's, or the
+  // failed call's), which block 0 passed: none reads it late. The combine count moves only in combine kernels. Plain stores, no fence and no
   // count-in: the next call is a later kernel, which starts after every block has ended. (The
   // probe counts the blocks in at D_FIN to time the grid's end.)
   if constexpr (PROBE) {
@@ -740,8 +751,10 @@ __device__ __forceinline__ uint64_t tp_wait(const MoeTpArgs& a, int which, int s
 }
 
 // PROBE: record the clock probe (block 0 at its start and after the wait; the last block to count
-// in at C_SENT and C_FIN).
-template <bool PROBE = false>
+// in at C_SENT and C_FIN). PHASE: the whole call (MOE_BOTH), the send half (MOE_SEND: the
+// previous combine's wait, the staging and the "staged" flags) or the receive half (MOE_RECV: the
+// one wait, the sum and the "read" flags); only the receive half's end moves the combine count.
+template <bool PROBE = false, int PHASE = MOE_BOTH>
 __device__ void tp_combine_body(const MoeTpArgs& a) {
   __shared__ uint64_t epoch_s, first_s;
   __shared__ int live_s, dispatched_s, last_s;
@@ -764,7 +777,7 @@ __device__ void tp_combine_body(const MoeTpArgs& a) {
     dispatched_s = d > 0 && ok == d;
     live_s = dead == 0;
     other_s = 0xffffffffu;
-    if constexpr (PROBE) {
+    if constexpr (PROBE && PHASE != MOE_RECV) {
       if (blockIdx.x == 0) {
         tp_probe(a, MOE_P_C_START);
         ctrl[MOE_CTRL_PROBE + MOE_P_C_EPOCH] = c + 1;
@@ -775,6 +788,7 @@ __device__ void tp_combine_body(const MoeTpArgs& a) {
   if (!live_s) return;
   const uint64_t c = epoch_s;
   const bool dispatched = dispatched_s != 0;
+  if constexpr (PHASE != MOE_RECV) {
   // A later combine of the same dispatch: peers may still read this rank's cstage of c - 1.
   if (c > first_s) {
     const int ok = tid < W ? tp_wait(a, MOE_TP_FLAG_READ, tid, c - 1) != 0 : 1;
@@ -796,6 +810,8 @@ __device__ void tp_combine_body(const MoeTpArgs& a) {
     for (int d = 0; d < W; ++d) st_release_sys_u64(tp_flag(a, d, MOE_TP_FLAG_STAGED, me), 2 * c + (refused ? 1 : 0));
     if constexpr (PROBE) tp_probe(a, MOE_P_C_PUSHED);
   }
+  }  // PHASE != MOE_RECV
+  if constexpr (PHASE == MOE_SEND) return;
   // The one wait: every rank's rows are staged (or it refused).
   {
     int ok = 1;
@@ -889,6 +905,17 @@ extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i64(MoeTpArgs a) 
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8q_i32(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, true>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8q_i64(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t, true>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_combine_bf16(MoeTpArgs a) { tp_combine_body(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_send_bf16_i32(MoeTpArgs a) { tp_dispatch_body<2, false, int32_t, false, false, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_send_bf16_i64(MoeTpArgs a) { tp_dispatch_body<2, false, int64_t, false, false, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_send_fp8_i32(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, false, false, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_send_fp8_i64(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t, false, false, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_send_fp8q_i32(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, true, false, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_send_fp8q_i64(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t, true, false, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_recv_bf16(MoeTpArgs a) { tp_dispatch_body<2, false, int32_t, false, false, MOE_RECV>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_recv_fp8(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, false, false, MOE_RECV>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_recv_fp8q(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, true, false, MOE_RECV>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_combine_send_bf16(MoeTpArgs a) { tp_combine_body<false, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_combine_recv_bf16(MoeTpArgs a) { tp_combine_body<false, MOE_RECV>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_bf16_i32_probe(MoeTpArgs a) { tp_dispatch_body<2, false, int32_t, false, true>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_bf16_i64_probe(MoeTpArgs a) { tp_dispatch_body<2, false, int64_t, false, true>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i32_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, false, true>(a); }
@@ -896,3 +923,15 @@ extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8_i64_probe(MoeTpAr
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8q_i32_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, true, true>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_fp8q_i64_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t, true, true>(a); }
 extern "C" __global__ void MOE_BOUNDS symm_moe_tp_combine_bf16_probe(MoeTpArgs a) { tp_combine_body<true>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_send_bf16_i32_probe(MoeTpArgs a) { tp_dispatch_body<2, false, int32_t, false, true, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_send_bf16_i64_probe(MoeTpArgs a) { tp_dispatch_body<2, false, int64_t, false, true, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_send_fp8_i32_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, false, true, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_send_fp8_i64_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t, false, true, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_send_fp8q_i32_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, true, true, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_send_fp8q_i64_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int64_t, true, true, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_recv_bf16_probe(MoeTpArgs a) { tp_dispatch_body<2, false, int32_t, false, true, MOE_RECV>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_recv_fp8_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, false, true, MOE_RECV>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_dispatch_recv_fp8q_probe(MoeTpArgs a) { tp_dispatch_body<1, true, int32_t, true, true, MOE_RECV>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_combine_send_bf16_probe(MoeTpArgs a) { tp_combine_body<true, MOE_SEND>(a); }
+extern "C" __global__ void MOE_BOUNDS symm_moe_tp_combine_recv_bf16_probe(MoeTpArgs a) { tp_combine_body<true, MOE_RECV>(a); }
+

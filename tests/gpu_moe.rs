@@ -492,3 +492,21 @@ fn gpu_moe_throughput_fp8_quantized_in_the_dispatch() {
     }
     run_gpu("gpu_moe_throughput_fp8_quantized_in_the_dispatch", &[], 0);
 }
+
+/// The throughput mode's split halves (tests/common/moe/tp_split.rs): the send and receive
+/// kernels give what the one-call kernels give with work between them (a grid of one block
+/// too), two objects interleaved, repeated split combines, misuse and a refused send half.
+#[test]
+#[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
+fn gpu_moe_throughput_split_halves() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::cuda);
+        let cases = common::moe::tp_split::tp_split_matches_one_call(comm, dev, w, seed);
+        let made = common::moe::tp_split::tp_two_batch_overlap(comm, dev, w, seed, 4);
+        common::moe::tp_split::tp_split_misuse(comm, dev, w, seed);
+        destroy(comm);
+        println!("rank {r}: {cases} split cases and {made} interleaved calls correct");
+        return;
+    }
+    run_gpu("gpu_moe_throughput_split_halves", &[], 0);
+}

@@ -94,11 +94,12 @@ fn every_table_name_is_instantiated_and_vice_versa() {
     // x 3 modes x 2 types), self-test, p2p wait and signal, moe dispatch (2 payloads x 2 index
     // types) and combine, their send halves (4 + 1) and receive halves (2 payloads + 1), the
     // quantizing dispatch (2 index types), its send halves (2) and receive half (1), all of these
-    // again as probe instances; the throughput mode's dispatch (2 payloads x 2 index types, and
-    // the quantizing one's 2 index types) and combine, and their probe instances
+    // again as probe instances; the throughput mode's dispatch (3 payloads, the quantizing one
+    // included, x 2 index types) and combine, its send halves (6), receive halves (3) and the
+    // combine's halves (2), and their probe instances
     assert_eq!(
         table.len(),
-        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2 + 2 * (5 + 5 + 3 + 5) + 2 * 7
+        18 + 18 + 18 + 3 + 18 + 9 + 6 + 2 + 2 + 2 + 2 + 24 + 1 + 2 + 2 * (5 + 5 + 3 + 5) + 2 * 18
     );
     // Names the profiles and earlier results use stay as they were.
     for name in [
@@ -511,6 +512,46 @@ fn moe_tp_argument_struct_and_constants_match_the_cuda_source() {
         std::mem::size_of::<tp::MoeTpArgs>(),
         256 + 64 + 23 * 8 + 8 * 4
     );
+    // Every (payload, index type, phase) launch names its instance; the probe instances follow.
+    use symmalloc::comm::moe::config::{IndexType, Payload};
+    use symmalloc::comm::moe::launch::Phase;
+    let half = |n: &str, phase: Phase| match phase {
+        Phase::Both => !n.contains("_send_") && !n.contains("_recv_"),
+        Phase::Send => n.contains("_send_"),
+        Phase::Recv => n.contains("_recv_"),
+    };
+    for phase in [Phase::Both, Phase::Send, Phase::Recv] {
+        let n = tp::TP_KERNELS[tp::tp_combine_index(phase)];
+        assert!(
+            n.starts_with("symm_moe_tp_combine") && half(n, phase),
+            "{n}"
+        );
+        for (p, q, name) in [
+            (Payload::Bf16, false, "_bf16"),
+            (Payload::Fp8, false, "_fp8_"),
+            (Payload::Fp8, true, "_fp8q"),
+        ] {
+            for it in [IndexType::I32, IndexType::I64] {
+                let n = tp::TP_KERNELS[tp::tp_dispatch_index(p, q, it, phase)];
+                let payload = n.contains(name) || (name == "_fp8_" && n.ends_with("_fp8"));
+                assert!(
+                    n.starts_with("symm_moe_tp_dispatch") && half(n, phase) && payload,
+                    "{n}"
+                );
+                assert!(phase == Phase::Recv || n.ends_with(it.name()), "{n}");
+                assert!(
+                    src.contains(&format!("void MOE_BOUNDS {n}(MoeTpArgs a)")),
+                    "{n}"
+                );
+            }
+        }
+    }
+    for (i, n) in tp::TP_KERNELS[..tp::TP_PROBE_OFFSET].iter().enumerate() {
+        assert_eq!(
+            tp::TP_KERNELS[i + tp::TP_PROBE_OFFSET],
+            format!("{n}_probe")
+        );
+    }
     let define = |name: &str| -> u64 {
         let at = src
             .find(&format!("#define {name} "))

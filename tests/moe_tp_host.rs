@@ -77,6 +77,22 @@ fn throughput_fp8_quantized_in_the_dispatch_and_column_major_scales() {
     at_2_4_8("throughput_fp8_quantized_in_the_dispatch_and_column_major_scales");
 }
 
+/// The split halves (tests/common/moe/tp_split.rs): the same results as the one-call forms with
+/// work between the halves, two objects interleaved, repeated combines, misuse.
+#[test]
+fn throughput_split_halves_match_the_one_call_forms() {
+    if let Some(c) = child() {
+        let (comm, dev, w, r, seed) = rank_setup(&c, Dev::host);
+        let cases = common::moe::tp_split::tp_split_matches_one_call(comm, dev, w, seed);
+        let made = common::moe::tp_split::tp_two_batch_overlap(comm, dev, w, seed, 4);
+        common::moe::tp_split::tp_split_misuse(comm, dev, w, seed);
+        destroy(comm);
+        println!("rank {r}: {cases} split cases and {made} interleaved calls correct");
+        return;
+    }
+    at_2_4_8("throughput_split_halves_match_the_one_call_forms");
+}
+
 #[test]
 fn throughput_errors_name_the_rank_everywhere_and_leave_the_object_usable() {
     if let Some(c) = child() {

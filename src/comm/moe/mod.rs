@@ -34,6 +34,7 @@ pub mod throughput;
 pub mod tp_host;
 
 use crate::comm::collective::kernel_args::MAX_RANKS;
+use crate::comm::collective::Ctx;
 use crate::comm::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result, Status};
@@ -131,6 +132,36 @@ pub struct Combine {
     pub expert_out: u64,
     pub y: u64,
     pub stream: u64,
+}
+
+/// A dispatch's plan in the object's mode (`phase`: the whole call or one half).
+fn plan_dispatch(
+    c: &mut Ctx,
+    m: &mut Moe,
+    a: &Dispatch,
+    it: IndexType,
+    refusal: Option<&Refusal>,
+    phase: Phase,
+) -> Result<()> {
+    match m.tp {
+        Some(_) => throughput::dispatch(c, m, a, it, refusal, phase),
+        None => launch::dispatch(c, m, a, it, refusal, phase),
+    }
+}
+
+/// A combine's plan in the object's mode (`phase`: the whole call or one half).
+fn plan_combine(
+    c: &mut Ctx,
+    m: &mut Moe,
+    a: &Combine,
+    last: Last,
+    refused: bool,
+    phase: Phase,
+) -> Result<()> {
+    match m.tp {
+        Some(_) => throughput::combine(c, m, a, last, refused, phase),
+        None => launch::combine(c, m, a, last, refused, phase),
+    }
 }
 
 fn aligned(what: &str, p: u64, to: u64, f: &str) -> Result<()> {
@@ -466,12 +497,9 @@ impl Communicator {
         let tokens = if refusal.is_some() { 0 } else { a.tokens };
         // The kernel, or on the host backend its CPU twin (host.rs); an error the kernels
         // recorded since the last call after a launch that went well.
-        let r = match m.tp {
-            Some(_) => throughput::dispatch(&mut c, m, a, it, refusal.as_ref()),
-            None => launch::dispatch(&mut c, m, a, it, refusal.as_ref(), Phase::Both),
-        }
-        .map_err(|e| self.moe_fatal(e))
-        .and_then(|()| pending.map_or(Ok(()), Err));
+        let r = plan_dispatch(&mut c, m, a, it, refusal.as_ref(), Phase::Both)
+            .map_err(|e| self.moe_fatal(e))
+            .and_then(|()| pending.map_or(Ok(()), Err));
         m.last = Some(Last {
             tokens,
             k: a.k,
@@ -495,12 +523,9 @@ impl Communicator {
         };
         let pending = m.take_status();
         let refusal = m.check_combine(a, last.tokens).err();
-        let r = match m.tp {
-            Some(_) => throughput::combine(&mut c, m, a, last, refusal.is_some()),
-            None => launch::combine(&mut c, m, a, last, refusal.is_some(), Phase::Both),
-        }
-        .map_err(|e| self.moe_fatal(e))
-        .and_then(|()| pending.map_or(Ok(()), Err));
+        let r = plan_combine(&mut c, m, a, last, refusal.is_some(), Phase::Both)
+            .map_err(|e| self.moe_fatal(e))
+            .and_then(|()| pending.map_or(Ok(()), Err));
         match (r, refusal) {
             // The host backend's combine after a failed dispatch does nothing, and says so
             // before anything else (launch.rs).

@@ -13,7 +13,7 @@
 
 use super::config::IndexType;
 use super::launch::{self, Phase};
-use super::{layout, Combine, Dispatch, Last, Moe};
+use super::{layout, plan_combine, plan_dispatch, Combine, Dispatch, Last, Moe};
 use crate::comm::Communicator;
 use crate::cuda;
 use crate::error::{Error, Result};
@@ -40,19 +40,6 @@ impl Moe {
             "{f}: {sent} was called and its receive half was not; expected {expected} first \
              (every send half is followed by its receive half before any other call on this \
              moe object)"
-        )))
-    }
-
-    /// The split halves are the low-latency mode's: `f` is refused on a throughput-mode object
-    /// (on every rank alike, the mode being agreed at create), before anything is submitted.
-    pub(super) fn split_mode(&self, f: &str) -> Result<()> {
-        if self.tp.is_none() {
-            return Ok(());
-        }
-        Err(Error::invalid(format!(
-            "{f}: this moe object is in throughput mode (SYMM_MOE_THROUGHPUT); the split halves \
-             are for the low-latency mode; expected the one-call symm_moe_dispatch / \
-             symm_moe_combine"
         )))
     }
 
@@ -92,14 +79,13 @@ impl Communicator {
     /// receive half is submitted too and nothing stays pending (module header).
     pub fn moe_dispatch_send(&mut self, m: &mut Moe, a: &Dispatch) -> Result<()> {
         let mut c = self.begin(a.stream)?;
-        m.split_mode("symm_moe_dispatch_send")?;
         m.idle("symm_moe_dispatch_send")?;
         let pending = m.take_status();
         let (it, refusal) = match m.check_dispatch(a) {
             Ok(it) => (it, None),
             Err(r) => (IndexType::I32, Some(r)),
         };
-        let sent = launch::dispatch(&mut c, m, a, it, refusal.as_ref(), Phase::Send)
+        let sent = plan_dispatch(&mut c, m, a, it, refusal.as_ref(), Phase::Send)
             .map_err(|e| self.moe_fatal(e));
         if sent.is_ok() && refusal.is_none() && pending.is_none() {
             m.pending = Some(Pending::Dispatch(*a, it));
@@ -108,7 +94,7 @@ impl Communicator {
         let mut r = sent;
         if r.is_ok() {
             let mut c = self.ctx();
-            r = launch::dispatch(&mut c, m, a, it, refusal.as_ref(), Phase::Recv)
+            r = plan_dispatch(&mut c, m, a, it, refusal.as_ref(), Phase::Recv)
                 .map_err(|e| self.moe_fatal(e));
         }
         let tokens = if refusal.is_some() { 0 } else { a.tokens };
@@ -127,7 +113,6 @@ impl Communicator {
     /// `symm_moe_dispatch_recv`: steps 3 and 4 of the dispatch `symm_moe_dispatch_send` sent.
     pub fn moe_dispatch_recv(&mut self, m: &mut Moe, stream: u64) -> Result<()> {
         let mut c = self.begin(stream)?;
-        m.split_mode("symm_moe_dispatch_recv")?;
         let Some(Pending::Dispatch(sent, it)) = m.pending else {
             m.idle("symm_moe_dispatch_recv")?;
             return Err(Error::invalid(
@@ -138,7 +123,7 @@ impl Communicator {
         m.pending = None;
         let pending = m.take_status();
         let a = Dispatch { stream, ..sent };
-        let r = launch::dispatch(&mut c, m, &a, it, None, Phase::Recv)
+        let r = plan_dispatch(&mut c, m, &a, it, None, Phase::Recv)
             .map_err(|e| self.moe_fatal(e))
             .and_then(|()| pending.map_or(Ok(()), Err));
         m.last = Some(Last {
@@ -154,7 +139,6 @@ impl Communicator {
     /// call here, as `moe_dispatch_send`'s does.
     pub fn moe_combine_send(&mut self, m: &mut Moe, a: &Combine) -> Result<()> {
         let mut c = self.begin(a.stream)?;
-        m.split_mode("symm_moe_combine_send")?;
         m.idle("symm_moe_combine_send")?;
         let Some(last) = m.last else {
             return Err(Error::invalid(
@@ -165,8 +149,8 @@ impl Communicator {
         let pending = m.take_status();
         let refusal = m.check_combine(a, last.tokens).err();
         let refused = refusal.is_some();
-        let sent = launch::combine(&mut c, m, a, last, refused, Phase::Send)
-            .map_err(|e| self.moe_fatal(e));
+        let sent =
+            plan_combine(&mut c, m, a, last, refused, Phase::Send).map_err(|e| self.moe_fatal(e));
         if sent.is_ok() && !refused && pending.is_none() {
             m.pending = Some(Pending::Combine(*a, last));
             return Ok(());
@@ -175,7 +159,7 @@ impl Communicator {
         let mut r = sent;
         if r.is_ok() {
             let mut c = self.ctx();
-            r = launch::combine(&mut c, m, a, last, refused, Phase::Recv)
+            r = plan_combine(&mut c, m, a, last, refused, Phase::Recv)
                 .map_err(|e| self.moe_fatal(e));
         }
         match (r, refusal, pending) {
@@ -190,7 +174,6 @@ impl Communicator {
     /// sent, into the `y` it was given.
     pub fn moe_combine_recv(&mut self, m: &mut Moe, stream: u64) -> Result<()> {
         let mut c = self.begin(stream)?;
-        m.split_mode("symm_moe_combine_recv")?;
         let Some(Pending::Combine(sent, last)) = m.pending else {
             m.idle("symm_moe_combine_recv")?;
             return Err(Error::invalid(
@@ -201,7 +184,7 @@ impl Communicator {
         m.pending = None;
         let pending = m.take_status();
         let a = Combine { stream, ..sent };
-        launch::combine(&mut c, m, &a, last, false, Phase::Recv)
+        plan_combine(&mut c, m, &a, last, false, Phase::Recv)
             .map_err(|e| self.moe_fatal(e))
             .and_then(|()| pending.map_or(Ok(()), Err))
     }

@@ -13,6 +13,7 @@
 //! at most once to each rank); the arguments name the layout's parts and nothing else.
 
 use super::config::{IndexType, Payload};
+use super::launch::Phase;
 use super::layout::{TpLayout, CTRL_PROBE, ROW_EXTRA};
 use super::status::{self, Refusal};
 use super::{tp_host, Combine, Dispatch, Last, Moe, THREADS};
@@ -21,11 +22,12 @@ use crate::comm::collective::Ctx;
 use crate::comm::exec::{self, ArgBlock, Family, KernelId};
 use crate::error::{Error, Result};
 
-/// The kernels (kernels/moe_tp.cu), by payload and index type, then the combine, then the same
-/// `TP_PROBE_OFFSET` kernels as probe instances (an object created with the clock probe on); their
-/// ids are `Family::Moe` keys from `TP_KEY_BASE` (the low-latency kernels use the keys below it:
-/// launch.rs `MOE_KERNELS`' indices).
-/// `fp8q`: bf16 `x` quantized to the FP8 payload in the dispatch.
+/// The kernels (kernels/moe_tp.cu): the whole calls (dispatch by payload and index type, then
+/// the combine), the send halves of dispatch (by payload and index type), the receive halves
+/// (by payload), the combine's halves; then the same `TP_PROBE_OFFSET` kernels as probe
+/// instances (an object created with the clock probe on). `fp8q`: bf16 `x` quantized to the FP8
+/// payload in the dispatch. Their ids are `Family::Moe` keys from `TP_KEY_BASE` (the low-latency
+/// kernels use the keys below it: launch.rs `MOE_KERNELS`' indices).
 pub const TP_KERNELS: [&str; 2 * TP_PROBE_OFFSET] = [
     "symm_moe_tp_dispatch_bf16_i32",
     "symm_moe_tp_dispatch_bf16_i64",
@@ -34,6 +36,17 @@ pub const TP_KERNELS: [&str; 2 * TP_PROBE_OFFSET] = [
     "symm_moe_tp_dispatch_fp8q_i32",
     "symm_moe_tp_dispatch_fp8q_i64",
     "symm_moe_tp_combine_bf16",
+    "symm_moe_tp_dispatch_send_bf16_i32",
+    "symm_moe_tp_dispatch_send_bf16_i64",
+    "symm_moe_tp_dispatch_send_fp8_i32",
+    "symm_moe_tp_dispatch_send_fp8_i64",
+    "symm_moe_tp_dispatch_send_fp8q_i32",
+    "symm_moe_tp_dispatch_send_fp8q_i64",
+    "symm_moe_tp_dispatch_recv_bf16",
+    "symm_moe_tp_dispatch_recv_fp8",
+    "symm_moe_tp_dispatch_recv_fp8q",
+    "symm_moe_tp_combine_send_bf16",
+    "symm_moe_tp_combine_recv_bf16",
     "symm_moe_tp_dispatch_bf16_i32_probe",
     "symm_moe_tp_dispatch_bf16_i64_probe",
     "symm_moe_tp_dispatch_fp8_i32_probe",
@@ -41,10 +54,47 @@ pub const TP_KERNELS: [&str; 2 * TP_PROBE_OFFSET] = [
     "symm_moe_tp_dispatch_fp8q_i32_probe",
     "symm_moe_tp_dispatch_fp8q_i64_probe",
     "symm_moe_tp_combine_bf16_probe",
+    "symm_moe_tp_dispatch_send_bf16_i32_probe",
+    "symm_moe_tp_dispatch_send_bf16_i64_probe",
+    "symm_moe_tp_dispatch_send_fp8_i32_probe",
+    "symm_moe_tp_dispatch_send_fp8_i64_probe",
+    "symm_moe_tp_dispatch_send_fp8q_i32_probe",
+    "symm_moe_tp_dispatch_send_fp8q_i64_probe",
+    "symm_moe_tp_dispatch_recv_bf16_probe",
+    "symm_moe_tp_dispatch_recv_fp8_probe",
+    "symm_moe_tp_dispatch_recv_fp8q_probe",
+    "symm_moe_tp_combine_send_bf16_probe",
+    "symm_moe_tp_combine_recv_bf16_probe",
 ];
-pub const TP_PROBE_OFFSET: usize = 7;
-/// `TP_KERNELS`' index of the combine.
-const TP_COMBINE: usize = 6;
+pub const TP_PROBE_OFFSET: usize = 18;
+
+/// The index in `TP_KERNELS` (without the probe) of a dispatch launch: payload (`quantize`: bf16
+/// x quantized to the FP8 payload), index type, phase.
+pub fn tp_dispatch_index(p: Payload, quantize: bool, it: IndexType, phase: Phase) -> usize {
+    let pi = match (p, quantize) {
+        (Payload::Bf16, _) => 0,
+        (Payload::Fp8, false) => 1,
+        (Payload::Fp8, true) => 2,
+    };
+    let ii = match it {
+        IndexType::I32 => 0,
+        IndexType::I64 => 1,
+    };
+    match phase {
+        Phase::Both => 2 * pi + ii,
+        Phase::Send => 7 + 2 * pi + ii,
+        Phase::Recv => 13 + pi,
+    }
+}
+
+/// The index in `TP_KERNELS` (without the probe) of a combine launch.
+pub fn tp_combine_index(phase: Phase) -> usize {
+    match phase {
+        Phase::Both => 6,
+        Phase::Send => 16,
+        Phase::Recv => 17,
+    }
+}
 pub const TP_KEY_BASE: u64 = 64;
 const _: () = assert!(super::launch::MOE_KERNELS.len() as u64 <= TP_KEY_BASE);
 /// Control words (u64 indices in the block's ctrl part) besides layout.rs `CTRL_*`: the first
@@ -169,13 +219,15 @@ pub fn wrong_mode(what: &str, m: &Moe) -> Error {
     ))
 }
 
-/// The dispatch's plan (the kernel; host backend: its CPU twin, tp_host.rs).
+/// The dispatch's plan (`phase`: the whole call or one half; the kernel, on the host backend
+/// its CPU twin, tp_host.rs). The receive half takes the same arguments as its send half.
 pub(super) fn dispatch(
     c: &mut Ctx,
     m: &mut Moe,
     a: &Dispatch,
     it: IndexType,
     refusal: Option<&Refusal>,
+    phase: Phase,
 ) -> Result<()> {
     let t = m.tp.expect("a throughput-mode object has its layout");
     let mut args = tp_args(c, m, &t);
@@ -194,17 +246,17 @@ pub(super) fn dispatch(
             args.k = a.k as i32;
         }
     }
-    let i = match (m.cfg.dtype, m.cfg.quantize, it) {
-        (Payload::Bf16, _, IndexType::I32) => 0,
-        (Payload::Bf16, _, IndexType::I64) => 1,
-        (Payload::Fp8, false, IndexType::I32) => 2,
-        (Payload::Fp8, false, IndexType::I64) => 3,
-        (Payload::Fp8, true, IndexType::I32) => 4,
-        (Payload::Fp8, true, IndexType::I64) => 5,
-    };
+    let i = tp_dispatch_index(m.cfg.dtype, m.cfg.quantize, it, phase);
     let l = tp_launch(m, i, &args);
     let timeout = c.settings.timeout;
-    let mut twin = || tp_host::dispatch(m, a, it, refusal, timeout);
+    let mut twin = || match phase {
+        Phase::Both => tp_host::dispatch(m, a, it, refusal, timeout),
+        Phase::Send => {
+            tp_host::dispatch_send(m, a, it, refusal);
+            Ok(())
+        }
+        Phase::Recv => tp_host::dispatch_recv(m, a, refusal.is_some(), timeout),
+    };
     c.exec.submit(exec::Plan::work(
         a.stream,
         true,
@@ -213,13 +265,15 @@ pub(super) fn dispatch(
     ))
 }
 
-/// The combine's plan (the kernel; host backend: its CPU twin, tp_host.rs).
+/// The combine's plan (`phase`: the whole call or one half; the kernel, on the host backend its
+/// CPU twin, tp_host.rs).
 pub(super) fn combine(
     c: &mut Ctx,
     m: &mut Moe,
     a: &Combine,
     last: Last,
     refused: bool,
+    phase: Phase,
 ) -> Result<()> {
     let t = m.tp.expect("a throughput-mode object has its layout");
     let mut args = tp_args(c, m, &t);
@@ -231,13 +285,17 @@ pub(super) fn combine(
         args.x_or_expert_out = a.expert_out;
         args.weights_or_y = a.y;
     }
-    let l = tp_launch(m, TP_COMBINE, &args);
+    let l = tp_launch(m, tp_combine_index(phase), &args);
     let timeout = c.settings.timeout;
     let mut twin = || {
         if !last.ok {
             return Err(Error::invalid(super::launch::NOTHING_TO_COMBINE));
         }
-        tp_host::combine(m, a, last, refused, timeout)
+        match phase {
+            Phase::Both => tp_host::combine(m, a, last, refused, timeout),
+            Phase::Send => tp_host::combine_send(m, a, refused, timeout),
+            Phase::Recv => tp_host::combine_recv(m, a, last, refused, timeout),
+        }
     };
     c.exec.submit(exec::Plan::work(
         a.stream,

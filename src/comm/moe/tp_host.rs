@@ -126,8 +126,9 @@ fn wait_rows(m: &Moe, epoch: u64, timeout: Duration) -> Result<Vec<Vec<i32>>> {
     wait.rows(epoch, tp_row_words(w), |s| m.at(m.rank, l.row(w, epoch, s)))
 }
 
-/// The host backend's throughput-mode `symm_moe_dispatch` (module header). A refusal takes
-/// part with its status; the caller returns the refusal's own error.
+/// The host backend's throughput-mode `symm_moe_dispatch` (module header): its send half, then
+/// its receive half. A refusal takes part with its status; the caller returns the refusal's own
+/// error.
 pub fn dispatch(
     m: &mut Moe,
     a: &Dispatch,
@@ -135,14 +136,19 @@ pub fn dispatch(
     refusal: Option<&Refusal>,
     timeout: Duration,
 ) -> Result<()> {
+    dispatch_send(m, a, it, refusal);
+    dispatch_recv(m, a, refusal.is_some(), timeout)
+}
+
+/// Steps 1 and 2 of a dispatch (`symm_moe_dispatch_send`): the routing, the lists, the staged
+/// x and this rank's counts row in every rank; no wait on a peer.
+pub fn dispatch_send(m: &mut Moe, a: &Dispatch, it: IndexType, refusal: Option<&Refusal>) {
     m.d_epoch += 1;
     m.tp_first_combine = m.c_epoch + 1;
     let epoch = m.d_epoch;
     let stamp = |m: &Moe, i| probe(m, i, PROBE_D_EPOCH, epoch);
     stamp(m, PROBE_D_START);
-    let (c, l, w, me) = (m.cfg, lay(m), m.world as u64, m.rank);
-    let kk = c.topk as u64;
-    let local = c.local_experts(w);
+    let (l, w, me) = (lay(m), m.world as u64, m.rank);
     let n = if refusal.is_some() { 0 } else { a.tokens };
     let (counts, mut found) = route(m, a, it, n, epoch);
     stamp(m, PROBE_D_ROUTED);
@@ -169,6 +175,17 @@ pub fn dispatch(
         }
     }
     stamp(m, PROBE_D_PUBLISHED);
+}
+
+/// Steps 3 and 4 of the dispatch `dispatch_send` sent (`symm_moe_dispatch_recv`, the same
+/// arguments): the one wait, the pull, the counts and the CSR.
+pub fn dispatch_recv(m: &mut Moe, a: &Dispatch, refused: bool, timeout: Duration) -> Result<()> {
+    let epoch = m.d_epoch;
+    let stamp = |m: &Moe, i| probe(m, i, PROBE_D_EPOCH, epoch);
+    let (c, l, w, me) = (m.cfg, lay(m), m.world as u64, m.rank);
+    let kk = c.topk as u64;
+    let local = c.local_experts(w);
+    let n = if refused { 0 } else { a.tokens };
     // Step 3: the one wait; the first status (lowest rank). No capacity: W*T rows suffice.
     let rows = wait_rows(m, epoch, timeout)?;
     stamp(m, PROBE_D_WAITED);
@@ -276,7 +293,8 @@ pub fn dispatch(
 }
 
 /// The host backend's throughput-mode `symm_moe_combine` after a dispatch that succeeded
-/// (module header): `expert_out` is `[W*T][H]` bf16, one row per received row.
+/// (module header): `expert_out` is `[W*T][H]` bf16, one row per received row. Its send half,
+/// then its receive half.
 pub fn combine(
     m: &mut Moe,
     a: &Combine,
@@ -284,6 +302,14 @@ pub fn combine(
     refused: bool,
     timeout: Duration,
 ) -> Result<()> {
+    combine_send(m, a, refused, timeout)?;
+    combine_recv(m, a, last, refused, timeout)
+}
+
+/// The combine's send half (`symm_moe_combine_send`): the rows of peers' tokens staged and this
+/// rank's "staged" flag raised. Its only wait is for the previous combine of the same dispatch
+/// (normally long over).
+pub fn combine_send(m: &mut Moe, a: &Combine, refused: bool, timeout: Duration) -> Result<()> {
     m.c_epoch += 1;
     let epoch = m.c_epoch;
     let stamp = |m: &Moe, i| probe(m, i, PROBE_C_EPOCH, epoch);
@@ -308,6 +334,23 @@ pub fn combine(
     }
     raise(m, TP_FLAG_STAGED, 2 * epoch + refused as u64);
     stamp(m, PROBE_C_PUSHED);
+    Ok(())
+}
+
+/// The combine's receive half (`symm_moe_combine_recv`): the one wait, the sums into `y`, and
+/// this rank's "read" flag.
+pub fn combine_recv(
+    m: &mut Moe,
+    a: &Combine,
+    last: Last,
+    refused: bool,
+    timeout: Duration,
+) -> Result<()> {
+    let epoch = m.c_epoch;
+    let stamp = |m: &Moe, i| probe(m, i, PROBE_C_EPOCH, epoch);
+    let (l, w, me, h) = (lay(m), m.world as u64, m.rank, m.cfg.hidden);
+    let row_bytes = h * 2;
+    const F: &str = "symm_moe_combine (throughput mode)";
     let seen = wait_flags(m, TP_FLAG_STAGED, 2 * epoch, timeout, F)?;
     stamp(m, PROBE_C_WAITED);
     let other = seen.iter().position(|&v| v == 2 * epoch + 1);

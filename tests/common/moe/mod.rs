@@ -17,6 +17,7 @@ pub mod split;
 pub mod tp;
 pub mod tp_errors;
 pub mod tp_quant;
+pub mod tp_split;
 pub use check::*;
 
 use super::{err, init, Child, Comm, Rng, OK};

@@ -13,6 +13,7 @@ use super::{
     Inputs, Route, Shape, INVALID,
 };
 use crate::common::{err, Comm, OK};
+use std::ffi::c_void;
 use std::ptr::null_mut;
 use symmalloc::comm::convert::bf16_to_f32;
 use symmalloc::ffi::moe::*;
@@ -176,12 +177,40 @@ fn f32s(b: &[u8]) -> Vec<u32> {
 }
 
 /// Dispatches this rank's inputs (the status, unchecked).
+/// How a test issues a dispatch: `symm_moe_dispatch`'s arguments (`x`, `x_scales`, `topk_idx`,
+/// `topk_weights` as pointers, then the index type, the token count and k) to the one-call form
+/// (`one_call`) or to the split halves (tp_split.rs).
+pub type DispatchCall<'a> = &'a dyn Fn(&Tp, [*mut c_void; 4], u32, usize, u32) -> symm_status_t;
+/// How a test issues a combine: `expert_out` and `y` to the one-call form (`one_combine`) or to
+/// the split halves.
+pub type CombineCall<'a> = &'a dyn Fn(&Tp, *mut c_void, *mut c_void) -> symm_status_t;
+
+pub fn one_call(o: &Tp, p: [*mut c_void; 4], it: u32, n: usize, k: u32) -> symm_status_t {
+    symm_moe_dispatch(o.moe, p[0], p[1] as _, p[2], it, p[3] as _, n, k, o.dev.s())
+}
+
+pub fn one_combine(o: &Tp, eo: *mut c_void, y: *mut c_void) -> symm_status_t {
+    symm_moe_combine(o.moe, eo, y, o.dev.s())
+}
+
 pub fn tp_dispatch(
     o: &Tp,
     inp: &Inputs,
     k: u32,
     idx64: bool,
     bufs: &mut Vec<Buf>,
+) -> symm_status_t {
+    tp_dispatch_with(o, inp, k, idx64, bufs, &one_call)
+}
+
+/// `tp_dispatch` through `call`.
+pub fn tp_dispatch_with(
+    o: &Tp,
+    inp: &Inputs,
+    k: u32,
+    idx64: bool,
+    bufs: &mut Vec<Buf>,
+    call: DispatchCall,
 ) -> symm_status_t {
     let d = o.dev;
     let x = Buf::with(d, &inp.x);
@@ -198,16 +227,12 @@ pub fn tp_dispatch(
     } else {
         null_mut()
     };
-    let st = symm_moe_dispatch(
-        o.moe,
-        x.ptr(),
-        scales,
-        idx.ptr(),
+    let st = call(
+        o,
+        [x.ptr(), scales as *mut c_void, idx.ptr(), wt.ptr()],
         it,
-        wt.ptr() as *const f32,
         inp.n,
         k,
-        d.s(),
     );
     bufs.extend([x, sc, idx, wt]);
     st
@@ -356,11 +381,23 @@ pub fn tp_combine_checked(
     shift: usize,
     what: &str,
 ) -> Vec<u16> {
+    tp_combine_checked_with(o, all, want, shift, what, &one_combine)
+}
+
+/// `tp_combine_checked` through `call`.
+pub fn tp_combine_checked_with(
+    o: &Tp,
+    all: &[Inputs],
+    want: &Want,
+    shift: usize,
+    what: &str,
+    call: CombineCall,
+) -> Vec<u16> {
     let n = all[o.rank].n;
     let eo = tp_expert_out(o, all, want, shift);
     let y = Buf::new(o.dev, (n * o.s.h * 2).max(16));
     o.dev.fill(y.p, n * o.s.h * 2, POISON);
-    let st = symm_moe_combine(o.moe, eo.ptr(), y.ptr(), o.dev.s());
+    let st = call(o, eo.ptr(), y.ptr());
     o.dev.sync();
     assert_eq!(st, OK, "rank {} {what}: combine: {}", o.rank, err());
     let got = u16s(&o.dev.get(y.p, n * o.s.h * 2));

@@ -66,6 +66,11 @@ pub fn tp_qcreate(comm: Comm, dev: Dev, s: Shape, q: Q) -> Tp {
 /// One dispatch of case `c`, checked as the module header says. Returns (rows checked, bytes
 /// one step from the float64 reference).
 pub fn tp_q_case(o: &Tp, q: Q, c: &Case, grid: &[f64]) -> (usize, usize) {
+    tp_q_case_with(o, q, c, grid, &one_call)
+}
+
+/// `tp_q_case` through `call` (the one-call form or the split halves).
+pub fn tp_q_case_with(o: &Tp, q: Q, c: &Case, grid: &[f64], call: DispatchCall) -> (usize, usize) {
     let (h, g, d) = (o.s.h, o.s.h / 128, o.dev);
     let all: Vec<_> = (0..o.w).map(|r| rank_inputs(&o.s, c, o.w, r)).collect();
     let rows: Vec<Vec<u16>> = (0..o.w)
@@ -105,7 +110,7 @@ pub fn tp_q_case(o: &Tp, q: Q, c: &Case, grid: &[f64]) -> (usize, usize) {
         SYMM_INDEX_INT32
     };
     let sc = if q.quantize { null_mut() } else { p(1) };
-    let st = symm_moe_dispatch(o.moe, p(0), sc as _, p(2), it, p(3) as _, n, c.k, d.s());
+    let st = call(o, [p(0), sc, p(2), p(3)], it, n, c.k);
     assert_eq!(st, OK, "rank {} {q:?} {c:?}: {}", o.rank, err());
     if d.gpu {
         // The kernels record what only the routing or a peer shows.
