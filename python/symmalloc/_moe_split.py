@@ -17,7 +17,9 @@ other collectives of the communicator, another ``Moe``'s halves (two micro-batch
 each). A receive on another stream is ordered after its send by the library (as every call of
 a communicator), inside one CUDA graph capture too. A send whose arguments are refused (here or
 by the library) completes its call at once on this rank, so no peer waits: it raises, and
-nothing is pending after it. Eager only (``torch.compile`` keeps ``dispatch``/``combine``).
+nothing is pending after it. Both modes (the throughput mode's receive returns a
+``MoeTpDispatch``, its combine takes one row per received row). Eager only (``torch.compile``
+keeps ``dispatch``/``combine``).
 """
 
 import ctypes
@@ -26,7 +28,6 @@ from typing import NamedTuple, Optional
 from ._lib import _MOE_PROBE_WORDS as _PROBE_WORDS
 from ._lib import SymmallocError, _check, _invalid
 from ._moe_args import HostView, _check_combine, _check_dispatch, _is_torch
-from ._moe_types import MoeDispatch, MoeHandle
 
 _VOIDP = ctypes.c_void_p
 # symm_moe_probe's words (layout.rs PROBE_*), by name.
@@ -107,8 +108,8 @@ class _Split:
 
     def dispatch_recv(self, handle: MoeSend):
         """The receive half of the dispatch ``handle`` (``dispatch_send``'s) sent: waits for
-        every rank's counts and pulls this rank's experts' rows. Returns what ``dispatch``
-        returns (a ``MoeDispatch``), bit for bit. Collective, on the current stream (ordered
+        every rank's counts and pulls this rank's rows. Returns what ``dispatch`` returns (a
+        ``MoeDispatch``; throughput mode: a ``MoeTpDispatch``), bit for bit. Collective, on the current stream (ordered
         after the send by the library)."""
         self._eager("moe.dispatch_recv")
         ptr = self._live()
@@ -122,15 +123,7 @@ class _Split:
                            f"this Moe's latest dispatch_send returned (dispatch {p.seq})")
         self._pending = None
         _check(self._lib.symm_moe_dispatch_recv(ptr, _VOIDP(self._stream())))
-        x = p.inputs[0]
-        self._tokens = p.num_tokens
-        like_torch = _is_torch(x)
-        if like_torch:
-            self._find_torch()
-        recv_x, recv_scales, recv_counts, recv_src = self._buffer_views(like_torch)
-        h = MoeHandle(recv_src, recv_counts, p.num_tokens, self.handle, self._seq)
-        self._last = h
-        return MoeDispatch(recv_x, recv_scales, recv_counts, h)
+        return self._result(_is_torch(p.inputs[0]), p.num_tokens)
 
     def combine_send(self, expert_out, handle=None, out=None) -> MoeCombineSend:
         """The send half of ``combine`` (same arguments): this rank's experts' rows back to

@@ -394,9 +394,8 @@ class Communicator:
         ``probe``: record the kernels' phase times (``Moe.probe()``; for benchmarks).
         ``mode``: ``"low_latency"`` (rows by local expert, ``[L, R, H]``) or ``"throughput"``
         (one row per token and destination rank, ``[world_size * max_tokens_per_rank, H]``;
-        ``dispatch`` then returns a ``MoeTpDispatch``; not under torch.compile yet).
-        The throughput mode takes the caller's payload (no ``input_dtype``) and row-major scales;
-        the split halves are the low-latency mode's.
+        ``dispatch`` then returns a ``MoeTpDispatch``); ``input_dtype``, ``scale_layout``,
+        ``ue8m0`` and the split halves work in both modes.
         Collective: every rank passes the same values. Its buffer
         (``buffer_bytes``) comes from this communicator's arena (SYMMALLOC_COMM_ARENA_SIZE).
         docs/moe.md is the contract."""

@@ -379,8 +379,13 @@ class Moe(_Split):
             topk_weights.data_ptr(), n, k, _VOIDP(self._stream()))
         if status:
             _check(status)
+        return self._result(_is_torch(x), n)
+
+    def _result(self, like_torch: bool, n: int):
+        """The result of the dispatch of ``n`` tokens the library just accepted (the one-call
+        form's or the receive half's): the buffer's views (torch or HostView), as this mode's
+        named tuple, also kept as the latest dispatch."""
         self._tokens = n
-        like_torch = _is_torch(x)
         if like_torch:
             self._find_torch()
         if self.mode == "throughput":

@@ -7,7 +7,8 @@ Python reference of the contract (the caller's per-row sum: fmaf over this rank'
 increasing k, rounded to bf16; then fp32 adds over the destination ranks in increasing order,
 one bf16 rounding), at 2, 4 and 8 ranks, uniform and skewed routing (every token to one rank),
 bf16 and FP8, each case twice; the same y on every rank for the same inputs; errors on one rank
-raised on every rank, the object usable after. With torch (make test-wheel's torch venv): torch CPU
+raised on every rank, the object usable after; the split halves against the one-call forms
+(mixed, two objects interleaved, a call between halves refused). With torch (make test-wheel's torch venv): torch CPU
 tensors at 2 and 4 ranks, and ``torch.compile(fullgraph=True)`` through the mode's custom ops at 2
 ranks against eager and the contract."""
 import importlib.util
@@ -70,7 +71,9 @@ def want_y(data, world, L, H, fp8, shift=0):
     return y
 
 
-def run_tp(moe, case, seed, rank, world, same=False, runs=2, shift=0):
+def run_tp(moe, case, seed, rank, world, same=False, runs=2, shift=0, split=False):
+    """One case, ``runs`` times (each checked, the same y each time); ``split``: the odd runs
+    go through the split halves (dispatch_send / dispatch_recv, combine_send / combine_recv)."""
     fp8 = case.dtype == "fp8"
     H, K, L, first = moe.hidden, moe.topk, moe.local_experts, moe.first_expert
     T, G = moe.max_tokens_per_rank, H // 128
@@ -87,7 +90,8 @@ def run_tp(moe, case, seed, rank, world, same=False, runs=2, shift=0):
     for run in range(runs):
         for v in moe._buffer_views(False):
             poison(v)
-        d = moe.dispatch(xt, it, wt, st)
+        halves = split and run % 2 == 1
+        d = moe.dispatch_recv(moe.dispatch_send(xt, it, wt, st)) if halves else moe.dispatch(xt, it, wt, st)
         recv_x, recv_idx, recv_w, per_expert, h = d
         R = world * T
         assert tuple(recv_x.shape) == (R, H) and tuple(recv_idx.shape) == (R, K) and tuple(per_expert.shape) == (L,)
@@ -116,7 +120,12 @@ def run_tp(moe, case, seed, rank, world, same=False, runs=2, shift=0):
         offs = d.expert_offsets.tolist()
         assert offs == [sum(len(c) for c in csr[:i]) for i in range(L + 1)], f"{case.name}: offsets {offs}"
         assert d.expert_rows.tolist()[:offs[L]] == [e for c in csr for e in c], f"{case.name}: expert_rows"
-        y = moe.combine(make((R, H), "bfloat16", out), d if run else None)
+        eo = make((R, H), "bfloat16", out)
+        if halves:
+            sent = moe.combine_send(eo, d)
+            y = moe.combine_recv(sent)
+        else:
+            y = moe.combine(eo, d if run else None)
         got, want = y.tolist(), want_y(every[rank], world, L, H, fp8, shift)
         if got != want:
             bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
@@ -167,6 +176,47 @@ def _cases_rank(rank, world, uid, q):
         q.put((rank, report, None))
     except Exception:
         q.put((rank, None, traceback.format_exc()))
+
+
+def _split_rank(rank, world, uid, q):
+    import traceback
+
+    try:
+        _child_env()
+        comm = symmalloc.Communicator(rank, world, uid)
+        with comm.moe(T_MAX, H_BF16, TOPK, NUM_EXPERTS, mode="throughput") as mb, \
+                comm.moe(T_MAX, H_FP8, TOPK, NUM_EXPERTS, dtype="fp8", mode="throughput") as mf:
+            for i, case in enumerate(CASES):
+                # One call, then the halves, then one call: every y the same bits.
+                run_tp(mf if case.dtype == "fp8" else mb, case, 300 + i, rank, world, runs=3, split=True)
+            # Two objects' halves interleaved (two micro-batches), each result checked after.
+            every = [gen_case(CASES[0], 400 + s, s) for s in range(world)]
+            xt, it, wt, st = inputs(CASES[0], every[rank])
+            ha, hb = mb.dispatch_send(xt, it, wt, st), mf.dispatch_send(*inputs(CASES[4], gen_case(CASES[4], 401, rank)))
+            da, db = mb.dispatch_recv(ha), mf.dispatch_recv(hb)
+            assert da.num_recv.tolist() == [sum(1 for s in range(world) for row in every[s][2]
+                                                if any(e >= 0 and e // mb.local_experts == rank for e in row))]
+            assert db.recv_scales is not None and tuple(db.recv_x.shape) == (world * T_MAX, H_FP8)
+            # A call between the halves is refused, naming the receive half it expects.
+            sent = mb.combine_send(make((world * T_MAX, H_BF16), "bfloat16", [0] * (world * T_MAX * H_BF16)), da)
+            try:
+                mb.dispatch(xt, it, wt, st)
+                raise AssertionError("a dispatch between combine_send and combine_recv was accepted")
+            except symmalloc.SymmallocError as e:
+                assert "moe.combine_send was called and its receive half was not" in str(e), e
+            y = mb.combine_recv(sent)
+            assert set(y.tolist()) <= {0, 0x8000}, "a zero expert output gave a nonzero y"
+            run_tp(mb, CASES[0], 402, rank, world, runs=1)  # a one-call case last
+        comm.barrier()
+        comm.close()
+        q.put((rank, {}, None))
+    except Exception:
+        q.put((rank, None, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_throughput_split_halves_match_the_one_call_forms(world):
+    assert len(_spawn(_split_rank, world)) == world
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
