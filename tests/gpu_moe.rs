@@ -495,7 +495,9 @@ fn gpu_moe_throughput_fp8_quantized_in_the_dispatch() {
 
 /// The throughput mode's split halves (tests/common/moe/tp_split.rs): the send and receive
 /// kernels give what the one-call kernels give with work between them (a grid of one block
-/// too), two objects interleaved, repeated split combines, misuse and a refused send half.
+/// too), two objects interleaved, repeated split combines, misuse and a refused send half; then
+/// the four halves captured into one CUDA graph with other work between them, replayed with new
+/// routing (bf16 and the caller's FP8), every replay's receive buffers and y checked.
 #[test]
 #[ignore = "needs GPUs (2, or SYMM_TEST_RANKS=N with SYMMALLOC_SHARED_GPU=1)"]
 fn gpu_moe_throughput_split_halves() {
@@ -504,9 +506,105 @@ fn gpu_moe_throughput_split_halves() {
         let cases = common::moe::tp_split::tp_split_matches_one_call(comm, dev, w, seed);
         let made = common::moe::tp_split::tp_two_batch_overlap(comm, dev, w, seed, 4);
         common::moe::tp_split::tp_split_misuse(comm, dev, w, seed);
+        let replays = tp_graph_split(comm, dev, w, seed);
         destroy(comm);
-        println!("rank {r}: {cases} split cases and {made} interleaved calls correct");
+        println!(
+            "rank {r}: {cases} split cases, {made} interleaved calls and {replays} graph replays \
+             correct"
+        );
         return;
     }
     run_gpu("gpu_moe_throughput_split_halves", &[], 0);
+}
+
+/// The throughput halves in one captured graph (dispatch send, a copy between the halves,
+/// dispatch receive, combine send, combine receive), replayed with new routing: the inputs and
+/// the expert rows (what the caller's experts would leave for the received rows, computed here
+/// from every rank's inputs) are written before each replay. Returns the replays.
+fn tp_graph_split(comm: Comm, dev: Dev, w: usize, seed: u64) -> u64 {
+    use common::moe::tp::*;
+    let mut replays = 0;
+    for s in [
+        Shape::new(32, 256, 4, (4 * w) as u32, false),
+        Shape::new(16, 256, 4, experts(w, 8), true),
+    ] {
+        let o = tp_create(comm, s, dev);
+        let (n, k, rows) = (s.t, s.topk, w * s.t);
+        let x = Buf::new(dev, n * s.row());
+        let sc = Buf::new(dev, (n * s.sc() * 4).max(16));
+        let idx = Buf::new(dev, n * k as usize * 4);
+        let wts = Buf::new(dev, n * k as usize * 4);
+        let eo = Buf::new(dev, rows * s.h * 2);
+        let scratch = Buf::new(dev, rows * s.h * 2);
+        let y = Buf::new(dev, n * s.h * 2);
+        let scp = if s.fp8 {
+            sc.ptr() as *const f32
+        } else {
+            null_mut()
+        };
+        util::capture_begin(dev.device, dev.stream).unwrap();
+        let st = symm_moe_dispatch_send(
+            o.moe,
+            x.ptr(),
+            scp,
+            idx.ptr(),
+            SYMM_INDEX_INT32,
+            wts.ptr() as _,
+            n,
+            k,
+            dev.s(),
+        );
+        assert_eq!(st, OK, "captured send: {}", err());
+        // Work between the halves: a copy on the same stream.
+        mem::copy_async(dev.device, scratch.p, eo.p, eo.bytes as u64, dev.stream).unwrap();
+        assert_eq!(
+            symm_moe_dispatch_recv(o.moe, dev.s()),
+            OK,
+            "captured recv: {}",
+            err()
+        );
+        let st = symm_moe_combine_send(o.moe, eo.ptr(), y.ptr(), dev.s());
+        assert_eq!(st, OK, "captured combine send: {}", err());
+        assert_eq!(
+            symm_moe_combine_recv(o.moe, dev.s()),
+            OK,
+            "captured combine recv: {}",
+            err()
+        );
+        let graph = util::capture_end(dev.device, dev.stream).unwrap();
+        let routes = [Route::Random, Route::Holes, Route::Hot(1), Route::Sparse];
+        for i in 0..reps(20) {
+            let c = Case::new(seed ^ (i << 16) ^ 0x7e1, n, k, routes[i as usize % 4]);
+            let all: Vec<Inputs> = (0..w).map(|src| rank_inputs(&s, &c, w, src)).collect();
+            let me = &all[o.rank];
+            dev.put(x.p, &me.x);
+            if s.fp8 {
+                dev.put(sc.p, &f32_bytes(&me.scales));
+            }
+            dev.put(idx.p, &me.idx_bytes(false));
+            dev.put(wts.p, &f32_bytes(&me.w));
+            // The expert rows of this replay's received rows (want_recv's order), as the
+            // caller's experts would leave them.
+            let want = want_recv(&o, &all, o.rank);
+            let rows_out = tp_expert_out(&o, &all, &want, 0);
+            dev.put(eo.p, &rows_out.get());
+            dev.fill(y.p, y.bytes, POISON);
+            graph.launch(dev.stream).unwrap();
+            dev.sync();
+            assert_eq!(symm_moe_check(o.moe), OK, "replay {i}: {}", err());
+            let what = format!("rank {} throughput split replay {i} {s:?}", o.rank);
+            check_tp_recv(&o, &all, &what);
+            let got: Vec<u16> = y.get()[..me.n * s.h * 2]
+                .chunks(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect();
+            assert!(
+                got == want_y(&o, &all, 0),
+                "{what}: y differs from the contract's"
+            );
+            replays += 1;
+        }
+        drop(graph);
+    }
+    replays
 }
