@@ -724,9 +724,10 @@ __device__ void tp_dispatch_body(const MoeTpArgs& a) {
 
   // The end: block 0 stores the epochs, as moe.cu's dispatch does. Every block read the done
   // count at its start, before the routing's grid barrier (the receive half: the CSR's, or the
-  // failed call's), which block 0 passed: none reads it late. The combine count moves only in combine kernels. Plain stores, no fence and no
-  // count-in: the next call is a later kernel, which starts after every block has ended. (The
-  // probe counts the blocks in at D_FIN to time the grid's end.)
+  // failed call's), which block 0 passed: none reads it late. The combine count moves only in
+  // combine kernels. Plain stores, no fence and no count-in: the next call is a later kernel,
+  // which starts after every block has ended. (The probe counts the blocks in at D_FIN to time
+  // the grid's end.)
   if constexpr (PROBE) {
     if (tp_count_in(ctrl, MOE_CTRL_D_FIN, epoch, false, &last_s) && tid == 0) tp_probe(a, MOE_P_D_SORTED);
   }
