@@ -101,6 +101,22 @@ def gen_routing(seed, rank, n):
     return idx, w
 
 
+def check_row(got, got_scales, row_bits, ue8m0, what):
+    """One received row of a quantizing dispatch against its bf16 source: the scales exactly, the
+    bytes the kernels' arithmetic's, each the float64 reference's or one step from it at a
+    midpoint (never with UE8M0). Returns the bytes one step from float64."""
+    scales, kb, fb, near = quant_ref(row_bits, ue8m0)
+    assert got_scales == scales, f"{what}: scales"
+    assert got == kb, f"{what}: bytes differ from the kernels' arithmetic"
+    steps = 0
+    for i, (g, f, nr) in enumerate(zip(got, fb, near)):
+        if g != f:
+            assert not ue8m0 and nr and (g ^ f) & 0x80 == 0 and abs((g & 0x7F) - (f & 0x7F)) == 1, \
+                f"{what}: element {i} is {g:#x}, float64 reference {f:#x}"
+            steps += 1
+    return steps
+
+
 def check_rank(moe, seed, world, rank, layout, ue8m0, torch=None):
     """One object's three dispatches, checked; returns (rows, one-step bytes)."""
     L, R, first, G = moe.local_experts, moe.max_recv, moe.first_expert, H // 128
@@ -128,15 +144,9 @@ def check_rank(moe, seed, world, rank, layout, ue8m0, torch=None):
                         continue
                     what = f"rank {rank} {layout} ue8m0={ue8m0} call {call}: expert {le} row {j}"
                     assert src[le * R + j] == (sr * T + t) * TOPK + row.index(first + le), what
-                    scales, kb, fb, near = quant_ref(xs[t * H:(t + 1) * H], ue8m0)
-                    assert sc[(le * R + j) * G:(le * R + j + 1) * G] == scales, f"{what}: scales"
-                    got = pay[(le * R + j) * H:(le * R + j + 1) * H]
-                    assert got == kb, f"{what}: bytes differ from the kernels' arithmetic"
-                    for i, (g, f, nr) in enumerate(zip(got, fb, near)):
-                        if g != f:
-                            assert not ue8m0 and nr and (g ^ f) & 0x80 == 0 and abs((g & 0x7F) - (f & 0x7F)) == 1, \
-                                f"{what}: element {i} is {g:#x}, float64 reference {f:#x}"
-                            steps += 1
+                    at = le * R + j
+                    steps += check_row(pay[at * H:(at + 1) * H], sc[at * G:(at + 1) * G], xs[t * H:(t + 1) * H],
+                                       ue8m0, what)
                     j += 1
                     rows += 1
             assert cnt[le] == j, f"rank {rank}: recv_counts[{le}] {cnt[le]}, want {j}"
@@ -251,15 +261,7 @@ def check_tp_rank(moe, seed, world, rank, layout, ue8m0, torch=None):
                     continue
                 what = f"rank {rank} throughput {layout} ue8m0={ue8m0} call {call}: row {j}"
                 assert d.handle.recv_src.tolist()[j] == sr * T + t, what
-                scales, kb, fb, near = quant_ref(xs[t * H:(t + 1) * H], ue8m0)
-                assert sc[j * G:(j + 1) * G] == scales, f"{what}: scales"
-                got = pay[j * H:(j + 1) * H]
-                assert got == kb, f"{what}: bytes differ from the kernels' arithmetic"
-                for i, (g, f, nr) in enumerate(zip(got, fb, near)):
-                    if g != f:
-                        assert not ue8m0 and nr and (g ^ f) & 0x80 == 0 and abs((g & 0x7F) - (f & 0x7F)) == 1, \
-                            f"{what}: element {i} is {g:#x}, float64 reference {f:#x}"
-                        steps += 1
+                steps += check_row(pay[j * H:(j + 1) * H], sc[j * G:(j + 1) * G], xs[t * H:(t + 1) * H], ue8m0, what)
                 j += 1
         assert d.handle.num_recv.tolist() == [j], f"rank {rank}: num_recv"
         rows += j

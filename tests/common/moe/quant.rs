@@ -250,8 +250,43 @@ pub fn quant_ref(grid: &[f64], row: &[u16], ue8m0: bool) -> RowRef {
     r
 }
 
+/// One received row of a quantizing dispatch against the bf16 row it came from (module header):
+/// the scales exactly, each byte the kernels' arithmetic's and the float64 reference's or one
+/// step from it at a midpoint (never with UE8M0). Returns the bytes one step from float64.
+pub fn check_quantized_row(
+    grid: &[f64],
+    row: &[u16],
+    got: &[u8],
+    got_s: &[f32],
+    ue8m0: bool,
+    what: &str,
+) -> usize {
+    let want = quant_ref(grid, row, ue8m0);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(got_s), bits(&want.scales), "{what}: scales");
+    let mut steps = 0;
+    for (i, &b) in got.iter().enumerate() {
+        assert_eq!(
+            b,
+            want.bytes[i],
+            "{what}: element {i} (x {}) is {b:#x}, the kernels' arithmetic gives {:#x}",
+            bf16_to_f32(row[i]),
+            want.bytes[i]
+        );
+        if b != want.f64_bytes[i] {
+            assert!(
+                !ue8m0 && want.near[i] && one_step(b, want.f64_bytes[i]),
+                "{what}: element {i} is {b:#x}, the float64 reference {:#x}",
+                want.f64_bytes[i]
+            );
+            steps += 1;
+        }
+    }
+    steps
+}
+
 /// Whether e4m3 codes `a` and `b` of the same sign are neighbours.
-pub fn one_step(a: u8, b: u8) -> bool {
+fn one_step(a: u8, b: u8) -> bool {
     a & 0x80 == b & 0x80 && (a & 0x7f).abs_diff(b & 0x7f) == 1
 }
 
@@ -332,24 +367,8 @@ pub fn q_case(o: &Obj, q: Q, c: &Case, grid: &[f64]) -> (usize, usize) {
                     .map(|gi| scale_at(le as u64 * se + row as u64 * sr + gi * sg))
                     .collect();
                 if q.quantize {
-                    let want = quant_ref(grid, &qin.rows[t * h..(t + 1) * h], q.ue8m0);
-                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&got_s), bits(&want.scales), "{what}: scales");
-                    for (i, &b) in got.iter().enumerate() {
-                        assert_eq!(
-                            b, want.bytes[i],
-                            "{what}: element {i} (x {}) is {b:#x}, the kernels' arithmetic gives {:#x}",
-                            bf16_to_f32(qin.rows[t * h + i]), want.bytes[i]
-                        );
-                        if b != want.f64_bytes[i] {
-                            assert!(
-                                !q.ue8m0 && want.near[i] && one_step(b, want.f64_bytes[i]),
-                                "{what}: element {i} is {b:#x}, the float64 reference {:#x}",
-                                want.f64_bytes[i]
-                            );
-                            steps += 1;
-                        }
-                    }
+                    let row = &qin.rows[t * h..(t + 1) * h];
+                    steps += check_quantized_row(grid, row, got, &got_s, q.ue8m0, &what);
                 } else {
                     assert_eq!(got, &qin.inp.x[t * h..(t + 1) * h], "{what}: payload");
                     assert_eq!(got_s, &qin.inp.scales[t * g..(t + 1) * g], "{what}: scales");

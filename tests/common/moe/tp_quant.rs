@@ -10,13 +10,12 @@
 //! object (that rank names it, every other rank names that rank, the object usable after), and a
 //! combine after a quantizing dispatch (the payload does not enter it: y bit for bit).
 
-use super::quant::{bf16_rows, grid, one_step, qconfig, quant_ref, want_strides, Q, QS};
+use super::quant::{bf16_rows, check_quantized_row, grid, qconfig, want_strides, Q, QS};
 use super::tp::*;
 use super::POISON;
 use super::{experts, f32_bytes, i32s, rank_inputs, Buf, Case, Dev, Route, Shape, INVALID};
 use crate::common::{err, Comm, OK};
 use std::ptr::null_mut;
-use symmalloc::comm::convert::bf16_to_f32;
 use symmalloc::ffi::moe::*;
 use symmalloc::ffi::moe_calls::*;
 
@@ -141,26 +140,8 @@ pub fn tp_q_case_with(o: &Tp, q: Q, c: &Case, grid: &[f64], call: DispatchCall) 
             assert_eq!(got_s, &all[s].scales[t * g..(t + 1) * g], "{what}: scales");
             continue;
         }
-        let want_q = quant_ref(grid, &rows[s][t * h..(t + 1) * h], q.ue8m0);
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&got_s), bits(&want_q.scales), "{what}: scales");
-        for (i, &b) in got.iter().enumerate() {
-            assert_eq!(
-                b,
-                want_q.bytes[i],
-                "{what}: element {i} (x {}) is {b:#x}, the kernels' arithmetic gives {:#x}",
-                bf16_to_f32(rows[s][t * h + i]),
-                want_q.bytes[i]
-            );
-            if b != want_q.f64_bytes[i] {
-                assert!(
-                    !q.ue8m0 && want_q.near[i] && one_step(b, want_q.f64_bytes[i]),
-                    "{what}: element {i} is {b:#x}, the float64 reference {:#x}",
-                    want_q.f64_bytes[i]
-                );
-                steps += 1;
-            }
-        }
+        let row = &rows[s][t * h..(t + 1) * h];
+        steps += check_quantized_row(grid, row, got, &got_s, q.ue8m0, &what);
     }
     (want.rows.len(), steps)
 }
